@@ -1,0 +1,192 @@
+"""The run's configuration: one dataclass, its command line, and its validation.
+
+Every option of `python trainer.py` is a field of `Config` below; its help line is the field's
+`help` metadata and `--help` prints it with the default. Fields left at `None` are derived right
+after parsing (`derive`), e.g. the learning rate and the response length depend on the model:
+the offline `tiny` model wants a large step and 8 new tokens, a real LLM a small step and 512.
+All checks live in `validate`, which names the option, the value and the fix in one line; the
+command line turns a failed check into that line on stderr and exit code 2.
+
+Sizes: one iteration samples `batch_size` responses = `batch_size / group_size` prompts x
+`group_size` responses each (GRPO's group), and takes `updates_per_iteration` optimizer steps.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import typing
+from dataclasses import dataclass, field
+
+LOSS_TYPES = ("dapo", "grpo", "dr_grpo")
+MODES = ("async", "sync")
+
+
+def _opt(default, help: str, **extra):
+    """A dataclass field with a help line (and optional argparse `choices`)."""
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass
+class Config:
+    # --- what to train ---
+    model: str = _opt("tiny", "Hugging Face id, local model directory, or alias: tiny (offline, default), "
+                              "qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-3b, qwen2.5-7b, ...")
+    data: str | None = _opt(None, "training prompts: 'arithmetic' (built-in), 'gsm8k' (fetched from the hub), "
+                                  "or a GSM8K-format JSONL path; default: arithmetic for tiny, gsm8k otherwise")
+    reward: str = _opt("math", "reward function: 'math' (final-number match) or 'module:function' / "
+                               "'path/to/file.py:function' taking (prompt, completion, answer) -> float")
+    out: str = _opt("runs/latest", "output directory: metrics.jsonl, trace and the final policy/ model")
+    seed: int = _opt(0, "seed for prompt order and for each prompt's sampling")
+    # --- schedule ---
+    mode: str = _opt("async", "async: periodic asynchrony (separate inference process); sync: generate, then train",
+                     choices=MODES)
+    iterations: int = _opt(60, "number of iterations (one weight version each)")
+    batch_size: int = _opt(64, "responses sampled per iteration (a multiple of --group-size)")
+    group_size: int = _opt(8, "responses per prompt (GRPO's G)")
+    updates_per_iteration: int = _opt(1, "optimizer steps per iteration: the batch is split into this many "
+                                         "mini-batches; >1 activates the PPO ratio against the old policy")
+    # --- sampling ---
+    max_new_tokens: int | None = _opt(None, "longest response in tokens (default: 8 for tiny, 512 otherwise)")
+    temperature: float = _opt(1.0, "sampling temperature (log-probs are computed at the same temperature)")
+    top_p: float = _opt(1.0, "nucleus sampling threshold (1.0 = sample from the full distribution)")
+    # --- loss and optimizer ---
+    lr: float | None = _opt(None, "AdamW learning rate (default: 2e-3 for tiny, 1e-6 otherwise)")
+    beta: float = _opt(0.04, "weight of the k3 KL penalty to the reference model (0 = no reference forward)")
+    epsilon_low: float = _opt(0.2, "PPO clip range below 1: ratio clipped at 1 - epsilon_low")
+    epsilon_high: float = _opt(0.2, "PPO clip range above 1: ratio clipped at 1 + epsilon_high (0.28 = DAPO)")
+    loss_type: str = _opt("dapo", "loss normalisation: dapo (token mean over the iteration), grpo (per-sequence "
+                                  "mean, then mean), dr_grpo (sum / (sequences * max_new_tokens))",
+                          choices=LOSS_TYPES)
+    scale_rewards: bool = _opt(True, "divide advantages by the group's reward std (off = Dr. GRPO)")
+    max_grad_norm: float = _opt(1.0, "clip the gradient norm before each optimizer step (0 = off)")
+    weight_decay: float = _opt(0.0, "AdamW weight decay")
+    shared_prompt: bool = _opt(True, "pack each group as one row [prompt | r1 | ... | rG] with the shared-prompt "
+                                     "mask where that pays (see attention.packing_pays); off: one padded row each")
+    # --- evaluation and output ---
+    eval_every: int = _opt(10, "evaluate held-out reward every N iterations (and at the start and end; 0 = never)")
+    eval_size: int = _opt(64, "held-out prompts per evaluation")
+    eval_samples: int = _opt(4, "sampled responses per held-out prompt")
+    trace: str | None = _opt(None, "write a Chrome trace-event JSON timeline of both processes to this path")
+    save: bool = _opt(True, "save the final policy as a Hugging Face model directory in <out>/policy")
+    # --- devices ---
+    device: str = _opt("cpu", "default device for both sides: cpu, cuda, cuda:N, npu, npu:N")
+    rollout_device: str | None = _opt(None, "device of the inference process (default: --device)")
+    train_device: str | None = _opt(None, "device of the training process (default: --device)")
+    rollout_threads: int | None = _opt(None, "CPU threads of the inference process (default: half the cores)")
+    train_threads: int | None = _opt(None, "CPU threads of the training process (default: the other half; "
+                                           "sync mode: all cores)")
+    dtype: str = _opt("float32", "parameter dtype", choices=("float32", "bfloat16", "float16"))
+    attn_implementation: str = _opt("sdpa", "attention kernel of the Hugging Face model", choices=("sdpa", "eager"))
+    cache_dir: str | None = _opt(None, "where the warmed-up tiny model is cached "
+                                       "(default: $PERIODIC_RL_CACHE or ~/.cache/periodic-rl)")
+
+    # --- derived (not options) ---
+    @property
+    def prompts_per_iteration(self) -> int:
+        return self.batch_size // self.group_size
+
+    @property
+    def is_tiny(self) -> bool:
+        return self.model == "tiny"
+
+
+def derive(cfg: Config) -> Config:
+    """Fill the model-dependent defaults and the thread split; returns a new Config."""
+    cores = os.cpu_count() or 1
+    sync = cfg.mode == "sync"
+    rollout_threads = cfg.rollout_threads or max(1, cores // 2)
+    return dataclasses.replace(
+        cfg,
+        max_new_tokens=cfg.max_new_tokens or (8 if cfg.is_tiny else 512),
+        lr=cfg.lr if cfg.lr is not None else (2e-3 if cfg.is_tiny else 1e-6),
+        rollout_device=cfg.rollout_device or cfg.device,
+        train_device=cfg.train_device or cfg.device,
+        rollout_threads=rollout_threads,
+        train_threads=cfg.train_threads or (cores if sync else max(1, cores - rollout_threads)),
+    )
+
+
+def validate(cfg: Config) -> list[str]:
+    """Every problem with `cfg`, one line each (empty when valid)."""
+    problems = []
+
+    def need(ok: bool, message: str) -> None:
+        if not ok:
+            problems.append(message)
+
+    need(cfg.group_size >= 2, f"--group-size must be at least 2 (got {cfg.group_size}): "
+                              "group-relative advantages need two responses to compare")
+    need(cfg.batch_size > 0 and cfg.batch_size % max(cfg.group_size, 1) == 0,
+         f"--batch-size must be a positive multiple of --group-size (got {cfg.batch_size} and {cfg.group_size})")
+    need(cfg.iterations >= 1, f"--iterations must be at least 1 (got {cfg.iterations})")
+    need(cfg.updates_per_iteration >= 1, f"--updates-per-iteration must be at least 1 (got {cfg.updates_per_iteration})")
+    if cfg.group_size >= 1 and cfg.batch_size % max(cfg.group_size, 1) == 0 and cfg.batch_size > 0:
+        need(cfg.prompts_per_iteration % cfg.updates_per_iteration == 0,
+             f"--updates-per-iteration ({cfg.updates_per_iteration}) must divide the prompts per iteration "
+             f"({cfg.prompts_per_iteration} = batch-size / group-size): mini-batches are whole groups")
+    need(cfg.lr is None or cfg.lr > 0, f"--lr must be positive (got {cfg.lr})")
+    need(cfg.beta >= 0, f"--beta must be >= 0 (got {cfg.beta})")
+    need(cfg.epsilon_low >= 0 and cfg.epsilon_high >= 0, "--epsilon-low and --epsilon-high must be >= 0")
+    need(cfg.temperature > 0, f"--temperature must be positive (got {cfg.temperature})")
+    need(0 < cfg.top_p <= 1, f"--top-p must be in (0, 1] (got {cfg.top_p})")
+    need(cfg.max_new_tokens is None or cfg.max_new_tokens >= 1,
+         f"--max-new-tokens must be at least 1 (got {cfg.max_new_tokens})")
+    need(cfg.max_grad_norm >= 0, f"--max-grad-norm must be >= 0 (got {cfg.max_grad_norm})")
+    need(cfg.eval_every >= 0 and cfg.eval_size >= 1 and cfg.eval_samples >= 1,
+         "--eval-every must be >= 0, --eval-size and --eval-samples >= 1")
+    for name in ("rollout_threads", "train_threads"):
+        value = getattr(cfg, name)
+        need(value is None or value >= 1, f"--{name.replace('_', '-')} must be at least 1 (got {value})")
+    for name in ("device", "rollout_device", "train_device"):
+        value = getattr(cfg, name)
+        need(value is None or value.split(":")[0] in ("cpu", "cuda", "npu"),
+             f"--{name.replace('_', '-')} must be cpu, cuda[:N] or npu[:N] (got {value!r})")
+    if cfg.data not in (None, "arithmetic", "gsm8k"):
+        need(os.path.isfile(cfg.data), f"--data {cfg.data!r} is neither 'arithmetic', 'gsm8k' nor an existing "
+                                       "JSONL file")
+    return problems
+
+
+# --- command line ---
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr and exit code 2."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _argument_type(annotation: str):
+    """The scalar type of a field annotation such as 'int | None' (annotations are strings here)."""
+    names = {"int": int, "float": float, "str": str, "bool": bool}
+    parts = [part.strip() for part in annotation.split("|") if part.strip() != "None"]
+    return names[parts[0]]
+
+
+def build_parser(prog: str = "trainer.py") -> argparse.ArgumentParser:
+    parser = _OneLineParser(prog=prog, description="GRPO with periodic asynchrony (arXiv 2511.18871).",
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for f in dataclasses.fields(Config):
+        flag = "--" + f.name.replace("_", "-")
+        kind = _argument_type(f.type)
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                                help=f.metadata["help"])
+        else:
+            parser.add_argument(flag, type=kind, default=f.default, help=f.metadata["help"],
+                                choices=f.metadata.get("choices"),
+                                metavar=None if "choices" in f.metadata else f.name.upper())
+    return parser
+
+
+def parse_args(argv: list[str] | None = None, prog: str = "trainer.py") -> Config:
+    """Parse, validate and derive; on invalid input print one line and exit with code 2."""
+    args = build_parser(prog).parse_args(argv)
+    cfg = Config(**vars(args))
+    problems = validate(cfg)
+    if problems:
+        sys.stderr.write(f"{prog}: error: {problems[0]}\n")
+        raise SystemExit(2)
+    return derive(cfg)
+

@@ -1,0 +1,130 @@
+"""GRPO math: group-relative advantages and the clipped, KL-regularised policy loss.
+
+Pure functions of tensors; imports only torch, so this file can be copied alone.
+
+Advantages (DeepSeekMath, eq. 3; TRL `GRPOTrainer._generate_and_score_completions`). For the G
+responses o_1..o_G to one prompt with rewards r_1..r_G:
+
+    A_i = (r_i - mean(r)) / (std(r) + eps)        every token of o_i gets A_i
+
+std is the *sample* std (Bessel-corrected, torch's default) over the group, exactly as TRL, so the
+numbers compare line by line; eps = 1e-4 keeps an all-equal group (std 0) at A = 0 instead of NaN.
+`scale=False` drops the division (Dr. GRPO, arXiv 2503.20783: the std favours easy/hard prompts).
+
+Per-token loss (TRL `GRPOTrainer._compute_loss`), with the ratio against the old policy θ_k:
+
+    ρ_t    = exp(logp_t - old_logp_t)
+    l_t    = -min(ρ_t A, clip(ρ_t, 1 - ε_low, 1 + ε_high) A) + β KL_t
+    KL_t   = exp(ref_t - logp_t) - (ref_t - logp_t) - 1          (k3 estimator, ≥ 0, unbiased)
+
+Aggregation over a batch of N responses with m_{i,t} ∈ {0, 1} marking real response tokens:
+
+    dapo     L = Σ_i Σ_t m l / Σ_i Σ_t m             token mean over the whole batch (default)
+    grpo     L = (1/N) Σ_i (Σ_t m l / Σ_t m)          per-sequence mean, then mean (the paper's eq.)
+    dr_grpo  L = Σ_i Σ_t m l / (N · max_new_tokens)   constant denominator (Dr. GRPO)
+
+Every variant is a weighted *sum* over tokens divided by one batch-level normaliser D. That is what
+makes the update independent of how the batch is cut into micro-batches and of the order they
+arrive in, which the asynchronous pipeline relies on: each micro-batch backpropagates its partial
+sum (`normalizer=1`), and the accumulated gradient is divided by D (`loss_normalizer`) once, at the
+optimizer step, when D is known. Averaging per micro-batch instead (TRL's `bnpo` under gradient
+accumulation) weights tokens by the size of the micro-batch they happened to land in.
+
+Departures from TRL, on purpose:
+1. No `bnpo` loss: it is not micro-batch invariant (see above).
+2. The normaliser is passed in rather than taken from the batch, so a caller can stream.
+"""
+from __future__ import annotations
+
+import torch
+
+LOSS_TYPES = ("dapo", "grpo", "dr_grpo")
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True, eps: float = 1e-4) -> torch.Tensor:
+    """Group-relative advantages for rewards laid out group after group.
+
+    >>> group_advantages(torch.tensor([1., 0., 0., 0.]), group_size=2)
+    tensor([ 0.7070, -0.7070,  0.0000,  0.0000])
+    """
+    grouped = rewards.view(-1, group_size)  # (num_prompts, G)
+    advantages = grouped - grouped.mean(dim=1, keepdim=True)  # (num_prompts, G)
+    if scale:
+        advantages = advantages / (grouped.std(dim=1, keepdim=True) + eps)
+    return advantages.reshape(-1)  # (num_prompts * G,)
+
+
+def sequence_weights(mask: torch.Tensor, loss_type: str, max_new_tokens: int | None = None) -> torch.Tensor:
+    """Per-token weights w with L = Σ w·l / D: 1 (dapo), 1/|o_i| (grpo), 1/max_new_tokens (dr_grpo)."""
+    mask = mask.float()  # (N, T)
+    if loss_type == "dapo":
+        return mask
+    if loss_type == "grpo":
+        return mask / mask.sum(dim=1, keepdim=True).clamp(min=1.0)  # (N, T)
+    if loss_type == "dr_grpo":
+        if not max_new_tokens:
+            raise ValueError("loss_type='dr_grpo' needs max_new_tokens")
+        return mask / max_new_tokens
+    raise ValueError(f"unknown loss_type {loss_type!r}; choose one of {LOSS_TYPES}")
+
+
+def loss_normalizer(loss_type: str, num_sequences: int, num_tokens: int) -> float:
+    """The batch-level denominator D: tokens for dapo, sequences for grpo and dr_grpo."""
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"unknown loss_type {loss_type!r}; choose one of {LOSS_TYPES}")
+    return float(max(num_tokens, 1) if loss_type == "dapo" else max(num_sequences, 1))
+
+
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k3 estimate of KL(π_θ || π_ref) per token (Schulman, 'Approximating KL divergence')."""
+    delta = ref_logp - logp
+    return torch.exp(delta) - delta - 1.0
+
+
+def grpo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    beta: float = 0.04,
+    epsilon_low: float = 0.2,
+    epsilon_high: float = 0.2,
+    loss_type: str = "dapo",
+    max_new_tokens: int | None = None,
+    normalizer: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The GRPO objective of one batch of responses; returns (loss, sums for logging).
+
+    logp, old_logp, ref_logp, mask: (N, T) per response token; advantages: (N,).
+    normalizer: D in L = Σ w·l / D; None = this batch's own D (`loss_normalizer`). Pass 1.0 to
+    get the plain weighted sum when accumulating micro-batches and divide the gradient later.
+    The returned stats are sums (tokens, clipped tokens, KL) so they add up across micro-batches.
+    """
+    mask = mask.float()  # (N, T)
+    ratio = torch.exp(logp - old_logp)  # (N, T)
+    adv = advantages.unsqueeze(1)  # (N, 1)
+    unclipped = ratio * adv  # (N, T)
+    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * adv  # (N, T)
+    per_token = -torch.min(unclipped, clipped)  # (N, T)
+    kl = kl_k3(logp, ref_logp) if ref_logp is not None else None  # (N, T)
+    if beta != 0.0:
+        if kl is None:
+            raise ValueError("beta > 0 needs ref_logp")
+        per_token = per_token + beta * kl
+
+    weights = sequence_weights(mask, loss_type, max_new_tokens)  # (N, T)
+    if normalizer is None:
+        normalizer = loss_normalizer(loss_type, mask.shape[0], int(mask.sum().item()))
+    loss = (per_token * weights).sum() / normalizer
+
+    with torch.no_grad():
+        # A token is "clipped" when the clip is the active branch of the min (as TRL counts it).
+        is_clipped = ((ratio < 1 - epsilon_low) & (adv < 0)) | ((ratio > 1 + epsilon_high) & (adv > 0))
+        stats = {
+            "tokens": float(mask.sum()),
+            "clipped_tokens": float((is_clipped.float() * mask).sum()),
+            "kl_sum": float((kl * mask).sum()) if kl is not None else float("nan"),
+        }
+    return loss, stats

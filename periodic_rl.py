@@ -1,0 +1,342 @@
+"""The iteration schedule: periodic asynchrony (async) and its synchronous baseline (sync).
+
+Periodic asynchrony (arXiv 2511.18871, Fig. 2), iteration k:
+
+    trainer                                   inference process
+    ------------------------------------      ------------------------------------------
+    publish θ_k -> shared-memory buffer  ->   load θ_k (CPU: its parameters *are* views
+    send ("generate", k)                        of the buffer, so nothing is copied)
+                                              for each prompt j: sample G, score, push group
+    for each group, in completion order:  <-    ... (generation continues meanwhile)
+        forward, backward (accumulate ∇)      evaluate θ_k on held-out prompts (if due)
+    optimizer step(s)                    <-   IterationDone(k): θ_k no longer read
+    publish θ_{k+1} ...
+
+The barrier is the publish: the inference process never samples iteration k+1 before θ_{k+1}
+exists, and the trainer rejects any group whose `policy_version` is not k. Hence every sample of
+iteration k comes from θ_k: the method is strictly on-policy. And the update equals the
+synchronous one, because with one optimizer step per iteration
+
+    ∇L(θ_k) = (1/D) Σ_{groups g} ∇ S_g(θ_k)       (grpo.py: each loss is a sum over tokens / D)
+
+is a sum over the same samples evaluated at the same θ_k; a sum does not depend on the order of
+its terms (up to float rounding), so streaming groups in any order gives the synchronous gradient.
+With N > 1 optimizer steps per iteration the same holds per mini-batch, because mini-batch
+membership is fixed by prompt index (`minibatch_of`), never by arrival order.
+
+Synchronous mode runs the same `rollout_iteration` in the trainer's process and only then trains:
+same seeds, same groups, same gradients, no overlap.
+
+Departures, on purpose:
+1. The held-out evaluation runs in the inference process after the iteration's groups, so it
+   overlaps the training tail instead of stalling the trainer.
+2. The weight buffer lives in CPU shared memory even for GPU runs (one device-to-host copy per
+   publish, one host-to-device copy per load); CUDA IPC would save a copy but ties both
+   processes to one driver context and does not cover NPUs.
+3. Groups travel as plain Python lists, never tensors: a tensor on a queue is passed by file
+   descriptor, and the sender would have to outlive the receiver's use of it.
+"""
+from __future__ import annotations
+
+import math
+import queue
+import time
+from typing import Iterator
+
+import torch
+import torch.multiprocessing as mp
+
+from grpo import grpo_loss, loss_normalizer
+from rollout import Evaluation, Group, IterationDone, Settings, inference_process, rollout_iteration
+from timeline import INFERENCE, TRAINING, Span, Timeline
+from tri_model import TriModel
+
+POLL_SECONDS = 0.2  # how often a waiting trainer checks that the inference process is alive
+
+
+class PipelineError(RuntimeError):
+    """The inference process failed or died; the message says why."""
+
+
+class OffPolicyError(RuntimeError):
+    """A group sampled by weights other than the current iteration's: on-policy would be broken."""
+
+
+# --- shared-memory weights ---
+class WeightBuffer:
+    """θ as one flat tensor in shared memory plus a version counter.
+
+    publish(model, k): copy every parameter into its slice, then set version = k.
+    attach(model):     on CPU, make the model's parameters views of their slices (zero copy).
+    load_into(model):  check the version; copy only where attach could not alias (GPU, NPU).
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        params = list(model.parameters())  # tied weights (embeddings = lm_head) appear once
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) != 1:
+            raise ValueError(f"WeightBuffer needs one parameter dtype, got {dtypes}")
+        self.shapes = [p.shape for p in params]
+        self.offsets = [0]
+        for p in params:
+            self.offsets.append(self.offsets[-1] + p.numel())
+        self.flat = torch.empty(self.offsets[-1], dtype=params[0].dtype).share_memory_()  # (num_params,)
+        self._version = mp.get_context("spawn").Value("q", -1)
+        self.aliased = False
+
+    def views(self) -> list[torch.Tensor]:
+        return [self.flat[start:end].view(shape)
+                for start, end, shape in zip(self.offsets, self.offsets[1:], self.shapes)]
+
+    @torch.no_grad()
+    def publish(self, model: torch.nn.Module, version: int) -> None:
+        for view, param in zip(self.views(), model.parameters()):
+            view.copy_(param)
+        self._version.value = version
+
+    def version(self) -> int:
+        return self._version.value
+
+    def attach(self, model: torch.nn.Module) -> None:
+        params = list(model.parameters())
+        if all(p.device.type == "cpu" and p.dtype == self.flat.dtype for p in params):
+            for view, param in zip(self.views(), params):
+                param.data = view
+            self.aliased = True
+
+    @torch.no_grad()
+    def load_into(self, model: torch.nn.Module, expected_version: int) -> None:
+        if self.version() != expected_version:
+            raise OffPolicyError(f"weight buffer holds version {self.version()}, expected {expected_version}")
+        if not self.aliased:
+            for param, view in zip(model.parameters(), self.views()):
+                param.copy_(view, non_blocking=True)
+
+
+# --- where rollouts come from ---
+class SyncRollouts:
+    """Generate the whole iteration in this process, then hand the messages over."""
+
+    def __init__(self, policy, tokenizer, train, held_out, reward_fn, settings: Settings):
+        self.args = (tokenizer, train, held_out, reward_fn, settings)
+        self.policy = policy
+
+    def publish(self, policy, version: int) -> None:
+        self.version = version  # same process, same parameters: nothing to copy
+
+    def messages(self, iteration: int, final_iteration: int, train_prompts: bool = True):
+        self.policy.eval()
+        tokenizer, train, held_out, reward_fn, settings = self.args
+        yield from list(rollout_iteration(self.policy, tokenizer, train, held_out, reward_fn, settings,
+                                          iteration, self.version, final_iteration, train_prompts))
+
+    def close(self) -> None:
+        pass
+
+
+class AsyncRollouts:
+    """The inference process, its two queues and the shared weight buffer, seen from the trainer."""
+
+    def __init__(self, policy, model_name: str, load_kwargs: dict, train, held_out, reward_spec: str,
+                 settings: Settings, threads: int, timeline: Timeline):
+        context = mp.get_context("spawn")  # fork would copy the trainer's threads and CUDA state
+        self.timeline = timeline
+        self.weights = WeightBuffer(policy)
+        self.commands, self.results = context.Queue(), context.Queue()
+        self.process = context.Process(
+            target=inference_process, name="periodic-rl-inference", daemon=True,
+            args=(model_name, load_kwargs, self.weights, self.commands, self.results, train, held_out,
+                  reward_spec, settings, threads))
+        self.process.start()
+        self._receive()  # ("ready", None) once the model is loaded and attached
+
+    def publish(self, policy, version: int) -> None:
+        with self.timeline.span(f"publish θ_{version}"):
+            self.weights.publish(policy, version)
+
+    def messages(self, iteration: int, final_iteration: int, train_prompts: bool = True):
+        self.commands.put(("generate" if train_prompts else "evaluate", iteration, final_iteration))
+        while True:
+            message = self._receive()
+            yield message
+            if isinstance(message, IterationDone):
+                return
+
+    def _receive(self):
+        """Next message from the inference process; raises PipelineError if it failed or died."""
+        start = time.perf_counter()
+        try:
+            while True:
+                try:
+                    kind, payload = self.results.get(timeout=POLL_SECONDS)
+                    break
+                except queue.Empty:
+                    if not self.process.is_alive():
+                        raise PipelineError(
+                            f"the inference process died (exit code {self.process.exitcode}) without reporting "
+                            "an error; it was probably killed (out of memory, or a signal)") from None
+        finally:
+            self.timeline.add(Span("wait for rollouts", TRAINING, start, time.perf_counter(), wait=True))
+        if kind == "error":
+            raise PipelineError(f"the inference process failed: {payload.strip()}")
+        return payload
+
+    def close(self) -> None:
+        """Stop the inference process: politely, then by force. Never leaves it running."""
+        if self.process.is_alive():
+            self.commands.put(("stop",))
+            self.process.join(timeout=3)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(timeout=2)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        for q in (self.commands, self.results):
+            q.cancel_join_thread()
+            q.close()
+
+
+# --- the training side ---
+def minibatch_of(prompt_index: int, prompts_per_iteration: int, updates_per_iteration: int) -> int:
+    """Mini-batch of a group: contiguous blocks of prompt indices, independent of arrival order."""
+    return prompt_index * updates_per_iteration // prompts_per_iteration
+
+
+class Learner:
+    """Consumes one iteration's groups: forward/backward per group, an optimizer step per mini-batch."""
+
+    def __init__(self, tri_model: TriModel, optimizer: torch.optim.Optimizer, cfg, device: torch.device,
+                 timeline: Timeline):
+        self.tri, self.optimizer, self.cfg, self.device, self.timeline = tri_model, optimizer, cfg, device, timeline
+        self.groups_per_minibatch = cfg.prompts_per_iteration // cfg.updates_per_iteration
+
+    def start(self, iteration: int) -> None:
+        self.iteration, self.minibatch, self.done_in_minibatch = iteration, 0, 0
+        self.waiting: dict[int, list[Group]] = {}
+        self.sums = {"tokens": 0.0, "clipped_tokens": 0.0, "kl_sum": 0.0, "loss": 0.0, "grad_norm": 0.0}
+        self.minibatch_tokens = self.minibatch_sequences = 0
+        self.rewards: list[float] = []
+        self.response_tokens = 0
+
+    def add(self, group: Group) -> None:
+        if group.policy_version != self.iteration:
+            raise OffPolicyError(f"group {group.index} was sampled by weights version {group.policy_version} "
+                                 f"but this is iteration {self.iteration}: refusing an off-policy sample")
+        block = minibatch_of(group.index, self.cfg.prompts_per_iteration, self.cfg.updates_per_iteration)
+        self.waiting.setdefault(block, []).append(group)
+        while self.minibatch < self.cfg.updates_per_iteration:
+            for ready in self.waiting.pop(self.minibatch, []):
+                self._accumulate(ready)
+            if self.done_in_minibatch < self.groups_per_minibatch:
+                return
+            self._step()
+
+    def _accumulate(self, group: Group) -> None:
+        with self.timeline.span(f"train group {group.index}"):
+            prompt = torch.tensor(group.prompt_ids, device=self.device)  # (P,)
+            responses = [torch.tensor(r, device=self.device) for r in group.responses]  # G x (R_i,)
+            logp, old_logp, ref_logp, mask = self.tri([(prompt, responses)])  # (G, T) each
+            advantages = torch.tensor(group.advantages, device=self.device, dtype=logp.dtype)  # (G,)
+            loss, stats = grpo_loss(logp, old_logp, ref_logp, advantages, mask, beta=self.cfg.beta,
+                                    epsilon_low=self.cfg.epsilon_low, epsilon_high=self.cfg.epsilon_high,
+                                    loss_type=self.cfg.loss_type, max_new_tokens=self.cfg.max_new_tokens,
+                                    normalizer=1.0)  # a partial sum; divided by D at the step
+            loss.backward()
+        for key in ("tokens", "clipped_tokens", "kl_sum"):
+            self.sums[key] += stats[key]
+        self.sums["loss"] += loss.item()
+        self.minibatch_tokens += int(stats["tokens"])
+        self.minibatch_sequences += len(group.responses)
+        self.rewards += group.rewards
+        self.response_tokens += sum(len(r) for r in group.responses)
+        self.done_in_minibatch += 1
+
+    def _step(self) -> None:
+        with self.timeline.span(f"optimizer step {self.minibatch}"):
+            normalizer = loss_normalizer(self.cfg.loss_type, self.minibatch_sequences, self.minibatch_tokens)
+            params = [p for p in self.tri.policy.parameters() if p.grad is not None]
+            for p in params:
+                p.grad.div_(normalizer)
+            if self.cfg.max_grad_norm > 0:
+                self.sums["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm))
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.sums["loss"] /= normalizer  # the logged loss is the mean over this mini-batch's D
+        self.minibatch += 1
+        self.done_in_minibatch = self.minibatch_tokens = self.minibatch_sequences = 0
+
+    def metrics(self) -> dict[str, float]:
+        if self.minibatch != self.cfg.updates_per_iteration:
+            raise PipelineError(f"iteration {self.iteration} ended after {self.minibatch} of "
+                                f"{self.cfg.updates_per_iteration} optimizer steps: groups are missing")
+        rewards = torch.tensor(self.rewards)
+        tokens = max(self.sums["tokens"], 1.0)
+        return {
+            "reward_mean": rewards.mean().item(),
+            "reward_std": rewards.std().item(),
+            "loss": self.sums["loss"],
+            "kl": self.sums["kl_sum"] / tokens if self.cfg.beta > 0 else None,
+            "clip_fraction": self.sums["clipped_tokens"] / tokens,
+            "grad_norm": self.sums["grad_norm"] / self.cfg.updates_per_iteration,
+            "response_length": self.response_tokens / len(self.rewards),
+            "response_tokens": self.response_tokens,
+        }
+
+
+# --- the loop ---
+def train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwargs: dict,
+          timeline: Timeline | None = None) -> Iterator[dict]:
+    """Run cfg.iterations iterations and yield one metrics dict per iteration, then a final evaluation.
+
+    `policy` is already on cfg.train_device; `load_kwargs` tells the inference process how to load
+    its own copy (async mode). The last yielded dict has `"final": True` and only the evaluation.
+    """
+    timeline = timeline or Timeline()
+    torch.set_num_threads(cfg.train_threads)
+    device = next(policy.parameters()).device
+    settings = Settings(seed=cfg.seed, group_size=cfg.group_size, prompts_per_iteration=cfg.prompts_per_iteration,
+                        max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                        eval_every=cfg.eval_every, eval_samples=cfg.eval_samples, scale_rewards=cfg.scale_rewards)
+    tri = TriModel(policy, use_reference=cfg.beta > 0, use_old=cfg.updates_per_iteration > 1,
+                   packing="auto" if cfg.shared_prompt else "unpacked", temperature=cfg.temperature,
+                   pad_id=tokenizer.pad_token_id)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    learner = Learner(tri, optimizer, cfg, device, timeline)
+    if cfg.mode == "async":
+        rollouts = AsyncRollouts(policy, cfg.model, load_kwargs, train_examples, held_out, cfg.reward, settings,
+                                 cfg.rollout_threads, timeline)
+    else:
+        rollouts = SyncRollouts(policy, tokenizer, train_examples, held_out, reward_fn, settings)
+    try:
+        for iteration in range(cfg.iterations + 1):
+            final = iteration == cfg.iterations  # one more round that only evaluates θ_final
+            start = time.perf_counter()
+            rollouts.publish(policy, iteration)
+            tri.start_iteration()
+            learner.start(iteration)
+            evaluation = None
+            for message in rollouts.messages(iteration, cfg.iterations, train_prompts=not final):
+                if isinstance(message, Group):
+                    timeline.add(Span(f"generate group {message.index}", INFERENCE, message.start, message.end))
+                    policy.train()
+                    learner.add(message)
+                elif isinstance(message, Evaluation):
+                    timeline.add(Span("evaluate", INFERENCE, message.start, message.end))
+                    evaluation = message.reward
+                elif isinstance(message, Span):
+                    timeline.add(message)
+            row = {"iteration": iteration, "policy_version": iteration, "eval_reward": evaluation}
+            if final:
+                yield {**row, "final": True}
+                return
+            row.update(learner.metrics())
+            row.update(timeline.summary(start, time.perf_counter()))
+            row["tokens_per_s"] = row.pop("response_tokens") / row["iteration_s"]
+            if not all(math.isfinite(v) for v in row.values() if isinstance(v, float)):
+                raise PipelineError(f"iteration {iteration} produced a non-finite metric: {row}")
+            yield row
+    finally:
+        rollouts.close()
+        if cfg.trace:
+            timeline.write_chrome_trace(cfg.trace)

@@ -1,0 +1,104 @@
+"""GRPO math (grpo.py) against hand-computed values, and the micro-batch invariance the pipeline needs."""
+import math
+import random
+
+import pytest
+import torch
+
+from grpo import group_advantages, grpo_loss, kl_k3, loss_normalizer
+
+
+def test_advantages_match_hand_computation():
+    """A_i = (r_i - mean) / (sample std + 1e-4), per group; an all-equal group gets 0, not NaN."""
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5])
+    adv = group_advantages(rewards, group_size=4)
+    std = math.sqrt(((0.5 ** 2) * 4) / 3)  # rewards 1,0,0,1: mean .5, Bessel-corrected
+    expected_first = [0.5 / (std + 1e-4), -0.5 / (std + 1e-4), -0.5 / (std + 1e-4), 0.5 / (std + 1e-4)]
+    assert adv[:4].tolist() == pytest.approx(expected_first, rel=1e-6)
+    assert adv[4:].tolist() == [0.0, 0.0, 0.0, 0.0]
+    assert group_advantages(rewards, 4, scale=False)[:4].tolist() == [0.5, -0.5, -0.5, 0.5]
+
+
+def test_kl_k3_hand_values():
+    """k3 = exp(ref - logp) - (ref - logp) - 1: zero at equality, e - 2 when ref - logp = 1."""
+    logp, ref = torch.tensor([-1.0, -2.0]), torch.tensor([-1.0, -1.0])
+    assert kl_k3(logp, ref).tolist() == pytest.approx([0.0, math.e - 2])
+
+
+def test_loss_hand_computed_with_clipping():
+    """Two responses, hand-computed per-token terms, each loss type's normalisation."""
+    logp = torch.tensor([[0.0, 0.0], [0.0, 0.0]])
+    old = torch.tensor([[0.0, -0.5], [0.0, 0.0]])  # token (0,1) has ratio e^0.5 = 1.65 > 1.2
+    ref = torch.tensor([[0.0, 0.0], [-1.0, 0.0]])
+    adv = torch.tensor([1.0, -2.0])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    beta = 0.1
+    # per token: -min(rho*A, clip(rho)*A) + beta*k3
+    t00 = -1.0
+    t01 = -min(math.exp(0.5) * 1.0, 1.2 * 1.0)  # clipped branch active
+    t10 = 2.0 + beta * (math.exp(-1.0) + 1.0 - 1.0)
+    kwargs = dict(beta=beta, epsilon_low=0.2, epsilon_high=0.2)
+    dapo, stats = grpo_loss(logp, old, ref, adv, mask, loss_type="dapo", **kwargs)
+    assert dapo.item() == pytest.approx((t00 + t01 + t10) / 3)
+    assert stats["tokens"] == 3 and stats["clipped_tokens"] == 1
+    grpo, _ = grpo_loss(logp, old, ref, adv, mask, loss_type="grpo", **kwargs)
+    assert grpo.item() == pytest.approx(((t00 + t01) / 2 + t10) / 2)
+    dr, _ = grpo_loss(logp, old, ref, adv, mask, loss_type="dr_grpo", max_new_tokens=4, **kwargs)
+    assert dr.item() == pytest.approx((t00 + t01 + t10) / (2 * 4))
+
+
+def test_ratio_one_gives_policy_gradient():
+    """With old_logp = logp.detach() the ratio is 1 and the gradient is -A * ∇logp / D."""
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    loss, _ = grpo_loss(logp, logp.detach(), None, torch.tensor([3.0]), torch.ones(1, 2), beta=0.0)
+    loss.backward()
+    assert logp.grad.tolist() == [[-1.5, -1.5]]
+
+
+def test_beta_needs_reference():
+    with pytest.raises(ValueError, match="ref_logp"):
+        grpo_loss(torch.zeros(1, 1), torch.zeros(1, 1), None, torch.zeros(1), torch.ones(1, 1), beta=0.1)
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+def test_micro_batch_and_order_invariance(loss_type):
+    """Claim: summing per-micro-batch partial losses (normalizer=1) in any split and order, then dividing
+    the gradient by the batch's D, equals the full-batch gradient. This is what lets the async trainer
+    consume groups in completion order."""
+    torch.manual_seed(0)
+    n, t = 12, 7
+    theta = torch.randn(n, t, requires_grad=True)  # stands in for the policy: logp = theta - 1
+    old = (torch.randn(n, t) * 0.1 - 1).detach()
+    ref = (torch.randn(n, t) * 0.1 - 1).detach()
+    adv = torch.randn(n)
+    lengths = torch.randint(1, t + 1, (n,))
+    mask = (torch.arange(t)[None, :] < lengths[:, None]).float()
+    kwargs = dict(beta=0.05, loss_type=loss_type, max_new_tokens=t)
+
+    full, _ = grpo_loss(theta - 1, old, ref, adv, mask, **kwargs)
+    (full_grad,) = torch.autograd.grad(full, theta)
+
+    rows = list(range(n))
+    random.Random(1).shuffle(rows)
+    cuts = [0, 1, 4, 5, 9, n]
+    grad = torch.zeros_like(theta)
+    for a, b in zip(cuts, cuts[1:]):
+        idx = torch.tensor(rows[a:b])
+        part, _ = grpo_loss(theta[idx] - 1, old[idx], ref[idx], adv[idx], mask[idx], normalizer=1.0, **kwargs)
+        grad += torch.autograd.grad(part, theta)[0]
+    grad /= loss_normalizer(loss_type, n, int(mask.sum()))
+    torch.testing.assert_close(grad, full_grad, rtol=1e-6, atol=1e-7)
+
+
+def test_per_micro_batch_mean_is_not_invariant():
+    """Why the normaliser is global: averaging each micro-batch by its own token count changes the gradient."""
+    torch.manual_seed(0)
+    theta = torch.randn(4, 5, requires_grad=True)
+    mask = torch.tensor([[1.0] * 5, [1.0] * 1 + [0.0] * 4, [1.0] * 3 + [0.0] * 2, [1.0] * 2 + [0.0] * 3])
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    full, _ = grpo_loss(theta, theta.detach(), None, adv, mask, beta=0.0)
+    (full_grad,) = torch.autograd.grad(full, theta)
+    halves = [grpo_loss(theta[i:i + 2], theta[i:i + 2].detach(), None, adv[i:i + 2], mask[i:i + 2], beta=0.0)[0]
+              for i in (0, 2)]
+    (naive_grad,) = torch.autograd.grad(sum(halves) / 2, theta)
+    assert not torch.allclose(naive_grad, full_grad)

@@ -1,0 +1,106 @@
+"""Timeline of both processes: spans, per-iteration busy/idle/overlap, and a Chrome trace file.
+
+A span is (name, process, start, end) on `time.perf_counter()`, which on Linux reads the
+system-wide monotonic clock, so spans recorded in the inference process line up with the trainer's.
+
+Per iteration, over its wall time W (from publishing θ_k to the optimizer step that makes θ_{k+1}):
+
+    busy_p   = |union of p's work spans|             p ∈ {inference, training}
+    idle_p   = W - busy_p
+    overlap  = |busy_inference ∩ busy_training| / min(busy_inference, busy_training)
+
+overlap = 1 means the shorter side was completely hidden behind the longer one (the ideal of the
+pipeline); synchronous mode has overlap 0 by construction. `write_chrome_trace` writes the
+trace-event JSON that chrome://tracing and https://ui.perfetto.dev open: one row per process.
+"""
+from __future__ import annotations
+
+import json
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+INFERENCE, TRAINING = "inference", "training"
+
+
+@dataclass
+class Span:
+    name: str
+    process: str  # INFERENCE or TRAINING
+    start: float
+    end: float
+    wait: bool = False  # waiting, not working: excluded from busy time
+
+
+def merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Union of intervals as sorted, disjoint intervals."""
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def length(intervals: list[tuple[float, float]]) -> float:
+    return sum(end - start for start, end in intervals)
+
+
+def intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Total length of the overlap of two disjoint, sorted interval lists."""
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+class Timeline:
+    def __init__(self) -> None:
+        self.spans: list[Span] = []
+
+    def add(self, span: Span) -> None:
+        self.spans.append(span)
+
+    @contextmanager
+    def span(self, name: str, process: str = TRAINING, wait: bool = False):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(Span(name, process, start, time.perf_counter(), wait))
+
+    def summary(self, start: float, end: float) -> dict[str, float]:
+        """Busy, idle and overlap of both processes inside [start, end] (one iteration)."""
+        def busy(process: str) -> list[tuple[float, float]]:
+            clipped = [(max(s.start, start), min(s.end, end)) for s in self.spans
+                       if s.process == process and not s.wait and s.end > start and s.start < end]
+            return merge(clipped)
+
+        inference, training = busy(INFERENCE), busy(TRAINING)
+        wall = end - start
+        gen, train = length(inference), length(training)
+        shorter = min(gen, train)
+        return {
+            "iteration_s": wall,
+            "generate_s": gen,
+            "train_s": train,
+            "idle_inference_s": wall - gen,
+            "idle_training_s": wall - train,
+            "overlap": intersection(inference, training) / shorter if shorter > 0 else 0.0,
+        }
+
+    def write_chrome_trace(self, path: str) -> None:
+        origin = min((s.start for s in self.spans), default=0.0)
+        pids = {INFERENCE: 1, TRAINING: 2}
+        events = [{"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": name}}
+                  for name, pid in pids.items()]
+        events += [{"ph": "X", "name": s.name, "cat": "wait" if s.wait else "work", "pid": pids[s.process],
+                    "tid": 0, "ts": (s.start - origin) * 1e6, "dur": (s.end - s.start) * 1e6}
+                   for s in self.spans]
+        with open(path, "w") as f:
+            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)

@@ -1,0 +1,123 @@
+"""Entry point: `python trainer.py [--model qwen2.5-0.5b] [--mode async|sync] ...` (see --help).
+
+Reads the config, loads the policy and the task, runs the schedule of periodic_rl.py, prints one
+line per iteration (and appends it as JSON to <out>/metrics.jsonl), and saves the final policy as
+a Hugging Face model directory <out>/policy that `AutoModelForCausalLM.from_pretrained` loads.
+
+Any problem a user can fix (bad option, missing model or data, failing reward function, dead
+inference process) ends with one `error:` paragraph on stderr and a non-zero exit, no traceback.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from config import Config, parse_args
+
+
+class DeviceError(RuntimeError):
+    pass
+
+
+def check_device(device: str) -> None:
+    """Fail early and clearly when the requested accelerator is missing (imports torch_npu only for npu)."""
+    import torch
+    kind = device.split(":")[0]
+    if kind == "npu":
+        try:
+            import torch_npu  # noqa: F401  (registers the 'npu' device with torch)
+        except ImportError as error:
+            raise DeviceError(f"--device {device} needs the Ascend adapter torch_npu, which is not installed "
+                              f"({error}); install the torch_npu build matching torch {torch.__version__}") from None
+        if not torch.npu.is_available():
+            raise DeviceError(f"--device {device}: torch_npu is installed but no NPU is visible")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise DeviceError(f"--device {device}: this torch build sees no CUDA GPU "
+                          f"(torch {torch.__version__}); use --device cpu")
+
+
+def format_row(row: dict) -> str:
+    """One log line per iteration."""
+    def num(key, spec):
+        return "-" if row.get(key) is None else format(row[key], spec)
+    if row.get("final"):
+        return f"final  held-out reward {num('eval_reward', '.3f')} (θ_{row['policy_version']})"
+    return (f"iter {row['iteration']:4d}  reward {num('reward_mean', '.3f')}±{num('reward_std', '.2f')}  "
+            f"eval {num('eval_reward', '.3f')}  kl {num('kl', '.4f')}  clip {num('clip_fraction', '.3f')}  "
+            f"len {num('response_length', '.1f')}  gen {num('generate_s', '.2f')}s  train {num('train_s', '.2f')}s  "
+            f"idle gen/train {num('idle_inference_s', '.2f')}/{num('idle_training_s', '.2f')}s  "
+            f"overlap {num('overlap', '.0%')}  {num('tokens_per_s', '.0f')} tok/s")
+
+
+def run(cfg: Config) -> dict:
+    """Train as configured; returns the final row (with the start and end held-out rewards)."""
+    import torch
+    from tqdm import tqdm
+
+    import periodic_rl
+    from models import load_model
+    from tasks import load_reward, load_task
+
+    for device in {cfg.device, cfg.rollout_device, cfg.train_device}:
+        check_device(device)
+    torch.manual_seed(cfg.seed)
+    dtype = getattr(torch, cfg.dtype)
+    load_kwargs = dict(device=cfg.rollout_device, dtype=dtype, attn_implementation=cfg.attn_implementation,
+                       cache_dir=cfg.cache_dir)
+    policy, tokenizer = load_model(cfg.model, **{**load_kwargs, "device": cfg.train_device})
+    train_examples, held_out = load_task(cfg.data, tiny=cfg.is_tiny, eval_size=cfg.eval_size)
+    reward_fn = load_reward(cfg.reward)
+
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    metrics_path = out / "metrics.jsonl"
+    metrics_path.write_text("")
+    print(f"periodic-rl: {cfg.mode} | model {cfg.model} | {len(train_examples)} train / {len(held_out)} held-out "
+          f"prompts | {cfg.iterations} iterations x {cfg.prompts_per_iteration} prompts x {cfg.group_size} "
+          f"| threads inference/train {cfg.rollout_threads}/{cfg.train_threads} | out {out}", flush=True)
+    first_eval, start = None, time.perf_counter()
+    rows = periodic_rl.train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwargs)
+    progress = tqdm(total=cfg.iterations, desc="iterations", disable=not sys.stderr.isatty(), leave=False)
+    for row in rows:
+        if first_eval is None and row.get("eval_reward") is not None:
+            first_eval = row["eval_reward"]
+        row["elapsed_s"] = time.perf_counter() - start
+        tqdm.write(format_row(row), file=sys.stdout)
+        sys.stdout.flush()
+        progress.update(0 if row.get("final") else 1)
+        with metrics_path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+    progress.close()
+    if cfg.save:
+        policy.save_pretrained(out / "policy", safe_serialization=True)
+        tokenizer.save_pretrained(out / "policy")
+    final = {**row, "start_eval_reward": first_eval}
+    print(f"done in {row['elapsed_s']:.1f}s: held-out reward {first_eval if first_eval is None else round(first_eval, 3)}"
+          f" -> {row['eval_reward'] if row['eval_reward'] is None else round(row['eval_reward'], 3)}; "
+          f"metrics in {metrics_path}" + (f", policy in {out / 'policy'}" if cfg.save else ""), flush=True)
+    return final
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # two processes, each with its own threads
+    from models import ModelNotFoundError
+    from periodic_rl import OffPolicyError, PipelineError
+    from rollout import RewardError
+    from tasks import TaskError
+    try:
+        run(cfg)
+    except (ModelNotFoundError, TaskError, PipelineError, OffPolicyError, RewardError, DeviceError) as error:
+        sys.stderr.write(f"error: {error}\n")
+        return 1
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted: the inference process was stopped, nothing is left running\n")
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""The unified tri-model: policy, old policy and reference in one module, one call.
+
+The paper keeps the three models GRPO needs in the training process, behind one forward:
+
+    policy     π_θ      trainable; the only one with gradients and in the optimizer
+    old        π_θk     frozen copy of θ_k, taken at the start of iteration k (the weights that were
+                        published to the inference process and sampled this iteration's rollouts)
+    reference  π_ref    frozen copy of the initial weights θ_0, for the KL penalty
+
+    logp, old_logp, ref_logp, mask = tri_model(groups)          each (N, T)
+
+Copies exist only when they are needed:
+1. No reference copy and no reference forward when beta == 0 (ref_logp is None).
+2. No old copy when an iteration takes one optimizer step: every sample is then scored by θ_k
+   itself, so old_logp = logp.detach() exactly and the PPO ratio is exactly 1 (its gradient is
+   still the policy gradient: ∇ exp(logp - sg(logp)) = ∇ logp). With N > 1 steps per iteration the
+   policy moves after the first step, the ratio departs from 1 and clipping becomes active.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from attention import batch_logprobs
+
+
+def frozen_copy(model: nn.Module) -> nn.Module:
+    """A copy without autograd: parameters with requires_grad=False, eval mode."""
+    clone = copy.deepcopy(model)
+    clone.requires_grad_(False)
+    return clone.eval()
+
+
+def parameter_bytes(model: nn.Module | None) -> int:
+    return 0 if model is None else sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+class TriModel(nn.Module):
+    def __init__(self, policy: nn.Module, use_reference: bool, use_old: bool, packing: str = "auto",
+                 temperature: float = 1.0, pad_id: int = 0):
+        super().__init__()
+        self.policy = policy
+        self.reference = frozen_copy(policy) if use_reference else None
+        self.old = frozen_copy(policy) if use_old else None
+        self.packing, self.temperature, self.pad_id = packing, temperature, pad_id
+
+    @torch.no_grad()
+    def start_iteration(self) -> None:
+        """Snapshot θ_k into the old policy (called right when θ_k is published)."""
+        if self.old is not None:
+            for old, new in zip(self.old.parameters(), self.policy.parameters()):
+                old.copy_(new)
+
+    def logprobs(self, model: nn.Module, groups) -> tuple[torch.Tensor, torch.Tensor]:
+        return batch_logprobs(model, groups, mode=self.packing, temperature=self.temperature, pad_id=self.pad_id)
+
+    def forward(self, groups: list[tuple[torch.Tensor, list[torch.Tensor]]]):
+        """groups: [(prompt_ids (P,), [response_ids (R_i,), ...]), ...] -> logp, old_logp, ref_logp, mask."""
+        logp, mask = self.logprobs(self.policy, groups)  # (N, T), (N, T)
+        with torch.no_grad():
+            old_logp = self.logprobs(self.old, groups)[0] if self.old is not None else logp.detach()
+            ref_logp = self.logprobs(self.reference, groups)[0] if self.reference is not None else None
+        return logp, old_logp, ref_logp, mask
+
+    def memory_report(self) -> dict[str, int]:
+        """Parameter bytes of each copy (0 for a copy that was skipped)."""
+        return {"policy_bytes": parameter_bytes(self.policy), "old_bytes": parameter_bytes(self.old),
+                "reference_bytes": parameter_bytes(self.reference)}
