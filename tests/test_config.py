@@ -1,0 +1,57 @@
+"""The command line: --help documents every Config field; bad values fail at start-up with one line, exit 2."""
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from config import Config, build_parser, derive, parse_args, validate
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_help_lists_every_field_with_its_default():
+    """Every dataclass field is an option with a help line and its default."""
+    text = build_parser().format_help()
+    for f in dataclasses.fields(Config):
+        assert "--" + f.name.replace("_", "-") in text
+    assert "(default: 8)" in text  # --group-size
+    for everyday in ["--model", "--data", "--iterations", "--seed", "--out", "--mode", "--group-size", "--lr",
+                     "--beta", "--max-new-tokens", "--device"]:
+        assert everyday in text
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--group-size", "1"], "--group-size must be at least 2"),
+    (["--batch-size", "20", "--group-size", "8"], "multiple of --group-size"),
+    (["--lr", "-0.1"], "--lr must be positive"),
+    (["--mode", "fast"], "invalid choice"),
+    (["--loss-type", "bnpo"], "invalid choice"),
+    (["--data", "no/such/file.jsonl"], "neither 'arithmetic'"),
+    (["--device", "tpu"], "--device must be cpu"),
+    (["--updates-per-iteration", "3"], "must divide the prompts per iteration"),
+    (["--iterations", "two"], "invalid int value"),
+])
+def test_invalid_values_fail_with_one_line_and_exit_2(argv, fragment, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert fragment in err and err.count("\n") == 1, err
+
+
+def test_defaults_are_valid_and_derived():
+    cfg = parse_args([])
+    assert validate(cfg) == [] and cfg.max_new_tokens == 8 and cfg.lr > 0 and cfg.mode == "async"
+    real = derive(Config(model="qwen2.5-0.5b"))
+    assert real.max_new_tokens == 512 and real.lr == 1e-6
+    assert derive(Config(mode="sync", rollout_threads=None)).train_threads >= 1
+
+
+def test_trainer_cli_bad_value_exits_2_without_traceback():
+    """The real entry point, in a subprocess: one line on stderr, exit code 2, no traceback."""
+    result = subprocess.run([sys.executable, "trainer.py", "--group-size", "0"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr and result.stderr.strip().count("\n") == 0

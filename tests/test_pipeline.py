@@ -1,0 +1,180 @@
+"""Periodic asynchrony (periodic_rl.py): async equals sync, stays on-policy, and fails loudly and cleanly."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import periodic_rl
+from config import parse_args
+from models import load_model
+from rollout import Group, IterationDone, RewardError, Settings
+from tasks import load_reward, load_task
+from timeline import Timeline
+
+ROOT = Path(__file__).resolve().parents[1]
+DIGITS = "tests/rewards.py:digit_fraction"
+
+
+def make_cfg(model_dir, *extra):
+    return parse_args(["--model", str(model_dir), "--data", "arithmetic", "--reward", DIGITS,
+                       "--iterations", "3", "--batch-size", "16", "--group-size", "4", "--max-new-tokens", "6",
+                       "--eval-every", "2", "--eval-size", "4", "--eval-samples", "2", "--lr", "1e-2",
+                       "--no-save", *map(str, extra)])
+
+
+def run_training(cfg):
+    policy, tokenizer = load_model(cfg.model, device="cpu")
+    train, held_out = load_task(cfg.data, tiny=False, eval_size=cfg.eval_size)
+    rows = list(periodic_rl.train(cfg, policy, tokenizer, train, held_out, load_reward(cfg.reward),
+                                  dict(device="cpu", dtype=torch.float32, attn_implementation="sdpa")))
+    return policy, rows
+
+
+@pytest.mark.parametrize("extra", [[], ["--updates-per-iteration", "2", "--epsilon-low", "0.01",
+                                        "--epsilon-high", "0.01"]])
+def test_async_equals_sync(tiny_model_dir, extra):
+    """Claim: same seed -> async and sync give the same rollouts (rewards, lengths), the same metrics and,
+    after several iterations, the same weights (max abs difference <= 1e-5 in fp32); with several updates
+    per iteration too, because mini-batches are fixed by prompt index, not arrival order."""
+    sync_policy, sync_rows = run_training(make_cfg(tiny_model_dir, "--mode", "sync", *extra))
+    async_policy, async_rows = run_training(make_cfg(tiny_model_dir, "--mode", "async", *extra))
+    initial, _ = load_model(str(tiny_model_dir))
+    moved = max((p - q).abs().max().item() for p, q in zip(sync_policy.parameters(), initial.parameters()))
+    assert moved > 1e-3, "training did not change the weights: the comparison would be vacuous"
+    for p, q in zip(sync_policy.parameters(), async_policy.parameters()):
+        assert (p - q).abs().max().item() <= 1e-5
+    assert len(sync_rows) == len(async_rows) == 4
+    for s, a in zip(sync_rows, async_rows):
+        for key in ("reward_mean", "reward_std", "response_length", "eval_reward", "kl", "clip_fraction"):
+            assert s.get(key) == pytest.approx(a.get(key), abs=1e-5), key
+    if extra:
+        assert max(r["clip_fraction"] for r in sync_rows[:-1]) > 0, "N > 1 updates should activate clipping"
+
+
+def test_async_groups_are_streamed_and_tagged_with_the_version(tiny_model_dir):
+    """The inference process sends every group of iteration k tagged policy_version == k, then IterationDone;
+    the groups equal those of the in-process (sync) generator token for token."""
+    cfg = make_cfg(tiny_model_dir)
+    policy, tokenizer = load_model(cfg.model)
+    train, held_out = load_task("arithmetic", tiny=False, eval_size=4)
+    settings = Settings(cfg.seed, cfg.group_size, cfg.prompts_per_iteration, cfg.max_new_tokens, 1.0, 1.0, 0, 1, True)
+    sync = periodic_rl.SyncRollouts(policy, tokenizer, train, held_out, load_reward(DIGITS), settings)
+    remote = periodic_rl.AsyncRollouts(policy, cfg.model, {}, train, held_out, DIGITS, settings, 1, Timeline())
+    try:
+        for iteration in range(2):
+            sync.publish(policy, iteration)
+            remote.publish(policy, iteration)
+            local = [m for m in sync.messages(iteration, 2) if isinstance(m, Group)]
+            received = list(remote.messages(iteration, 2))
+            streamed = [m for m in received if isinstance(m, Group)]
+            assert isinstance(received[-1], IterationDone)
+            assert [g.policy_version for g in streamed] == [iteration] * cfg.prompts_per_iteration
+            assert [g.responses for g in streamed] == [g.responses for g in local]
+            assert [g.rewards for g in streamed] == [g.rewards for g in local]
+            with torch.no_grad():  # a new version: the next iteration must sample from the new weights
+                for p in policy.parameters():
+                    p.add_(torch.randn_like(p) * 0.05)
+    finally:
+        remote.close()
+    assert not remote.process.is_alive()
+
+
+def test_learner_refuses_off_policy_group(tiny_model_dir):
+    """A group sampled by another weight version is rejected, not silently trained on."""
+    cfg = make_cfg(tiny_model_dir)
+    policy, _ = load_model(cfg.model)
+    tri = periodic_rl.TriModel(policy, use_reference=False, use_old=False)
+    learner = periodic_rl.Learner(tri, torch.optim.SGD(policy.parameters(), lr=0.1), cfg, torch.device("cpu"),
+                                  Timeline())
+    learner.start(3)
+    stale = Group(3, 0, 2, [1, 2], [[3, 4]] * 4, [0.0] * 4, [0.0] * 4)
+    with pytest.raises(periodic_rl.OffPolicyError, match="version 2"):
+        learner.add(stale)
+
+
+def test_killed_inference_process_is_noticed_within_seconds(tiny_model_dir):
+    """Claim: if the inference process dies, the trainer raises a clear PipelineError within 10 s (no hang)."""
+    cfg = make_cfg(tiny_model_dir)
+    policy, _ = load_model(cfg.model)
+    train, held_out = load_task("arithmetic", tiny=False, eval_size=4)
+    settings = Settings(0, 4, 4, 6, 1.0, 1.0, 0, 1, True)
+    remote = periodic_rl.AsyncRollouts(policy, cfg.model, {}, train, held_out, DIGITS, settings, 1, Timeline())
+    try:
+        os.kill(remote.process.pid, signal.SIGKILL)
+        remote.publish(policy, 0)
+        start = time.monotonic()
+        with pytest.raises(periodic_rl.PipelineError, match="died"):
+            list(remote.messages(0, 1))
+        assert time.monotonic() - start < 10
+    finally:
+        remote.close()
+
+
+def run_trainer(*args, timeout=240):
+    return subprocess.run([sys.executable, "trainer.py", *map(str, args)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("reward, fragment", [("tests/rewards.py:raising_reward", "broken on purpose"),
+                                              ("tests/rewards.py:nan_reward", "not a finite number")])
+def test_bad_reward_stops_trainer_with_clear_message(tiny_model_dir, tmp_path, reward, fragment):
+    """A reward function that raises or returns NaN (in the inference process) ends the run within seconds:
+    exit code 1, a message naming the function and the prompt, no traceback, no process left behind."""
+    start = time.monotonic()
+    result = run_trainer("--model", tiny_model_dir, "--data", "arithmetic", "--reward", reward,
+                         "--max-new-tokens", "4", "--out", tmp_path, timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert fragment in result.stderr and reward.split(":")[1] in result.stderr and "prompt" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert time.monotonic() - start < 60
+
+
+def children_of(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(c) for c in path.read_text().split()] if path.exists() else []
+
+
+def wait_for_iteration(process, metrics: Path, deadline: float = 120) -> None:
+    start = time.monotonic()
+    while not (metrics.exists() and metrics.read_text().strip()):
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() - start < deadline, "the trainer did not start"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("how", ["kill-child", "ctrl-c"])
+def test_trainer_stops_cleanly(tiny_model_dir, tmp_path, how):
+    """Claim: a killed inference process stops the trainer within 10 s (exit != 0, clear message);
+    Ctrl-C stops both processes within 5 s. No child process and no shared-memory file is left behind."""
+    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    process = subprocess.Popen(
+        [sys.executable, "trainer.py", "--model", str(tiny_model_dir), "--data", "arithmetic", "--reward", DIGITS,
+         "--iterations", "1000", "--max-new-tokens", "4", "--eval-every", "0", "--out", str(tmp_path)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        wait_for_iteration(process, tmp_path / "metrics.jsonl")
+        children = children_of(process.pid)
+        assert children, "no inference process found"
+        start = time.monotonic()
+        if how == "kill-child":
+            os.kill(children[0], signal.SIGKILL)
+            _, err = process.communicate(timeout=10)
+            assert process.returncode == 1 and "inference process died" in err and "Traceback" not in err
+        else:
+            os.killpg(process.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+            _, err = process.communicate(timeout=5)
+            assert process.returncode == 130 and "interrupted" in err
+        assert time.monotonic() - start < (10 if how == "kill-child" else 5)
+        for child in children:
+            assert not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    shm_after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    assert not {f for f in shm_after - shm_before if "torch" in f}, "shared-memory segments left behind"
