@@ -1,0 +1,195 @@
+"""Shared-prompt attention: packed rows must give the same log-probs and gradients as plain rows."""
+from functools import lru_cache
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+import attention
+from attention import (batch_logprobs, pack, packing_pays, shared_prompt_logprobs, shared_prompt_mask,
+                       to_model_mask, unpacked_layout, unpacked_logprobs)
+
+VOCAB, EOS = 100, 2
+ARCHS = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
+
+
+@lru_cache(maxsize=None)
+def tiny_model(arch: str, attn_implementation: str) -> torch.nn.Module:
+    config_class, model_class = ARCHS[arch]
+    config = config_class(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = model_class._from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
+    assert model.config._attn_implementation == attn_implementation
+    return model.eval()
+
+
+def random_group(prompt_len: int, response_lens: list[int], generator: torch.Generator):
+    """A prompt and responses of the given lengths; every response but the last ends in EOS."""
+    prompt = torch.randint(3, VOCAB, (prompt_len,), generator=generator)
+    responses = [torch.randint(3, VOCAB, (n,), generator=generator) for n in response_lens]
+    for r in responses[:-1]:
+        r[-1] = EOS
+    return prompt, responses
+
+
+CASES = {  # name -> [(prompt_len, response_lens), ...], one entry per group in the micro-batch
+    "one_response": [(7, [5])],
+    "group_varied_lengths": [(9, [4, 1, 7, 3])],
+    "several_groups_padded": [(5, [3, 6]), (11, [2, 2, 4]), (3, [1])],
+}
+
+
+def grpo_like_grads(model: torch.nn.Module, groups, advantages: torch.Tensor, mode: str, temperature: float):
+    logp, mask = batch_logprobs(model, groups, mode=mode, temperature=temperature)  # (N, T)
+    loss = -(advantages[:, None] * logp * mask).sum() / mask.sum()
+    return logp, mask, torch.autograd.grad(loss, list(model.parameters()))
+
+
+# --- layout and mask ---
+
+def test_worked_example_ids_positions_mask():
+    """pack + shared_prompt_mask produce exactly the P=3, G=2 (lengths 2, 1) example of the docstring."""
+    prompt, a, b = torch.tensor([10, 11, 12]), torch.tensor([20, 21]), torch.tensor([30])
+    layout = pack([(prompt, [a, b])])
+    assert layout.input_ids.tolist() == [[10, 11, 12, 20, 21, 30]]
+    assert layout.position_ids.tolist() == [[0, 1, 2, 3, 4, 3]]
+    assert layout.segment_ids.tolist() == [[0, 0, 0, 1, 1, 2]]
+    expected = [[1, 0, 0, 0, 0, 0],
+                [1, 1, 0, 0, 0, 0],
+                [1, 1, 1, 0, 0, 0],
+                [1, 1, 1, 1, 0, 0],
+                [1, 1, 1, 1, 1, 0],
+                [1, 1, 1, 0, 0, 1]]
+    assert shared_prompt_mask(layout.segment_ids).int().tolist() == [[expected]]
+    assert layout.source.tolist() == [[2, 3], [2, 0]]  # a0 <- p2, a1 <- a0, b0 <- p2
+    assert layout.target.tolist() == [[20, 21], [30, 0]]
+    assert layout.mask.tolist() == [[True, True], [True, False]]
+
+
+def test_padding_sees_only_itself_and_is_never_seen():
+    """In a padded row, pad queries attend only to themselves (no empty softmax row) and no real token attends a pad."""
+    layout = pack([(torch.tensor([5, 6]), [torch.tensor([7, 8, 9])]), (torch.tensor([5]), [torch.tensor([7])])])
+    assert layout.segment_ids.tolist() == [[0, 0, 1, 1, 1], [0, 1, -1, -1, -1]]
+    assert layout.position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 1, 0, 0, 0]]
+    second_row = [[1, 0, 0, 0, 0],
+                  [1, 1, 0, 0, 0],
+                  [0, 0, 1, 0, 0],
+                  [0, 0, 0, 1, 0],
+                  [0, 0, 0, 0, 1]]
+    assert shared_prompt_mask(layout.segment_ids)[1, 0].int().tolist() == second_row
+
+
+def test_to_model_mask_per_kernel():
+    """sdpa gets the boolean mask (True = attend); eager gets 0 / dtype-min added to scores; other kernels refuse."""
+    allowed = shared_prompt_mask(torch.tensor([[0, 0, 1, 2]]))  # (1, 1, 4, 4)
+    assert to_model_mask(allowed, torch.float32, "sdpa") is allowed
+    additive = to_model_mask(allowed, torch.bfloat16, "eager")
+    assert additive.dtype == torch.bfloat16
+    assert torch.equal(additive == 0, allowed)
+    assert (additive[~allowed] == torch.finfo(torch.bfloat16).min).all()
+    with pytest.raises(ValueError, match="sdpa"):
+        to_model_mask(allowed, torch.float32, "flash_attention_2")
+
+
+def test_boolean_mask_under_eager_masks_nothing():
+    """Why to_model_mask exists: eager adds the mask to the scores, so a boolean mask silently lets responses see each other."""
+    model = tiny_model("qwen2", "eager")
+    prompt, responses = random_group(6, [4, 4], torch.Generator().manual_seed(1))
+    layout = pack([(prompt, responses)])
+    allowed = shared_prompt_mask(layout.segment_ids)
+    with torch.no_grad():
+        right = model(input_ids=layout.input_ids, attention_mask=to_model_mask(allowed, torch.float32, "eager"),
+                      position_ids=layout.position_ids).logits
+        naive = model(input_ids=layout.input_ids, attention_mask=allowed, position_ids=layout.position_ids).logits
+    assert (right - naive).abs().max() > 1e-3
+
+
+# --- equivalence ---
+
+def test_unpacked_reference_matches_one_forward_per_response():
+    """The reference itself is right: unpacked_logprobs equals log_softmax(logits / τ) of [prompt | r_i] run alone, shifted by one."""
+    model = tiny_model("qwen2", "sdpa")
+    prompt, responses = random_group(5, [3, 6, 1], torch.Generator().manual_seed(2))
+    temperature = 0.7
+    with torch.no_grad():
+        got = unpacked_logprobs(model, prompt, responses, temperature)
+        for r, logp in zip(responses, got):
+            logits = model(torch.cat([prompt, r])[None]).logits[0]  # (P+R, V)
+            expected = (logits[len(prompt) - 1:-1] / temperature).log_softmax(-1).gather(-1, r[:, None])[:, 0]
+            torch.testing.assert_close(logp, expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_packed_equals_unpacked_logprobs_and_gradients(arch, attn_implementation, case):
+    """Packed rows give the unpacked per-token log-probs (<= 1e-5 abs) and GRPO-loss gradients for every parameter (<= 1e-5 rel)."""
+    model = tiny_model(arch, attn_implementation)
+    generator = torch.Generator().manual_seed(len(case))
+    groups = [random_group(P, lens, generator) for P, lens in CASES[case]]
+    advantages = torch.randn(sum(len(lens) for _, lens in CASES[case]), generator=generator)  # (N,)
+    temperature = 0.9
+    logp_p, mask_p, grads_p = grpo_like_grads(model, groups, advantages, "packed", temperature)
+    logp_u, mask_u, grads_u = grpo_like_grads(model, groups, advantages, "unpacked", temperature)
+    assert mask_p.dtype == torch.bool and torch.equal(mask_p, mask_u)
+    assert logp_p.shape == (len(advantages), max(max(lens) for _, lens in CASES[case]))
+    assert (logp_p[~mask_p] == 0).all()
+    torch.testing.assert_close(logp_p, logp_u, rtol=0, atol=1e-5)
+    for (name, _), g_p, g_u in zip(model.named_parameters(), grads_p, grads_u):
+        assert (g_p - g_u).norm() <= 1e-5 * g_u.norm() + 1e-9, name
+
+
+def test_shared_prompt_logprobs_list_api():
+    """shared_prompt_logprobs returns one 1-D tensor per response, as long as it, equal to unpacked_logprobs."""
+    model = tiny_model("llama", "sdpa")
+    prompt, responses = random_group(8, [2, 5, 3], torch.Generator().manual_seed(3))
+    packed = shared_prompt_logprobs(model, prompt, responses, temperature=1.3)
+    plain = unpacked_logprobs(model, prompt, responses, temperature=1.3)
+    assert [p.shape for p in packed] == [r.shape for r in responses]
+    for p, u in zip(packed, plain):
+        torch.testing.assert_close(p, u, rtol=0, atol=1e-5)
+
+
+def test_auto_mixes_layouts_and_keeps_group_order():
+    """auto packs only the groups where packing pays, and still returns every response in group order."""
+    generator = torch.Generator().manual_seed(4)
+    long_prompt = random_group(120, [3, 2, 3, 1], generator)   # packing pays
+    long_responses = random_group(2, [90, 80, 90], generator)  # packing does not
+    groups = [long_prompt, long_responses, long_prompt]
+    assert [packing_pays(len(p), [len(r) for r in rs]) for p, rs in groups] == [True, False, True]
+    model = tiny_model("qwen2", "sdpa")
+    advantages = torch.randn(11, generator=generator)
+    logp_a, mask_a, grads_a = grpo_like_grads(model, groups, advantages, "auto", 1.0)
+    logp_u, mask_u, grads_u = grpo_like_grads(model, groups, advantages, "unpacked", 1.0)
+    assert torch.equal(mask_a, mask_u)
+    torch.testing.assert_close(logp_a, logp_u, rtol=0, atol=1e-5)
+    for g_a, g_u in zip(grads_a, grads_u):
+        assert (g_a - g_u).norm() <= 1e-5 * g_u.norm() + 1e-9
+
+
+def test_batch_logprobs_rejects_unknown_mode():
+    """A typo in mode fails loudly instead of silently picking a layout."""
+    prompt, responses = random_group(3, [2], torch.Generator().manual_seed(5))
+    with pytest.raises(ValueError, match="mode"):
+        batch_logprobs(tiny_model("qwen2", "sdpa"), [(prompt, responses)], mode="shared")
+
+
+def test_unpacked_layout_is_plain_rows():
+    """The reference layout is one [prompt | r_i] row per response with ordinary positions and the shift at P-1."""
+    layout = unpacked_layout([(torch.tensor([10, 11]), [torch.tensor([20, 21, 22]), torch.tensor([30])])], pad_id=0)
+    assert layout.input_ids.tolist() == [[10, 11, 20, 21, 22], [10, 11, 30, 0, 0]]
+    assert layout.position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 3, 4]]
+    assert layout.source.tolist() == [[1, 2, 3], [1, 0, 0]]
+
+
+# --- when packing pays ---
+
+def test_packing_pays_long_prompt_short_responses_only():
+    """The rule packs long prompts with short responses and refuses short prompts with long responses."""
+    assert packing_pays(512, [32] * 8)
+    assert packing_pays(1024, [16] * 8)
+    assert not packing_pays(32, [256] * 8)
+    assert not packing_pays(16, [512] * 4)
+    assert not packing_pays(100, [50])  # G = 1: nothing shared, nothing saved
+    assert attention.ATTENTION_BREAK_EVEN_LEN > 0
