@@ -40,7 +40,8 @@ Several groups in one micro-batch are several right-padded rows (segment id -1 o
 
 How a layout reaches a Hugging Face model: `input_ids` (B, L), explicit `position_ids` (B, L) and
 a 4D `attention_mask` (B, 1, L, L), which transformers passes to the attention kernel untouched
-(`masking_utils._preprocess_mask_arguments`). The kernels read it differently, see departure 2.
+(`masking_utils._preprocess_mask_arguments`; checked on transformers 5.23). The kernels read it
+differently, see departure 2.
 
 Deliberate choices and departures:
 1. Dense (B, 1, L, L) mask, built vectorised from segment ids; no block-sparse kernel. Attention
@@ -58,9 +59,9 @@ Deliberate choices and departures:
 3. Padding tokens attend to themselves only, so no softmax row is empty (no NaN) and no real
    token ever sees them; their outputs are discarded.
 4. Only the positions that predict a response token get logits, through `logits_to_keep` as a
-   1-D index (understood by transformers >= 4.50, the project's floor). One index serves all rows,
-   so with several rows it is the union of their positions: exact for one group, some wasted
-   logits when rows' layouts differ.
+   1-D index (the form older transformers take too; newer ones also take 2-D). One index serves
+   all rows, so with several rows it is the union of their positions: exact for one group, some
+   wasted logits when rows' layouts differ.
 5. Log-probs are of `logits / temperature` in float32 (as TRL), so they match the sampling
    distribution. Sliding-window layers (e.g. Mistral) would get this full mask and ignore their
    window: keep L within the window for such models.

@@ -103,7 +103,7 @@ def peak_bytes(model: torch.nn.Module, step: Callable[[], None], device: str) ->
 
 
 def clock(device: str, threads: int) -> Callable[[], float]:
-    """Wall clock, except single-threaded on CPU: this process's CPU time, so other jobs sharing the cores don't count."""
+    """Wall clock; single-threaded on CPU, this process's CPU time, so time other jobs hold the core is not counted."""
     return time.process_time if device == "cpu" and threads == 1 else time.perf_counter
 
 
@@ -170,7 +170,8 @@ def shared_prompt(args: argparse.Namespace) -> bool:
     time_measure = "process CPU seconds" if clock(device, args.threads) is time.process_time else "wall-clock seconds"
     print(f"time: {time_measure}; memory: {memory_measure}; mask = packed (B,1,L,L) mask as passed to the model")
     header = (f"{'P':>5} {'R':>4} {'L':>5} {'tokens x':>8} {'packed s':>9} {'unpack s':>9} {'auto s':>8} "
-              f"{'auto':>8} {'pred pk/unp':>11} {'unp/pk':>7} {'unp/auto':>8} {'mem pk MB':>9} {'mem unp MB':>10} {'mask MB':>7}")
+              f"{'auto':>8} {'pred pk/unp':>11} {'unp/pk':>7} {'unp/auto':>8} {'mem pk MB':>9} {'mem unp MB':>10} "
+              f"{'mask MB':>7}")
     print(header)
     rows = []
     for P, R in cells:

@@ -93,7 +93,7 @@ def test_to_model_mask_per_kernel():
 
 
 def test_boolean_mask_under_eager_masks_nothing():
-    """Why to_model_mask exists: eager adds the mask to the scores, so a boolean mask silently lets responses see each other."""
+    """Why to_model_mask exists: eager adds the mask to the scores, so a boolean mask lets responses see each other."""
     model = tiny_model("qwen2", "eager")
     prompt, responses = random_group(6, [4, 4], torch.Generator().manual_seed(1))
     layout = pack([(prompt, responses)])
@@ -108,7 +108,7 @@ def test_boolean_mask_under_eager_masks_nothing():
 # --- equivalence ---
 
 def test_unpacked_reference_matches_one_forward_per_response():
-    """The reference itself is right: unpacked_logprobs equals log_softmax(logits / τ) of [prompt | r_i] run alone, shifted by one."""
+    """The reference itself is right: unpacked_logprobs = log_softmax(logits / τ) of [prompt | r_i] alone, shifted."""
     model = tiny_model("qwen2", "sdpa")
     prompt, responses = random_group(5, [3, 6, 1], torch.Generator().manual_seed(2))
     temperature = 0.7
@@ -124,7 +124,7 @@ def test_unpacked_reference_matches_one_forward_per_response():
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_packed_equals_unpacked_logprobs_and_gradients(arch, attn_implementation, case):
-    """Packed rows give the unpacked per-token log-probs (<= 1e-5 abs) and GRPO-loss gradients for every parameter (<= 1e-5 rel)."""
+    """Packed = unpacked: per-token log-probs (<= 1e-5 abs), GRPO-loss gradients of every parameter (<= 1e-5 rel)."""
     model = tiny_model(arch, attn_implementation)
     generator = torch.Generator().manual_seed(len(case))
     groups = [random_group(P, lens, generator) for P, lens in CASES[case]]
