@@ -1,0 +1,264 @@
+"""Tasks: the prompts the policy is trained on, and the reward that scores its answers.
+
+A task is a list of `Example(prompt, answer)`: the question as plain text (before any chat template)
+and the gold final answer as a canonical number string. The reward is a plain function
+
+    reward(prompt, completion, answer) -> float        # 1.0 correct, 0.0 wrong for `math_reward`
+
+so a user can swap in their own with `--reward my_rewards.py:score` (TRL's reward-function shape).
+Two tasks are built in:
+
+- `arithmetic` (offline): `"37+45="` -> `"82"` with operands in [0, 50). A fixed CRC32 of the operand
+  pair puts ~10% of the pairs in a held-out `eval` split, so held-out accuracy measures addition, not
+  memorisation. It is what the offline `tiny` model is warmed up on (models.py).
+- GSM8K (Cobbe et al., 2021): the paper's benchmark (arXiv 2511.18871, Sec. 5). The gold answer is the
+  number after `####`. Read from a local JSONL file, or fetched once from the hub into the HF cache.
+
+Deliberate departures:
+1. Answers are compared as numbers (`18.00` == `18`, `1,080` == `1080`), not as strings, and the
+   completion's answer is the first of: `#### N`, `\\boxed{N}`, "the answer is N", the last number.
+   Format is not rewarded separately: one binary correctness reward, as in the paper.
+2. Fetching GSM8K first looks in the HF cache, then asks the hub once *without retries*: offline,
+   huggingface_hub would otherwise retry with back-off for ~25 s before failing.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import random
+import re
+import zlib
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+from typing import Callable
+
+Reward = Callable[[str, str, str], float]
+
+ARITHMETIC_OPERANDS = range(50)  # two-digit sums: learnable by a 2-layer model in well under a minute
+ARITHMETIC_EVAL_BUCKETS = 10  # 1 in 10 operand pairs is held out
+GSM8K_REPO = "openai/gsm8k"
+SYSTEM_PROMPT = ("You are a careful math tutor. Reason step by step, then give the final answer as a "
+                 "number on the last line, in the form '#### <number>'.")
+
+
+@dataclass(frozen=True)
+class Example:
+    prompt: str  # the question, before any chat template
+    answer: str  # the gold final answer, a canonical number string ("82", "-3", "2.5")
+
+
+class TaskError(ValueError):
+    """A dataset or reward could not be loaded; the message says what to do instead."""
+
+
+# --- answers ---
+_NUMBER = re.compile(r"(?<![\d.])-?\$?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+
+
+def canonical_number(text: str) -> str | None:
+    """'$1,080.00' -> '1080', '-2.50' -> '-2.5'; None if `text` is not a number."""
+    try:
+        value = Decimal(text.replace("$", "").replace(",", "").strip().rstrip("."))
+    except InvalidOperation:
+        return None
+    if not value.is_finite():
+        return None
+    text = format(value.normalize(), "f")  # 'f' avoids normalize()'s exponent form: 1E+2 -> 100
+    return "0" if text == "-0" else text
+
+
+def _first_number(text: str) -> str | None:
+    match = _NUMBER.search(text)
+    return canonical_number(match.group()) if match else None
+
+
+def extract_final_number(text: str) -> str | None:
+    """The completion's final answer as a canonical number string, or None.
+
+    >>> extract_final_number("So 3 + 4 = 7 eggs.\\n#### 7")
+    '7'
+    >>> extract_final_number("The answer is $1,250.00.")
+    '1250'
+    """
+    if "####" in text:
+        return _first_number(text.rsplit("####", 1)[1])
+    boxed = re.findall(r"\\boxed\{([^{}]*)\}", text)
+    if boxed:
+        return _first_number(boxed[-1])
+    stated = re.findall(r"answer is[:\s]*(.*)", text, flags=re.IGNORECASE)
+    if stated and _first_number(stated[-1]) is not None:
+        return _first_number(stated[-1])
+    numbers = _NUMBER.findall(text)
+    return canonical_number(numbers[-1]) if numbers else None
+
+
+def math_reward(prompt: str, completion: str, answer: str) -> float:
+    """1.0 if the completion's final number equals the gold answer numerically, else 0.0."""
+    predicted = extract_final_number(completion)
+    return float(predicted is not None and predicted == canonical_number(answer))
+
+
+def load_reward(spec: str) -> Reward:
+    """'math' -> `math_reward`; 'package.module:function' or 'path/to/file.py:function' -> that function."""
+    if spec == "math":
+        return math_reward
+    module_name, sep, function_name = spec.rpartition(":")  # rpartition: Windows paths contain ':'
+    if not sep or not module_name or not function_name:
+        raise TaskError(f"--reward {spec!r} is not understood: use 'math' (built-in GSM8K/arithmetic "
+                        "correctness) or 'module:function' / 'path/to/file.py:function' naming a function "
+                        "reward(prompt, completion, answer) -> float.")
+    if module_name.endswith(".py"):
+        path = Path(module_name)
+        if not path.is_file():
+            raise TaskError(f"--reward {spec!r}: the file {path} does not exist (relative paths are resolved "
+                            f"from {Path.cwd()}). Pass an existing .py file, or a module importable from here.")
+        module_spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as error:
+            raise TaskError(f"--reward {spec!r}: cannot import module {module_name!r} ({error}). Make it "
+                            "importable (install it or run from its folder), or pass 'path/to/file.py:function'."
+                            ) from error
+    function = getattr(module, function_name, None)
+    if not callable(function):
+        raise TaskError(f"--reward {spec!r}: {module_name} has no function {function_name!r}. Define "
+                        f"{function_name}(prompt, completion, answer) -> float there, or name another function.")
+    return function
+
+
+# --- arithmetic (offline) ---
+def arithmetic_examples(split: str) -> list[Example]:
+    """All 'a+b=' prompts of `split` ('train' or 'eval'), in a fixed shuffled order.
+
+    The split is a CRC32 of 'a+b' (stable across runs and machines, unlike `hash`), so the
+    held-out pairs never appear in training.
+    """
+    if split not in ("train", "eval"):
+        raise TaskError(f"arithmetic has the splits 'train' and 'eval', not {split!r}.")
+    examples = [Example(f"{a}+{b}=", str(a + b)) for a in ARITHMETIC_OPERANDS for b in ARITHMETIC_OPERANDS
+                if (zlib.crc32(f"{a}+{b}".encode()) % ARITHMETIC_EVAL_BUCKETS == 0) == (split == "eval")]
+    random.Random(0).shuffle(examples)  # so a truncated eval list is not all '0+b='
+    return examples
+
+
+# --- GSM8K ---
+def _gsm8k_example(question: str, solution: str) -> Example | None:
+    """GSM8K's solution ends with '#### N'; None when it does not."""
+    if "####" not in solution:
+        return None
+    answer = canonical_number(solution.rsplit("####", 1)[1])
+    return Example(question, answer) if answer is not None else None
+
+
+def load_gsm8k_jsonl(path: str | Path) -> list[Example]:
+    """One {"question": ..., "answer": "... #### N"} object per line (GSM8K's release format)."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as error:
+        raise TaskError(f"cannot read the GSM8K file {path} ({error.strerror or error}). Pass --data with an "
+                        "existing JSONL file (one {\"question\", \"answer\"} object per line, the answer ending "
+                        "in '#### N'), or --data arithmetic for the built-in offline task.") from error
+    examples = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            question, solution = row["question"], row["answer"]
+        except (json.JSONDecodeError, TypeError, KeyError) as error:
+            raise TaskError(f"{path}, line {number}: expected a JSON object with 'question' and 'answer' "
+                            f"({type(error).__name__}: {error}). Fix or remove that line.") from error
+        example = _gsm8k_example(question, str(solution))
+        if example is None:
+            raise TaskError(f"{path}, line {number}: the answer does not end in '#### <number>', so there is "
+                            "no gold answer to reward. Fix or remove that line.")
+        examples.append(example)
+    if not examples:
+        raise TaskError(f"{path} holds no examples. Pass a GSM8K-format JSONL file with at least one line.")
+    return examples
+
+
+def hub_unreachable_reason(repo_id: str, filename: str, repo_type: str = "model") -> str | None:
+    """Ask the hub once, without retries, for one file's metadata; None if it answered, else why not.
+
+    `hf_hub_download` and `from_pretrained` retry network errors with back-off (~25 s offline);
+    this probe fails in well under a second on a machine with no network (a black-holed network
+    waits for HF_HUB_ETAG_TIMEOUT, 10 s by default), and honours HF_ENDPOINT, proxies and tokens.
+    """
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    try:
+        get_hf_file_metadata(hf_hub_url(repo_id, filename, repo_type=repo_type))
+    except Exception as error:  # network, offline mode, 401/404: all mean "cannot download it now"
+        return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}".rstrip(": ")
+    return None
+
+
+def fetch_gsm8k(split: str) -> list[Example]:
+    """GSM8K `split` ('train' or 'test') from the hub's parquet file, cached in the HF cache."""
+    from huggingface_hub import hf_hub_download
+    filename = f"main/{split}-00000-of-00001.parquet"
+    download = dict(repo_id=GSM8K_REPO, filename=filename, repo_type="dataset")
+    try:
+        path = hf_hub_download(**download, local_files_only=True)
+    except Exception:  # not cached yet (or a cache error): ask the hub once before downloading
+        reason = hub_unreachable_reason(GSM8K_REPO, filename, repo_type="dataset")
+        if reason is not None:
+            raise TaskError(f"cannot fetch GSM8K {split!r} from the Hugging Face hub ({GSM8K_REPO}, {filename}: "
+                            f"{reason}), and it is not in the local HF cache. Offline, pass a local copy with "
+                            "--data path/to/gsm8k.jsonl (e.g. --data ../shared/data/gsm8k/train.jsonl; a sibling "
+                            "test.jsonl becomes the held-out set), or use --data arithmetic.") from None
+        path = hf_hub_download(**download)
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as error:
+        raise TaskError("reading GSM8K's parquet file needs pyarrow: pip install pyarrow "
+                        "(or pass a JSONL copy with --data path/to/gsm8k.jsonl).") from error
+    table = pq.read_table(path, columns=["question", "answer"]).to_pydict()
+    examples = [_gsm8k_example(q, a) for q, a in zip(table["question"], table["answer"])]
+    return [example for example in examples if example is not None]
+
+
+# --- choosing a task ---
+def load_task(data: str | None, tiny: bool, eval_size: int = 64) -> tuple[list[Example], list[Example]]:
+    """(train, held-out) examples for `--data`; the held-out list has at most `eval_size` examples.
+
+    None -> arithmetic for the tiny model, GSM8K from the hub otherwise; 'arithmetic'; 'gsm8k';
+    or a GSM8K-format JSONL path: a `train.jsonl` with a sibling `test.jsonl` is evaluated on that,
+    any other file keeps its last `eval_size` lines out of training.
+    """
+    if data is None:
+        data = "arithmetic" if tiny else "gsm8k"
+    if data == "arithmetic":
+        return arithmetic_examples("train"), arithmetic_examples("eval")[:eval_size]
+    if data == "gsm8k":
+        return fetch_gsm8k("train"), fetch_gsm8k("test")[:eval_size]
+    path = Path(data)
+    if not path.is_file():
+        raise TaskError(f"--data {data!r} is neither 'arithmetic', 'gsm8k' nor an existing file. Pass a "
+                        "GSM8K-format JSONL path (e.g. ../shared/data/gsm8k/train.jsonl), 'gsm8k' to fetch it "
+                        "from the hub, or 'arithmetic' for the built-in offline task.")
+    examples = load_gsm8k_jsonl(path)
+    sibling = path.with_name("test.jsonl")
+    if path.name == "train.jsonl" and sibling.is_file():
+        return examples, load_gsm8k_jsonl(sibling)[:eval_size]
+    if len(examples) <= eval_size:
+        raise TaskError(f"{path} has {len(examples)} examples, too few to hold out {eval_size} for evaluation "
+                        "and still train. Use a larger file, a smaller --eval-size, or put a test.jsonl next to "
+                        "a train.jsonl.")
+    return examples[:-eval_size], examples[-eval_size:]
+
+
+def prompt_token_ids(tokenizer, question: str) -> list[int]:
+    """The prompt's token ids: chat template (instruct models) or the raw text (the tiny model)."""
+    if getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
+        # tokenize=False then encode: the template's return type differs across transformers versions
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(question, add_special_tokens=False)

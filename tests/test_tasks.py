@@ -1,0 +1,210 @@
+"""Tasks (tasks.py): answers are extracted and rewarded robustly, datasets load or fail with a usable message."""
+import json
+import time
+from pathlib import Path
+
+import pytest
+from huggingface_hub import constants as hub_constants
+
+import tasks
+from tasks import Example, TaskError
+
+ROOT = Path(__file__).resolve().parents[1]
+GSM8K = ROOT.parent / "shared" / "data" / "gsm8k"
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows))
+    return path
+
+
+def gsm8k_rows(count: int, start: int = 0) -> list[dict]:
+    return [{"question": f"What is {i} + 1?", "answer": f"{i} + 1 = {i + 1}\n#### {i + 1}"}
+            for i in range(start, start + count)]
+
+
+# --- answers ---
+def test_every_gsm8k_test_answer_round_trips():
+    """Claim: the gold '#### N' of every GSM8K test line is extracted from its own solution text, equals the
+    loaded answer, and the reference solution earns reward 1."""
+    path = GSM8K / "test.jsonl"
+    if not path.is_file():
+        pytest.skip(f"GSM8K is not at {path}")
+    examples = tasks.load_gsm8k_jsonl(path)
+    solutions = [json.loads(line)["answer"] for line in path.read_text().splitlines()]
+    assert len(examples) == len(solutions) == 1319
+    for example, solution in zip(examples, solutions):
+        gold = solution.rsplit("####", 1)[1].strip().replace(",", "")
+        assert example.answer == tasks.canonical_number(gold) == tasks.extract_final_number(solution)
+        assert tasks.math_reward(example.prompt, solution, example.answer) == 1.0
+
+
+@pytest.mark.parametrize("completion, expected", [
+    ("She has 16 - 3 = 13 eggs.\n#### 13", "13"),
+    ("#### $1,080.", "1080"),
+    ("so the total is \\boxed{18.00} dollars", "18"),
+    ("First 2 then 3, so \\boxed{-4}.", "-4"),
+    ("The answer is 42. (It was 7 * 6.)", "42"),
+    ("the answer is: $2.50", "2.5"),
+    ("She pays 3 dollars, then 12.", "12"),
+    ("Temperature drops to -7.", "-7"),
+    ("12-5", "5"),  # a minus sign after a digit is subtraction, not a negative number
+    ("82", "82"),
+    ("18.0", "18"),
+    ("It costs 1,234,567 in total", "1234567"),
+    ("no digits here", None),
+    ("", None),
+])
+def test_extract_final_number(completion, expected):
+    """Claim: '#### N', \\boxed{N}, 'the answer is N' and the last number are recognised, with '$', thousands
+    commas and a trailing '.' stripped and the number canonicalised (18.00 -> 18, -4 and 2.5 kept)."""
+    assert tasks.extract_final_number(completion) == expected
+
+
+def test_format_priority():
+    """Claim: an explicit '####' answer wins over numbers written after it, and \\boxed over earlier numbers."""
+    assert tasks.extract_final_number("#### 7\nCheck: 3 + 4 = 7, and 10 more") == "7"
+    assert tasks.extract_final_number("\\boxed{5} since 2 + 3") == "5"
+
+
+@pytest.mark.parametrize("completion, answer, reward", [
+    ("#### 18", "18", 1.0),
+    ("#### 18.00", "18", 1.0),
+    ("$1,080", "1080", 1.0),
+    ("#### 17", "18", 0.0),
+    ("I don't know", "18", 0.0),
+    ("2.5", "2.50", 1.0),
+    ("-3", "3", 0.0),
+])
+def test_math_reward(completion, answer, reward):
+    """Claim: the reward is 1.0 exactly when the final number equals the answer numerically."""
+    assert tasks.math_reward("q", completion, answer) == reward
+
+
+# --- arithmetic ---
+def test_arithmetic_splits_are_disjoint_complete_and_deterministic():
+    """Claim: train and eval never share a prompt, together cover every operand pair once, answers are the
+    sums, and two calls give the same lists in the same order."""
+    train, held_out = tasks.arithmetic_examples("train"), tasks.arithmetic_examples("eval")
+    assert train == tasks.arithmetic_examples("train") and held_out == tasks.arithmetic_examples("eval")
+    assert not {e.prompt for e in train} & {e.prompt for e in held_out}
+    operands = len(tasks.ARITHMETIC_OPERANDS)
+    assert len(train) + len(held_out) == len({e.prompt for e in train + held_out}) == operands ** 2
+    assert 0.05 < len(held_out) / operands ** 2 < 0.15
+    for example in train + held_out:
+        a, b = example.prompt.rstrip("=").split("+")
+        assert example.answer == str(int(a) + int(b))
+    with pytest.raises(TaskError):
+        tasks.arithmetic_examples("test")
+
+
+# --- rewards by name ---
+def test_load_reward_builtin_module_and_file(tmp_path, monkeypatch):
+    """Claim: 'math' is the built-in reward; 'module:function' imports a module; 'file.py:function' loads a file."""
+    assert tasks.load_reward("math") is tasks.math_reward
+    (tmp_path / "my_rewards.py").write_text("def length(prompt, completion, answer):\n    return len(completion)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert tasks.load_reward("my_rewards:length")("p", "abc", "a") == 3
+    assert tasks.load_reward(f"{tmp_path / 'my_rewards.py'}:length")("p", "abcd", "a") == 4
+
+
+@pytest.mark.parametrize("spec, mentioned", [
+    ("nonsense", "'math'"),
+    ("no_such_module_xyz:f", "no_such_module_xyz"),
+    ("missing/file.py:f", "missing/file.py"),
+    ("tasks:no_such_function", "no_such_function"),
+    ("tasks:GSM8K_REPO", "GSM8K_REPO"),  # exists but is not callable
+])
+def test_load_reward_errors_name_what_was_not_found(spec, mentioned):
+    """Claim: a bad --reward raises TaskError naming the missing module, file or function."""
+    with pytest.raises(TaskError) as error:
+        tasks.load_reward(spec)
+    assert mentioned in str(error.value)
+
+
+# --- GSM8K files ---
+@pytest.mark.parametrize("lines, line_number", [
+    ([json.dumps(gsm8k_rows(1)[0]), "{not json"], 2),
+    ([json.dumps({"question": "q", "answer": "no final answer"})], 1),
+    ([json.dumps(gsm8k_rows(1)[0]), "", json.dumps({"question": "q"})], 3),
+])
+def test_load_gsm8k_jsonl_errors_name_file_and_line(tmp_path, lines, line_number):
+    """Claim: bad JSON, a missing key or a missing '####' raises TaskError naming the file and the line."""
+    path = write_jsonl(tmp_path / "bad.jsonl", lines)
+    with pytest.raises(TaskError) as error:
+        tasks.load_gsm8k_jsonl(path)
+    assert str(path) in str(error.value) and f"line {line_number}" in str(error.value)
+
+
+def test_load_gsm8k_jsonl_missing_file(tmp_path):
+    """Claim: a missing file raises TaskError naming it and suggesting --data."""
+    with pytest.raises(TaskError, match="--data") as error:
+        tasks.load_gsm8k_jsonl(tmp_path / "absent.jsonl")
+    assert "absent.jsonl" in str(error.value)
+
+
+# --- choosing a task ---
+def test_load_task_builtin_arithmetic():
+    """Claim: the tiny model's default task is arithmetic, with the held-out split cut to eval_size."""
+    train, held_out = tasks.load_task(None, tiny=True, eval_size=10)
+    assert train == tasks.arithmetic_examples("train") and held_out == tasks.arithmetic_examples("eval")[:10]
+    assert tasks.load_task("arithmetic", tiny=False, eval_size=10) == (train, held_out)
+
+
+def test_load_task_train_file_uses_sibling_test_file(tmp_path):
+    """Claim: --data .../train.jsonl trains on every line and evaluates on the sibling test.jsonl."""
+    write_jsonl(tmp_path / "train.jsonl", gsm8k_rows(20))
+    write_jsonl(tmp_path / "test.jsonl", gsm8k_rows(8, start=100))
+    train, held_out = tasks.load_task(str(tmp_path / "train.jsonl"), tiny=False, eval_size=5)
+    assert len(train) == 20 and [e.answer for e in held_out] == ["101", "102", "103", "104", "105"]
+
+
+def test_load_task_other_file_holds_out_its_last_lines(tmp_path):
+    """Claim: any other JSONL file keeps its last eval_size examples out of training."""
+    path = write_jsonl(tmp_path / "mine.jsonl", gsm8k_rows(20))
+    write_jsonl(tmp_path / "test.jsonl", gsm8k_rows(3))  # not used: the file is not named train.jsonl
+    train, held_out = tasks.load_task(str(path), tiny=False, eval_size=5)
+    assert len(train) == 15 and held_out == tasks.load_gsm8k_jsonl(path)[15:]
+    with pytest.raises(TaskError, match="too few"):
+        tasks.load_task(str(path), tiny=False, eval_size=20)
+    with pytest.raises(TaskError, match="arithmetic"):
+        tasks.load_task(str(tmp_path / "nope.jsonl"), tiny=False)
+
+
+def test_load_task_real_gsm8k_file():
+    """Claim: the shared GSM8K copy loads as 7473 train and eval_size test examples."""
+    if not (GSM8K / "train.jsonl").is_file():
+        pytest.skip(f"GSM8K is not at {GSM8K}")
+    train, held_out = tasks.load_task(str(GSM8K / "train.jsonl"), tiny=False, eval_size=64)
+    assert len(train) == 7473 and len(held_out) == 64 and held_out[0].answer == "18"
+
+
+def test_fetch_gsm8k_offline_fails_fast_with_advice(tmp_path, monkeypatch):
+    """Claim: without the hub and an empty HF cache, fetching GSM8K fails within seconds (no retry back-off)
+    with a TaskError that says to pass --data path/to/gsm8k.jsonl."""
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path))
+    start = time.perf_counter()
+    with pytest.raises(TaskError, match="--data path/to/gsm8k.jsonl"):
+        tasks.load_task("gsm8k", tiny=False)
+    assert time.perf_counter() - start < 10
+
+
+# --- prompts ---
+def test_prompt_token_ids_raw_text_or_chat_template():
+    """Claim: a tokenizer without a chat template gets the raw question; with one, the template wraps the
+    question with the system instruction and ends with the assistant's generation prompt."""
+    from models import tiny_tokenizer
+    tokenizer = tiny_tokenizer()
+    assert tasks.prompt_token_ids(tokenizer, "37+45=") == tokenizer.encode("37+45=", add_special_tokens=False)
+    tokenizer.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+                               "{% if add_generation_prompt %}<assistant>{% endif %}")
+    text = tokenizer.decode(tasks.prompt_token_ids(tokenizer, "What is 2+2?"))
+    assert text == f"<system>{tasks.SYSTEM_PROMPT}\n<user>What is 2+2?\n<assistant>"
+    assert "####" in tasks.SYSTEM_PROMPT  # the format extract_final_number looks for first
+
+
+def test_example_is_frozen():
+    """Claim: examples are immutable values (safe to share between processes and as dict keys)."""
+    with pytest.raises(AttributeError):
+        Example("1+1=", "2").answer = "3"
