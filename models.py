@@ -1,0 +1,311 @@
+"""Models: load a policy and its tokenizer by name, and build the offline `tiny` model.
+
+Every model, the tiny one included, is a Hugging Face directory loaded through
+`AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained`, so the training code has one
+path. A name is resolved in this order:
+
+    "tiny"            -> built once (20-40 s on 2 CPU cores) into $PERIODIC_RL_CACHE (~/.cache/periodic-rl)
+    alias             -> hub id, e.g. qwen2.5-0.5b -> Qwen/Qwen2.5-0.5B-Instruct (the paper's Qwen2.5 family)
+    local directory   -> that directory
+    hub id            -> the HF cache first, then the hub
+
+The tiny model is a 2-layer Qwen2 (hidden 128, 4 heads, 2 KV heads, 0.33 M parameters) with a
+byte-level tokenizer (one token per character for ASCII). It is warmed up with supervised learning
+on the arithmetic train split (tasks.py), then deliberately made *diffuse*: the final RMSNorm weight
+g is divided by a temperature tau, so with tied embeddings W_emb
+
+    logits = W_emb (rmsnorm(h) * g / tau) = (W_emb (rmsnorm(h) * g)) / tau
+
+Every argmax is kept (held-out greedy accuracy 0.95) while sampling at temperature 1 finds the gold
+answer ~0.23 of the time (3 seeds: 0.20-0.26). tau (~1.9) is calibrated on the train split so that
+the mean teacher-forced probability of "answer<|endoftext|>" is `target_sampled_accuracy`. GRPO
+can then sharpen the policy quickly, which is what the offline demo needs to show.
+
+Deliberate departures:
+1. The tiny model's weak start is manufactured (the temperature above), not the result of a short or
+   noisy pre-training; it is an honest stand-in for "knows the answer, samples it unreliably".
+2. A hub id is looked up in the HF cache first (`local_files_only=True`) and the hub is then asked
+   once without retries (tasks.hub_unreachable_reason): offline, transformers would retry each file
+   with back-off for ~25 s before failing. A cached model is therefore never re-validated online.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from huggingface_hub import constants as hub_constants
+from huggingface_hub.errors import HfHubHTTPError
+from tokenizers import Tokenizer, decoders, models as tokenizer_models, normalizers, pre_tokenizers
+from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase,
+                          PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM)
+
+from tasks import arithmetic_examples, hub_unreachable_reason
+
+TINY = "tiny"
+MODEL_ALIASES = {f"qwen2.5-{size}": f"Qwen/Qwen2.5-{size.upper()}-Instruct"
+                 for size in ("0.5b", "1.5b", "3b", "7b", "14b", "32b", "72b")}
+_LOAD_ERRORS = (OSError, ValueError, HfHubHTTPError)  # what from_pretrained raises for "not loadable"
+
+
+class ModelNotFoundError(RuntimeError):
+    """A model name could not be loaded; the message lists what was tried and how to fix it."""
+
+
+# --- resolving names ---
+def resolve_model(name: str) -> str:
+    """Alias -> hub id ('qwen2.5-7b' -> 'Qwen/Qwen2.5-7B-Instruct'); anything else unchanged ('~' expanded)."""
+    return MODEL_ALIASES.get(name.lower(), os.path.expanduser(name))
+
+
+def _looks_like_path(name: str) -> bool:
+    """'./m', '/abs/m', 'a/b/c' are paths; 'org/name' and 'gpt2' are hub ids."""
+    return name.startswith((".", "/", "~")) or "\\" in name or name.count("/") > 1
+
+
+def _fix_message(name: str, tried: list[str], hub_id: str | None) -> str:
+    download = (f"pre-download it where the hub is reachable with `hf download {hub_id}` (`huggingface-cli "
+                f"download` on older huggingface_hub) and point HF_HOME at that cache, " if hub_id else "")
+    return (f"could not load model {name!r}. Tried: {'; '.join(tried)}. To fix: pass a local Hugging Face model "
+            f"directory (--model path/to/model, with config.json, weights and tokenizer files), {download}"
+            f"or use --model tiny (built in, offline). Aliases: {', '.join(MODEL_ALIASES)}.")
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+
+
+# --- loading ---
+def _from_pretrained(source: str, device: str, dtype: torch.dtype, attn_implementation: str,
+                     local_files_only: bool) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn_implementation,
+                                                 local_files_only=local_files_only)  # first: clearest error
+    tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_files_only)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token  # generation pads finished rows; they are masked out anyway
+    return model.to(device), tokenizer
+
+
+def load_model(name: str = TINY, device: str = "cpu", dtype: torch.dtype = torch.float32,
+               attn_implementation: str = "sdpa", cache_dir: str | None = None,
+               ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """(model, tokenizer) for `name`: 'tiny', an alias, a local directory or a hub id.
+
+    `cache_dir` is where the tiny model is cached (default $PERIODIC_RL_CACHE or ~/.cache/periodic-rl);
+    hub models use the usual HF cache (HF_HOME). Raises ModelNotFoundError with what was tried.
+    """
+    args = (device, dtype, attn_implementation)
+    if name == TINY:
+        return _from_pretrained(str(ensure_tiny_model(cache_dir)), *args, local_files_only=True)
+    source = resolve_model(name)
+    tried = [f"alias {name!r} -> hub id {source!r}"] if name.lower() in MODEL_ALIASES else []
+    if os.path.isdir(source):
+        try:
+            return _from_pretrained(source, *args, local_files_only=True)
+        except _LOAD_ERRORS as error:
+            raise ModelNotFoundError(_fix_message(name, tried + [f"local directory {source} ({_one_line(error)})"],
+                                                  None)) from error
+    tried.append(f"no local directory {os.path.abspath(source)}")
+    if _looks_like_path(source):
+        raise ModelNotFoundError(_fix_message(name, tried, None))
+    try:
+        return _from_pretrained(source, *args, local_files_only=True)
+    except _LOAD_ERRORS:
+        tried.append(f"the HF cache {hub_constants.HF_HUB_CACHE} (not there, or incomplete)")
+    reason = hub_unreachable_reason(source, "config.json")
+    if reason is not None:
+        raise ModelNotFoundError(_fix_message(name, tried + [f"the hub {hub_constants.ENDPOINT} ({reason})"], source))
+    try:
+        return _from_pretrained(source, *args, local_files_only=False)
+    except _LOAD_ERRORS as error:
+        raise ModelNotFoundError(_fix_message(name, tried + [f"downloading from the hub ({_one_line(error)})"],
+                                              source)) from error
+
+
+# --- the tiny model ---
+@dataclass(frozen=True)
+class TinyRecipe:
+    """Everything that decides the cached tiny model; its hash names the cache folder."""
+    hidden_size: int = 128
+    intermediate_size: int = 256  # 2x hidden, not Qwen's ~5x: as accurate here and a third faster
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    warmup_steps: int = 600  # AdamW steps on the arithmetic train split: ~16 s on 2 idle CPU cores
+    batch_size: int = 128
+    lr: float = 2e-3  # 3e-3 sometimes never leaves the plateau; 2e-3 reached 0.87-0.97 greedy over 4 seeds
+    target_sampled_accuracy: float = 0.25  # what the temperature tau is calibrated to
+    seed: int = 0
+    version: int = 2  # bump when the code below changes what gets built
+
+
+TINY_RECIPE = TinyRecipe()
+EOS, PAD = "<|endoftext|>", "<|pad|>"
+
+
+def recipe_key(recipe: TinyRecipe) -> str:
+    return hashlib.sha256(json.dumps(dataclasses.asdict(recipe), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per UTF-8 byte: ASCII text is character-level, any other text still tokenizes (as bytes).
+
+    Built as a byte-level BPE with no merges, exactly the pipeline transformers' Qwen2Tokenizer
+    rebuilds from a saved tokenizer.json: AutoTokenizer picks that class for every qwen2 model
+    (transformers 5) and would otherwise replace a custom pre-tokenizer, e.g. drop the spaces.
+    """
+    byte_symbols = sorted(pre_tokenizers.ByteLevel.alphabet())  # the 256 printable stand-ins for bytes
+    vocab = {token: index for index, token in enumerate([EOS, PAD] + byte_symbols)}
+    tokenizer = Tokenizer(tokenizer_models.BPE(vocab=vocab, merges=[]))
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS, pad_token=PAD)
+
+
+def tiny_model(tokenizer: PreTrainedTokenizerBase, recipe: TinyRecipe, seed: int) -> Qwen2ForCausalLM:
+    """A randomly initialised small Qwen2 (the architecture of the paper's models)."""
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=recipe.hidden_size, intermediate_size=recipe.intermediate_size,
+        num_hidden_layers=recipe.layers, num_attention_heads=recipe.heads, num_key_value_heads=recipe.kv_heads,
+        max_position_embeddings=4096,  # GSM8K questions are up to ~1000 characters
+        tie_word_embeddings=True, bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id)
+    with torch.random.fork_rng():  # seed the init without disturbing the caller's RNG
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def build_tiny_model(out_dir: Path, seed: int = 0) -> None:
+    """Save an untrained tiny model + tokenizer to `out_dir` (safetensors), loadable by from_pretrained."""
+    tokenizer = tiny_tokenizer()
+    tiny_model(tokenizer, TINY_RECIPE, seed).save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+
+
+def _answer_batch(tokenizer: PreTrainedTokenizerBase) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded 'a+b=' + answer + EOS ids and labels (-100 except on answer + EOS) for the train split.
+
+    >>> # '7+5=12<eos><pad>' -> labels [-100, -100, -100, -100, '1', '2', <eos>, -100]
+    """
+    rows = []
+    for example in arithmetic_examples("train"):
+        prompt = tokenizer.encode(example.prompt, add_special_tokens=False)
+        answer = tokenizer.encode(example.answer, add_special_tokens=False) + [tokenizer.eos_token_id]
+        rows.append((prompt + answer, [-100] * len(prompt) + answer))
+    length = max(len(ids) for ids, _ in rows)
+    input_ids = torch.tensor([ids + [tokenizer.pad_token_id] * (length - len(ids)) for ids, _ in rows])  # (N, L)
+    labels = torch.tensor([lab + [-100] * (length - len(lab)) for _, lab in rows])  # (N, L)
+    return input_ids, labels
+
+
+def warm_up_tiny(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, steps: int, batch_size: int,
+                 lr: float, seed: int = 0) -> float:
+    """Supervised next-token training on the arithmetic train split; returns the last loss.
+
+    Right padding needs no attention mask: causal attention never looks at the pads after a sequence.
+    """
+    input_ids, labels = _answer_batch(tokenizer)
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(  # 50 steps of linear warm-up, then cosine to 0
+        optimizer, lambda step: min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step / steps)))
+    model.train()
+    loss = torch.tensor(float("nan"))
+    for _ in range(steps):
+        batch = torch.randint(len(input_ids), (batch_size,), generator=generator)  # (B,)
+        loss = model(input_ids=input_ids[batch], labels=labels[batch]).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+    model.eval()
+    return loss.item()
+
+
+@torch.no_grad()
+def gold_log_probs(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[torch.Tensor, torch.Tensor]:
+    """Answer-position logits (N, L, V) and gold targets (N, L) of the train split, for calibrating tau."""
+    input_ids, labels = _answer_batch(tokenizer)
+    logits = model(input_ids=input_ids).logits[:, :-1]  # (N, L-1, V): position t predicts token t+1
+    return logits, labels[:, 1:]  # (N, L-1)
+
+
+def expected_accuracy(logits: torch.Tensor, targets: torch.Tensor, tau: float) -> float:
+    """Mean over prompts of P(answer + EOS) when sampling at temperature 1 from logits / tau."""
+    log_probs = torch.log_softmax(logits / tau, dim=-1)  # (N, L, V)
+    mask = targets != -100  # (N, L)
+    gold = log_probs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1) * mask  # (N, L)
+    return gold.sum(-1).exp().mean().item()
+
+
+def flatten_policy(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, target: float) -> float:
+    """Divide the final norm weight by the tau that brings expected sampled accuracy down to `target`."""
+    logits, targets = gold_log_probs(model, tokenizer)
+    low, high = 1.0, 64.0  # bisection on log tau: accuracy falls as tau grows
+    if expected_accuracy(logits, targets, low) <= target:
+        return 1.0  # already diffuse enough (a very short warm-up): leave the model as it is
+    for _ in range(30):
+        tau = math.sqrt(low * high)
+        low, high = (tau, high) if expected_accuracy(logits, targets, tau) > target else (low, tau)
+    tau = math.sqrt(low * high)
+    with torch.no_grad():
+        model.model.norm.weight.div_(tau)  # tied embeddings: logits are linear in this weight
+    return tau
+
+
+def cache_root(cache_dir: str | Path | None = None) -> Path:
+    return Path(cache_dir or os.environ.get("PERIODIC_RL_CACHE") or "~/.cache/periodic-rl").expanduser()
+
+
+def ensure_tiny_model(cache_dir: str | Path | None = None, recipe: TinyRecipe | None = None) -> Path:
+    """The warmed-up tiny model's directory, building it first if it is not cached.
+
+    Built in a temporary folder and renamed into place, so a killed build leaves no half-written
+    model; when two processes build at once, the first rename wins and the other's copy is dropped.
+    """
+    recipe = recipe or TINY_RECIPE  # read at call time so tests can swap in a short recipe
+    root = cache_root(cache_dir)
+    final = root / f"tiny-{recipe_key(recipe)}"
+    if (final / "config.json").is_file():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    print(f"periodic-rl: building the tiny model once into {final} ...", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    building = Path(tempfile.mkdtemp(prefix=".building-", dir=root))
+    threads = torch.get_num_threads()
+    # One thread: the same model whatever the caller's thread count, and on busy shared cores 4x
+    # faster than two threads spin-waiting on each other (53 s vs 213 s measured at load average 4.5).
+    torch.set_num_threads(1)
+    try:
+        tokenizer = tiny_tokenizer()
+        model = tiny_model(tokenizer, recipe, recipe.seed)
+        loss = warm_up_tiny(model, tokenizer, recipe.warmup_steps, recipe.batch_size, recipe.lr, recipe.seed)
+        tau = flatten_policy(model, tokenizer, recipe.target_sampled_accuracy)
+        model.save_pretrained(building)
+        tokenizer.save_pretrained(building)
+        (building / "recipe.json").write_text(json.dumps(
+            {**dataclasses.asdict(recipe), "final_loss": loss, "tau": tau}, indent=1))
+        try:
+            building.rename(final)
+        except OSError:  # another process finished first: its model is the same recipe
+            if not (final / "config.json").is_file():
+                raise
+    finally:
+        torch.set_num_threads(threads)
+        shutil.rmtree(building, ignore_errors=True)
+    print(f"periodic-rl: tiny model ready in {time.perf_counter() - start:.0f}s (loss {loss:.3f}, tau {tau:.2f})",
+          file=sys.stderr, flush=True)
+    return final

@@ -1,0 +1,182 @@
+"""Models (models.py): the tiny model loads like a real one, names resolve, failures are fast and clear,
+and the warmed-up tiny model is built once and starts weak but knowledgeable."""
+import time
+
+import pytest
+import torch
+from huggingface_hub import constants as hub_constants
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import models
+from models import ModelNotFoundError, TinyRecipe
+from tasks import arithmetic_examples, math_reward
+
+QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+            "How many clips did Natalia sell altogether in April and May?")
+
+
+def held_out_accuracy(model, tokenizer, do_sample: bool, seed: int = 0, max_new_tokens: int = 4) -> float:
+    """Mean math_reward of one completion per held-out arithmetic prompt (left-padded batch)."""
+    examples = arithmetic_examples("eval")
+    tokenizer.padding_side = "left"
+    batch = tokenizer([e.prompt for e in examples], return_tensors="pt", padding=True, add_special_tokens=False)
+    sampling = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0) if do_sample else dict(do_sample=False)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=max_new_tokens, **sampling)  # (N, P + new)
+    completions = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+    return sum(math_reward(e.prompt, c, e.answer) for e, c in zip(examples, completions)) / len(examples)
+
+
+@pytest.fixture
+def short_recipe(tmp_path, monkeypatch):
+    """A 3-step warm-up in a private cache: what load_model('tiny') builds inside this test."""
+    monkeypatch.setenv("PERIODIC_RL_CACHE", str(tmp_path / "cache"))
+    recipe = TinyRecipe(warmup_steps=3)
+    monkeypatch.setattr(models, "TINY_RECIPE", recipe)
+    return recipe
+
+
+# --- the tiny model is an ordinary Hugging Face model ---
+def test_tiny_model_round_trips_through_from_pretrained(tiny_model_dir):
+    """Claim: the saved tiny model and tokenizer load back through the Auto classes with identical logits,
+    and the character tokenizer round-trips arithmetic and (ASCII) GSM8K text exactly."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    reference = models.tiny_model(models.tiny_tokenizer(), models.TINY_RECIPE, seed=0).eval()
+    ids = torch.tensor([tokenizer.encode("37+45=82", add_special_tokens=False)])  # (1, 8)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+    for text in ["37+45=", "0+0=0", "49+49=98", QUESTION]:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert len(ids) == len(text) and tokenizer.decode(ids) == text
+    assert tokenizer.chat_template is None and tokenizer.eos_token == "<|endoftext|>"
+    assert model.config.eos_token_id == tokenizer.eos_token_id != tokenizer.pad_token_id
+
+
+def test_tiny_tokenizer_accepts_any_text(tiny_model_dir):
+    """Claim: any text tokenizes, one token per UTF-8 byte (GSM8K has '’', '€'), decodes back exactly, and the
+    tokenizer AutoTokenizer loads (transformers 5 picks Qwen2Tokenizer for a qwen2 model) gives the same ids."""
+    loaded, built = AutoTokenizer.from_pretrained(tiny_model_dir), models.tiny_tokenizer()
+    for text in ["Janet’s ducks cost 5€ — 日本\n\tok  ", "12+7=19", QUESTION]:
+        ids = built.encode(text, add_special_tokens=False)
+        assert ids == loaded.encode(text, add_special_tokens=False)
+        assert len(ids) == len(text.encode()) and built.decode(ids) == text
+
+
+# --- names ---
+def test_resolve_model():
+    """Claim: every Qwen2.5 Instruct size has an alias (case-insensitive); other names pass through."""
+    assert models.resolve_model("qwen2.5-0.5b") == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert models.resolve_model("Qwen2.5-72B") == "Qwen/Qwen2.5-72B-Instruct"
+    assert set(models.MODEL_ALIASES) == {f"qwen2.5-{s}" for s in ("0.5b", "1.5b", "3b", "7b", "14b", "32b", "72b")}
+    assert models.resolve_model("org/model") == "org/model"
+    assert models.resolve_model("./runs/latest/policy") == "./runs/latest/policy"
+
+
+def test_load_model_local_directory(tiny_model_dir):
+    """Claim: a local directory loads, with the tokenizer's pad token set."""
+    model, tokenizer = models.load_model(str(tiny_model_dir), dtype=torch.float32)
+    assert model.config.model_type == "qwen2" and tokenizer.pad_token is not None
+
+
+# --- failures are fast and say what to do ---
+def test_missing_local_path_is_not_looked_up_on_the_hub(tmp_path):
+    """Claim: a path that does not exist raises ModelNotFoundError naming it and suggesting --model tiny."""
+    missing = tmp_path / "no" / "such-model"
+    with pytest.raises(ModelNotFoundError) as error:
+        models.load_model(str(missing))
+    assert str(missing) in str(error.value) and "--model tiny" in str(error.value)
+
+
+def test_directory_that_is_not_a_model(tmp_path):
+    """Claim: an existing directory without a model raises ModelNotFoundError (not a raw OSError)."""
+    with pytest.raises(ModelNotFoundError, match="--model tiny"):
+        models.load_model(str(tmp_path))
+
+
+def test_alias_offline_fails_fast_with_what_was_tried(monkeypatch):
+    """Claim: offline, an alias fails within seconds (no retry back-off) and the message lists the alias's
+    hub id, the HF cache and the hub, and how to fix it (hf download, HF_HOME, --model tiny)."""
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(models, "_from_pretrained", _never_cached)
+    start = time.perf_counter()
+    with pytest.raises(ModelNotFoundError) as error:
+        models.load_model("qwen2.5-0.5b")
+    assert time.perf_counter() - start < 10
+    message = str(error.value)
+    for part in ("Qwen/Qwen2.5-0.5B-Instruct", "HF cache", "the hub", "hf download", "HF_HOME", "--model tiny"):
+        assert part in message
+
+
+def _never_cached(source, *args, local_files_only):
+    """from_pretrained as on a machine whose HF cache is empty."""
+    assert local_files_only, "the hub must not be asked for files once the probe said it is unreachable"
+    raise OSError(f"{source} is not in the cache")
+
+
+def test_unknown_hub_id_fails_fast():
+    """Claim: a hub id that is neither cached nor downloadable fails within a minute with ModelNotFoundError,
+    online (404) or offline (no network), instead of hanging in retries."""
+    start = time.perf_counter()
+    with pytest.raises(ModelNotFoundError, match="--model tiny"):
+        models.load_model("periodic-rl-tests/no-such-model")
+    assert time.perf_counter() - start < 60
+
+
+# --- the warmed-up tiny model ---
+def test_tiny_model_is_built_once_and_cached(short_recipe, monkeypatch, tmp_path):
+    """Claim: load_model('tiny') builds into $PERIODIC_RL_CACHE/tiny-<recipe hash> once; a second load reuses
+    it without warming up again; another recipe gets its own folder; no temporary folder is left behind."""
+    warm_ups = []
+    real_warm_up = models.warm_up_tiny
+    monkeypatch.setattr(models, "warm_up_tiny", lambda *a, **k: warm_ups.append(1) or real_warm_up(*a, **k))
+    model, tokenizer = models.load_model("tiny")
+    folder = tmp_path / "cache" / f"tiny-{models.recipe_key(short_recipe)}"
+    weights_mtime = (folder / "model.safetensors").stat().st_mtime_ns
+    again, _ = models.load_model("tiny")
+    assert len(warm_ups) == 1 and (folder / "model.safetensors").stat().st_mtime_ns == weights_mtime
+    for p, q in zip(model.parameters(), again.parameters()):
+        assert torch.equal(p, q)
+    monkeypatch.setattr(models, "TINY_RECIPE", TinyRecipe(warmup_steps=4))
+    models.load_model("tiny")
+    assert len(warm_ups) == 2 and sorted(p.name for p in (tmp_path / "cache").iterdir()) == sorted(
+        [folder.name, f"tiny-{models.recipe_key(models.TINY_RECIPE)}"])
+
+
+def test_killed_build_leaves_no_cache(short_recipe, monkeypatch, tmp_path):
+    """Claim: a build that dies half-way leaves neither a model folder nor a temporary folder."""
+    def dies(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(models, "warm_up_tiny", dies)
+    with pytest.raises(KeyboardInterrupt):
+        models.load_model("tiny")
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
+def test_flatten_policy_keeps_the_argmax_and_hits_the_target():
+    """Claim: flattening divides every logit by tau (so greedy decoding is unchanged) and brings the expected
+    sampled accuracy of the train split to the target."""
+    tokenizer = models.tiny_tokenizer()
+    model = models.tiny_model(tokenizer, models.TINY_RECIPE, seed=0)
+    models.warm_up_tiny(model, tokenizer, steps=5, batch_size=32, lr=1e-2)
+    logits, targets = models.gold_log_probs(model, tokenizer)  # (N, L, V), (N, L)
+    target = models.expected_accuracy(logits, targets, 1.0) / 2
+    tau = models.flatten_policy(model, tokenizer, target)
+    flat_logits, _ = models.gold_log_probs(model, tokenizer)
+    assert tau > 1 and torch.allclose(flat_logits, logits / tau, atol=1e-5)
+    assert torch.equal(flat_logits.argmax(-1), logits.argmax(-1))
+    assert models.expected_accuracy(flat_logits, targets, 1.0) == pytest.approx(target, rel=1e-3)
+
+
+def test_default_tiny_model_starts_weak_but_knows_the_answers():
+    """Claim: the default warmed-up tiny model (built once into the real cache, ~20 s on 2 idle cores)
+    answers held-out sums greedily with accuracy >= 0.6 but samples them (temperature 1, top_p 1) only
+    0.15-0.35 of the time: room for GRPO to gain >= 0.3 by sharpening."""
+    model, tokenizer = models.load_model("tiny")
+    greedy = held_out_accuracy(model, tokenizer, do_sample=False)
+    sampled = sum(held_out_accuracy(model, tokenizer, do_sample=True, seed=s) for s in range(2)) / 2
+    assert greedy >= 0.6, greedy
+    assert 0.15 <= sampled <= 0.35, sampled
+    assert greedy - sampled >= 0.3
