@@ -17,7 +17,9 @@ with segment ids s (0 on the prompt, i on response i) and
 Every token then sees exactly the keys, at exactly the rotary positions, it would see in its own
 row [p | r_i]; attention is the only place tokens mix, so per-token log-probs and gradients equal
 the unpacked ones up to float summation order. Tokens drop from G(P+R) to P+GR (5.67x at P=512,
-R=32, G=8); dense attention grows from G(P+R)^2 to (P+GR)^2, which is why `packing_pays` exists.
+R=32, G=8). Attention shrinks less: the mask allows P^2/2 + Σ R_i(P + R_i/2) score pairs of the
+(P+GR)^2, against G(P+R)^2/2 unpacked, so where prompts are short and responses long packing saves
+little or loses; `packing_pays` decides.
 
 Worked example, P=3, G=2, responses a (length 2) and b (length 1):
 
@@ -38,37 +40,46 @@ Worked example, P=3, G=2, responses a (length 2) and b (length 1):
 
 Several groups in one micro-batch are several right-padded rows (segment id -1 on padding).
 
-How a layout reaches a Hugging Face model: `input_ids` (B, L), explicit `position_ids` (B, L) and
-a 4D `attention_mask` (B, 1, L, L), which transformers passes to the attention kernel untouched
-(`masking_utils._preprocess_mask_arguments`; checked on transformers 5.23). The kernels read it
-differently, see departure 2.
+How a layout reaches a Hugging Face model: `input_ids` (B, L) and explicit `position_ids` (B, L)
+always, so rotary embeddings (applied before attention) are already right; then one of two kernels:
+- sdpa models: `shared_prompt_attention`, registered with `transformers.AttentionInterface` and
+  switched in for the forward only (`model.set_attn_implementation`). It never builds the mask: per
+  row it runs the prompt through causal SDPA, and all G responses at once against [prompt | own
+  response] with a causal (R, R) block, i.e. only the blocks the mask allows. The layout travels as
+  `shared_prompt_rows`, a model-call keyword that transformers forwards to the attention function
+  (checked on 5.23), and `attention_mask=None`, which a kernel unknown to transformers' mask
+  registry receives as is.
+- the fallback, eager models or activation checkpointing: the dense mask, a 4D `attention_mask`
+  (B, 1, L, L) that transformers passes to the kernel untouched
+  (`masking_utils._preprocess_mask_arguments`); see departures 2 and 3.
 
 Deliberate choices and departures:
-1. Dense (B, 1, L, L) mask, built vectorised from segment ids; no block-sparse kernel. Attention
-   still spends work on the response x response blocks it then masks out, so packing loses when
-   responses are long relative to the prompt: `packing_pays` decides per group, and
-   `batch_logprobs(mode="auto")` falls back to plain rows there. The mask itself is small next to
-   the activations (bool, B·L^2 bytes: 0.6 MiB at L=768, 9 MiB at L=3072), so it is not cached.
-   Tried and dropped: running the prompt as a first, plain causal, KV-cached chunk and the
-   responses as a second chunk under rows P.. of the mask. Exact, and it skips the masked blocks
-   of the prompt, but it measured no faster on CPU, where the causal kernel saves far less than half.
-2. Mask dtype follows the kernel (`to_model_mask`): boolean (True = attend) for `sdpa`, which
-   takes it directly; additive float (0 or the dtype's min) for `eager`, which *adds* the mask to
-   the scores, so a boolean mask there would add 1 to allowed scores and 0 to forbidden ones,
-   i.e. mask nothing. Other kernels (flash_attention_2, flex) do not take a dense 4D mask: error.
-3. Padding tokens attend to themselves only, so no softmax row is empty (no NaN) and no real
-   token ever sees them; their outputs are discarded.
+1. The structured kernel replaces the model's own only during the forward; backward reuses the
+   saved graph. Activation checkpointing re-runs attention in backward, after the switch is undone,
+   so it gets the dense mask instead. On one CPU core at P=512, R=32, G=8 it cut a layer's attention
+   (forward + backward) from ~22 to ~17 ms, not to the 45% its pair count suggests: CPU kernels skip
+   little of a causal block. Tried and dropped: SDPA with a boolean (R, P+R) mask for the responses
+   (slower backward), chunking the prompt into causal pieces (no faster). Responses are padded to
+   the longest in the row; their (R, R) blocks are computed whole.
+2. Dense mask (fallback) dtype follows the kernel (`to_model_mask`): boolean (True = attend) for
+   `sdpa`; additive float (0 or the dtype's min) for `eager`, which *adds* the mask to the scores,
+   so a boolean mask there would add 1 to allowed scores and 0 to forbidden ones, i.e. mask
+   nothing. Other kernels (flash_attention_2, flex) take neither: error.
+3. Padding never reaches a real token: the structured kernel gives padding zeros; under the dense
+   mask a pad token attends only to itself, so no softmax row is empty (no NaN). Pad outputs are
+   discarded.
 4. Only the positions that predict a response token get logits, through `logits_to_keep` as a
    1-D index (the form older transformers take too; newer ones also take 2-D). One index serves
    all rows, so with several rows it is the union of their positions: exact for one group, some
    wasted logits when rows' layouts differ.
 5. Log-probs are of `logits / temperature` in float32 (as TRL), so they match the sampling
-   distribution. Sliding-window layers (e.g. Mistral) would get this full mask and ignore their
-   window: keep L within the window for such models.
+   distribution. Sliding-window layers (e.g. Mistral) ignore their window in both kernels: keep
+   P + max R_i within the window for such models.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from contextlib import contextmanager
+from typing import Iterator, NamedTuple, Sequence
 
 import torch
 from torch import Tensor
@@ -77,12 +88,12 @@ from torch.nn.utils.rnn import pad_sequence
 Group = tuple[Tensor, Sequence[Tensor]]  # (prompt_ids (P,), [response_ids (R_i,), ...])
 MODES = ("packed", "unpacked", "auto")
 
-# Row length at which a dense-masked row's attention costs as much as all its per-token work
-# (projections, MLP), forward + backward: least-squares fit of `packing_pays`'s cost model to the
-# `python bench.py shared-prompt` grid (6 layers, hidden 256, CPU; the bench prints its own fit).
-# Per-token work grows as hidden^2 and attention per pair as hidden, so bigger models have a larger
-# break-even length: this small-model value errs toward not packing, the safe side.
-ATTENTION_BREAK_EVEN_LEN = 1600
+# Attention score pairs (forward + backward) that cost as much as one token's per-token work
+# (projections, MLP): least-squares fit of `packing_cost_ratio` to the `python bench.py shared-prompt`
+# grid (6 layers, hidden 256, sdpa, one CPU core; fitted 373, the bench prints its own fit). Per-token
+# work grows as hidden^2 and attention per pair as hidden, so bigger models have a larger value:
+# this small-model one errs toward not packing, the safe side.
+ATTENTION_BREAK_EVEN_LEN = 400
 
 
 class Layout(NamedTuple):
@@ -215,6 +226,107 @@ def to_model_mask(allowed: Tensor, dtype: torch.dtype, attn_implementation: str)
     raise ValueError(f"shared-prompt masks need attn_implementation 'sdpa' or 'eager', got {attn_implementation!r}")
 
 
+# --- structured kernel (sdpa models) ---
+
+class PackedRow(NamedTuple):
+    """Where one packed row's segments lie, for `shared_prompt_attention`. G responses, R the longest."""
+
+    prompt_len: int           # P
+    length: int               # P + Σ R_i real tokens; the rest of the row is padding
+    response_columns: Tensor  # (G, R) column of token t of response i; past a response's end, its last token
+    response_kept: Tensor     # (Σ R_i,) indices into the flattened (G·R) of the real response tokens, in row order
+
+
+def packed_rows(layout: Layout) -> list[PackedRow]:
+    """The `PackedRow` of every row of a `pack`ed layout (one host sync per forward, not per layer).
+
+    >>> row, = packed_rows(pack([(torch.tensor([10, 11, 12]), [torch.tensor([20, 21]), torch.tensor([30])])]))
+    >>> row.prompt_len, row.length, row.response_columns, row.response_kept
+    (3, 6, tensor([[3, 4],
+            [5, 5]]), tensor([0, 1, 2]))
+    """
+    rows = []
+    device = layout.segment_ids.device
+    for segments in layout.segment_ids.tolist():
+        P = segments.count(0)
+        lengths = torch.tensor([segments.count(i) for i in range(1, max(segments) + 1)])  # (G,)
+        starts = P + lengths.cumsum(0) - lengths                                        # (G,)
+        t = torch.arange(int(lengths.max()))                                            # (R,)
+        columns = starts[:, None] + torch.minimum(t, lengths[:, None] - 1)             # (G, R)
+        kept = (t < lengths[:, None]).flatten().nonzero()[:, 0]                         # (Σ R_i,)
+        rows.append(PackedRow(P, P + int(lengths.sum()), columns.to(device), kept.to(device)))
+    return rows
+
+
+def shared_prompt_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                            attention_mask: Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                            shared_prompt_rows: Sequence[PackedRow] | None = None, **kwargs) -> tuple[Tensor, None]:
+    """Attention of packed rows that computes only the blocks `shared_prompt_mask` allows.
+
+    query (B, H, L, D), key and value (B, H_kv, L, D), rotary positions already applied -> (B, L, H, D),
+    the signature of a Hugging Face attention function (`transformers.AttentionInterface`). Per row:
+    the prompt attends causally to itself; every response attends to the whole prompt and causally to
+    itself; padding outputs zeros. `attention_mask` is unused: the layout comes in `shared_prompt_rows`.
+    """
+    if shared_prompt_rows is None:
+        raise ValueError("shared_prompt_attention needs shared_prompt_rows (see batch_logprobs)")
+    H, L, D = query.shape[1:]
+    scale = D ** -0.5 if scaling is None else scaling
+    outputs = []
+    for q, k, v, row in zip(query, key, value, shared_prompt_rows):  # (H, L, D), (H_kv, L, D), (H_kv, L, D)
+        P = row.prompt_len
+        prompt = torch.nn.functional.scaled_dot_product_attention(  # 4-D: CPU's flash kernel wants a batch dim
+            q[None, :, :P], k[None, :, :P], v[None, :, :P], dropout_p=dropout, is_causal=True, scale=scale,
+            enable_gqa=True)[0]                                                   # (H, P, D)
+        responses = _responses_attention(q, k, v, row, scale, dropout)            # (H, Σ R_i, D)
+        padding = q.new_zeros(H, L - row.length, D)
+        outputs.append(torch.cat([prompt, responses, padding], dim=1).transpose(0, 1))  # (L, H, D)
+    return torch.stack(outputs), None  # (B, L, H, D)
+
+
+def _responses_attention(q: Tensor, k: Tensor, v: Tensor, row: PackedRow, scale: float, dropout: float) -> Tensor:
+    """All G responses of one row at once: keys [prompt | own response], causal on the own part.
+
+    Scores against the prompt are one (G·R, P) product, not G copies of the prompt's keys; the small
+    (R, R) own-response blocks are batched over G; one softmax over both. Query heads sharing a KV head
+    (GQA, n per KV head) are stacked as extra query rows instead of copying keys.
+    """
+    P = row.prompt_len
+    G, R = row.response_columns.shape
+    H, _, D = q.shape
+    H_kv = k.shape[0]
+    n = H // H_kv
+    columns = row.response_columns.flatten()                                      # (G·R,)
+    q_r = (q[:, columns] * scale).reshape(H_kv, n, G, R, D)                       # query head = kv head · n + j
+    k_r, v_r = (x[:, columns].reshape(H_kv, 1, G, R, D) for x in (k, v))         # (H_kv, 1, G, R, D)
+    t = torch.arange(R, device=q.device)
+    causal = t[:, None] >= t[None, :]                                             # (R, R)
+    to_prompt = (q_r.reshape(H_kv, n * G * R, D) @ k[:, :P].transpose(1, 2)).reshape(H_kv, n, G, R, P)
+    to_own = (q_r @ k_r.transpose(3, 4)).masked_fill(~causal, float("-inf"))       # (H_kv, n, G, R, R)
+    weights = torch.cat([to_prompt, to_own], dim=-1).softmax(dim=-1)               # (H_kv, n, G, R, P+R)
+    if dropout:
+        weights = torch.nn.functional.dropout(weights, dropout)
+    w_prompt, w_own = weights.split([P, R], dim=-1)
+    out = (w_prompt.reshape(H_kv, n * G * R, P) @ v[:, :P]).reshape(H_kv, n, G, R, D) + w_own @ v_r
+    return out.reshape(H, G * R, D)[:, row.response_kept]                         # (H, Σ R_i, D)
+
+
+@contextmanager
+def _attention_kernel(model: torch.nn.Module, name: str = "shared_prompt") -> Iterator[None]:
+    """Run the model with `shared_prompt_attention` as its attention kernel, then restore its own.
+
+    transformers is imported here, not at the top, so this file can be copied with torch alone.
+    """
+    from transformers import AttentionInterface
+    AttentionInterface.register(name, shared_prompt_attention)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+
+
 # --- logits -> log-probs ---
 
 def unpack(logits: Tensor, kept: Tensor, layout: Layout, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
@@ -228,11 +340,11 @@ def unpack(logits: Tensor, kept: Tensor, layout: Layout, temperature: float = 1.
     return logp.masked_fill(~layout.mask, 0.0), layout.mask
 
 
-def _forward(model: torch.nn.Module, layout: Layout, attention_mask: Tensor,
-             temperature: float) -> tuple[Tensor, Tensor]:
+def _forward(model: torch.nn.Module, layout: Layout, attention_mask: Tensor | None,
+             temperature: float, **attention_kwargs) -> tuple[Tensor, Tensor]:
     kept = layout.source[layout.mask].unique()  # (K,) sorted columns whose logits are needed, any row
-    logits = model(input_ids=layout.input_ids, attention_mask=attention_mask,
-                   position_ids=layout.position_ids, logits_to_keep=kept).logits  # (B, K, V)
+    logits = model(input_ids=layout.input_ids, attention_mask=attention_mask, position_ids=layout.position_ids,
+                   logits_to_keep=kept, **attention_kwargs).logits  # (B, K, V)
     return unpack(logits, kept, layout, temperature)
 
 
@@ -240,6 +352,9 @@ def _packed_batch(model: torch.nn.Module, groups: Sequence[Group], temperature: 
                  pad_id: int = 0) -> tuple[Tensor, Tensor]:
     """(logp, mask), (N, T), with one shared-prompt row per group, in one forward."""
     layout = pack(groups, pad_id)
+    if model.config._attn_implementation == "sdpa" and not getattr(model, "is_activation_checkpointing", False):
+        with _attention_kernel(model):  # departure 1
+            return _forward(model, layout, None, temperature, shared_prompt_rows=packed_rows(layout))
     allowed = shared_prompt_mask(layout.segment_ids)  # (B, 1, L, L)
     attention_mask = to_model_mask(allowed, model.dtype, model.config._attn_implementation)
     return _forward(model, layout, attention_mask, temperature)
@@ -274,28 +389,28 @@ def unpacked_logprobs(model: torch.nn.Module, prompt_ids: Tensor, responses: lis
 
 def packing_cost_ratio(prompt_len: int, response_lens: list[int],
                        break_even_len: float = ATTENTION_BREAK_EVEN_LEN) -> float:
-    """Predicted time of one packed row over that of G plain rows (forward + backward).
+    """Predicted time of one packed row over that of G plain rows (forward + backward), sdpa models.
 
-    Cost in units of one token's per-token work, for L = P + Σ R_i and L_u = P + max R_i:
+    Cost in units of one token's per-token work (projections, MLP), attention counted in score pairs
+    at 1 / break_even_len each; L = P + Σ R_i, R = max R_i, L_u = P + R:
 
-        packed   = L + L^2 / break_even_len                 dense mask: all L^2 pairs computed
-        unpacked = G · (L_u + L_u^2 / (2 · break_even_len))  plain rows are padded to the longest
-                                                            response; causal kernels skip the
-                                                            upper triangle a dense mask cannot
-    Packing saves (G-1)·P tokens of prompt work but pays attention over every response x response
-    block, so it wins for long prompts and short responses and loses for short prompts and long
-    responses (P=32, R=256, G=8: predicted 1.9x slower, measured 1.6-2.4x on CPU). The balance of
-    the two terms depends on the model and the kernel, so the one constant is fitted, not derived:
-    `bench.py shared-prompt` prints the fit for the machine it runs on. Plain rows of unequal
-    length carry a padding mask and lose the causal skip, so the model then underrates unpacked
-    cost, which errs toward the simple path; so do ties.
+        packed   = L + (P^2 / 2 + G · R · (P + R)) / break_even_len   causal prompt; each response
+                                                                   against the prompt and its own
+                                                                   (R, R) block (`shared_prompt_attention`)
+        unpacked = G · (L_u + L_u^2 / (2 · break_even_len))           G causal rows, padded to R
+    Packing saves (G-1)·P tokens and (G-1)·P^2/2 prompt pairs, but computes each own-response block
+    whole (R^2, not R^2/2), so it wins unless the prompt is short next to long responses. The balance
+    depends on the model and the kernel, so the one constant is fitted, not derived: `bench.py
+    shared-prompt` prints the fit for the machine it runs on. Ties go to the simple path. Eager
+    models take the dense mask (departure 1) and pay more attention than this predicts when packed.
 
     >>> round(packing_cost_ratio(512, [32] * 8), 2), round(packing_cost_ratio(32, [256] * 8), 2)
-    (0.22, 1.9)
+    (0.2, 1.13)
     """
     L = prompt_len + sum(response_lens)
-    L_u = prompt_len + max(response_lens)
-    packed = L + L * L / break_even_len
+    R = max(response_lens)
+    L_u = prompt_len + R
+    packed = L + (prompt_len ** 2 / 2 + len(response_lens) * R * (prompt_len + R)) / break_even_len
     unpacked = len(response_lens) * (L_u + L_u * L_u / (2 * break_even_len))
     return packed / unpacked
 

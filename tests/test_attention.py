@@ -6,8 +6,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import attention
-from attention import (batch_logprobs, pack, packing_pays, shared_prompt_logprobs, shared_prompt_mask,
-                       to_model_mask, unpacked_layout, unpacked_logprobs)
+from attention import (batch_logprobs, pack, packed_rows, packing_pays, shared_prompt_attention,
+                       shared_prompt_logprobs, shared_prompt_mask, to_model_mask, unpacked_layout, unpacked_logprobs)
 
 VOCAB, EOS = 100, 2
 ARCHS = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
@@ -35,6 +35,7 @@ def random_group(prompt_len: int, response_lens: list[int], generator: torch.Gen
 
 CASES = {  # name -> [(prompt_len, response_lens), ...], one entry per group in the micro-batch
     "one_response": [(7, [5])],
+    "one_token_prompt": [(1, [3, 2])],
     "group_varied_lengths": [(9, [4, 1, 7, 3])],
     "several_groups_padded": [(5, [3, 6]), (11, [2, 2, 4]), (3, [1])],
 }
@@ -120,11 +121,78 @@ def test_unpacked_reference_matches_one_forward_per_response():
             torch.testing.assert_close(logp, expected, rtol=0, atol=1e-5)
 
 
+def test_packed_rows_locate_segments():
+    """packed_rows gives each row's prompt length, real length, response columns (clamped past a response's end)."""
+    layout = pack([(torch.tensor([1, 2]), [torch.tensor([3]), torch.tensor([4, 5, 6])]), (torch.tensor([7]), [torch.tensor([8])])])
+    first, second = packed_rows(layout)
+    assert (first.prompt_len, first.length, second.prompt_len, second.length) == (2, 6, 1, 2)
+    assert first.response_columns.tolist() == [[2, 2, 2], [3, 4, 5]]
+    assert first.response_kept.tolist() == [0, 3, 4, 5]
+    assert second.response_columns.tolist() == [[1]] and second.response_kept.tolist() == [0]
+
+
+def test_structured_kernel_equals_masked_sdpa():
+    """shared_prompt_attention = SDPA under the dense shared-prompt mask, on every real token (GQA, padded rows)."""
+    generator = torch.Generator().manual_seed(6)
+    groups = [random_group(P, lens, generator) for P, lens in [(5, [3, 6, 1]), (2, [4]), (9, [2, 2])]]
+    layout = pack(groups)
+    B, L = layout.input_ids.shape
+    H, H_kv, D = 4, 2, 8
+    query = torch.randn(B, H, L, D, generator=generator, dtype=torch.float64)
+    key, value = (torch.randn(B, H_kv, L, D, generator=generator, dtype=torch.float64) for _ in range(2))
+    got, _ = shared_prompt_attention(None, query, key, value, None, scaling=0.3, shared_prompt_rows=packed_rows(layout))
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query, key.repeat_interleave(2, dim=1), value.repeat_interleave(2, dim=1),
+        attn_mask=shared_prompt_mask(layout.segment_ids), scale=0.3).transpose(1, 2)  # (B, L, H, D)
+    real = layout.segment_ids >= 0
+    assert got.shape == (B, L, H, D)
+    torch.testing.assert_close(got[real], expected[real], rtol=0, atol=1e-12)
+    assert (got[~real] == 0).all()
+
+
+def test_sdpa_models_use_the_structured_kernel_and_get_their_own_back(monkeypatch):
+    """Packing an sdpa model runs shared_prompt_attention in every layer, then restores the model's kernel."""
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["shared_prompt_rows"])
+        return shared_prompt_attention(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "shared_prompt_attention", spy)
+    model = tiny_model("llama", "sdpa")
+    prompt, responses = random_group(4, [2, 3], torch.Generator().manual_seed(7))
+    batch_logprobs(model, [(prompt, responses)], mode="packed")
+    assert len(calls) == model.config.num_hidden_layers
+    assert model.config._attn_implementation == "sdpa"
+    batch_logprobs(model, [(prompt, responses)], mode="unpacked")
+    assert len(calls) == model.config.num_hidden_layers  # plain rows keep the model's own kernel
+
+
+def test_activation_checkpointing_falls_back_to_the_dense_mask(monkeypatch):
+    """Checkpointing re-runs attention in backward, after the kernel switch: packing must then use the dense mask."""
+    monkeypatch.setattr(attention, "shared_prompt_attention", None)  # would fail if called
+    model = Qwen2ForCausalLM._from_config(tiny_model("qwen2", "sdpa").config, attn_implementation="sdpa")
+    model.load_state_dict(tiny_model("qwen2", "sdpa").state_dict())
+    model.activation_checkpointing_enable()
+    model.train()
+    generator = torch.Generator().manual_seed(8)
+    groups = [random_group(5, [3, 4], generator)]
+    advantages = torch.randn(2, generator=generator)
+    logp_p, _, grads_p = grpo_like_grads(model, groups, advantages, "packed", 1.0)
+    logp_u, _, grads_u = grpo_like_grads(model, groups, advantages, "unpacked", 1.0)
+    torch.testing.assert_close(logp_p, logp_u, rtol=0, atol=1e-5)
+    for g_p, g_u in zip(grads_p, grads_u):
+        assert (g_p - g_u).norm() <= 1e-5 * g_u.norm() + 1e-9
+
+
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_packed_equals_unpacked_logprobs_and_gradients(arch, attn_implementation, case):
-    """Packed = unpacked: per-token log-probs (<= 1e-5 abs), GRPO-loss gradients of every parameter (<= 1e-5 rel)."""
+    """Packed = unpacked: per-token log-probs (<= 1e-5 abs), GRPO-loss gradients of every parameter (<= 1e-5 rel).
+
+    sdpa models pack through the structured kernel, eager ones through the dense mask.
+    """
     model = tiny_model(arch, attn_implementation)
     generator = torch.Generator().manual_seed(len(case))
     groups = [random_group(P, lens, generator) for P, lens in CASES[case]]
