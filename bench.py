@@ -4,20 +4,23 @@ shared-prompt
     One GRPO training step (forward + backward of -(A · logp · mask).sum() / mask.sum()) on a
     random-weight 6-layer Qwen2-shaped model, over a grid of prompt length P and response length R
     with G = 8 responses per prompt, in three modes of `attention.batch_logprobs`:
-      packed    one row [p | r_1 | ... | r_G] with the shared-prompt mask
+      packed    one row [p | r_1 | ... | r_G]: under sdpa the structured kernel
+                `attention.shared_prompt_attention` (causal prompt, each response against the
+                prompt and itself), under eager the dense shared-prompt mask
       unpacked  G rows [p | r_i] with an ordinary causal mask (the baseline)
       auto      per group, `attention.packing_pays` picks one of the two
     How to read a row: `tokens x` = G(P+R) / (P+GR) is the ideal speedup if only token count
-    mattered; `unp/pk` is the measured one. It falls short of `tokens x` as R grows, because the
-    packed row's dense attention over L = P+GR pairs grows as L^2 (and a dense mask cannot use the
-    causal kernel's skipping), and it drops below 1 where responses are long and prompts short.
-    `unp/auto` should then stay at about 1: auto falls back to plain rows. `pred pk/unp` is
-    `attention.packing_cost_ratio`, the cost model auto decides by (< 1 packs); the bench also
-    prints the break-even length its own timings fit, to re-tune
+    mattered; `unp/pk` is the measured one. It falls short of `tokens x` because attention does not
+    shrink with the tokens: the packed row still computes the causal prompt once and every response
+    against the whole prompt, and its own-response blocks whole. Where responses are long and
+    prompts short it drops to about 1 or below; `unp/auto` should then stay at about 1: auto falls
+    back to plain rows. `pred pk/unp` is `attention.packing_cost_ratio`, the cost model auto decides
+    by (< 1 packs); the bench also prints the break-even length its own timings fit, to re-tune
     `attention.ATTENTION_BREAK_EVEN_LEN` for other hardware.
     Memory: on CPU, the bytes of distinct non-parameter tensors autograd saved for backward (a
     deterministic stand-in for peak activation memory); on CUDA, peak allocated bytes during the
-    step. `mask MB` is the packed (B, 1, L, L) mask as handed to the model.
+    step. `mask MB` is the dense (B, 1, L, L) mask handed to the model: 0 under sdpa, whose kernel
+    takes the layout as a few index tensors instead.
     Timings on a shared machine drift: modes are interleaved within each repeat so drift hits them
     alike, but expect a few percent of noise. Targets, checked at the end: packed >= 5x unpacked
     at P=512, R=32, and auto never more than 5% slower than unpacked anywhere on the grid.
@@ -133,8 +136,8 @@ def shared_prompt_cell(model: torch.nn.Module, P: int, R: int, G: int, repeats: 
                 times[mode].append(seconds)
     median = {mode: statistics.median(times[mode]) for mode in MODES}
     L = P + G * R
-    mask = attention.to_model_mask(attention.shared_prompt_mask(torch.zeros(1, L, dtype=torch.long, device=device)),
-                                   model.dtype, model.config._attn_implementation)  # (1, 1, L, L) as the model gets it
+    # eager gets a dense (1, 1, L, L) additive mask; sdpa's structured kernel gets no mask
+    dense_mask_bytes = 0 if model.config._attn_implementation == "sdpa" else L * L * model.dtype.itemsize
     return {
         "P": P, "R": R, "G": G, "packed_len": L, "token_ratio": G * (P + R) / L,
         "packed_s": median["packed"], "unpacked_s": median["unpacked"], "auto_s": median["auto"],
@@ -143,7 +146,7 @@ def shared_prompt_cell(model: torch.nn.Module, P: int, R: int, G: int, repeats: 
         "speedup_packed": median["unpacked"] / median["packed"], "speedup_auto": median["unpacked"] / median["auto"],
         "memory_packed_bytes": peak_bytes(model, steps["packed"], device),
         "memory_unpacked_bytes": peak_bytes(model, steps["unpacked"], device),
-        "mask_bytes": mask.nelement() * mask.element_size(),
+        "mask_bytes": dense_mask_bytes,
     }
 
 
@@ -168,7 +171,7 @@ def shared_prompt(args: argparse.Namespace) -> bool:
           f"{device}, {args.threads} thread(s), G={args.group_size}; one step = forward + backward; "
           f"median of {args.repeats} after 1 warm-up")
     time_measure = "process CPU seconds" if clock(device, args.threads) is time.process_time else "wall-clock seconds"
-    print(f"time: {time_measure}; memory: {memory_measure}; mask = packed (B,1,L,L) mask as passed to the model")
+    print(f"time: {time_measure}; memory: {memory_measure}; mask = dense (B,1,L,L) mask passed to the model")
     header = (f"{'P':>5} {'R':>4} {'L':>5} {'tokens x':>8} {'packed s':>9} {'unpack s':>9} {'auto s':>8} "
               f"{'auto':>8} {'pred pk/unp':>11} {'unp/pk':>7} {'unp/auto':>8} {'mem pk MB':>9} {'mem unp MB':>10} "
               f"{'mask MB':>7}")
