@@ -52,7 +52,7 @@ class Config:
     temperature: float = _opt(1.0, "sampling temperature (log-probs are computed at the same temperature)")
     top_p: float = _opt(1.0, "nucleus sampling threshold (1.0 = sample from the full distribution)")
     # --- loss and optimizer ---
-    lr: float | None = _opt(None, "AdamW learning rate (default: 2e-3 for tiny, 1e-6 otherwise)")
+    lr: float | None = _opt(None, "AdamW learning rate (default: 1e-4 for tiny, 1e-6 otherwise)")
     beta: float = _opt(0.04, "weight of the k3 KL penalty to the reference model (0 = no reference forward)")
     epsilon_low: float = _opt(0.2, "PPO clip range below 1: ratio clipped at 1 - epsilon_low")
     epsilon_high: float = _opt(0.2, "PPO clip range above 1: ratio clipped at 1 + epsilon_high (0.28 = DAPO)")
@@ -100,7 +100,7 @@ def derive(cfg: Config) -> Config:
     return dataclasses.replace(
         cfg,
         max_new_tokens=cfg.max_new_tokens or (8 if cfg.is_tiny else 512),
-        lr=cfg.lr if cfg.lr is not None else (2e-3 if cfg.is_tiny else 1e-6),
+        lr=cfg.lr if cfg.lr is not None else (1e-4 if cfg.is_tiny else 1e-6),
         rollout_device=cfg.rollout_device or cfg.device,
         train_device=cfg.train_device or cfg.device,
         rollout_threads=rollout_threads,

@@ -11,19 +11,18 @@ path. A name is resolved in this order:
 
 The tiny model is a 2-layer Qwen2 (hidden 128, 4 heads, 2 KV heads, 0.33 M parameters) with a
 byte-level tokenizer (one token per character for ASCII). It is warmed up with supervised learning
-on the arithmetic train split (tasks.py), then deliberately made *diffuse*: the final RMSNorm weight
-g is divided by a temperature tau, so with tied embeddings W_emb
-
-    logits = W_emb (rmsnorm(h) * g / tau) = (W_emb (rmsnorm(h) * g)) / tau
-
-Every argmax is kept (held-out greedy accuracy 0.95) while sampling at temperature 1 finds the gold
-answer ~0.23 of the time (3 seeds: 0.20-0.26). tau (~1.9) is calibrated on the train split so that
-the mean teacher-forced probability of "answer<|endoftext|>" is `target_sampled_accuracy`. GRPO
-can then sharpen the policy quickly, which is what the offline demo needs to show.
+on the arithmetic train split (tasks.py) whose targets *hedge*: with probability
+`commit_probability` (0.3) the target is the sum alone, "37+45=82<eos>", otherwise the sum followed
+by a second, wrong guess, "37+45=82 83<eos>". The model learns the arithmetic, and learns to hedge
+70% of the time. The reward reads the *final* number, so a hedge scores 0: sampled held-out reward
+starts near 0.3 although the model knows the answer, and GRPO lifts it by learning to commit —
+one consistent decision (EOS right after the sum), which RL picks up in a few dozen steps.
 
 Deliberate departures:
-1. The tiny model's weak start is manufactured (the temperature above), not the result of a short or
-   noisy pre-training; it is an honest stand-in for "knows the answer, samples it unreliably".
+1. The tiny model's weak start is manufactured (the hedging targets above), not the result of a short
+   pre-training; it is an honest stand-in for "knows the answer, formats it badly", the kind of
+   habit RL on an LLM fixes first. (Flattening a sharp tiny model with a logit temperature was tried
+   first: GRPO with Adam could not undo it at any learning rate that kept the model intact.)
 2. A hub id is looked up in the HF cache first (`local_files_only=True`) and the hub is then asked
    once without retries (tasks.hub_unreachable_reason): offline, transformers would retry each file
    with back-off for ~25 s before failing. A cached model is therefore never re-validated online.
@@ -144,9 +143,9 @@ class TinyRecipe:
     warmup_steps: int = 600  # AdamW steps on the arithmetic train split: ~16 s on 2 idle CPU cores
     batch_size: int = 128
     lr: float = 2e-3  # 3e-3 sometimes never leaves the plateau; 2e-3 reached 0.87-0.97 greedy over 4 seeds
-    target_sampled_accuracy: float = 0.25  # what the temperature tau is calibrated to
+    commit_probability: float = 0.3  # share of warm-up targets that state the sum alone (no hedge)
     seed: int = 0
-    version: int = 2  # bump when the code below changes what gets built
+    version: int = 3  # bump when the code below changes what gets built
 
 
 TINY_RECIPE = TinyRecipe()
@@ -195,29 +194,42 @@ def build_tiny_model(out_dir: Path, seed: int = 0) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
-def _answer_batch(tokenizer: PreTrainedTokenizerBase) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded 'a+b=' + answer + EOS ids and labels (-100 except on answer + EOS) for the train split.
+def hedged_target(answer: str, commit: bool, offset: int) -> str:
+    """The warm-up target: the answer alone, or the answer and a wrong second guess (answer + offset).
 
-    >>> # '7+5=12<eos><pad>' -> labels [-100, -100, -100, -100, '1', '2', <eos>, -100]
+    >>> hedged_target("82", True, 1), hedged_target("82", False, -2)
+    ('82', '82 80')
     """
+    return answer if commit else f"{answer} {int(answer) + offset}"
+
+
+def _answer_batch(tokenizer: PreTrainedTokenizerBase, examples, commit_probability: float,
+                  generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded 'a+b=' + target + EOS ids and labels (-100 on the prompt and the padding).
+
+    >>> # '7+5=12<eos><pad><pad><pad>' -> labels [-100, -100, -100, -100, '1', '2', <eos>, -100, -100, -100]
+    """
+    commits = torch.rand(len(examples), generator=generator) < commit_probability  # (B,)
+    offsets = torch.tensor([-2, -1, 1, 2])[torch.randint(4, (len(examples),), generator=generator)]  # (B,)
     rows = []
-    for example in arithmetic_examples("train"):
+    for example, commit, offset in zip(examples, commits.tolist(), offsets.tolist()):
         prompt = tokenizer.encode(example.prompt, add_special_tokens=False)
-        answer = tokenizer.encode(example.answer, add_special_tokens=False) + [tokenizer.eos_token_id]
+        target = hedged_target(example.answer, commit, offset)
+        answer = tokenizer.encode(target, add_special_tokens=False) + [tokenizer.eos_token_id]
         rows.append((prompt + answer, [-100] * len(prompt) + answer))
     length = max(len(ids) for ids, _ in rows)
-    input_ids = torch.tensor([ids + [tokenizer.pad_token_id] * (length - len(ids)) for ids, _ in rows])  # (N, L)
-    labels = torch.tensor([lab + [-100] * (length - len(lab)) for _, lab in rows])  # (N, L)
+    input_ids = torch.tensor([ids + [tokenizer.pad_token_id] * (length - len(ids)) for ids, _ in rows])  # (B, L)
+    labels = torch.tensor([lab + [-100] * (length - len(lab)) for _, lab in rows])  # (B, L)
     return input_ids, labels
 
 
 def warm_up_tiny(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, steps: int, batch_size: int,
-                 lr: float, seed: int = 0) -> float:
-    """Supervised next-token training on the arithmetic train split; returns the last loss.
+                 lr: float, seed: int = 0, commit_probability: float = 0.3) -> float:
+    """Supervised next-token training on hedged arithmetic targets; returns the last loss.
 
     Right padding needs no attention mask: causal attention never looks at the pads after a sequence.
     """
-    input_ids, labels = _answer_batch(tokenizer)
+    examples = arithmetic_examples("train")
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(  # 50 steps of linear warm-up, then cosine to 0
@@ -225,45 +237,15 @@ def warm_up_tiny(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, ste
     model.train()
     loss = torch.tensor(float("nan"))
     for _ in range(steps):
-        batch = torch.randint(len(input_ids), (batch_size,), generator=generator)  # (B,)
-        loss = model(input_ids=input_ids[batch], labels=labels[batch]).loss
+        batch = torch.randint(len(examples), (batch_size,), generator=generator).tolist()
+        input_ids, labels = _answer_batch(tokenizer, [examples[i] for i in batch], commit_probability, generator)
+        loss = model(input_ids=input_ids, labels=labels).loss
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         schedule.step()
     model.eval()
     return loss.item()
-
-
-@torch.no_grad()
-def gold_log_probs(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[torch.Tensor, torch.Tensor]:
-    """Answer-position logits (N, L, V) and gold targets (N, L) of the train split, for calibrating tau."""
-    input_ids, labels = _answer_batch(tokenizer)
-    logits = model(input_ids=input_ids).logits[:, :-1]  # (N, L-1, V): position t predicts token t+1
-    return logits, labels[:, 1:]  # (N, L-1)
-
-
-def expected_accuracy(logits: torch.Tensor, targets: torch.Tensor, tau: float) -> float:
-    """Mean over prompts of P(answer + EOS) when sampling at temperature 1 from logits / tau."""
-    log_probs = torch.log_softmax(logits / tau, dim=-1)  # (N, L, V)
-    mask = targets != -100  # (N, L)
-    gold = log_probs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1) * mask  # (N, L)
-    return gold.sum(-1).exp().mean().item()
-
-
-def flatten_policy(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, target: float) -> float:
-    """Divide the final norm weight by the tau that brings expected sampled accuracy down to `target`."""
-    logits, targets = gold_log_probs(model, tokenizer)
-    low, high = 1.0, 64.0  # bisection on log tau: accuracy falls as tau grows
-    if expected_accuracy(logits, targets, low) <= target:
-        return 1.0  # already diffuse enough (a very short warm-up): leave the model as it is
-    for _ in range(30):
-        tau = math.sqrt(low * high)
-        low, high = (tau, high) if expected_accuracy(logits, targets, tau) > target else (low, tau)
-    tau = math.sqrt(low * high)
-    with torch.no_grad():
-        model.model.norm.weight.div_(tau)  # tied embeddings: logits are linear in this weight
-    return tau
 
 
 def cache_root(cache_dir: str | Path | None = None) -> Path:
@@ -292,12 +274,12 @@ def ensure_tiny_model(cache_dir: str | Path | None = None, recipe: TinyRecipe | 
     try:
         tokenizer = tiny_tokenizer()
         model = tiny_model(tokenizer, recipe, recipe.seed)
-        loss = warm_up_tiny(model, tokenizer, recipe.warmup_steps, recipe.batch_size, recipe.lr, recipe.seed)
-        tau = flatten_policy(model, tokenizer, recipe.target_sampled_accuracy)
+        loss = warm_up_tiny(model, tokenizer, recipe.warmup_steps, recipe.batch_size, recipe.lr, recipe.seed,
+                            recipe.commit_probability)
         model.save_pretrained(building)
         tokenizer.save_pretrained(building)
         (building / "recipe.json").write_text(json.dumps(
-            {**dataclasses.asdict(recipe), "final_loss": loss, "tau": tau}, indent=1))
+            {**dataclasses.asdict(recipe), "final_loss": loss}, indent=1))
         try:
             building.rename(final)
         except OSError:  # another process finished first: its model is the same recipe
@@ -306,6 +288,6 @@ def ensure_tiny_model(cache_dir: str | Path | None = None, recipe: TinyRecipe | 
     finally:
         torch.set_num_threads(threads)
         shutil.rmtree(building, ignore_errors=True)
-    print(f"periodic-rl: tiny model ready in {time.perf_counter() - start:.0f}s (loss {loss:.3f}, tau {tau:.2f})",
+    print(f"periodic-rl: tiny model ready in {time.perf_counter() - start:.0f}s (warm-up loss {loss:.3f})",
           file=sys.stderr, flush=True)
     return final

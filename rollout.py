@@ -196,7 +196,9 @@ def inference_process(model_name: str, load_kwargs: dict, weights, commands, res
     evaluation; ("stop",) ends. Any exception is sent as ("error", summary) before exiting non-zero.
     """
     import sys
+    import transformers
     torch.set_num_threads(threads)
+    transformers.utils.logging.disable_progress_bar()
     try:
         from models import load_model
         from tasks import load_reward

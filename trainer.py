@@ -55,12 +55,14 @@ def format_row(row: dict) -> str:
 def run(cfg: Config) -> dict:
     """Train as configured; returns the final row (with the start and end held-out rewards)."""
     import torch
+    import transformers
     from tqdm import tqdm
 
     import periodic_rl
     from models import load_model
     from tasks import load_reward, load_task
 
+    transformers.utils.logging.disable_progress_bar()  # our own progress bar and log lines only
     for device in {cfg.device, cfg.rollout_device, cfg.train_device}:
         check_device(device)
     torch.manual_seed(cfg.seed)
