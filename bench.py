@@ -25,14 +25,38 @@ shared-prompt
     alike, but expect a few percent of noise. Targets, checked at the end: packed >= 5x unpacked
     at P=512, R=32, and auto never more than 5% slower than unpacked anywhere on the grid.
 
+async
+    The same training run (tiny model, default options, evaluation off) in --mode sync and --mode
+    async, one after the other in this process: seconds per iteration of each (first iteration
+    dropped), the speedup, the phase times T_gen and T_train measured in sync mode, and the ideal
+    bound (T_gen + T_train) / max(T_gen, T_train) a perfect pipeline would reach. Sync uses all
+    cores; async gives the inference and the training process half each. Workloads beyond the
+    default vary the balance (long responses, big groups, several updates per iteration).
+
+publish
+    Moving θ_k to the inference process: `WeightBuffer.publish` (copy into shared memory),
+    `load_into` when the inference model's parameters alias the buffer (CPU: a version check) and
+    when they do not (GPU/NPU: one copy), a plain memcpy of the same bytes, and the alternative of
+    sending a pickled state_dict through a multiprocessing queue to a spawned process. For the tiny
+    model and a Qwen2.5-0.5B-shaped random model (494 M parameters, fp32).
+
+tri-model
+    One GRPO training step on one group (P=64, R=32, G=8) through `TriModel`, with the reference
+    off (beta = 0) or on, and one or four updates per iteration (the old-policy copy exists only
+    with more than one): parameter bytes of each copy, AdamW state bytes, bytes saved for
+    backward, and step time.
+
 To add a benchmark: write `<name>_args(parser)` and `<name>(args) -> bool` (True = all targets
 met) and register them in BENCHMARKS.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
+import os
+import pickle
 import statistics
 import time
 from typing import Callable
@@ -206,14 +230,216 @@ def shared_prompt(args: argparse.Namespace) -> bool:
     return all(ok for ok, _ in checks)
 
 
+# --- async: the same work, synchronous vs periodic asynchrony ---
+ASYNC_WORKLOADS = {  # name -> trainer options on top of the tiny defaults
+    "default": [],
+    "long responses": ["--max-new-tokens", "24", "--reward", "tests/rewards.py:digit_fraction"],
+    "big groups": ["--group-size", "16", "--batch-size", "64"],
+    "4 updates/iter": ["--updates-per-iteration", "4"],
+}
+
+
+def time_schedule(argv: list[str], iterations: int) -> dict[str, float]:
+    """Run trainer.py's schedule in this process; mean per-iteration figures, first iteration dropped."""
+    import periodic_rl
+    from config import parse_args
+    from models import load_model
+    from tasks import load_reward, load_task
+
+    cfg = parse_args([*argv, "--iterations", str(iterations + 1), "--eval-every", "0", "--no-save"])
+    policy, tokenizer = load_model(cfg.model)
+    train, held_out = load_task(cfg.data, tiny=cfg.is_tiny, eval_size=cfg.eval_size)
+    load_kwargs = dict(device="cpu", dtype=torch.float32, attn_implementation=cfg.attn_implementation,
+                       cache_dir=cfg.cache_dir)
+    rows = [row for row in periodic_rl.train(cfg, policy, tokenizer, train, held_out, load_reward(cfg.reward),
+                                             load_kwargs) if not row.get("final")][1:]
+    keys = ("iteration_s", "generate_s", "train_s", "idle_inference_s", "idle_training_s", "overlap")
+    return {key: statistics.mean(row[key] for row in rows) for key in keys}
+
+
+def async_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="the default workload only")
+    parser.add_argument("--iterations", type=int, default=6, help="timed iterations per run (one more is dropped)")
+    parser.add_argument("--json", metavar="FILE", help="write the figures as JSON to FILE")
+
+
+def async_speedup(args: argparse.Namespace) -> bool:
+    """Seconds per iteration, synchronous vs periodic asynchrony, on the same work."""
+    results = {}
+    workloads = ["default"] if args.quick else list(ASYNC_WORKLOADS)
+    print(f"{'workload':16s} {'sync s/it':>10s} {'async s/it':>10s} {'speedup':>8s} {'ideal':>6s} "
+          f"{'T_gen':>6s} {'T_train':>7s} {'overlap':>8s}  (async: 1 inference + 1 training thread; "
+          f"sync: {os.cpu_count()} threads)")
+    for name in workloads:
+        argv = ASYNC_WORKLOADS[name]
+        sync = time_schedule([*argv, "--mode", "sync"], args.iterations)
+        asynchronous = time_schedule([*argv, "--mode", "async"], args.iterations)
+        t_gen, t_train = sync["generate_s"], sync["train_s"]
+        row = {"sync_s_per_iter": sync["iteration_s"], "async_s_per_iter": asynchronous["iteration_s"],
+               "speedup": sync["iteration_s"] / asynchronous["iteration_s"],
+               "ideal_speedup": (t_gen + t_train) / max(t_gen, t_train), "sync_generate_s": t_gen,
+               "sync_train_s": t_train, "async_generate_s": asynchronous["generate_s"],
+               "async_train_s": asynchronous["train_s"], "async_overlap": asynchronous["overlap"]}
+        results[name] = row
+        print(f"{name:16s} {row['sync_s_per_iter']:10.3f} {row['async_s_per_iter']:10.3f} {row['speedup']:7.2f}x "
+              f"{row['ideal_speedup']:5.2f}x {t_gen:6.3f} {t_train:7.3f} {row['async_overlap']:8.0%}", flush=True)
+    default = results["default"]
+    checks = [(default["speedup"] >= 1.5, f"async >= 1.5x sync on the default workload: {default['speedup']:.2f}x"),
+              (all(r["speedup"] >= 1.0 for r in results.values()),
+               "async never slower than sync: worst " + f"{min(r['speedup'] for r in results.values()):.2f}x")]
+    for ok, line in checks:
+        print(("PASS " if ok else "FAIL ") + line)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**default, "workloads": results}, f, indent=1)
+    return all(ok for ok, _ in checks)
+
+
+# --- publish: cost of moving θ to the inference process ---
+def qwen_05b_shaped(tiny: bool) -> torch.nn.Module:
+    """Random weights in Qwen2.5-0.5B's shape (494M parameters), or the tiny model's."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    if tiny:
+        from models import load_model
+        return load_model("tiny")[0]
+    config = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True)
+    with torch.device("cpu"):
+        return Qwen2ForCausalLM(config)
+
+
+def _receive_pickled(q, done):
+    """Child process: receive a pickled state_dict, unpickle it, report the time it finished."""
+    blob = q.get()
+    pickle.loads(blob)
+    done.put(time.perf_counter())
+
+
+def publish_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--repeats", type=int, default=5, help="timed repeats; the median is reported")
+    parser.add_argument("--json", metavar="FILE", help="write the figures as JSON to FILE")
+
+
+def publish(args: argparse.Namespace) -> bool:
+    """Cost of publishing θ through the shared-memory buffer vs memcpy vs a pickled state_dict on a queue."""
+    import torch.multiprocessing as mp
+    from periodic_rl import WeightBuffer
+    results = {}
+    print(f"{'model':22s} {'MB':>7s} {'publish':>8s} {'load(view)':>10s} {'load(copy)':>10s} {'memcpy':>8s} "
+          f"{'pickle+queue':>12s}   (seconds, median of {args.repeats})")
+    for name, tiny in (("tiny", True), ("qwen2.5-0.5b-shaped", False)):
+        model = qwen_05b_shaped(tiny)
+        buffer = WeightBuffer(model)
+        receiver = copy.deepcopy(model) if tiny else qwen_05b_shaped(False)
+        nbytes = buffer.flat.numel() * buffer.flat.element_size()
+        src, dst = torch.empty_like(buffer.flat), torch.empty_like(buffer.flat)
+
+        def median(fn):
+            times = []
+            for _ in range(args.repeats):
+                start = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - start)
+            return statistics.median(times)
+
+        publish = median(lambda: buffer.publish(model, 1))
+        aliased = copy.deepcopy(receiver) if tiny else receiver
+        buffer.attach(aliased)
+        load_view = median(lambda: buffer.load_into(aliased, 1))
+        buffer.aliased = False  # as on a GPU: a real copy into the receiver's own parameters
+        copy_target = copy.deepcopy(model)
+        load_copy = median(lambda: buffer.load_into(copy_target, 1))
+        memcpy = median(lambda: dst.copy_(src))
+        context = mp.get_context("spawn")
+        q, done = context.Queue(), context.Queue()
+        child = context.Process(target=_receive_pickled, args=(q, done), daemon=True)
+        child.start()
+        start = time.perf_counter()
+        q.put(pickle.dumps(model.state_dict()))
+        pickled = done.get() - start
+        child.join()
+        results[name] = {"bytes": nbytes, "publish_s": publish, "load_view_s": load_view, "load_copy_s": load_copy,
+                         "memcpy_s": memcpy, "pickle_queue_s": pickled}
+        print(f"{name:22s} {nbytes / 2**20:7.1f} {publish:8.4f} {load_view:10.6f} {load_copy:10.4f} {memcpy:8.4f} "
+              f"{pickled:12.3f}", flush=True)
+        del model, receiver, buffer, src, dst, copy_target, aliased
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return True
+
+
+# --- tri-model: memory and step time with/without the reference and old copies ---
+def tri_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", dest="tri_model", default="tiny", help="model name or path (models.load_model)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed steps; the median is reported")
+    parser.add_argument("--json", metavar="FILE", help="write the figures as JSON to FILE")
+
+
+def tri_model(args: argparse.Namespace) -> bool:
+    """Memory and step time of the tri-model with the reference on/off and 1 or 4 updates per iteration."""
+    from grpo import grpo_loss
+    from tri_model import TriModel
+    from models import load_model
+    results = {}
+    policy_template, tokenizer = load_model(args.tri_model)
+    torch.manual_seed(0)
+    prompt = torch.randint(3, len(tokenizer), (64,))  # (P,)
+    responses = [torch.randint(3, len(tokenizer), (32,)) for _ in range(8)]  # G x (R,)
+    advantages = torch.randn(8)
+    print(f"{'reference':>9s} {'N':>3s} {'params MB (policy/old/ref)':>28s} {'optimizer MB':>12s} "
+          f"{'saved activations MB':>20s} {'step ms':>8s}")
+    for beta, updates in ((0.0, 1), (0.04, 1), (0.0, 4), (0.04, 4)):
+        policy = copy.deepcopy(policy_template)
+        tri = TriModel(policy, use_reference=beta > 0, use_old=updates > 1)
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-5)
+        saved = []
+
+        def step():
+            saved.clear()
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+                logp, old, ref, mask = tri([(prompt, responses)])
+                loss, _ = grpo_loss(logp, old, ref, advantages, mask, beta=beta)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        step()
+        times = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        memory = tri.memory_report()
+        activation = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved}.values())
+        optim = sum(s.numel() * s.element_size() for state in optimizer.state.values() for s in state.values()
+                    if torch.is_tensor(s))
+        row = {**memory, "optimizer_bytes": optim, "activation_bytes": activation,
+               "step_s": statistics.median(times), "beta": beta, "updates_per_iteration": updates}
+        results[f"beta={beta},N={updates}"] = row
+        mb = 2 ** 20
+        print(f"{'on' if beta > 0 else 'off':>9s} {updates:3d} "
+              f"{memory['policy_bytes'] / mb:9.1f} /{memory['old_bytes'] / mb:7.1f} /{memory['reference_bytes'] / mb:7.1f} "
+              f"{optim / mb:12.1f} {activation / mb:20.1f} {row['step_s'] * 1e3:8.1f}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return True
+
+
 # --- dispatch ---
 
 BENCHMARKS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], bool]]] = {
     "shared-prompt": (shared_prompt_args, shared_prompt),
+    "async": (async_args, async_speedup),
+    "publish": (publish_args, publish),
+    "tri-model": (tri_model_args, tri_model),
 }
 
 
 def main() -> None:
+    import transformers
+    transformers.utils.logging.disable_progress_bar()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     subparsers = parser.add_subparsers(dest="which", required=True)
     for name, (add_args, run) in BENCHMARKS.items():
