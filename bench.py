@@ -259,7 +259,7 @@ def time_schedule(argv: list[str], iterations: int) -> dict[str, float]:
 
 def async_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="the default workload only")
-    parser.add_argument("--iterations", type=int, default=6, help="timed iterations per run (one more is dropped)")
+    parser.add_argument("--iterations", type=int, default=20, help="timed iterations per run (one more is dropped)")
     parser.add_argument("--json", metavar="FILE", help="write the figures as JSON to FILE")
 
 
