@@ -364,7 +364,6 @@ def publish(args: argparse.Namespace) -> bool:
                          "memcpy_s": memcpy, "pickle_queue_s": pickled}
         print(f"{name:22s} {nbytes / 2**20:7.1f} {publish:8.4f} {load_view:10.6f} {load_copy:10.4f} {memcpy:8.4f} "
               f"{pickled:12.3f}", flush=True)
-        del model, receiver, buffer, src, dst, copy_target, aliased
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -1,7 +1,6 @@
 """The tri-model (tri_model.py): one call equals three separate forwards; copies exist only when needed."""
 import copy
 
-import pytest
 import torch
 
 from attention import batch_logprobs
