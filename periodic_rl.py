@@ -216,6 +216,7 @@ class Learner:
         self.waiting: dict[int, list[Group]] = {}
         self.sums = {"tokens": 0.0, "clipped_tokens": 0.0, "kl_sum": 0.0, "loss": 0.0, "grad_norm": 0.0}
         self.minibatch_tokens = self.minibatch_sequences = 0
+        self.minibatch_loss = 0.0  # partial sums of this mini-batch's loss, divided by its D at the step
         self.rewards: list[float] = []
         self.response_tokens = 0
 
@@ -245,7 +246,7 @@ class Learner:
             loss.backward()
         for key in ("tokens", "clipped_tokens", "kl_sum"):
             self.sums[key] += stats[key]
-        self.sums["loss"] += loss.item()
+        self.minibatch_loss += loss.item()
         self.minibatch_tokens += int(stats["tokens"])
         self.minibatch_sequences += len(group.responses)
         self.rewards += group.rewards
@@ -262,9 +263,10 @@ class Learner:
                 self.sums["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm))
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        self.sums["loss"] /= normalizer  # the logged loss is the mean over this mini-batch's D
+        self.sums["loss"] += self.minibatch_loss / normalizer  # this mini-batch's loss, as optimised
         self.minibatch += 1
         self.done_in_minibatch = self.minibatch_tokens = self.minibatch_sequences = 0
+        self.minibatch_loss = 0.0
 
     def metrics(self) -> dict[str, float]:
         if self.minibatch != self.cfg.updates_per_iteration:
@@ -275,7 +277,7 @@ class Learner:
         return {
             "reward_mean": rewards.mean().item(),
             "reward_std": rewards.std().item(),
-            "loss": self.sums["loss"],
+            "loss": self.sums["loss"] / self.cfg.updates_per_iteration,  # mean over the mini-batches
             "kl": self.sums["kl_sum"] / tokens if self.cfg.beta > 0 else None,
             "clip_fraction": self.sums["clipped_tokens"] / tokens,
             "grad_norm": self.sums["grad_norm"] / self.cfg.updates_per_iteration,
