@@ -43,7 +43,7 @@ class Config:
     mode: str = _opt("async", "async: periodic asynchrony (separate inference process); sync: generate, then train",
                      choices=MODES)
     iterations: int = _opt(60, "number of iterations (one weight version each)")
-    batch_size: int = _opt(64, "responses sampled per iteration (a multiple of --group-size)")
+    batch_size: int = _opt(128, "responses sampled per iteration (a multiple of --group-size)")
     group_size: int = _opt(8, "responses per prompt (GRPO's G)")
     updates_per_iteration: int = _opt(1, "optimizer steps per iteration: the batch is split into this many "
                                          "mini-batches; >1 activates the PPO ratio against the old policy")
