@@ -1,4 +1,5 @@
-"""Shared fixtures: the repository on sys.path and a small random Qwen2 model saved like a real one."""
+"""Shared fixtures: the repository on sys.path, where GSM8K lies, and a small random Qwen2 model saved like a real one."""
+import os
 import sys
 from pathlib import Path
 
@@ -6,6 +7,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+# GSM8K (train.jsonl, test.jsonl) is read from a path, never copied into the repository; tests that need it skip
+# when it is absent. Default: the checkout's sibling shared/data/gsm8k; PERIODIC_RL_GSM8K overrides.
+GSM8K_DIR = Path(os.environ.get("PERIODIC_RL_GSM8K", ROOT.parent / "shared" / "data" / "gsm8k"))
 
 
 @pytest.fixture(scope="session")

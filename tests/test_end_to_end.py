@@ -8,8 +8,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from conftest import GSM8K_DIR
+
 ROOT = Path(__file__).resolve().parents[1]
-GSM8K = ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+GSM8K = GSM8K_DIR / "train.jsonl"
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

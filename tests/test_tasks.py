@@ -9,8 +9,9 @@ from huggingface_hub import constants as hub_constants
 import tasks
 from tasks import Example, TaskError
 
-ROOT = Path(__file__).resolve().parents[1]
-GSM8K = ROOT.parent / "shared" / "data" / "gsm8k"
+from conftest import GSM8K_DIR
+
+GSM8K = GSM8K_DIR
 
 
 def write_jsonl(path: Path, rows: list) -> Path:
