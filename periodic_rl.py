@@ -6,8 +6,9 @@ Periodic asynchrony (arXiv 2511.18871, Fig. 2), iteration k:
     ------------------------------------      ------------------------------------------
     publish θ_k -> shared-memory buffer  ->   load θ_k (CPU: its parameters *are* views
     send ("generate", k)                        of the buffer, so nothing is copied)
-                                              for each prompt j: sample G, score, push group
-    for each group, in completion order:  <-    ... (generation continues meanwhile)
+                                              for each chunk of C prompts: sample G each,
+                                                score, push its C groups
+    for each chunk, in completion order:  <-    ... (generation continues meanwhile)
         forward, backward (accumulate ∇)      evaluate θ_k on held-out prompts (if due)
     optimizer step(s)                    <-   IterationDone(k): θ_k no longer read
     publish θ_{k+1} ...
@@ -221,24 +222,33 @@ class Learner:
         self.response_tokens = 0
 
     def add(self, group: Group) -> None:
+        """Take one group; train once the rest of its chunk (sent right behind it) is here too."""
         if group.policy_version != self.iteration:
             raise OffPolicyError(f"group {group.index} was sampled by weights version {group.policy_version} "
                                  f"but this is iteration {self.iteration}: refusing an off-policy sample")
         block = minibatch_of(group.index, self.cfg.prompts_per_iteration, self.cfg.updates_per_iteration)
         self.waiting.setdefault(block, []).append(group)
+        first, size = group.chunk
+        if group.index < first + size - 1:
+            return
         while self.minibatch < self.cfg.updates_per_iteration:
-            for ready in self.waiting.pop(self.minibatch, []):
+            ready = self.waiting.pop(self.minibatch, [])
+            if ready:
                 self._accumulate(ready)
             if self.done_in_minibatch < self.groups_per_minibatch:
                 return
             self._step()
 
-    def _accumulate(self, group: Group) -> None:
-        with self.timeline.span(f"train group {group.index}"):
-            prompt = torch.tensor(group.prompt_ids, device=self.device)  # (P,)
-            responses = [torch.tensor(r, device=self.device) for r in group.responses]  # G x (R_i,)
-            logp, old_logp, ref_logp, mask = self.tri([(prompt, responses)])  # (G, T) each
-            advantages = torch.tensor(group.advantages, device=self.device, dtype=logp.dtype)  # (G,)
+    def _accumulate(self, groups: list[Group]) -> None:
+        """One forward/backward over groups of the current mini-batch (those of one chunk, usually)."""
+        name = f"train group {groups[0].index}" + (f"-{groups[-1].index}" if len(groups) > 1 else "")
+        with self.timeline.span(name):
+            batch = [(torch.tensor(g.prompt_ids, device=self.device),                  # (P,)
+                      [torch.tensor(r, device=self.device) for r in g.responses])      # G x (R_i,)
+                     for g in groups]
+            logp, old_logp, ref_logp, mask = self.tri(batch)  # (n·G, T) each, groups in order
+            advantages = torch.tensor([a for g in groups for a in g.advantages], device=self.device,
+                                      dtype=logp.dtype)  # (n·G,)
             loss, stats = grpo_loss(logp, old_logp, ref_logp, advantages, mask, beta=self.cfg.beta,
                                     epsilon_low=self.cfg.epsilon_low, epsilon_high=self.cfg.epsilon_high,
                                     loss_type=self.cfg.loss_type, max_new_tokens=self.cfg.max_new_tokens,
@@ -248,10 +258,11 @@ class Learner:
             self.sums[key] += stats[key]
         self.minibatch_loss += loss.item()
         self.minibatch_tokens += int(stats["tokens"])
-        self.minibatch_sequences += len(group.responses)
-        self.rewards += group.rewards
-        self.response_tokens += sum(len(r) for r in group.responses)
-        self.done_in_minibatch += 1
+        for g in groups:
+            self.minibatch_sequences += len(g.responses)
+            self.rewards += g.rewards
+            self.response_tokens += sum(len(r) for r in g.responses)
+        self.done_in_minibatch += len(groups)
 
     def _step(self) -> None:
         with self.timeline.span(f"optimizer step {self.minibatch}"):
@@ -299,7 +310,8 @@ def train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwar
     device = next(policy.parameters()).device
     settings = Settings(seed=cfg.seed, group_size=cfg.group_size, prompts_per_iteration=cfg.prompts_per_iteration,
                         max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                        eval_every=cfg.eval_every, eval_samples=cfg.eval_samples, scale_rewards=cfg.scale_rewards)
+                        eval_every=cfg.eval_every, eval_samples=cfg.eval_samples, scale_rewards=cfg.scale_rewards,
+                        groups_per_chunk=cfg.groups_per_chunk)
     tri = TriModel(policy, use_reference=cfg.beta > 0, use_old=cfg.updates_per_iteration > 1,
                    packing="auto" if cfg.shared_prompt else "unpacked", temperature=cfg.temperature,
                    pad_id=tokenizer.pad_token_id)
@@ -320,7 +332,10 @@ def train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwar
             evaluation = None
             for message in rollouts.messages(iteration, cfg.iterations, train_prompts=not final):
                 if isinstance(message, Group):
-                    timeline.add(Span(f"generate group {message.index}", INFERENCE, message.start, message.end))
+                    first, size = message.chunk
+                    if message.index == first:  # one span per generate call
+                        name = f"generate group {first}" if size == 1 else f"generate groups {first}-{first + size - 1}"
+                        timeline.add(Span(name, INFERENCE, message.start, message.end))
                     policy.train()
                     learner.add(message)
                 elif isinstance(message, Evaluation):

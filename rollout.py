@@ -2,24 +2,31 @@
 
 One iteration k of rollouts, with the policy weights θ_k:
 
-    for each prompt x_j of iteration k, in index order:
-        o_1..o_G ~ π_θk(· | x_j)                 Hugging Face `generate`, KV cache, seeded per prompt
-        r_i = reward(x_j, o_i, answer_j)          a plain Python function, checked for errors / NaN
-        A_i = group_advantages(r)                 grpo.py
-        yield Group(...)                          -> the trainer, at once
+    for each chunk of C prompts x_j of iteration k, in index order:
+        o_j1..o_jG ~ π_θk(· | x_j), all j at once Hugging Face `generate`, KV cache, seeded per chunk
+        for each prompt x_j of the chunk:
+            r_i = reward(x_j, o_ji, answer_j)     a plain Python function, checked for errors / NaN
+            A_i = group_advantages(r)             grpo.py
+            yield Group(...)                      -> the trainer, at once
     every `eval_every` iterations: held-out reward of θ_k
 
 `rollout_iteration` is that loop as a generator. Synchronous mode consumes it in the trainer's own
 process; asynchronous mode runs the very same generator in `inference_process`, which puts each
 message on a queue as soon as it exists. Same code, same seeds, so the same rollouts.
 
-Reproducible sampling: each group is sampled right after `torch.manual_seed(prompt_seed(seed, k, j))`,
-a function of (seed, iteration, prompt index) only, never of global RNG history, so a separate
-process (or a rerun) draws exactly the same tokens from the same weights.
+Chunks (`--groups-per-chunk C`, default 1): one `generate` call samples C prompts x G responses,
+prompts left-padded to the longest. C = 1 streams each group as soon as it exists (the finest
+pipeline); larger C keeps an accelerator busy (and cuts per-call overhead on CPU) at the price of a
+longer pipeline fill: the trainer's first group arrives only with the first chunk.
+
+Reproducible sampling: each chunk is sampled right after `torch.manual_seed(prompt_seed(seed, k, j))`,
+j its first prompt, a function of (seed, iteration, prompt index) only, never of global RNG history,
+so a separate process (or a rerun) draws exactly the same tokens from the same weights. A prompt's
+samples do depend on C (its neighbours share the RNG stream), so compare runs at equal C.
 
 Departures, on purpose:
-1. One `generate` call per group (G copies of one prompt, no padding). Batching several prompts
-   per call is faster on a GPU but ties each prompt's samples to its neighbours' RNG draws.
+1. No continuous batching: a chunk ends when its longest response does. Inference engines (vLLM,
+   SGLang) refill finished slots; that is orthogonal to the schedule this project is about.
 2. `top_k`, `repetition_penalty` and the model's own generation_config are ignored: the trainer's
    log-probs assume sampling from softmax(logits / temperature), truncated only by `top_p`.
 """
@@ -55,8 +62,9 @@ class Group:
     responses: list[list[int]]  # token ids, EOS included when the model stopped
     rewards: list[float]
     advantages: list[float]
-    start: float = 0.0  # generation span, time.perf_counter() (a system-wide clock on Linux)
+    start: float = 0.0  # generation span of its chunk, time.perf_counter() (a system-wide clock on Linux)
     end: float = 0.0
+    chunk: tuple[int, int] = (0, 1)  # (first prompt index, prompts) of the generate call that sampled it
 
 
 @dataclass
@@ -86,6 +94,7 @@ class Settings:
     eval_every: int
     eval_samples: int
     scale_rewards: bool
+    groups_per_chunk: int = 1
 
 
 # --- which prompts, which seeds ---
@@ -120,16 +129,24 @@ def trim_response(tokens: list[int], eos_id: int) -> list[int]:
 
 
 @torch.no_grad()
-def sample_responses(model, prompt_ids: list[int], num_samples: int, generation: GenerationConfig,
-                     seed: int) -> list[list[int]]:
-    """num_samples responses to one prompt, reproducible from `seed`."""
+def sample_responses(model, prompts: list[list[int]], num_samples: int, generation: GenerationConfig,
+                     seed: int) -> list[list[list[int]]]:
+    """num_samples responses to each prompt, from one `generate` call, reproducible from `seed`.
+
+    Prompts are left-padded to the longest, with an attention mask, so every response continues
+    its own prompt (generate derives position ids from the mask). Returns responses[prompt][sample].
+    """
     device = next(model.parameters()).device
-    input_ids = torch.tensor([prompt_ids] * num_samples, device=device)  # (G, P)
+    width = max(len(p) for p in prompts)
+    rows = [[generation.pad_token_id] * (width - len(p)) + p for p in prompts for _ in range(num_samples)]
+    real = [[0] * (width - len(p)) + [1] * len(p) for p in prompts for _ in range(num_samples)]
+    input_ids = torch.tensor(rows, device=device)                 # (C·G, P_max)
+    attention_mask = torch.tensor(real, device=device)            # (C·G, P_max)
     torch.manual_seed(seed)
-    output = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                            generation_config=generation)  # (G, P + R_max)
-    new_tokens = output[:, len(prompt_ids):].tolist()
-    return [trim_response(tokens, generation.eos_token_id) for tokens in new_tokens]
+    output = model.generate(input_ids=input_ids, attention_mask=attention_mask,
+                            generation_config=generation)         # (C·G, P_max + R_max)
+    new_tokens = [trim_response(tokens, generation.eos_token_id) for tokens in output[:, width:].tolist()]
+    return [new_tokens[i * num_samples:(i + 1) * num_samples] for i in range(len(prompts))]
 
 
 def score(reward_fn: RewardFn, prompt: str, completion: str, answer: str) -> float:
@@ -150,13 +167,14 @@ def evaluate(model, tokenizer, examples: list[Example], reward_fn: RewardFn, set
     """Mean reward of `eval_samples` sampled responses per held-out prompt (fixed seeds)."""
     generation = sampling_config(settings, tokenizer.eos_token_id, tokenizer.pad_token_id)
     rewards = []
-    for index, example in enumerate(examples):
-        prompt_ids = prompt_token_ids(tokenizer, example.prompt)
-        responses = sample_responses(model, prompt_ids, settings.eval_samples, generation,
-                                     prompt_seed(settings.seed, -1, index))
-        for response in responses:
-            completion = tokenizer.decode(response, skip_special_tokens=True)
-            rewards.append(score(reward_fn, example.prompt, completion, example.answer))
+    for first in range(0, len(examples), settings.groups_per_chunk):
+        chunk = examples[first:first + settings.groups_per_chunk]
+        prompts = [prompt_token_ids(tokenizer, example.prompt) for example in chunk]
+        responses = sample_responses(model, prompts, settings.eval_samples, generation,
+                                     prompt_seed(settings.seed, -1, first))
+        for example, samples in zip(chunk, responses):
+            for completion in tokenizer.batch_decode(samples, skip_special_tokens=True):
+                rewards.append(score(reward_fn, example.prompt, completion, example.answer))
     return sum(rewards) / len(rewards)
 
 
@@ -167,18 +185,25 @@ def rollout_iteration(model, tokenizer, train: list[Example], held_out: list[Exa
     """Yield iteration k's groups in prompt order, then its evaluation (if due), then IterationDone."""
     generation = sampling_config(settings, tokenizer.eos_token_id, tokenizer.pad_token_id)
     if train_prompts:
-        prompt_indices = iteration_prompts(len(train), settings.prompts_per_iteration, settings.seed, iteration)
-        for index, example_index in enumerate(prompt_indices):
-            example = train[example_index]
+        examples = [train[i] for i in iteration_prompts(len(train), settings.prompts_per_iteration, settings.seed,
+                                                         iteration)]
+        for first in range(0, len(examples), settings.groups_per_chunk):
+            chunk = examples[first:first + settings.groups_per_chunk]
             start = time.perf_counter()
-            prompt_ids = prompt_token_ids(tokenizer, example.prompt)
-            responses = sample_responses(model, prompt_ids, settings.group_size, generation,
-                                         prompt_seed(settings.seed, iteration, index))
-            completions = tokenizer.batch_decode(responses, skip_special_tokens=True)
-            rewards = [score(reward_fn, example.prompt, completion, example.answer) for completion in completions]
-            advantages = grpo.group_advantages(torch.tensor(rewards), settings.group_size, settings.scale_rewards)
-            yield Group(iteration, index, policy_version, prompt_ids, responses, rewards, advantages.tolist(),
-                        start, time.perf_counter())
+            prompts = [prompt_token_ids(tokenizer, example.prompt) for example in chunk]
+            responses = sample_responses(model, prompts, settings.group_size, generation,
+                                         prompt_seed(settings.seed, iteration, first))
+            groups = []
+            for offset, (example, prompt_ids, samples) in enumerate(zip(chunk, prompts, responses)):
+                completions = tokenizer.batch_decode(samples, skip_special_tokens=True)
+                rewards = [score(reward_fn, example.prompt, completion, example.answer) for completion in completions]
+                advantages = grpo.group_advantages(torch.tensor(rewards), settings.group_size, settings.scale_rewards)
+                groups.append(Group(iteration, first + offset, policy_version, prompt_ids, samples, rewards,
+                                    advantages.tolist(), chunk=(first, len(chunk))))
+            end = time.perf_counter()
+            for group in groups:  # scored together, sent at once
+                group.start, group.end = start, end
+                yield group
     if held_out and is_eval_iteration(iteration, settings.eval_every, final_iteration):
         start = time.perf_counter()
         reward = evaluate(model, tokenizer, held_out, reward_fn, settings)

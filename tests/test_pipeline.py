@@ -36,11 +36,12 @@ def run_training(cfg):
 
 
 @pytest.mark.parametrize("extra", [[], ["--updates-per-iteration", "2", "--epsilon-low", "0.01",
-                                        "--epsilon-high", "0.01"]])
+                                        "--epsilon-high", "0.01"], ["--groups-per-chunk", "3"]])
 def test_async_equals_sync(tiny_model_dir, extra):
     """Claim: same seed -> async and sync give the same rollouts (rewards, lengths), the same metrics and,
     after several iterations, the same weights (max abs difference <= 1e-5 in fp32); with several updates
-    per iteration too, because mini-batches are fixed by prompt index, not arrival order."""
+    per iteration too, because mini-batches are fixed by prompt index, not arrival order; and with several
+    prompts per generate call (4 prompts in chunks of 3: an uneven last chunk)."""
     sync_policy, sync_rows = run_training(make_cfg(tiny_model_dir, "--mode", "sync", *extra))
     async_policy, async_rows = run_training(make_cfg(tiny_model_dir, "--mode", "async", *extra))
     initial, _ = load_model(str(tiny_model_dir))
@@ -52,8 +53,24 @@ def test_async_equals_sync(tiny_model_dir, extra):
     for s, a in zip(sync_rows, async_rows):
         for key in ("reward_mean", "reward_std", "response_length", "eval_reward", "kl", "clip_fraction"):
             assert s.get(key) == pytest.approx(a.get(key), abs=1e-5), key
-    if extra:
+    if "--updates-per-iteration" in extra:
         assert max(r["clip_fraction"] for r in sync_rows[:-1]) > 0, "N > 1 updates should activate clipping"
+
+
+def test_chunked_sampling_continues_each_prompt(tiny_model_dir):
+    """Claim: sampling several prompts of different lengths in one left-padded generate call continues each
+    prompt exactly as sampling it alone does (checked with greedy decoding, where both are deterministic)."""
+    from transformers import GenerationConfig
+    from rollout import sample_responses
+    model, tokenizer = load_model(str(tiny_model_dir))
+    prompts = [tokenizer.encode(text, add_special_tokens=False) for text in ("1+2=", "31+45=", "100+2000=")]
+    assert len({len(p) for p in prompts}) == 3, "the check needs prompts of different lengths"
+    greedy = GenerationConfig(do_sample=False, max_new_tokens=6, eos_token_id=tokenizer.eos_token_id,
+                              pad_token_id=tokenizer.pad_token_id)
+    together = sample_responses(model, prompts, 2, greedy, seed=0)
+    alone = [sample_responses(model, [p], 2, greedy, seed=0)[0] for p in prompts]
+    assert together == alone
+    assert [len(samples) for samples in together] == [2, 2, 2]
 
 
 def test_async_groups_are_streamed_and_tagged_with_the_version(tiny_model_dir):
