@@ -36,7 +36,8 @@ async
     pipeline's fill and drain counted (n groups per iteration: the first group's generation and the
     last one's training overlap nothing; `pipeline_bound`). Sync uses all cores; async gives the
     inference and the training process half each. Workloads beyond the default vary the balance
-    (long responses, big groups, few groups, several updates per iteration).
+    (long responses, big groups, few groups, 4 prompts per generate call and training forward,
+    several updates per iteration).
 
 publish
     Moving θ_k to the inference process: `WeightBuffer.publish` (copy into shared memory),
@@ -242,6 +243,7 @@ ASYNC_WORKLOADS = {  # name -> trainer options on top of the tiny defaults (16 p
     "long responses": ["--max-new-tokens", "24", "--reward", "tests/rewards.py:digit_fraction"],
     "big groups": ["--group-size", "16"],
     "few groups": ["--batch-size", "32"],
+    "chunks of 4": ["--groups-per-chunk", "4"],
     "4 updates/iter": ["--updates-per-iteration", "4"],
 }
 PHASE_KEYS = ("iteration_s", "generate_s", "train_s", "idle_inference_s", "idle_training_s", "overlap")

@@ -52,8 +52,10 @@ class Config:
     temperature: float = _opt(1.0, "sampling temperature (log-probs are computed at the same temperature)")
     top_p: float = _opt(1.0, "nucleus sampling threshold (1.0 = sample from the full distribution)")
     groups_per_chunk: int = _opt(1, "prompts sampled per generate call (x group-size responses); each group is "
-                                    "still sent to the trainer as soon as its chunk is done: 1 streams soonest, "
-                                    "more keeps a GPU busy (e.g. 8)")
+                                    "sent to the trainer as soon as its chunk is done: 1 streams soonest, more "
+                                    "keeps a GPU busy (e.g. 8) but fills the pipeline later")
+    groups_per_forward: int | None = _opt(None, "groups per training forward/backward (default: --groups-per-chunk); "
+                                                "lower it if the trainer runs out of memory")
     # --- loss and optimizer ---
     lr: float | None = _opt(None, "AdamW learning rate (default: 1e-4 for tiny, 1e-6 otherwise)")
     beta: float = _opt(0.04, "weight of the k3 KL penalty to the reference model (0 = no reference forward)")
@@ -104,6 +106,7 @@ def derive(cfg: Config) -> Config:
         cfg,
         max_new_tokens=cfg.max_new_tokens or (8 if cfg.is_tiny else 512),
         lr=cfg.lr if cfg.lr is not None else (1e-4 if cfg.is_tiny else 1e-6),
+        groups_per_forward=cfg.groups_per_forward or cfg.groups_per_chunk,
         rollout_device=cfg.rollout_device or cfg.device,
         train_device=cfg.train_device or cfg.device,
         rollout_threads=rollout_threads,
@@ -130,6 +133,8 @@ def validate(cfg: Config) -> list[str]:
              f"--updates-per-iteration ({cfg.updates_per_iteration}) must divide the prompts per iteration "
              f"({cfg.prompts_per_iteration} = batch-size / group-size): mini-batches are whole groups")
     need(cfg.groups_per_chunk >= 1, f"--groups-per-chunk must be at least 1 (got {cfg.groups_per_chunk})")
+    need(cfg.groups_per_forward is None or cfg.groups_per_forward >= 1,
+         f"--groups-per-forward must be at least 1 (got {cfg.groups_per_forward})")
     need(cfg.lr is None or cfg.lr > 0, f"--lr must be positive (got {cfg.lr})")
     need(cfg.beta >= 0, f"--beta must be >= 0 (got {cfg.beta})")
     need(cfg.epsilon_low >= 0 and cfg.epsilon_high >= 0, "--epsilon-low and --epsilon-high must be >= 0")

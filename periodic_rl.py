@@ -233,14 +233,14 @@ class Learner:
             return
         while self.minibatch < self.cfg.updates_per_iteration:
             ready = self.waiting.pop(self.minibatch, [])
-            if ready:
-                self._accumulate(ready)
+            for i in range(0, len(ready), self.cfg.groups_per_forward):
+                self._accumulate(ready[i:i + self.cfg.groups_per_forward])
             if self.done_in_minibatch < self.groups_per_minibatch:
                 return
             self._step()
 
     def _accumulate(self, groups: list[Group]) -> None:
-        """One forward/backward over groups of the current mini-batch (those of one chunk, usually)."""
+        """One forward/backward over up to `groups_per_forward` groups of the current mini-batch."""
         name = f"train group {groups[0].index}" + (f"-{groups[-1].index}" if len(groups) > 1 else "")
         with self.timeline.span(name):
             batch = [(torch.tensor(g.prompt_ids, device=self.device),                  # (P,)

@@ -36,12 +36,13 @@ def run_training(cfg):
 
 
 @pytest.mark.parametrize("extra", [[], ["--updates-per-iteration", "2", "--epsilon-low", "0.01",
-                                        "--epsilon-high", "0.01"], ["--groups-per-chunk", "3"]])
+                                        "--epsilon-high", "0.01"],
+                                   ["--groups-per-chunk", "3", "--groups-per-forward", "2"]])
 def test_async_equals_sync(tiny_model_dir, extra):
     """Claim: same seed -> async and sync give the same rollouts (rewards, lengths), the same metrics and,
     after several iterations, the same weights (max abs difference <= 1e-5 in fp32); with several updates
     per iteration too, because mini-batches are fixed by prompt index, not arrival order; and with several
-    prompts per generate call (4 prompts in chunks of 3: an uneven last chunk)."""
+    prompts per generate call and per training forward (4 prompts in chunks of 3, forwards of up to 2)."""
     sync_policy, sync_rows = run_training(make_cfg(tiny_model_dir, "--mode", "sync", *extra))
     async_policy, async_rows = run_training(make_cfg(tiny_model_dir, "--mode", "async", *extra))
     initial, _ = load_model(str(tiny_model_dir))
@@ -112,6 +113,31 @@ def test_learner_refuses_off_policy_group(tiny_model_dir):
     stale = Group(3, 0, 2, [1, 2], [[3, 4]] * 4, [0.0] * 4, [0.0] * 4)
     with pytest.raises(periodic_rl.OffPolicyError, match="version 2"):
         learner.add(stale)
+
+
+def test_batched_training_forward_gives_the_same_update(tiny_model_dir):
+    """Claim: training a chunk's groups in one forward (--groups-per-forward 4) or one at a time gives the same
+    optimizer step (<= 1e-6): the loss is a sum over groups, however it is batched."""
+    generator = torch.Generator().manual_seed(0)
+    groups = [Group(0, i, 0, torch.randint(2, 50, (3 + i,), generator=generator).tolist(),
+                    [torch.randint(2, 50, (1 + (i + j) % 4,), generator=generator).tolist() for j in range(4)],
+                    [0.0] * 4, torch.randn(4, generator=generator).tolist(), chunk=(0, 4)) for i in range(4)]
+    weights = []
+    for per_forward in (1, 4):
+        cfg = make_cfg(tiny_model_dir, "--groups-per-chunk", "4", "--groups-per-forward", per_forward)
+        policy, _ = load_model(cfg.model)
+        tri = periodic_rl.TriModel(policy, use_reference=True, use_old=False)
+        learner = periodic_rl.Learner(tri, torch.optim.SGD(policy.parameters(), lr=1.0), cfg, torch.device("cpu"),
+                                      Timeline())
+        learner.start(0)
+        for group in groups:
+            learner.add(group)
+        learner.metrics()  # raises unless the iteration's step was taken
+        weights.append([p.detach().clone() for p in policy.parameters()])
+    initial, _ = load_model(str(tiny_model_dir))
+    assert max((p - q).abs().max().item() for p, q in zip(weights[0], initial.parameters())) > 1e-4
+    for p, q in zip(*weights):
+        assert (p - q).abs().max().item() <= 1e-6
 
 
 def test_killed_inference_process_is_noticed_within_seconds(tiny_model_dir):
