@@ -33,8 +33,9 @@ async
     each run's first iteration dropped), the speedup and its range over the rounds, the phase
     times T_gen and T_train measured in sync mode, and two bounds: `ideal`
     (T_gen + T_train) / max(T_gen, T_train), a perfect pipeline, and `bound`, the same with the
-    pipeline's fill and drain counted (n groups per iteration: the first group's generation and the
-    last one's training overlap nothing; `pipeline_bound`). Sync uses all cores; async gives the
+    pipeline's fill and drain counted (n chunks per iteration: the first chunk's generation and the
+    last one's training overlap nothing; `pipeline_bound`). `--chunk-sweep` runs the default
+    workload at several --groups-per-chunk instead: batching vs streaming. Sync uses all cores; async gives the
     inference and the training process half each. Workloads beyond the default vary the balance
     (long responses, big groups, few groups, 4 prompts per generate call and training forward,
     several updates per iteration).
@@ -270,18 +271,24 @@ def async_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="the default workload only")
     parser.add_argument("--iterations", type=int, default=10, help="timed iterations per run (one more is dropped)")
     parser.add_argument("--rounds", type=int, default=3, help="sync/async run pairs per workload, interleaved")
+    parser.add_argument("--chunk-sweep", action="store_true",
+                        help="instead: the default workload at 1, 2, 4, 8 and 16 prompts per chunk (no targets)")
     parser.add_argument("--json", metavar="FILE", help="write the figures as JSON to FILE")
 
 
-def pipeline_bound(t_gen: float, t_train: float, groups: int) -> float:
-    """Best speedup of a two-stage pipeline over running the stages back to back, n equal groups.
+CHUNK_SWEEP = (1, 2, 4, 8, 16)
 
-    Per group g = T_gen / n and t = T_train / n. Sync takes n(g + t); the pipeline takes
-    g + t + (n - 1) max(g, t): the first group's generation (fill) and the last group's training
+
+def pipeline_bound(t_gen: float, t_train: float, chunks: int) -> float:
+    """Best speedup of a two-stage pipeline over running the stages back to back, n equal chunks.
+
+    A chunk is what flows through the pipeline: one group, or --groups-per-chunk groups. Per chunk
+    g = T_gen / n and t = T_train / n. Sync takes n(g + t); the pipeline takes
+    g + t + (n - 1) max(g, t): the first chunk's generation (fill) and the last chunk's training
     (drain) overlap nothing. As n grows this tends to (T_gen + T_train) / max(T_gen, T_train).
     """
-    g, t = t_gen / groups, t_train / groups
-    return groups * (g + t) / (g + t + (groups - 1) * max(g, t))
+    g, t = t_gen / chunks, t_train / chunks
+    return chunks * (g + t) / (g + t + (chunks - 1) * max(g, t))
 
 
 def async_workload(argv: list[str], iterations: int, rounds: int) -> dict:
@@ -301,12 +308,13 @@ def async_workload(argv: list[str], iterations: int, rounds: int) -> dict:
         return statistics.mean(row[key] for rows in chosen for row in rows)
 
     t_gen, t_train = mean("sync", "generate_s"), mean("sync", "train_s")
-    groups = parse_args(argv).prompts_per_iteration
+    cfg = parse_args(argv)
+    chunks = math.ceil(cfg.prompts_per_iteration / cfg.groups_per_chunk)  # the pipeline's units
     per_round = [mean("sync", "iteration_s", r) / mean("async", "iteration_s", r) for r in range(rounds)]
     return {"sync_s_per_iter": mean("sync", "iteration_s"), "async_s_per_iter": mean("async", "iteration_s"),
             "speedup": mean("sync", "iteration_s") / mean("async", "iteration_s"), "speedup_per_round": per_round,
             "ideal_speedup": (t_gen + t_train) / max(t_gen, t_train),
-            "pipeline_bound": pipeline_bound(t_gen, t_train, groups), "groups_per_iteration": groups,
+            "pipeline_bound": pipeline_bound(t_gen, t_train, chunks), "chunks_per_iteration": chunks,
             "sync_generate_s": t_gen,
             "sync_train_s": t_train, "async_generate_s": mean("async", "generate_s"),
             "async_train_s": mean("async", "train_s"), "async_overlap": mean("async", "overlap"),
@@ -316,17 +324,28 @@ def async_workload(argv: list[str], iterations: int, rounds: int) -> dict:
 def async_speedup(args: argparse.Namespace) -> bool:
     """Seconds per iteration, synchronous vs periodic asynchrony, on the same work."""
     results = {}
-    workloads = ["default"] if args.quick else list(ASYNC_WORKLOADS)
+    if args.chunk_sweep:
+        workloads = {f"chunks of {c}": ["--groups-per-chunk", str(c)] for c in CHUNK_SWEEP}
+    else:
+        workloads = {name: ASYNC_WORKLOADS[name] for name in (["default"] if args.quick else ASYNC_WORKLOADS)}
     print(f"{args.rounds} rounds x (sync run, async run) per workload, {args.iterations} timed iterations each; "
           f"async: 1 inference + 1 training thread, sync: {os.cpu_count()} threads")
     print(f"{'workload':16s} {'sync s/it':>10s} {'async s/it':>10s} {'speedup':>8s} {'per round':>12s} {'bound':>6s} {'ideal':>6s} "
           f"{'T_gen':>6s} {'T_train':>7s} {'overlap':>8s}")
-    for name in workloads:
-        row = results[name] = async_workload(ASYNC_WORKLOADS[name], args.iterations, args.rounds)
+    for name, argv in workloads.items():
+        row = results[name] = async_workload(argv, args.iterations, args.rounds)
         spread = f"{min(row['speedup_per_round']):.2f}-{max(row['speedup_per_round']):.2f}x"
         print(f"{name:16s} {row['sync_s_per_iter']:10.3f} {row['async_s_per_iter']:10.3f} {row['speedup']:7.2f}x "
               f"{spread:>12s} {row['pipeline_bound']:5.2f}x {row['ideal_speedup']:5.2f}x {row['sync_generate_s']:6.3f} {row['sync_train_s']:7.3f} "
               f"{row['async_overlap']:8.0%}", flush=True)
+    if args.chunk_sweep:  # a trade-off to read, not a target: one chunk per iteration has nothing to overlap
+        fastest = min(results, key=lambda name: min(results[name]["sync_s_per_iter"], results[name]["async_s_per_iter"]))
+        print(f"fastest configuration: {fastest}, "
+              f"{'sync' if results[fastest]['sync_s_per_iter'] < results[fastest]['async_s_per_iter'] else 'async'}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"workloads": results}, f, indent=1)
+        return True
     default = results["default"]
     checks = [(default["speedup"] >= 1.5, f"async >= 1.5x sync on the default workload: {default['speedup']:.2f}x"),
               (all(r["speedup"] >= 1.0 for r in results.values()),

@@ -26,7 +26,7 @@ def test_async_workload_reports_the_promised_figures(tiny_model_dir):
         assert row[key] > 0, key
     assert row["speedup"] == pytest.approx(row["sync_s_per_iter"] / row["async_s_per_iter"])
     assert row["speedup_per_round"] == [pytest.approx(row["speedup"])]
-    assert row["groups_per_iteration"] == 2 and row["pipeline_bound"] <= row["ideal_speedup"]
+    assert row["chunks_per_iteration"] == 2 and row["pipeline_bound"] <= row["ideal_speedup"]
 
 
 def test_shared_prompt_cell_measures_all_modes():
