@@ -308,8 +308,7 @@ def async_workload(argv: list[str], iterations: int, rounds: int) -> dict:
         return statistics.mean(row[key] for rows in chosen for row in rows)
 
     t_gen, t_train = mean("sync", "generate_s"), mean("sync", "train_s")
-    cfg = parse_args(argv)
-    chunks = math.ceil(cfg.prompts_per_iteration / cfg.groups_per_chunk)  # the pipeline's units
+    chunks = parse_args(argv).chunks_per_iteration  # the pipeline's units
     per_round = [mean("sync", "iteration_s", r) / mean("async", "iteration_s", r) for r in range(rounds)]
     return {"sync_s_per_iter": mean("sync", "iteration_s"), "async_s_per_iter": mean("async", "iteration_s"),
             "speedup": mean("sync", "iteration_s") / mean("async", "iteration_s"), "speedup_per_round": per_round,
@@ -329,7 +328,8 @@ def async_speedup(args: argparse.Namespace) -> bool:
     else:
         workloads = {name: ASYNC_WORKLOADS[name] for name in (["default"] if args.quick else ASYNC_WORKLOADS)}
     print(f"{args.rounds} rounds x (sync run, async run) per workload, {args.iterations} timed iterations each; "
-          f"async: 1 inference + 1 training thread, sync: {os.cpu_count()} threads")
+          f"sync: {os.cpu_count()} threads; async: the cores split between the two processes "
+          f"(all to each when an iteration is one chunk)")
     print(f"{'workload':16s} {'sync s/it':>10s} {'async s/it':>10s} {'speedup':>8s} {'per round':>12s} {'bound':>6s} {'ideal':>6s} "
           f"{'T_gen':>6s} {'T_train':>7s} {'overlap':>8s}")
     for name, argv in workloads.items():

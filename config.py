@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 import typing
@@ -79,9 +80,10 @@ class Config:
     device: str = _opt("cpu", "default device for both sides: cpu, cuda, cuda:N, npu, npu:N")
     rollout_device: str | None = _opt(None, "device of the inference process (default: --device)")
     train_device: str | None = _opt(None, "device of the training process (default: --device)")
-    rollout_threads: int | None = _opt(None, "CPU threads of the inference process (default: half the cores)")
+    rollout_threads: int | None = _opt(None, "CPU threads of the inference process (default: half the cores; all "
+                                             "when an iteration is one chunk: the sides then take turns)")
     train_threads: int | None = _opt(None, "CPU threads of the training process (default: the other half; "
-                                           "sync mode: all cores)")
+                                           "sync mode or one chunk per iteration: all cores)")
     dtype: str = _opt("float32", "parameter dtype", choices=("float32", "bfloat16", "float16"))
     attn_implementation: str = _opt("sdpa", "attention kernel of the Hugging Face model", choices=("sdpa", "eager"))
     cache_dir: str | None = _opt(None, "where the warmed-up tiny model is cached "
@@ -93,6 +95,11 @@ class Config:
         return self.batch_size // self.group_size
 
     @property
+    def chunks_per_iteration(self) -> int:
+        """Units the pipeline overlaps: generate calls per iteration."""
+        return math.ceil(self.prompts_per_iteration / self.groups_per_chunk)
+
+    @property
     def is_tiny(self) -> bool:
         return self.model == "tiny"
 
@@ -100,8 +107,11 @@ class Config:
 def derive(cfg: Config) -> Config:
     """Fill the model-dependent defaults and the thread split; returns a new Config."""
     cores = os.cpu_count() or 1
-    sync = cfg.mode == "sync"
-    rollout_threads = cfg.rollout_threads or max(1, cores // 2)
+    # Sync mode runs one side at a time: all cores. So does async when an iteration is a single chunk
+    # (nothing to overlap: the two sides take turns); otherwise they run at once and split the cores,
+    # since oversubscribed cores slow both (measured: 2 + 2 threads on 2 cores, 2x slower).
+    take_turns = cfg.mode == "sync" or cfg.chunks_per_iteration == 1
+    rollout_threads = cfg.rollout_threads or (cores if take_turns else max(1, cores // 2))
     return dataclasses.replace(
         cfg,
         max_new_tokens=cfg.max_new_tokens or (8 if cfg.is_tiny else 512),
@@ -110,7 +120,7 @@ def derive(cfg: Config) -> Config:
         rollout_device=cfg.rollout_device or cfg.device,
         train_device=cfg.train_device or cfg.device,
         rollout_threads=rollout_threads,
-        train_threads=cfg.train_threads or (cores if sync else max(1, cores - rollout_threads)),
+        train_threads=cfg.train_threads or (cores if take_turns else max(1, cores - rollout_threads)),
     )
 
 

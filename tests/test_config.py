@@ -49,6 +49,19 @@ def test_defaults_are_valid_and_derived():
     assert derive(Config(mode="sync", rollout_threads=None)).train_threads >= 1
 
 
+def test_thread_split(monkeypatch):
+    """Claim: async splits the cores between the two processes, except when an iteration is one chunk (the sides
+    then take turns, so each gets all cores); sync uses all of them; explicit counts win."""
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    split = derive(Config(mode="async"))
+    assert (split.rollout_threads, split.train_threads) == (4, 4)
+    turns = derive(Config(mode="async", batch_size=64, group_size=8, groups_per_chunk=8))
+    assert turns.chunks_per_iteration == 1 and (turns.rollout_threads, turns.train_threads) == (8, 8)
+    assert derive(Config(mode="async", batch_size=64, group_size=8, groups_per_chunk=3)).chunks_per_iteration == 3
+    assert derive(Config(mode="sync")).train_threads == 8
+    assert derive(Config(mode="async", rollout_threads=2)).train_threads == 6
+
+
 def test_trainer_cli_bad_value_exits_2_without_traceback():
     """The real entry point, in a subprocess: one line on stderr, exit code 2, no traceback."""
     result = subprocess.run([sys.executable, "trainer.py", "--group-size", "0"], cwd=ROOT,
