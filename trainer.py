@@ -79,7 +79,11 @@ def run(cfg: Config) -> dict:
     metrics_path.write_text("")
     print(f"periodic-rl: {cfg.mode} | model {cfg.model} | {len(train_examples)} train / {len(held_out)} held-out "
           f"prompts | {cfg.iterations} iterations x {cfg.prompts_per_iteration} prompts x {cfg.group_size} "
-          f"in chunks of {cfg.groups_per_chunk} | threads inference/train {cfg.rollout_threads}/{cfg.train_threads} | out {out}", flush=True)
+          f"in chunks of {cfg.groups_per_chunk} | threads inference/train {cfg.rollout_threads}/{cfg.train_threads} "
+          f"| out {out}", flush=True)
+    if cfg.mode == "async" and cfg.chunks_per_iteration == 1:
+        print("periodic-rl: note: one chunk per iteration leaves the pipeline nothing to overlap; the two "
+              "processes take turns, and --mode sync is as fast (lower --groups-per-chunk to overlap)", flush=True)
     first_eval, start = None, time.perf_counter()
     rows = periodic_rl.train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwargs)
     progress = tqdm(total=cfg.iterations, desc="iterations", disable=not sys.stderr.isatty(), leave=False)
