@@ -23,7 +23,8 @@ shared-prompt
     takes the layout as a few index tensors instead.
     Timings on a shared machine drift: modes are interleaved within each repeat so drift hits them
     alike, and each mode reports its fastest repeat (the work is deterministic, so noise from other
-    jobs only ever adds time; `timeit` takes the minimum for the same reason). Targets, checked at the end: packed >= 5x unpacked
+    jobs only ever adds time; `timeit` takes the minimum for the same reason). Targets, checked at
+    the end: packed >= 5x unpacked
     at P=512, R=32, and auto never more than 5% slower than unpacked anywhere on the grid.
 
 async
@@ -330,16 +331,18 @@ def async_speedup(args: argparse.Namespace) -> bool:
     print(f"{args.rounds} rounds x (sync run, async run) per workload, {args.iterations} timed iterations each; "
           f"sync: {os.cpu_count()} threads; async: the cores split between the two processes "
           f"(all to each when an iteration is one chunk)")
-    print(f"{'workload':16s} {'sync s/it':>10s} {'async s/it':>10s} {'speedup':>8s} {'per round':>12s} {'bound':>6s} {'ideal':>6s} "
-          f"{'T_gen':>6s} {'T_train':>7s} {'overlap':>8s}")
+    print(f"{'workload':16s} {'sync s/it':>10s} {'async s/it':>10s} {'speedup':>8s} {'per round':>12s} "
+          f"{'bound':>6s} {'ideal':>6s} {'T_gen':>6s} {'T_train':>7s} {'overlap':>8s}")
     for name, argv in workloads.items():
         row = results[name] = async_workload(argv, args.iterations, args.rounds)
         spread = f"{min(row['speedup_per_round']):.2f}-{max(row['speedup_per_round']):.2f}x"
         print(f"{name:16s} {row['sync_s_per_iter']:10.3f} {row['async_s_per_iter']:10.3f} {row['speedup']:7.2f}x "
-              f"{spread:>12s} {row['pipeline_bound']:5.2f}x {row['ideal_speedup']:5.2f}x {row['sync_generate_s']:6.3f} {row['sync_train_s']:7.3f} "
+              f"{spread:>12s} {row['pipeline_bound']:5.2f}x {row['ideal_speedup']:5.2f}x "
+              f"{row['sync_generate_s']:6.3f} {row['sync_train_s']:7.3f} "
               f"{row['async_overlap']:8.0%}", flush=True)
     if args.chunk_sweep:  # a trade-off to read, not a target: one chunk per iteration has nothing to overlap
-        fastest = min(results, key=lambda name: min(results[name]["sync_s_per_iter"], results[name]["async_s_per_iter"]))
+        fastest = min(results, key=lambda name: min(results[name]["sync_s_per_iter"],
+                                                     results[name]["async_s_per_iter"]))
         print(f"fastest configuration: {fastest}, "
               f"{'sync' if results[fastest]['sync_s_per_iter'] < results[fastest]['async_s_per_iter'] else 'async'}")
         if args.json:
@@ -483,7 +486,8 @@ def tri_model(args: argparse.Namespace) -> bool:
         results[f"beta={beta},N={updates}"] = row
         mb = 2 ** 20
         print(f"{'on' if beta > 0 else 'off':>9s} {updates:3d} "
-              f"{memory['policy_bytes'] / mb:9.1f} /{memory['old_bytes'] / mb:7.1f} /{memory['reference_bytes'] / mb:7.1f} "
+              f"{memory['policy_bytes'] / mb:9.1f} /{memory['old_bytes'] / mb:7.1f} "
+              f"/{memory['reference_bytes'] / mb:7.1f} "
               f"{optim / mb:12.1f} {activation / mb:20.1f} {row['step_s'] * 1e3:8.1f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:

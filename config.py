@@ -137,7 +137,8 @@ def validate(cfg: Config) -> list[str]:
     need(cfg.batch_size > 0 and cfg.batch_size % max(cfg.group_size, 1) == 0,
          f"--batch-size must be a positive multiple of --group-size (got {cfg.batch_size} and {cfg.group_size})")
     need(cfg.iterations >= 1, f"--iterations must be at least 1 (got {cfg.iterations})")
-    need(cfg.updates_per_iteration >= 1, f"--updates-per-iteration must be at least 1 (got {cfg.updates_per_iteration})")
+    need(cfg.updates_per_iteration >= 1,
+         f"--updates-per-iteration must be at least 1 (got {cfg.updates_per_iteration})")
     if cfg.group_size >= 1 and cfg.batch_size % max(cfg.group_size, 1) == 0 and cfg.batch_size > 0:
         need(cfg.prompts_per_iteration % cfg.updates_per_iteration == 0,
              f"--updates-per-iteration ({cfg.updates_per_iteration}) must divide the prompts per iteration "

@@ -101,7 +101,8 @@ def run(cfg: Config) -> dict:
         policy.save_pretrained(out / "policy", safe_serialization=True)
         tokenizer.save_pretrained(out / "policy")
     final = {**row, "start_eval_reward": first_eval}
-    print(f"done in {row['elapsed_s']:.1f}s: held-out reward {first_eval if first_eval is None else round(first_eval, 3)}"
+    print(f"done in {row['elapsed_s']:.1f}s: held-out reward "
+          f"{first_eval if first_eval is None else round(first_eval, 3)}"
           f" -> {row['eval_reward'] if row['eval_reward'] is None else round(row['eval_reward'], 3)}; "
           f"metrics in {metrics_path}" + (f", policy in {out / 'policy'}" if cfg.save else ""), flush=True)
     return final

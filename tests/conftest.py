@@ -1,4 +1,4 @@
-"""Shared fixtures: the repository on sys.path, where GSM8K lies, and a small random Qwen2 model saved like a real one."""
+"""Shared fixtures: the repository on sys.path, where GSM8K lies, a small random Qwen2 model saved like a real one."""
 import os
 import sys
 from pathlib import Path

@@ -123,7 +123,8 @@ def test_unpacked_reference_matches_one_forward_per_response():
 
 def test_packed_rows_locate_segments():
     """packed_rows gives each row's prompt length, real length, response columns (clamped past a response's end)."""
-    layout = pack([(torch.tensor([1, 2]), [torch.tensor([3]), torch.tensor([4, 5, 6])]), (torch.tensor([7]), [torch.tensor([8])])])
+    layout = pack([(torch.tensor([1, 2]), [torch.tensor([3]), torch.tensor([4, 5, 6])]),
+                   (torch.tensor([7]), [torch.tensor([8])])])
     first, second = packed_rows(layout)
     assert (first.prompt_len, first.length, second.prompt_len, second.length) == (2, 6, 1, 2)
     assert first.response_columns.tolist() == [[2, 2, 2], [3, 4, 5]]

@@ -20,7 +20,8 @@ def test_pipeline_bound():
 def test_async_workload_reports_the_promised_figures(tiny_model_dir):
     """Claim: one sync/async round on a local model yields the JSON keys the issue asks for, consistent
     with each other."""
-    argv = ["--model", str(tiny_model_dir), "--data", "arithmetic", "--batch-size", "8", "--group-size", "4", "--max-new-tokens", "3"]
+    argv = ["--model", str(tiny_model_dir), "--data", "arithmetic", "--batch-size", "8", "--group-size", "4",
+            "--max-new-tokens", "3"]
     row = bench.async_workload(argv, iterations=1, rounds=1)
     for key in ("sync_s_per_iter", "async_s_per_iter", "speedup", "ideal_speedup", "pipeline_bound"):
         assert row[key] > 0, key
