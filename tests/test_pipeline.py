@@ -37,12 +37,14 @@ def run_training(cfg):
 
 @pytest.mark.parametrize("extra", [[], ["--updates-per-iteration", "2", "--epsilon-low", "0.01",
                                         "--epsilon-high", "0.01"],
-                                   ["--groups-per-chunk", "3", "--groups-per-forward", "2"]])
+                                   ["--groups-per-chunk", "3", "--groups-per-forward", "2",
+                                    "--updates-per-iteration", "2", "--epsilon-low", "0.01", "--epsilon-high", "0.01"]])
 def test_async_equals_sync(tiny_model_dir, extra):
     """Claim: same seed -> async and sync give the same rollouts (rewards, lengths), the same metrics and,
     after several iterations, the same weights (max abs difference <= 1e-5 in fp32); with several updates
     per iteration too, because mini-batches are fixed by prompt index, not arrival order; and with several
-    prompts per generate call and per training forward (4 prompts in chunks of 3, forwards of up to 2)."""
+    prompts per generate call and per training forward (4 prompts in chunks of 3, forwards of up to 2, two
+    mini-batches of 2: the first chunk straddles them)."""
     sync_policy, sync_rows = run_training(make_cfg(tiny_model_dir, "--mode", "sync", *extra))
     async_policy, async_rows = run_training(make_cfg(tiny_model_dir, "--mode", "async", *extra))
     initial, _ = load_model(str(tiny_model_dir))
