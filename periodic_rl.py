@@ -82,7 +82,7 @@ class WeightBuffer:
         for p in params:
             self.offsets.append(self.offsets[-1] + p.numel())
         self.flat = torch.empty(self.offsets[-1], dtype=params[0].dtype).share_memory_()  # (num_params,)
-        self._version = mp.get_context("spawn").Value("q", -1)
+        self._version = torch.full((1,), -1, dtype=torch.int64).share_memory_()  # (1,) shared too
         self.aliased = False
 
     def views(self) -> list[torch.Tensor]:
@@ -93,13 +93,15 @@ class WeightBuffer:
     def publish(self, model: torch.nn.Module, version: int) -> None:
         for view, param in zip(self.views(), model.parameters()):
             view.copy_(param)
-        self._version.value = version
+        self._version.fill_(version)
 
     def version(self) -> int:
-        return self._version.value
+        return int(self._version[0])
 
     def attach(self, model: torch.nn.Module) -> None:
         params = list(model.parameters())
+        if [p.shape for p in params] != self.shapes:
+            raise ValueError("the inference model's parameters do not match the trainer's (same --model?)")
         if all(p.device.type == "cpu" and p.dtype == self.flat.dtype for p in params):
             for view, param in zip(self.views(), params):
                 param.data = view
@@ -136,20 +138,28 @@ class SyncRollouts:
 
 
 class AsyncRollouts:
-    """The inference process, its two queues and the shared weight buffer, seen from the trainer."""
+    """The inference process, its two queues and the shared weight buffer, seen from the trainer.
 
-    def __init__(self, policy, model_name: str, load_kwargs: dict, train, held_out, reward_spec: str,
-                 settings: Settings, threads: int, timeline: Timeline):
+    Start it before the trainer loads its own model: both processes then load at the same time.
+    `attach(policy)` hands over the weight buffer and waits until the inference side is ready.
+    """
+
+    def __init__(self, model_name: str, load_kwargs: dict, train, held_out, reward_spec: str,
+                 settings: Settings, threads: int, timeline: Timeline | None = None):
         context = mp.get_context("spawn")  # fork would copy the trainer's threads and CUDA state
-        self.timeline = timeline
-        self.weights = WeightBuffer(policy)
+        self.timeline = timeline or Timeline()
         self.commands, self.results = context.Queue(), context.Queue()
         self.process = context.Process(
             target=inference_process, name="periodic-rl-inference", daemon=True,
-            args=(model_name, load_kwargs, self.weights, self.commands, self.results, train, held_out,
-                  reward_spec, settings, threads))
+            args=(model_name, load_kwargs, self.commands, self.results, train, held_out, reward_spec, settings,
+                  threads))
         self.process.start()
-        self._receive()  # ("ready", None) once the model is loaded and attached
+
+    def attach(self, policy) -> None:
+        """Share θ's buffer with the inference process (as a handle to shared memory, never a copy)."""
+        self.weights = WeightBuffer(policy)  # kept alive here: the receiver maps the sender's memory
+        self.commands.put(("attach", self.weights))
+        self._receive()  # ("ready", None) once its model is loaded and reads θ from the buffer
 
     def publish(self, policy, version: int) -> None:
         with self.timeline.span(f"publish θ_{version}"):
@@ -183,8 +193,8 @@ class AsyncRollouts:
         return payload
 
     def close(self) -> None:
-        """Stop the inference process: politely, then by force. Never leaves it running."""
-        if self.process.is_alive():
+        """Stop the inference process: politely, then by force. Never leaves it running. Idempotent."""
+        if self.process.is_alive() and hasattr(self, "weights"):  # before attach it may still be loading
             self.commands.put(("stop",))
             self.process.join(timeout=3)
         if self.process.is_alive():
@@ -298,31 +308,45 @@ class Learner:
 
 
 # --- the loop ---
+def settings_of(cfg) -> Settings:
+    """What the inference side needs from the config."""
+    return Settings(seed=cfg.seed, group_size=cfg.group_size, prompts_per_iteration=cfg.prompts_per_iteration,
+                    max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                    eval_every=cfg.eval_every, eval_samples=cfg.eval_samples, scale_rewards=cfg.scale_rewards,
+                    groups_per_chunk=cfg.groups_per_chunk)
+
+
+def start_inference(cfg, load_kwargs: dict, train_examples, held_out, timeline: Timeline | None = None
+                    ) -> AsyncRollouts:
+    """Spawn the inference process for `cfg` (it starts loading its model at once)."""
+    return AsyncRollouts(cfg.model, load_kwargs, train_examples, held_out, cfg.reward, settings_of(cfg),
+                         cfg.rollout_threads, timeline)
+
+
 def train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwargs: dict,
-          timeline: Timeline | None = None) -> Iterator[dict]:
+          timeline: Timeline | None = None, rollouts: AsyncRollouts | None = None) -> Iterator[dict]:
     """Run cfg.iterations iterations and yield one metrics dict per iteration, then a final evaluation.
 
     `policy` is already on cfg.train_device; `load_kwargs` tells the inference process how to load
-    its own copy (async mode). The last yielded dict has `"final": True` and only the evaluation.
+    its own copy (async mode), unless `rollouts` is an inference process already started (whose
+    timeline is then used). The last yielded dict has `"final": True` and only the evaluation.
     """
-    timeline = timeline or Timeline()
+    timeline = rollouts.timeline if rollouts is not None else (timeline or Timeline())
     torch.set_num_threads(cfg.train_threads)
     device = next(policy.parameters()).device
-    settings = Settings(seed=cfg.seed, group_size=cfg.group_size, prompts_per_iteration=cfg.prompts_per_iteration,
-                        max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                        eval_every=cfg.eval_every, eval_samples=cfg.eval_samples, scale_rewards=cfg.scale_rewards,
-                        groups_per_chunk=cfg.groups_per_chunk)
+    settings = settings_of(cfg)
     tri = TriModel(policy, use_reference=cfg.beta > 0, use_old=cfg.updates_per_iteration > 1,
                    packing="auto" if cfg.shared_prompt else "unpacked", temperature=cfg.temperature,
                    pad_id=tokenizer.pad_token_id)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     learner = Learner(tri, optimizer, cfg, device, timeline)
     if cfg.mode == "async":
-        rollouts = AsyncRollouts(policy, cfg.model, load_kwargs, train_examples, held_out, cfg.reward, settings,
-                                 cfg.rollout_threads, timeline)
+        rollouts = rollouts or start_inference(cfg, load_kwargs, train_examples, held_out, timeline)
     else:
         rollouts = SyncRollouts(policy, tokenizer, train_examples, held_out, reward_fn, settings)
     try:
+        if cfg.mode == "async":
+            rollouts.attach(policy)
         for iteration in range(cfg.iterations + 1):
             final = iteration == cfg.iterations  # one more round that only evaluates θ_final
             start = time.perf_counter()

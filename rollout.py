@@ -212,13 +212,15 @@ def rollout_iteration(model, tokenizer, train: list[Example], held_out: list[Exa
 
 
 # --- the inference process (asynchronous mode) ---
-def inference_process(model_name: str, load_kwargs: dict, weights, commands, results, train: list[Example],
+def inference_process(model_name: str, load_kwargs: dict, commands, results, train: list[Example],
                       held_out: list[Example], reward_spec: str, settings: Settings, threads: int) -> None:
     """Entry point of the spawned inference process.
 
-    Protocol: wait for ("generate", k) on `commands` (sent after θ_k is in `weights`), run
-    `rollout_iteration` and put every message on `results`; ("evaluate", k) runs only the held-out
-    evaluation; ("stop",) ends. Any exception is sent as ("error", summary) before exiting non-zero.
+    Protocol: load the model, then wait for ("attach", weights), the trainer's shared weight buffer
+    (periodic_rl.WeightBuffer), and answer ("ready", None). Then wait for ("generate", k) (sent after
+    θ_k is in `weights`), run `rollout_iteration` and put every message on `results`; ("evaluate",
+    k) runs only the held-out evaluation; ("stop",) ends, at any point. Any exception is sent as
+    ("error", summary) before exiting non-zero.
     """
     import sys
     import transformers
@@ -229,8 +231,12 @@ def inference_process(model_name: str, load_kwargs: dict, weights, commands, res
         from tasks import load_reward
         model, tokenizer = load_model(model_name, **load_kwargs)
         model.eval()
-        weights.attach(model)  # parameters now read θ from shared memory
         reward_fn = load_reward(reward_spec)
+        command = commands.get()
+        if command[0] == "stop":
+            return
+        weights = command[1]
+        weights.attach(model)  # on CPU its parameters now *are* θ's shared memory
         results.put(("ready", None))
         while True:
             command = commands.get()

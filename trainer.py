@@ -56,10 +56,9 @@ def run(cfg: Config) -> dict:
     """Train as configured; returns the final row (with the start and end held-out rewards)."""
     import torch
     import transformers
-    from tqdm import tqdm
 
     import periodic_rl
-    from models import load_model
+    from models import ensure_tiny_model, load_model
     from tasks import load_reward, load_task
 
     transformers.utils.logging.disable_progress_bar()  # our own progress bar and log lines only
@@ -69,9 +68,26 @@ def run(cfg: Config) -> dict:
     dtype = getattr(torch, cfg.dtype)
     load_kwargs = dict(device=cfg.rollout_device, dtype=dtype, attn_implementation=cfg.attn_implementation,
                        cache_dir=cfg.cache_dir)
-    policy, tokenizer = load_model(cfg.model, **{**load_kwargs, "device": cfg.train_device})
     train_examples, held_out = load_task(cfg.data, tiny=cfg.is_tiny, eval_size=cfg.eval_size)
     reward_fn = load_reward(cfg.reward)
+    rollouts = None
+    if cfg.mode == "async":
+        if cfg.is_tiny:
+            ensure_tiny_model(cfg.cache_dir)  # built here, once, not by both processes at the same time
+        rollouts = periodic_rl.start_inference(cfg, load_kwargs, train_examples, held_out)  # loads as we do
+    try:
+        policy, tokenizer = load_model(cfg.model, **{**load_kwargs, "device": cfg.train_device})
+        return train_and_log(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwargs, rollouts)
+    finally:
+        if rollouts is not None:
+            rollouts.close()
+
+
+def train_and_log(cfg: Config, policy, tokenizer, train_examples, held_out, reward_fn, load_kwargs: dict,
+                  rollouts) -> dict:
+    """The schedule with a log line and a metrics.jsonl row per iteration, then the saved policy."""
+    import periodic_rl
+    from tqdm import tqdm
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -85,7 +101,8 @@ def run(cfg: Config) -> dict:
         print("periodic-rl: note: one chunk per iteration leaves the pipeline nothing to overlap; the two "
               "processes take turns, and --mode sync is as fast (lower --groups-per-chunk to overlap)", flush=True)
     first_eval, start = None, time.perf_counter()
-    rows = periodic_rl.train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwargs)
+    rows = periodic_rl.train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwargs,
+                             rollouts=rollouts)
     progress = tqdm(total=cfg.iterations, desc="iterations", disable=not sys.stderr.isatty(), leave=False)
     for row in rows:
         if first_eval is None and row.get("eval_reward") is not None:

@@ -84,8 +84,9 @@ def test_async_groups_are_streamed_and_tagged_with_the_version(tiny_model_dir):
     train, held_out = load_task("arithmetic", tiny=False, eval_size=4)
     settings = Settings(cfg.seed, cfg.group_size, cfg.prompts_per_iteration, cfg.max_new_tokens, 1.0, 1.0, 0, 1, True)
     sync = periodic_rl.SyncRollouts(policy, tokenizer, train, held_out, load_reward(DIGITS), settings)
-    remote = periodic_rl.AsyncRollouts(policy, cfg.model, {}, train, held_out, DIGITS, settings, 1, Timeline())
+    remote = periodic_rl.AsyncRollouts(cfg.model, {}, train, held_out, DIGITS, settings, 1, Timeline())
     try:
+        remote.attach(policy)
         for iteration in range(2):
             sync.publish(policy, iteration)
             remote.publish(policy, iteration)
@@ -142,22 +143,29 @@ def test_batched_training_forward_gives_the_same_update(tiny_model_dir):
         assert (p - q).abs().max().item() <= 1e-6
 
 
-def test_killed_inference_process_is_noticed_within_seconds(tiny_model_dir):
-    """Claim: if the inference process dies, the trainer raises a clear PipelineError within 10 s (no hang)."""
+@pytest.mark.parametrize("when", ["while loading", "while generating"])
+def test_killed_inference_process_is_noticed_within_seconds(tiny_model_dir, when):
+    """Claim: if the inference process dies, whether still loading its model or already serving, the trainer
+    raises a clear PipelineError within 10 s (no hang)."""
     cfg = make_cfg(tiny_model_dir)
     policy, _ = load_model(cfg.model)
     train, held_out = load_task("arithmetic", tiny=False, eval_size=4)
     settings = Settings(0, 4, 4, 6, 1.0, 1.0, 0, 1, True)
-    remote = periodic_rl.AsyncRollouts(policy, cfg.model, {}, train, held_out, DIGITS, settings, 1, Timeline())
+    remote = periodic_rl.AsyncRollouts(cfg.model, {}, train, held_out, DIGITS, settings, 1, Timeline())
     try:
+        if when == "while generating":
+            remote.attach(policy)
         os.kill(remote.process.pid, signal.SIGKILL)
-        remote.publish(policy, 0)
         start = time.monotonic()
         with pytest.raises(periodic_rl.PipelineError, match="died"):
+            if when == "while loading":
+                remote.attach(policy)
+            remote.publish(policy, 0)
             list(remote.messages(0, 1))
         assert time.monotonic() - start < 10
     finally:
         remote.close()
+    assert not remote.process.is_alive()
 
 
 def run_trainer(*args, timeout=240):
