@@ -65,6 +65,7 @@ import json
 import math
 import os
 import pickle
+import shlex
 import statistics
 import time
 from typing import Callable
@@ -136,6 +137,16 @@ def peak_bytes(model: torch.nn.Module, step: Callable[[], None], device: str) ->
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - start
     return saved_for_backward_bytes(model, step)
+
+
+def median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """Median wall-clock seconds of `repeats` calls of fn."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def clock(device: str, threads: int) -> Callable[[], float]:
@@ -272,6 +283,9 @@ def async_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="the default workload only")
     parser.add_argument("--iterations", type=int, default=10, help="timed iterations per run (one more is dropped)")
     parser.add_argument("--rounds", type=int, default=3, help="sync/async run pairs per workload, interleaved")
+    parser.add_argument("--trainer-args", default="", metavar="ARGS",
+                        help="trainer.py options added to every workload, "
+                             "e.g. \"--groups-per-chunk 8 --rollout-threads 2\"")
     parser.add_argument("--chunk-sweep", action="store_true",
                         help="instead: the default workload at 1, 2, 4, 8 and 16 prompts per chunk (no targets)")
     parser.add_argument("--json", metavar="FILE", help="write the figures as JSON to FILE")
@@ -334,7 +348,7 @@ def async_speedup(args: argparse.Namespace) -> bool:
     print(f"{'workload':16s} {'sync s/it':>10s} {'async s/it':>10s} {'speedup':>8s} {'per round':>12s} "
           f"{'bound':>6s} {'ideal':>6s} {'T_gen':>6s} {'T_train':>7s} {'overlap':>8s}")
     for name, argv in workloads.items():
-        row = results[name] = async_workload(argv, args.iterations, args.rounds)
+        row = results[name] = async_workload([*argv, *shlex.split(args.trainer_args)], args.iterations, args.rounds)
         spread = f"{min(row['speedup_per_round']):.2f}-{max(row['speedup_per_round']):.2f}x"
         print(f"{name:16s} {row['sync_s_per_iter']:10.3f} {row['async_s_per_iter']:10.3f} {row['speedup']:7.2f}x "
               f"{spread:>12s} {row['pipeline_bound']:5.2f}x {row['ideal_speedup']:5.2f}x "
@@ -400,23 +414,14 @@ def publish(args: argparse.Namespace) -> bool:
         receiver = copy.deepcopy(model) if tiny else qwen_05b_shaped(False)
         nbytes = buffer.flat.numel() * buffer.flat.element_size()
         src, dst = torch.empty_like(buffer.flat), torch.empty_like(buffer.flat)
-
-        def median(fn):
-            times = []
-            for _ in range(args.repeats):
-                start = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - start)
-            return statistics.median(times)
-
-        publish = median(lambda: buffer.publish(model, 1))
+        publish = median_seconds(lambda: buffer.publish(model, 1), args.repeats)
         aliased = copy.deepcopy(receiver) if tiny else receiver
         buffer.attach(aliased)
-        load_view = median(lambda: buffer.load_into(aliased, 1))
+        load_view = median_seconds(lambda: buffer.load_into(aliased, 1), args.repeats)
         buffer.aliased = False  # as on a GPU: a real copy into the receiver's own parameters
         copy_target = copy.deepcopy(model)
-        load_copy = median(lambda: buffer.load_into(copy_target, 1))
-        memcpy = median(lambda: dst.copy_(src))
+        load_copy = median_seconds(lambda: buffer.load_into(copy_target, 1), args.repeats)
+        memcpy = median_seconds(lambda: dst.copy_(src), args.repeats)
         context = mp.get_context("spawn")
         q, done = context.Queue(), context.Queue()
         child = context.Process(target=_receive_pickled, args=(q, done), daemon=True)
@@ -460,29 +465,21 @@ def tri_model(args: argparse.Namespace) -> bool:
         policy = copy.deepcopy(policy_template)
         tri = TriModel(policy, use_reference=beta > 0, use_old=updates > 1)
         optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-5)
-        saved = []
 
         def step():
-            saved.clear()
-            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-                logp, old, ref, mask = tri([(prompt, responses)])
-                loss, _ = grpo_loss(logp, old, ref, advantages, mask, beta=beta)
+            logp, old, ref, mask = tri([(prompt, responses)])
+            loss, _ = grpo_loss(logp, old, ref, advantages, mask, beta=beta)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-        step()
-        times = []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - start)
+        activation = saved_for_backward_bytes(policy, step)  # also the warm-up step
+        step_s = median_seconds(step, args.repeats)
         memory = tri.memory_report()
-        activation = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved}.values())
         optim = sum(s.numel() * s.element_size() for state in optimizer.state.values() for s in state.values()
                     if torch.is_tensor(s))
         row = {**memory, "optimizer_bytes": optim, "activation_bytes": activation,
-               "step_s": statistics.median(times), "beta": beta, "updates_per_iteration": updates}
+               "step_s": step_s, "beta": beta, "updates_per_iteration": updates}
         results[f"beta={beta},N={updates}"] = row
         mb = 2 ** 20
         print(f"{'on' if beta > 0 else 'off':>9s} {updates:3d} "

@@ -109,7 +109,8 @@ def derive(cfg: Config) -> Config:
     cores = os.cpu_count() or 1
     # Sync mode runs one side at a time: all cores. So does async when an iteration is a single chunk
     # (nothing to overlap: the two sides take turns); otherwise they run at once and split the cores,
-    # since oversubscribed cores slow both (measured: 2 + 2 threads on 2 cores, 2x slower).
+    # since oversubscribed cores slow both (2 + 2 threads on 2 cores, 2 chunks: async 0.72x of sync, against
+    # 1.0x split; `bench.py async --quick --trainer-args "--groups-per-chunk 8 --rollout-threads 2 --train-threads 2"`).
     take_turns = cfg.mode == "sync" or cfg.chunks_per_iteration == 1
     rollout_threads = cfg.rollout_threads or (cores if take_turns else max(1, cores // 2))
     return dataclasses.replace(

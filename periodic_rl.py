@@ -148,6 +148,7 @@ class AsyncRollouts:
                  settings: Settings, threads: int, timeline: Timeline | None = None):
         context = mp.get_context("spawn")  # fork would copy the trainer's threads and CUDA state
         self.timeline = timeline or Timeline()
+        self.weights: WeightBuffer | None = None  # set by attach()
         self.commands, self.results = context.Queue(), context.Queue()
         self.process = context.Process(
             target=inference_process, name="periodic-rl-inference", daemon=True,
@@ -194,7 +195,7 @@ class AsyncRollouts:
 
     def close(self) -> None:
         """Stop the inference process: politely, then by force. Never leaves it running. Idempotent."""
-        if self.process.is_alive() and hasattr(self, "weights"):  # before attach it may still be loading
+        if self.process.is_alive() and self.weights is not None:  # before attach it may still be loading
             self.commands.put(("stop",))
             self.process.join(timeout=3)
         if self.process.is_alive():
@@ -215,7 +216,8 @@ def minibatch_of(prompt_index: int, prompts_per_iteration: int, updates_per_iter
 
 
 class Learner:
-    """Consumes one iteration's groups: forward/backward per group, an optimizer step per mini-batch."""
+    """Consumes one iteration's groups: forward/backward per chunk (at most `groups_per_forward` groups),
+    an optimizer step per mini-batch."""
 
     def __init__(self, tri_model: TriModel, optimizer: torch.optim.Optimizer, cfg, device: torch.device,
                  timeline: Timeline):
@@ -251,7 +253,8 @@ class Learner:
 
     def _accumulate(self, groups: list[Group]) -> None:
         """One forward/backward over up to `groups_per_forward` groups of the current mini-batch."""
-        name = f"train group {groups[0].index}" + (f"-{groups[-1].index}" if len(groups) > 1 else "")
+        name = f"train group {groups[0].index}" if len(groups) == 1 else \
+            f"train groups {groups[0].index}-{groups[-1].index}"
         with self.timeline.span(name):
             batch = [(torch.tensor(g.prompt_ids, device=self.device),                  # (P,)
                       [torch.tensor(r, device=self.device) for r in g.responses])      # G x (R_i,)
@@ -316,34 +319,33 @@ def settings_of(cfg) -> Settings:
                     groups_per_chunk=cfg.groups_per_chunk)
 
 
-def start_inference(cfg, load_kwargs: dict, train_examples, held_out, timeline: Timeline | None = None
-                    ) -> AsyncRollouts:
+def start_inference(cfg, load_kwargs: dict, train_examples, held_out) -> AsyncRollouts:
     """Spawn the inference process for `cfg` (it starts loading its model at once)."""
     return AsyncRollouts(cfg.model, load_kwargs, train_examples, held_out, cfg.reward, settings_of(cfg),
-                         cfg.rollout_threads, timeline)
+                         cfg.rollout_threads)
 
 
 def train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwargs: dict,
-          timeline: Timeline | None = None, rollouts: AsyncRollouts | None = None) -> Iterator[dict]:
+          rollouts: AsyncRollouts | None = None) -> Iterator[dict]:
     """Run cfg.iterations iterations and yield one metrics dict per iteration, then a final evaluation.
 
     `policy` is already on cfg.train_device; `load_kwargs` tells the inference process how to load
-    its own copy (async mode), unless `rollouts` is an inference process already started (whose
-    timeline is then used). The last yielded dict has `"final": True` and only the evaluation.
+    its own copy (async mode), unless `rollouts` is an inference process already started. The last
+    yielded dict has `"final": True` and only the evaluation.
     """
-    timeline = rollouts.timeline if rollouts is not None else (timeline or Timeline())
     torch.set_num_threads(cfg.train_threads)
     device = next(policy.parameters()).device
-    settings = settings_of(cfg)
     tri = TriModel(policy, use_reference=cfg.beta > 0, use_old=cfg.updates_per_iteration > 1,
                    packing="auto" if cfg.shared_prompt else "unpacked", temperature=cfg.temperature,
                    pad_id=tokenizer.pad_token_id)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    learner = Learner(tri, optimizer, cfg, device, timeline)
     if cfg.mode == "async":
-        rollouts = rollouts or start_inference(cfg, load_kwargs, train_examples, held_out, timeline)
+        rollouts = rollouts or start_inference(cfg, load_kwargs, train_examples, held_out)
+        timeline = rollouts.timeline  # both processes' spans on one timeline
     else:
-        rollouts = SyncRollouts(policy, tokenizer, train_examples, held_out, reward_fn, settings)
+        rollouts = SyncRollouts(policy, tokenizer, train_examples, held_out, reward_fn, settings_of(cfg))
+        timeline = Timeline()
+    learner = Learner(tri, optimizer, cfg, device, timeline)
     try:
         if cfg.mode == "async":
             rollouts.attach(policy)

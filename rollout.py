@@ -149,6 +149,20 @@ def sample_responses(model, prompts: list[list[int]], num_samples: int, generati
     return [new_tokens[i * num_samples:(i + 1) * num_samples] for i in range(len(prompts))]
 
 
+def chunks(examples: list[Example], size: int) -> list[tuple[int, list[Example]]]:
+    """(first prompt index, prompts) of each generate call: consecutive slices of `size`."""
+    return [(first, examples[first:first + size]) for first in range(0, len(examples), size)]
+
+
+def sample_chunk(model, tokenizer, chunk: list[Example], num_samples: int, generation: GenerationConfig,
+                 seed: int) -> tuple[list[list[int]], list[list[list[int]]], list[list[str]]]:
+    """One generate call for a chunk: prompt ids, responses[prompt][sample] and their decoded text."""
+    prompts = [prompt_token_ids(tokenizer, example.prompt) for example in chunk]
+    responses = sample_responses(model, prompts, num_samples, generation, seed)
+    completions = [tokenizer.batch_decode(samples, skip_special_tokens=True) for samples in responses]
+    return prompts, responses, completions
+
+
 def score(reward_fn: RewardFn, prompt: str, completion: str, answer: str) -> float:
     """reward_fn(prompt, completion, answer) as a float; any failure becomes a RewardError that says where."""
     name = getattr(reward_fn, "__qualname__", repr(reward_fn))
@@ -167,14 +181,11 @@ def evaluate(model, tokenizer, examples: list[Example], reward_fn: RewardFn, set
     """Mean reward of `eval_samples` sampled responses per held-out prompt (fixed seeds)."""
     generation = sampling_config(settings, tokenizer.eos_token_id, tokenizer.pad_token_id)
     rewards = []
-    for first in range(0, len(examples), settings.groups_per_chunk):
-        chunk = examples[first:first + settings.groups_per_chunk]
-        prompts = [prompt_token_ids(tokenizer, example.prompt) for example in chunk]
-        responses = sample_responses(model, prompts, settings.eval_samples, generation,
-                                     prompt_seed(settings.seed, -1, first))
-        for example, samples in zip(chunk, responses):
-            for completion in tokenizer.batch_decode(samples, skip_special_tokens=True):
-                rewards.append(score(reward_fn, example.prompt, completion, example.answer))
+    for first, chunk in chunks(examples, settings.groups_per_chunk):
+        _, _, completions = sample_chunk(model, tokenizer, chunk, settings.eval_samples, generation,
+                                         prompt_seed(settings.seed, -1, first))
+        rewards += [score(reward_fn, example.prompt, completion, example.answer)
+                    for example, texts in zip(chunk, completions) for completion in texts]
     return sum(rewards) / len(rewards)
 
 
@@ -187,16 +198,13 @@ def rollout_iteration(model, tokenizer, train: list[Example], held_out: list[Exa
     if train_prompts:
         examples = [train[i] for i in iteration_prompts(len(train), settings.prompts_per_iteration, settings.seed,
                                                          iteration)]
-        for first in range(0, len(examples), settings.groups_per_chunk):
-            chunk = examples[first:first + settings.groups_per_chunk]
+        for first, chunk in chunks(examples, settings.groups_per_chunk):
             start = time.perf_counter()
-            prompts = [prompt_token_ids(tokenizer, example.prompt) for example in chunk]
-            responses = sample_responses(model, prompts, settings.group_size, generation,
-                                         prompt_seed(settings.seed, iteration, first))
+            prompts, responses, completions = sample_chunk(model, tokenizer, chunk, settings.group_size, generation,
+                                                           prompt_seed(settings.seed, iteration, first))
             groups = []
-            for offset, (example, prompt_ids, samples) in enumerate(zip(chunk, prompts, responses)):
-                completions = tokenizer.batch_decode(samples, skip_special_tokens=True)
-                rewards = [score(reward_fn, example.prompt, completion, example.answer) for completion in completions]
+            for offset, (example, prompt_ids, samples, texts) in enumerate(zip(chunk, prompts, responses, completions)):
+                rewards = [score(reward_fn, example.prompt, completion, example.answer) for completion in texts]
                 advantages = grpo.group_advantages(torch.tensor(rewards), settings.group_size, settings.scale_rewards)
                 groups.append(Group(iteration, first + offset, policy_version, prompt_ids, samples, rewards,
                                     advantages.tolist(), chunk=(first, len(chunk))))
