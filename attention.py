@@ -349,10 +349,14 @@ def _forward(model: torch.nn.Module, layout: Layout, attention_mask: Tensor | No
 
 
 def _packed_batch(model: torch.nn.Module, groups: Sequence[Group], temperature: float = 1.0,
-                 pad_id: int = 0) -> tuple[Tensor, Tensor]:
-    """(logp, mask), (N, T), with one shared-prompt row per group, in one forward."""
+                 pad_id: int = 0, dense_mask: bool = False) -> tuple[Tensor, Tensor]:
+    """(logp, mask), (N, T), with one shared-prompt row per group, in one forward.
+
+    The structured kernel on sdpa models, else (or with dense_mask=True) the dense (B, 1, L, L) mask.
+    """
     layout = pack(groups, pad_id)
-    if model.config._attn_implementation == "sdpa" and not getattr(model, "is_activation_checkpointing", False):
+    structured = model.config._attn_implementation == "sdpa" and not dense_mask
+    if structured and not getattr(model, "is_activation_checkpointing", False):
         with _attention_kernel(model):  # departure 1
             return _forward(model, layout, None, temperature, shared_prompt_rows=packed_rows(layout))
     allowed = shared_prompt_mask(layout.segment_ids)  # (B, 1, L, L)
@@ -421,24 +425,25 @@ def packing_pays(prompt_len: int, response_lens: list[int]) -> bool:
 
 
 def batch_logprobs(model: torch.nn.Module, groups: list[tuple[Tensor, list[Tensor]]], mode: str = "auto",
-                   temperature: float = 1.0, pad_id: int = 0) -> tuple[Tensor, Tensor]:
+                   temperature: float = 1.0, pad_id: int = 0, dense_mask: bool = False) -> tuple[Tensor, Tensor]:
     """Per-token log-probs of every response of every group, for the GRPO loss.
 
     mode: "packed" (one shared-prompt row per group), "unpacked" (one row per response) or "auto"
     (per group, `packing_pays`). Returns (logp, mask), both (N, T): N responses in group order
     (group 0's first), T the longest response; mask is bool, True on real response tokens, and
-    logp is 0 where it is False. Differentiable w.r.t. the model's parameters.
+    logp is 0 where it is False. Differentiable w.r.t. the model's parameters. dense_mask=True sends
+    packed rows through the dense mask even where the structured kernel applies (to compare the two).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     packed = [mode == "packed" or (mode == "auto" and packing_pays(len(p), [len(r) for r in rs]))
               for p, rs in groups]
     if all(packed):
-        return _packed_batch(model, groups, temperature, pad_id)
+        return _packed_batch(model, groups, temperature, pad_id, dense_mask)
     if not any(packed):
         return _unpacked_batch(model, groups, temperature, pad_id)
     # mixed (auto only): one forward per layout, then responses back in group order
-    results = {True: _packed_batch(model, [g for g, p in zip(groups, packed) if p], temperature, pad_id),
+    results = {True: _packed_batch(model, [g for g, p in zip(groups, packed) if p], temperature, pad_id, dense_mask),
                False: _unpacked_batch(model, [g for g, p in zip(groups, packed) if not p], temperature, pad_id)}
     T = max(len(r) for _, rs in groups for r in rs)
     taken = {True: 0, False: 0}  # responses consumed from each result so far

@@ -10,11 +10,14 @@ shared-prompt
       unpacked  G rows [p | r_i] with an ordinary causal mask (the baseline)
       auto      per group, `attention.packing_pays` picks one of the two
     How to read a row: `tokens x` = G(P+R) / (P+GR) is the ideal speedup if only token count
-    mattered; `unp/pk` is the measured one. It falls short of `tokens x` because attention does not
-    shrink with the tokens: the packed row still computes the causal prompt once and every response
-    against the whole prompt, and its own-response blocks whole. Where responses are long and
+    mattered; `MAC ceil` (`mac_ceiling`) is the most packing can give once the work that does not
+    shrink with the tokens is counted: the causal prompt and every response against the whole
+    prompt (attention shrinks less than the tokens) and the lm head, applied to the same G·R
+    response positions in either layout; `unp/pk` is the measured speedup, to be read against
+    `MAC ceil`. Where responses are long and
     prompts short it drops to about 1 or below; `unp/auto` should then stay at about 1: auto falls
-    back to plain rows. `pred pk/unp` is `attention.packing_cost_ratio`, the cost model auto decides
+    back to plain rows. `--mask dense` sends packed rows through the dense mask instead of the
+    structured kernel: what making the mask cheap is worth. `pred pk/unp` is `attention.packing_cost_ratio`, the cost model auto decides
     by (< 1 packs); the bench also prints the break-even length its own timings fit, to re-tune
     `attention.ATTENTION_BREAK_EVEN_LEN` for other hardware.
     Memory: on CPU, the bytes of distinct non-parameter tensors autograd saved for backward (a
@@ -93,6 +96,9 @@ def shared_prompt_args(parser: argparse.ArgumentParser) -> None:
                         help="torch CPU threads; 1 by default because on a shared 2-core machine a second "
                              "thread waiting on a busy core made every op ~10x slower, swamping the comparison")
     parser.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"), help="attention implementation")
+    parser.add_argument("--mask", default="structured", choices=("structured", "dense"),
+                        help="packed rows under sdpa: the structured kernel, or the dense (1, 1, L, L) mask "
+                             "(what the structured kernel saves; eager always takes the dense mask)")
 
 
 def bench_model(attn_implementation: str, device: str) -> torch.nn.Module:
@@ -104,10 +110,11 @@ def bench_model(attn_implementation: str, device: str) -> torch.nn.Module:
     return Qwen2ForCausalLM._from_config(config, attn_implementation=attn_implementation).to(device).train()
 
 
-def grpo_like_step(model: torch.nn.Module, groups: list, advantages: torch.Tensor, mode: str) -> None:
+def grpo_like_step(model: torch.nn.Module, groups: list, advantages: torch.Tensor, mode: str,
+                   dense_mask: bool = False) -> None:
     """Forward + backward of the token-mean policy-gradient loss; gradients are cleared first."""
     model.zero_grad(set_to_none=True)
-    logp, mask = attention.batch_logprobs(model, groups, mode=mode)  # (N, T)
+    logp, mask = attention.batch_logprobs(model, groups, mode=mode, dense_mask=dense_mask)  # (N, T)
     loss = -(advantages[:, None] * logp * mask).sum() / mask.sum()
     loss.backward()
 
@@ -164,14 +171,51 @@ def timed(step: Callable[[], None], device: str, now: Callable[[], float]) -> fl
     return now() - start
 
 
+def forward_macs(config, P: int, R: int, G: int, packed: bool) -> float:
+    """Multiply-accumulates of one forward over G responses of length R to one P-token prompt.
+
+    h hidden, H / H_kv query / key-value heads of width D, I MLP width, V vocabulary, n layers:
+        per token and layer       h·H·D (q) + 2·h·H_kv·D (k, v) + H·D·h (o) + 3·h·I (MLP)
+        per score pair and layer  2·H·D (q·k, then weights·v)
+        per response token        h·V (lm head; the same G·R positions in either layout)
+    Tokens: G(P+R) unpacked, P+GR packed. Pairs, what the mask allows: G(P+R)(P+R+1)/2 unpacked,
+    P(P+1)/2 + G·R·(P + (R+1)/2) packed. Backward costs about twice every term, so
+    forward_macs(unpacked) / forward_macs(packed) is the most packing can speed up a whole step when
+    every kernel runs at one speed: the ceiling a measured unp/pk is read against.
+    """
+    h, n, V = config.hidden_size, config.num_hidden_layers, config.vocab_size
+    H, H_kv = config.num_attention_heads, config.num_key_value_heads
+    D = getattr(config, "head_dim", None) or h // H
+    per_token = h * H * D + 2 * h * H_kv * D + H * D * h + 3 * h * config.intermediate_size
+    per_pair = 2 * H * D
+    if packed:
+        tokens, pairs = P + G * R, P * (P + 1) / 2 + G * R * (P + (R + 1) / 2)
+    else:
+        tokens, pairs = G * (P + R), G * (P + R) * (P + R + 1) / 2
+    return n * (tokens * per_token + pairs * per_pair) + G * R * h * V
+
+
+def mac_ceiling(config, P: int, R: int, G: int) -> float:
+    """forward_macs unpacked / packed: the speedup packing would give if time were proportional to work."""
+    return forward_macs(config, P, R, G, packed=False) / forward_macs(config, P, R, G, packed=True)
+
+
+QWEN25_SHAPES = {  # published configs (config.json on the Hub), for the ceiling at the target cell
+    "Qwen2.5-0.5B": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         intermediate_size=4864, vocab_size=151936),
+    "Qwen2.5-7B": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                       intermediate_size=18944, vocab_size=152064),
+}
+
+
 def shared_prompt_cell(model: torch.nn.Module, P: int, R: int, G: int, repeats: int, device: str,
-                       now: Callable[[], float]) -> dict:
+                       now: Callable[[], float], dense_mask: bool = False) -> dict:
     vocab = model.config.vocab_size
     prompt = torch.randint(1, vocab, (P,), device=device)
     responses = [torch.randint(1, vocab, (R,), device=device) for _ in range(G)]
     groups = [(prompt, responses)]
     advantages = torch.randn(G, device=device)
-    steps = {mode: (lambda mode=mode: grpo_like_step(model, groups, advantages, mode)) for mode in MODES}
+    steps = {mode: (lambda mode=mode: grpo_like_step(model, groups, advantages, mode, dense_mask)) for mode in MODES}
     times: dict[str, list[float]] = {mode: [] for mode in MODES}
     for repeat in range(repeats + 1):  # modes interleaved, order rotated, so drifting load hits all alike
         for mode in MODES[repeat % 3:] + MODES[:repeat % 3]:
@@ -180,10 +224,14 @@ def shared_prompt_cell(model: torch.nn.Module, P: int, R: int, G: int, repeats: 
                 times[mode].append(seconds)
     best = {mode: min(times[mode]) for mode in MODES}  # noise only ever adds time: the minimum is the cost
     L = P + G * R
-    # eager gets a dense (1, 1, L, L) additive mask; sdpa's structured kernel gets no mask
-    dense_mask_bytes = 0 if model.config._attn_implementation == "sdpa" else L * L * model.dtype.itemsize
+    # the structured kernel takes no mask; else a dense (1, 1, L, L) mask: additive floats (eager), bool (sdpa)
+    if model.config._attn_implementation == "sdpa":
+        dense_mask_bytes = L * L if dense_mask else 0
+    else:
+        dense_mask_bytes = L * L * model.dtype.itemsize
     return {
         "P": P, "R": R, "G": G, "packed_len": L, "token_ratio": G * (P + R) / L,
+        "mac_ceiling": mac_ceiling(model.config, P, R, G),
         "packed_s": best["packed"], "unpacked_s": best["unpacked"], "auto_s": best["auto"],
         "auto_choice": "packed" if attention.packing_pays(P, [R] * G) else "unpacked",
         "predicted_packed_over_unpacked": attention.packing_cost_ratio(P, [R] * G),
@@ -205,42 +253,53 @@ def fit_break_even_len(rows: list[dict]) -> int:
 
 def shared_prompt(args: argparse.Namespace) -> bool:
     """Training-step time and memory, packed vs unpacked vs auto, over a (P, R) grid."""
+    from transformers import Qwen2Config
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.set_num_threads(args.threads)
     model = bench_model(args.attn, device)
+    dense_mask = args.mask == "dense"
     cells = SHARED_PROMPT_QUICK if args.quick else SHARED_PROMPT_GRID
     memory_measure = ("peak CUDA bytes allocated during the step" if device == "cuda" else
                       "bytes of distinct non-parameter tensors saved for backward")
+    packed_path = "dense mask" if dense_mask or args.attn == "eager" else "structured kernel"
     print(f"shared-prompt: Qwen2-shaped, 6 layers, hidden 256, heads 4/2, vocab 4096, float32, {args.attn}, "
-          f"{device}, {args.threads} thread(s), G={args.group_size}; one step = forward + backward; "
-          f"fastest of {args.repeats} after 1 warm-up")
+          f"packed rows through the {packed_path}, {device}, {args.threads} thread(s), G={args.group_size}; "
+          f"one step = forward + backward; fastest of {args.repeats} after 1 warm-up")
     time_measure = "process CPU seconds" if clock(device, args.threads) is time.process_time else "wall-clock seconds"
-    print(f"time: {time_measure}; memory: {memory_measure}; mask = dense (B,1,L,L) mask passed to the model")
-    header = (f"{'P':>5} {'R':>4} {'L':>5} {'tokens x':>8} {'packed s':>9} {'unpack s':>9} {'auto s':>8} "
-              f"{'auto':>8} {'pred pk/unp':>11} {'unp/pk':>7} {'unp/auto':>8} {'mem pk MB':>9} {'mem unp MB':>10} "
-              f"{'mask MB':>7}")
+    print(f"time: {time_measure}; memory: {memory_measure}; mask = dense (B,1,L,L) mask passed to the model; "
+          f"MAC ceil = forward_macs unpacked / packed, the most packing can give")
+    header = (f"{'P':>5} {'R':>4} {'L':>5} {'tokens x':>8} {'MAC ceil':>8} {'packed s':>9} {'unpack s':>9} "
+              f"{'auto s':>8} {'auto':>8} {'pred pk/unp':>11} {'unp/pk':>7} {'unp/auto':>8} {'mem pk MB':>9} "
+              f"{'mem unp MB':>10} {'mask MB':>7}")
     print(header)
     rows = []
     for P, R in cells:
-        row = shared_prompt_cell(model, P, R, args.group_size, args.repeats, device, clock(device, args.threads))
+        row = shared_prompt_cell(model, P, R, args.group_size, args.repeats, device, clock(device, args.threads),
+                                 dense_mask)
         rows.append(row)
-        print(f"{P:>5} {R:>4} {row['packed_len']:>5} {row['token_ratio']:>8.2f} {row['packed_s']:>9.3f} "
-              f"{row['unpacked_s']:>9.3f} {row['auto_s']:>8.3f} {row['auto_choice']:>8} "
+        print(f"{P:>5} {R:>4} {row['packed_len']:>5} {row['token_ratio']:>8.2f} {row['mac_ceiling']:>8.2f} "
+              f"{row['packed_s']:>9.3f} {row['unpacked_s']:>9.3f} {row['auto_s']:>8.3f} {row['auto_choice']:>8} "
               f"{row['predicted_packed_over_unpacked']:>11.2f} {row['speedup_packed']:>7.2f} "
               f"{row['speedup_auto']:>8.2f} {row['memory_packed_bytes'] / 2**20:>9.1f} "
               f"{row['memory_unpacked_bytes'] / 2**20:>10.1f} {row['mask_bytes'] / 2**20:>7.2f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"benchmark": "shared-prompt", "device": device, "threads": args.threads, "time": time_measure,
-                       "memory_measure": memory_measure, "rows": rows}, f, indent=2)
+                       "memory_measure": memory_measure, "packed_path": packed_path, "rows": rows}, f, indent=2)
 
     print(f"packing_pays: ATTENTION_BREAK_EVEN_LEN={attention.ATTENTION_BREAK_EVEN_LEN} in use; "
           f"this run's timings fit {fit_break_even_len(rows)}")
+    P, R = TARGET_CELL
+    G = args.group_size
     target = next(row for row in rows if (row["P"], row["R"]) == TARGET_CELL)
+    shapes = ", ".join(f"{name} {mac_ceiling(Qwen2Config(**shape), P, R, G):.2f}x"
+                       for name, shape in QWEN25_SHAPES.items())
+    print(f"MAC ceiling at P={P}, R={R}, G={G}: this model {target['mac_ceiling']:.2f}x (measured "
+          f"{target['speedup_packed']:.2f}x = {target['speedup_packed'] / target['mac_ceiling']:.0%} of it); {shapes}")
     slowest_auto = min(rows, key=lambda row: row["speedup_auto"])
     checks = [
         (target["speedup_packed"] >= 5.0,
-         f"packed >= 5x faster than unpacked at P=512, R=32, G={args.group_size}: {target['speedup_packed']:.2f}x"),
+         f"packed >= 5x faster than unpacked at P={P}, R={R}, G={G}: {target['speedup_packed']:.2f}x"),
         (slowest_auto["speedup_auto"] >= 1 / 1.05,
          f"auto never > 5% slower than unpacked: worst unpacked/auto = {slowest_auto['speedup_auto']:.3f} "
          f"at P={slowest_auto['P']}, R={slowest_auto['R']}"),
@@ -265,17 +324,16 @@ PHASE_KEYS = ("iteration_s", "generate_s", "train_s", "idle_inference_s", "idle_
 def time_schedule(argv: list[str], iterations: int) -> list[dict[str, float]]:
     """Run trainer.py's schedule in this process; the per-iteration figures, first iteration dropped."""
     import periodic_rl
+    import trainer
     from config import parse_args
-    from models import load_model
-    from tasks import load_reward, load_task
 
     cfg = parse_args([*argv, "--iterations", str(iterations + 1), "--eval-every", "0", "--no-save"])
-    policy, tokenizer = load_model(cfg.model)
-    train, held_out = load_task(cfg.data, tiny=cfg.is_tiny, eval_size=cfg.eval_size)
-    load_kwargs = dict(device="cpu", dtype=torch.float32, attn_implementation=cfg.attn_implementation,
-                       cache_dir=cfg.cache_dir)
-    rows = [row for row in periodic_rl.train(cfg, policy, tokenizer, train, held_out, load_reward(cfg.reward),
-                                             load_kwargs) if not row.get("final")][1:]
+    loaded = trainer.load(cfg)  # the trainer's own loading: devices, task, reward, inference process, policy
+    try:
+        rows = [row for row in periodic_rl.train(cfg, **loaded._asdict()) if not row.get("final")][1:]
+    finally:
+        if loaded.rollouts is not None:
+            loaded.rollouts.close()
     return [{key: row[key] for key in PHASE_KEYS} for row in rows]
 
 

@@ -351,7 +351,7 @@ def train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwar
             rollouts.attach(policy)
         for iteration in range(cfg.iterations + 1):
             final = iteration == cfg.iterations  # one more round that only evaluates θ_final
-            start = time.perf_counter()
+            start, first_span = time.perf_counter(), len(timeline.spans)
             rollouts.publish(policy, iteration)
             tri.start_iteration()
             learner.start(iteration)
@@ -374,7 +374,7 @@ def train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwar
                 yield {**row, "final": True}
                 return
             row.update(learner.metrics())
-            row.update(timeline.summary(start, time.perf_counter()))
+            row.update(timeline.summary(start, time.perf_counter(), first_span))
             row["tokens_per_s"] = row.pop("response_tokens") / row["iteration_s"]
             if not all(math.isfinite(v) for v in row.values() if isinstance(v, float)):
                 raise PipelineError(f"iteration {iteration} produced a non-finite metric: {row}")

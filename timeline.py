@@ -74,10 +74,15 @@ class Timeline:
         finally:
             self.add(Span(name, process, start, time.perf_counter(), wait))
 
-    def summary(self, start: float, end: float) -> dict[str, float]:
-        """Busy, idle and overlap of both processes inside [start, end] (one iteration)."""
+    def summary(self, start: float, end: float, first: int = 0) -> dict[str, float]:
+        """Busy, idle and overlap of both processes inside [start, end] (one iteration).
+
+        Only spans[first:] are read: pass len(spans) as it was at `start`, so a long run costs time
+        linear in its length. Exact, because a span is added once it has ended: any span that ends
+        after `start` was added after `start`.
+        """
         def busy(process: str) -> list[tuple[float, float]]:
-            clipped = [(max(s.start, start), min(s.end, end)) for s in self.spans
+            clipped = [(max(s.start, start), min(s.end, end)) for s in self.spans[first:]
                        if s.process == process and not s.wait and s.end > start and s.start < end]
             return merge(clipped)
 

@@ -14,6 +14,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from config import Config, parse_args
 
@@ -52,8 +53,25 @@ def format_row(row: dict) -> str:
             f"overlap {num('overlap', '.0%')}  {num('tokens_per_s', '.0f')} tok/s")
 
 
-def run(cfg: Config) -> dict:
-    """Train as configured; returns the final row (with the start and end held-out rewards)."""
+class Loaded(NamedTuple):
+    """Everything a run needs, loaded as configured (see `load`)."""
+
+    policy: object         # the trainable model, on cfg.train_device
+    tokenizer: object
+    train_examples: list
+    held_out: list
+    reward_fn: object
+    load_kwargs: dict      # how the inference process loads its own copy of the model
+    rollouts: object       # the started inference process (async mode), else None
+
+
+def load(cfg: Config) -> Loaded:
+    """Check the devices, load task and reward, start the inference process (async), load the policy.
+
+    The task and the reward load first, so a typo there fails in a second. The inference process is
+    spawned before the trainer loads its own model, so the two loads overlap. The caller closes
+    `rollouts` (`run` does); if loading the policy fails, it is closed here.
+    """
     import torch
     import transformers
 
@@ -65,9 +83,8 @@ def run(cfg: Config) -> dict:
     for device in {cfg.device, cfg.rollout_device, cfg.train_device}:
         check_device(device)
     torch.manual_seed(cfg.seed)
-    dtype = getattr(torch, cfg.dtype)
-    load_kwargs = dict(device=cfg.rollout_device, dtype=dtype, attn_implementation=cfg.attn_implementation,
-                       cache_dir=cfg.cache_dir)
+    load_kwargs = dict(device=cfg.rollout_device, dtype=getattr(torch, cfg.dtype),
+                       attn_implementation=cfg.attn_implementation, cache_dir=cfg.cache_dir)
     train_examples, held_out = load_task(cfg.data, tiny=cfg.is_tiny, eval_size=cfg.eval_size)
     reward_fn = load_reward(cfg.reward)
     rollouts = None
@@ -77,14 +94,24 @@ def run(cfg: Config) -> dict:
         rollouts = periodic_rl.start_inference(cfg, load_kwargs, train_examples, held_out)  # loads as we do
     try:
         policy, tokenizer = load_model(cfg.model, **{**load_kwargs, "device": cfg.train_device})
-        return train_and_log(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwargs, rollouts)
-    finally:
+    except BaseException:
         if rollouts is not None:
             rollouts.close()
+        raise
+    return Loaded(policy, tokenizer, train_examples, held_out, reward_fn, load_kwargs, rollouts)
 
 
-def train_and_log(cfg: Config, policy, tokenizer, train_examples, held_out, reward_fn, load_kwargs: dict,
-                  rollouts) -> dict:
+def run(cfg: Config) -> dict:
+    """Train as configured; returns the final row (with the start and end held-out rewards)."""
+    loaded = load(cfg)
+    try:
+        return train_and_log(cfg, loaded)
+    finally:
+        if loaded.rollouts is not None:
+            loaded.rollouts.close()
+
+
+def train_and_log(cfg: Config, loaded: Loaded) -> dict:
     """The schedule with a log line and a metrics.jsonl row per iteration, then the saved policy."""
     import periodic_rl
     from tqdm import tqdm
@@ -93,16 +120,15 @@ def train_and_log(cfg: Config, policy, tokenizer, train_examples, held_out, rewa
     out.mkdir(parents=True, exist_ok=True)
     metrics_path = out / "metrics.jsonl"
     metrics_path.write_text("")
-    print(f"periodic-rl: {cfg.mode} | model {cfg.model} | {len(train_examples)} train / {len(held_out)} held-out "
-          f"prompts | {cfg.iterations} iterations x {cfg.prompts_per_iteration} prompts x {cfg.group_size} "
+    print(f"periodic-rl: {cfg.mode} | model {cfg.model} | {len(loaded.train_examples)} train / "
+          f"{len(loaded.held_out)} held-out prompts | {cfg.iterations} iterations x {cfg.prompts_per_iteration} prompts x {cfg.group_size} "
           f"in chunks of {cfg.groups_per_chunk} | threads inference/train {cfg.rollout_threads}/{cfg.train_threads} "
           f"| out {out}", flush=True)
     if cfg.mode == "async" and cfg.chunks_per_iteration == 1:
         print("periodic-rl: note: one chunk per iteration leaves the pipeline nothing to overlap; the two "
               "processes take turns, and --mode sync is as fast (lower --groups-per-chunk to overlap)", flush=True)
     first_eval, start = None, time.perf_counter()
-    rows = periodic_rl.train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwargs,
-                             rollouts=rollouts)
+    rows = periodic_rl.train(cfg, **loaded._asdict())  # field names = train's parameters
     progress = tqdm(total=cfg.iterations, desc="iterations", disable=not sys.stderr.isatty(), leave=False)
     for row in rows:
         if first_eval is None and row.get("eval_reward") is not None:
@@ -115,8 +141,8 @@ def train_and_log(cfg: Config, policy, tokenizer, train_examples, held_out, rewa
             f.write(json.dumps(row) + "\n")
     progress.close()
     if cfg.save:
-        policy.save_pretrained(out / "policy", safe_serialization=True)
-        tokenizer.save_pretrained(out / "policy")
+        loaded.policy.save_pretrained(out / "policy", safe_serialization=True)
+        loaded.tokenizer.save_pretrained(out / "policy")
     final = {**row, "start_eval_reward": first_eval}
     print(f"done in {row['elapsed_s']:.1f}s: held-out reward "
           f"{first_eval if first_eval is None else round(first_eval, 3)}"

@@ -186,6 +186,16 @@ def test_activation_checkpointing_falls_back_to_the_dense_mask(monkeypatch):
         assert (g_p - g_u).norm() <= 1e-5 * g_u.norm() + 1e-9
 
 
+def test_dense_mask_switch_skips_the_structured_kernel_with_the_same_result(monkeypatch):
+    """dense_mask=True (bench.py --mask dense) packs an sdpa model through the dense mask: same log-probs."""
+    model = tiny_model("qwen2", "sdpa")
+    groups = [random_group(6, [3, 5, 2], torch.Generator().manual_seed(9))]
+    structured, mask = batch_logprobs(model, groups, mode="packed")
+    monkeypatch.setattr(attention, "shared_prompt_attention", None)  # would fail if called
+    dense, _ = batch_logprobs(model, groups, mode="packed", dense_mask=True)
+    torch.testing.assert_close(dense[mask], structured[mask], rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
 @pytest.mark.parametrize("arch", ARCHS)

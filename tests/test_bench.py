@@ -42,3 +42,24 @@ def test_shared_prompt_cell_measures_all_modes():
     assert row["token_ratio"] == pytest.approx(4 * 28 / 40)
     assert row["memory_packed_bytes"] < row["memory_unpacked_bytes"]
     assert row["auto_choice"] == ("packed" if row["predicted_packed_over_unpacked"] < 1 else "unpacked")
+
+
+def test_forward_macs_counts_tokens_and_the_masks_pairs():
+    """Claim: the MAC ceiling's count uses G(P+R) vs P+GR tokens and exactly the score pairs the two masks
+    allow (checked against attention.shared_prompt_mask), with the lm head on the same G·R positions."""
+    import torch
+    from types import SimpleNamespace
+
+    import attention
+    config = SimpleNamespace(hidden_size=8, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                             head_dim=4, intermediate_size=16, vocab_size=10)
+    P, R, G = 5, 3, 4
+    per_token = 8 * 2 * 4 + 2 * 8 * 1 * 4 + 2 * 4 * 8 + 3 * 8 * 16
+    per_pair = 2 * 2 * 4
+    lm_head = G * R * 8 * 10
+    packed_pairs = int(attention.shared_prompt_mask(attention.pack([(torch.arange(P), [torch.arange(R)] * G)])
+                                                    .segment_ids).sum())
+    unpacked_pairs = G * (P + R) * (P + R + 1) // 2  # G causal rows
+    assert bench.forward_macs(config, P, R, G, packed=True) == 2 * ((P + G * R) * per_token + packed_pairs * per_pair) + lm_head
+    assert bench.forward_macs(config, P, R, G, packed=False) == 2 * (G * (P + R) * per_token + unpacked_pairs * per_pair) + lm_head
+    assert 1 < bench.mac_ceiling(config, P, R, G) < G * (P + R) / (P + G * R)  # attention and lm head shrink less
