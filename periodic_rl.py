@@ -140,24 +140,36 @@ class SyncRollouts:
 class AsyncRollouts:
     """The inference process, its two queues and the shared weight buffer, seen from the trainer.
 
-    Start it before the trainer loads its own model: both processes then load at the same time.
-    `attach(policy)` hands over the weight buffer and waits until the inference side is ready.
+    Start it as early as possible: it imports its libraries while the trainer imports its own, and
+    loads its model while the trainer loads the policy. `load=False` makes it wait after its imports
+    until `load()` (for a model the trainer must build first); `attach(policy)` hands over the
+    weight buffer and waits until the inference side is ready.
     """
 
     def __init__(self, model_name: str, load_kwargs: dict, train, held_out, reward_spec: str,
-                 settings: Settings, threads: int, timeline: Timeline | None = None):
+                 settings: Settings, threads: int, timeline: Timeline | None = None, load: bool = True):
         context = mp.get_context("spawn")  # fork would copy the trainer's threads and CUDA state
         self.timeline = timeline or Timeline()
         self.weights: WeightBuffer | None = None  # set by attach()
+        self.loading = False
         self.commands, self.results = context.Queue(), context.Queue()
         self.process = context.Process(
             target=inference_process, name="periodic-rl-inference", daemon=True,
             args=(model_name, load_kwargs, self.commands, self.results, train, held_out, reward_spec, settings,
                   threads))
         self.process.start()
+        if load:
+            self.load()
+
+    def load(self) -> None:
+        """Let the inference process load its model (once its imports are done). Idempotent."""
+        if not self.loading:
+            self.commands.put(("load",))
+            self.loading = True
 
     def attach(self, policy) -> None:
         """Share θ's buffer with the inference process (as a handle to shared memory, never a copy)."""
+        self.load()
         self.weights = WeightBuffer(policy)  # kept alive here: the receiver maps the sender's memory
         self.commands.put(("attach", self.weights))
         self._receive()  # ("ready", None) once its model is loaded and reads θ from the buffer
@@ -319,10 +331,10 @@ def settings_of(cfg) -> Settings:
                     groups_per_chunk=cfg.groups_per_chunk)
 
 
-def start_inference(cfg, load_kwargs: dict, train_examples, held_out) -> AsyncRollouts:
-    """Spawn the inference process for `cfg` (it starts loading its model at once)."""
+def start_inference(cfg, load_kwargs: dict, train_examples, held_out, load: bool = True) -> AsyncRollouts:
+    """Spawn the inference process for `cfg` (it loads its model at once, unless load=False)."""
     return AsyncRollouts(cfg.model, load_kwargs, train_examples, held_out, cfg.reward, settings_of(cfg),
-                         cfg.rollout_threads)
+                         cfg.rollout_threads, load=load)
 
 
 def train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwargs: dict,

@@ -224,19 +224,22 @@ def inference_process(model_name: str, load_kwargs: dict, commands, results, tra
                       held_out: list[Example], reward_spec: str, settings: Settings, threads: int) -> None:
     """Entry point of the spawned inference process.
 
-    Protocol: load the model, then wait for ("attach", weights), the trainer's shared weight buffer
-    (periodic_rl.WeightBuffer), and answer ("ready", None). Then wait for ("generate", k) (sent after
-    θ_k is in `weights`), run `rollout_iteration` and put every message on `results`; ("evaluate",
-    k) runs only the held-out evaluation; ("stop",) ends, at any point. Any exception is sent as
-    ("error", summary) before exiting non-zero.
+    Protocol: import what loading needs, wait for ("load",), load the model, then wait for
+    ("attach", weights), the trainer's shared weight buffer (periodic_rl.WeightBuffer), and answer
+    ("ready", None). Then wait for ("generate", k) (sent after θ_k is in `weights`), run
+    `rollout_iteration` and put every message on `results`; ("evaluate", k) runs only the held-out
+    evaluation; ("stop",) ends, at any point. Any exception is sent as ("error", summary) before
+    exiting non-zero.
     """
     import sys
     import transformers
     torch.set_num_threads(threads)
     transformers.utils.logging.disable_progress_bar()
     try:
-        from models import load_model
+        from models import load_model  # seconds of imports, while the trainer does its own
         from tasks import load_reward
+        if commands.get()[0] == "stop":  # else ("load",)
+            return
         model, tokenizer = load_model(model_name, **load_kwargs)
         model.eval()
         reward_fn = load_reward(reward_spec)

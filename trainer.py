@@ -69,17 +69,15 @@ def load(cfg: Config) -> Loaded:
     """Check the devices, load task and reward, start the inference process (async), load the policy.
 
     The task and the reward load first, so a typo there fails in a second. The inference process is
-    spawned before the trainer loads its own model, so the two loads overlap. The caller closes
-    `rollouts` (`run` does); if loading the policy fails, it is closed here.
+    spawned next, before the trainer imports transformers' models and loads its own, so the two
+    processes' imports and loads overlap. The caller closes `rollouts` (`run` does); if loading the
+    policy fails, it is closed here.
     """
     import torch
-    import transformers
 
-    import periodic_rl
-    from models import ensure_tiny_model, load_model
+    import periodic_rl  # torch, and the inference side's code
     from tasks import load_reward, load_task
 
-    transformers.utils.logging.disable_progress_bar()  # our own progress bar and log lines only
     for device in {cfg.device, cfg.rollout_device, cfg.train_device}:
         check_device(device)
     torch.manual_seed(cfg.seed)
@@ -88,11 +86,17 @@ def load(cfg: Config) -> Loaded:
     train_examples, held_out = load_task(cfg.data, tiny=cfg.is_tiny, eval_size=cfg.eval_size)
     reward_fn = load_reward(cfg.reward)
     rollouts = None
-    if cfg.mode == "async":
-        if cfg.is_tiny:
-            ensure_tiny_model(cfg.cache_dir)  # built here, once, not by both processes at the same time
-        rollouts = periodic_rl.start_inference(cfg, load_kwargs, train_examples, held_out)  # loads as we do
+    if cfg.mode == "async":  # spawned before we import transformers' models: the imports overlap too
+        rollouts = periodic_rl.start_inference(cfg, load_kwargs, train_examples, held_out, load=not cfg.is_tiny)
     try:
+        import transformers
+
+        from models import ensure_tiny_model, load_model
+        transformers.utils.logging.disable_progress_bar()  # our own progress bar and log lines only
+        if rollouts is not None:
+            if cfg.is_tiny:
+                ensure_tiny_model(cfg.cache_dir)  # built here, once, before the inference process loads it
+            rollouts.load()
         policy, tokenizer = load_model(cfg.model, **{**load_kwargs, "device": cfg.train_device})
     except BaseException:
         if rollouts is not None:
@@ -151,16 +155,27 @@ def train_and_log(cfg: Config, loaded: Loaded) -> dict:
     return final
 
 
+USER_ERRORS = [("models", "ModelNotFoundError"), ("tasks", "TaskError"), ("rollout", "RewardError"),
+               ("periodic_rl", "PipelineError"), ("periodic_rl", "OffPolicyError")]
+
+
+def is_user_error(error: Exception) -> bool:
+    """A problem the user can fix (reported as one paragraph). The classes are looked up, not imported:
+    importing models up front would delay spawning the inference process, and an error can only
+    come from a module that is loaded."""
+    classes = [DeviceError] + [getattr(sys.modules[module], name) for module, name in USER_ERRORS
+                               if module in sys.modules]
+    return isinstance(error, tuple(classes))
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # two processes, each with its own threads
-    from models import ModelNotFoundError
-    from periodic_rl import OffPolicyError, PipelineError
-    from rollout import RewardError
-    from tasks import TaskError
     try:
         run(cfg)
-    except (ModelNotFoundError, TaskError, PipelineError, OffPolicyError, RewardError, DeviceError) as error:
+    except Exception as error:
+        if not is_user_error(error):
+            raise
         sys.stderr.write(f"error: {error}\n")
         return 1
     except KeyboardInterrupt:

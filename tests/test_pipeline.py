@@ -168,6 +168,31 @@ def test_killed_inference_process_is_noticed_within_seconds(tiny_model_dir, when
     assert not remote.process.is_alive()
 
 
+def test_deferred_load_waits_for_the_trainer(tiny_model_dir, tmp_path):
+    """Claim: with load=False the inference process imports, then waits: it loads the model only once told
+    (trainer.py builds the tiny model first), so a model directory that appears only after the spawn is
+    found; closing it before it loads stops it within seconds."""
+    import shutil
+    cfg = make_cfg(tiny_model_dir)
+    policy, _ = load_model(cfg.model)
+    train, held_out = load_task("arithmetic", tiny=False, eval_size=4)
+    settings = Settings(0, 4, 4, 6, 1.0, 1.0, 0, 1, True)
+    later = tmp_path / "model"
+    remote = periodic_rl.AsyncRollouts(str(later), {}, train, held_out, DIGITS, settings, 1, Timeline(), load=False)
+    try:
+        time.sleep(5)  # past its imports (~4 s here): loading at once would have failed on the missing directory
+        shutil.copytree(tiny_model_dir, later)
+        remote.attach(policy)  # sends ("load",), then the buffer
+        remote.publish(policy, 0)
+        assert isinstance(list(remote.messages(0, 1))[-1], IterationDone)
+    finally:
+        remote.close()
+    idle = periodic_rl.AsyncRollouts(str(later), {}, train, held_out, DIGITS, settings, 1, Timeline(), load=False)
+    start = time.monotonic()
+    idle.close()
+    assert not idle.process.is_alive() and time.monotonic() - start < 10
+
+
 def run_trainer(*args, timeout=240):
     return subprocess.run([sys.executable, "trainer.py", *map(str, args)], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout)
