@@ -262,7 +262,9 @@ def shared_prompt(args: argparse.Namespace) -> bool:
     memory_measure = ("peak CUDA bytes allocated during the step" if device == "cuda" else
                       "bytes of distinct non-parameter tensors saved for backward")
     packed_path = "dense mask" if dense_mask or args.attn == "eager" else "structured kernel"
-    print(f"shared-prompt: Qwen2-shaped, 6 layers, hidden 256, heads 4/2, vocab 4096, float32, {args.attn}, "
+    c = model.config
+    print(f"shared-prompt: Qwen2-shaped, {c.num_hidden_layers} layers, hidden {c.hidden_size}, heads "
+          f"{c.num_attention_heads}/{c.num_key_value_heads}, vocab {c.vocab_size}, {model.dtype}, {args.attn}, "
           f"packed rows through the {packed_path}, {device}, {args.threads} thread(s), G={args.group_size}; "
           f"one step = forward + backward; fastest of {args.repeats} after 1 warm-up")
     time_measure = "process CPU seconds" if clock(device, args.threads) is time.process_time else "wall-clock seconds"
