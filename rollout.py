@@ -24,17 +24,28 @@ j its first prompt, a function of (seed, iteration, prompt index) only, never of
 so a separate process (or a rerun) draws exactly the same tokens from the same weights. A prompt's
 samples do depend on C (its neighbours share the RNG stream), so compare runs at equal C.
 
+Sampling is exactly what the trainer scores. The trainer's log-probs are those of
+softmax(logits / T) (top-p only truncates what can be drawn), so `generate` must apply nothing else.
+But `generate` fills every field its `GenerationConfig` leaves unset from `model.generation_config`,
+and real models ship sampling settings there (Qwen2.5-Instruct: top_k 20, top_p 0.8, temperature 0.7,
+repetition_penalty 1.05-1.1): silently honoured, they would sample another distribution than the
+one trained on. `sample_responses` therefore runs `generate` with the model's own config swapped
+for a bare one (`own_sampling_only`), and states every field that shapes the distribution. A
+response stops at *any* of the model's EOS ids (Qwen lists two: <|im_end|> and <|endoftext|>):
+the union of the generation config's and the tokenizer's (`stop_token_ids`).
+
 Departures, on purpose:
 1. No continuous batching: a chunk ends when its longest response does. Inference engines (vLLM,
    SGLang) refill finished slots; that is orthogonal to the schedule this project is about.
-2. `top_k`, `repetition_penalty` and the model's own generation_config are ignored: the trainer's
-   log-probs assume sampling from softmax(logits / temperature), truncated only by `top_p`.
+2. `top_k`, `repetition_penalty` and the rest of the model's shipped generation_config are
+   ignored (see above): only --temperature and --top-p shape sampling.
 """
 from __future__ import annotations
 
 import math
 import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -118,14 +129,47 @@ def is_eval_iteration(iteration: int, eval_every: int, final_iteration: int) -> 
 
 
 # --- sampling and scoring ---
-def sampling_config(settings: Settings, eos_id: int, pad_id: int) -> GenerationConfig:
+def stop_token_ids(model, tokenizer) -> list[int]:
+    """Every id that ends a response: the model's generation config's EOS ids and the tokenizer's.
+
+    >>> # Qwen2.5-Instruct: generation_config [151645, 151643], tokenizer 151645 -> [151645, 151643]
+    """
+    listed = getattr(model.generation_config, "eos_token_id", None)
+    listed = [] if listed is None else [listed] if isinstance(listed, int) else list(listed)
+    return list(dict.fromkeys(listed + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])))
+
+
+def sampling_config(settings: Settings, eos_ids: list[int], pad_id: int) -> GenerationConfig:
+    """Sampling from softmax(logits / T), truncated by top-p and by nothing else."""
     return GenerationConfig(do_sample=True, temperature=settings.temperature, top_p=settings.top_p, top_k=0,
-                            max_new_tokens=settings.max_new_tokens, eos_token_id=eos_id, pad_token_id=pad_id)
+                            min_p=None, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0, repetition_penalty=1.0,
+                            no_repeat_ngram_size=0, min_length=0, bad_words_ids=None,
+                            suppress_tokens=None, begin_suppress_tokens=None, forced_bos_token_id=None,
+                            forced_eos_token_id=None, max_new_tokens=settings.max_new_tokens, eos_token_id=eos_ids,
+                            pad_token_id=pad_id)
 
 
-def trim_response(tokens: list[int], eos_id: int) -> list[int]:
-    """Cut after the first EOS (kept: stopping is an action the policy is trained on)."""
-    return tokens[: tokens.index(eos_id) + 1] if eos_id in tokens else tokens
+@contextmanager
+def own_sampling_only(model):
+    """Run `generate` with a bare `model.generation_config`, so no shipped default fills our config's gaps."""
+    shipped = model.generation_config
+    model.generation_config = GenerationConfig(eos_token_id=shipped.eos_token_id, pad_token_id=shipped.pad_token_id)
+    try:
+        yield
+    finally:
+        model.generation_config = shipped
+
+
+def trim_response(tokens: list[int], eos_ids: list[int]) -> list[int]:
+    """Cut after the first stop id (kept: stopping is an action the policy is trained on).
+
+    >>> trim_response([5, 7, 2, 0, 0], eos_ids=[3, 2])
+    [5, 7, 2]
+    """
+    for position, token in enumerate(tokens):
+        if token in eos_ids:
+            return tokens[: position + 1]
+    return tokens
 
 
 @torch.no_grad()
@@ -143,9 +187,11 @@ def sample_responses(model, prompts: list[list[int]], num_samples: int, generati
     input_ids = torch.tensor(rows, device=device)                 # (C·G, P_max)
     attention_mask = torch.tensor(real, device=device)            # (C·G, P_max)
     torch.manual_seed(seed)
-    output = model.generate(input_ids=input_ids, attention_mask=attention_mask,
-                            generation_config=generation)         # (C·G, P_max + R_max)
-    new_tokens = [trim_response(tokens, generation.eos_token_id) for tokens in output[:, width:].tolist()]
+    with own_sampling_only(model):
+        output = model.generate(input_ids=input_ids, attention_mask=attention_mask,
+                                generation_config=generation)     # (C·G, P_max + R_max)
+    eos_ids = generation.eos_token_id if isinstance(generation.eos_token_id, list) else [generation.eos_token_id]
+    new_tokens = [trim_response(tokens, eos_ids) for tokens in output[:, width:].tolist()]
     return [new_tokens[i * num_samples:(i + 1) * num_samples] for i in range(len(prompts))]
 
 
@@ -179,7 +225,7 @@ def score(reward_fn: RewardFn, prompt: str, completion: str, answer: str) -> flo
 
 def evaluate(model, tokenizer, examples: list[Example], reward_fn: RewardFn, settings: Settings) -> float:
     """Mean reward of `eval_samples` sampled responses per held-out prompt (fixed seeds)."""
-    generation = sampling_config(settings, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    generation = sampling_config(settings, stop_token_ids(model, tokenizer), tokenizer.pad_token_id)
     rewards = []
     for first, chunk in chunks(examples, settings.groups_per_chunk):
         _, _, completions = sample_chunk(model, tokenizer, chunk, settings.eval_samples, generation,
@@ -194,7 +240,7 @@ def rollout_iteration(model, tokenizer, train: list[Example], held_out: list[Exa
                       settings: Settings, iteration: int, policy_version: int, final_iteration: int,
                       train_prompts: bool = True) -> Iterator[Group | Evaluation | IterationDone]:
     """Yield iteration k's groups in prompt order, then its evaluation (if due), then IterationDone."""
-    generation = sampling_config(settings, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    generation = sampling_config(settings, stop_token_ids(model, tokenizer), tokenizer.pad_token_id)
     if train_prompts:
         examples = [train[i] for i in iteration_prompts(len(train), settings.prompts_per_iteration, settings.seed,
                                                          iteration)]
