@@ -11,11 +11,25 @@ std is the *sample* std (Bessel-corrected, torch's default) over the group, exac
 numbers compare line by line; eps = 1e-4 keeps an all-equal group (std 0) at A = 0 instead of NaN.
 `scale=False` drops the division (Dr. GRPO, arXiv 2503.20783: the std favours easy/hard prompts).
 
-Per-token loss (TRL `GRPOTrainer._compute_loss`), with the ratio against the old policy θ_k:
+Per-token loss (TRL 1.16 `GRPOTrainer._compute_loss`, its defaults), with the ratio against the old
+policy θ_k (which sampled the tokens):
 
-    ρ_t    = exp(logp_t - old_logp_t)
-    l_t    = -min(ρ_t A, clip(ρ_t, 1 - ε_low, 1 + ε_high) A) + β KL_t
-    KL_t   = exp(ref_t - logp_t) - (ref_t - logp_t) - 1          (k3 estimator, ≥ 0, unbiased)
+    ρ_t    = exp(logp_t - old_logp_t)                             (differentiable in logp)
+    l_t    = -min(ρ_t A, clip(ρ_t, 1 - ε_low, 1 + ε_high) A) + β ρ_t k3_t
+    k3_t   = exp(ref_t - logp_t) - (ref_t - logp_t) - 1           (k3 estimator of KL, ≥ 0)
+
+Why ρ_t multiplies k3 (TRL's `use_bias_correction_kl=True`, the default since 1.16; DeepSeek-V3.2).
+Write r = π_ref/π_θ at the sampled token, so k3 = r - log r - 1 and ∇k3 = (1 - r) ∇log π_θ. With
+samples from π_old = π_θ (one update per iteration: ρ = 1 in value, ∇ρ = ∇log π_θ):
+
+    plain      E[∇k3]       = E_θ[(1 - r) ∇log π_θ] = -Σ_o π_ref ∇log π_θ = ∇ KL(π_ref ‖ π_θ)
+    corrected  E[∇(ρ k3)]   = E_θ[(1 - r + r - log r - 1) ∇log π_θ] = E_θ[(log π_θ - log π_ref) ∇log π_θ]
+                            = ∇ KL(π_θ ‖ π_ref)          (using E_θ[∇log π_θ] = 0)
+
+So the plain term, although its *value* estimates KL(π_θ‖π_ref) without bias, pulls toward the
+reverse KL; the corrected one has the gradient of the KL it reports. With several updates per
+iteration, ρ also re-weights the off-policy samples to π_θ. `kl_bias_correction=False` gives the
+plain term (TRL's `use_bias_correction_kl=False`, its default before 1.16).
 
 Aggregation over a batch of N responses with m_{i,t} ∈ {0, 1} marking real response tokens:
 
@@ -33,6 +47,7 @@ accumulation) weights tokens by the size of the micro-batch they happened to lan
 Departures from TRL, on purpose:
 1. No `bnpo` loss: it is not micro-batch invariant (see above).
 2. The normaliser is passed in rather than taken from the batch, so a caller can stream.
+3. The logged KL is the mean of k3 itself (ρ is 1 on-policy; TRL logs ρ·k3, the same value then).
 """
 from __future__ import annotations
 
@@ -94,12 +109,14 @@ def grpo_loss(
     loss_type: str = "dapo",
     max_new_tokens: int | None = None,
     normalizer: float | None = None,
+    kl_bias_correction: bool = True,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The GRPO objective of one batch of responses; returns (loss, sums for logging).
 
     logp, old_logp, ref_logp, mask: (N, T) per response token; advantages: (N,).
     normalizer: D in L = Σ w·l / D; None = this batch's own D (`loss_normalizer`). Pass 1.0 to
     get the plain weighted sum when accumulating micro-batches and divide the gradient later.
+    kl_bias_correction: multiply k3 by ρ (the module docstring says why); False = the plain k3 term.
     The returned stats are sums (tokens, clipped tokens, KL) so they add up across micro-batches.
     """
     mask = mask.float()  # (N, T)
@@ -112,7 +129,7 @@ def grpo_loss(
     if beta != 0.0:
         if kl is None:
             raise ValueError("beta > 0 needs ref_logp")
-        per_token = per_token + beta * kl
+        per_token = per_token + beta * (kl * ratio if kl_bias_correction else kl)
 
     weights = sequence_weights(mask, loss_type, max_new_tokens)  # (N, T)
     if normalizer is None:

@@ -277,6 +277,7 @@ class Learner:
             loss, stats = grpo_loss(logp, old_logp, ref_logp, advantages, mask, beta=self.cfg.beta,
                                     epsilon_low=self.cfg.epsilon_low, epsilon_high=self.cfg.epsilon_high,
                                     loss_type=self.cfg.loss_type, max_new_tokens=self.cfg.max_new_tokens,
+                                    kl_bias_correction=self.cfg.kl_bias_correction,
                                     normalizer=1.0)  # a partial sum; divided by D at the step
             loss.backward()
         for key in ("tokens", "clipped_tokens", "kl_sum"):

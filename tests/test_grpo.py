@@ -102,3 +102,41 @@ def test_per_micro_batch_mean_is_not_invariant():
               for i in (0, 2)]
     (naive_grad,) = torch.autograd.grad(sum(halves) / 2, theta)
     assert not torch.allclose(naive_grad, full_grad)
+
+
+def expected_kl_gradient(logits: torch.Tensor, ref_logp: torch.Tensor, kl_bias_correction: bool) -> torch.Tensor:
+    """E_{o ~ π_θ}[∇ (KL term of grpo_loss at token o)], on-policy, enumerated exactly over a small vocabulary."""
+    logp = logits.log_softmax(-1)  # (V,) differentiable
+    probs = logp.exp().detach()  # the sampling distribution: no gradient flows through it
+    per_token = []
+    for o in range(len(logits)):
+        token = logp[o].view(1, 1)
+        loss, _ = grpo_loss(token, token.detach(), ref_logp[o].view(1, 1), torch.zeros(1), torch.ones(1, 1),
+                            beta=1.0, normalizer=1.0, kl_bias_correction=kl_bias_correction)
+        per_token.append(loss)
+    (grad,) = torch.autograd.grad((probs * torch.stack(per_token)).sum(), logits)
+    return grad
+
+
+def test_bias_corrected_kl_has_the_gradient_of_the_kl_it_reports():
+    """Claim (grpo.py docstring): on-policy, E[∇(ρ·k3)] = ∇ KL(π_θ ‖ π_ref), the KL the k3 value estimates, while
+    the plain term's E[∇k3] = ∇ KL(π_ref ‖ π_θ), the reverse KL. Exact expectations over a 6-token vocabulary."""
+    torch.manual_seed(0)
+    logits = (torch.randn(6, dtype=torch.float64) * 2).requires_grad_()
+    ref_logp = (torch.randn(6, dtype=torch.float64) * 2).log_softmax(-1)
+    logp = logits.log_softmax(-1)
+    (forward_kl,) = torch.autograd.grad((logp.exp() * (logp - ref_logp)).sum(), logits)
+    (reverse_kl,) = torch.autograd.grad((ref_logp.exp() * (ref_logp - logits.log_softmax(-1))).sum(), logits)
+    torch.testing.assert_close(expected_kl_gradient(logits, ref_logp, True), forward_kl)
+    torch.testing.assert_close(expected_kl_gradient(logits, ref_logp, False), reverse_kl)
+    assert not torch.allclose(forward_kl, reverse_kl, rtol=0.05), "the two KLs must differ for the test to bite"
+
+
+def test_kl_bias_correction_scales_the_term_by_the_ratio():
+    """Claim: the corrected per-token KL term is ρ·k3 (TRL's `per_token_kl * coef_1`), the plain one k3, in value."""
+    logp, old, ref = torch.tensor([[-1.0]]), torch.tensor([[-1.5]]), torch.tensor([[-2.0]])
+    k3 = math.exp(-1.0) + 1.0 - 1.0
+    for correction, expected in ((True, math.exp(0.5) * k3), (False, k3)):
+        loss, stats = grpo_loss(logp, old, ref, torch.zeros(1), torch.ones(1, 1), beta=1.0,
+                                kl_bias_correction=correction)
+        assert loss.item() == pytest.approx(expected) and stats["kl_sum"] == pytest.approx(k3)
