@@ -68,13 +68,16 @@ Deliberate choices and departures:
 3. Padding never reaches a real token: the structured kernel gives padding zeros; under the dense
    mask a pad token attends only to itself, so no softmax row is empty (no NaN). Pad outputs are
    discarded.
-4. Only the positions that predict a response token get logits, through `logits_to_keep` as a
-   1-D index (the form older transformers take too; newer ones also take 2-D). One index serves
-   all rows, so with several rows it is the union of their positions: exact for one group, some
-   wasted logits when rows' layouts differ.
+4. Only the hidden states that predict a response token reach the output layer, gathered per
+   token and pushed through it in checkpointed chunks (`token_logprobs`): no (tokens x vocab) tensor
+   of a whole micro-batch ever exists. Models whose logits are not plain lm_head(h) (soft-capping,
+   logit scales: `LOGIT_TRANSFORMS`) take the model's own logits instead (`logits_to_keep`).
 5. Log-probs are of `logits / temperature` in float32 (as TRL), so they match the sampling
-   distribution. Sliding-window layers (e.g. Mistral) ignore their window in both kernels: keep
-   P + max R_i within the window for such models.
+   distribution; the structured kernel's softmax is float32 too, whatever the compute dtype.
+6. Attention variants the packed layout cannot express exactly (sliding windows as in Mistral or
+   Qwen2 with use_sliding_window, logit soft-capping as in Gemma 2, attention sinks as in gpt-oss)
+   are refused for packing (`packing_unsupported`): "auto" keeps such models on plain rows, and the
+   structured kernel raises if it ever receives one.
 """
 from __future__ import annotations
 
@@ -84,6 +87,7 @@ from typing import Iterator, NamedTuple, Sequence
 import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
+from torch.utils.checkpoint import checkpoint
 
 Group = tuple[Tensor, Sequence[Tensor]]  # (prompt_ids (P,), [response_ids (R_i,), ...])
 MODES = ("packed", "unpacked", "auto")
@@ -303,7 +307,9 @@ def _responses_attention(q: Tensor, k: Tensor, v: Tensor, row: PackedRow, scale:
     causal = t[:, None] >= t[None, :]                                             # (R, R)
     to_prompt = (q_r.reshape(H_kv, n * G * R, D) @ k[:, :P].transpose(1, 2)).reshape(H_kv, n, G, R, P)
     to_own = (q_r @ k_r.transpose(3, 4)).masked_fill(~causal, float("-inf"))       # (H_kv, n, G, R, R)
-    weights = torch.cat([to_prompt, to_own], dim=-1).softmax(dim=-1)               # (H_kv, n, G, R, P+R)
+    scores = torch.cat([to_prompt, to_own], dim=-1)                                # (H_kv, n, G, R, P+R)
+    wide = torch.promote_types(scores.dtype, torch.float32)                       # bf16 -> float32, float64 stays
+    weights = scores.to(wide).softmax(dim=-1).to(v.dtype)                         # softmax in >= float32
     if dropout:
         weights = torch.nn.functional.dropout(weights, dropout)
     w_prompt, w_own = weights.split([P, R], dim=-1)
@@ -327,25 +333,75 @@ def _attention_kernel(model: torch.nn.Module, name: str = "shared_prompt") -> It
         model.set_attn_implementation(previous)
 
 
-# --- logits -> log-probs ---
+# --- hidden states -> log-probs ---
 
-def unpack(logits: Tensor, kept: Tensor, layout: Layout, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
-    """Logits at the `kept` columns -> (logp, mask), both (N, T); logp is 0 where mask is False.
+LOGITS_CHUNK_BYTES = 256 * 2**20  # float32 logits alive at once: 441 tokens of Qwen2.5's 151,936-word vocabulary
+# Config fields of models whose logits are not plain `lm_head(last_hidden_state)` (Gemma 2/3 soft-capping,
+# Cohere's and Granite's scales): those take their logits from the model's own forward (`_forward`).
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
-    logp[n, t] = log_softmax(logits[row n, column source[n, t]] / temperature)[target[n, t]]
+
+def token_logprobs(hidden: Tensor, head: torch.nn.Module, targets: Tensor, temperature: float = 1.0,
+                   chunk_bytes: int = LOGITS_CHUNK_BYTES) -> Tensor:
+    """log softmax(head(h) / temperature)[target] for each row h of `hidden`, in float32: (M, H) -> (M,).
+
+    The (M, V) logits never exist at once: rows go through the head in chunks of
+    chunk_bytes / (4 V), and with gradients each chunk is checkpointed (its logits are recomputed in
+    backward instead of kept), so the peak is one chunk of logits, not M x V (8 x 512 tokens of
+    Qwen2.5 are 2.5 GB in float32). Like TRL's `selective_log_softmax`, but from the hidden states.
     """
-    column = torch.searchsorted(kept, layout.source).clamp(max=len(kept) - 1)  # (N, T) index into kept
-    logp_all = (logits.float() / temperature).log_softmax(dim=-1)             # (B, K, V) float32
-    logp = logp_all[layout.row[:, None], column, layout.target]                # (N, T)
-    return logp.masked_fill(~layout.mask, 0.0), layout.mask
+    vocab = head.weight.shape[0]
+    rows = max(1, chunk_bytes // (4 * vocab))
+    chunked = len(hidden) > rows and torch.is_grad_enabled()
+    pieces = []
+    for start in range(0, len(hidden), rows):
+        h, t = hidden[start:start + rows], targets[start:start + rows]  # (n, H), (n,)
+        if chunked:
+            pieces.append(checkpoint(_selected_logprobs, h, t, head, temperature, use_reentrant=False))
+        else:
+            pieces.append(_selected_logprobs(h, t, head, temperature))
+    return torch.cat(pieces)  # (M,)
+
+
+def _selected_logprobs(hidden: Tensor, targets: Tensor, head: torch.nn.Module, temperature: float) -> Tensor:
+    logits = head(hidden).float() / temperature                                   # (n, V) float32
+    return logits.gather(-1, targets[:, None])[:, 0] - logits.logsumexp(dim=-1)   # (n,)
+
+
+def _scatter(values: Tensor, mask: Tensor) -> Tensor:
+    """(M,) values of the True entries of an (N, T) mask -> (N, T), 0 elsewhere (differentiable)."""
+    return values.new_zeros(mask.shape).masked_scatter(mask, values)
 
 
 def _forward(model: torch.nn.Module, layout: Layout, attention_mask: Tensor | None,
              temperature: float, **attention_kwargs) -> tuple[Tensor, Tensor]:
-    kept = layout.source[layout.mask].unique()  # (K,) sorted columns whose logits are needed, any row
-    logits = model(input_ids=layout.input_ids, attention_mask=attention_mask, position_ids=layout.position_ids,
-                   logits_to_keep=kept, **attention_kwargs).logits  # (B, K, V)
-    return unpack(logits, kept, layout, temperature)
+    """(logp, mask), (N, T): logp[n, t] = log_softmax(logits[row n, column source[n, t]] / T)[target[n, t]]."""
+    inputs = dict(input_ids=layout.input_ids, attention_mask=attention_mask, position_ids=layout.position_ids,
+                  use_cache=False, **attention_kwargs)
+    targets = layout.target[layout.mask]  # (M,) the real response tokens
+    if any(getattr(model.config, name, None) is not None for name in LOGIT_TRANSFORMS):
+        kept = layout.source[layout.mask].unique()  # (K,) sorted columns whose logits are needed, any row
+        logits = model(**inputs, logits_to_keep=kept).logits  # (B, K, V) the model's own output layer
+        column = torch.searchsorted(kept, layout.source)  # (N, T) index into kept
+        rows = logits[layout.row[:, None], column][layout.mask]  # (M, V)
+        logp = torch.cat([(chunk.float() / temperature).log_softmax(-1).gather(-1, t[:, None])[:, 0]
+                          for chunk, t in zip(rows.split(1024), targets.split(1024))])  # (M,)
+        return _scatter(logp, layout.mask), layout.mask
+    hidden = model.get_decoder()(**inputs).last_hidden_state  # (B, L, H)
+    states = hidden[layout.row[:, None], layout.source][layout.mask]  # (M, H) the states that predict them
+    logp = token_logprobs(states, model.get_output_embeddings(), targets, temperature)  # (M,)
+    return _scatter(logp, layout.mask), layout.mask
+
+
+def recomputes_attention(model: torch.nn.Module) -> bool:
+    """Activation checkpointing is on and will re-run attention in backward (departure 1).
+
+    transformers 5 calls the flag `is_activation_checkpointing` (with a deprecated alias), 4.x
+    `is_gradient_checkpointing`; it acts only in training mode.
+    """
+    name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") \
+        else "is_gradient_checkpointing"
+    return bool(getattr(model, name, False)) and model.training
 
 
 def _packed_batch(model: torch.nn.Module, groups: Sequence[Group], temperature: float = 1.0,
@@ -356,7 +412,7 @@ def _packed_batch(model: torch.nn.Module, groups: Sequence[Group], temperature: 
     """
     layout = pack(groups, pad_id)
     structured = model.config._attn_implementation == "sdpa" and not dense_mask
-    if structured and not getattr(model, "is_activation_checkpointing", False):
+    if structured and not recomputes_attention(model):
         with _attention_kernel(model):  # departure 1
             return _forward(model, layout, None, temperature, shared_prompt_rows=packed_rows(layout))
     allowed = shared_prompt_mask(layout.segment_ids)  # (B, 1, L, L)

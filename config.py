@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo")
 MODES = ("async", "sync")
+DTYPES = ("auto", "float32", "bfloat16")
+ACCELERATOR_GROUPS_PER_CHUNK = 4  # 32 sequences per generate call at G=8 (see derive)
 
 
 def _opt(default, help: str, **extra):
@@ -52,9 +54,10 @@ class Config:
     max_new_tokens: int | None = _opt(None, "longest response in tokens (default: 8 for tiny, 512 otherwise)")
     temperature: float = _opt(1.0, "sampling temperature (log-probs are computed at the same temperature)")
     top_p: float = _opt(1.0, "nucleus sampling threshold (1.0 = sample from the full distribution)")
-    groups_per_chunk: int = _opt(1, "prompts sampled per generate call (x group-size responses); each group is "
-                                    "sent to the trainer as soon as its chunk is done: 1 streams soonest, more "
-                                    "keeps a GPU busy (e.g. 8) but fills the pipeline later")
+    groups_per_chunk: int | None = _opt(None, "prompts sampled per generate call (x group-size responses); each "
+                                              "group is sent to the trainer as soon as its chunk is done: 1 streams "
+                                              "soonest, more keeps an accelerator busy but fills the pipeline later "
+                                              "(default: 1 on CPU, 4 on a GPU/NPU, i.e. 32 sequences per call at G=8)")
     groups_per_forward: int | None = _opt(None, "groups per training forward/backward (default: --groups-per-chunk); "
                                                 "lower it if the trainer runs out of memory")
     # --- loss and optimizer ---
@@ -78,15 +81,22 @@ class Config:
     eval_samples: int = _opt(4, "sampled responses per held-out prompt")
     trace: str | None = _opt(None, "write a Chrome trace-event JSON timeline of both processes to this path")
     save: bool = _opt(True, "save the final policy as a Hugging Face model directory in <out>/policy")
+    gradient_checkpointing: bool = _opt(False, "recompute each layer's activations in backward (real models: trades "
+                                               "~30%% more training compute for far less activation memory)")
     # --- devices ---
-    device: str = _opt("cpu", "default device for both sides: cpu, cuda, cuda:N, npu, npu:N")
-    rollout_device: str | None = _opt(None, "device of the inference process (default: --device)")
-    train_device: str | None = _opt(None, "device of the training process (default: --device)")
+    device: str = _opt("auto", "default device for both sides: auto (CUDA, else NPU, else CPU), cpu, cuda, cuda:N, "
+                               "npu, npu:N; auto with two or more GPUs samples on :0 and trains on :1")
+    rollout_device: str | None = _opt(None, "device of the inference process (default: from --device)")
+    train_device: str | None = _opt(None, "device of the training process (default: from --device)")
     rollout_threads: int | None = _opt(None, "CPU threads of the inference process (default: half the cores; all "
                                              "when an iteration is one chunk: the sides then take turns)")
     train_threads: int | None = _opt(None, "CPU threads of the training process (default: the other half; "
                                            "sync mode or one chunk per iteration: all cores)")
-    dtype: str = _opt("float32", "parameter dtype", choices=("float32", "bfloat16", "float16"))
+    dtype: str = _opt("auto", "compute dtype. bfloat16: the trainer keeps float32 master weights and optimizer state "
+                              "and computes in bf16 (autocast); the inference side holds bf16 weights (half the "
+                              "bytes to publish). auto: bfloat16 on GPUs/NPUs that support it, float32 on CPU. "
+                              "(float16 is not offered: it would need loss scaling)",
+                      choices=DTYPES)
     attn_implementation: str = _opt("sdpa", "attention kernel of the Hugging Face model", choices=("sdpa", "eager"))
     cache_dir: str | None = _opt(None, "where the warmed-up tiny model is cached "
                                        "(default: $PERIODIC_RL_CACHE or ~/.cache/periodic-rl)")
@@ -98,7 +108,7 @@ class Config:
 
     @property
     def chunks_per_iteration(self) -> int:
-        """Units the pipeline overlaps: generate calls per iteration."""
+        """Units the pipeline overlaps: generate calls per iteration (after `derive`)."""
         return math.ceil(self.prompts_per_iteration / self.groups_per_chunk)
 
     @property
@@ -106,25 +116,89 @@ class Config:
         return self.model == "tiny"
 
 
+def detect_accelerator() -> str:
+    """'cuda' if torch sees a CUDA GPU, else 'npu' if torch_npu is installed and sees an NPU, else 'cpu'.
+
+    torch_npu is imported only here, and only on machines without CUDA.
+    """
+    import torch
+    if torch.cuda.is_available():
+        return "cuda"
+    try:
+        import torch_npu  # noqa: F401  (registers the 'npu' device with torch)
+    except ImportError:
+        return "cpu"
+    return "npu" if torch.npu.is_available() else "cpu"
+
+
+def accelerator_count(kind: str) -> int:
+    import torch
+    return 0 if kind == "cpu" else getattr(torch, kind).device_count()
+
+
+def pick_devices(device: str, mode: str) -> tuple[str, str]:
+    """(inference device, training device) for --device.
+
+    auto: the accelerator this machine has (`detect_accelerator`); with two or more, inference on :0 and
+    training on :1, else both on :0. Sync mode runs both sides in one process: both on the training device.
+    """
+    if device == "auto":
+        kind = detect_accelerator()
+        if kind == "cpu":
+            return "cpu", "cpu"
+        rollout, train = f"{kind}:0", f"{kind}:1" if accelerator_count(kind) >= 2 else f"{kind}:0"
+    else:
+        rollout = train = device
+    return (train, train) if mode == "sync" else (rollout, train)
+
+
+def pick_dtype(dtype: str, train_device: str) -> str:
+    """auto -> bfloat16 where the training device computes in bf16 natively (recent GPUs, NPUs), else float32."""
+    if dtype != "auto":
+        return dtype
+    kind = train_device.split(":")[0]
+    if kind == "cuda":
+        import torch
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
+    return "bfloat16" if kind == "npu" else "float32"
+
+
 def derive(cfg: Config) -> Config:
-    """Fill the model-dependent defaults and the thread split; returns a new Config."""
+    """Fill the model- and hardware-dependent defaults and the thread split; returns a new Config."""
     cores = os.cpu_count() or 1
+    rollout_device, train_device = pick_devices(cfg.device, cfg.mode)
+    rollout_device = cfg.rollout_device or rollout_device
+    train_device = cfg.train_device or train_device
+    on_accelerator = rollout_device.split(":")[0] != "cpu"
+    # On an accelerator a decode step costs about the same for 8 rows as for 32 (it is memory-bound: every
+    # step reads all weights once), so more rows per generate call are nearly free; 4 groups still leave
+    # 4 chunks per iteration (at the default batch) for the pipeline to overlap. On CPU a step's cost grows
+    # with the rows, and one group per call streams soonest.
+    groups_per_chunk = cfg.groups_per_chunk or (ACCELERATOR_GROUPS_PER_CHUNK if on_accelerator else 1)
+    chunks = math.ceil(cfg.prompts_per_iteration / groups_per_chunk)
     # Sync mode runs one side at a time: all cores. So does async when an iteration is a single chunk
     # (nothing to overlap: the two sides take turns); otherwise they run at once and split the cores,
     # since oversubscribed cores slow both (2 + 2 threads on 2 cores, 2 chunks: async 0.72x of sync, against
     # 1.0x split; `bench.py async --quick --trainer-args "--groups-per-chunk 8 --rollout-threads 2 --train-threads 2"`).
-    take_turns = cfg.mode == "sync" or cfg.chunks_per_iteration == 1
+    take_turns = cfg.mode == "sync" or chunks == 1
     rollout_threads = cfg.rollout_threads or (cores if take_turns else max(1, cores // 2))
     return dataclasses.replace(
         cfg,
         max_new_tokens=cfg.max_new_tokens or (8 if cfg.is_tiny else 512),
         lr=cfg.lr if cfg.lr is not None else (1e-4 if cfg.is_tiny else 1e-6),
-        groups_per_forward=cfg.groups_per_forward or cfg.groups_per_chunk,
-        rollout_device=cfg.rollout_device or cfg.device,
-        train_device=cfg.train_device or cfg.device,
+        groups_per_chunk=groups_per_chunk,
+        groups_per_forward=cfg.groups_per_forward or groups_per_chunk,
+        rollout_device=rollout_device,
+        train_device=train_device,
+        dtype=pick_dtype(cfg.dtype, train_device),
         rollout_threads=rollout_threads,
         train_threads=cfg.train_threads or (cores if take_turns else max(1, cores - rollout_threads)),
     )
+
+
+def _is_device_name(name: str) -> bool:
+    kind, _, index = name.partition(":")
+    return kind in ("cpu", "cuda", "npu") and (index == "" or index.isdigit() and kind != "cpu")
 
 
 def validate(cfg: Config) -> list[str]:
@@ -146,7 +220,8 @@ def validate(cfg: Config) -> list[str]:
         need(cfg.prompts_per_iteration % cfg.updates_per_iteration == 0,
              f"--updates-per-iteration ({cfg.updates_per_iteration}) must divide the prompts per iteration "
              f"({cfg.prompts_per_iteration} = batch-size / group-size): mini-batches are whole groups")
-    need(cfg.groups_per_chunk >= 1, f"--groups-per-chunk must be at least 1 (got {cfg.groups_per_chunk})")
+    need(cfg.groups_per_chunk is None or cfg.groups_per_chunk >= 1,
+         f"--groups-per-chunk must be at least 1 (got {cfg.groups_per_chunk})")
     need(cfg.groups_per_forward is None or cfg.groups_per_forward >= 1,
          f"--groups-per-forward must be at least 1 (got {cfg.groups_per_forward})")
     need(cfg.lr is None or cfg.lr > 0, f"--lr must be positive (got {cfg.lr})")
@@ -164,8 +239,9 @@ def validate(cfg: Config) -> list[str]:
         need(value is None or value >= 1, f"--{name.replace('_', '-')} must be at least 1 (got {value})")
     for name in ("device", "rollout_device", "train_device"):
         value = getattr(cfg, name)
-        need(value is None or value.split(":")[0] in ("cpu", "cuda", "npu"),
-             f"--{name.replace('_', '-')} must be cpu, cuda[:N] or npu[:N] (got {value!r})")
+        need(value is None or value == "auto" and name == "device" or _is_device_name(value),
+             f"--{name.replace('_', '-')} must be {'auto, ' if name == 'device' else ''}cpu, cuda[:N] or npu[:N] "
+             f"(got {value!r})")
     if cfg.data not in (None, "arithmetic", "gsm8k"):
         need(os.path.isfile(cfg.data), f"--data {cfg.data!r} is neither 'arithmetic', 'gsm8k' nor an existing "
                                        "JSONL file")

@@ -71,7 +71,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True,
 
 def sequence_weights(mask: torch.Tensor, loss_type: str, max_new_tokens: int | None = None) -> torch.Tensor:
     """Per-token weights w with L = Σ w·l / D: 1 (dapo), 1/|o_i| (grpo), 1/max_new_tokens (dr_grpo)."""
-    mask = mask.float()  # (N, T)
+    mask = mask if mask.is_floating_point() else mask.float()  # (N, T)
     if loss_type == "dapo":
         return mask
     if loss_type == "grpo":
@@ -119,7 +119,7 @@ def grpo_loss(
     kl_bias_correction: multiply k3 by ρ (the module docstring says why); False = the plain k3 term.
     The returned stats are sums (tokens, clipped tokens, KL) so they add up across micro-batches.
     """
-    mask = mask.float()  # (N, T)
+    mask = mask.to(logp.dtype)  # (N, T)
     ratio = torch.exp(logp - old_logp)  # (N, T)
     adv = advantages.unsqueeze(1)  # (N, 1)
     unclipped = ratio * adv  # (N, T)

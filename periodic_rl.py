@@ -40,7 +40,9 @@ Departures, on purpose:
 from __future__ import annotations
 
 import math
+import os
 import queue
+import shutil
 import time
 from typing import Iterator
 
@@ -64,24 +66,44 @@ class OffPolicyError(RuntimeError):
 
 
 # --- shared-memory weights ---
+SHM_SLACK_BYTES = 64 * 2**20  # what else lands in /dev/shm during a run (queues, semaphores, torch's own)
+
+
+def check_shared_memory(nbytes: int, path: str = "/dev/shm") -> None:
+    """Fail in one line, naming the fix, when `path` cannot hold `nbytes` (Docker's default is 64 MB)."""
+    if not os.path.isdir(path):  # not Linux: shared memory is not a size-limited file system there
+        return
+    free = shutil.disk_usage(path).free
+    if nbytes + SHM_SLACK_BYTES > free:
+        need_gib = math.ceil((nbytes + SHM_SLACK_BYTES) / 2**30)
+        raise PipelineError(f"the shared-memory weight buffer needs {nbytes / 2**20:,.0f} MiB but {path} has only "
+                            f"{free / 2**20:,.0f} MiB free: give the container more (docker run --shm-size={need_gib}g, "
+                            f"or Kubernetes: an emptyDir with medium Memory on /dev/shm), or use --mode sync")
+
+
 class WeightBuffer:
     """θ as one flat tensor in shared memory plus a version counter.
 
-    publish(model, k): copy every parameter into its slice, then set version = k.
+    publish(model, k): copy every parameter into its slice (casting to the buffer's dtype), then set version = k.
     attach(model):     on CPU, make the model's parameters views of their slices (zero copy).
     load_into(model):  check the version; copy only where attach could not alias (GPU, NPU).
+
+    `dtype` is what the inference side computes in: bf16 halves the bytes published per iteration while
+    the trainer keeps float32 masters.
     """
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None = None):
         params = list(model.parameters())  # tied weights (embeddings = lm_head) appear once
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1:
             raise ValueError(f"WeightBuffer needs one parameter dtype, got {dtypes}")
+        dtype = dtype or params[0].dtype
         self.shapes = [p.shape for p in params]
         self.offsets = [0]
         for p in params:
             self.offsets.append(self.offsets[-1] + p.numel())
-        self.flat = torch.empty(self.offsets[-1], dtype=params[0].dtype).share_memory_()  # (num_params,)
+        check_shared_memory(self.offsets[-1] * dtype.itemsize)
+        self.flat = torch.empty(self.offsets[-1], dtype=dtype).share_memory_()  # (num_params,)
         self._version = torch.full((1,), -1, dtype=torch.int64).share_memory_()  # (1,) shared too
         self.aliased = False
 
@@ -118,19 +140,28 @@ class WeightBuffer:
 
 # --- where rollouts come from ---
 class SyncRollouts:
-    """Generate the whole iteration in this process, then hand the messages over."""
+    """Generate the whole iteration in this process, then hand the messages over.
 
-    def __init__(self, policy, tokenizer, train, held_out, reward_fn, settings: Settings):
+    `sampler` is the model that generates: the policy itself when it computes in its own dtype, else a
+    copy in the compute dtype that `publish` refreshes, as the inference process's weights are in async
+    mode (so that both modes sample from the same bf16 weights).
+    """
+
+    def __init__(self, policy, tokenizer, train, held_out, reward_fn, settings: Settings, sampler=None):
         self.args = (tokenizer, train, held_out, reward_fn, settings)
-        self.policy = policy
+        self.sampler = sampler if sampler is not None else policy
 
+    @torch.no_grad()
     def publish(self, policy, version: int) -> None:
-        self.version = version  # same process, same parameters: nothing to copy
+        if self.sampler is not policy:
+            for target, source in zip(self.sampler.parameters(), policy.parameters()):
+                target.copy_(source)  # casts to the sampler's dtype
+        self.version = version
 
     def messages(self, iteration: int, final_iteration: int, train_prompts: bool = True):
-        self.policy.eval()
+        self.sampler.eval()
         tokenizer, train, held_out, reward_fn, settings = self.args
-        yield from list(rollout_iteration(self.policy, tokenizer, train, held_out, reward_fn, settings,
+        yield from list(rollout_iteration(self.sampler, tokenizer, train, held_out, reward_fn, settings,
                                           iteration, self.version, final_iteration, train_prompts))
 
     def close(self) -> None:
@@ -150,6 +181,7 @@ class AsyncRollouts:
                  settings: Settings, threads: int, timeline: Timeline | None = None, load: bool = True):
         context = mp.get_context("spawn")  # fork would copy the trainer's threads and CUDA state
         self.timeline = timeline or Timeline()
+        self.dtype = load_kwargs.get("dtype")  # the inference side's weights, as published
         self.weights: WeightBuffer | None = None  # set by attach()
         self.loading = False
         self.commands, self.results = context.Queue(), context.Queue()
@@ -170,7 +202,7 @@ class AsyncRollouts:
     def attach(self, policy) -> None:
         """Share θ's buffer with the inference process (as a handle to shared memory, never a copy)."""
         self.load()
-        self.weights = WeightBuffer(policy)  # kept alive here: the receiver maps the sender's memory
+        self.weights = WeightBuffer(policy, self.dtype)  # kept alive here: the receiver maps the sender's memory
         self.commands.put(("attach", self.weights))
         self._receive()  # ("ready", None) once its model is loaded and reads θ from the buffer
 
@@ -348,15 +380,21 @@ def train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwar
     """
     torch.set_num_threads(cfg.train_threads)
     device = next(policy.parameters()).device
+    compute_dtype = getattr(torch, cfg.dtype)
+    load_kwargs = {**load_kwargs, "dtype": compute_dtype}  # the inference side's weights: the compute dtype
     tri = TriModel(policy, use_reference=cfg.beta > 0, use_old=cfg.updates_per_iteration > 1,
                    packing="auto" if cfg.shared_prompt else "unpacked", temperature=cfg.temperature,
-                   pad_id=tokenizer.pad_token_id)
+                   pad_id=tokenizer.pad_token_id, compute_dtype=compute_dtype)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     if cfg.mode == "async":
         rollouts = rollouts or start_inference(cfg, load_kwargs, train_examples, held_out)
         timeline = rollouts.timeline  # both processes' spans on one timeline
     else:
-        rollouts = SyncRollouts(policy, tokenizer, train_examples, held_out, reward_fn, settings_of(cfg))
+        sampler = None
+        if compute_dtype != policy.dtype:  # sample from weights in the compute dtype, as the async side does
+            from models import load_model
+            sampler, _ = load_model(cfg.model, **{**load_kwargs, "device": str(device)})
+        rollouts = SyncRollouts(policy, tokenizer, train_examples, held_out, reward_fn, settings_of(cfg), sampler)
         timeline = Timeline()
     learner = Learner(tri, optimizer, cfg, device, timeline)
     try:

@@ -23,21 +23,27 @@ class DeviceError(RuntimeError):
     pass
 
 
-def check_device(device: str) -> None:
-    """Fail early and clearly when the requested accelerator is missing (imports torch_npu only for npu)."""
+def check_device(device: str, option: str = "--device") -> None:
+    """Fail early, in one line, when a named device does not exist (imports torch_npu only for npu)."""
     import torch
-    kind = device.split(":")[0]
+    kind, _, index = device.partition(":")
+    if kind == "cpu":
+        return
     if kind == "npu":
         try:
             import torch_npu  # noqa: F401  (registers the 'npu' device with torch)
         except ImportError as error:
-            raise DeviceError(f"--device {device} needs the Ascend adapter torch_npu, which is not installed "
+            raise DeviceError(f"{option} {device} needs the Ascend adapter torch_npu, which is not installed "
                               f"({error}); install the torch_npu build matching torch {torch.__version__}") from None
         if not torch.npu.is_available():
-            raise DeviceError(f"--device {device}: torch_npu is installed but no NPU is visible")
+            raise DeviceError(f"{option} {device}: torch_npu is installed but no NPU is visible")
     if kind == "cuda" and not torch.cuda.is_available():
-        raise DeviceError(f"--device {device}: this torch build sees no CUDA GPU "
-                          f"(torch {torch.__version__}); use --device cpu")
+        raise DeviceError(f"{option} {device}: this torch build sees no CUDA GPU "
+                          f"(torch {torch.__version__}); use --device cpu or --device auto")
+    count = getattr(torch, kind).device_count()
+    if index and int(index) >= count:
+        raise DeviceError(f"{option} {device}: this machine has {count} {kind} device(s), {kind}:0 to "
+                          f"{kind}:{count - 1} (check CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES)")
 
 
 def format_row(row: dict) -> str:
@@ -78,9 +84,10 @@ def load(cfg: Config) -> Loaded:
     import periodic_rl  # torch, and the inference side's code
     from tasks import load_reward, load_task
 
-    for device in {cfg.device, cfg.rollout_device, cfg.train_device}:
-        check_device(device)
+    for option in ("rollout_device", "train_device"):
+        check_device(getattr(cfg, option), "--" + option.replace("_", "-"))
     torch.manual_seed(cfg.seed)
+    # The inference side holds the weights in the compute dtype; the trainer keeps float32 masters (tri_model.py).
     load_kwargs = dict(device=cfg.rollout_device, dtype=getattr(torch, cfg.dtype),
                        attn_implementation=cfg.attn_implementation, cache_dir=cfg.cache_dir)
     train_examples, held_out = load_task(cfg.data, tiny=cfg.is_tiny, eval_size=cfg.eval_size)
@@ -97,7 +104,10 @@ def load(cfg: Config) -> Loaded:
             if cfg.is_tiny:
                 ensure_tiny_model(cfg.cache_dir)  # built here, once, before the inference process loads it
             rollouts.load()
-        policy, tokenizer = load_model(cfg.model, **{**load_kwargs, "device": cfg.train_device})
+        policy, tokenizer = load_model(cfg.model, **{**load_kwargs, "device": cfg.train_device,
+                                                     "dtype": torch.float32})
+        if cfg.gradient_checkpointing:
+            policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     except BaseException:
         if rollouts is not None:
             rollouts.close()

@@ -9,6 +9,12 @@ The paper keeps the three models GRPO needs in the training process, behind one 
 
     logp, old_logp, ref_logp, mask = tri_model(groups)          each (N, T)
 
+Mixed precision: with compute_dtype=bfloat16 the three forwards run under `torch.autocast` (matrix
+products in bf16) while every parameter, the optimizer state and the gradients stay float32, so an
+AdamW step of lr 1e-6 is applied, not rounded away (bf16 spacing near 0.02 is 1.2e-4). Log-softmax
+is always taken in float32 (attention.py). The frozen copies are float32 too: at θ = θ_0 the policy
+and the reference forward are then the same computation, and KL = 0 exactly.
+
 Copies exist only when they are needed:
 1. No reference copy and no reference forward when beta == 0 (ref_logp is None).
 2. No old copy when an iteration takes one optimizer step: every sample is then scored by θ_k
@@ -39,12 +45,13 @@ def parameter_bytes(model: nn.Module | None) -> int:
 
 class TriModel(nn.Module):
     def __init__(self, policy: nn.Module, use_reference: bool, use_old: bool, packing: str = "auto",
-                 temperature: float = 1.0, pad_id: int = 0):
+                 temperature: float = 1.0, pad_id: int = 0, compute_dtype: torch.dtype = torch.float32):
         super().__init__()
         self.policy = policy
         self.reference = frozen_copy(policy) if use_reference else None
         self.old = frozen_copy(policy) if use_old else None
         self.packing, self.temperature, self.pad_id = packing, temperature, pad_id
+        self.compute_dtype = compute_dtype
 
     @torch.no_grad()
     def start_iteration(self) -> None:
@@ -54,7 +61,9 @@ class TriModel(nn.Module):
                 old.copy_(new)
 
     def logprobs(self, model: nn.Module, groups) -> tuple[torch.Tensor, torch.Tensor]:
-        return batch_logprobs(model, groups, mode=self.packing, temperature=self.temperature, pad_id=self.pad_id)
+        device_type = next(model.parameters()).device.type
+        with torch.autocast(device_type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
+            return batch_logprobs(model, groups, mode=self.packing, temperature=self.temperature, pad_id=self.pad_id)
 
     def forward(self, groups: list[tuple[torch.Tensor, list[torch.Tensor]]]):
         """groups: [(prompt_ids (P,), [response_ids (R_i,), ...]), ...] -> logp, old_logp, ref_logp, mask."""

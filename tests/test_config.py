@@ -29,7 +29,8 @@ def test_help_lists_every_field_with_its_default():
     (["--mode", "fast"], "invalid choice"),
     (["--loss-type", "bnpo"], "invalid choice"),
     (["--data", "no/such/file.jsonl"], "neither 'arithmetic'"),
-    (["--device", "tpu"], "--device must be cpu"),
+    (["--device", "tpu"], "--device must be auto, cpu"),
+    (["--train-device", "cuda:x"], "--train-device must be cpu"),
     (["--updates-per-iteration", "3"], "must divide the prompts per iteration"),
     (["--iterations", "two"], "invalid int value"),
 ])
