@@ -232,6 +232,11 @@ def to_model_mask(allowed: Tensor, dtype: torch.dtype, attn_implementation: str)
 
 # --- structured kernel (sdpa models) ---
 
+# Arguments transformers passes to attention functions that change the result and that the structured
+# kernel does not implement: sliding windows (Mistral, Gemma), logit soft-capping (Gemma 2), sinks (gpt-oss).
+UNSUPPORTED_ATTENTION_ARGUMENTS = ("sliding_window", "softcap", "s_aux")
+
+
 class PackedRow(NamedTuple):
     """Where one packed row's segments lie, for `shared_prompt_attention`. G responses, R the longest."""
 
@@ -274,6 +279,10 @@ def shared_prompt_attention(module: torch.nn.Module, query: Tensor, key: Tensor,
     """
     if shared_prompt_rows is None:
         raise ValueError("shared_prompt_attention needs shared_prompt_rows (see batch_logprobs)")
+    for name in UNSUPPORTED_ATTENTION_ARGUMENTS:
+        if kwargs.get(name) is not None:
+            raise ValueError(f"shared_prompt_attention does not implement {name}={kwargs[name]!r} (departure 6); "
+                             "train this model with plain rows (mode='unpacked')")
     H, L, D = query.shape[1:]
     scale = D ** -0.5 if scaling is None else scaling
     outputs = []
@@ -480,6 +489,19 @@ def packing_pays(prompt_len: int, response_lens: list[int]) -> bool:
     return packing_cost_ratio(prompt_len, response_lens) < 1.0
 
 
+def packing_unsupported(model: torch.nn.Module) -> str | None:
+    """What in the model's attention the packed layout cannot express exactly (departure 6), or None."""
+    config = model.config
+    if any("sliding" in kind for kind in getattr(config, "layer_types", None) or []) or (
+            getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None)):
+        return "sliding-window attention"
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        return "attention logit soft-capping"
+    if any(name.endswith(".sinks") for name, _ in model.named_parameters()):
+        return "attention sinks"
+    return None
+
+
 def batch_logprobs(model: torch.nn.Module, groups: list[tuple[Tensor, list[Tensor]]], mode: str = "auto",
                    temperature: float = 1.0, pad_id: int = 0, dense_mask: bool = False) -> tuple[Tensor, Tensor]:
     """Per-token log-probs of every response of every group, for the GRPO loss.
@@ -492,7 +514,11 @@ def batch_logprobs(model: torch.nn.Module, groups: list[tuple[Tensor, list[Tenso
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    packed = [mode == "packed" or (mode == "auto" and packing_pays(len(p), [len(r) for r in rs]))
+    unsupported = packing_unsupported(model) if mode != "unpacked" else None
+    if unsupported and mode == "packed":
+        raise ValueError(f"cannot pack groups for this model: it uses {unsupported}, which the shared-prompt layout "
+                         "does not express (departure 6); use mode='auto' or 'unpacked' (plain rows, exact)")
+    packed = [not unsupported and (mode == "packed" or (mode == "auto" and packing_pays(len(p), [len(r) for r in rs])))
               for p, rs in groups]
     if all(packed):
         return _packed_batch(model, groups, temperature, pad_id, dense_mask)

@@ -75,7 +75,7 @@ def check_shared_memory(nbytes: int, path: str = "/dev/shm") -> None:
         return
     free = shutil.disk_usage(path).free
     if nbytes + SHM_SLACK_BYTES > free:
-        need_gib = math.ceil((nbytes + SHM_SLACK_BYTES) / 2**30)
+        need_gib = math.ceil((1.25 * nbytes + SHM_SLACK_BYTES) / 2**30)  # with room to spare
         raise PipelineError(f"the shared-memory weight buffer needs {nbytes / 2**20:,.0f} MiB but {path} has only "
                             f"{free / 2**20:,.0f} MiB free: give the container more (docker run --shm-size={need_gib}g, "
                             f"or Kubernetes: an emptyDir with medium Memory on /dev/shm), or use --mode sync")
@@ -382,6 +382,11 @@ def train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwar
     device = next(policy.parameters()).device
     compute_dtype = getattr(torch, cfg.dtype)
     load_kwargs = {**load_kwargs, "dtype": compute_dtype}  # the inference side's weights: the compute dtype
+    if cfg.gradient_checkpointing:  # the policy's layers recompute activations in backward (training mode only)
+        if hasattr(policy, "activation_checkpointing_enable"):  # transformers 5; 4.x calls it gradient_...
+            policy.activation_checkpointing_enable({"use_reentrant": False})
+        else:
+            policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     tri = TriModel(policy, use_reference=cfg.beta > 0, use_old=cfg.updates_per_iteration > 1,
                    packing="auto" if cfg.shared_prompt else "unpacked", temperature=cfg.temperature,
                    pad_id=tokenizer.pad_token_id, compute_dtype=compute_dtype)

@@ -106,8 +106,6 @@ def load(cfg: Config) -> Loaded:
             rollouts.load()
         policy, tokenizer = load_model(cfg.model, **{**load_kwargs, "device": cfg.train_device,
                                                      "dtype": torch.float32})
-        if cfg.gradient_checkpointing:
-            policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     except BaseException:
         if rollouts is not None:
             rollouts.close()

@@ -272,3 +272,61 @@ def test_packing_pays_long_prompt_short_responses_only():
     assert not packing_pays(16, [512] * 4)
     assert not packing_pays(100, [50])  # G = 1: nothing shared, nothing saved
     assert attention.ATTENTION_BREAK_EVEN_LEN > 0
+
+
+# --- real-model concerns: memory of the output layer, attention variants packing cannot express ---
+def test_chunked_logprobs_equal_the_full_softmax_and_never_keep_all_logits():
+    """Claim: token_logprobs in chunks gives the log-softmax of the whole (M, V) logits, values and gradients
+    (fp32, same products, differently grouped: 1e-6), while no tensor of M x V elements is ever saved for backward:
+    each chunk's logits are recomputed in backward (the memory point: 8 x 512 tokens x 151,936 words = 2.5 GB)."""
+    generator = torch.Generator().manual_seed(11)
+    M, H, V = 50, 16, 300
+    head = torch.nn.Linear(H, V, bias=False)
+    hidden = torch.randn(M, H, generator=generator, requires_grad=True)
+    targets = torch.randint(V, (M,), generator=generator)
+    full = (head(hidden) / 0.7).log_softmax(-1).gather(-1, targets[:, None])[:, 0]  # (M,)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        chunked = attention.token_logprobs(hidden, head, targets, 0.7, chunk_bytes=4 * V * 8)  # 8 rows a chunk
+    assert max(saved) < M * V and max(saved) <= 8 * V
+    torch.testing.assert_close(chunked, full, rtol=0, atol=1e-6)
+    weights = torch.randn(M, generator=generator)
+    grads = [torch.autograd.grad((weights * x).sum(), [hidden, head.weight]) for x in (chunked, full)]
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def reference_logprobs(model, prompt, responses, temperature):
+    """One plain forward of the model per [prompt | r], its own logits (soft-capping and all)."""
+    out = []
+    for r in responses:
+        logits = model(torch.cat([prompt, r])[None]).logits[0, len(prompt) - 1:-1]  # (R, V)
+        out.append((logits.float() / temperature).log_softmax(-1).gather(-1, r[:, None])[:, 0])
+    return out
+
+
+def test_attention_the_packed_layout_cannot_express_stays_on_plain_rows():
+    """Claim: a model with sliding windows and logit soft-capping (a tiny Gemma 2) is never packed: auto uses plain
+    rows and equals the model's own log-probs (including its final-logit soft-capping, taken from its own output
+    layer), and mode='packed' refuses with one line that names the feature; the structured kernel itself refuses
+    a sliding window; a plain Qwen2 with use_sliding_window is refused too."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    config = Gemma2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                          head_dim=16, intermediate_size=64, vocab_size=VOCAB, sliding_window=4)
+    torch.manual_seed(0)
+    model = Gemma2ForCausalLM._from_config(config, attn_implementation="eager").eval()
+    assert attention.packing_unsupported(model) == "sliding-window attention"
+    prompt, responses = random_group(6, [3, 5], torch.Generator().manual_seed(12))
+    logp, _ = batch_logprobs(model, [(prompt, responses)], mode="auto", temperature=0.8)
+    for row, expected in zip(logp, reference_logprobs(model, prompt, responses, 0.8)):
+        torch.testing.assert_close(row[:len(expected)], expected, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="sliding-window attention"):
+        batch_logprobs(model, [(prompt, responses)], mode="packed")
+    with pytest.raises(ValueError, match="sliding_window"):
+        shared_prompt_attention(None, torch.zeros(1, 2, 3, 4), torch.zeros(1, 1, 3, 4), torch.zeros(1, 1, 3, 4), None,
+                                shared_prompt_rows=[], sliding_window=4)
+    windowed = Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           intermediate_size=128, vocab_size=VOCAB, use_sliding_window=True, sliding_window=8,
+                           max_window_layers=0)
+    assert attention.packing_unsupported(Qwen2ForCausalLM(windowed)) == "sliding-window attention"
+    assert attention.packing_unsupported(tiny_model("qwen2", "sdpa")) is None

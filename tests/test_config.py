@@ -69,3 +69,39 @@ def test_trainer_cli_bad_value_exits_2_without_traceback():
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr and result.stderr.strip().count("\n") == 0
+
+
+def test_device_auto_picks_the_hardware(monkeypatch):
+    """Claim: --device auto (the default) samples on cuda:0 and trains on cuda:1 with two or more GPUs, both on cuda:0
+    with one, NPUs the same way, else the CPU; sync mode keeps both sides on the training device; --dtype auto is
+    bf16 on accelerators that support it and float32 on CPU; the chunk default grows on accelerators."""
+    import config
+    assert config.pick_devices("auto", "async") == ("cpu", "cpu") and derive(Config()).dtype == "float32"
+    for kind, count, expected in [("cuda", 4, ("cuda:0", "cuda:1")), ("cuda", 1, ("cuda:0", "cuda:0")),
+                                  ("npu", 2, ("npu:0", "npu:1"))]:
+        monkeypatch.setattr(config, "detect_accelerator", lambda: kind)
+        monkeypatch.setattr(config, "accelerator_count", lambda _: count)
+        assert config.pick_devices("auto", "async") == expected
+        assert config.pick_devices("auto", "sync") == (expected[1], expected[1])
+    assert derive(Config(device="auto")).groups_per_chunk == config.ACCELERATOR_GROUPS_PER_CHUNK
+    assert derive(Config(device="auto", groups_per_chunk=2)).groups_per_chunk == 2
+    assert derive(Config(device="auto", rollout_device="npu:3")).rollout_device == "npu:3"
+    assert config.pick_dtype("auto", "npu:1") == "bfloat16" and config.pick_dtype("float32", "npu:1") == "float32"
+    assert config.pick_dtype("auto", "cpu") == "float32" and derive(Config(device="cpu")).groups_per_chunk == 1
+
+
+def test_missing_device_is_one_line(monkeypatch):
+    """Claim: a device that does not exist fails at start-up with one line naming the option and what exists
+    (cuda:7 on a one-GPU machine), not a crash later; without CUDA, the line says so."""
+    import torch
+
+    import trainer
+    with pytest.raises(trainer.DeviceError, match="sees no CUDA GPU"):
+        trainer.check_device("cuda:0", "--train-device") if not torch.cuda.is_available() else \
+            trainer.check_device(f"cuda:{torch.cuda.device_count()}", "--train-device")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(trainer.DeviceError, match=r"--rollout-device cuda:7: this machine has 1 cuda device\(s\)"):
+        trainer.check_device("cuda:7", "--rollout-device")
+    trainer.check_device("cuda:0")
+    trainer.check_device("cpu")

@@ -300,3 +300,18 @@ def test_trainer_stops_cleanly(tiny_model_dir, tmp_path, how):
             process.wait()
     shm_after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     assert not {f for f in shm_after - shm_before if "torch" in f}, "shared-memory segments left behind"
+
+
+def test_too_small_shared_memory_is_one_line_naming_the_fix(tiny_model_dir, monkeypatch):
+    """Claim: before allocating the weight buffer the trainer checks that /dev/shm can hold it (Docker's default is
+    64 MB; Qwen2.5-0.5B in bf16 needs ~1 GB) and fails with one line naming --shm-size, allocating nothing."""
+    import shutil
+    free = 64 * 2**20
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(free, 0, free))
+    with pytest.raises(periodic_rl.PipelineError, match=r"--shm-size=2g") as error:
+        periodic_rl.check_shared_memory(10**9)
+    assert "\n" not in str(error.value)
+    policy, _ = load_model(str(tiny_model_dir))
+    periodic_rl.check_shared_memory(sum(p.numel() * 4 for p in policy.parameters()) // 2)  # tiny: 0.7 MB, fits
+    with pytest.raises(periodic_rl.PipelineError, match="shm-size"):
+        periodic_rl.check_shared_memory(free)
