@@ -66,7 +66,7 @@ class OffPolicyError(RuntimeError):
 
 
 # --- shared-memory weights ---
-SHM_SLACK_BYTES = 64 * 2**20  # what else lands in /dev/shm during a run (queues, semaphores, torch's own)
+SHM_SLACK_BYTES = 8 * 2**20  # what else lands in /dev/shm during a run (semaphores, queues: kilobytes)
 
 
 def check_shared_memory(nbytes: int, path: str = "/dev/shm") -> None:
