@@ -57,6 +57,17 @@ tri-model
     with more than one): parameter bytes of each copy, AdamW state bytes, bytes saved for
     backward, and step time.
 
+memory
+    Peak training memory of one GRPO step (the policy forward/backward with the reference forward,
+    beta 0.04, AdamW step) for the Qwen2.5-0.5B configuration with random weights on one group,
+    P=256, R=512, G=8, as `TriModel` runs it: log-probs from the hidden states in checkpointed
+    chunks (the default), the same with `--gradient-checkpointing`, and the whole (tokens x vocab)
+    float32 logits at once (what chunking replaces). Each variant runs in a fresh process and
+    reports its resident memory once loaded (weights + reference copy), its peak through forward and
+    backward (`rise` above loaded: activations, logits, gradients) and its peak once AdamW's state
+    exists (ru_maxrss). CPU, float32 compute: this CPU has no native bf16 (a bf16
+    matrix product runs at ~1 GFLOP/s here), so the bf16 figures need an accelerator.
+
 To add a benchmark: write `<name>_args(parser)` and `<name>(args) -> bool` (True = all targets
 met) and register them in BENCHMARKS.
 """
@@ -436,14 +447,15 @@ def async_speedup(args: argparse.Namespace) -> bool:
 
 
 # --- publish: cost of moving θ to the inference process ---
-def qwen_05b_shaped(tiny: bool) -> torch.nn.Module:
+def qwen_05b_shaped(tiny: bool, layers: int = 24) -> torch.nn.Module:
     """Random weights in Qwen2.5-0.5B's shape (494M parameters), or the tiny model's."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
     if tiny:
         from models import load_model
         return load_model("tiny")[0]
-    config = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                         num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True)
+    config = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=layers,
+                         num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
+                         rope_theta=1e6, max_position_embeddings=32768)
     with torch.device("cpu"):
         return Qwen2ForCausalLM(config)
 
@@ -552,6 +564,94 @@ def tri_model(args: argparse.Namespace) -> bool:
     return True
 
 
+# --- memory ---
+
+MEMORY_VARIANTS = {"chunked": "log-probs in checkpointed chunks (default)",
+                   "checkpointed": "chunked + --gradient-checkpointing",
+                   "whole-logits": "all (tokens x vocab) float32 logits at once"}
+
+
+def memory_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--variant", choices=MEMORY_VARIANTS, help="run one variant in this process (internal)")
+    parser.add_argument("--layers", type=int, default=24, help="decoder layers (Qwen2.5-0.5B has 24)")
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--response-len", type=int, default=512)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--json", metavar="FILE", help="write the rows as JSON to FILE")
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def memory_variant(args: argparse.Namespace) -> dict:
+    """One training step of one variant in this process; its peak resident memory."""
+    import resource
+
+    from grpo import grpo_loss
+    from tri_model import TriModel
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    policy = qwen_05b_shaped(tiny=False, layers=args.layers).train()
+    if args.variant == "checkpointed":
+        policy.activation_checkpointing_enable({"use_reentrant": False})
+    if args.variant == "whole-logits":
+        attention.LOGITS_CHUNK_BYTES = 2 ** 62  # one chunk: the (M, V) logits exist at once
+    tri = TriModel(policy, use_reference=True, use_old=False)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6)
+    vocab, G = policy.config.vocab_size, args.group_size
+    prompt = torch.randint(vocab, (args.prompt_len,))
+    responses = [torch.randint(vocab, (args.response_len,)) for _ in range(G)]
+    loaded = resident_bytes()
+    start = time.perf_counter()
+    logp, old, ref, mask = tri([(prompt, responses)])
+    loss, _ = grpo_loss(logp, old, ref, torch.randn(G), mask, beta=0.04)
+    loss.backward()
+    backward_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    optimizer.step()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    layout = "packed" if attention.packing_pays(args.prompt_len, [args.response_len] * G) else "plain rows"
+    return {"variant": args.variant, "layers": args.layers, "parameters": sum(p.numel() for p in policy.parameters()),
+            "layout": layout, "loaded_bytes": loaded, "backward_peak_bytes": backward_peak,
+            "activation_rise_bytes": backward_peak - loaded, "peak_bytes": peak,
+            "step_s": time.perf_counter() - start}
+
+
+def memory(args: argparse.Namespace) -> bool:
+    """Peak training memory of one GRPO step on a Qwen2.5-0.5B-shaped model, per log-prob / checkpointing variant."""
+    import subprocess
+    import sys
+    if args.variant:
+        print(json.dumps(memory_variant(args)), flush=True)
+        return True
+    shape = f"P={args.prompt_len}, R={args.response_len}, G={args.group_size}, {args.layers} layers"
+    print(f"one GRPO step (policy fwd/bwd + reference fwd + AdamW), Qwen2.5-0.5B config, random weights, {shape}, "
+          f"float32 on CPU, {args.threads} threads; GiB = 2^30 bytes")
+    print(f"{'variant':<14} {'layout':<10} {'loaded GiB':>10} {'fwd/bwd peak':>12} {'rise':>6} "
+          f"{'peak with AdamW':>15} {'step s':>7}")
+    rows = []
+    for variant in MEMORY_VARIANTS:
+        command = [sys.executable, __file__, "memory", "--variant", variant, "--layers", str(args.layers),
+                   "--prompt-len", str(args.prompt_len), "--response-len", str(args.response_len),
+                   "--group-size", str(args.group_size), "--threads", str(args.threads)]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            print(f"{variant}: failed\n{result.stderr[-2000:]}")
+            return False
+        row = json.loads(result.stdout.strip().splitlines()[-1])
+        rows.append(row)
+        gib = 2 ** 30
+        print(f"{variant:<14} {row['layout']:<10} {row['loaded_bytes'] / gib:10.2f} "
+              f"{row['backward_peak_bytes'] / gib:12.2f} {row['activation_rise_bytes'] / gib:6.2f} "
+              f"{row['peak_bytes'] / gib:15.2f} {row['step_s']:7.1f}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return True
+
+
 # --- dispatch ---
 
 BENCHMARKS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], bool]]] = {
@@ -559,6 +659,7 @@ BENCHMARKS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[
     "async": (async_args, async_speedup),
     "publish": (publish_args, publish),
     "tri-model": (tri_model_args, tri_model),
+    "memory": (memory_args, memory),
 }
 
 
