@@ -105,3 +105,18 @@ def test_missing_device_is_one_line(monkeypatch):
         trainer.check_device("cuda:7", "--rollout-device")
     trainer.check_device("cuda:0")
     trainer.check_device("cpu")
+
+
+def test_readme_real_model_command_is_valid(monkeypatch):
+    """Claim: the README's real-model command uses options as they are: it parses and validates (the data path is
+    taken as present), and gives the defaults the README says it does on this machine's kind of hardware."""
+    import re
+    import shlex
+    text = (ROOT / "README.md").read_text()
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", text, re.S) if "--model qwen2.5-0.5b" in b)
+    argv = shlex.split(block.replace("\\\n", " "))
+    assert argv[:2] == ["python", "trainer.py"]
+    monkeypatch.setattr("os.path.isfile", lambda path: True)
+    cfg = parse_args(argv[2:])
+    assert cfg.model == "qwen2.5-0.5b" and cfg.gradient_checkpointing and cfg.max_new_tokens == 512
+    assert cfg.lr == 1e-6 and cfg.device == "auto"

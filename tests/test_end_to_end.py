@@ -39,12 +39,14 @@ def test_two_iterations_of_trainer_py(tiny_model_dir, tmp_path, mode):
     assert torch.isfinite(model(ids).logits).all()
 
 
-def test_gsm8k_file_with_a_local_qwen2_directory(tiny_model_dir, tmp_path):
-    """Claim: a local Qwen2-architecture directory trains on a GSM8K-format JSONL file (the real-model path)."""
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_gsm8k_file_with_a_qwen_instruct_shaped_directory(qwen_shaped_dir, tmp_path, mode):
+    """Claim: the real-model path end to end: a local directory shaped like Qwen2.5-Instruct (chat template, two EOS
+    ids, Qwen's shipped sampling defaults) trains on a GSM8K-format JSONL file in either mode."""
     if not GSM8K.exists():
         pytest.skip(f"{GSM8K} not present")
     result = subprocess.run(
-        [sys.executable, "trainer.py", "--model", str(tiny_model_dir), "--data", str(GSM8K), "--mode", "sync",
+        [sys.executable, "trainer.py", "--model", str(qwen_shaped_dir), "--data", str(GSM8K), "--mode", mode,
          "--iterations", "1", "--batch-size", "8", "--group-size", "4", "--max-new-tokens", "8",
          "--eval-every", "0", "--no-save", "--out", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
