@@ -351,7 +351,7 @@ LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
 def token_logprobs(hidden: Tensor, head: torch.nn.Module, targets: Tensor, temperature: float = 1.0,
-                   chunk_bytes: int = LOGITS_CHUNK_BYTES) -> Tensor:
+                   chunk_bytes: int | None = None) -> Tensor:
     """log softmax(head(h) / temperature)[target] for each row h of `hidden`, in float32: (M, H) -> (M,).
 
     The (M, V) logits never exist at once: rows go through the head in chunks of
@@ -360,7 +360,7 @@ def token_logprobs(hidden: Tensor, head: torch.nn.Module, targets: Tensor, tempe
     Qwen2.5 are 2.5 GB in float32). Like TRL's `selective_log_softmax`, but from the hidden states.
     """
     vocab = head.weight.shape[0]
-    rows = max(1, chunk_bytes // (4 * vocab))
+    rows = max(1, (chunk_bytes or LOGITS_CHUNK_BYTES) // (4 * vocab))
     chunked = len(hidden) > rows and torch.is_grad_enabled()
     pieces = []
     for start in range(0, len(hidden), rows):

@@ -62,11 +62,12 @@ memory
     beta 0.04, AdamW step) for the Qwen2.5-0.5B configuration with random weights on one group,
     P=256, R=512, G=8, as `TriModel` runs it: log-probs from the hidden states in checkpointed
     chunks (the default), the same with `--gradient-checkpointing`, and the whole (tokens x vocab)
-    float32 logits at once (what chunking replaces). Each variant runs in a fresh process and
-    reports its resident memory once loaded (weights + reference copy), its peak through forward and
-    backward (`rise` above loaded: activations, logits, gradients) and its peak once AdamW's state
-    exists (ru_maxrss). CPU, float32 compute: this CPU has no native bf16 (a bf16
-    matrix product runs at ~1 GFLOP/s here), so the bf16 figures need an accelerator.
+    float32 logits at once (what chunking replaces). Measured as the peak of live tensor bytes
+    (`LiveTensorBytes`: what torch.cuda.max_memory_allocated reports on a GPU, without the
+    allocator's rounding and cache), at 2, 4 and 24 layers: every layer is the same computation, so
+    the peak is linear in the layers and a variant too big for this machine's RAM at 24 layers is
+    skipped with its linear prediction. float32 compute on CPU by default (this CPU has no native
+    bf16).
 
 To add a benchmark: write `<name>_args(parser)` and `<name>(args) -> bool` (True = all targets
 met) and register them in BENCHMARKS.
@@ -82,9 +83,12 @@ import pickle
 import shlex
 import statistics
 import time
+import weakref
 from typing import Callable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import attention
 
@@ -568,84 +572,117 @@ def tri_model(args: argparse.Namespace) -> bool:
 
 MEMORY_VARIANTS = {"chunked": "log-probs in checkpointed chunks (default)",
                    "checkpointed": "chunked + --gradient-checkpointing",
-                   "whole-logits": "all (tokens x vocab) float32 logits at once"}
+                   "whole-logits": "all (tokens x vocab) float32 logits at once (what chunking replaces)"}
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """Bytes of tensor storage alive and their peak, counting `existing` tensors and every one made inside.
+
+    The CPU counterpart of torch.cuda.max_memory_allocated (without allocator rounding or cache): a
+    storage is counted when an op returns it and uncounted when it is freed.
+    """
+
+    def __init__(self, existing=()):
+        super().__init__()
+        self.live = self.peak = 0
+        self._refs: dict[int, weakref.ref] = {}
+        for tensor in existing:
+            self._count(tensor)
+
+    def _count(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        key, size = id(storage), storage.nbytes()
+        if key in self._refs:
+            return
+
+        def freed(_, key=key, size=size):
+            self._refs.pop(key, None)
+            self.live -= size
+        self._refs[key] = weakref.ref(storage, freed)
+        self.live += size
+        self.peak = max(self.peak, self.live)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor):
+                self._count(leaf)
+        return out
 
 
 def memory_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--variant", choices=MEMORY_VARIANTS, help="run one variant in this process (internal)")
-    parser.add_argument("--layers", type=int, default=24, help="decoder layers (Qwen2.5-0.5B has 24)")
+    parser.add_argument("--layers", default="2,4,24", help="decoder layer counts, comma-separated (Qwen2.5-0.5B has "
+                                                           "24); variants that do not fit in RAM at a count are skipped")
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--response-len", type=int, default=512)
     parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="compute dtype (bf16 matrix products are ~80x slower than float32 on a CPU without "
+                             "native bf16)")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--json", metavar="FILE", help="write the rows as JSON to FILE")
 
 
-def resident_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def memory_variant(args: argparse.Namespace) -> dict:
-    """One training step of one variant in this process; its peak resident memory."""
-    import resource
-
+def grpo_step_peak(variant: str, dtype: torch.dtype, layers: int, P: int, R: int, G: int) -> dict:
+    """Peak live tensor bytes of one GRPO step (policy fwd/bwd + reference fwd + AdamW step) as the trainer runs it."""
     from grpo import grpo_loss
     from tri_model import TriModel
-    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    policy = qwen_05b_shaped(tiny=False, layers=args.layers).train()
-    if args.variant == "checkpointed":
+    policy = qwen_05b_shaped(tiny=False, layers=layers).train()
+    if variant == "checkpointed":
         policy.activation_checkpointing_enable({"use_reentrant": False})
-    if args.variant == "whole-logits":
-        attention.LOGITS_CHUNK_BYTES = 2 ** 62  # one chunk: the (M, V) logits exist at once
-    tri = TriModel(policy, use_reference=True, use_old=False)
+    tri = TriModel(policy, use_reference=True, use_old=False, compute_dtype=dtype)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6)
-    vocab, G = policy.config.vocab_size, args.group_size
-    prompt = torch.randint(vocab, (args.prompt_len,))
-    responses = [torch.randint(vocab, (args.response_len,)) for _ in range(G)]
-    loaded = resident_bytes()
+    vocab = policy.config.vocab_size
+    group = (torch.randint(vocab, (P,)), [torch.randint(vocab, (R,)) for _ in range(G)])
+    weights = list(policy.parameters()) + list(tri.reference.parameters())
+    chunk_bytes = attention.LOGITS_CHUNK_BYTES
+    attention.LOGITS_CHUNK_BYTES = 2 ** 62 if variant == "whole-logits" else chunk_bytes
     start = time.perf_counter()
-    logp, old, ref, mask = tri([(prompt, responses)])
-    loss, _ = grpo_loss(logp, old, ref, torch.randn(G), mask, beta=0.04)
-    loss.backward()
-    backward_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-    optimizer.step()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    layout = "packed" if attention.packing_pays(args.prompt_len, [args.response_len] * G) else "plain rows"
-    return {"variant": args.variant, "layers": args.layers, "parameters": sum(p.numel() for p in policy.parameters()),
-            "layout": layout, "loaded_bytes": loaded, "backward_peak_bytes": backward_peak,
-            "activation_rise_bytes": backward_peak - loaded, "peak_bytes": peak,
-            "step_s": time.perf_counter() - start}
+    try:
+        with LiveTensorBytes(weights) as tracker:
+            logp, old, ref, mask = tri([group])
+            loss, _ = grpo_loss(logp, old, ref, torch.randn(G), mask, beta=0.04)
+            loss.backward()
+            backward_peak = tracker.peak
+            optimizer.step()
+    finally:
+        attention.LOGITS_CHUNK_BYTES = chunk_bytes
+    return {"variant": variant, "dtype": str(dtype).removeprefix("torch."), "layers": layers,
+            "layout": "packed" if attention.packing_pays(P, [R] * G) else "plain rows",
+            "parameters": sum(p.numel() for p in policy.parameters()),
+            "weight_bytes": sum(w.untyped_storage().nbytes() for w in weights),
+            "backward_peak_bytes": backward_peak, "peak_bytes": tracker.peak, "step_s": time.perf_counter() - start}
 
 
 def memory(args: argparse.Namespace) -> bool:
-    """Peak training memory of one GRPO step on a Qwen2.5-0.5B-shaped model, per log-prob / checkpointing variant."""
-    import subprocess
-    import sys
-    if args.variant:
-        print(json.dumps(memory_variant(args)), flush=True)
-        return True
-    shape = f"P={args.prompt_len}, R={args.response_len}, G={args.group_size}, {args.layers} layers"
-    print(f"one GRPO step (policy fwd/bwd + reference fwd + AdamW), Qwen2.5-0.5B config, random weights, {shape}, "
-          f"float32 on CPU, {args.threads} threads; GiB = 2^30 bytes")
-    print(f"{'variant':<14} {'layout':<10} {'loaded GiB':>10} {'fwd/bwd peak':>12} {'rise':>6} "
+    """Peak training memory of one GRPO step on the Qwen2.5-0.5B configuration, per log-prob / checkpointing variant."""
+    torch.set_num_threads(args.threads)
+    dtype, layer_counts = getattr(torch, args.dtype), [int(n) for n in args.layers.split(",")]
+    print(f"one GRPO step (policy fwd/bwd + reference fwd + AdamW), Qwen2.5-0.5B config, random weights, "
+          f"P={args.prompt_len}, R={args.response_len}, G={args.group_size}, {args.dtype} compute on CPU; "
+          f"peak live tensor bytes (LiveTensorBytes); GiB = 2^30 bytes")
+    print(f"{'variant':<14} {'layers':>6} {'layout':<10} {'weights':>8} {'fwd/bwd peak':>12} {'above weights':>13} "
           f"{'peak with AdamW':>15} {'step s':>7}")
-    rows = []
+    rows, gib = [], 2 ** 30
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     for variant in MEMORY_VARIANTS:
-        command = [sys.executable, __file__, "memory", "--variant", variant, "--layers", str(args.layers),
-                   "--prompt-len", str(args.prompt_len), "--response-len", str(args.response_len),
-                   "--group-size", str(args.group_size), "--threads", str(args.threads)]
-        result = subprocess.run(command, capture_output=True, text=True)
-        if result.returncode != 0:
-            print(f"{variant}: failed\n{result.stderr[-2000:]}")
-            return False
-        row = json.loads(result.stdout.strip().splitlines()[-1])
-        rows.append(row)
-        gib = 2 ** 30
-        print(f"{variant:<14} {row['layout']:<10} {row['loaded_bytes'] / gib:10.2f} "
-              f"{row['backward_peak_bytes'] / gib:12.2f} {row['activation_rise_bytes'] / gib:6.2f} "
-              f"{row['peak_bytes'] / gib:15.2f} {row['step_s']:7.1f}", flush=True)
+        fitted = []
+        for layers in layer_counts:
+            if len(fitted) >= 2:  # the rise is linear in the layers (identical layers): predict before running
+                (l1, b1), (l2, b2) = fitted[:2]
+                predicted = b1 + (b2 - b1) / (l2 - l1) * (layers - l1)
+                if predicted > 0.8 * ram:
+                    print(f"{variant:<14} {layers:6d}  skipped: predicted fwd/bwd peak {predicted / gib:.1f} GiB "
+                          f"(linear in the layers from {l1} and {l2}) > 80% of this machine's {ram / gib:.0f} GiB")
+                    continue
+            row = grpo_step_peak(variant, dtype, layers, args.prompt_len, args.response_len, args.group_size)
+            rows.append(row)
+            fitted.append((layers, row["backward_peak_bytes"]))
+            print(f"{variant:<14} {layers:6d} {row['layout']:<10} {row['weight_bytes'] / gib:8.2f} "
+                  f"{row['backward_peak_bytes'] / gib:12.2f} "
+                  f"{(row['backward_peak_bytes'] - row['weight_bytes']) / gib:13.2f} "
+                  f"{row['peak_bytes'] / gib:15.2f} {row['step_s']:7.1f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

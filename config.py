@@ -140,7 +140,7 @@ def pick_devices(device: str, mode: str) -> tuple[str, str]:
     """(inference device, training device) for --device.
 
     auto: the accelerator this machine has (`detect_accelerator`); with two or more, inference on :0 and
-    training on :1, else both on :0. Sync mode runs both sides in one process: both on the training device.
+    training on :1, else both on :0. Sync mode runs both sides in one process: both on the first device.
     """
     if device == "auto":
         kind = detect_accelerator()
@@ -149,7 +149,7 @@ def pick_devices(device: str, mode: str) -> tuple[str, str]:
         rollout, train = f"{kind}:0", f"{kind}:1" if accelerator_count(kind) >= 2 else f"{kind}:0"
     else:
         rollout = train = device
-    return (train, train) if mode == "sync" else (rollout, train)
+    return (rollout, rollout) if mode == "sync" else (rollout, train)
 
 
 def pick_dtype(dtype: str, train_device: str) -> str:

@@ -2,6 +2,7 @@
 import time
 
 import pytest
+import torch
 
 import bench
 
@@ -63,3 +64,16 @@ def test_forward_macs_counts_tokens_and_the_masks_pairs():
     assert bench.forward_macs(config, P, R, G, packed=True) == 2 * ((P + G * R) * per_token + packed_pairs * per_pair) + lm_head
     assert bench.forward_macs(config, P, R, G, packed=False) == 2 * (G * (P + R) * per_token + unpacked_pairs * per_pair) + lm_head
     assert 1 < bench.mac_ceiling(config, P, R, G) < G * (P + R) / (P + G * R)  # attention and lm head shrink less
+
+
+def test_live_tensor_bytes_counts_what_is_alive():
+    """Claim: LiveTensorBytes (bench.py memory) counts the tensors given and every storage made inside, uncounts the
+    freed ones, and keeps the peak: a 4 MiB temporary freed before two 8 MiB tensors alive together (an operand and
+    its product) gives a peak of 16 MiB + the input, and the operand, once freed, is no longer live."""
+    x = torch.zeros(2**20)  # 4 MiB, counted as existing
+    with bench.LiveTensorBytes([x]) as tracker:
+        y = x + 1  # 4 MiB
+        del y
+        z = torch.zeros(2 * 2**20) * 2  # 8 MiB operand and 8 MiB product; the operand is freed after the line
+    assert tracker.live == x.nbytes + z.nbytes
+    assert tracker.peak == x.nbytes + 2 * z.nbytes

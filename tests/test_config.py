@@ -73,7 +73,7 @@ def test_trainer_cli_bad_value_exits_2_without_traceback():
 
 def test_device_auto_picks_the_hardware(monkeypatch):
     """Claim: --device auto (the default) samples on cuda:0 and trains on cuda:1 with two or more GPUs, both on cuda:0
-    with one, NPUs the same way, else the CPU; sync mode keeps both sides on the training device; --dtype auto is
+    with one, NPUs the same way, else the CPU; sync mode (one process) uses the first device; --dtype auto is
     bf16 on accelerators that support it and float32 on CPU; the chunk default grows on accelerators."""
     import config
     assert config.pick_devices("auto", "async") == ("cpu", "cpu") and derive(Config()).dtype == "float32"
@@ -82,7 +82,7 @@ def test_device_auto_picks_the_hardware(monkeypatch):
         monkeypatch.setattr(config, "detect_accelerator", lambda: kind)
         monkeypatch.setattr(config, "accelerator_count", lambda _: count)
         assert config.pick_devices("auto", "async") == expected
-        assert config.pick_devices("auto", "sync") == (expected[1], expected[1])
+        assert config.pick_devices("auto", "sync") == (expected[0], expected[0])
     assert derive(Config(device="auto")).groups_per_chunk == config.ACCELERATOR_GROUPS_PER_CHUNK
     assert derive(Config(device="auto", groups_per_chunk=2)).groups_per_chunk == 2
     assert derive(Config(device="auto", rollout_device="npu:3")).rollout_device == "npu:3"
