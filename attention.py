@@ -402,6 +402,14 @@ def _forward(model: torch.nn.Module, layout: Layout, attention_mask: Tensor | No
     return _scatter(logp, layout.mask), layout.mask
 
 
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Non-reentrant activation checkpointing: transformers 5 `activation_checkpointing_enable`, 4.x `gradient_...`."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def recomputes_attention(model: torch.nn.Module) -> bool:
     """Activation checkpointing is on and will re-run attention in backward (departure 1).
 

@@ -630,7 +630,7 @@ def grpo_step_peak(variant: str, dtype: torch.dtype, layers: int, P: int, R: int
     torch.manual_seed(0)
     policy = qwen_05b_shaped(tiny=False, layers=layers).train()
     if variant == "checkpointed":
-        policy.activation_checkpointing_enable({"use_reentrant": False})
+        attention.enable_activation_checkpointing(policy)
     tri = TriModel(policy, use_reference=True, use_old=False, compute_dtype=dtype)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6)
     vocab = policy.config.vocab_size

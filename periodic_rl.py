@@ -49,6 +49,7 @@ from typing import Iterator
 import torch
 import torch.multiprocessing as mp
 
+from attention import enable_activation_checkpointing
 from grpo import grpo_loss, loss_normalizer
 from rollout import Evaluation, Group, IterationDone, Settings, inference_process, rollout_iteration
 from timeline import INFERENCE, TRAINING, Span, Timeline
@@ -383,10 +384,7 @@ def train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwar
     compute_dtype = getattr(torch, cfg.dtype)
     load_kwargs = {**load_kwargs, "dtype": compute_dtype}  # the inference side's weights: the compute dtype
     if cfg.gradient_checkpointing:  # the policy's layers recompute activations in backward (training mode only)
-        if hasattr(policy, "activation_checkpointing_enable"):  # transformers 5; 4.x calls it gradient_...
-            policy.activation_checkpointing_enable({"use_reentrant": False})
-        else:
-            policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(policy)
     tri = TriModel(policy, use_reference=cfg.beta > 0, use_old=cfg.updates_per_iteration > 1,
                    packing="auto" if cfg.shared_prompt else "unpacked", temperature=cfg.temperature,
                    pad_id=tokenizer.pad_token_id, compute_dtype=compute_dtype)

@@ -174,7 +174,7 @@ def test_activation_checkpointing_falls_back_to_the_dense_mask(monkeypatch):
     monkeypatch.setattr(attention, "shared_prompt_attention", None)  # would fail if called
     model = Qwen2ForCausalLM._from_config(tiny_model("qwen2", "sdpa").config, attn_implementation="sdpa")
     model.load_state_dict(tiny_model("qwen2", "sdpa").state_dict())
-    model.activation_checkpointing_enable()
+    attention.enable_activation_checkpointing(model)
     model.train()
     generator = torch.Generator().manual_seed(8)
     groups = [random_group(5, [3, 4], generator)]

@@ -60,7 +60,7 @@ def test_bf16_run_learns(tmp_path):
     root = Path(__file__).resolve().parents[1]
     result = subprocess.run([sys.executable, "trainer.py", "--dtype", "bfloat16", "--mode", "sync", "--iterations", "16",
                              "--eval-every", "16", "--eval-size", "64", "--no-save", "--out", str(tmp_path)],
-                            cwd=root, capture_output=True, text=True, timeout=600)
+                            cwd=root, capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stderr
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     start, end = rows[0]["eval_reward"], rows[-1]["eval_reward"]
