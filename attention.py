@@ -302,28 +302,32 @@ def _responses_attention(q: Tensor, k: Tensor, v: Tensor, row: PackedRow, scale:
 
     Scores against the prompt are one (G·R, P) product, not G copies of the prompt's keys; the small
     (R, R) own-response blocks are batched over G; one softmax over both. Query heads sharing a KV head
-    (GQA, n per KV head) are stacked as extra query rows instead of copying keys.
+    (GQA, n per KV head) are stacked as extra query rows instead of copying keys. Computed in at
+    least float32 with autocast off, as SDPA keeps scores in float32: bf16 scores (spacing 0.125 at
+    |s| = 20) would shift the attention weights by up to ~6% against the prompt's SDPA.
     """
-    P = row.prompt_len
-    G, R = row.response_columns.shape
-    H, _, D = q.shape
-    H_kv = k.shape[0]
-    n = H // H_kv
-    columns = row.response_columns.flatten()                                      # (G·R,)
-    q_r = (q[:, columns] * scale).reshape(H_kv, n, G, R, D)                       # query head = kv head · n + j
-    k_r, v_r = (x[:, columns].reshape(H_kv, 1, G, R, D) for x in (k, v))         # (H_kv, 1, G, R, D)
-    t = torch.arange(R, device=q.device)
-    causal = t[:, None] >= t[None, :]                                             # (R, R)
-    to_prompt = (q_r.reshape(H_kv, n * G * R, D) @ k[:, :P].transpose(1, 2)).reshape(H_kv, n, G, R, P)
-    to_own = (q_r @ k_r.transpose(3, 4)).masked_fill(~causal, float("-inf"))       # (H_kv, n, G, R, R)
-    scores = torch.cat([to_prompt, to_own], dim=-1)                                # (H_kv, n, G, R, P+R)
-    wide = torch.promote_types(scores.dtype, torch.float32)                       # bf16 -> float32, float64 stays
-    weights = scores.to(wide).softmax(dim=-1).to(v.dtype)                         # softmax in >= float32
-    if dropout:
-        weights = torch.nn.functional.dropout(weights, dropout)
-    w_prompt, w_own = weights.split([P, R], dim=-1)
-    out = (w_prompt.reshape(H_kv, n * G * R, P) @ v[:, :P]).reshape(H_kv, n, G, R, D) + w_own @ v_r
-    return out.reshape(H, G * R, D)[:, row.response_kept]                         # (H, Σ R_i, D)
+    dtype = q.dtype
+    wide = torch.promote_types(dtype, torch.float32)                               # bf16 -> float32, float64 stays
+    with torch.autocast(q.device.type, enabled=False):
+        q, k, v = q.to(wide), k.to(wide), v.to(wide)
+        P = row.prompt_len
+        G, R = row.response_columns.shape
+        H, _, D = q.shape
+        H_kv = k.shape[0]
+        n = H // H_kv
+        columns = row.response_columns.flatten()                                  # (G·R,)
+        q_r = (q[:, columns] * scale).reshape(H_kv, n, G, R, D)                   # query head = kv head · n + j
+        k_r, v_r = (x[:, columns].reshape(H_kv, 1, G, R, D) for x in (k, v))     # (H_kv, 1, G, R, D)
+        t = torch.arange(R, device=q.device)
+        causal = t[:, None] >= t[None, :]                                         # (R, R)
+        to_prompt = (q_r.reshape(H_kv, n * G * R, D) @ k[:, :P].transpose(1, 2)).reshape(H_kv, n, G, R, P)
+        to_own = (q_r @ k_r.transpose(3, 4)).masked_fill(~causal, float("-inf"))   # (H_kv, n, G, R, R)
+        weights = torch.cat([to_prompt, to_own], dim=-1).softmax(dim=-1)           # (H_kv, n, G, R, P+R)
+        if dropout:
+            weights = torch.nn.functional.dropout(weights, dropout)
+        w_prompt, w_own = weights.split([P, R], dim=-1)
+        out = (w_prompt.reshape(H_kv, n * G * R, P) @ v[:, :P]).reshape(H_kv, n, G, R, D) + w_own @ v_r
+    return out.reshape(H, G * R, D)[:, row.response_kept].to(dtype)               # (H, Σ R_i, D)
 
 
 @contextmanager
@@ -344,7 +348,7 @@ def _attention_kernel(model: torch.nn.Module, name: str = "shared_prompt") -> It
 
 # --- hidden states -> log-probs ---
 
-LOGITS_CHUNK_BYTES = 256 * 2**20  # float32 logits alive at once: 441 tokens of Qwen2.5's 151,936-word vocabulary
+LOGITS_CHUNK_BYTES = 256 * 2**20  # logits alive at once, counting ~16 bytes per logit (see token_logprobs)
 # Config fields of models whose logits are not plain `lm_head(last_hidden_state)` (Gemma 2/3 soft-capping,
 # Cohere's and Granite's scales): those take their logits from the model's own forward (`_forward`).
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
@@ -354,13 +358,16 @@ def token_logprobs(hidden: Tensor, head: torch.nn.Module, targets: Tensor, tempe
                    chunk_bytes: int | None = None) -> Tensor:
     """log softmax(head(h) / temperature)[target] for each row h of `hidden`, in float32: (M, H) -> (M,).
 
-    The (M, V) logits never exist at once: rows go through the head in chunks of
-    chunk_bytes / (4 V), and with gradients each chunk is checkpointed (its logits are recomputed in
-    backward instead of kept), so the peak is one chunk of logits, not M x V (8 x 512 tokens of
-    Qwen2.5 are 2.5 GB in float32). Like TRL's `selective_log_softmax`, but from the hidden states.
+    The (M, V) logits never exist at once: rows go through the head in chunks of about
+    chunk_bytes / (16 V) rows (a chunk holds its logits in the compute dtype, a float32 copy and the
+    exponentials of logsumexp: ~16 bytes a logit under bf16 autocast), and with gradients each
+    chunk is checkpointed (its logits are recomputed in backward instead of kept), so the peak is
+    one chunk, not M x V (8 x 512 tokens of Qwen2.5 are 2.5 GB in float32). Like TRL's
+    `selective_log_softmax`, but from the hidden states. `head` may be `nn.Identity()` when
+    `hidden` already holds logits.
     """
-    vocab = head.weight.shape[0]
-    rows = max(1, (chunk_bytes or LOGITS_CHUNK_BYTES) // (4 * vocab))
+    vocab = getattr(head, "out_features", None) or hidden.shape[-1]
+    rows = max(1, (chunk_bytes or LOGITS_CHUNK_BYTES) // (16 * vocab))
     chunked = len(hidden) > rows and torch.is_grad_enabled()
     pieces = []
     for start in range(0, len(hidden), rows):
@@ -373,7 +380,10 @@ def token_logprobs(hidden: Tensor, head: torch.nn.Module, targets: Tensor, tempe
 
 
 def _selected_logprobs(hidden: Tensor, targets: Tensor, head: torch.nn.Module, temperature: float) -> Tensor:
-    logits = head(hidden).float() / temperature                                   # (n, V) float32
+    logits = head(hidden)                                                          # (n, V) compute dtype
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))          # >= float32
+    if temperature != 1.0:
+        logits = logits / temperature
     return logits.gather(-1, targets[:, None])[:, 0] - logits.logsumexp(dim=-1)   # (n,)
 
 
@@ -388,16 +398,15 @@ def _forward(model: torch.nn.Module, layout: Layout, attention_mask: Tensor | No
     inputs = dict(input_ids=layout.input_ids, attention_mask=attention_mask, position_ids=layout.position_ids,
                   use_cache=False, **attention_kwargs)
     targets = layout.target[layout.mask]  # (M,) the real response tokens
-    if any(getattr(model.config, name, None) is not None for name in LOGIT_TRANSFORMS):
+    rows = layout.row[:, None].expand_as(layout.source)[layout.mask]  # (M,) row of each
+    if any(getattr(text_config(model), name, None) is not None for name in LOGIT_TRANSFORMS):
         kept = layout.source[layout.mask].unique()  # (K,) sorted columns whose logits are needed, any row
         logits = model(**inputs, logits_to_keep=kept).logits  # (B, K, V) the model's own output layer
-        column = torch.searchsorted(kept, layout.source)  # (N, T) index into kept
-        rows = logits[layout.row[:, None], column][layout.mask]  # (M, V)
-        logp = torch.cat([(chunk.float() / temperature).log_softmax(-1).gather(-1, t[:, None])[:, 0]
-                          for chunk, t in zip(rows.split(1024), targets.split(1024))])  # (M,)
+        columns = torch.searchsorted(kept, layout.source[layout.mask])  # (M,) index into kept
+        logp = token_logprobs(logits[rows, columns], torch.nn.Identity(), targets, temperature)  # (M,)
         return _scatter(logp, layout.mask), layout.mask
     hidden = model.get_decoder()(**inputs).last_hidden_state  # (B, L, H)
-    states = hidden[layout.row[:, None], layout.source][layout.mask]  # (M, H) the states that predict them
+    states = hidden[rows, layout.source[layout.mask]]  # (M, H) the states that predict the tokens
     logp = token_logprobs(states, model.get_output_embeddings(), targets, temperature)  # (M,)
     return _scatter(logp, layout.mask), layout.mask
 
@@ -497,11 +506,21 @@ def packing_pays(prompt_len: int, response_lens: list[int]) -> bool:
     return packing_cost_ratio(prompt_len, response_lens) < 1.0
 
 
-def packing_unsupported(model: torch.nn.Module) -> str | None:
-    """What in the model's attention the packed layout cannot express exactly (departure 6), or None."""
+def text_config(model: torch.nn.Module):
+    """The language model's config (multimodal wrappers keep it in `text_config`)."""
     config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def packing_unsupported(model: torch.nn.Module) -> str | None:
+    """What in the model's attention the packed layout cannot express exactly (departure 6), or None.
+
+    Sliding windows: per-layer `layer_types` (Gemma, transformers 5), or a `sliding_window` that is
+    on unless `use_sliding_window` says otherwise (Mistral has no switch; Qwen2 has one, off).
+    """
+    config = text_config(model)
     if any("sliding" in kind for kind in getattr(config, "layer_types", None) or []) or (
-            getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None)):
+            getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)):
         return "sliding-window attention"
     if getattr(config, "attn_logit_softcapping", None) is not None:
         return "attention logit soft-capping"

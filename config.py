@@ -126,7 +126,7 @@ def detect_accelerator() -> str:
         return "cuda"
     try:
         import torch_npu  # noqa: F401  (registers the 'npu' device with torch)
-    except ImportError:
+    except Exception:  # not installed, or installed without its runtime: no NPU
         return "cpu"
     return "npu" if torch.npu.is_available() else "cpu"
 
@@ -159,7 +159,10 @@ def pick_dtype(dtype: str, train_device: str) -> str:
     kind = train_device.split(":")[0]
     if kind == "cuda":
         import torch
-        return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
+        if not torch.cuda.is_available():
+            return "float32"  # trainer.check_device reports the missing GPU in one line
+        with torch.cuda.device(train_device):  # native bf16 (Ampere and newer), not the emulation on V100/T4
+            return "bfloat16" if torch.cuda.is_bf16_supported(including_emulation=False) else "float32"
     return "bfloat16" if kind == "npu" else "float32"
 
 

@@ -153,7 +153,11 @@ EOS, PAD = "<|endoftext|>", "<|pad|>"
 
 
 def recipe_key(recipe: TinyRecipe) -> str:
-    return hashlib.sha256(json.dumps(dataclasses.asdict(recipe), sort_keys=True).encode()).hexdigest()[:12]
+    """Names the cache folder: the recipe, and transformers' major version (its saved tokenizer files differ:
+    5.x writes a tokenizer class 4.x cannot load)."""
+    import transformers
+    key = {**dataclasses.asdict(recipe), "transformers": transformers.__version__.split(".")[0]}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:

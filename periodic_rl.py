@@ -77,9 +77,10 @@ def check_shared_memory(nbytes: int, path: str = "/dev/shm") -> None:
     free = shutil.disk_usage(path).free
     if nbytes + SHM_SLACK_BYTES > free:
         need_gib = math.ceil((1.25 * nbytes + SHM_SLACK_BYTES) / 2**30)  # with room to spare
-        raise PipelineError(f"the shared-memory weight buffer needs {nbytes / 2**20:,.0f} MiB but {path} has only "
-                            f"{free / 2**20:,.0f} MiB free: give the container more (docker run --shm-size={need_gib}g, "
-                            f"or Kubernetes: an emptyDir with medium Memory on /dev/shm), or use --mode sync")
+        raise PipelineError(f"the shared-memory weight buffer needs {nbytes / 2**20:,.0f} MiB (+{SHM_SLACK_BYTES // 2**20} "
+                            f"MiB for queues) but {path} has {free / 2**20:,.0f} MiB free: give the container more "
+                            f"(docker run --shm-size={need_gib}g, or Kubernetes: an emptyDir with medium Memory on "
+                            f"/dev/shm), free some, or use --mode sync")
 
 
 class WeightBuffer:
@@ -155,7 +156,7 @@ class SyncRollouts:
     @torch.no_grad()
     def publish(self, policy, version: int) -> None:
         if self.sampler is not policy:
-            for target, source in zip(self.sampler.parameters(), policy.parameters()):
+            for target, source in zip(self.sampler.parameters(), policy.parameters(), strict=True):
                 target.copy_(source)  # casts to the sampler's dtype
         self.version = version
 

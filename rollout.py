@@ -24,8 +24,10 @@ j its first prompt, a function of (seed, iteration, prompt index) only, never of
 so a separate process (or a rerun) draws exactly the same tokens from the same weights. A prompt's
 samples do depend on C (its neighbours share the RNG stream), so compare runs at equal C.
 
-Sampling is exactly what the trainer scores. The trainer's log-probs are those of
+Sampling is the distribution the trainer scores. The trainer's log-probs are those of
 softmax(logits / T) (top-p only truncates what can be drawn), so `generate` must apply nothing else.
+(With --dtype bfloat16 the sampler's bf16 weights and the trainer's float32 masters under autocast
+give logits that differ by rounding; see tri_model.py.)
 But `generate` fills every field its `GenerationConfig` leaves unset from `model.generation_config`,
 and real models ship sampling settings there (Qwen2.5-Instruct: top_k 20, top_p 0.8, temperature 0.7,
 repetition_penalty 1.05-1.1): silently honoured, they would sample another distribution than the

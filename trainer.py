@@ -85,7 +85,8 @@ def load(cfg: Config) -> Loaded:
     from tasks import load_reward, load_task
 
     for option in ("rollout_device", "train_device"):
-        check_device(getattr(cfg, option), "--" + option.replace("_", "-"))
+        device = getattr(cfg, option)
+        check_device(device, "--device" if device == cfg.device else "--" + option.replace("_", "-"))
     torch.manual_seed(cfg.seed)
     # The inference side holds the weights in the compute dtype; the trainer keeps float32 masters (tri_model.py).
     load_kwargs = dict(device=cfg.rollout_device, dtype=getattr(torch, cfg.dtype),

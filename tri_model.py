@@ -12,8 +12,11 @@ The paper keeps the three models GRPO needs in the training process, behind one 
 Mixed precision: with compute_dtype=bfloat16 the three forwards run under `torch.autocast` (matrix
 products in bf16) while every parameter, the optimizer state and the gradients stay float32, so an
 AdamW step of lr 1e-6 is applied, not rounded away (bf16 spacing near 0.02 is 1.2e-4). Log-softmax
-is always taken in float32 (attention.py). The frozen copies are float32 too: at θ = θ_0 the policy
-and the reference forward are then the same computation, and KL = 0 exactly.
+is always taken in float32 (attention.py). The frozen copies are float32 too and run the same
+kernels as the policy: at θ = θ_0 the policy and the reference forward are the same computation,
+and KL = 0 exactly. (The inference side samples from bf16 weights, not from these float32 ones
+under autocast: the two distributions differ by rounding, as between any inference engine and
+trainer; with one update per iteration the ratio uses the trainer's own scores, old = logp.)
 
 Copies exist only when they are needed:
 1. No reference copy and no reference forward when beta == 0 (ref_logp is None).
@@ -29,7 +32,7 @@ import copy
 import torch
 from torch import nn
 
-from attention import batch_logprobs
+from attention import batch_logprobs, recomputes_attention
 
 
 def frozen_copy(model: nn.Module) -> nn.Module:
@@ -61,9 +64,12 @@ class TriModel(nn.Module):
                 old.copy_(new)
 
     def logprobs(self, model: nn.Module, groups) -> tuple[torch.Tensor, torch.Tensor]:
+        """One model's log-probs, by the same kernels for all three: when the policy's layers recompute in
+        backward, packed rows take the dense mask (attention.py, departure 1), so the frozen copies do too."""
         device_type = next(model.parameters()).device.type
         with torch.autocast(device_type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
-            return batch_logprobs(model, groups, mode=self.packing, temperature=self.temperature, pad_id=self.pad_id)
+            return batch_logprobs(model, groups, mode=self.packing, temperature=self.temperature, pad_id=self.pad_id,
+                                  dense_mask=recomputes_attention(self.policy))
 
     def forward(self, groups: list[tuple[torch.Tensor, list[torch.Tensor]]]):
         """groups: [(prompt_ids (P,), [response_ids (R_i,), ...]), ...] -> logp, old_logp, ref_logp, mask."""

@@ -287,7 +287,7 @@ def test_chunked_logprobs_equal_the_full_softmax_and_never_keep_all_logits():
     full = (head(hidden) / 0.7).log_softmax(-1).gather(-1, targets[:, None])[:, 0]  # (M,)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
-        chunked = attention.token_logprobs(hidden, head, targets, 0.7, chunk_bytes=4 * V * 8)  # 8 rows a chunk
+        chunked = attention.token_logprobs(hidden, head, targets, 0.7, chunk_bytes=16 * V * 8)  # 8 rows a chunk
     assert max(saved) < M * V and max(saved) <= 8 * V
     torch.testing.assert_close(chunked, full, rtol=0, atol=1e-6)
     weights = torch.randn(M, generator=generator)

@@ -76,6 +76,7 @@ def test_device_auto_picks_the_hardware(monkeypatch):
     with one, NPUs the same way, else the CPU; sync mode (one process) uses the first device; --dtype auto is
     bf16 on accelerators that support it and float32 on CPU; the chunk default grows on accelerators."""
     import config
+    monkeypatch.setattr(config, "detect_accelerator", lambda: "cpu")  # whatever this machine has
     assert config.pick_devices("auto", "async") == ("cpu", "cpu") and derive(Config()).dtype == "float32"
     for kind, count, expected in [("cuda", 4, ("cuda:0", "cuda:1")), ("cuda", 1, ("cuda:0", "cuda:0")),
                                   ("npu", 2, ("npu:0", "npu:1"))]:
@@ -96,9 +97,12 @@ def test_missing_device_is_one_line(monkeypatch):
     import torch
 
     import trainer
-    with pytest.raises(trainer.DeviceError, match="sees no CUDA GPU"):
-        trainer.check_device("cuda:0", "--train-device") if not torch.cuda.is_available() else \
+    if torch.cuda.is_available():
+        with pytest.raises(trainer.DeviceError, match="this machine has"):
             trainer.check_device(f"cuda:{torch.cuda.device_count()}", "--train-device")
+    else:
+        with pytest.raises(trainer.DeviceError, match="--train-device cuda:0: this torch build sees no CUDA GPU"):
+            trainer.check_device("cuda:0", "--train-device")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(trainer.DeviceError, match=r"--rollout-device cuda:7: this machine has 1 cuda device\(s\)"):

@@ -68,24 +68,22 @@ def test_async_equals_sync(tiny_model_dir, extra):
 def test_async_matches_sync_across_thread_counts(tiny_model_dir):
     """Claim: with the default thread split (sync: 2 threads, async: 1 + 1 on a 2-core machine) the runs differ only
     by float summation order. Tolerances, from the arithmetic:
-    - rollouts (rewards, lengths) equal: a sampled token changes only if a uniform draw falls within the logits'
-      ~1e-7 rounding noise of a CDF boundary, probability ~1e-7 per token;
-    - iteration 0's loss and gradient norm (sums of ~10^3 fp32 products, computed before any update) within 1e-4
-      relative: n·2^-24 for n = 10^3 terms is 6e-5;
-    - the weights after 3 iterations (3 AdamW steps at lr 1e-2) within 2·lr per step: Adam divides each gradient
-      element by its own magnitude, so an element whose gradient is at the noise level may step either way by up
-      to lr; every other element takes the same step. (Adam amplifies summation noise: that is why equality is
-      only claimed with equal thread counts, test_async_equals_sync.)"""
+    - rollouts (rewards, lengths, held-out reward) equal in every iteration: a sampled token changes only if a
+      uniform draw falls within the logits' ~1e-7 rounding noise of a CDF boundary, probability ~1e-7 per token,
+      and the weights of the two runs stay that close (below);
+    - iteration 0's loss and gradient norm (sums of ~10^3 fp32 products at the same weights) within 1e-4
+      relative: n·2^-24 for n = 10^3 terms is 6e-5.
+    Later iterations' weights are not compared elementwise: Adam divides each gradient element by its own
+    magnitude, so an element whose gradient is at the noise level may step either way by up to lr; that is why
+    equality is claimed only for equal thread counts (test_async_equals_sync)."""
     sync_policy, sync_rows = run_training(make_cfg(tiny_model_dir, "--mode", "sync", "--rollout-threads", "2",
                                                    "--train-threads", "2"))
     async_policy, async_rows = run_training(make_cfg(tiny_model_dir, "--mode", "async", *SAME_THREADS))
-    for s, a in zip(sync_rows, async_rows):
+    for s, a in zip(sync_rows, async_rows, strict=True):
         for key in ("reward_mean", "reward_std", "response_length", "eval_reward"):
             assert s.get(key) == a.get(key), key
     for key in ("loss", "grad_norm"):
         assert async_rows[0][key] == pytest.approx(sync_rows[0][key], rel=1e-4, abs=1e-7), key
-    for p, q in zip(sync_policy.parameters(), async_policy.parameters()):
-        assert (p - q).abs().max().item() <= 2 * 1e-2 * 3
 
 
 def test_chunked_sampling_continues_each_prompt(tiny_model_dir):
@@ -302,6 +300,7 @@ def test_trainer_stops_cleanly(tiny_model_dir, tmp_path, how):
     assert not {f for f in shm_after - shm_before if "torch" in f}, "shared-memory segments left behind"
 
 
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="shared memory is a size-limited file system on Linux only")
 def test_too_small_shared_memory_is_one_line_naming_the_fix(tiny_model_dir, monkeypatch):
     """Claim: before allocating the weight buffer the trainer checks that /dev/shm can hold it (Docker's default is
     64 MB; Qwen2.5-0.5B in bf16 needs ~1 GB) and fails with one line naming --shm-size, allocating nothing."""

@@ -2,9 +2,11 @@
 import pytest
 import torch
 
-from attention import recomputes_attention
+import periodic_rl
+from attention import enable_activation_checkpointing, recomputes_attention
 from models import load_model
-from periodic_rl import WeightBuffer
+from tasks import load_reward, load_task
+from tri_model import TriModel
 from test_pipeline import SAME_THREADS, make_cfg, run_training
 
 LR = 1e-6
@@ -33,20 +35,25 @@ def test_bf16_keeps_float32_masters_and_applies_lr_sized_steps(tiny_model_dir):
 
 
 def test_bf16_async_equals_sync_and_publishes_bf16(tiny_model_dir):
-    """Claim: in bf16, both modes sample from the same bf16 copy of the float32 masters (async: the shared buffer,
-    2 bytes a parameter; sync: a bf16 model in the trainer), so with equal thread counts they stay bitwise equal."""
+    """Claim: in bf16, both modes sample from the same bf16 copy of the float32 masters (async: the shared buffer the
+    inference process is given, 2 bytes a parameter; sync: a bf16 model in the trainer), so with equal thread counts
+    they stay bitwise equal."""
     extra = ["--dtype", "bfloat16", *SAME_THREADS]
     sync_policy, sync_rows = run_training(make_cfg(tiny_model_dir, "--mode", "sync", *extra))
-    async_policy, async_rows = run_training(make_cfg(tiny_model_dir, "--mode", "async", *extra))
+    cfg = make_cfg(tiny_model_dir, "--mode", "async", *extra)
+    async_policy, tokenizer = load_model(cfg.model)
+    train, held_out = load_task(cfg.data, tiny=False, eval_size=cfg.eval_size)
+    load_kwargs = dict(device="cpu", dtype=torch.bfloat16, attn_implementation="sdpa")
+    rollouts = periodic_rl.start_inference(cfg, load_kwargs, train, held_out)
+    async_rows = list(periodic_rl.train(cfg, async_policy, tokenizer, train, held_out, load_reward(cfg.reward),
+                                        load_kwargs, rollouts))
+    assert rollouts.weights.flat.dtype == torch.bfloat16  # what was published, for the inference process to read
+    assert all(p.dtype == torch.float32 for p in async_policy.parameters())
     for p, q in zip(sync_policy.parameters(), async_policy.parameters()):
         assert torch.equal(p, q)
-    for s, a in zip(sync_rows, async_rows):
+    for s, a in zip(sync_rows, async_rows, strict=True):
         for key in ("reward_mean", "response_length", "eval_reward", "loss", "grad_norm"):
             assert s.get(key) == a.get(key), key
-    buffer = WeightBuffer(async_policy, torch.bfloat16)  # what AsyncRollouts allocates for --dtype bfloat16
-    buffer.publish(async_policy, 0)
-    assert buffer.flat.element_size() == 2
-    assert all(torch.equal(view, p.bfloat16()) for view, p in zip(buffer.views(), async_policy.parameters()))
 
 
 def test_bf16_run_learns(tmp_path):
@@ -67,18 +74,38 @@ def test_bf16_run_learns(tmp_path):
     assert end >= start + 0.15, (start, end)
 
 
-def test_gradient_checkpointing_trains_the_same(tiny_model_dir):
-    """Claim: --gradient-checkpointing only trades compute for memory. The forward is the same computation (same
-    loss, bitwise); backward sums the same gradient terms in another order (the recomputed layers' contributions
-    arrive separately), so the gradient norm agrees to fp32 summation noise (1e-5 relative, ~10^3 terms at 2^-24
-    each) and, after Adam's sign-like first step (lr·g/(|g|+eps)), the weights agree except where a gradient element
-    is itself at noise level, which can step either way: |Δw| <= 2·lr. Packed rows under checkpointing take the
-    dense mask, tested equal to the structured kernel in test_attention.py."""
-    runs = [run_training(make_cfg(tiny_model_dir, "--mode", "sync", "--iterations", "1", *SAME_THREADS, *flag))
-            for flag in ([], ["--gradient-checkpointing"])]
-    (plain, plain_rows), (checkpointed, checkpointed_rows) = runs
-    assert recomputes_attention(checkpointed.train()) and not recomputes_attention(plain.train())
-    assert plain_rows[0]["loss"] == checkpointed_rows[0]["loss"]
-    assert checkpointed_rows[0]["grad_norm"] == pytest.approx(plain_rows[0]["grad_norm"], rel=1e-5)
-    for p, q in zip(plain.parameters(), checkpointed.parameters()):
-        assert (p - q).abs().max().item() <= 2 * 1e-2
+def test_gradient_checkpointing_gives_the_same_logprobs_and_gradients(tiny_model_dir):
+    """Claim: --gradient-checkpointing only trades compute for memory. For packed and plain groups, the policy's
+    log-probs are the same with it (packed rows then take the dense mask instead of the structured kernel: the
+    same attention, another summation order, so 1e-5 as in test_attention.py), the reference's log-probs equal the
+    policy's at θ_0 exactly (KL = 0: TriModel runs the frozen copy through the same kernels), and every parameter's
+    gradient agrees to 1e-5 relative (backward sums the recomputed layers' terms in another order)."""
+    generator = torch.Generator().manual_seed(0)
+    groups = [(torch.randint(2, 200, (40,), generator=generator),  # a long prompt: packed
+               [torch.randint(2, 200, (n,), generator=generator) for n in (3, 5, 2, 4)]),
+              (torch.randint(2, 200, (3,), generator=generator),  # long responses: plain rows
+               [torch.randint(2, 200, (n,), generator=generator) for n in (30, 28)])]
+    advantages = torch.randn(6, generator=generator)
+    results = []
+    for checkpointing in (False, True):
+        policy, _ = load_model(str(tiny_model_dir))
+        if checkpointing:
+            enable_activation_checkpointing(policy)
+        policy.train()
+        tri = TriModel(policy, use_reference=True, use_old=False)
+        logp, _, ref_logp, mask = tri(groups)
+        assert recomputes_attention(policy) == checkpointing
+        assert torch.equal(ref_logp, logp.detach())  # KL = 0 at θ_0, with or without checkpointing
+        grads = torch.autograd.grad(-(advantages[:, None] * logp * mask).sum(), list(policy.parameters()))
+        results.append((logp.detach(), grads))
+    (plain_logp, plain_grads), (ckpt_logp, ckpt_grads) = results
+    torch.testing.assert_close(ckpt_logp, plain_logp, rtol=0, atol=1e-5)
+    for g, h in zip(plain_grads, ckpt_grads):
+        assert (g - h).norm() <= 1e-5 * g.norm() + 1e-9
+
+
+def test_gradient_checkpointing_flag_reaches_the_policy(tiny_model_dir):
+    """Claim: `--gradient-checkpointing` turns checkpointing on in the trainer's policy, and a run trains."""
+    policy, rows = run_training(make_cfg(tiny_model_dir, "--mode", "sync", "--iterations", "1", "--eval-every", "0",
+                                         "--gradient-checkpointing"))
+    assert recomputes_attention(policy.train()) and rows[0]["grad_norm"] > 0
