@@ -64,7 +64,7 @@ class Config:
     lr: float | None = _opt(None, "AdamW learning rate (default: 1e-4 for tiny, 1e-6 otherwise)")
     beta: float = _opt(0.04, "weight of the k3 KL penalty to the reference model (0 = no reference forward)")
     kl_bias_correction: bool = _opt(True, "multiply the per-token k3 KL by the importance ratio, so its gradient is "
-                                          "that of KL(policy || reference) (TRL >= 1.16 default; see grpo.py)")
+                                          "that of KL(policy || reference) (TRL 1.16 default; see grpo.py)")
     epsilon_low: float = _opt(0.2, "PPO clip range below 1: ratio clipped at 1 - epsilon_low")
     epsilon_high: float = _opt(0.2, "PPO clip range above 1: ratio clipped at 1 + epsilon_high (0.28 = DAPO)")
     loss_type: str = _opt("dapo", "loss normalisation: dapo (token mean over the iteration), grpo (per-sequence "

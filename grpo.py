@@ -18,7 +18,7 @@ policy θ_k (which sampled the tokens):
     l_t    = -min(ρ_t A, clip(ρ_t, 1 - ε_low, 1 + ε_high) A) + β ρ_t k3_t
     k3_t   = exp(ref_t - logp_t) - (ref_t - logp_t) - 1           (k3 estimator of KL, ≥ 0)
 
-Why ρ_t multiplies k3 (TRL's `use_bias_correction_kl=True`, the default since 1.16; DeepSeek-V3.2).
+Why ρ_t multiplies k3 (TRL's `use_bias_correction_kl=True`, TRL 1.16.0's default; DeepSeek-V3.2).
 Write r = π_ref/π_θ at the sampled token, so k3 = r - log r - 1 and ∇k3 = (1 - r) ∇log π_θ. With
 samples from π_old = π_θ (one update per iteration: ρ = 1 in value, ∇ρ = ∇log π_θ):
 
@@ -29,7 +29,7 @@ samples from π_old = π_θ (one update per iteration: ρ = 1 in value, ∇ρ = 
 So the plain term, although its *value* estimates KL(π_θ‖π_ref) without bias, pulls toward the
 reverse KL; the corrected one has the gradient of the KL it reports. With several updates per
 iteration, ρ also re-weights the off-policy samples to π_θ. `kl_bias_correction=False` gives the
-plain term (TRL's `use_bias_correction_kl=False`, its default before 1.16).
+plain term (TRL's `use_bias_correction_kl=False`, the default of older TRL, e.g. a 1.10 development version).
 
 Aggregation over a batch of N responses with m_{i,t} ∈ {0, 1} marking real response tokens:
 
