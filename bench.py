@@ -570,9 +570,7 @@ def tri_model(args: argparse.Namespace) -> bool:
 
 # --- memory ---
 
-MEMORY_VARIANTS = {"chunked": "log-probs in checkpointed chunks (default)",
-                   "checkpointed": "chunked + --gradient-checkpointing",
-                   "whole-logits": "all (tokens x vocab) float32 logits at once (what chunking replaces)"}
+MEMORY_VARIANTS = ("chunked", "checkpointed", "whole-logits")  # default; + --gradient-checkpointing; unchunked
 
 
 class LiveTensorBytes(TorchDispatchMode):

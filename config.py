@@ -178,7 +178,7 @@ def derive(cfg: Config) -> Config:
     # 4 chunks per iteration (at the default batch) for the pipeline to overlap. On CPU a step's cost grows
     # with the rows, and one group per call streams soonest.
     groups_per_chunk = cfg.groups_per_chunk or (ACCELERATOR_GROUPS_PER_CHUNK if on_accelerator else 1)
-    chunks = math.ceil(cfg.prompts_per_iteration / groups_per_chunk)
+    chunks = dataclasses.replace(cfg, groups_per_chunk=groups_per_chunk).chunks_per_iteration
     # Sync mode runs one side at a time: all cores. So does async when an iteration is a single chunk
     # (nothing to overlap: the two sides take turns); otherwise they run at once and split the cores,
     # since oversubscribed cores slow both (2 + 2 threads on 2 cores, 2 chunks: async 0.72x of sync, against

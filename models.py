@@ -45,6 +45,7 @@ import torch
 from huggingface_hub import constants as hub_constants
 from huggingface_hub.errors import HfHubHTTPError
 from tokenizers import Tokenizer, decoders, models as tokenizer_models, normalizers, pre_tokenizers
+from transformers import __version__ as transformers_version
 from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase,
                           PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM)
 
@@ -155,8 +156,7 @@ EOS, PAD = "<|endoftext|>", "<|pad|>"
 def recipe_key(recipe: TinyRecipe) -> str:
     """Names the cache folder: the recipe, and transformers' major version (its saved tokenizer files differ:
     5.x writes a tokenizer class 4.x cannot load)."""
-    import transformers
-    key = {**dataclasses.asdict(recipe), "transformers": transformers.__version__.split(".")[0]}
+    key = {**dataclasses.asdict(recipe), "transformers": transformers_version.split(".")[0]}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
 
 

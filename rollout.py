@@ -26,15 +26,15 @@ samples do depend on C (its neighbours share the RNG stream), so compare runs at
 
 Sampling is the distribution the trainer scores. The trainer's log-probs are those of
 softmax(logits / T) (top-p only truncates what can be drawn), so `generate` must apply nothing else.
-(With --dtype bfloat16 the sampler's bf16 weights and the trainer's float32 masters under autocast
-give logits that differ by rounding; see tri_model.py.)
 But `generate` fills every field its `GenerationConfig` leaves unset from `model.generation_config`,
 and real models ship sampling settings there (Qwen2.5-Instruct: top_k 20, top_p 0.8, temperature 0.7,
 repetition_penalty 1.05-1.1): silently honoured, they would sample another distribution than the
 one trained on. `sample_responses` therefore runs `generate` with the model's own config swapped
 for a bare one (`own_sampling_only`), and states every field that shapes the distribution. A
 response stops at *any* of the model's EOS ids (Qwen lists two: <|im_end|> and <|endoftext|>):
-the union of the generation config's and the tokenizer's (`stop_token_ids`).
+the union of the generation config's and the tokenizer's (`stop_token_ids`). (With --dtype bfloat16
+the sampler's bf16 weights and the trainer's float32 masters under autocast give logits that differ
+by rounding; see tri_model.py.)
 
 Departures, on purpose:
 1. No continuous batching: a chunk ends when its longest response does. Inference engines (vLLM,

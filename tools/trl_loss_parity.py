@@ -14,6 +14,7 @@ differences. Results: docs/benchmarks.md. Reaching into TRL's internals is delib
 point is to compare with the exact code a TRL user runs.
 """
 import itertools
+import os
 import sys
 from collections import defaultdict
 from types import SimpleNamespace
@@ -21,7 +22,6 @@ from types import SimpleNamespace
 import torch
 
 torch.set_num_threads(1)
-import os
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from grpo import grpo_loss  # noqa: E402
 
