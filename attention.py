@@ -98,6 +98,11 @@ MODES = ("packed", "unpacked", "auto")
 # work grows as hidden^2 and attention per pair as hidden, so bigger models have a larger value:
 # this small-model one errs toward not packing, the safe side.
 ATTENTION_BREAK_EVEN_LEN = 400
+# Fixed cost of one packed row in the same units: the structured kernel loops over rows in Python (per layer,
+# forward and backward). Measured on the tiny model, 2 CPU threads: a toy group (P=6, R=5, G=8) costs 5.3 ms
+# packed against 4.1 ms as plain rows, i.e. ~115 units where the model above says ~47 (docs/benchmarks.md).
+# Negligible for real groups (hundreds of tokens); it keeps tiny groups on plain rows.
+PACKED_ROW_OVERHEAD_TOKENS = 64
 
 
 class Layout(NamedTuple):
@@ -158,26 +163,35 @@ def pack(groups: Sequence[Group], pad_id: int = 0) -> Layout:
 
 
 def unpacked_layout(groups: Sequence[Group], pad_id: int = 0) -> Layout:
-    """The plain layout: one row [prompt | r_i] per response, right-padded, ordinary positions."""
-    ids, segments, sources = [], [], []
+    """The plain layout: one row [prompt | r_i] per response, right-padded, ordinary positions.
+
+    Built with whole-batch tensor ops (one concatenation, one scatter), not per response: a training
+    micro-batch may hold hundreds of short responses.
+    """
     for prompt, responses in groups:
         _check_group(prompt, responses)
-        P = len(prompt)
-        for r in responses:
-            ids.append(torch.cat([prompt, r]))
-            segments.append(torch.cat([torch.zeros(P, dtype=torch.long), torch.ones(len(r), dtype=torch.long)]))
-            sources.append(torch.arange(P - 1, P - 1 + len(r)))  # r[t] is predicted at column P-1+t
     responses = [r for _, rs in groups for r in rs]
-    device = ids[0].device
-    input_ids = pad_sequence(ids, batch_first=True, padding_value=pad_id)  # (N, L)
+    device = responses[0].device
+    P = torch.tensor([len(p) for p, rs in groups for _ in rs], device=device)  # (N,) prompt length of each row
+    R = torch.tensor([len(r) for r in responses], device=device)                # (N,)
+    tokens = torch.cat([x for p, rs in groups for r in rs for x in (p, r)])     # (Σ P_n + R_n,) rows back to back
+    L, T = int((P + R).max()), int(R.max())
+    row = torch.repeat_interleave(torch.arange(len(R), device=device), P + R)   # (Σ,) row of each token
+    starts = torch.cumsum(P + R, 0) - (P + R)                                   # (N,) where each row starts
+    column = torch.arange(len(tokens), device=device) - starts[row]             # (Σ,)
+    input_ids = torch.full((len(R), L), pad_id, dtype=tokens.dtype, device=device)
+    input_ids[row, column] = tokens                                             # (N, L)
+    col = torch.arange(L, device=device)[None]                                  # (1, L)
+    t = torch.arange(T, device=device)[None]                                    # (1, T)
+    mask = t < R[:, None]                                                       # (N, T)
     return Layout(
         input_ids=input_ids,
-        position_ids=torch.arange(input_ids.shape[1], device=device).expand_as(input_ids),  # (N, L)
-        segment_ids=pad_sequence(segments, batch_first=True, padding_value=-1).to(device),  # (N, L)
-        row=torch.arange(len(responses), device=device),                                    # (N,)
-        source=pad_sequence(sources, batch_first=True).to(device),                          # (N, T)
-        target=pad_sequence(responses, batch_first=True, padding_value=pad_id),             # (N, T)
-        mask=_lengths_mask([len(r) for r in responses], device),                            # (N, T)
+        position_ids=col.expand(len(R), L),                                     # (N, L)
+        segment_ids=torch.where(col < P[:, None], 0, torch.where(col < (P + R)[:, None], 1, -1)),  # (N, L)
+        row=torch.arange(len(R), device=device),                                # (N,)
+        source=torch.where(mask, P[:, None] - 1 + t, 0),                        # (N, T) r[t] <- column P-1+t
+        target=input_ids.new_full((len(R), T), pad_id).masked_scatter(mask, torch.cat(responses)),  # (N, T)
+        mask=mask,                                                              # (N, T)
     )
 
 
@@ -481,8 +495,9 @@ def packing_cost_ratio(prompt_len: int, response_lens: list[int],
     at 1 / break_even_len each; L = P + Σ R_i, R = max R_i, L_u = P + R:
 
         packed   = L + (P^2 / 2 + G · R · (P + R)) / break_even_len   causal prompt; each response
-                                                                   against the prompt and its own
-                                                                   (R, R) block (`shared_prompt_attention`)
+                   + PACKED_ROW_OVERHEAD_TOKENS                    against the prompt and its own
+                                                                   (R, R) block (`shared_prompt_attention`),
+                                                                   plus the kernel's per-row overhead
         unpacked = G · (L_u + L_u^2 / (2 · break_even_len))           G causal rows, padded to R
     Packing saves (G-1)·P tokens and (G-1)·P^2/2 prompt pairs, but computes each own-response block
     whole (R^2, not R^2/2), so it wins unless the prompt is short next to long responses. The balance
@@ -491,12 +506,13 @@ def packing_cost_ratio(prompt_len: int, response_lens: list[int],
     models take the dense mask (departure 1) and pay more attention than this predicts when packed.
 
     >>> round(packing_cost_ratio(512, [32] * 8), 2), round(packing_cost_ratio(32, [256] * 8), 2)
-    (0.2, 1.13)
+    (0.21, 1.16)
     """
     L = prompt_len + sum(response_lens)
     R = max(response_lens)
     L_u = prompt_len + R
-    packed = L + (prompt_len ** 2 / 2 + len(response_lens) * R * (prompt_len + R)) / break_even_len
+    packed = (L + (prompt_len ** 2 / 2 + len(response_lens) * R * (prompt_len + R)) / break_even_len
+              + PACKED_ROW_OVERHEAD_TOKENS)
     unpacked = len(response_lens) * (L_u + L_u * L_u / (2 * break_even_len))
     return packed / unpacked
 

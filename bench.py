@@ -82,6 +82,7 @@ import os
 import pickle
 import shlex
 import statistics
+import sys
 import time
 import weakref
 from typing import Callable
@@ -450,6 +451,77 @@ def async_speedup(args: argparse.Namespace) -> bool:
     return all(ok for ok, _ in checks)
 
 
+# --- peer: the same work through TRL's GRPOTrainer ---
+PEER_CONTENDERS = {  # name -> trainer.py options (None: TRL)
+    "TRL GRPOTrainer": None,
+    "periodic-rl sync": ["--mode", "sync"],
+    "periodic-rl async": ["--mode", "async"],
+}
+
+
+def peer_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trl-python", default=".venv-trl/bin/python",
+                        help="a Python with trl==1.16.0 installed (see tools/trl_grpo_run.py)")
+    parser.add_argument("--iterations", type=int, default=10, help="timed steps per run (one more is dropped)")
+    parser.add_argument("--rounds", type=int, default=3, help="runs of each contender, interleaved")
+    parser.add_argument("--max-new-tokens", type=int, default=8)
+    parser.add_argument("--trainer-args", default="", metavar="ARGS",
+                        help="extra trainer.py options for both periodic-rl contenders")
+    parser.add_argument("--json", metavar="FILE", help="write the figures as JSON to FILE")
+
+
+def peer_run(name: str, argv: list[str] | None, args: argparse.Namespace) -> float:
+    """One fresh process of a contender; its mean seconds per step (optimizer step = 128 samples), first dropped."""
+    import subprocess
+    import tempfile
+    common = ["--max-new-tokens", str(args.max_new_tokens)]
+    if argv is None:
+        out = subprocess.run([args.trl_python, "tools/trl_grpo_run.py", "--steps", str(args.iterations), *common],
+                             capture_output=True, text=True)
+        if out.returncode != 0:
+            raise SystemExit(f"TRL run failed (is trl==1.16.0 installed in {args.trl_python}?):\n{out.stderr[-2000:]}")
+        return statistics.mean(json.loads(out.stdout.strip().splitlines()[-1])["seconds_per_step"])
+    with tempfile.TemporaryDirectory() as tmp:
+        command = [sys.executable, "trainer.py", *argv, *common, "--iterations", str(args.iterations + 1),
+                   "--eval-every", "0", "--no-save", "--out", tmp, *shlex.split(args.trainer_args)]
+        out = subprocess.run(command, capture_output=True, text=True)
+        if out.returncode != 0:
+            raise SystemExit(f"{name} failed:\n{out.stderr[-2000:]}")
+        rows = [json.loads(line) for line in open(os.path.join(tmp, "metrics.jsonl"))]
+    return statistics.mean(row["iteration_s"] for row in rows if not row.get("final") and row["iteration"] > 0)
+
+
+def peer(args: argparse.Namespace) -> bool:
+    """Samples/s of TRL's GRPOTrainer and of periodic-rl (sync, async) on the same work, interleaved rounds."""
+    times: dict[str, list[float]] = {name: [] for name in PEER_CONTENDERS}
+    print(f"{args.rounds} rounds x {len(times)} contenders, {args.iterations} timed steps each (16 prompts x 8, "
+          f"<= {args.max_new_tokens} new tokens, beta 0.04, {os.cpu_count()} cores), fresh process per run")
+    for round_ in range(args.rounds):
+        for name, argv in PEER_CONTENDERS.items():
+            times[name].append(peer_run(name, argv, args))
+            print(f"round {round_}: {name:20s} {128 / times[name][-1]:7.0f} samples/s", flush=True)
+    trl = [128 / t for t in times["TRL GRPOTrainer"]]
+    results = {}
+    print(f"{'contender':20s} {'samples/s':>10s} {'vs TRL':>8s} {'per round':>12s}")
+    for name, seconds in times.items():
+        rates = [128 / t for t in seconds]
+        ratios = [r / q for r, q in zip(rates, trl)]
+        results[name] = {"samples_per_s": statistics.mean(rates), "vs_trl": statistics.mean(rates) / statistics.mean(trl),
+                         "vs_trl_per_round": ratios, "seconds_per_step": seconds}
+        print(f"{name:20s} {results[name]['samples_per_s']:10.0f} {results[name]['vs_trl']:7.2f}x "
+              f"{min(ratios):5.2f}-{max(ratios):.2f}x", flush=True)
+    checks = [(results["periodic-rl async"]["vs_trl"] >= 1.0, "async (defaults) >= TRL"),
+              (results["periodic-rl sync"]["vs_trl"] >= 1.0, "sync (defaults) >= TRL"),
+              (results["periodic-rl async"]["samples_per_s"] >= results["periodic-rl sync"]["samples_per_s"],
+               "async >= sync")]
+    for ok, line in checks:
+        print(("PASS " if ok else "FAIL ") + line)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return all(ok for ok, _ in checks)
+
+
 # --- publish: cost of moving θ to the inference process ---
 def qwen_05b_shaped(tiny: bool, layers: int = 24) -> torch.nn.Module:
     """Random weights in Qwen2.5-0.5B's shape (494M parameters), or the tiny model's."""
@@ -695,6 +767,7 @@ BENCHMARKS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[
     "publish": (publish_args, publish),
     "tri-model": (tri_model_args, tri_model),
     "memory": (memory_args, memory),
+    "peer": (peer_args, peer),
 }
 
 

@@ -23,7 +23,10 @@ from dataclasses import dataclass, field
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo")
 MODES = ("async", "sync")
 DTYPES = ("auto", "float32", "bfloat16")
-ACCELERATOR_GROUPS_PER_CHUNK = 4  # 32 sequences per generate call at G=8 (see derive)
+GENERATE_CALLS = {"cpu": 2, "accelerator": 1}  # default generate calls per iteration (see derive)
+# Default training micro-batch: 16 toy groups (~1.5 k tokens) in one forward; 2-3 groups of 8 x (256 + 512) tokens
+# (Qwen2.5-0.5B with --gradient-checkpointing: 6.5 GiB for one such group in float32, docs/benchmarks.md).
+MICRO_BATCH_TOKENS = 16384
 
 
 def _opt(default, help: str, **extra):
@@ -55,11 +58,12 @@ class Config:
     temperature: float = _opt(1.0, "sampling temperature (log-probs are computed at the same temperature)")
     top_p: float = _opt(1.0, "nucleus sampling threshold (1.0 = sample from the full distribution)")
     groups_per_chunk: int | None = _opt(None, "prompts sampled per generate call (x group-size responses); each "
-                                              "group is sent to the trainer as soon as its chunk is done: 1 streams "
-                                              "soonest, more keeps an accelerator busy but fills the pipeline later "
-                                              "(default: 1 on CPU, 4 on a GPU/NPU, i.e. 32 sequences per call at G=8)")
-    groups_per_forward: int | None = _opt(None, "groups per training forward/backward (default: --groups-per-chunk); "
-                                                "lower it if the trainer runs out of memory")
+                                              "group is sent to the trainer the moment its last response stops "
+                                              "(default: the iteration in one call on a GPU/NPU, in two on CPU)")
+    micro_batch_tokens: int | None = _opt(None, "most tokens (prompt + response, as plain rows) per training "
+                                                "forward/backward: finished groups are trained together up to this; "
+                                                "lower it if the trainer runs out of memory (default: from the "
+                                                "training device's memory)")
     # --- loss and optimizer ---
     lr: float | None = _opt(None, "AdamW learning rate (default: 1e-4 for tiny, 1e-6 otherwise)")
     beta: float = _opt(0.04, "weight of the k3 KL penalty to the reference model (0 = no reference forward)")
@@ -173,11 +177,15 @@ def derive(cfg: Config) -> Config:
     rollout_device = cfg.rollout_device or rollout_device
     train_device = cfg.train_device or train_device
     on_accelerator = rollout_device.split(":")[0] != "cpu"
-    # On an accelerator a decode step costs about the same for 8 rows as for 32 (it is memory-bound: every
-    # step reads all weights once), so more rows per generate call are nearly free; 4 groups still leave
-    # 4 chunks per iteration (at the default batch) for the pipeline to overlap. On CPU a step's cost grows
-    # with the rows, and one group per call streams soonest.
-    groups_per_chunk = cfg.groups_per_chunk or (ACCELERATOR_GROUPS_PER_CHUNK if on_accelerator else 1)
+    # Groups stream to the trainer in completion order from inside each generate call, so a big call no
+    # longer delays the pipeline by its longest response. On an accelerator a decode step costs about the
+    # same for 8 rows as for 512 (memory-bound: every step reads all weights once): one call per iteration.
+    # On CPU a call has a fixed cost (~30 ms for the tiny model: 9 decode steps of generate's bookkeeping)
+    # and responses of a toy task end together, so two calls: the second's decoding overlaps the first's
+    # training (docs/benchmarks.md, `bench.py peer`). Same in both modes: a seed's rollouts do not depend
+    # on --mode.
+    calls = GENERATE_CALLS["accelerator" if on_accelerator else "cpu"]
+    groups_per_chunk = cfg.groups_per_chunk or math.ceil(cfg.prompts_per_iteration / calls)
     chunks = dataclasses.replace(cfg, groups_per_chunk=groups_per_chunk).chunks_per_iteration
     # Sync mode runs one side at a time: all cores. So does async when an iteration is a single chunk
     # (nothing to overlap: the two sides take turns); otherwise they run at once and split the cores,
@@ -190,7 +198,7 @@ def derive(cfg: Config) -> Config:
         max_new_tokens=cfg.max_new_tokens or (8 if cfg.is_tiny else 512),
         lr=cfg.lr if cfg.lr is not None else (1e-4 if cfg.is_tiny else 1e-6),
         groups_per_chunk=groups_per_chunk,
-        groups_per_forward=cfg.groups_per_forward or groups_per_chunk,
+        micro_batch_tokens=cfg.micro_batch_tokens or MICRO_BATCH_TOKENS,
         rollout_device=rollout_device,
         train_device=train_device,
         dtype=pick_dtype(cfg.dtype, train_device),
@@ -225,8 +233,8 @@ def validate(cfg: Config) -> list[str]:
              f"({cfg.prompts_per_iteration} = batch-size / group-size): mini-batches are whole groups")
     need(cfg.groups_per_chunk is None or cfg.groups_per_chunk >= 1,
          f"--groups-per-chunk must be at least 1 (got {cfg.groups_per_chunk})")
-    need(cfg.groups_per_forward is None or cfg.groups_per_forward >= 1,
-         f"--groups-per-forward must be at least 1 (got {cfg.groups_per_forward})")
+    need(cfg.micro_batch_tokens is None or cfg.micro_batch_tokens >= 1,
+         f"--micro-batch-tokens must be at least 1 (got {cfg.micro_batch_tokens})")
     need(cfg.lr is None or cfg.lr > 0, f"--lr must be positive (got {cfg.lr})")
     need(cfg.beta >= 0, f"--beta must be >= 0 (got {cfg.beta})")
     need(cfg.epsilon_low >= 0 and cfg.epsilon_high >= 0, "--epsilon-low and --epsilon-high must be >= 0")

@@ -110,14 +110,15 @@ def grpo_loss(
     max_new_tokens: int | None = None,
     normalizer: float | None = None,
     kl_bias_correction: bool = True,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The GRPO objective of one batch of responses; returns (loss, sums for logging).
 
     logp, old_logp, ref_logp, mask: (N, T) per response token; advantages: (N,).
     normalizer: D in L = Σ w·l / D; None = this batch's own D (`loss_normalizer`). Pass 1.0 to
     get the plain weighted sum when accumulating micro-batches and divide the gradient later.
     kl_bias_correction: multiply k3 by ρ (the module docstring says why); False = the plain k3 term.
-    The returned stats are sums (tokens, clipped tokens, KL) so they add up across micro-batches.
+    The returned stats are sums (tokens, clipped tokens, KL) so they add up across micro-batches, as 0-d
+    tensors (no host synchronisation).
     """
     mask = mask.to(logp.dtype)  # (N, T)
     ratio = torch.exp(logp - old_logp)  # (N, T)
@@ -139,9 +140,9 @@ def grpo_loss(
     with torch.no_grad():
         # A token is "clipped" when the clip is the active branch of the min (as TRL counts it).
         is_clipped = ((ratio < 1 - epsilon_low) & (adv < 0)) | ((ratio > 1 + epsilon_high) & (adv > 0))
-        stats = {
-            "tokens": float(mask.sum()),
-            "clipped_tokens": float((is_clipped.float() * mask).sum()),
-            "kl_sum": float((kl * mask).sum()) if kl is not None else float("nan"),
+        stats = {  # 0-d tensors on logp's device: reading them would make the host wait for the device
+            "tokens": mask.sum(),
+            "clipped_tokens": (is_clipped.to(mask.dtype) * mask).sum(),
+            "kl_sum": (kl * mask).sum() if kl is not None else torch.full((), float("nan"), device=logp.device),
         }
     return loss, stats

@@ -163,8 +163,10 @@ class SyncRollouts:
     def messages(self, iteration: int, final_iteration: int, train_prompts: bool = True):
         self.sampler.eval()
         tokenizer, train, held_out, reward_fn, settings = self.args
-        yield from list(rollout_iteration(self.sampler, tokenizer, train, held_out, reward_fn, settings,
-                                          iteration, self.version, final_iteration, train_prompts))
+        messages = []  # the whole iteration first: nothing overlaps in sync mode
+        rollout_iteration(self.sampler, tokenizer, train, held_out, reward_fn, settings, iteration, self.version,
+                          final_iteration, messages.append, train_prompts)
+        yield from messages
 
     def close(self) -> None:
         pass
@@ -261,9 +263,30 @@ def minibatch_of(prompt_index: int, prompts_per_iteration: int, updates_per_iter
     return prompt_index * updates_per_iteration // prompts_per_iteration
 
 
+def group_tokens(groups: list[Group]) -> int:
+    """Tokens a micro-batch's forward processes, counted as plain rows: G·P + Σ R_i per group."""
+    return sum(len(g.responses) * len(g.prompt_ids) + sum(len(r) for r in g.responses) for g in groups)
+
+
+def micro_batch_size(waiting: list[Group], max_tokens: int) -> int:
+    """How many of the waiting groups (a prefix) fit in `max_tokens`; at least one."""
+    size = 1
+    while size < len(waiting) and group_tokens(waiting[:size + 1]) <= max_tokens:
+        size += 1
+    return size
+
+
 class Learner:
-    """Consumes one iteration's groups: forward/backward per chunk (at most `groups_per_forward` groups),
-    an optimizer step per mini-batch."""
+    """Consumes one iteration's groups in arrival order: forward/backward in micro-batches, an optimizer
+    step per mini-batch.
+
+    A micro-batch is the waiting groups of the current mini-batch, in arrival order, up to
+    `micro_batch_tokens`. Groups wait until that many tokens are there, or until nothing more will
+    come soon: their generate call (chunk) has delivered every group, or the mini-batch is complete.
+    Arrival order is completion order, which depends only on the sampled tokens, so the micro-batches
+    (and hence the float rounding of the accumulated gradient) are the same in both modes and in
+    every rerun. Statistics stay on the device until `metrics`: no host synchronisation per group.
+    """
 
     def __init__(self, tri_model: TriModel, optimizer: torch.optim.Optimizer, cfg, device: torch.device,
                  timeline: Timeline):
@@ -271,36 +294,45 @@ class Learner:
         self.groups_per_minibatch = cfg.prompts_per_iteration // cfg.updates_per_iteration
 
     def start(self, iteration: int) -> None:
-        self.iteration, self.minibatch, self.done_in_minibatch = iteration, 0, 0
-        self.waiting: dict[int, list[Group]] = {}
-        self.sums = {"tokens": 0.0, "clipped_tokens": 0.0, "kl_sum": 0.0, "loss": 0.0, "grad_norm": 0.0}
+        self.iteration, self.minibatch = iteration, 0
+        updates = self.cfg.updates_per_iteration
+        self.waiting: list[list[Group]] = [[] for _ in range(updates)]  # per mini-batch, in arrival order
+        self.arrived = [0] * updates  # groups received, per mini-batch
+        self.chunk_arrivals: dict[tuple[int, int], int] = {}
+        self.sums = torch.zeros(4, device=self.device)  # loss, clipped tokens, KL sum, grad norm (device-side)
+        self.tokens = 0  # response tokens of the iteration (known on the host from the lengths)
         self.minibatch_tokens = self.minibatch_sequences = 0
-        self.minibatch_loss = 0.0  # partial sums of this mini-batch's loss, divided by its D at the step
+        self.minibatch_loss = torch.zeros((), device=self.device)  # partial sum, divided by its D at the step
         self.rewards: list[float] = []
-        self.response_tokens = 0
 
     def add(self, group: Group) -> None:
-        """Take one group; train once the rest of its chunk (sent right behind it) is here too."""
+        """Take one group; train whatever is ready."""
         if group.policy_version != self.iteration:
             raise OffPolicyError(f"group {group.index} was sampled by weights version {group.policy_version} "
                                  f"but this is iteration {self.iteration}: refusing an off-policy sample")
         block = minibatch_of(group.index, self.cfg.prompts_per_iteration, self.cfg.updates_per_iteration)
-        self.waiting.setdefault(block, []).append(group)
-        first, size = group.chunk
-        if group.index < first + size - 1:
-            return
+        self.waiting[block].append(group)
+        self.arrived[block] += 1
+        self.chunk_arrivals[group.chunk] = self.chunk_arrivals.get(group.chunk, 0) + 1
         while self.minibatch < self.cfg.updates_per_iteration:
-            ready = self.waiting.pop(self.minibatch, [])
-            for i in range(0, len(ready), self.cfg.groups_per_forward):
-                self._accumulate(ready[i:i + self.cfg.groups_per_forward])
-            if self.done_in_minibatch < self.groups_per_minibatch:
+            waiting = self.waiting[self.minibatch]
+            complete = self.arrived[self.minibatch] == self.groups_per_minibatch
+            while waiting and (complete or self._calls_done(waiting)
+                               or group_tokens(waiting) >= self.cfg.micro_batch_tokens):
+                size = micro_batch_size(waiting, self.cfg.micro_batch_tokens)
+                self._accumulate(waiting[:size])
+                del waiting[:size]
+            if not complete:
                 return
             self._step()
 
+    def _calls_done(self, groups: list[Group]) -> bool:
+        """Whether the generate calls that sampled `groups` have sent all their groups (none is coming soon)."""
+        return all(self.chunk_arrivals[g.chunk] == g.chunk[1] for g in groups)
+
     def _accumulate(self, groups: list[Group]) -> None:
-        """One forward/backward over up to `groups_per_forward` groups of the current mini-batch."""
-        name = f"train group {groups[0].index}" if len(groups) == 1 else \
-            f"train groups {groups[0].index}-{groups[-1].index}"
+        """One forward/backward over a micro-batch of the current mini-batch."""
+        name = f"train group {groups[0].index}" if len(groups) == 1 else f"train {len(groups)} groups"
         with self.timeline.span(name):
             batch = [(torch.tensor(g.prompt_ids, device=self.device),                  # (P,)
                       [torch.tensor(r, device=self.device) for r in g.responses])      # G x (R_i,)
@@ -314,15 +346,14 @@ class Learner:
                                     kl_bias_correction=self.cfg.kl_bias_correction,
                                     normalizer=1.0)  # a partial sum; divided by D at the step
             loss.backward()
-        for key in ("tokens", "clipped_tokens", "kl_sum"):
-            self.sums[key] += stats[key]
-        self.minibatch_loss += loss.item()
-        self.minibatch_tokens += int(stats["tokens"])
+        self.minibatch_loss += loss.detach()
+        self.sums[1:3] += torch.stack([stats["clipped_tokens"], stats["kl_sum"]])
+        tokens = sum(len(r) for g in groups for r in g.responses)
+        self.minibatch_tokens += tokens
+        self.tokens += tokens
         for g in groups:
             self.minibatch_sequences += len(g.responses)
             self.rewards += g.rewards
-            self.response_tokens += sum(len(r) for r in g.responses)
-        self.done_in_minibatch += len(groups)
 
     def _step(self) -> None:
         with self.timeline.span(f"optimizer step {self.minibatch}"):
@@ -331,29 +362,30 @@ class Learner:
             for p in params:
                 p.grad.div_(normalizer)
             if self.cfg.max_grad_norm > 0:
-                self.sums["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm))
+                self.sums[3] += torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        self.sums["loss"] += self.minibatch_loss / normalizer  # this mini-batch's loss, as optimised
+        self.sums[0] += self.minibatch_loss / normalizer  # this mini-batch's loss, as optimised
         self.minibatch += 1
-        self.done_in_minibatch = self.minibatch_tokens = self.minibatch_sequences = 0
-        self.minibatch_loss = 0.0
+        self.minibatch_tokens = self.minibatch_sequences = 0
+        self.minibatch_loss = torch.zeros((), device=self.device)
 
     def metrics(self) -> dict[str, float]:
         if self.minibatch != self.cfg.updates_per_iteration:
             raise PipelineError(f"iteration {self.iteration} ended after {self.minibatch} of "
                                 f"{self.cfg.updates_per_iteration} optimizer steps: groups are missing")
         rewards = torch.tensor(self.rewards)
-        tokens = max(self.sums["tokens"], 1.0)
+        loss, clipped, kl_sum, grad_norm = self.sums.tolist()  # the iteration's one host synchronisation
+        tokens = max(self.tokens, 1)
         return {
             "reward_mean": rewards.mean().item(),
             "reward_std": rewards.std().item(),
-            "loss": self.sums["loss"] / self.cfg.updates_per_iteration,  # mean over the mini-batches
-            "kl": self.sums["kl_sum"] / tokens if self.cfg.beta > 0 else None,
-            "clip_fraction": self.sums["clipped_tokens"] / tokens,
-            "grad_norm": self.sums["grad_norm"] / self.cfg.updates_per_iteration,
-            "response_length": self.response_tokens / len(self.rewards),
-            "response_tokens": self.response_tokens,
+            "loss": loss / self.cfg.updates_per_iteration,  # mean over the mini-batches
+            "kl": kl_sum / tokens if self.cfg.beta > 0 else None,
+            "clip_fraction": clipped / tokens,
+            "grad_norm": grad_norm / self.cfg.updates_per_iteration,
+            "response_length": self.tokens / len(self.rewards),
+            "response_tokens": self.tokens,
         }
 
 
@@ -413,10 +445,6 @@ def train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwar
             evaluation = None
             for message in rollouts.messages(iteration, cfg.iterations, train_prompts=not final):
                 if isinstance(message, Group):
-                    first, size = message.chunk
-                    if message.index == first:  # one span per generate call
-                        name = f"generate group {first}" if size == 1 else f"generate groups {first}-{first + size - 1}"
-                        timeline.add(Span(name, INFERENCE, message.start, message.end))
                     policy.train()
                     learner.add(message)
                 elif isinstance(message, Evaluation):

@@ -49,10 +49,11 @@ import time
 import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Union
 
 import torch
 from transformers import GenerationConfig
+from transformers.generation.streamers import BaseStreamer
 
 import grpo
 from tasks import Example, prompt_token_ids
@@ -75,8 +76,8 @@ class Group:
     responses: list[list[int]]  # token ids, EOS included when the model stopped
     rewards: list[float]
     advantages: list[float]
-    start: float = 0.0  # generation span of its chunk, time.perf_counter() (a system-wide clock on Linux)
-    end: float = 0.0
+    start: float = 0.0  # its generate call's start, time.perf_counter() (a system-wide clock on Linux)
+    end: float = 0.0  # when its last response stopped
     chunk: tuple[int, int] = (0, 1)  # (first prompt index, prompts) of the generate call that sampled it
 
 
@@ -174,13 +175,58 @@ def trim_response(tokens: list[int], eos_ids: list[int]) -> list[int]:
     return tokens
 
 
+class CompletionOrder(BaseStreamer):
+    """Watches a batched `generate` step by step and reports each prompt's responses as soon as they are all done.
+
+    `generate` hands a streamer the prompt batch once, then each step's new token of every row (C·G,).
+    A row is done at its first stop id (kept) or at max_new_tokens; a prompt is done when its G rows
+    are. on_done(prompt position, responses) runs right then, inside `generate`, while the other rows
+    go on decoding: short groups reach the trainer while long ones are still being sampled.
+    """
+
+    def __init__(self, num_prompts: int, num_samples: int, eos_ids: list[int], max_new_tokens: int,
+                 on_done: Callable[[int, list[list[int]]], None] | None = None):
+        self.num_samples, self.eos_ids, self.max_new_tokens = num_samples, set(eos_ids), max_new_tokens
+        self.on_done = on_done or (lambda position, responses: None)
+        self.responses = [[[] for _ in range(num_samples)] for _ in range(num_prompts)]  # [prompt][sample]
+        self.running = [num_samples] * num_prompts  # rows of each prompt still decoding
+        self.done = [False] * (num_prompts * num_samples)
+        self.prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.prompt_seen:  # the first call carries the prompt batch (C·G, P), not new tokens
+            self.prompt_seen = True
+            return
+        finished = []
+        for row, token in enumerate(value.tolist()):  # (C·G,) this step's token of every row
+            if self.done[row]:
+                continue  # a stopped row: generate feeds it padding
+            prompt, sample = divmod(row, self.num_samples)
+            response = self.responses[prompt][sample]
+            response.append(token)
+            if token in self.eos_ids or len(response) == self.max_new_tokens:
+                self.done[row] = True
+                self.running[prompt] -= 1
+                if self.running[prompt] == 0:
+                    finished.append(prompt)
+        for prompt in finished:
+            self.on_done(prompt, self.responses[prompt])
+
+    def end(self) -> None:
+        if not all(self.done):
+            raise RuntimeError("generate stopped before every response reached a stop id or max_new_tokens")
+
+
 @torch.no_grad()
 def sample_responses(model, prompts: list[list[int]], num_samples: int, generation: GenerationConfig,
-                     seed: int) -> list[list[list[int]]]:
+                     seed: int, on_done: Callable[[int, list[list[int]]], None] | None = None
+                     ) -> list[list[list[int]]]:
     """num_samples responses to each prompt, from one `generate` call, reproducible from `seed`.
 
     Prompts are left-padded to the longest, with an attention mask, so every response continues
-    its own prompt (generate derives position ids from the mask). Returns responses[prompt][sample].
+    its own prompt (generate derives position ids from the mask). Returns responses[prompt][sample],
+    each cut after its first stop id; `on_done` gets each prompt's responses the moment they are
+    complete (`CompletionOrder`).
     """
     device = next(model.parameters()).device
     width = max(len(p) for p in prompts)
@@ -188,27 +234,18 @@ def sample_responses(model, prompts: list[list[int]], num_samples: int, generati
     real = [[0] * (width - len(p)) + [1] * len(p) for p in prompts for _ in range(num_samples)]
     input_ids = torch.tensor(rows, device=device)                 # (C·G, P_max)
     attention_mask = torch.tensor(real, device=device)            # (C·G, P_max)
+    eos_ids = generation.eos_token_id if isinstance(generation.eos_token_id, list) else [generation.eos_token_id]
+    stream = CompletionOrder(len(prompts), num_samples, eos_ids, generation.max_new_tokens, on_done)
     torch.manual_seed(seed)
     with own_sampling_only(model):
-        output = model.generate(input_ids=input_ids, attention_mask=attention_mask,
-                                generation_config=generation)     # (C·G, P_max + R_max)
-    eos_ids = generation.eos_token_id if isinstance(generation.eos_token_id, list) else [generation.eos_token_id]
-    new_tokens = [trim_response(tokens, eos_ids) for tokens in output[:, width:].tolist()]
-    return [new_tokens[i * num_samples:(i + 1) * num_samples] for i in range(len(prompts))]
+        model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation,
+                       streamer=stream)                           # (C·G, P_max + R_max), read through `stream`
+    return stream.responses
 
 
 def chunks(examples: list[Example], size: int) -> list[tuple[int, list[Example]]]:
     """(first prompt index, prompts) of each generate call: consecutive slices of `size`."""
     return [(first, examples[first:first + size]) for first in range(0, len(examples), size)]
-
-
-def sample_chunk(model, tokenizer, chunk: list[Example], num_samples: int, generation: GenerationConfig,
-                 seed: int) -> tuple[list[list[int]], list[list[list[int]]], list[list[str]]]:
-    """One generate call for a chunk: prompt ids, responses[prompt][sample] and their decoded text."""
-    prompts = [prompt_token_ids(tokenizer, example.prompt) for example in chunk]
-    responses = sample_responses(model, prompts, num_samples, generation, seed)
-    completions = [tokenizer.batch_decode(samples, skip_special_tokens=True) for samples in responses]
-    return prompts, responses, completions
 
 
 def score(reward_fn: RewardFn, prompt: str, completion: str, answer: str) -> float:
@@ -230,41 +267,51 @@ def evaluate(model, tokenizer, examples: list[Example], reward_fn: RewardFn, set
     generation = sampling_config(settings, stop_token_ids(model, tokenizer), tokenizer.pad_token_id)
     rewards = []
     for first, chunk in chunks(examples, settings.groups_per_chunk):
-        _, _, completions = sample_chunk(model, tokenizer, chunk, settings.eval_samples, generation,
-                                         prompt_seed(settings.seed, -1, first))
+        prompts = [prompt_token_ids(tokenizer, example.prompt) for example in chunk]
+        responses = sample_responses(model, prompts, settings.eval_samples, generation,
+                                     prompt_seed(settings.seed, -1, first))
         rewards += [score(reward_fn, example.prompt, completion, example.answer)
-                    for example, texts in zip(chunk, completions) for completion in texts]
+                    for example, samples in zip(chunk, responses)
+                    for completion in tokenizer.batch_decode(samples, skip_special_tokens=True)]
     return sum(rewards) / len(rewards)
 
 
 # --- one iteration, as a stream of messages ---
+Message = Union["Group", "Evaluation", "IterationDone", Span]
+
+
 def rollout_iteration(model, tokenizer, train: list[Example], held_out: list[Example], reward_fn: RewardFn,
                       settings: Settings, iteration: int, policy_version: int, final_iteration: int,
-                      train_prompts: bool = True) -> Iterator[Group | Evaluation | IterationDone]:
-    """Yield iteration k's groups in prompt order, then its evaluation (if due), then IterationDone."""
+                      send: Callable[[Message], None], train_prompts: bool = True) -> None:
+    """Send iteration k's groups in completion order, each generate call's span, then the evaluation
+    (if due), then IterationDone. Completion order depends only on the sampled tokens: it is the same
+    in both modes, and in every rerun."""
     generation = sampling_config(settings, stop_token_ids(model, tokenizer), tokenizer.pad_token_id)
     if train_prompts:
         examples = [train[i] for i in iteration_prompts(len(train), settings.prompts_per_iteration, settings.seed,
                                                          iteration)]
         for first, chunk in chunks(examples, settings.groups_per_chunk):
             start = time.perf_counter()
-            prompts, responses, completions = sample_chunk(model, tokenizer, chunk, settings.group_size, generation,
-                                                           prompt_seed(settings.seed, iteration, first))
-            groups = []
-            for offset, (example, prompt_ids, samples, texts) in enumerate(zip(chunk, prompts, responses, completions)):
-                rewards = [score(reward_fn, example.prompt, completion, example.answer) for completion in texts]
+            prompts = [prompt_token_ids(tokenizer, example.prompt) for example in chunk]
+
+            def score_and_send(offset: int, responses: list[list[int]]) -> None:  # called inside generate
+                example = chunk[offset]
+                texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+                rewards = [score(reward_fn, example.prompt, text, example.answer) for text in texts]
                 advantages = grpo.group_advantages(torch.tensor(rewards), settings.group_size, settings.scale_rewards)
-                groups.append(Group(iteration, first + offset, policy_version, prompt_ids, samples, rewards,
-                                    advantages.tolist(), chunk=(first, len(chunk))))
-            end = time.perf_counter()
-            for group in groups:  # scored together, sent at once
-                group.start, group.end = start, end
-                yield group
+                send(Group(iteration, first + offset, policy_version, prompts[offset], responses, rewards,
+                           advantages.tolist(), start, time.perf_counter(), chunk=(first, len(chunk))))
+
+            sample_responses(model, prompts, settings.group_size, generation,
+                             prompt_seed(settings.seed, iteration, first), on_done=score_and_send)
+            last = first + len(chunk) - 1
+            send(Span(f"generate group {first}" if last == first else f"generate groups {first}-{last}", INFERENCE,
+                      start, time.perf_counter()))
     if held_out and is_eval_iteration(iteration, settings.eval_every, final_iteration):
         start = time.perf_counter()
         reward = evaluate(model, tokenizer, held_out, reward_fn, settings)
-        yield Evaluation(iteration, policy_version, reward, start, time.perf_counter())
-    yield IterationDone(iteration)
+        send(Evaluation(iteration, policy_version, reward, start, time.perf_counter()))
+    send(IterationDone(iteration))
 
 
 # --- the inference process (asynchronous mode) ---
@@ -305,9 +352,9 @@ def inference_process(model_name: str, load_kwargs: dict, commands, results, tra
             start = time.perf_counter()
             weights.load_into(model, expected_version=iteration)
             results.put(("message", Span(f"load θ_{iteration}", INFERENCE, start, time.perf_counter())))
-            for message in rollout_iteration(model, tokenizer, train, held_out, reward_fn, settings, iteration,
-                                             weights.version(), final_iteration, train_prompts=kind == "generate"):
-                results.put(("message", message))
+            rollout_iteration(model, tokenizer, train, held_out, reward_fn, settings, iteration, weights.version(),
+                              final_iteration, send=lambda message: results.put(("message", message)),
+                              train_prompts=kind == "generate")
     except KeyboardInterrupt:
         sys.exit(130)
     except BaseException as error:  # report, then die: the trainer turns this into a clear message

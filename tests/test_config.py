@@ -74,7 +74,8 @@ def test_trainer_cli_bad_value_exits_2_without_traceback():
 def test_device_auto_picks_the_hardware(monkeypatch):
     """Claim: --device auto (the default) samples on cuda:0 and trains on cuda:1 with two or more GPUs, both on cuda:0
     with one, NPUs the same way, else the CPU; sync mode (one process) uses the first device; --dtype auto is
-    bf16 on accelerators that support it and float32 on CPU; the chunk default grows on accelerators."""
+    bf16 on accelerators that support it and float32 on CPU; an iteration is one generate call on accelerators,
+    two on CPU."""
     import config
     monkeypatch.setattr(config, "detect_accelerator", lambda: "cpu")  # whatever this machine has
     assert config.pick_devices("auto", "async") == ("cpu", "cpu") and derive(Config()).dtype == "float32"
@@ -84,11 +85,12 @@ def test_device_auto_picks_the_hardware(monkeypatch):
         monkeypatch.setattr(config, "accelerator_count", lambda _: count)
         assert config.pick_devices("auto", "async") == expected
         assert config.pick_devices("auto", "sync") == (expected[0], expected[0])
-    assert derive(Config(device="auto")).groups_per_chunk == config.ACCELERATOR_GROUPS_PER_CHUNK
+    assert derive(Config(device="auto")).chunks_per_iteration == config.GENERATE_CALLS["accelerator"] == 1
     assert derive(Config(device="auto", groups_per_chunk=2)).groups_per_chunk == 2
     assert derive(Config(device="auto", rollout_device="npu:3")).rollout_device == "npu:3"
     assert config.pick_dtype("auto", "npu:1") == "bfloat16" and config.pick_dtype("float32", "npu:1") == "float32"
-    assert config.pick_dtype("auto", "cpu") == "float32" and derive(Config(device="cpu")).groups_per_chunk == 1
+    assert config.pick_dtype("auto", "cpu") == "float32"
+    assert derive(Config(device="cpu")).chunks_per_iteration == config.GENERATE_CALLS["cpu"] == 2
 
 
 def test_missing_device_is_one_line(monkeypatch):

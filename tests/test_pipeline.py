@@ -40,15 +40,17 @@ SAME_THREADS = ["--rollout-threads", "1", "--train-threads", "1"]
 
 @pytest.mark.parametrize("extra", [[], ["--updates-per-iteration", "2", "--epsilon-low", "0.01",
                                         "--epsilon-high", "0.01"],
-                                   ["--groups-per-chunk", "3", "--groups-per-forward", "2",
+                                   ["--groups-per-chunk", "3", "--micro-batch-tokens", "60",
                                     "--updates-per-iteration", "2", "--epsilon-low", "0.01", "--epsilon-high", "0.01"]])
 def test_async_equals_sync(tiny_model_dir, extra):
     """Claim: with the same thread counts on each side, async and sync are *bitwise* the same run: the same
     rollouts, the same metrics and, after several iterations, the same weights (torch.equal). The schedule changes
     only when each group is trained, and each side runs the same kernels on the same inputs. It holds with several
     updates per iteration too (mini-batches are fixed by prompt index, not arrival order) and with several prompts
-    per generate call and per training forward (4 prompts in chunks of 3, forwards of up to 2, two mini-batches of
-    2: the first chunk straddles them)."""
+    per generate call and per training forward (4 prompts in chunks of 3, streamed in completion order, two
+    mini-batches of 2 that the first chunk straddles, micro-batches capped at 60 tokens, i.e. one or two groups of
+    4 x (~6 + <= 6) tokens): micro-batches are cut by arrival order, which is completion order, the same in both
+    modes."""
     sync_policy, sync_rows = run_training(make_cfg(tiny_model_dir, "--mode", "sync", *SAME_THREADS, *extra))
     async_policy, async_rows = run_training(make_cfg(tiny_model_dir, "--mode", "async", *SAME_THREADS, *extra))
     initial, _ = load_model(str(tiny_model_dir))
@@ -145,15 +147,16 @@ def test_learner_refuses_off_policy_group(tiny_model_dir):
 
 
 def test_batched_training_forward_gives_the_same_update(tiny_model_dir):
-    """Claim: training a chunk's groups in one forward (--groups-per-forward 4) or one at a time gives the same
-    optimizer step (<= 1e-6): the loss is a sum over groups, however it is batched."""
+    """Claim: training a chunk's groups in one forward (a micro-batch cap above their tokens) or one at a time (a
+    cap of 1 token: each group alone) gives the same optimizer step (<= 1e-6): the loss is a sum over groups,
+    however it is batched."""
     generator = torch.Generator().manual_seed(0)
     groups = [Group(0, i, 0, torch.randint(2, 50, (3 + i,), generator=generator).tolist(),
                     [torch.randint(2, 50, (1 + (i + j) % 4,), generator=generator).tolist() for j in range(4)],
                     [0.0] * 4, torch.randn(4, generator=generator).tolist(), chunk=(0, 4)) for i in range(4)]
     weights = []
-    for per_forward in (1, 4):
-        cfg = make_cfg(tiny_model_dir, "--groups-per-chunk", "4", "--groups-per-forward", per_forward)
+    for cap in (1, 10_000):
+        cfg = make_cfg(tiny_model_dir, "--groups-per-chunk", "4", "--micro-batch-tokens", cap)
         policy, _ = load_model(cfg.model)
         tri = periodic_rl.TriModel(policy, use_reference=True, use_old=False)
         learner = periodic_rl.Learner(tri, torch.optim.SGD(policy.parameters(), lr=1.0), cfg, torch.device("cpu"),

@@ -4,8 +4,8 @@ from transformers import GenerationConfig
 
 from conftest import LOGIT_SCALE
 from models import load_model
-from rollout import (Settings, rollout_iteration, sample_responses, sampling_config, stop_token_ids,
-                     trim_response)
+from rollout import (Group, Settings, own_sampling_only, rollout_iteration, sample_responses, sampling_config,
+                     stop_token_ids)
 from tasks import Example, prompt_token_ids
 
 SETTINGS = Settings(seed=0, group_size=4, prompts_per_iteration=3, max_new_tokens=24, temperature=1.0, top_p=1.0,
@@ -17,11 +17,18 @@ def length_reward(prompt: str, completion: str, answer: str) -> float:
     return float(len(completion))
 
 
+def trim_response(tokens: list[int], eos_ids: list[int]) -> list[int]:
+    """Cut after the first stop id, as a reader of `generate`'s padded output would."""
+    stops = [i for i, token in enumerate(tokens) if token in eos_ids]
+    return tokens[:stops[0] + 1] if stops else tokens
+
+
 def rollouts(model_dir) -> list[list[list[int]]]:
     model, tokenizer = load_model(str(model_dir))
-    groups = rollout_iteration(model, tokenizer, EXAMPLES, [], length_reward, SETTINGS, iteration=0,
-                               policy_version=0, final_iteration=1)
-    return [group.responses for group in groups if hasattr(group, "responses")]
+    messages = []
+    rollout_iteration(model, tokenizer, EXAMPLES, [], length_reward, SETTINGS, iteration=0, policy_version=0,
+                      final_iteration=1, send=messages.append)
+    return [m.responses for m in sorted((m for m in messages if isinstance(m, Group)), key=lambda g: g.index)]
 
 
 def test_shipped_generation_config_does_not_change_sampling(qwen_shaped_dir, qwen_shaped_bare_dir):
@@ -69,8 +76,30 @@ def test_every_eos_id_stops_a_response(qwen_shaped_dir):
     assert any(endoftext in r[:-1] for r in unstopped), "with one EOS id the same samples should run past it"
 
 
-def test_trim_response_cuts_at_the_first_of_any_eos():
-    """Claim: trimming keeps the first stop token and drops everything after it, whichever EOS it is."""
-    assert trim_response([5, 7, 2, 0, 0], [3, 2]) == [5, 7, 2]
-    assert trim_response([5, 3, 2], [3, 2]) == [5, 3]
-    assert trim_response([5, 6], [3, 2]) == [5, 6]
+def test_groups_stream_in_completion_order_and_match_generate(qwen_shaped_dir):
+    """Claim: `sample_responses` reports each prompt's group inside the `generate` call, at the step its last
+    response stops, so groups arrive in order of their longest response (ties: prompt order); and what it streams is
+    exactly what `generate` returns, cut after the first stop id. Teeth: the flattened model's responses stop at
+    different lengths (several distinct group lengths, not in prompt order)."""
+    model, tokenizer = load_model(str(qwen_shaped_dir))
+    with torch.no_grad():
+        model.model.norm.weight.div_(LOGIT_SCALE)  # nearly uniform: EOS ids come up by chance, at varied steps
+    stops = stop_token_ids(model, tokenizer)
+    prompts = [tokenizer.encode(text, add_special_tokens=False) for text in ("1+2=", "31+45=", "7+7=", "40+2=")]
+    generation = sampling_config(Settings(0, 2, 4, 160, 1.0, 1.0, 0, 1, True), stops, tokenizer.pad_token_id)
+    reported = []  # P(a response stops within 160 steps) = 1 - (1 - 2/260)^160 = 0.71: group lengths vary
+    responses = sample_responses(model, prompts, 2, generation, seed=5,
+                                 on_done=lambda position, group: reported.append((position, [list(r) for r in group])))
+    longest = {position: max(map(len, group)) for position, group in reported}
+    assert sorted(position for position, _ in reported) == [0, 1, 2, 3]
+    assert [position for position, _ in reported] == sorted(longest, key=lambda p: (longest[p], p))
+    assert len(set(longest.values())) >= 3 and [p for p, _ in reported] != [0, 1, 2, 3], "too uniform to tell"
+    assert all(responses[position] == group for position, group in reported)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        width = max(map(len, prompts))
+        ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts for _ in range(2)])
+        mask = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in prompts for _ in range(2)])[:, None])
+        with own_sampling_only(model):
+            output = model.generate(input_ids=ids, attention_mask=mask.long(), generation_config=generation)
+    assert [trim_response(row, stops) for row in output[:, width:].tolist()] == [r for g in responses for r in g]

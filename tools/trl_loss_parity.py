@@ -109,9 +109,9 @@ def run_case(seed, dtype, off_policy, loss_type, beta, bias_kl, eps_lo, eps_hi):
     loss.backward()
 
     m = tr._metrics["train"]
-    d_clip = abs(m["clip_ratio/region_mean"][-1] - stats["clipped_tokens"] / stats["tokens"])
+    d_clip = abs(m["clip_ratio/region_mean"][-1] - float(stats["clipped_tokens"] / stats["tokens"]))
     return (abs(loss_trl.item() - loss.item()), (lp_trl.grad - lp.grad).abs().max().item(),
-            stats["clipped_tokens"], d_clip, loss.item())
+            float(stats["clipped_tokens"]), d_clip, loss.item())
 
 
 if __name__ == "__main__":
