@@ -41,8 +41,19 @@ async
     last one's training overlap nothing; `pipeline_bound`). `--chunk-sweep` runs the default
     workload at several --groups-per-chunk instead: batching vs streaming. Sync uses all cores; async gives the
     inference and the training process half each. Workloads beyond the default vary the balance
-    (long responses, big groups, few groups, 4 prompts per generate call and training forward,
-    several updates per iteration).
+    (long responses, big groups, few groups, 4 prompts per generate call, several updates per
+    iteration). Targets, on the default workload: async at least 90% of its `bound`; on every
+    workload async at least as fast as sync.
+
+peer
+    The same work through TRL 1.16's `GRPOTrainer` (`tools/trl_grpo_run.py`, run by `--trl-python`, a
+    separate virtualenv: TRL is never a requirement) and through `trainer.py --mode sync` and
+    `--mode async` at their defaults: the tiny model, 16 arithmetic prompts x 8 samples per step, at
+    most 8 new tokens, temperature 1, beta 0.04, dapo loss, AdamW lr 1e-4, float32, all cores, no
+    evaluation or saving on either side. Each run is a fresh process; contenders are interleaved
+    within each of `--rounds` rounds; samples/s = 128 / mean seconds per step (first step dropped),
+    and each contender's ratio to TRL. Targets: both modes at least TRL's samples/s, async at least
+    sync's.
 
 publish
     Moving θ_k to the inference process: `WeightBuffer.publish` (copy into shared memory),
@@ -440,7 +451,9 @@ def async_speedup(args: argparse.Namespace) -> bool:
                 json.dump({"workloads": results}, f, indent=1)
         return True
     default = results["default"]
-    checks = [(default["speedup"] >= 1.5, f"async >= 1.5x sync on the default workload: {default['speedup']:.2f}x"),
+    checks = [(default["speedup"] >= 0.9 * default["pipeline_bound"],
+               f"async >= 90% of its pipeline bound on the default workload: {default['speedup']:.2f}x of "
+               f"{default['pipeline_bound']:.2f}x"),
               (all(r["speedup"] >= 1.0 for r in results.values()),
                "async never slower than sync: worst " + f"{min(r['speedup'] for r in results.values()):.2f}x")]
     for ok, line in checks:

@@ -6,9 +6,10 @@ Periodic asynchrony (arXiv 2511.18871, Fig. 2), iteration k:
     ------------------------------------      ------------------------------------------
     publish θ_k -> shared-memory buffer  ->   load θ_k (CPU: its parameters *are* views
     send ("generate", k)                        of the buffer, so nothing is copied)
-                                              for each chunk of C prompts: sample G each,
-                                                score, push its C groups
-    for each chunk, in completion order:  <-    ... (generation continues meanwhile)
+                                              for each chunk of C prompts: one generate call;
+                                                each group pushed the step its last
+                                                response stops (completion order)
+    for each micro-batch of arrived groups: <-  ... (generation continues meanwhile)
         forward, backward (accumulate ∇)      evaluate θ_k on held-out prompts (if due)
     optimizer step(s)                    <-   IterationDone(k): θ_k no longer read
     publish θ_{k+1} ...
@@ -23,7 +24,10 @@ synchronous one, because with one optimizer step per iteration
 is a sum over the same samples evaluated at the same θ_k; a sum does not depend on the order of
 its terms (up to float rounding), so streaming groups in any order gives the synchronous gradient.
 With N > 1 optimizer steps per iteration the same holds per mini-batch, because mini-batch
-membership is fixed by prompt index (`minibatch_of`), never by arrival order.
+membership is fixed by prompt index (`minibatch_of`), never by arrival order. Micro-batches (which
+groups share a forward) are cut by arrival order, but arrival order is completion order, a function
+of the sampled tokens alone: the two modes, and any rerun, batch the same groups together, so with
+equal thread counts they are bitwise the same run (tests/test_pipeline.py).
 
 Synchronous mode runs the same `rollout_iteration` in the trainer's process and only then trains:
 same seeds, same groups, same gradients, no overlap.

@@ -4,20 +4,23 @@ One iteration k of rollouts, with the policy weights θ_k:
 
     for each chunk of C prompts x_j of iteration k, in index order:
         o_j1..o_jG ~ π_θk(· | x_j), all j at once Hugging Face `generate`, KV cache, seeded per chunk
-        for each prompt x_j of the chunk:
+        as soon as all G responses of a prompt x_j have stopped (inside generate):
             r_i = reward(x_j, o_ji, answer_j)     a plain Python function, checked for errors / NaN
             A_i = group_advantages(r)             grpo.py
-            yield Group(...)                      -> the trainer, at once
+            send(Group(...))                      -> the trainer, at once
     every `eval_every` iterations: held-out reward of θ_k
 
-`rollout_iteration` is that loop as a generator. Synchronous mode consumes it in the trainer's own
-process; asynchronous mode runs the very same generator in `inference_process`, which puts each
-message on a queue as soon as it exists. Same code, same seeds, so the same rollouts.
+`rollout_iteration` is that loop, handing each message to `send`. Synchronous mode collects them in
+the trainer's own process; asynchronous mode runs the very same function in `inference_process`,
+whose `send` puts each message on a queue. Same code, same seeds, so the same rollouts, in the same
+order.
 
-Chunks (`--groups-per-chunk C`, default 1): one `generate` call samples C prompts x G responses,
-prompts left-padded to the longest. C = 1 streams each group as soon as it exists (the finest
-pipeline); larger C keeps an accelerator busy (and cuts per-call overhead on CPU) at the price of a
-longer pipeline fill: the trainer's first group arrives only with the first chunk.
+Chunks (`--groups-per-chunk C`; default: the whole iteration in one call on an accelerator, in two
+on CPU): one `generate` call samples C prompts x G responses, prompts left-padded to the longest.
+Groups leave the call in completion order: `CompletionOrder`, a `generate` streamer, sees every
+decode step's tokens and scores and sends a prompt's group the step its last response stops, while
+the other rows go on decoding. With long-tailed response lengths the trainer works on the short
+groups while the long ones are still being sampled, without giving up the batched call.
 
 Reproducible sampling: each chunk is sampled right after `torch.manual_seed(prompt_seed(seed, k, j))`,
 j its first prompt, a function of (seed, iteration, prompt index) only, never of global RNG history,
@@ -37,8 +40,9 @@ the sampler's bf16 weights and the trainer's float32 masters under autocast give
 by rounding; see tri_model.py.)
 
 Departures, on purpose:
-1. No continuous batching: a chunk ends when its longest response does. Inference engines (vLLM,
-   SGLang) refill finished slots; that is orthogonal to the schedule this project is about.
+1. No continuous batching: finished rows keep their slot (generate feeds them padding) until the
+   call ends with its longest response. Inference engines (vLLM, SGLang) refill finished slots;
+   that is orthogonal to the schedule this project is about.
 2. `top_k`, `repetition_penalty` and the rest of the model's shipped generation_config are
    ignored (see above): only --temperature and --top-p shape sampling.
 """

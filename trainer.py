@@ -135,11 +135,10 @@ def train_and_log(cfg: Config, loaded: Loaded) -> dict:
     metrics_path.write_text("")
     print(f"periodic-rl: {cfg.mode} | model {cfg.model} | {len(loaded.train_examples)} train / "
           f"{len(loaded.held_out)} held-out prompts | {cfg.iterations} iterations x {cfg.prompts_per_iteration} prompts x {cfg.group_size} "
-          f"in chunks of {cfg.groups_per_chunk} | threads inference/train {cfg.rollout_threads}/{cfg.train_threads} "
           f"| out {out}", flush=True)
-    if cfg.mode == "async" and cfg.chunks_per_iteration == 1:
-        print("periodic-rl: note: one chunk per iteration leaves the pipeline nothing to overlap; the two "
-              "processes take turns, and --mode sync is as fast (lower --groups-per-chunk to overlap)", flush=True)
+    print(f"periodic-rl: sizes: --groups-per-chunk {cfg.groups_per_chunk} ({cfg.chunks_per_iteration} generate "
+          f"call(s) per iteration) --micro-batch-tokens {cfg.micro_batch_tokens} --rollout-threads "
+          f"{cfg.rollout_threads} --train-threads {cfg.train_threads} (pass these to fix them)", flush=True)
     first_eval, start = None, time.perf_counter()
     rows = periodic_rl.train(cfg, **loaded._asdict())  # field names = train's parameters
     progress = tqdm(total=cfg.iterations, desc="iterations", disable=not sys.stderr.isatty(), leave=False)

@@ -32,7 +32,7 @@ def test_two_iterations_of_trainer_py(tiny_model_dir, tmp_path, mode):
         assert key in rows[0], key
     trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     names = {e["name"] for e in trace}
-    assert "train group 0" in names and "generate group 0" in names
+    assert "generate groups 0-1" in names and "train 2 groups" in names and "optimizer step 0" in names
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "policy")
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "policy")
     ids = torch.tensor([tokenizer.encode("12+7=", add_special_tokens=False)])

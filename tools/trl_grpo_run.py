@@ -55,13 +55,11 @@ kernels/chunked_logprob.py and transformers 5.23's trainer.py; single process, u
    prompts, completions, rewards and advantages are also copied into the completions-log deques.
 7. Trainer bookkeeping: the gradient norm is returned by the clip (as in periodic-rl), a NaN/Inf
    check of the loss, a constant-LR scheduler step, callback dispatch, the log/save/eval checks.
-What periodic-rl does differently on CPU (its defaults when this was written): one `generate` call
-per group of 8 (`--groups-per-chunk 1`) with a streamer that reads every decode step's tokens back
-(`.tolist()`), one reward call per completion, each call's groups trained as soon as they are
-delivered (so 16 forward/backward passes of 8 rows, against TRL's one of 128), shared-prompt packing
-where `attention.packing_pays`. With a model this small, per-call overheads may well outweigh the
-arithmetic, so that batch granularity is the first suspect for any difference in samples/s (not
-measured here; `trainer.py --groups-per-chunk 16` would be the like-for-like batching).
+What periodic-rl does differently (its defaults on CPU): two `generate` calls of 64 rows per
+iteration with a streamer that reads every decode step's tokens back (`.tolist()`) and hands each group
+to the trainer the moment its last response stops; one reward call per completion; training in
+micro-batches of whatever has arrived (here one forward/backward per call), shared-prompt packing only
+where `attention.packing_pays` (not for these tiny groups). `python bench.py peer` runs both side by side.
 
 Fairness: the two see the same prompts distribution, not the same prompts (TRL's seeded sampler vs
 periodic-rl's permutation) and sample different tokens, so response lengths differ a little: both
