@@ -359,7 +359,8 @@ def inference_process(model_name: str, load_kwargs: dict, commands, results, tra
             rollout_iteration(model, tokenizer, train, held_out, reward_fn, settings, iteration, weights.version(),
                               final_iteration, send=lambda message: results.put(("message", message)),
                               train_prompts=kind == "generate")
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C reaches the whole process group; the trainer stops too and reads no more
+        results.cancel_join_thread()  # so exiting must not wait to flush queued groups into a full pipe
         sys.exit(130)
     except BaseException as error:  # report, then die: the trainer turns this into a clear message
         summary = f"{type(error).__name__}: {error}" if isinstance(error, RewardError) else traceback.format_exc()
