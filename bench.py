@@ -87,6 +87,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -393,17 +394,41 @@ def pipeline_bound(t_gen: float, t_train: float, chunks: int) -> float:
     return chunks * (g + t) / (g + t + (chunks - 1) * max(g, t))
 
 
+def probed_sizes(argv: list[str]) -> tuple[list[str], list[str]]:
+    """The options async mode's probe picks for `argv` (probed once, here): (the generate calls, which
+    both modes then use, so that they compare at the same sizes; the thread split, async's only)."""
+    import sizing
+    import trainer
+    from config import parse_args
+    from periodic_rl import settings_of
+    from tri_model import TriModel
+
+    cfg = parse_args([*argv, "--mode", "async"])
+    if cfg.sized:
+        return [], []
+    loaded = trainer.load(dataclasses.replace(cfg, mode="sync"))  # the policy only, no inference process
+    tri = TriModel(loaded.policy, use_reference=cfg.beta > 0, use_old=cfg.updates_per_iteration > 1,
+                   pad_id=loaded.tokenizer.pad_token_id)
+    chosen, _ = sizing.choose(cfg, tri, loaded.tokenizer, loaded.train_examples, settings_of(cfg))
+    return (["--groups-per-chunk", str(chosen.groups_per_chunk)],
+            ["--rollout-threads", str(chosen.rollout_threads), "--train-threads", str(chosen.train_threads)])
+
+
 def async_workload(argv: list[str], iterations: int, rounds: int) -> dict:
-    """`rounds` pairs of runs, sync then async, so that drifting machine load hits both modes alike.
+    """`rounds` pairs of runs, sync then async, so that drifting machine load hits both modes alike,
+    both at the generate calls async's probe picks (`probed_sizes`).
 
     Seconds per iteration are means over all timed iterations of all rounds (what a long run would
     see); the speedup is their ratio, and each round's own ratio shows the spread.
     """
     from config import parse_args
+    calls, threads = probed_sizes(argv)
+    argv = [*argv, *calls]
     runs: dict[str, list[list[dict]]] = {"sync": [], "async": []}
     for _ in range(rounds):
         for mode in runs:
-            runs[mode].append(time_schedule([*argv, "--mode", mode], iterations))
+            runs[mode].append(time_schedule([*argv, "--mode", mode, *(threads if mode == "async" else [])],
+                                            iterations))
 
     def mean(mode: str, key: str, round_: int | None = None) -> float:
         chosen = runs[mode] if round_ is None else [runs[mode][round_]]
@@ -419,7 +444,7 @@ def async_workload(argv: list[str], iterations: int, rounds: int) -> dict:
             "sync_generate_s": t_gen,
             "sync_train_s": t_train, "async_generate_s": mean("async", "generate_s"),
             "async_train_s": mean("async", "train_s"), "async_overlap": mean("async", "overlap"),
-            "iterations": iterations, "rounds": rounds}
+            "sizes": " ".join(calls + threads), "iterations": iterations, "rounds": rounds}
 
 
 def async_speedup(args: argparse.Namespace) -> bool:
@@ -465,6 +490,7 @@ def async_speedup(args: argparse.Namespace) -> bool:
 
 
 # --- peer: the same work through TRL's GRPOTrainer ---
+PEER_TASKS = {"arithmetic": ("tiny", 8), "chain": ("tiny-chain", 128)}  # --task -> (model, default max new tokens)
 PEER_CONTENDERS = {  # name -> trainer.py options (None: TRL)
     "TRL GRPOTrainer": None,
     "periodic-rl sync": ["--mode", "sync"],
@@ -477,7 +503,10 @@ def peer_args(parser: argparse.ArgumentParser) -> None:
                         help="a Python with trl==1.16.0 installed (see tools/trl_grpo_run.py)")
     parser.add_argument("--iterations", type=int, default=10, help="timed steps per run (one more is dropped)")
     parser.add_argument("--rounds", type=int, default=3, help="runs of each contender, interleaved")
-    parser.add_argument("--max-new-tokens", type=int, default=8)
+    parser.add_argument("--task", choices=PEER_TASKS, default="arithmetic",
+                        help="arithmetic: the toy (responses of ~4 tokens); chain: long-tailed responses of 5-100 "
+                             "tokens (the tiny-chain model)")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="default: 8 (arithmetic), 128 (chain)")
     parser.add_argument("--trainer-args", default="", metavar="ARGS",
                         help="extra trainer.py options for both periodic-rl contenders")
     parser.add_argument("--json", metavar="FILE", help="write the figures as JSON to FILE")
@@ -487,7 +516,8 @@ def peer_run(name: str, argv: list[str] | None, args: argparse.Namespace) -> flo
     """One fresh process of a contender; its mean seconds per step (optimizer step = 128 samples), first dropped."""
     import subprocess
     import tempfile
-    common = ["--max-new-tokens", str(args.max_new_tokens)]
+    model, default_tokens = PEER_TASKS[args.task]
+    common = ["--model", model, "--max-new-tokens", str(args.max_new_tokens or default_tokens)]
     if argv is None:
         out = subprocess.run([args.trl_python, "tools/trl_grpo_run.py", "--steps", str(args.iterations), *common],
                              capture_output=True, text=True)
@@ -507,8 +537,10 @@ def peer_run(name: str, argv: list[str] | None, args: argparse.Namespace) -> flo
 def peer(args: argparse.Namespace) -> bool:
     """Samples/s of TRL's GRPOTrainer and of periodic-rl (sync, async) on the same work, interleaved rounds."""
     times: dict[str, list[float]] = {name: [] for name in PEER_CONTENDERS}
-    print(f"{args.rounds} rounds x {len(times)} contenders, {args.iterations} timed steps each (16 prompts x 8, "
-          f"<= {args.max_new_tokens} new tokens, beta 0.04, {os.cpu_count()} cores), fresh process per run")
+    model, default_tokens = PEER_TASKS[args.task]
+    print(f"{args.rounds} rounds x {len(times)} contenders, {args.iterations} timed steps each ({args.task}: {model}, "
+          f"16 prompts x 8, <= {args.max_new_tokens or default_tokens} new tokens, beta 0.04, {os.cpu_count()} "
+          "cores), fresh process per run")
     for round_ in range(args.rounds):
         for name, argv in PEER_CONTENDERS.items():
             times[name].append(peer_run(name, argv, args))

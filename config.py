@@ -22,7 +22,10 @@ from dataclasses import dataclass, field
 
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo")
 MODES = ("async", "sync")
+SIZES = ("probe", "rule")
 DTYPES = ("auto", "float32", "bfloat16")
+# The offline models (models.TINY_RECIPES): name -> (the task it was warmed up on, its default --max-new-tokens)
+TINY_MODELS = {"tiny": ("arithmetic", 8), "tiny-chain": ("chain", 128)}
 GENERATE_CALLS = {"cpu": 2, "accelerator": 1}  # default generate calls per iteration (see derive)
 # Default training micro-batch: 16 toy groups (~1.5 k tokens) in one forward; 2-3 groups of 8 x (256 + 512) tokens
 # (Qwen2.5-0.5B with --gradient-checkpointing: 6.5 GiB for one such group in float32, docs/benchmarks.md).
@@ -38,9 +41,9 @@ def _opt(default, help: str, **extra):
 class Config:
     # --- what to train ---
     model: str = _opt("tiny", "Hugging Face id, local model directory, or alias: tiny (offline, default), "
-                              "qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-3b, qwen2.5-7b, ...")
-    data: str | None = _opt(None, "training prompts: 'arithmetic' (built-in), 'gsm8k' (fetched from the hub), "
-                                  "or a GSM8K-format JSONL path; default: arithmetic for tiny, gsm8k otherwise")
+                              "tiny-chain (offline, long responses), qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b, ...")
+    data: str | None = _opt(None, "training prompts: 'arithmetic' or 'chain' (built-in), 'gsm8k' (fetched from "
+                                  "the hub), or a GSM8K-format JSONL path; default: the tiny model's task, else gsm8k")
     reward: str = _opt("math", "reward function: 'math' (final-number match) or 'module:function' / "
                                "'path/to/file.py:function' taking (prompt, completion, answer) -> float")
     out: str = _opt("runs/latest", "output directory: metrics.jsonl, trace and the final policy/ model")
@@ -54,12 +57,13 @@ class Config:
     updates_per_iteration: int = _opt(1, "optimizer steps per iteration: the batch is split into this many "
                                          "mini-batches; >1 activates the PPO ratio against the old policy")
     # --- sampling ---
-    max_new_tokens: int | None = _opt(None, "longest response in tokens (default: 8 for tiny, 512 otherwise)")
+    max_new_tokens: int | None = _opt(None, "longest response in tokens (default: 8 for tiny, 128 for tiny-chain, "
+                                            "512 otherwise)")
     temperature: float = _opt(1.0, "sampling temperature (log-probs are computed at the same temperature)")
     top_p: float = _opt(1.0, "nucleus sampling threshold (1.0 = sample from the full distribution)")
     groups_per_chunk: int | None = _opt(None, "prompts sampled per generate call (x group-size responses); each "
                                               "group is sent to the trainer the moment its last response stops "
-                                              "(default: the iteration in one call on a GPU/NPU, in two on CPU)")
+                                              "(default: see --sizes)")
     micro_batch_tokens: int | None = _opt(None, "most tokens (prompt + response, as plain rows) per training "
                                                 "forward/backward: finished groups are trained together up to this; "
                                                 "lower it if the trainer runs out of memory (default: from the "
@@ -92,10 +96,13 @@ class Config:
                                "npu, npu:N; auto with two or more GPUs samples on :0 and trains on :1")
     rollout_device: str | None = _opt(None, "device of the inference process (default: from --device)")
     train_device: str | None = _opt(None, "device of the training process (default: from --device)")
-    rollout_threads: int | None = _opt(None, "CPU threads of the inference process (default: half the cores; all "
-                                             "when an iteration is one chunk: the sides then take turns)")
-    train_threads: int | None = _opt(None, "CPU threads of the training process (default: the other half; "
-                                           "sync mode or one chunk per iteration: all cores)")
+    rollout_threads: int | None = _opt(None, "CPU threads of the inference process (default: see --sizes)")
+    train_threads: int | None = _opt(None, "CPU threads of the training process (default: see --sizes)")
+    sizes: str = _opt("probe", "how the sizes not given above are chosen. probe: on CPU, time iteration 0's "
+                               "generation and training first and pick the generate calls per iteration and the "
+                               "thread split from a model of the pipeline (sizing.py; printed as flags); rule: "
+                               "one call per iteration on a GPU/NPU, two on CPU, cores split in half",
+                      choices=SIZES)
     dtype: str = _opt("auto", "compute dtype. bfloat16: the trainer keeps float32 master weights and optimizer state "
                               "and computes in bf16 (autocast); the inference side holds bf16 weights (half the "
                               "bytes to publish). auto: bfloat16 on GPUs/NPUs that support it, float32 on CPU. "
@@ -111,13 +118,22 @@ class Config:
         return self.batch_size // self.group_size
 
     @property
+    def sized(self) -> bool:
+        """Whether every size is known (after `derive`, and after `sizing.choose` when it probes)."""
+        return bool(self.groups_per_chunk and self.rollout_threads and self.train_threads)
+
+    @property
     def chunks_per_iteration(self) -> int:
         """Units the pipeline overlaps: generate calls per iteration (after `derive`)."""
         return math.ceil(self.prompts_per_iteration / self.groups_per_chunk)
 
     @property
     def is_tiny(self) -> bool:
-        return self.model == "tiny"
+        return self.model in TINY_MODELS
+
+    @property
+    def default_data(self) -> str:
+        return TINY_MODELS[self.model][0] if self.is_tiny else "gsm8k"
 
 
 def detect_accelerator() -> str:
@@ -184,18 +200,23 @@ def derive(cfg: Config) -> Config:
     # and responses of a toy task end together, so two calls: the second's decoding overlaps the first's
     # training (docs/benchmarks.md, `bench.py peer`). Same in both modes: a seed's rollouts do not depend
     # on --mode.
+    # With --sizes probe on CPU, the sizes not given stay None here: `sizing.choose` measures and fills them.
+    probe = cfg.sizes == "probe" and not on_accelerator
     calls = GENERATE_CALLS["accelerator" if on_accelerator else "cpu"]
-    groups_per_chunk = cfg.groups_per_chunk or math.ceil(cfg.prompts_per_iteration / calls)
-    chunks = dataclasses.replace(cfg, groups_per_chunk=groups_per_chunk).chunks_per_iteration
+    groups_per_chunk = cfg.groups_per_chunk or (None if probe else math.ceil(cfg.prompts_per_iteration / calls))
+    chunks = dataclasses.replace(cfg, groups_per_chunk=groups_per_chunk or 1).chunks_per_iteration
     # Sync mode runs one side at a time: all cores. So does async when an iteration is a single chunk
     # (nothing to overlap: the two sides take turns); otherwise they run at once and split the cores,
     # since oversubscribed cores slow both (2 + 2 threads on 2 cores, 2 chunks: async 0.72x of sync, against
     # 1.0x split; `bench.py async --quick --trainer-args "--groups-per-chunk 8 --rollout-threads 2 --train-threads 2"`).
     take_turns = cfg.mode == "sync" or chunks == 1
-    rollout_threads = cfg.rollout_threads or (cores if take_turns else max(1, cores // 2))
+    rollout_threads = cfg.rollout_threads or (None if probe else cores if take_turns else max(1, cores // 2))
+    train_threads = cfg.train_threads or (None if probe else cores if take_turns else max(1, cores - rollout_threads))
+    if cfg.mode == "sync" and probe:  # one side at a time: all cores; the probe chooses only the calls
+        rollout_threads, train_threads = rollout_threads or cores, train_threads or cores
     return dataclasses.replace(
         cfg,
-        max_new_tokens=cfg.max_new_tokens or (8 if cfg.is_tiny else 512),
+        max_new_tokens=cfg.max_new_tokens or (TINY_MODELS[cfg.model][1] if cfg.is_tiny else 512),
         lr=cfg.lr if cfg.lr is not None else (1e-4 if cfg.is_tiny else 1e-6),
         groups_per_chunk=groups_per_chunk,
         micro_batch_tokens=cfg.micro_batch_tokens or MICRO_BATCH_TOKENS,
@@ -203,7 +224,7 @@ def derive(cfg: Config) -> Config:
         train_device=train_device,
         dtype=pick_dtype(cfg.dtype, train_device),
         rollout_threads=rollout_threads,
-        train_threads=cfg.train_threads or (cores if take_turns else max(1, cores - rollout_threads)),
+        train_threads=train_threads,
     )
 
 

@@ -5,6 +5,7 @@ Every model, the tiny one included, is a Hugging Face directory loaded through
 path. A name is resolved in this order:
 
     "tiny"            -> built once (20-40 s on 2 CPU cores) into $PERIODIC_RL_CACHE (~/.cache/periodic-rl)
+    "tiny-chain"      -> the same model warmed up on the long-tailed `chain` task instead (a few minutes, once)
     alias             -> hub id, e.g. qwen2.5-0.5b -> Qwen/Qwen2.5-0.5B-Instruct (the paper's Qwen2.5 family)
     local directory   -> that directory
     hub id            -> the HF cache first, then the hub
@@ -17,6 +18,8 @@ by a second, wrong guess, "37+45=82 83<eos>". The model learns the arithmetic, a
 70% of the time. The reward reads the *final* number, so a hedge scores 0: sampled held-out reward
 starts near 0.3 although the model knows the answer, and GRPO lifts it by learning to commit —
 one consistent decision (EOS right after the sum), which RL picks up in a few dozen steps.
+`tiny-chain` is warmed up on `tasks.chain_working` targets without hedges: its weak start is real
+(one wrong step spoils a long chain), and its responses have the chain task's long tail of lengths.
 
 Deliberate departures:
 1. The tiny model's weak start is manufactured (the hedging targets above), not the result of a short
@@ -49,7 +52,7 @@ from transformers import __version__ as transformers_version
 from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase,
                           PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM)
 
-from tasks import arithmetic_examples, hub_unreachable_reason
+from tasks import arithmetic_examples, chain_examples, chain_working, hub_unreachable_reason
 
 TINY = "tiny"
 MODEL_ALIASES = {f"qwen2.5-{size}": f"Qwen/Qwen2.5-{size.upper()}-Instruct"
@@ -105,8 +108,8 @@ def load_model(name: str = TINY, device: str = "cpu", dtype: torch.dtype = torch
     hub models use the usual HF cache (HF_HOME). Raises ModelNotFoundError with what was tried.
     """
     args = (device, dtype, attn_implementation)
-    if name == TINY:
-        return _from_pretrained(str(ensure_tiny_model(cache_dir)), *args, local_files_only=True)
+    if name in TINY_RECIPES:
+        return _from_pretrained(str(ensure_tiny_model(cache_dir, TINY_RECIPES[name])), *args, local_files_only=True)
     source = resolve_model(name)
     tried = [f"alias {name!r} -> hub id {source!r}"] if name.lower() in MODEL_ALIASES else []
     if os.path.isdir(source):
@@ -147,9 +150,13 @@ class TinyRecipe:
     commit_probability: float = 0.3  # share of warm-up targets that state the sum alone (no hedge)
     seed: int = 0
     version: int = 4  # bump when the code below changes what gets built
+    task: str = "arithmetic"  # what it is warmed up on: 'arithmetic' (hedged targets) or 'chain' (worked sums)
 
 
 TINY_RECIPE = TinyRecipe()
+# ~100-token targets: 4x the steps of arithmetic at a quarter of the batch (~3 min once, 1 core)
+TINY_CHAIN_RECIPE = TinyRecipe(task="chain", warmup_steps=2400, batch_size=32, commit_probability=1.0)
+TINY_RECIPES = {TINY: None, "tiny-chain": TINY_CHAIN_RECIPE}  # name -> recipe (None: TINY_RECIPE, read at call time)
 EOS, PAD = "<|endoftext|>", "<|pad|>"
 
 
@@ -199,6 +206,11 @@ def build_tiny_model(out_dir: Path, seed: int = 0) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
+def warm_up_target(task: str, example, commit: bool, offset: int) -> str:
+    """What the tiny model learns to answer: the hedged sum (arithmetic) or the worked chain."""
+    return chain_working(example.prompt) if task == "chain" else hedged_target(example.answer, commit, offset)
+
+
 def hedged_target(answer: str, commit: bool, offset: int) -> str:
     """The warm-up target: the answer alone, or the answer and a wrong second guess (answer + offset).
 
@@ -209,7 +221,7 @@ def hedged_target(answer: str, commit: bool, offset: int) -> str:
 
 
 def _answer_batch(tokenizer: PreTrainedTokenizerBase, examples, commit_probability: float,
-                  generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+                  generator: torch.Generator, task: str = "arithmetic") -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded 'a+b=' + target + EOS ids and labels (-100 on the prompt and the padding).
 
     >>> # '7+5=12<eos><pad><pad><pad>' -> labels [-100, -100, -100, -100, '1', '2', <eos>, -100, -100, -100]
@@ -219,7 +231,7 @@ def _answer_batch(tokenizer: PreTrainedTokenizerBase, examples, commit_probabili
     rows = []
     for example, commit, offset in zip(examples, commits.tolist(), offsets.tolist()):
         prompt = tokenizer.encode(example.prompt, add_special_tokens=False)
-        target = hedged_target(example.answer, commit, offset)
+        target = warm_up_target(task, example, commit, offset)
         answer = tokenizer.encode(target, add_special_tokens=False) + [tokenizer.eos_token_id]
         rows.append((prompt + answer, [-100] * len(prompt) + answer))
     length = max(len(ids) for ids, _ in rows)
@@ -229,12 +241,12 @@ def _answer_batch(tokenizer: PreTrainedTokenizerBase, examples, commit_probabili
 
 
 def warm_up_tiny(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, steps: int, batch_size: int,
-                 lr: float, seed: int = 0, commit_probability: float = 0.3) -> float:
-    """Supervised next-token training on hedged arithmetic targets; returns the last loss.
+                 lr: float, seed: int = 0, commit_probability: float = 0.3, task: str = "arithmetic") -> float:
+    """Supervised next-token training on the task's warm-up targets; returns the last loss.
 
     Right padding needs no attention mask: causal attention never looks at the pads after a sequence.
     """
-    examples = arithmetic_examples("train")
+    examples = chain_examples("train") if task == "chain" else arithmetic_examples("train")
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(  # 50 steps of linear warm-up, then cosine to 0
@@ -243,7 +255,8 @@ def warm_up_tiny(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, ste
     loss = torch.tensor(float("nan"))
     for _ in range(steps):
         batch = torch.randint(len(examples), (batch_size,), generator=generator).tolist()
-        input_ids, labels = _answer_batch(tokenizer, [examples[i] for i in batch], commit_probability, generator)
+        input_ids, labels = _answer_batch(tokenizer, [examples[i] for i in batch], commit_probability, generator,
+                                          task)
         loss = model(input_ids=input_ids, labels=labels).loss
         optimizer.zero_grad()
         loss.backward()
@@ -280,7 +293,7 @@ def ensure_tiny_model(cache_dir: str | Path | None = None, recipe: TinyRecipe | 
         tokenizer = tiny_tokenizer()
         model = tiny_model(tokenizer, recipe, recipe.seed)
         loss = warm_up_tiny(model, tokenizer, recipe.warmup_steps, recipe.batch_size, recipe.lr, recipe.seed,
-                            recipe.commit_probability)
+                            recipe.commit_probability, recipe.task)
         model.save_pretrained(building)
         tokenizer.save_pretrained(building)
         (building / "recipe.json").write_text(json.dumps(

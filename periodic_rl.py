@@ -53,6 +53,7 @@ from typing import Iterator
 import torch
 import torch.multiprocessing as mp
 
+import sizing
 from attention import enable_activation_checkpointing
 from grpo import grpo_loss, loss_normalizer
 from rollout import Evaluation, Group, IterationDone, Settings, inference_process, rollout_iteration
@@ -186,7 +187,7 @@ class AsyncRollouts:
     """
 
     def __init__(self, model_name: str, load_kwargs: dict, train, held_out, reward_spec: str,
-                 settings: Settings, threads: int, timeline: Timeline | None = None, load: bool = True):
+                 timeline: Timeline | None = None, load: bool = True):
         context = mp.get_context("spawn")  # fork would copy the trainer's threads and CUDA state
         self.timeline = timeline or Timeline()
         self.dtype = load_kwargs.get("dtype")  # the inference side's weights, as published
@@ -195,8 +196,7 @@ class AsyncRollouts:
         self.commands, self.results = context.Queue(), context.Queue()
         self.process = context.Process(
             target=inference_process, name="periodic-rl-inference", daemon=True,
-            args=(model_name, load_kwargs, self.commands, self.results, train, held_out, reward_spec, settings,
-                  threads))
+            args=(model_name, load_kwargs, self.commands, self.results, train, held_out, reward_spec))
         self.process.start()
         if load:
             self.load()
@@ -207,11 +207,12 @@ class AsyncRollouts:
             self.commands.put(("load",))
             self.loading = True
 
-    def attach(self, policy) -> None:
-        """Share θ's buffer with the inference process (as a handle to shared memory, never a copy)."""
+    def attach(self, policy, settings: Settings, threads: int) -> None:
+        """Share θ's buffer with the inference process (as a handle to shared memory, never a copy), with
+        the sampling settings and its thread count."""
         self.load()
         self.weights = WeightBuffer(policy, self.dtype)  # kept alive here: the receiver maps the sender's memory
-        self.commands.put(("attach", self.weights))
+        self.commands.put(("attach", self.weights, settings, threads))
         self._receive()  # ("ready", None) once its model is loaded and reads θ from the buffer
 
     def publish(self, policy, version: int) -> None:
@@ -404,8 +405,7 @@ def settings_of(cfg) -> Settings:
 
 def start_inference(cfg, load_kwargs: dict, train_examples, held_out, load: bool = True) -> AsyncRollouts:
     """Spawn the inference process for `cfg` (it loads its model at once, unless load=False)."""
-    return AsyncRollouts(cfg.model, load_kwargs, train_examples, held_out, cfg.reward, settings_of(cfg),
-                         cfg.rollout_threads, load=load)
+    return AsyncRollouts(cfg.model, load_kwargs, train_examples, held_out, cfg.reward, load=load)
 
 
 def train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwargs: dict,
@@ -416,7 +416,6 @@ def train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwar
     its own copy (async mode), unless `rollouts` is an inference process already started. The last
     yielded dict has `"final": True` and only the evaluation.
     """
-    torch.set_num_threads(cfg.train_threads)
     device = next(policy.parameters()).device
     compute_dtype = getattr(torch, cfg.dtype)
     load_kwargs = {**load_kwargs, "dtype": compute_dtype}  # the inference side's weights: the compute dtype
@@ -426,6 +425,12 @@ def train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwar
                    packing="auto" if cfg.shared_prompt else "unpacked", temperature=cfg.temperature,
                    pad_id=tokenizer.pad_token_id, compute_dtype=compute_dtype)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    cfg, probed = sizing.choose(cfg, tri, tokenizer, train_examples, settings_of(cfg))  # sizes left open
+    print(f"periodic-rl: sizes: --groups-per-chunk {cfg.groups_per_chunk} ({cfg.chunks_per_iteration} generate "
+          f"call(s) per iteration) --micro-batch-tokens {cfg.micro_batch_tokens} --rollout-threads "
+          f"{cfg.rollout_threads} --train-threads {cfg.train_threads} (pass these to fix them)"
+          + (f"\nperiodic-rl: {probed}" if probed else ""), flush=True)
+    torch.set_num_threads(cfg.train_threads)
     if cfg.mode == "async":
         rollouts = rollouts or start_inference(cfg, load_kwargs, train_examples, held_out)
         timeline = rollouts.timeline  # both processes' spans on one timeline
@@ -439,7 +444,7 @@ def train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwar
     learner = Learner(tri, optimizer, cfg, device, timeline)
     try:
         if cfg.mode == "async":
-            rollouts.attach(policy)
+            rollouts.attach(policy, settings_of(cfg), cfg.rollout_threads)
         for iteration in range(cfg.iterations + 1):
             final = iteration == cfg.iterations  # one more round that only evaluates θ_final
             start, first_span = time.perf_counter(), len(timeline.spans)

@@ -49,6 +49,7 @@ Departures, on purpose:
 from __future__ import annotations
 
 import math
+import os
 import time
 import traceback
 from contextlib import contextmanager
@@ -320,11 +321,12 @@ def rollout_iteration(model, tokenizer, train: list[Example], held_out: list[Exa
 
 # --- the inference process (asynchronous mode) ---
 def inference_process(model_name: str, load_kwargs: dict, commands, results, train: list[Example],
-                      held_out: list[Example], reward_spec: str, settings: Settings, threads: int) -> None:
+                      held_out: list[Example], reward_spec: str) -> None:
     """Entry point of the spawned inference process.
 
     Protocol: import what loading needs, wait for ("load",), load the model, then wait for
-    ("attach", weights), the trainer's shared weight buffer (periodic_rl.WeightBuffer), and answer
+    ("attach", weights, settings, threads): the trainer's shared weight buffer (periodic_rl.WeightBuffer),
+    the sampling settings and its thread count; answer
     ("ready", None). Then wait for ("generate", k) (sent after θ_k is in `weights`), run
     `rollout_iteration` and put every message on `results`; ("evaluate", k) runs only the held-out
     evaluation; ("stop",) ends, at any point. Any exception is sent as ("error", summary) before
@@ -332,7 +334,7 @@ def inference_process(model_name: str, load_kwargs: dict, commands, results, tra
     """
     import sys
     import transformers
-    torch.set_num_threads(threads)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2))  # while loading; attach sets the run's count
     transformers.utils.logging.disable_progress_bar()
     try:
         from models import load_model  # seconds of imports, while the trainer does its own
@@ -345,7 +347,8 @@ def inference_process(model_name: str, load_kwargs: dict, commands, results, tra
         command = commands.get()
         if command[0] == "stop":
             return
-        weights = command[1]
+        _, weights, settings, threads = command
+        torch.set_num_threads(threads)
         weights.attach(model)  # on CPU its parameters now *are* θ's shared memory
         results.put(("ready", None))
         while True:

@@ -6,11 +6,16 @@ and the gold final answer as a canonical number string. The reward is a plain fu
     reward(prompt, completion, answer) -> float        # 1.0 correct, 0.0 wrong for `math_reward`
 
 so a user can swap in their own with `--reward my_rewards.py:score` (TRL's reward-function shape).
-Two tasks are built in:
+Three tasks are built in:
 
 - `arithmetic` (offline): `"37+45="` -> `"82"` with operands in [0, 50). A fixed CRC32 of the operand
   pair puts ~10% of the pairs in a held-out `eval` split, so held-out accuracy measures addition, not
   memorisation. It is what the offline `tiny` model is warmed up on (models.py).
+- `chain` (offline): `"3+8+1+5="` -> `"17"`, k single-digit terms, worked step by step
+  (`"3+8=11 11+1=12 12+5=17"`, what `tiny-chain` is warmed up on). k follows a power law,
+  P(k) ∝ k^-1.5 on 2..13, so responses run from 5 to ~100 tokens with a long tail, as an LLM's
+  reasoning does: most groups finish in a few decode steps, one in ten runs ten times longer. The
+  workload where streaming groups by completion pays (bench.py peer --task chain).
 - GSM8K (Cobbe et al., 2021): the paper's benchmark (arXiv 2511.18871, Sec. 5). The gold answer is the
   number after `####`. Read from a local JSONL file, or fetched once from the hub into the HF cache.
 
@@ -146,6 +151,42 @@ def arithmetic_examples(split: str) -> list[Example]:
     return examples
 
 
+# --- chain sums (offline, long-tailed response lengths) ---
+CHAIN_TERMS = range(2, 14)  # 2..13 single-digit terms: 1 to 12 steps of working, 5 to ~100 characters
+CHAIN_TAIL = 1.5  # P(k terms) ∝ k^-CHAIN_TAIL: a third of the chains have 2 terms, one in ten has 10 or more
+CHAIN_SIZE = {"train": 20000, "eval": 512}
+
+
+def chain_working(prompt: str) -> str:
+    """The step-by-step target for a chain prompt; its last number is the answer.
+
+    >>> chain_working("3+8+1+5=")
+    '3+8=11 11+1=12 12+5=17'
+    """
+    terms = [int(t) for t in prompt.rstrip("=").split("+")]
+    steps, total = [], terms[0]
+    for term in terms[1:]:
+        steps.append(f"{total}+{term}={total + term}")
+        total += term
+    return " ".join(steps)
+
+
+def chain_examples(split: str) -> list[Example]:
+    """`CHAIN_SIZE[split]` chain prompts, drawn with a fixed seed; a CRC32 of the prompt keeps the
+    splits apart (1 in 10 prompts can only be drawn for 'eval')."""
+    if split not in CHAIN_SIZE:
+        raise TaskError(f"chain has the splits 'train' and 'eval', not {split!r}.")
+    rng = random.Random(f"chain-{split}")
+    lengths, weights = list(CHAIN_TERMS), [k ** -CHAIN_TAIL for k in CHAIN_TERMS]
+    examples: list[Example] = []
+    while len(examples) < CHAIN_SIZE[split]:
+        terms = [rng.randrange(10) for _ in range(rng.choices(lengths, weights)[0])]
+        prompt = "+".join(map(str, terms)) + "="
+        if (zlib.crc32(prompt.encode()) % ARITHMETIC_EVAL_BUCKETS == 0) == (split == "eval"):
+            examples.append(Example(prompt, str(sum(terms))))
+    return examples
+
+
 # --- GSM8K ---
 def _gsm8k_example(question: str, solution: str) -> Example | None:
     """GSM8K's solution ends with '#### N'; None when it does not."""
@@ -225,24 +266,25 @@ def fetch_gsm8k(split: str) -> list[Example]:
 
 
 # --- choosing a task ---
-def load_task(data: str | None, tiny: bool, eval_size: int = 64) -> tuple[list[Example], list[Example]]:
+def load_task(data: str | None, default: str = "gsm8k", eval_size: int = 64) -> tuple[list[Example], list[Example]]:
     """(train, held-out) examples for `--data`; the held-out list has at most `eval_size` examples.
 
-    None -> arithmetic for the tiny model, GSM8K from the hub otherwise; 'arithmetic'; 'gsm8k';
+    None -> `default` (the task a tiny model was warmed up on) or GSM8K from the hub; 'arithmetic'; 'chain'; 'gsm8k';
     or a GSM8K-format JSONL path: a `train.jsonl` with a sibling `test.jsonl` is evaluated on that,
     any other file keeps its last `eval_size` lines out of training.
     """
-    if data is None:
-        data = "arithmetic" if tiny else "gsm8k"
+    data = data or default
     if data == "arithmetic":
         return arithmetic_examples("train"), arithmetic_examples("eval")[:eval_size]
+    if data == "chain":
+        return chain_examples("train"), chain_examples("eval")[:eval_size]
     if data == "gsm8k":
         return fetch_gsm8k("train"), fetch_gsm8k("test")[:eval_size]
     path = Path(data)
     if not path.is_file():
-        raise TaskError(f"--data {data!r} is neither 'arithmetic', 'gsm8k' nor an existing file. Pass a "
+        raise TaskError(f"--data {data!r} is neither 'arithmetic', 'chain', 'gsm8k' nor an existing file. Pass a "
                         "GSM8K-format JSONL path (e.g. ../shared/data/gsm8k/train.jsonl), 'gsm8k' to fetch it "
-                        "from the hub, or 'arithmetic' for the built-in offline task.")
+                        "from the hub, or 'arithmetic' or 'chain' for a built-in offline task.")
     examples = load_gsm8k_jsonl(path)
     sibling = path.with_name("test.jsonl")
     if path.name == "train.jsonl" and sibling.is_file():

@@ -91,7 +91,7 @@ def load(cfg: Config) -> Loaded:
     # The inference side holds the weights in the compute dtype; the trainer keeps float32 masters (tri_model.py).
     load_kwargs = dict(device=cfg.rollout_device, dtype=getattr(torch, cfg.dtype),
                        attn_implementation=cfg.attn_implementation, cache_dir=cfg.cache_dir)
-    train_examples, held_out = load_task(cfg.data, tiny=cfg.is_tiny, eval_size=cfg.eval_size)
+    train_examples, held_out = load_task(cfg.data, cfg.default_data, eval_size=cfg.eval_size)
     reward_fn = load_reward(cfg.reward)
     rollouts = None
     if cfg.mode == "async":  # spawned before we import transformers' models: the imports overlap too
@@ -99,11 +99,12 @@ def load(cfg: Config) -> Loaded:
     try:
         import transformers
 
-        from models import ensure_tiny_model, load_model
+        from models import TINY_RECIPES, ensure_tiny_model, load_model
         transformers.utils.logging.disable_progress_bar()  # our own progress bar and log lines only
         if rollouts is not None:
             if cfg.is_tiny:
-                ensure_tiny_model(cfg.cache_dir)  # built here, once, before the inference process loads it
+                ensure_tiny_model(cfg.cache_dir, TINY_RECIPES[cfg.model])  # built here, once, before the
+                # inference process loads it
             rollouts.load()
         policy, tokenizer = load_model(cfg.model, **{**load_kwargs, "device": cfg.train_device,
                                                      "dtype": torch.float32})
@@ -136,9 +137,6 @@ def train_and_log(cfg: Config, loaded: Loaded) -> dict:
     print(f"periodic-rl: {cfg.mode} | model {cfg.model} | {len(loaded.train_examples)} train / "
           f"{len(loaded.held_out)} held-out prompts | {cfg.iterations} iterations x {cfg.prompts_per_iteration} prompts x {cfg.group_size} "
           f"| out {out}", flush=True)
-    print(f"periodic-rl: sizes: --groups-per-chunk {cfg.groups_per_chunk} ({cfg.chunks_per_iteration} generate "
-          f"call(s) per iteration) --micro-batch-tokens {cfg.micro_batch_tokens} --rollout-threads "
-          f"{cfg.rollout_threads} --train-threads {cfg.train_threads} (pass these to fix them)", flush=True)
     first_eval, start = None, time.perf_counter()
     rows = periodic_rl.train(cfg, **loaded._asdict())  # field names = train's parameters
     progress = tqdm(total=cfg.iterations, desc="iterations", disable=not sys.stderr.isatty(), leave=False)

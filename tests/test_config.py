@@ -48,19 +48,36 @@ def test_defaults_are_valid_and_derived():
     real = derive(Config(model="qwen2.5-0.5b"))
     assert real.max_new_tokens == 512 and real.lr == 1e-6
     assert derive(Config(mode="sync", rollout_threads=None)).train_threads >= 1
+    assert derive(Config(model="tiny-chain")).max_new_tokens == 128 and Config(model="tiny-chain").default_data == "chain"
 
 
 def test_thread_split(monkeypatch):
-    """Claim: async splits the cores between the two processes, except when an iteration is one chunk (the sides
-    then take turns, so each gets all cores); sync uses all of them; explicit counts win."""
+    """Claim (--sizes rule): async splits the cores between the two processes, except when an iteration is one chunk
+    (the sides then take turns, so each gets all cores); sync uses all of them; explicit counts win."""
     monkeypatch.setattr("os.cpu_count", lambda: 8)
-    split = derive(Config(mode="async"))
+    split = derive(Config(mode="async", sizes="rule"))
     assert (split.rollout_threads, split.train_threads) == (4, 4)
-    turns = derive(Config(mode="async", batch_size=64, group_size=8, groups_per_chunk=8))
+    turns = derive(Config(mode="async", batch_size=64, group_size=8, groups_per_chunk=8, sizes="rule"))
     assert turns.chunks_per_iteration == 1 and (turns.rollout_threads, turns.train_threads) == (8, 8)
     assert derive(Config(mode="async", batch_size=64, group_size=8, groups_per_chunk=3)).chunks_per_iteration == 3
-    assert derive(Config(mode="sync")).train_threads == 8
-    assert derive(Config(mode="async", rollout_threads=2)).train_threads == 6
+    assert derive(Config(mode="sync", sizes="rule")).train_threads == 8
+    assert derive(Config(mode="async", rollout_threads=2, sizes="rule")).train_threads == 6
+
+
+def test_probed_sizes_are_left_open_on_cpu_only(monkeypatch):
+    """Claim: with --sizes probe (the default) on CPU, derive leaves exactly the sizes not given open for the probe
+    (sync: only the generate calls; its threads are all cores); on an accelerator the rule fills them."""
+    import config
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    monkeypatch.setattr(config, "detect_accelerator", lambda: "cpu")
+    probed = derive(Config(mode="async"))
+    assert (probed.groups_per_chunk, probed.rollout_threads, probed.train_threads) == (None, None, None)
+    assert not probed.sized and derive(Config(mode="async", groups_per_chunk=4, rollout_threads=2)).train_threads is None
+    sync = derive(Config(mode="sync"))
+    assert (sync.groups_per_chunk, sync.rollout_threads, sync.train_threads) == (None, 8, 8)
+    monkeypatch.setattr(config, "detect_accelerator", lambda: "cuda")
+    monkeypatch.setattr(config, "accelerator_count", lambda _: 1)
+    assert derive(Config(mode="async")).sized
 
 
 def test_trainer_cli_bad_value_exits_2_without_traceback():
@@ -90,7 +107,7 @@ def test_device_auto_picks_the_hardware(monkeypatch):
     assert derive(Config(device="auto", rollout_device="npu:3")).rollout_device == "npu:3"
     assert config.pick_dtype("auto", "npu:1") == "bfloat16" and config.pick_dtype("float32", "npu:1") == "float32"
     assert config.pick_dtype("auto", "cpu") == "float32"
-    assert derive(Config(device="cpu")).chunks_per_iteration == config.GENERATE_CALLS["cpu"] == 2
+    assert derive(Config(device="cpu", sizes="rule")).chunks_per_iteration == config.GENERATE_CALLS["cpu"] == 2
 
 
 def test_missing_device_is_one_line(monkeypatch):

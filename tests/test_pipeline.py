@@ -24,12 +24,12 @@ def make_cfg(model_dir, *extra):
     return parse_args(["--model", str(model_dir), "--data", "arithmetic", "--reward", DIGITS,
                        "--iterations", "3", "--batch-size", "16", "--group-size", "4", "--max-new-tokens", "6",
                        "--eval-every", "2", "--eval-size", "4", "--eval-samples", "2", "--lr", "1e-2",
-                       "--no-save", *map(str, extra)])
+                       "--no-save", "--sizes", "rule", *map(str, extra)])  # fixed sizes: runs comparable
 
 
 def run_training(cfg):
     policy, tokenizer = load_model(cfg.model, device="cpu")
-    train, held_out = load_task(cfg.data, tiny=False, eval_size=cfg.eval_size)
+    train, held_out = load_task(cfg.data, eval_size=cfg.eval_size)
     rows = list(periodic_rl.train(cfg, policy, tokenizer, train, held_out, load_reward(cfg.reward),
                                   dict(device="cpu", dtype=torch.float32, attn_implementation="sdpa")))
     return policy, rows
@@ -109,12 +109,12 @@ def test_async_groups_are_streamed_and_tagged_with_the_version(tiny_model_dir):
     the groups equal those of the in-process (sync) generator token for token."""
     cfg = make_cfg(tiny_model_dir)
     policy, tokenizer = load_model(cfg.model)
-    train, held_out = load_task("arithmetic", tiny=False, eval_size=4)
+    train, held_out = load_task("arithmetic", eval_size=4)
     settings = Settings(cfg.seed, cfg.group_size, cfg.prompts_per_iteration, cfg.max_new_tokens, 1.0, 1.0, 0, 1, True)
     sync = periodic_rl.SyncRollouts(policy, tokenizer, train, held_out, load_reward(DIGITS), settings)
-    remote = periodic_rl.AsyncRollouts(cfg.model, {}, train, held_out, DIGITS, settings, 1, Timeline())
+    remote = periodic_rl.AsyncRollouts(cfg.model, {}, train, held_out, DIGITS, Timeline())
     try:
-        remote.attach(policy)
+        remote.attach(policy, settings, 1)
         for iteration in range(2):
             sync.publish(policy, iteration)
             remote.publish(policy, iteration)
@@ -178,17 +178,17 @@ def test_killed_inference_process_is_noticed_within_seconds(tiny_model_dir, when
     raises a clear PipelineError within 10 s (no hang)."""
     cfg = make_cfg(tiny_model_dir)
     policy, _ = load_model(cfg.model)
-    train, held_out = load_task("arithmetic", tiny=False, eval_size=4)
+    train, held_out = load_task("arithmetic", eval_size=4)
     settings = Settings(0, 4, 4, 6, 1.0, 1.0, 0, 1, True)
-    remote = periodic_rl.AsyncRollouts(cfg.model, {}, train, held_out, DIGITS, settings, 1, Timeline())
+    remote = periodic_rl.AsyncRollouts(cfg.model, {}, train, held_out, DIGITS, Timeline())
     try:
         if when == "while generating":
-            remote.attach(policy)
+            remote.attach(policy, settings, 1)
         os.kill(remote.process.pid, signal.SIGKILL)
         start = time.monotonic()
         with pytest.raises(periodic_rl.PipelineError, match="died"):
             if when == "while loading":
-                remote.attach(policy)
+                remote.attach(policy, settings, 1)
             remote.publish(policy, 0)
             list(remote.messages(0, 1))
         assert time.monotonic() - start < 10
@@ -204,19 +204,19 @@ def test_deferred_load_waits_for_the_trainer(tiny_model_dir, tmp_path):
     import shutil
     cfg = make_cfg(tiny_model_dir)
     policy, _ = load_model(cfg.model)
-    train, held_out = load_task("arithmetic", tiny=False, eval_size=4)
+    train, held_out = load_task("arithmetic", eval_size=4)
     settings = Settings(0, 4, 4, 6, 1.0, 1.0, 0, 1, True)
     later = tmp_path / "model"
-    remote = periodic_rl.AsyncRollouts(str(later), {}, train, held_out, DIGITS, settings, 1, Timeline(), load=False)
+    remote = periodic_rl.AsyncRollouts(str(later), {}, train, held_out, DIGITS, Timeline(), load=False)
     try:
         time.sleep(5)  # past its imports (~4 s here): loading at once would have failed on the missing directory
         shutil.copytree(tiny_model_dir, later)
-        remote.attach(policy)  # sends ("load",), then the buffer
+        remote.attach(policy, settings, 1)  # sends ("load",), then the buffer
         remote.publish(policy, 0)
         assert isinstance(list(remote.messages(0, 1))[-1], IterationDone)
     finally:
         remote.close()
-    idle = periodic_rl.AsyncRollouts(str(later), {}, train, held_out, DIGITS, settings, 1, Timeline(), load=False)
+    idle = periodic_rl.AsyncRollouts(str(later), {}, train, held_out, DIGITS, Timeline(), load=False)
     start = time.monotonic()
     idle.close()
     assert not idle.process.is_alive() and time.monotonic() - start < 10

@@ -42,7 +42,7 @@ def test_bf16_async_equals_sync_and_publishes_bf16(tiny_model_dir):
     sync_policy, sync_rows = run_training(make_cfg(tiny_model_dir, "--mode", "sync", *extra))
     cfg = make_cfg(tiny_model_dir, "--mode", "async", *extra)
     async_policy, tokenizer = load_model(cfg.model)
-    train, held_out = load_task(cfg.data, tiny=False, eval_size=cfg.eval_size)
+    train, held_out = load_task(cfg.data, eval_size=cfg.eval_size)
     load_kwargs = dict(device="cpu", dtype=torch.bfloat16, attn_implementation="sdpa")
     rollouts = periodic_rl.start_inference(cfg, load_kwargs, train, held_out)
     async_rows = list(periodic_rl.train(cfg, async_policy, tokenizer, train, held_out, load_reward(cfg.reward),

@@ -147,16 +147,16 @@ def test_load_gsm8k_jsonl_missing_file(tmp_path):
 # --- choosing a task ---
 def test_load_task_builtin_arithmetic():
     """Claim: the tiny model's default task is arithmetic, with the held-out split cut to eval_size."""
-    train, held_out = tasks.load_task(None, tiny=True, eval_size=10)
+    train, held_out = tasks.load_task(None, default="arithmetic", eval_size=10)
     assert train == tasks.arithmetic_examples("train") and held_out == tasks.arithmetic_examples("eval")[:10]
-    assert tasks.load_task("arithmetic", tiny=False, eval_size=10) == (train, held_out)
+    assert tasks.load_task("arithmetic", eval_size=10) == (train, held_out)
 
 
 def test_load_task_train_file_uses_sibling_test_file(tmp_path):
     """Claim: --data .../train.jsonl trains on every line and evaluates on the sibling test.jsonl."""
     write_jsonl(tmp_path / "train.jsonl", gsm8k_rows(20))
     write_jsonl(tmp_path / "test.jsonl", gsm8k_rows(8, start=100))
-    train, held_out = tasks.load_task(str(tmp_path / "train.jsonl"), tiny=False, eval_size=5)
+    train, held_out = tasks.load_task(str(tmp_path / "train.jsonl"), eval_size=5)
     assert len(train) == 20 and [e.answer for e in held_out] == ["101", "102", "103", "104", "105"]
 
 
@@ -164,19 +164,19 @@ def test_load_task_other_file_holds_out_its_last_lines(tmp_path):
     """Claim: any other JSONL file keeps its last eval_size examples out of training."""
     path = write_jsonl(tmp_path / "mine.jsonl", gsm8k_rows(20))
     write_jsonl(tmp_path / "test.jsonl", gsm8k_rows(3))  # not used: the file is not named train.jsonl
-    train, held_out = tasks.load_task(str(path), tiny=False, eval_size=5)
+    train, held_out = tasks.load_task(str(path), eval_size=5)
     assert len(train) == 15 and held_out == tasks.load_gsm8k_jsonl(path)[15:]
     with pytest.raises(TaskError, match="too few"):
-        tasks.load_task(str(path), tiny=False, eval_size=20)
+        tasks.load_task(str(path), eval_size=20)
     with pytest.raises(TaskError, match="arithmetic"):
-        tasks.load_task(str(tmp_path / "nope.jsonl"), tiny=False)
+        tasks.load_task(str(tmp_path / "nope.jsonl"))
 
 
 def test_load_task_real_gsm8k_file():
     """Claim: the shared GSM8K copy loads as 7473 train and eval_size test examples."""
     if not (GSM8K / "train.jsonl").is_file():
         pytest.skip(f"GSM8K is not at {GSM8K}")
-    train, held_out = tasks.load_task(str(GSM8K / "train.jsonl"), tiny=False, eval_size=64)
+    train, held_out = tasks.load_task(str(GSM8K / "train.jsonl"), eval_size=64)
     assert len(train) == 7473 and len(held_out) == 64 and held_out[0].answer == "18"
 
 
@@ -187,7 +187,7 @@ def test_fetch_gsm8k_offline_fails_fast_with_advice(tmp_path, monkeypatch):
     monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path))
     start = time.perf_counter()
     with pytest.raises(TaskError, match="--data path/to/gsm8k.jsonl"):
-        tasks.load_task("gsm8k", tiny=False)
+        tasks.load_task("gsm8k")
     assert time.perf_counter() - start < 10
 
 
@@ -209,3 +209,20 @@ def test_example_is_frozen():
     """Claim: examples are immutable values (safe to share between processes and as dict keys)."""
     with pytest.raises(AttributeError):
         Example("1+1=", "2").answer = "3"
+
+
+def test_chain_task_has_a_long_tail_of_worked_answers():
+    """Claim: the chain task's splits are disjoint and reproducible; each prompt's worked target ends in the gold
+    answer (math_reward scores it 1, and 0 once one step is wrong); the target lengths run from 5 to ~100
+    characters (= tokens for the byte-level tiny model) with a long tail: the median under 20, one in ten
+    over 55."""
+    train, held_out = tasks.load_task("chain", eval_size=64)
+    assert train == tasks.chain_examples("train") and len(held_out) == 64
+    assert not {e.prompt for e in train} & {e.prompt for e in tasks.chain_examples("eval")}
+    for example in train[:200]:
+        working = tasks.chain_working(example.prompt)
+        assert tasks.math_reward(example.prompt, working, example.answer) == 1.0
+    assert tasks.math_reward("3+8+1=", "3+8=11 11+1=13", "12") == 0.0
+    lengths = sorted(len(tasks.chain_working(e.prompt)) for e in train)
+    assert lengths[0] <= 6 and 90 <= lengths[-1] <= 110
+    assert lengths[len(lengths) // 2] < 20 and lengths[int(0.9 * len(lengths))] > 55

@@ -11,6 +11,7 @@ configuration, so that a benchmark can put the two side by side. Not a test and 
 The work (periodic-rl's defaults for `--model tiny`, sync mode): the cached tiny model
 (`models.ensure_tiny_model`, float32, sdpa) as policy, and a second copy loaded by TRL from the same
 directory as the reference; 16 raw-text prompts "a+b=" per step from `tasks.arithmetic_examples("train")`
+(`--model tiny-chain`: the chain-warmed tiny model and `tasks.chain_examples("train")`, "3+8+1+5=")
 (a `datasets.Dataset` in TRL's standard format, columns "prompt" and "answer"; TRL tokenizes them to
 exactly `tasks.prompt_token_ids`, no BOS or other special token: checked at start-up), G = 8 samples
 each = 128 completions of at most 8 tokens from HF `generate` (temperature 1, top-p 1, top-k 0 = off,
@@ -94,6 +95,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=10, help="timed steps (one more runs first and is dropped)")
     parser.add_argument("--prompts-per-step", type=int, default=16)
     parser.add_argument("--group-size", type=int, default=8, help="completions per prompt (G)")
+    parser.add_argument("--model", choices=("tiny", "tiny-chain"), default="tiny",
+                        help="tiny: arithmetic prompts; tiny-chain: chain prompts (long-tailed response lengths)")
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--beta", type=float, default=0.04)
     parser.add_argument("--lr", type=float, default=1e-4)
@@ -139,18 +142,18 @@ def main(argv: list[str] | None = None) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     import tasks
-    from models import ensure_tiny_model
+    from models import TINY_RECIPES, ensure_tiny_model
 
     if trl.__version__ != TRL_VERSION:
         print(f"warning: this script was written against TRL {TRL_VERSION}, found {trl.__version__}",
               file=sys.stderr)
-    path = str(ensure_tiny_model(args.cache_dir))
+    path = str(ensure_tiny_model(args.cache_dir, TINY_RECIPES[args.model]))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
 
-    examples = tasks.arithmetic_examples("train")
+    examples = tasks.chain_examples("train") if args.model == "tiny-chain" else tasks.arithmetic_examples("train")
     prompts = [e.prompt for e in examples]
     train_dataset = datasets.Dataset.from_dict({"prompt": prompts, "answer": [e.answer for e in examples]})
     # TRL tokenizes standard-format prompts with `processing_class(text=prompts)` (GRPOTrainer._tokenize_prompts)

@@ -1,0 +1,75 @@
+"""sizing.py: the pipeline model that picks the generate calls, and the probe that feeds it."""
+import math
+
+import torch
+
+import sizing
+from config import Config, derive
+from models import load_model
+from periodic_rl import settings_of
+from tasks import load_task
+from tri_model import TriModel
+
+
+def probe_of(lengths, step=(0.003, 0.0), per_token=1e-5, prompt=10, group_size=8):
+    tokens = [group_size * (prompt + length) for length in lengths]
+    return sizing.Probe(step, per_token, list(lengths), tokens, group_size)
+
+
+def test_equal_lengths_in_one_call_overlap_nothing():
+    """Claim: when every group stops at the same step, a single call delivers them all at its end: the predicted
+    iteration is generation + training exactly (nothing to overlap), and two calls overlap the first call's
+    training with the second call's generation."""
+    probe = probe_of([4] * 16)
+    total, gen, train = sizing.predict_seconds(probe, 1)
+    assert math.isclose(total, gen + train) and math.isclose(gen, 5 * 0.003)
+    total2, gen2, train2 = sizing.predict_seconds(probe, 2)
+    assert math.isclose(gen2, 2 * gen) and total2 < gen2 + train2
+
+
+def test_streaming_by_completion_overlaps_within_one_call():
+    """Claim: with a long tail of lengths, one call already overlaps: the short groups train while the long ones
+    decode, so the prediction is below generation + training, by at least the short groups' training."""
+    lengths = [5] * 15 + [100]
+    probe = probe_of(lengths)
+    total, gen, train = sizing.predict_seconds(probe, 1)
+    short_training = 1e-5 * sum(probe.tokens[:15])
+    assert total <= gen + train - short_training + 1e-12
+
+
+def test_best_calls_follows_the_measured_costs():
+    """Claim: a fixed cost per decode step (accelerator-like, or generate's bookkeeping on CPU) favours one call;
+    a cost per row (a compute-bound CPU) with training as long as generation favours several calls, so the
+    trainer starts on the first call's groups while the rest is sampled."""
+    fixed = probe_of([4] * 16, step=(0.01, 0.0), per_token=1e-6)
+    assert sizing.best_calls(fixed) == 1
+    per_row = probe_of([4] * 16, step=(0.0, 1e-3), per_token=0.64 / (16 * 8 * 14))  # train = generate = 0.64 s
+    assert sizing.best_calls(per_row) > 1
+    assert sizing.predict_seconds(per_row, sizing.best_calls(per_row))[0] < sizing.predict_seconds(per_row, 1)[0]
+
+
+def test_probe_changes_nothing_and_choose_fills_only_open_sizes(tiny_model_dir, monkeypatch):
+    """Claim: the probe leaves the RNG state, the weights and the gradients as they were (the run that follows is
+    the run that would have happened), measures positive costs, and `choose` fills exactly the sizes left open,
+    with at least one thread per side."""
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    cfg = derive(Config(model=str(tiny_model_dir), data="arithmetic", mode="async", batch_size=32, group_size=4,
+                        max_new_tokens=6))
+    policy, tokenizer = load_model(cfg.model)
+    train, _ = load_task(cfg.data, eval_size=4)
+    tri = TriModel(policy, use_reference=True, use_old=False, pad_id=tokenizer.pad_token_id)
+    before = [p.detach().clone() for p in policy.parameters()]
+    rng = torch.get_rng_state()
+    chosen, note = sizing.choose(cfg, tri, tokenizer, train, settings_of(cfg))
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(p, q) for p, q in zip(policy.parameters(), before))
+    assert all(p.grad is None for p in policy.parameters())
+    assert chosen.sized and 1 <= chosen.groups_per_chunk <= cfg.prompts_per_iteration and "probe:" in note
+    assert chosen.rollout_threads >= 1 and chosen.train_threads >= 1 and chosen.rollout_threads + chosen.train_threads in (2, 4)
+    fixed = derive(Config(model=str(tiny_model_dir), data="arithmetic", mode="async", batch_size=32, group_size=4,
+                          max_new_tokens=6, groups_per_chunk=3))
+    kept, _ = sizing.choose(fixed, tri, tokenizer, train, settings_of(fixed))
+    assert kept.groups_per_chunk == 3 and kept.sized
+    given = derive(Config(model=str(tiny_model_dir), mode="async", groups_per_chunk=2, rollout_threads=1,
+                          train_threads=1))
+    assert sizing.choose(given, tri, tokenizer, train, settings_of(given)) == (given, "")
