@@ -65,9 +65,9 @@ class Config:
                                               "group is sent to the trainer the moment its last response stops "
                                               "(default: see --sizes)")
     micro_batch_tokens: int | None = _opt(None, "most tokens (prompt + response, as plain rows) per training "
-                                                "forward/backward: finished groups are trained together up to this; "
-                                                "lower it if the trainer runs out of memory (default: from the "
-                                                "training device's memory)")
+                                                "forward/backward: finished groups wait until this many have arrived "
+                                                "(or their generate call has ended), then train together; lower it if "
+                                                "the trainer runs out of memory (default: see --sizes; at most 16384)")
     # --- loss and optimizer ---
     lr: float | None = _opt(None, "AdamW learning rate (default: 1e-4 for tiny, 1e-6 otherwise)")
     beta: float = _opt(0.04, "weight of the k3 KL penalty to the reference model (0 = no reference forward)")
@@ -98,10 +98,10 @@ class Config:
     train_device: str | None = _opt(None, "device of the training process (default: from --device)")
     rollout_threads: int | None = _opt(None, "CPU threads of the inference process (default: see --sizes)")
     train_threads: int | None = _opt(None, "CPU threads of the training process (default: see --sizes)")
-    sizes: str = _opt("probe", "how the sizes not given above are chosen. probe: on CPU, time iteration 0's "
-                               "generation and training first and pick the generate calls per iteration and the "
-                               "thread split from a model of the pipeline (sizing.py; printed as flags); rule: "
-                               "one call per iteration on a GPU/NPU, two on CPU, cores split in half",
+    sizes: str = _opt("probe", "how the sizes not given are chosen. probe: on CPU, time iteration 0's generation "
+                               "and training first and pick the generate calls, the micro-batch and the thread "
+                               "split from a model of the pipeline (sizing.py; printed as flags); rule: one call "
+                               "per iteration on a GPU/NPU, two on CPU, 16384-token micro-batches, cores in half",
                       choices=SIZES)
     dtype: str = _opt("auto", "compute dtype. bfloat16: the trainer keeps float32 master weights and optimizer state "
                               "and computes in bf16 (autocast); the inference side holds bf16 weights (half the "
@@ -120,7 +120,7 @@ class Config:
     @property
     def sized(self) -> bool:
         """Whether every size is known (after `derive`, and after `sizing.choose` when it probes)."""
-        return bool(self.groups_per_chunk and self.rollout_threads and self.train_threads)
+        return bool(self.groups_per_chunk and self.micro_batch_tokens and self.rollout_threads and self.train_threads)
 
     @property
     def chunks_per_iteration(self) -> int:
@@ -219,7 +219,7 @@ def derive(cfg: Config) -> Config:
         max_new_tokens=cfg.max_new_tokens or (TINY_MODELS[cfg.model][1] if cfg.is_tiny else 512),
         lr=cfg.lr if cfg.lr is not None else (1e-4 if cfg.is_tiny else 1e-6),
         groups_per_chunk=groups_per_chunk,
-        micro_batch_tokens=cfg.micro_batch_tokens or MICRO_BATCH_TOKENS,
+        micro_batch_tokens=cfg.micro_batch_tokens or (None if probe else MICRO_BATCH_TOKENS),
         rollout_device=rollout_device,
         train_device=train_device,
         dtype=pick_dtype(cfg.dtype, train_device),

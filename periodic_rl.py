@@ -273,14 +273,6 @@ def group_tokens(groups: list[Group]) -> int:
     return sum(len(g.responses) * len(g.prompt_ids) + sum(len(r) for r in g.responses) for g in groups)
 
 
-def micro_batch_size(waiting: list[Group], max_tokens: int) -> int:
-    """How many of the waiting groups (a prefix) fit in `max_tokens`; at least one."""
-    size = 1
-    while size < len(waiting) and group_tokens(waiting[:size + 1]) <= max_tokens:
-        size += 1
-    return size
-
-
 class Learner:
     """Consumes one iteration's groups in arrival order: forward/backward in micro-batches, an optimizer
     step per mini-batch.
@@ -324,7 +316,7 @@ class Learner:
             complete = self.arrived[self.minibatch] == self.groups_per_minibatch
             while waiting and (complete or self._calls_done(waiting)
                                or group_tokens(waiting) >= self.cfg.micro_batch_tokens):
-                size = micro_batch_size(waiting, self.cfg.micro_batch_tokens)
+                size = sizing.micro_batch_size([group_tokens([g]) for g in waiting], self.cfg.micro_batch_tokens)
                 self._accumulate(waiting[:size])
                 del waiting[:size]
             if not complete:

@@ -3,25 +3,29 @@
 The paper's pipeline is "demand-driven": each side gets what its measured work needs. Two sizes
 decide how well the two sides overlap, and both depend on the model, the task and the machine:
 how many `generate` calls sample an iteration (more calls: the trainer starts sooner, but every
-call pays generate's fixed cost and its own longest response), and, on CPU, how the cores split
-between the inference and the training process. `probe` measures, `predict_seconds` models an
+call pays generate's fixed cost and its own longest response), how many tokens the trainer waits
+for before a forward/backward (small: it starts sooner; big: fewer, more efficient passes), and,
+on CPU, how the cores split between the inference and the training process. `probe` measures, `predict_seconds` models an
 iteration from the measurements, `choose` picks.
 
 The probe (before iteration 0; it changes nothing: its own RNG state, no optimizer step,
-gradients dropped) samples iteration 0's prompts, B = prompts x G rows, in one call and then the
-first half of them in a second call, and times one forward/backward over the groups:
+gradients dropped) samples iteration 0's prompts in one call, then the first half of them, the
+first quarter, ..., the first alone (every size it may choose), and times a forward/backward of
+one group and of all groups:
 
-    τ(rows) = a + b·rows     seconds per decode step: a line through (B, T_1/S_1), (B/2, T_2/S_2)
-                             (T: the call's seconds, S: its decode steps = its longest response)
-    c = T_train / tokens     training seconds per token (prompt + response, plain rows)
+    τ(k) = T_k / S_k         seconds per decode step of a call of k prompts (T: its seconds,
+                             S: its decode steps = its longest response; per-call costs included)
+    T_train(n) = d + c·n     a forward/backward of n tokens (prompt + response, plain rows)
 
-An iteration with n calls (call j samples prompts [j·k, (j+1)·k), k = ceil(prompts/n), rows
-r = k·G) is then simulated: group g of call j is ready (L_g + 1)·τ(r) after the call starts (L_g:
-its longest response in the probe, since groups stream out of a call by completion), call j + 1
-starts when call j ends; the trainer takes groups in the order they are ready, c·tokens_g each,
-never before one is ready. The predicted iteration time is when the trainer finishes, and n is
-the fastest (the fewest calls within 3% of it). On CPU, async mode then splits the cores in
-proportion to the two sides' measured demand, T_gen : T_train (at least one core each).
+An iteration with n calls (call j samples prompts [j·k, (j+1)·k), k = ceil(prompts/n)) is then
+simulated: group g of call j is ready (L_g + 1)·τ(k) after the call starts (L_g: its longest
+response in the probe, since groups stream out of a call by completion), call j + 1 starts when
+call j ends; the trainer applies the learner's rule (train the waiting groups once they reach the
+micro-batch's tokens or their call has ended), d + c·tokens per micro-batch, never before the
+groups are ready. The predicted iteration time is when the trainer finishes; the fewest calls,
+then the biggest micro-batch, within 3% of the fastest win. On CPU, async mode then splits the
+cores in proportion to the two sides' measured demand, T_gen : T_train (at least one core each).
+The probe costs about two iterations' generation and one iteration's training.
 
 Deliberate departures:
 1. Probed on CPU only. On an accelerator a decode step costs about the same for 8 rows as for
@@ -41,45 +45,81 @@ from dataclasses import dataclass
 
 import torch
 
+from config import MICRO_BATCH_TOKENS
 from rollout import iteration_prompts, prompt_seed, sample_responses, sampling_config, stop_token_ids
 from tasks import prompt_token_ids
 
-AS_FAST = 1.03  # fewer calls win unless more calls are predicted more than 3% faster
+AS_FAST = 1.03  # fewer calls (then bigger micro-batches) win unless predicted more than 3% slower
+MICRO_BATCH_FRACTIONS = (1, 2, 4, 8, 16)
+REPEATS = 3  # the one-prompt call and the one-group forward/backward are timed this often, the fastest kept  # candidate micro-batches: an iteration's tokens / these, under the cap
 
 
 @dataclass(frozen=True)
 class Probe:
-    step_seconds: tuple[float, float]  # τ(rows) = a + b·rows: (a, b)
-    train_seconds_per_token: float     # c
-    lengths: list[int]                 # L_g: each group's longest response, in decode steps
-    tokens: list[int]                  # each group's training tokens, G·P + ΣR
+    step_seconds: dict[int, float]      # prompts per call k -> τ(k), seconds per decode step of such a call
+    train_seconds: tuple[float, float]  # a forward/backward of n tokens: d + c·n: (d, c)
+    lengths: list[int]                  # L_g: each group's longest response, in decode steps
+    tokens: list[int]                   # each group's training tokens, G·P + ΣR
     group_size: int
 
 
-def predict_seconds(probe: Probe, calls: int) -> tuple[float, float, float]:
-    """(iteration, generation, training) seconds predicted for `calls` generate calls (async mode)."""
-    a, b = probe.step_seconds
+def candidate_chunks(prompts: int) -> list[int]:
+    """Prompts per call worth probing: the whole iteration, then halves (16 -> 16, 8, 4, 2, 1).
+
+    >>> candidate_chunks(16), candidate_chunks(6)
+    ([16, 8, 4, 2, 1], [6, 3, 2, 1])
+    """
+    sizes = [prompts]
+    while sizes[-1] > 1:
+        sizes.append(math.ceil(sizes[-1] / 2))
+    return sizes
+
+
+def micro_batch_size(tokens: list[int], max_tokens: int) -> int:
+    """How many of the waiting groups (a prefix; their token counts) fit in `max_tokens`; at least one."""
+    size, total = 1, tokens[0]
+    while size < len(tokens) and total + tokens[size] <= max_tokens:
+        total += tokens[size]
+        size += 1
+    return size
+
+
+def predict_seconds(probe: Probe, calls: int, micro_tokens: int) -> tuple[float, float, float]:
+    """(iteration, generation, training) seconds predicted for `calls` generate calls and micro-batches of
+    up to `micro_tokens` (async mode), with the learner's rule: the waiting groups are trained once they
+    reach `micro_tokens`, or once their call has delivered all its groups."""
+    d, c = probe.train_seconds
     prompts = len(probe.lengths)
     size = math.ceil(prompts / calls)
+    step = probe.step_seconds[min(size, prompts)]  # τ(k)
     ready, clock = [], 0.0
     for first in range(0, prompts, size):
         lengths = probe.lengths[first:first + size]
-        step = a + b * len(lengths) * probe.group_size  # τ(r)
-        ready += [(clock + (length + 1) * step, g) for g, length in enumerate(lengths, first)]
+        ready += [(clock + (length + 1) * step, g, first) for g, length in enumerate(lengths, first)]
         clock += (max(lengths) + 1) * step
-    trainer = 0.0
-    for when, g in sorted(ready):
-        trainer = max(trainer, when) + probe.train_seconds_per_token * probe.tokens[g]
-    return trainer, clock, probe.train_seconds_per_token * sum(probe.tokens)
+    ready.sort()
+    trainer, training, waiting, arrived = 0.0, 0.0, [], {}
+    for when, g, call in ready:
+        waiting.append(probe.tokens[g])
+        arrived[call] = arrived.get(call, 0) + 1
+        call_done = arrived[call] == min(size, prompts - call)
+        while waiting and (call_done or sum(waiting) >= micro_tokens):
+            n = micro_batch_size(waiting, micro_tokens)
+            seconds = d + c * sum(waiting[:n])
+            trainer, training = max(trainer, when) + seconds, training + seconds
+            del waiting[:n]
+    return trainer, clock, training
 
 
-def best_calls(probe: Probe) -> int:
-    """The fewest generate calls whose predicted iteration is within AS_FAST of the fastest."""
-    candidates = sorted({math.ceil(len(probe.lengths) / math.ceil(len(probe.lengths) / n))
-                         for n in range(1, len(probe.lengths) + 1)})
-    seconds = {n: predict_seconds(probe, n)[0] for n in candidates}
+def best_sizes(probe: Probe, max_tokens: int) -> tuple[int, int]:
+    """(generate calls, micro-batch tokens): the fewest calls, then the biggest micro-batch, whose
+    predicted iteration is within AS_FAST of the fastest; micro-batches never above `max_tokens`."""
+    prompts, total = len(probe.lengths), sum(probe.tokens)
+    calls = sorted({math.ceil(prompts / k) for k in probe.step_seconds})
+    micro = sorted({min(max_tokens, math.ceil(total / f)) for f in MICRO_BATCH_FRACTIONS}, reverse=True)
+    seconds = {(n, m): predict_seconds(probe, n, m)[0] for n in calls for m in micro}
     fastest = min(seconds.values())
-    return min(n for n in candidates if seconds[n] <= AS_FAST * fastest)
+    return next(size for size in sorted(seconds, key=lambda nm: (nm[0], -nm[1])) if seconds[size] <= AS_FAST * fastest)
 
 
 def _timed_call(model, prompts, group_size, generation, seed) -> tuple[float, int, list[list[list[int]]]]:
@@ -89,9 +129,18 @@ def _timed_call(model, prompts, group_size, generation, seed) -> tuple[float, in
     return time.perf_counter() - start, steps, responses
 
 
+def _timed_backward(tri, batch) -> float:
+    start = time.perf_counter()
+    logp, old_logp, ref_logp, mask = tri(batch)  # (rows, T) each
+    (logp * mask).sum().backward()
+    return time.perf_counter() - start
+
+
 def probe(cfg, tri, tokenizer, train_examples, settings, threads: int) -> Probe:
-    """Time iteration 0's generation (one call, then half of it) and training (forward/backward) at
-    `threads` threads. Leaves the RNG, the weights and the gradients as they were."""
+    """Time iteration 0's generation (one call of all prompts, one of the first prompt alone) and
+    training (a forward/backward of one group, then of all in micro-batches of at most
+    `cfg.micro_batch_tokens` or the default cap) at `threads` threads. Leaves the RNG, the weights and
+    the gradients as they were."""
     policy = tri.policy
     generation = sampling_config(settings, stop_token_ids(policy, tokenizer), tokenizer.pad_token_id)
     examples = [train_examples[i] for i in iteration_prompts(len(train_examples), cfg.prompts_per_iteration,
@@ -105,26 +154,30 @@ def probe(cfg, tri, tokenizer, train_examples, settings, threads: int) -> Probe:
             seed = prompt_seed(cfg.seed, 0, 0)
             _timed_call(policy, prompts[:1], cfg.group_size, generation, seed)  # warm-up: first-call costs
             full_s, full_steps, responses = _timed_call(policy, prompts, cfg.group_size, generation, seed)
-            half = max(1, len(prompts) // 2)
-            half_s, half_steps, _ = _timed_call(policy, prompts[:half], cfg.group_size, generation, seed)
+            steps = {len(prompts): full_s / full_steps}
+            sizes = set(candidate_chunks(len(prompts))) | {min(cfg.groups_per_chunk or 1, len(prompts))}
+            for size in sorted(sizes - {len(prompts)}, reverse=True):  # smaller calls: the first `size` prompts
+                call_s, call_steps, _ = min(_timed_call(policy, prompts[:size], cfg.group_size, generation, seed)
+                                            for _ in range(REPEATS if size == 1 else 1))  # noisiest: fastest of a few
+                steps[size] = call_s / call_steps
             policy.train()
             device = next(policy.parameters()).device
             batch = [(torch.tensor(p, device=device), [torch.tensor(r, device=device) for r in group])
                      for p, group in zip(prompts, responses)]
+            tokens = [cfg.group_size * len(p) + sum(len(r) for r in group) for p, group in zip(prompts, responses)]
             tri.start_iteration()
-            start = time.perf_counter()
-            logp, old_logp, ref_logp, mask = tri(batch)  # (B, T) each
-            (logp * mask).sum().backward()
-            train_s = time.perf_counter() - start
+            one_train_s = min(_timed_backward(tri, batch[:1]) for _ in range(REPEATS + 1))  # the first: warm-up
+            cap, cuts = cfg.micro_batch_tokens or MICRO_BATCH_TOKENS, [0]
+            while cuts[-1] < len(batch):
+                cuts.append(cuts[-1] + micro_batch_size(tokens[cuts[-1]:], cap))
+            all_train_s = sum(_timed_backward(tri, batch[i:j]) for i, j in zip(cuts, cuts[1:]))
             policy.zero_grad(set_to_none=True)
     finally:
         torch.set_num_threads(saved_threads)
         policy.train(was_training)
-    tokens = [cfg.group_size * len(p) + sum(len(r) for r in group) for p, group in zip(prompts, responses)]
-    rows_full, rows_half = len(prompts) * cfg.group_size, half * cfg.group_size
-    tau_full, tau_half = full_s / full_steps, half_s / half_steps
-    b = max(0.0, (tau_full - tau_half) / (rows_full - rows_half)) if rows_full > rows_half else 0.0
-    return Probe((max(0.0, tau_full - b * rows_full), b), train_s / sum(tokens),
+    forwards = len(cuts) - 1  # all_train_s = forwards·d + c·Σtokens, one_train_s = d + c·tokens[0]
+    c = max(0.0, (all_train_s - forwards * one_train_s) / max(1, sum(tokens) - forwards * tokens[0]))
+    return Probe(steps, (max(0.0, one_train_s - c * tokens[0]), c),
                  [max(len(r) for r in group) for group in responses], tokens, cfg.group_size)
 
 
@@ -135,18 +188,22 @@ def choose(cfg, tri, tokenizer, train_examples, settings) -> tuple[object, str]:
         return cfg, ""
     cores = os.cpu_count() or 1
     result = probe(cfg, tri, tokenizer, train_examples, settings, threads=max(1, cores // 2))
-    calls = math.ceil(cfg.prompts_per_iteration / cfg.groups_per_chunk) if cfg.groups_per_chunk else best_calls(result)
-    iteration_s, gen_s, train_s = predict_seconds(result, calls)
+    calls, micro_tokens = best_sizes(result, cfg.micro_batch_tokens or MICRO_BATCH_TOKENS)
+    if cfg.groups_per_chunk:
+        calls = math.ceil(cfg.prompts_per_iteration / cfg.groups_per_chunk)
+    micro_tokens = cfg.micro_batch_tokens or micro_tokens
+    iteration_s, gen_s, train_s = predict_seconds(result, calls, micro_tokens)
     overlaps = iteration_s < (gen_s + train_s) / AS_FAST  # else the sides take turns: all cores each
+    split = cfg.mode == "async" and overlaps and cores > 1
     rollout_threads = cfg.rollout_threads or (
-        min(cores - 1, max(1, round(cores * gen_s / (gen_s + train_s)))) if overlaps and cores > 1 else cores)
+        min(cores - 1, max(1, round(cores * gen_s / (gen_s + train_s)))) if split else cores)
     chosen = dataclasses.replace(
         cfg, groups_per_chunk=cfg.groups_per_chunk or math.ceil(cfg.prompts_per_iteration / calls),
-        rollout_threads=rollout_threads,
-        train_threads=cfg.train_threads or (cores - rollout_threads if overlaps and cores > 1 else cores))
-    a, b = result.step_seconds
-    note = (f"probe: decode step {a * 1e3:.2f} ms + {b * 1e6:.1f} us/row, training "
-            f"{result.train_seconds_per_token * 1e6:.2f} us/token; {calls} call(s) per iteration predicted "
-            f"{iteration_s:.3f} s (generate {gen_s:.3f} s, train {train_s:.3f} s"
-            f"{', overlapped' if overlaps else ', in turns'})")
+        micro_batch_tokens=micro_tokens, rollout_threads=rollout_threads,
+        train_threads=cfg.train_threads or (cores - rollout_threads if split else cores))
+    d, c = result.train_seconds
+    steps = ", ".join(f"{k}: {seconds * 1e3:.1f}" for k, seconds in result.step_seconds.items())
+    note = (f"probe: ms per decode step by prompts per call {{{steps}}}, forward/backward {d * 1e3:.1f} ms + "
+            f"{c * 1e6:.2f} us/token; predicted {iteration_s:.3f} s per iteration (generate {gen_s:.3f} s, "
+            f"train {train_s:.3f} s, {'overlapped' if overlaps else 'in turns'})")
     return chosen, note

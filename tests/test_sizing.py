@@ -12,8 +12,10 @@ from tri_model import TriModel
 
 
 def probe_of(lengths, step=(0.003, 0.0), per_token=1e-5, prompt=10, group_size=8):
+    """A probe whose decode step costs a + b·rows, whose forward/backward costs per_token·tokens."""
     tokens = [group_size * (prompt + length) for length in lengths]
-    return sizing.Probe(step, per_token, list(lengths), tokens, group_size)
+    steps = {k: step[0] + step[1] * k * group_size for k in sizing.candidate_chunks(len(lengths))}
+    return sizing.Probe(steps, (0.0, per_token), list(lengths), tokens, group_size)
 
 
 def test_equal_lengths_in_one_call_overlap_nothing():
@@ -21,31 +23,37 @@ def test_equal_lengths_in_one_call_overlap_nothing():
     iteration is generation + training exactly (nothing to overlap), and two calls overlap the first call's
     training with the second call's generation."""
     probe = probe_of([4] * 16)
-    total, gen, train = sizing.predict_seconds(probe, 1)
+    total, gen, train = sizing.predict_seconds(probe, 1, 16384)
     assert math.isclose(total, gen + train) and math.isclose(gen, 5 * 0.003)
-    total2, gen2, train2 = sizing.predict_seconds(probe, 2)
+    total2, gen2, train2 = sizing.predict_seconds(probe, 2, 16384)
     assert math.isclose(gen2, 2 * gen) and total2 < gen2 + train2
 
 
 def test_streaming_by_completion_overlaps_within_one_call():
-    """Claim: with a long tail of lengths, one call already overlaps: the short groups train while the long ones
-    decode, so the prediction is below generation + training, by at least the short groups' training."""
+    """Claim: with a long tail of lengths and micro-batches of one group, one call already overlaps: the short
+    groups train while the long one decodes, so the prediction is below generation + training by at least the
+    short groups' training. With micro-batches as big as the iteration, the short groups wait for the call to
+    end (the learner's rule) and nothing overlaps: the micro-batch size decides whether streaming pays."""
     lengths = [5] * 15 + [100]
     probe = probe_of(lengths)
-    total, gen, train = sizing.predict_seconds(probe, 1)
+    total, gen, train = sizing.predict_seconds(probe, 1, probe.tokens[0])
     short_training = 1e-5 * sum(probe.tokens[:15])
     assert total <= gen + train - short_training + 1e-12
+    whole = sizing.predict_seconds(probe, 1, sum(probe.tokens))
+    assert math.isclose(whole[0], whole[1] + whole[2])
+    calls, micro = sizing.best_sizes(probe, 16384)
+    assert calls == 1 and micro < sum(probe.tokens)
 
 
-def test_best_calls_follows_the_measured_costs():
+def test_best_sizes_follow_the_measured_costs():
     """Claim: a fixed cost per decode step (accelerator-like, or generate's bookkeeping on CPU) favours one call;
     a cost per row (a compute-bound CPU) with training as long as generation favours several calls, so the
     trainer starts on the first call's groups while the rest is sampled."""
     fixed = probe_of([4] * 16, step=(0.01, 0.0), per_token=1e-6)
-    assert sizing.best_calls(fixed) == 1
+    assert sizing.best_sizes(fixed, 16384)[0] == 1
     per_row = probe_of([4] * 16, step=(0.0, 1e-3), per_token=0.64 / (16 * 8 * 14))  # train = generate = 0.64 s
-    assert sizing.best_calls(per_row) > 1
-    assert sizing.predict_seconds(per_row, sizing.best_calls(per_row))[0] < sizing.predict_seconds(per_row, 1)[0]
+    calls, micro = sizing.best_sizes(per_row, 16384)
+    assert calls > 1 and sizing.predict_seconds(per_row, calls, micro)[0] < sizing.predict_seconds(per_row, 1, micro)[0]
 
 
 def test_probe_changes_nothing_and_choose_fills_only_open_sizes(tiny_model_dir, monkeypatch):
@@ -64,12 +72,13 @@ def test_probe_changes_nothing_and_choose_fills_only_open_sizes(tiny_model_dir, 
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(torch.equal(p, q) for p, q in zip(policy.parameters(), before))
     assert all(p.grad is None for p in policy.parameters())
-    assert chosen.sized and 1 <= chosen.groups_per_chunk <= cfg.prompts_per_iteration and "probe:" in note
+    assert chosen.sized and chosen.groups_per_chunk in sizing.candidate_chunks(cfg.prompts_per_iteration)
+    assert 1 <= chosen.micro_batch_tokens <= 16384 and "probe:" in note
     assert chosen.rollout_threads >= 1 and chosen.train_threads >= 1 and chosen.rollout_threads + chosen.train_threads in (2, 4)
     fixed = derive(Config(model=str(tiny_model_dir), data="arithmetic", mode="async", batch_size=32, group_size=4,
                           max_new_tokens=6, groups_per_chunk=3))
     kept, _ = sizing.choose(fixed, tri, tokenizer, train, settings_of(fixed))
     assert kept.groups_per_chunk == 3 and kept.sized
-    given = derive(Config(model=str(tiny_model_dir), mode="async", groups_per_chunk=2, rollout_threads=1,
-                          train_threads=1))
+    given = derive(Config(model=str(tiny_model_dir), mode="async", groups_per_chunk=2, micro_batch_tokens=100,
+                          rollout_threads=1, train_threads=1))
     assert sizing.choose(given, tri, tokenizer, train, settings_of(given)) == (given, "")
