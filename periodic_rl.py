@@ -192,7 +192,7 @@ class AsyncRollouts:
         self.timeline = timeline or Timeline()
         self.dtype = load_kwargs.get("dtype")  # the inference side's weights, as published
         self.weights: WeightBuffer | None = None  # set by attach()
-        self.loading = False
+        self.loading = self.loaded = False
         self.commands, self.results = context.Queue(), context.Queue()
         self.process = context.Process(
             target=inference_process, name="periodic-rl-inference", daemon=True,
@@ -207,13 +207,20 @@ class AsyncRollouts:
             self.commands.put(("load",))
             self.loading = True
 
+    def wait_until_loaded(self) -> None:
+        """Block until the inference process has loaded its model (it answers ("loaded", None)). Idempotent."""
+        self.load()
+        if not self.loaded:
+            self._receive()
+            self.loaded = True
+
     def attach(self, policy, settings: Settings, threads: int) -> None:
         """Share θ's buffer with the inference process (as a handle to shared memory, never a copy), with
         the sampling settings and its thread count."""
-        self.load()
+        self.wait_until_loaded()
         self.weights = WeightBuffer(policy, self.dtype)  # kept alive here: the receiver maps the sender's memory
         self.commands.put(("attach", self.weights, settings, threads))
-        self._receive()  # ("ready", None) once its model is loaded and reads θ from the buffer
+        self._receive()  # ("ready", None) once its model reads θ from the buffer
 
     def publish(self, policy, version: int) -> None:
         with self.timeline.span(f"publish θ_{version}"):
@@ -417,6 +424,8 @@ def train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwar
                    packing="auto" if cfg.shared_prompt else "unpacked", temperature=cfg.temperature,
                    pad_id=tokenizer.pad_token_id, compute_dtype=compute_dtype)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if rollouts is not None and not cfg.sized:
+        rollouts.wait_until_loaded()  # the probe times this machine's cores, not the inference side's loading
     cfg, probed = sizing.choose(cfg, tri, tokenizer, train_examples, settings_of(cfg))  # sizes left open
     print(f"periodic-rl: sizes: --groups-per-chunk {cfg.groups_per_chunk} ({cfg.chunks_per_iteration} generate "
           f"call(s) per iteration) --micro-batch-tokens {cfg.micro_batch_tokens} --rollout-threads "

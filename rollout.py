@@ -324,10 +324,9 @@ def inference_process(model_name: str, load_kwargs: dict, commands, results, tra
                       held_out: list[Example], reward_spec: str) -> None:
     """Entry point of the spawned inference process.
 
-    Protocol: import what loading needs, wait for ("load",), load the model, then wait for
-    ("attach", weights, settings, threads): the trainer's shared weight buffer (periodic_rl.WeightBuffer),
-    the sampling settings and its thread count; answer
-    ("ready", None). Then wait for ("generate", k) (sent after θ_k is in `weights`), run
+    Protocol: import what loading needs, wait for ("load",), load the model, answer ("loaded", None),
+    then wait for ("attach", weights, settings, threads): the trainer's shared weight buffer
+    (periodic_rl.WeightBuffer), the sampling settings and its thread count; answer ("ready", None). Then wait for ("generate", k) (sent after θ_k is in `weights`), run
     `rollout_iteration` and put every message on `results`; ("evaluate", k) runs only the held-out
     evaluation; ("stop",) ends, at any point. Any exception is sent as ("error", summary) before
     exiting non-zero.
@@ -344,6 +343,7 @@ def inference_process(model_name: str, load_kwargs: dict, commands, results, tra
         model, tokenizer = load_model(model_name, **load_kwargs)
         model.eval()
         reward_fn = load_reward(reward_spec)
+        results.put(("loaded", None))
         command = commands.get()
         if command[0] == "stop":
             return
