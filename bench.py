@@ -39,10 +39,11 @@ async
     (T_gen + T_train) / max(T_gen, T_train), a perfect pipeline, and `bound`, the same with the
     pipeline's fill and drain counted (n chunks per iteration: the first chunk's generation and the
     last one's training overlap nothing; `pipeline_bound`). `--chunk-sweep` runs the default
-    workload at several --groups-per-chunk instead: batching vs streaming. Sync uses all cores; async gives the
-    inference and the training process half each. Workloads beyond the default vary the balance
-    (long responses, big groups, few groups, 4 prompts per generate call, several updates per
-    iteration). Targets, on the default workload: async at least 90% of its `bound`; on every
+    workload at several --groups-per-chunk instead: batching vs streaming. Both modes run at the sizes
+    async's probe picks (`probed_sizes`, probed once per workload: the same generate calls and
+    micro-batch, so the two compare at the same sizes); sync uses all cores, async the probe's split.
+    Workloads beyond the default vary the balance (long responses, big groups, few groups, 4 prompts
+    per generate call, several updates per iteration). Targets, on the default workload: async at least 90% of its `bound`; on every
     workload async at least as fast as sync.
 
 peer
@@ -398,8 +399,9 @@ def pipeline_bound(t_gen: float, t_train: float, chunks: int) -> float:
 
 
 def probed_sizes(argv: list[str]) -> tuple[list[str], list[str]]:
-    """The options async mode's probe picks for `argv` (probed once, here): (the generate calls, which
-    both modes then use, so that they compare at the same sizes; the thread split, async's only)."""
+    """The options async mode's probe picks for `argv` (probed once, here): (the generate calls and the
+    micro-batch, which both modes then use, so that they compare at the same sizes; the thread split,
+    async's only)."""
     import sizing
     import trainer
     from config import parse_args
@@ -413,7 +415,7 @@ def probed_sizes(argv: list[str]) -> tuple[list[str], list[str]]:
     tri = TriModel(loaded.policy, use_reference=cfg.beta > 0, use_old=cfg.updates_per_iteration > 1,
                    pad_id=loaded.tokenizer.pad_token_id)
     chosen, _ = sizing.choose(cfg, tri, loaded.tokenizer, loaded.train_examples, settings_of(cfg))
-    return (["--groups-per-chunk", str(chosen.groups_per_chunk)],
+    return (["--groups-per-chunk", str(chosen.groups_per_chunk), "--micro-batch-tokens", str(chosen.micro_batch_tokens)],
             ["--rollout-threads", str(chosen.rollout_threads), "--train-threads", str(chosen.train_threads)])
 
 
@@ -538,7 +540,8 @@ def peer_run(name: str, argv: list[str] | None, args: argparse.Namespace) -> tup
             raise SystemExit(f"{name} failed:\n{out.stderr[-2000:]}")
         rows = [json.loads(line) for line in open(os.path.join(tmp, "metrics.jsonl"))]
     timed = [row for row in rows if not row.get("final") and row["iteration"] > 0]
-    return statistics.mean(row["iteration_s"] for row in timed), statistics.mean(row["response_length"] for row in timed)
+    return (statistics.mean(row["iteration_s"] for row in timed),
+            statistics.mean(row["response_length"] for row in timed))
 
 
 def peer(args: argparse.Namespace) -> bool:

@@ -326,10 +326,10 @@ def inference_process(model_name: str, load_kwargs: dict, commands, results, tra
 
     Protocol: import what loading needs, wait for ("load",), load the model, answer ("loaded", None),
     then wait for ("attach", weights, settings, threads): the trainer's shared weight buffer
-    (periodic_rl.WeightBuffer), the sampling settings and its thread count; answer ("ready", None). Then wait for ("generate", k) (sent after θ_k is in `weights`), run
-    `rollout_iteration` and put every message on `results`; ("evaluate", k) runs only the held-out
-    evaluation; ("stop",) ends, at any point. Any exception is sent as ("error", summary) before
-    exiting non-zero.
+    (periodic_rl.WeightBuffer), the sampling settings and its thread count; answer ("ready", None).
+    Then wait for ("generate", k) (sent after θ_k is in `weights`), run `rollout_iteration` and put
+    every message on `results`; ("evaluate", k) runs only the held-out evaluation; ("stop",) ends,
+    at any point. Any exception is sent as ("error", summary) before exiting non-zero.
     """
     import sys
     import transformers

@@ -28,7 +28,7 @@ def test_async_workload_reports_the_promised_figures(tiny_model_dir):
         assert row[key] > 0, key
     assert row["speedup"] == pytest.approx(row["sync_s_per_iter"] / row["async_s_per_iter"])
     assert row["speedup_per_round"] == [pytest.approx(row["speedup"])]
-    assert row["sizes"].startswith(f"--groups-per-chunk {2 // row['chunks_per_iteration']} --rollout-threads")
+    assert row["sizes"].startswith(f"--groups-per-chunk {2 // row['chunks_per_iteration']} --micro-batch-tokens ")
     assert row["chunks_per_iteration"] in (1, 2) and row["pipeline_bound"] <= row["ideal_speedup"]
 
 
