@@ -9,24 +9,25 @@ on CPU, how the cores split between the inference and the training process. `pro
 `predict_seconds` models an iteration from the measurements, `choose` picks.
 
 The probe (before iteration 0; it changes nothing: its own RNG state, no optimizer step,
-gradients dropped) samples iteration 0's prompts in one call, then the first half of them, the
-first quarter, ..., the first alone (every size it may choose), and times a forward/backward of
-one group and of all groups:
+gradients dropped) samples iteration 0 once for every call size it may choose, k = the whole
+iteration, half of it, a quarter, ..., one prompt, as the inference side would (calls of k prompts
+one after the other, seeded alike), recording when each group stops; and it times a
+forward/backward of one group and of all groups:
 
-    τ(k) = T_k / S_k         seconds per decode step of a call of k prompts (T: its seconds,
-                             S: its decode steps = its longest response; per-call costs included)
-    T_train(n) = d + c·n     a forward/backward of n tokens (prompt + response, plain rows)
+    arrivals_k = [(t_g, g)]   when group g was ready with calls of k prompts (streaming by completion)
+    T_train(n) = d + c·n      a forward/backward of n tokens (prompt + response, plain rows)
 
-An iteration with n calls (call j samples prompts [j·k, (j+1)·k), k = ceil(prompts/n)) is then
-simulated: group g of call j is ready (L_g + 1)·τ(k) after the call starts (L_g: its longest
-response in the probe, since groups stream out of a call by completion), call j + 1 starts when
-call j ends; the trainer applies the learner's rule (train the waiting groups once they reach the
-micro-batch's tokens or their call has ended), d + c·tokens per micro-batch, never before the
-groups are ready. The predicted iteration time is when the trainer finishes; the fewest calls,
-then the biggest micro-batch, within 10% of the fastest win. On CPU, async mode then splits the
-cores in proportion to the two sides' measured demand, T_gen : T_train (at least one core each).
-The probe costs about four iterations' generation and one iteration's training (each call is
-timed twice and the faster kept: noise on a shared machine only ever adds time).
+An iteration with n calls (k = ceil(prompts/n)) is then simulated on the measured arrivals: the
+trainer applies the learner's rule (train the waiting groups once they reach the micro-batch's
+tokens or their call has ended), d + c·tokens per micro-batch, never before the groups arrived.
+The predicted iteration time is when the trainer finishes; the fewest calls, then the biggest
+micro-batch, within 5% of the fastest win. On CPU, async mode then splits the cores in proportion
+to the two sides' measured demand, T_gen : T_train (at least one core each). The probe costs about
+one iteration's generation per call size (five for 16 prompts) and one iteration's training.
+(A first version modelled a call of k prompts as its longest response x a per-step cost measured
+on one call of k prompts; it was optimistic about many small calls, whose per-step cost depends on
+how long their responses run: four calls predicted 1.0-1.1 s per iteration ran 1.4-1.7 s on the
+chain task. Measuring each candidate's generation whole removes that guess.)
 
 Deliberate departures:
 1. Probed on CPU only. On an accelerator a decode step costs about the same for 8 rows as for
@@ -50,21 +51,19 @@ from config import MICRO_BATCH_TOKENS
 from rollout import iteration_prompts, prompt_seed, sample_responses, sampling_config, stop_token_ids
 from tasks import prompt_token_ids
 
-# Fewer calls (then bigger micro-batches) win unless the others are predicted > 10% faster: the model is
-# optimistic about many small calls (chain task, 2-core CPU: four calls predicted 1.0-1.1 s per iteration ran
-# 1.4-1.7 s, while one and two calls ran as predicted, ~1.0 s), so it takes a clear predicted gain.
-AS_FAST = 1.10
+AS_FAST = 1.05  # fewer calls (then bigger micro-batches) win unless the others are predicted > 5% faster
 MICRO_BATCH_FRACTIONS = (1, 2, 4, 8, 16)  # candidate micro-batches: an iteration's tokens / these, under the cap
-REPEATS = 2  # each probed call and the one-group forward/backward are timed this often, the fastest kept
+REPEATS = 2  # the one-group forward/backward is timed this often (after a warm-up), the fastest kept
 
 
 @dataclass(frozen=True)
 class Probe:
-    step_seconds: dict[int, float]      # prompts per call k -> τ(k), seconds per decode step of such a call
+    # prompts per call k -> iteration 0 sampled in calls of k, as the inference side would: when each group
+    # was ready (seconds from the first call's start), its index and its call's first prompt, sorted by time
+    timelines: dict[int, list[tuple[float, int, int]]]
+    generate_seconds: dict[int, float]  # k -> seconds until the last call ended
+    tokens: dict[int, list[int]]        # k -> each group's training tokens, G·P + ΣR
     train_seconds: tuple[float, float]  # a forward/backward of n tokens: d + c·n: (d, c)
-    lengths: list[int]                  # L_g: each group's longest response, in decode steps
-    tokens: list[int]                   # each group's training tokens, G·P + ΣR
-    group_size: int
 
 
 def candidate_chunks(prompts: int) -> list[int]:
@@ -90,21 +89,16 @@ def micro_batch_size(tokens: list[int], max_tokens: int) -> int:
 
 def predict_seconds(probe: Probe, calls: int, micro_tokens: int) -> tuple[float, float, float]:
     """(iteration, generation, training) seconds predicted for `calls` generate calls and micro-batches of
-    up to `micro_tokens` (async mode), with the learner's rule: the waiting groups are trained once they
-    reach `micro_tokens`, or once their call has delivered all its groups."""
+    up to `micro_tokens` (async mode): the measured arrivals of that call size, trained by the learner's
+    rule (the waiting groups are trained once they reach `micro_tokens`, or once their call has
+    delivered all its groups), d + c·tokens per micro-batch, never before its groups arrived."""
     d, c = probe.train_seconds
-    prompts = len(probe.lengths)
+    prompts = len(next(iter(probe.tokens.values())))
     size = math.ceil(prompts / calls)
-    step = probe.step_seconds[min(size, prompts)]  # τ(k)
-    ready, clock = [], 0.0
-    for first in range(0, prompts, size):
-        lengths = probe.lengths[first:first + size]
-        ready += [(clock + (length + 1) * step, g, first) for g, length in enumerate(lengths, first)]
-        clock += (max(lengths) + 1) * step
-    ready.sort()
+    tokens = probe.tokens[size]
     trainer, training, waiting, arrived = 0.0, 0.0, [], {}
-    for when, g, call in ready:
-        waiting.append(probe.tokens[g])
+    for when, g, call in probe.timelines[size]:
+        waiting.append(tokens[g])
         arrived[call] = arrived.get(call, 0) + 1
         call_done = arrived[call] == min(size, prompts - call)
         while waiting and (call_done or sum(waiting) >= micro_tokens):
@@ -112,25 +106,32 @@ def predict_seconds(probe: Probe, calls: int, micro_tokens: int) -> tuple[float,
             seconds = d + c * sum(waiting[:n])
             trainer, training = max(trainer, when) + seconds, training + seconds
             del waiting[:n]
-    return trainer, clock, training
+    return trainer, probe.generate_seconds[size], training
 
 
 def best_sizes(probe: Probe, max_tokens: int) -> tuple[int, int]:
     """(generate calls, micro-batch tokens): the fewest calls, then the biggest micro-batch, whose
     predicted iteration is within AS_FAST of the fastest; micro-batches never above `max_tokens`."""
-    prompts, total = len(probe.lengths), sum(probe.tokens)
-    calls = sorted({math.ceil(prompts / k) for k in probe.step_seconds})
+    prompts = len(next(iter(probe.tokens.values())))
+    total = sum(probe.tokens[prompts])
+    calls = sorted({math.ceil(prompts / k) for k in probe.timelines})
     micro = sorted({min(max_tokens, math.ceil(total / f)) for f in MICRO_BATCH_FRACTIONS}, reverse=True)
     seconds = {(n, m): predict_seconds(probe, n, m)[0] for n in calls for m in micro}
     fastest = min(seconds.values())
     return next(size for size in sorted(seconds, key=lambda nm: (nm[0], -nm[1])) if seconds[size] <= AS_FAST * fastest)
 
 
-def _timed_call(model, prompts, group_size, generation, seed) -> tuple[float, int, list[list[list[int]]]]:
-    start = time.perf_counter()
-    responses = sample_responses(model, prompts, group_size, generation, seed)
-    steps = max(len(r) for group in responses for r in group)
-    return time.perf_counter() - start, steps, responses
+def sample_timeline(model, prompts, group_size, generation, seed, size):
+    """Iteration 0 sampled in calls of `size` prompts (seeded as rollout.rollout_iteration seeds them):
+    (when each group was ready, its index, its call's first prompt) in arrival order, the seconds until
+    the last call ended, and the responses."""
+    timeline, responses, start = [], [], time.perf_counter()
+    for first in range(0, len(prompts), size):
+        def ready(offset, group, first=first):
+            timeline.append((time.perf_counter() - start, first + offset, first))
+        responses += sample_responses(model, prompts[first:first + size], group_size, generation,
+                                      prompt_seed(seed, 0, first), on_done=ready)
+    return timeline, time.perf_counter() - start, responses
 
 
 def _timed_backward(tri, batch) -> float:
@@ -141,7 +142,7 @@ def _timed_backward(tri, batch) -> float:
 
 
 def probe(cfg, tri, tokenizer, train_examples, settings, threads: int) -> Probe:
-    """Time iteration 0's generation (one call of all prompts, one of the first prompt alone) and
+    """Time iteration 0's generation at every candidate call size (when each group arrives) and its
     training (a forward/backward of one group, then of all in micro-batches of at most
     `cfg.micro_batch_tokens` or the default cap) at `threads` threads. Leaves the RNG, the weights and
     the gradients as they were."""
@@ -155,35 +156,34 @@ def probe(cfg, tri, tokenizer, train_examples, settings, threads: int) -> Probe:
     try:
         with torch.random.fork_rng(devices=[]):
             policy.eval()
-            seed = prompt_seed(cfg.seed, 0, 0)
-            _timed_call(policy, prompts[:1], cfg.group_size, generation, seed)  # warm-up: first-call costs
-            full_s, full_steps, responses = min(_timed_call(policy, prompts, cfg.group_size, generation, seed)
-                                                for _ in range(REPEATS))  # fastest of a few: noise only adds
-            steps = {len(prompts): full_s / full_steps}
+            sample_timeline(policy, prompts[:1], cfg.group_size, generation, cfg.seed, 1)  # warm-up: first-call costs
+            timelines, generate_seconds, tokens, responses = {}, {}, {}, None
             sizes = set(candidate_chunks(len(prompts))) | {min(cfg.groups_per_chunk or 1, len(prompts))}
-            for size in sorted(sizes - {len(prompts)}, reverse=True):  # smaller calls: the first `size` prompts
-                call_s, call_steps, _ = min(_timed_call(policy, prompts[:size], cfg.group_size, generation, seed)
-                                            for _ in range(REPEATS))
-                steps[size] = call_s / call_steps
+            for size in sorted(sizes, reverse=True):
+                timeline, seconds, sampled = sample_timeline(policy, prompts, cfg.group_size, generation,
+                                                             cfg.seed, size)
+                timelines[size], generate_seconds[size] = sorted(timeline), seconds
+                tokens[size] = [cfg.group_size * len(p) + sum(len(r) for r in group)
+                                for p, group in zip(prompts, sampled)]
+                responses = responses or sampled  # the one-call sample, for the training measurement
             policy.train()
             device = next(policy.parameters()).device
             batch = [(torch.tensor(p, device=device), [torch.tensor(r, device=device) for r in group])
                      for p, group in zip(prompts, responses)]
-            tokens = [cfg.group_size * len(p) + sum(len(r) for r in group) for p, group in zip(prompts, responses)]
+            whole = tokens[len(prompts)]
             tri.start_iteration()
             one_train_s = min(_timed_backward(tri, batch[:1]) for _ in range(REPEATS + 1))  # the first: warm-up
             cap, cuts = cfg.micro_batch_tokens or MICRO_BATCH_TOKENS, [0]
             while cuts[-1] < len(batch):
-                cuts.append(cuts[-1] + micro_batch_size(tokens[cuts[-1]:], cap))
+                cuts.append(cuts[-1] + micro_batch_size(whole[cuts[-1]:], cap))
             all_train_s = sum(_timed_backward(tri, batch[i:j]) for i, j in zip(cuts, cuts[1:]))
             policy.zero_grad(set_to_none=True)
     finally:
         torch.set_num_threads(saved_threads)
         policy.train(was_training)
     forwards = len(cuts) - 1  # all_train_s = forwards·d + c·Σtokens, one_train_s = d + c·tokens[0]
-    c = max(0.0, (all_train_s - forwards * one_train_s) / max(1, sum(tokens) - forwards * tokens[0]))
-    return Probe(steps, (max(0.0, one_train_s - c * tokens[0]), c),
-                 [max(len(r) for r in group) for group in responses], tokens, cfg.group_size)
+    c = max(0.0, (all_train_s - forwards * one_train_s) / max(1, sum(whole) - forwards * whole[0]))
+    return Probe(timelines, generate_seconds, tokens, (max(0.0, one_train_s - c * whole[0]), c))
 
 
 def choose(cfg, tri, tokenizer, train_examples, settings) -> tuple[object, str]:
@@ -207,8 +207,8 @@ def choose(cfg, tri, tokenizer, train_examples, settings) -> tuple[object, str]:
         micro_batch_tokens=micro_tokens, rollout_threads=rollout_threads,
         train_threads=cfg.train_threads or (cores - rollout_threads if split else cores))
     d, c = result.train_seconds
-    steps = ", ".join(f"{k}: {seconds * 1e3:.1f}" for k, seconds in result.step_seconds.items())
-    note = (f"probe: ms per decode step by prompts per call {{{steps}}}, forward/backward {d * 1e3:.1f} ms + "
+    steps = ", ".join(f"{k}: {seconds:.3f}" for k, seconds in sorted(result.generate_seconds.items(), reverse=True))
+    note = (f"probe: generate seconds by prompts per call {{{steps}}}, forward/backward {d * 1e3:.1f} ms + "
             f"{c * 1e6:.2f} us/token; predicted {iteration_s:.3f} s per iteration (generate {gen_s:.3f} s, "
             f"train {train_s:.3f} s, {'overlapped' if overlaps else 'in turns'})")
     return chosen, note

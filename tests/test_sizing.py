@@ -12,10 +12,19 @@ from tri_model import TriModel
 
 
 def probe_of(lengths, step=(0.003, 0.0), per_token=1e-5, prompt=10, group_size=8):
-    """A probe whose decode step costs a + b·rows, whose forward/backward costs per_token·tokens."""
+    """A probe whose calls of k prompts take (a + b·rows) seconds per decode step (each group ready the step
+    after its longest response, each call as long as its longest), whose forward/backward costs
+    per_token·tokens."""
     tokens = [group_size * (prompt + length) for length in lengths]
-    steps = {k: step[0] + step[1] * k * group_size for k in sizing.candidate_chunks(len(lengths))}
-    return sizing.Probe(steps, (0.0, per_token), list(lengths), tokens, group_size)
+    timelines, seconds = {}, {}
+    for k in sizing.candidate_chunks(len(lengths)):
+        step_s, clock, timeline = step[0] + step[1] * k * group_size, 0.0, []
+        for first in range(0, len(lengths), k):
+            chunk = lengths[first:first + k]
+            timeline += [(clock + (length + 1) * step_s, g, first) for g, length in enumerate(chunk, first)]
+            clock += (max(chunk) + 1) * step_s
+        timelines[k], seconds[k] = sorted(timeline), clock
+    return sizing.Probe(timelines, seconds, {k: tokens for k in timelines}, (0.0, per_token))
 
 
 def test_equal_lengths_in_one_call_overlap_nothing():
@@ -36,13 +45,14 @@ def test_streaming_by_completion_overlaps_within_one_call():
     end (the learner's rule) and nothing overlaps: the micro-batch size decides whether streaming pays."""
     lengths = [5] * 15 + [100]
     probe = probe_of(lengths)
-    total, gen, train = sizing.predict_seconds(probe, 1, probe.tokens[0])
-    short_training = 1e-5 * sum(probe.tokens[:15])
+    tokens = probe.tokens[16]
+    total, gen, train = sizing.predict_seconds(probe, 1, tokens[0])
+    short_training = 1e-5 * sum(tokens[:15])
     assert total <= gen + train - short_training + 1e-12
-    whole = sizing.predict_seconds(probe, 1, sum(probe.tokens))
+    whole = sizing.predict_seconds(probe, 1, sum(tokens))
     assert math.isclose(whole[0], whole[1] + whole[2])
     calls, micro = sizing.best_sizes(probe, 16384)
-    assert calls == 1 and micro < sum(probe.tokens)
+    assert calls == 1 and micro < sum(tokens)
 
 
 def test_best_sizes_follow_the_measured_costs():
