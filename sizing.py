@@ -21,7 +21,8 @@ An iteration with n calls (k = ceil(prompts/n)) is then simulated on the measure
 trainer applies the learner's rule (train the waiting groups once they reach the micro-batch's
 tokens or their call has ended), d + c·tokens per micro-batch, never before the groups arrived.
 The predicted iteration time is when the trainer finishes; the fewest calls, then the biggest
-micro-batch, within 5% of the fastest win. On CPU, async mode then splits the cores in proportion
+micro-batch, within 5% of the fastest win (sync mode, whose sides take turns: the fewest calls
+within 5% of the least generation). On CPU, async mode then splits the cores in proportion
 to the two sides' measured demand, T_gen : T_train (at least one core each). The probe costs about
 one iteration's generation per call size (five for 16 prompts) and one iteration's training.
 (A first version modelled a call of k prompts as its longest response x a per-step cost measured
@@ -193,7 +194,12 @@ def choose(cfg, tri, tokenizer, train_examples, settings) -> tuple[object, str]:
         return cfg, ""
     cores = os.cpu_count() or 1
     result = probe(cfg, tri, tokenizer, train_examples, settings, threads=max(1, cores // 2))
-    calls, micro_tokens = best_sizes(result, cfg.micro_batch_tokens or MICRO_BATCH_TOKENS)
+    cap = cfg.micro_batch_tokens or MICRO_BATCH_TOKENS
+    calls, micro_tokens = best_sizes(result, cap)
+    if cfg.mode == "sync":  # the sides take turns: least generation (fewest calls within 5%), biggest micro-batch
+        least = min(result.generate_seconds.values())
+        size = max(k for k, seconds in result.generate_seconds.items() if seconds <= AS_FAST * least)
+        calls, micro_tokens = math.ceil(cfg.prompts_per_iteration / size), cap
     if cfg.groups_per_chunk:
         calls = math.ceil(cfg.prompts_per_iteration / cfg.groups_per_chunk)
     micro_tokens = cfg.micro_batch_tokens or micro_tokens
