@@ -23,7 +23,8 @@ tokens or their call has ended), d + c·tokens per micro-batch, never before the
 The predicted iteration time is when the trainer finishes; the fewest calls, then the biggest
 micro-batch, within 5% of the fastest win (sync mode, whose sides take turns: the fewest calls
 within 5% of the least generation). On CPU, async mode then splits the cores in proportion
-to the two sides' measured demand, T_gen : T_train (at least one core each). The probe costs about
+to the two sides' measured demand, T_gen : T_train (at least one core each), unless a second
+probe at all cores predicts that taking turns (sync's schedule in two processes) is faster. The probe costs about
 one iteration's generation per call size (five for 16 prompts) and one iteration's training.
 (A first version modelled a call of k prompts as its longest response x a per-step cost measured
 on one call of k prompts; it was optimistic about many small calls, whose per-step cost depends on
@@ -187,34 +188,62 @@ def probe(cfg, tri, tokenizer, train_examples, settings, threads: int) -> Probe:
     return Probe(timelines, generate_seconds, tokens, (max(0.0, one_train_s - c * whole[0]), c))
 
 
+def in_turns(probe: Probe, prompts: int, cap: int, calls: int | None = None) -> tuple[int, float]:
+    """(generate calls, predicted seconds) when the two sides take turns: the least generation (the
+    fewest calls within AS_FAST of it, unless `calls` is given), then the whole iteration's training in
+    micro-batches of up to `cap` tokens."""
+    least = min(probe.generate_seconds.values())
+    if calls is None:
+        calls = math.ceil(prompts / max(k for k, s in probe.generate_seconds.items() if s <= AS_FAST * least))
+    size = math.ceil(prompts / calls)
+    (d, c), tokens = probe.train_seconds, probe.tokens[size]
+    return calls, probe.generate_seconds[size] + d * math.ceil(sum(tokens) / cap) + c * sum(tokens)
+
+
 def choose(cfg, tri, tokenizer, train_examples, settings) -> tuple[object, str]:
-    """`cfg` with the sizes `config.derive` left open (None) filled from a probe, and a line saying
-    what was measured ('' when nothing was open)."""
+    """`cfg` with the sizes `config.derive` left open (None) filled from probes, and a line saying
+    what was measured ('' when nothing was open).
+
+    Sync mode (and async when the threads are given or there is one core) probes at its own thread
+    count. Async with the threads open probes twice: overlapped, at half the cores per side, and in
+    turns, at all cores per side (the toy on 2 cores: overlapping two calls at one thread each is
+    slower than taking turns at two), and keeps the faster prediction."""
     if cfg.sized:
         return cfg, ""
-    cores = os.cpu_count() or 1
-    result = probe(cfg, tri, tokenizer, train_examples, settings, threads=max(1, cores // 2))
+    cores, prompts = os.cpu_count() or 1, cfg.prompts_per_iteration
     cap = cfg.micro_batch_tokens or MICRO_BATCH_TOKENS
-    calls, micro_tokens = best_sizes(result, cap)
-    if cfg.mode == "sync":  # the sides take turns: least generation (fewest calls within 5%), biggest micro-batch
-        least = min(result.generate_seconds.values())
-        size = max(k for k, seconds in result.generate_seconds.items() if seconds <= AS_FAST * least)
-        calls, micro_tokens = math.ceil(cfg.prompts_per_iteration / size), cap
-    if cfg.groups_per_chunk:
-        calls = math.ceil(cfg.prompts_per_iteration / cfg.groups_per_chunk)
-    micro_tokens = cfg.micro_batch_tokens or micro_tokens
+    given = math.ceil(prompts / cfg.groups_per_chunk) if cfg.groups_per_chunk else None
+    split_open = cfg.mode == "async" and cores > 1 and not (cfg.rollout_threads or cfg.train_threads)
+    if cfg.mode == "sync" or not split_open:
+        threads = cfg.train_threads if cfg.mode == "async" else cores
+        result = probe(cfg, tri, tokenizer, train_examples, settings, threads=threads or cores)
+    else:
+        result = probe(cfg, tri, tokenizer, train_examples, settings, threads=max(1, cores // 2))
+    if cfg.mode == "sync":
+        calls, micro_tokens = in_turns(result, prompts, cap, given)[0], cap
+    else:
+        calls, micro_tokens = best_sizes(result, cap)
+        calls, micro_tokens = given or calls, cfg.micro_batch_tokens or micro_tokens
     iteration_s, gen_s, train_s = predict_seconds(result, calls, micro_tokens)
-    overlaps = iteration_s < (gen_s + train_s) / AS_FAST  # else the sides take turns: all cores each
-    split = cfg.mode == "async" and overlaps and cores > 1
+    overlaps = cfg.mode == "async" and iteration_s < (gen_s + train_s) / AS_FAST
+    turns_note = ""
+    if split_open:
+        full = probe(cfg, tri, tokenizer, train_examples, settings, threads=cores)
+        turns_calls, turns_s = in_turns(full, prompts, cap, given)
+        turns_note = f"; in turns at {cores} threads: {turns_s:.3f} s"
+        if not overlaps or turns_s <= iteration_s:
+            calls, micro_tokens, overlaps, result = turns_calls, cfg.micro_batch_tokens or cap, False, full
+            gen_s = full.generate_seconds[math.ceil(prompts / calls)]
+            iteration_s, train_s = turns_s, turns_s - gen_s
     rollout_threads = cfg.rollout_threads or (
-        min(cores - 1, max(1, round(cores * gen_s / (gen_s + train_s)))) if split else cores)
+        min(cores - 1, max(1, round(cores * gen_s / (gen_s + train_s)))) if overlaps else cores)
     chosen = dataclasses.replace(
-        cfg, groups_per_chunk=cfg.groups_per_chunk or math.ceil(cfg.prompts_per_iteration / calls),
+        cfg, groups_per_chunk=cfg.groups_per_chunk or math.ceil(prompts / calls),
         micro_batch_tokens=micro_tokens, rollout_threads=rollout_threads,
-        train_threads=cfg.train_threads or (cores - rollout_threads if split else cores))
+        train_threads=cfg.train_threads or (cores - rollout_threads if overlaps else cores))
     d, c = result.train_seconds
     steps = ", ".join(f"{k}: {seconds:.3f}" for k, seconds in sorted(result.generate_seconds.items(), reverse=True))
     note = (f"probe: generate seconds by prompts per call {{{steps}}}, forward/backward {d * 1e3:.1f} ms + "
             f"{c * 1e6:.2f} us/token; predicted {iteration_s:.3f} s per iteration (generate {gen_s:.3f} s, "
-            f"train {train_s:.3f} s, {'overlapped' if overlaps else 'in turns'})")
+            f"train {train_s:.3f} s, {'overlapped' if overlaps else 'in turns'}{turns_note})")
     return chosen, note

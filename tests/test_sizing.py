@@ -66,6 +66,16 @@ def test_best_sizes_follow_the_measured_costs():
     assert calls > 1 and sizing.predict_seconds(per_row, calls, micro)[0] < sizing.predict_seconds(per_row, 1, micro)[0]
 
 
+def test_in_turns_takes_the_least_generation_and_the_whole_training():
+    """Claim: when the sides take turns (sync mode, or async when that is predicted faster), the fewest calls
+    whose measured generation is within 5% of the least win, and the prediction is that generation plus the
+    whole iteration's training; a given call count is kept."""
+    probe = probe_of([4] * 16, step=(0.01, 0.0), per_token=1e-5)
+    calls, seconds = sizing.in_turns(probe, 16, 16384)
+    assert calls == 1 and math.isclose(seconds, probe.generate_seconds[16] + 1e-5 * sum(probe.tokens[16]))
+    assert sizing.in_turns(probe, 16, 16384, calls=4)[0] == 4
+
+
 def test_probe_changes_nothing_and_choose_fills_only_open_sizes(tiny_model_dir, monkeypatch):
     """Claim: the probe leaves the RNG state, the weights and the gradients as they were (the run that follows is
     the run that would have happened), measures positive costs, and `choose` fills exactly the sizes left open,
@@ -83,6 +93,7 @@ def test_probe_changes_nothing_and_choose_fills_only_open_sizes(tiny_model_dir, 
     assert all(torch.equal(p, q) for p, q in zip(policy.parameters(), before))
     assert all(p.grad is None for p in policy.parameters())
     assert chosen.sized and chosen.groups_per_chunk in sizing.candidate_chunks(cfg.prompts_per_iteration)
+    assert "in turns at 2 threads" in note  # async with open threads weighs taking turns too
     assert 1 <= chosen.micro_batch_tokens <= 16384 and "probe:" in note
     assert chosen.rollout_threads >= 1 and chosen.train_threads >= 1
     assert chosen.rollout_threads + chosen.train_threads in (2, 4)  # split (1 + 1), or in turns (2 + 2)
