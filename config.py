@@ -201,25 +201,25 @@ def derive(cfg: Config) -> Config:
     # training (docs/benchmarks.md, `bench.py peer`). Same in both modes: a seed's rollouts do not depend
     # on --mode.
     # With --sizes probe on CPU, the sizes not given stay None here: `sizing.choose` measures and fills them.
-    probe = cfg.sizes == "probe" and not on_accelerator
+    probed = cfg.sizes == "probe" and not on_accelerator
     calls = GENERATE_CALLS["accelerator" if on_accelerator else "cpu"]
-    groups_per_chunk = cfg.groups_per_chunk or (None if probe else math.ceil(cfg.prompts_per_iteration / calls))
+    groups_per_chunk = cfg.groups_per_chunk or (None if probed else math.ceil(cfg.prompts_per_iteration / calls))
     chunks = dataclasses.replace(cfg, groups_per_chunk=groups_per_chunk or 1).chunks_per_iteration
     # Sync mode runs one side at a time: all cores. So does async when an iteration is a single chunk
     # (nothing to overlap: the two sides take turns); otherwise they run at once and split the cores,
     # since oversubscribed cores slow both (2 + 2 threads on 2 cores, 2 chunks: async 0.72x of sync, against
     # 1.0x split; `bench.py async --quick --trainer-args "--groups-per-chunk 8 --rollout-threads 2 --train-threads 2"`).
     take_turns = cfg.mode == "sync" or chunks == 1
-    rollout_threads = cfg.rollout_threads or (None if probe else cores if take_turns else max(1, cores // 2))
-    train_threads = cfg.train_threads or (None if probe else cores if take_turns else max(1, cores - rollout_threads))
-    if cfg.mode == "sync" and probe:  # one side at a time: all cores; the probe chooses only the calls
+    rollout_threads = cfg.rollout_threads or (None if probed else cores if take_turns else max(1, cores // 2))
+    train_threads = cfg.train_threads or (None if probed else cores if take_turns else max(1, cores - rollout_threads))
+    if cfg.mode == "sync" and probed:  # one side at a time: all cores; the probe chooses calls and micro-batch
         rollout_threads, train_threads = rollout_threads or cores, train_threads or cores
     return dataclasses.replace(
         cfg,
         max_new_tokens=cfg.max_new_tokens or (TINY_MODELS[cfg.model][1] if cfg.is_tiny else 512),
         lr=cfg.lr if cfg.lr is not None else (1e-4 if cfg.is_tiny else 1e-6),
         groups_per_chunk=groups_per_chunk,
-        micro_batch_tokens=cfg.micro_batch_tokens or (None if probe else MICRO_BATCH_TOKENS),
+        micro_batch_tokens=cfg.micro_batch_tokens or (None if probed else MICRO_BATCH_TOKENS),
         rollout_device=rollout_device,
         train_device=train_device,
         dtype=pick_dtype(cfg.dtype, train_device),

@@ -52,7 +52,7 @@ from transformers import __version__ as transformers_version
 from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase,
                           PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM)
 
-from tasks import arithmetic_examples, chain_examples, chain_working, hub_unreachable_reason
+from tasks import chain_working, hub_unreachable_reason, load_task
 
 TINY = "tiny"
 MODEL_ALIASES = {f"qwen2.5-{size}": f"Qwen/Qwen2.5-{size.upper()}-Instruct"
@@ -246,7 +246,7 @@ def warm_up_tiny(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, ste
 
     Right padding needs no attention mask: causal attention never looks at the pads after a sequence.
     """
-    examples = chain_examples("train") if task == "chain" else arithmetic_examples("train")
+    examples = load_task(task)[0]  # the task's train split
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(  # 50 steps of linear warm-up, then cosine to 0

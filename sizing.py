@@ -67,6 +67,10 @@ class Probe:
     tokens: dict[int, list[int]]        # k -> each group's training tokens, G·P + ΣR
     train_seconds: tuple[float, float]  # a forward/backward of n tokens: d + c·n: (d, c)
 
+    @property
+    def prompts(self) -> int:
+        return max(self.tokens)  # the whole iteration in one call is always a candidate
+
 
 def candidate_chunks(prompts: int) -> list[int]:
     """Prompts per call worth probing: the whole iteration, then halves (16 -> 16, 8, 4, 2, 1).
@@ -95,7 +99,7 @@ def predict_seconds(probe: Probe, calls: int, micro_tokens: int) -> tuple[float,
     rule (the waiting groups are trained once they reach `micro_tokens`, or once their call has
     delivered all its groups), d + c·tokens per micro-batch, never before its groups arrived."""
     d, c = probe.train_seconds
-    prompts = len(next(iter(probe.tokens.values())))
+    prompts = probe.prompts
     size = math.ceil(prompts / calls)
     tokens = probe.tokens[size]
     trainer, training, waiting, arrived = 0.0, 0.0, [], {}
@@ -114,13 +118,14 @@ def predict_seconds(probe: Probe, calls: int, micro_tokens: int) -> tuple[float,
 def best_sizes(probe: Probe, max_tokens: int) -> tuple[int, int]:
     """(generate calls, micro-batch tokens): the fewest calls, then the biggest micro-batch, whose
     predicted iteration is within AS_FAST of the fastest; micro-batches never above `max_tokens`."""
-    prompts = len(next(iter(probe.tokens.values())))
+    prompts = probe.prompts
     total = sum(probe.tokens[prompts])
     calls = sorted({math.ceil(prompts / k) for k in probe.timelines})
     micro = sorted({min(max_tokens, math.ceil(total / f)) for f in MICRO_BATCH_FRACTIONS}, reverse=True)
     seconds = {(n, m): predict_seconds(probe, n, m)[0] for n in calls for m in micro}
     fastest = min(seconds.values())
-    return next(size for size in sorted(seconds, key=lambda nm: (nm[0], -nm[1])) if seconds[size] <= AS_FAST * fastest)
+    fewest_first = sorted(seconds, key=lambda nm: (nm[0], -nm[1]))
+    return next(size for size in fewest_first if seconds[size] <= AS_FAST * fastest)
 
 
 def sample_timeline(model, prompts, group_size, generation, seed, size):

@@ -95,7 +95,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=10, help="timed steps (one more runs first and is dropped)")
     parser.add_argument("--prompts-per-step", type=int, default=16)
     parser.add_argument("--group-size", type=int, default=8, help="completions per prompt (G)")
-    parser.add_argument("--model", choices=("tiny", "tiny-chain"), default="tiny",
+    parser.add_argument("--model", choices=("tiny", "tiny-chain"), default="tiny",  # config.TINY_MODELS
                         help="tiny: arithmetic prompts; tiny-chain: chain prompts (long-tailed response lengths)")
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--beta", type=float, default=0.04)
@@ -142,6 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     import tasks
+    from config import TINY_MODELS
     from models import TINY_RECIPES, ensure_tiny_model
 
     if trl.__version__ != TRL_VERSION:
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
 
-    examples = tasks.chain_examples("train") if args.model == "tiny-chain" else tasks.arithmetic_examples("train")
+    examples = tasks.load_task(TINY_MODELS[args.model][0])[0]  # the train split of the task it was warmed up on
     prompts = [e.prompt for e in examples]
     train_dataset = datasets.Dataset.from_dict({"prompt": prompts, "answer": [e.answer for e in examples]})
     # TRL tokenizes standard-format prompts with `processing_class(text=prompts)` (GRPOTrainer._tokenize_prompts)
