@@ -34,7 +34,8 @@ same seeds, same groups, same gradients, no overlap.
 
 Departures, on purpose:
 1. The held-out evaluation runs in the inference process after the iteration's groups, so it
-   overlaps the training tail instead of stalling the trainer.
+   overlaps the training tail instead of stalling the trainer; except when the sides take turns
+   (`takes_turns`: more CPU threads than cores), where overlapping would only slow both.
 2. The weight buffer lives in CPU shared memory even for GPU runs (one device-to-host copy per
    publish, one host-to-device copy per load); CUDA IPC would save a copy but ties both
    processes to one driver context and does not cover NPUs.
@@ -402,6 +403,14 @@ def settings_of(cfg) -> Settings:
                     groups_per_chunk=cfg.groups_per_chunk)
 
 
+def takes_turns(cfg) -> bool:
+    """Whether the two sides must not compute at once: async on CPU with more threads than cores (the probe's
+    "in turns", sync's schedule in two processes). Oversubscribed cores slow both sides, so the trainer then
+    takes the inference side's whole iteration, held-out evaluation included, before it computes."""
+    on_cpu = cfg.rollout_device.startswith("cpu") and cfg.train_device.startswith("cpu")
+    return on_cpu and cfg.rollout_threads + cfg.train_threads > (os.cpu_count() or 1)
+
+
 def start_inference(cfg, load_kwargs: dict, train_examples, held_out, load: bool = True) -> AsyncRollouts:
     """Spawn the inference process for `cfg` (it loads its model at once, unless load=False)."""
     return AsyncRollouts(cfg.model, load_kwargs, train_examples, held_out, cfg.reward, load=load)
@@ -426,7 +435,7 @@ def train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwar
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     if rollouts is not None and not cfg.sized:
         rollouts.wait_until_loaded()  # the probe times this machine's cores, not the inference side's loading
-    cfg, probed = sizing.choose(cfg, tri, tokenizer, train_examples, settings_of(cfg))  # sizes left open
+    cfg, probed, _ = sizing.choose(cfg, tri, tokenizer, train_examples, settings_of(cfg))  # sizes left open
     print(f"periodic-rl: sizes: --groups-per-chunk {cfg.groups_per_chunk} ({cfg.chunks_per_iteration} generate "
           f"call(s) per iteration) --micro-batch-tokens {cfg.micro_batch_tokens} --rollout-threads "
           f"{cfg.rollout_threads} --train-threads {cfg.train_threads} (pass these to fix them)"
@@ -443,6 +452,7 @@ def train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwar
         rollouts = SyncRollouts(policy, tokenizer, train_examples, held_out, reward_fn, settings_of(cfg), sampler)
         timeline = Timeline()
     learner = Learner(tri, optimizer, cfg, device, timeline)
+    in_turns = cfg.mode == "async" and takes_turns(cfg)
     try:
         if cfg.mode == "async":
             rollouts.attach(policy, settings_of(cfg), cfg.rollout_threads)
@@ -453,7 +463,10 @@ def train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwar
             tri.start_iteration()
             learner.start(iteration)
             evaluation = None
-            for message in rollouts.messages(iteration, cfg.iterations, train_prompts=not final):
+            messages = rollouts.messages(iteration, cfg.iterations, train_prompts=not final)
+            if in_turns:  # the inference side's whole iteration first, then training: each side on every core
+                messages = list(messages)
+            for message in messages:
                 if isinstance(message, Group):
                     policy.train()
                     learner.add(message)

@@ -205,16 +205,18 @@ def in_turns(probe: Probe, prompts: int, cap: int, calls: int | None = None) -> 
     return calls, probe.generate_seconds[size] + d * math.ceil(sum(tokens) / cap) + c * sum(tokens)
 
 
-def choose(cfg, tri, tokenizer, train_examples, settings) -> tuple[object, str]:
-    """`cfg` with the sizes `config.derive` left open (None) filled from probes, and a line saying
-    what was measured ('' when nothing was open).
+def choose(cfg, tri, tokenizer, train_examples, settings) -> tuple[object, str, float]:
+    """`cfg` with the sizes `config.derive` left open (None) filled from probes, a line saying what was
+    measured ('' when nothing was open), and the predicted speedup of the chosen schedule over taking
+    turns at the same sizes with every core per side (1.0 when it takes turns, or nothing was probed):
+    the pipeline's bound from measured phase times, streaming by completion counted.
 
     Sync mode (and async when the threads are given or there is one core) probes at its own thread
     count. Async with the threads open probes twice: overlapped, at half the cores per side, and in
     turns, at all cores per side (the toy on 2 cores: overlapping two calls at one thread each is
     slower than taking turns at two), and keeps the faster prediction."""
     if cfg.sized:
-        return cfg, ""
+        return cfg, "", 1.0
     cores, prompts = os.cpu_count() or 1, cfg.prompts_per_iteration
     cap = cfg.micro_batch_tokens or MICRO_BATCH_TOKENS
     given = math.ceil(prompts / cfg.groups_per_chunk) if cfg.groups_per_chunk else None
@@ -231,7 +233,7 @@ def choose(cfg, tri, tokenizer, train_examples, settings) -> tuple[object, str]:
         calls, micro_tokens = given or calls, cfg.micro_batch_tokens or micro_tokens
     iteration_s, gen_s, train_s = predict_seconds(result, calls, micro_tokens)
     overlaps = cfg.mode == "async" and iteration_s < (gen_s + train_s) / AS_FAST
-    turns_note = ""
+    turns_note, full = "", result
     if split_open:
         full = probe(cfg, tri, tokenizer, train_examples, settings, threads=cores)
         turns_calls, turns_s = in_turns(full, prompts, cap, given)
@@ -240,6 +242,8 @@ def choose(cfg, tri, tokenizer, train_examples, settings) -> tuple[object, str]:
             calls, micro_tokens, overlaps, result = turns_calls, cfg.micro_batch_tokens or cap, False, full
             gen_s = full.generate_seconds[math.ceil(prompts / calls)]
             iteration_s, train_s = turns_s, turns_s - gen_s
+    same_sizes_in_turns = sum(predict_seconds(full, calls, micro_tokens)[1:])  # generate, then train: no overlap
+    gain = same_sizes_in_turns / iteration_s if overlaps else 1.0
     rollout_threads = cfg.rollout_threads or (
         min(cores - 1, max(1, round(cores * gen_s / (gen_s + train_s)))) if overlaps else cores)
     chosen = dataclasses.replace(
@@ -250,5 +254,5 @@ def choose(cfg, tri, tokenizer, train_examples, settings) -> tuple[object, str]:
     steps = ", ".join(f"{k}: {seconds:.3f}" for k, seconds in sorted(result.generate_seconds.items(), reverse=True))
     note = (f"probe: generate seconds by prompts per call {{{steps}}}, forward/backward {d * 1e3:.1f} ms + "
             f"{c * 1e6:.2f} us/token; predicted {iteration_s:.3f} s per iteration (generate {gen_s:.3f} s, "
-            f"train {train_s:.3f} s, {'overlapped' if overlaps else 'in turns'}{turns_note})")
-    return chosen, note
+            f"train {train_s:.3f} s, {f'overlapped: {gain:.2f}x taking turns' if overlaps else 'in turns'}{turns_note})")
+    return chosen, note, gain

@@ -88,6 +88,26 @@ def test_async_matches_sync_across_thread_counts(tiny_model_dir):
         assert async_rows[0][key] == pytest.approx(sync_rows[0][key], rel=1e-4, abs=1e-7), key
 
 
+def test_async_in_turns_never_computes_both_sides_at_once(tiny_model_dir, monkeypatch):
+    """Claim: when the two sides' threads oversubscribe the cores (the probe's "in turns": 2 + 2 threads on 2 cores),
+    the trainer takes the inference side's whole iteration, held-out evaluation included, before it computes: no
+    training span overlaps an inference span. Exact, not timing luck: both processes time their spans on one
+    monotonic clock, and the trainer starts computing only after the message sent after the inference side's last
+    span. The run is still sync's, bitwise (same thread counts on each side)."""
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    in_turns = make_cfg(tiny_model_dir, "--mode", "async", "--rollout-threads", "2", "--train-threads", "2")
+    assert periodic_rl.takes_turns(in_turns)
+    assert not periodic_rl.takes_turns(make_cfg(tiny_model_dir, "--mode", "async", *SAME_THREADS))
+    async_policy, async_rows = run_training(in_turns)
+    assert any(r["eval_reward"] is not None for r in async_rows[:-1])  # an evaluation fell inside an iteration
+    assert all(r["overlap"] == 0.0 for r in async_rows[:-1])
+    sync_policy, sync_rows = run_training(make_cfg(tiny_model_dir, "--mode", "sync", "--rollout-threads", "2",
+                                                   "--train-threads", "2"))
+    for p, q in zip(sync_policy.parameters(), async_policy.parameters()):
+        assert torch.equal(p, q)
+    assert [r.get("eval_reward") for r in sync_rows] == [r.get("eval_reward") for r in async_rows]
+
+
 def test_chunked_sampling_continues_each_prompt(tiny_model_dir):
     """Claim: sampling several prompts of different lengths in one left-padded generate call continues each
     prompt exactly as sampling it alone does (checked with greedy decoding, where both are deterministic)."""
