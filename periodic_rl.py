@@ -1,23 +1,26 @@
 """The iteration schedule: periodic asynchrony (async) and its synchronous baseline (sync).
 
-Periodic asynchrony (arXiv 2511.18871, Fig. 2), iteration k:
+Periodic asynchrony (arXiv 2511.18871, Fig. 2), iteration k (`train`, line for line):
 
-    trainer                                   inference process
+    trainer                                   inference process (inference.py)
     ------------------------------------      ------------------------------------------
     publish θ_k -> shared-memory buffer  ->   load θ_k (CPU: its parameters *are* views
-    send ("generate", k)                        of the buffer, so nothing is copied)
+    generate(k): send ("generate", k)           of the buffer, so nothing is copied)
                                               for each chunk of C prompts: one generate call;
                                                 each group pushed the step its last
                                                 response stops (completion order)
-    for each micro-batch of arrived groups: <-  ... (generation continues meanwhile)
-        forward, backward (accumulate ∇)      evaluate θ_k on held-out prompts (if due)
-    optimizer step(s)                    <-   IterationDone(k): θ_k no longer read
+    for each group as it arrives:        <-   ... (generation continues meanwhile)
+        forward, backward the micro-batches   evaluate θ_k on held-out prompts (if due)
+        that are ready (accumulate ∇)
+        optimizer step once a mini-batch is complete
+                                         <-   IterationDone(k): θ_k no longer read
     publish θ_{k+1} ...
 
 The barrier is the publish: the inference process never samples iteration k+1 before θ_{k+1}
-exists, and the trainer rejects any group whose `policy_version` is not k. Hence every sample of
-iteration k comes from θ_k: the method is strictly on-policy. And the update equals the
-synchronous one, because with one optimizer step per iteration
+exists, and the trainer rejects any group whose `policy_version` is not k (the version of the
+weights that sampled it, read from the buffer: inference.py). Hence every sample of iteration k
+comes from θ_k: the method is strictly on-policy. And the update equals the synchronous one,
+because with one optimizer step per iteration
 
     ∇L(θ_k) = (1/D) Σ_{groups g} ∇ S_g(θ_k)       (grpo.py: each loss is a sum over tokens / D)
 
@@ -36,238 +39,25 @@ Departures, on purpose:
 1. The held-out evaluation runs in the inference process after the iteration's groups, so it
    overlaps the training tail instead of stalling the trainer; except when the sides take turns
    (`takes_turns`: more CPU threads than cores), where overlapping would only slow both.
-2. The weight buffer lives in CPU shared memory even for GPU runs (one device-to-host copy per
-   publish, one host-to-device copy per load); CUDA IPC would save a copy but ties both
-   processes to one driver context and does not cover NPUs.
-3. Groups travel as plain Python lists, never tensors: a tensor on a queue is passed by file
-   descriptor, and the sender would have to outlive the receiver's use of it.
+2. θ_final (after the last iteration) is published once more, for the final evaluation only.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
-import queue
-import shutil
 import time
 from typing import Iterator
 
 import torch
-import torch.multiprocessing as mp
 
 import sizing
 from attention import enable_activation_checkpointing
 from grpo import grpo_loss, loss_normalizer
-from rollout import Evaluation, Group, IterationDone, Settings, inference_process, rollout_iteration
-from timeline import INFERENCE, TRAINING, Span, Timeline
+from inference import AsyncRollouts, OffPolicyError, PipelineError, SyncRollouts
+from rollout import Evaluation, Group, Settings
+from timeline import INFERENCE, Span, Timeline
 from tri_model import TriModel
-
-POLL_SECONDS = 0.2  # how often a waiting trainer checks that the inference process is alive
-
-
-class PipelineError(RuntimeError):
-    """The inference process failed or died; the message says why."""
-
-
-class OffPolicyError(RuntimeError):
-    """A group sampled by weights other than the current iteration's: on-policy would be broken."""
-
-
-# --- shared-memory weights ---
-SHM_SLACK_BYTES = 8 * 2**20  # what else lands in /dev/shm during a run (semaphores, queues: kilobytes)
-
-
-def check_shared_memory(nbytes: int, path: str = "/dev/shm") -> None:
-    """Fail in one line, naming the fix, when `path` cannot hold `nbytes` (Docker's default is 64 MB)."""
-    if not os.path.isdir(path):  # not Linux: shared memory is not a size-limited file system there
-        return
-    free = shutil.disk_usage(path).free
-    if nbytes + SHM_SLACK_BYTES > free:
-        need_gib = math.ceil((1.25 * nbytes + SHM_SLACK_BYTES) / 2**30)  # with room to spare
-        raise PipelineError(f"the shared-memory weight buffer needs {nbytes / 2**20:,.0f} MiB (+{SHM_SLACK_BYTES // 2**20} "
-                            f"MiB for queues) but {path} has {free / 2**20:,.0f} MiB free: give the container more "
-                            f"(docker run --shm-size={need_gib}g, or Kubernetes: an emptyDir with medium Memory on "
-                            f"/dev/shm), free some, or use --mode sync")
-
-
-class WeightBuffer:
-    """θ as one flat tensor in shared memory plus a version counter.
-
-    publish(model, k): copy every parameter into its slice (casting to the buffer's dtype), then set version = k.
-    attach(model):     on CPU, make the model's parameters views of their slices (zero copy).
-    load_into(model):  check the version; copy only where attach could not alias (GPU, NPU).
-
-    `dtype` is what the inference side computes in: bf16 halves the bytes published per iteration while
-    the trainer keeps float32 masters.
-    """
-
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None = None):
-        params = list(model.parameters())  # tied weights (embeddings = lm_head) appear once
-        dtypes = {p.dtype for p in params}
-        if len(dtypes) != 1:
-            raise ValueError(f"WeightBuffer needs one parameter dtype, got {dtypes}")
-        dtype = dtype or params[0].dtype
-        self.shapes = [p.shape for p in params]
-        self.offsets = [0]
-        for p in params:
-            self.offsets.append(self.offsets[-1] + p.numel())
-        check_shared_memory(self.offsets[-1] * dtype.itemsize)
-        self.flat = torch.empty(self.offsets[-1], dtype=dtype).share_memory_()  # (num_params,)
-        self._version = torch.full((1,), -1, dtype=torch.int64).share_memory_()  # (1,) shared too
-        self.aliased = False
-
-    def views(self) -> list[torch.Tensor]:
-        return [self.flat[start:end].view(shape)
-                for start, end, shape in zip(self.offsets, self.offsets[1:], self.shapes)]
-
-    @torch.no_grad()
-    def publish(self, model: torch.nn.Module, version: int) -> None:
-        for view, param in zip(self.views(), model.parameters()):
-            view.copy_(param)
-        self._version.fill_(version)
-
-    def version(self) -> int:
-        return int(self._version[0])
-
-    def attach(self, model: torch.nn.Module) -> None:
-        params = list(model.parameters())
-        if [p.shape for p in params] != self.shapes:
-            raise ValueError("the inference model's parameters do not match the trainer's (same --model?)")
-        if all(p.device.type == "cpu" and p.dtype == self.flat.dtype for p in params):
-            for view, param in zip(self.views(), params):
-                param.data = view
-            self.aliased = True
-
-    @torch.no_grad()
-    def load_into(self, model: torch.nn.Module, expected_version: int) -> None:
-        if self.version() != expected_version:
-            raise OffPolicyError(f"weight buffer holds version {self.version()}, expected {expected_version}")
-        if not self.aliased:
-            for param, view in zip(model.parameters(), self.views()):
-                param.copy_(view, non_blocking=True)
-
-
-# --- where rollouts come from ---
-class SyncRollouts:
-    """Generate the whole iteration in this process, then hand the messages over.
-
-    `sampler` is the model that generates: the policy itself when it computes in its own dtype, else a
-    copy in the compute dtype that `publish` refreshes, as the inference process's weights are in async
-    mode (so that both modes sample from the same bf16 weights).
-    """
-
-    def __init__(self, policy, tokenizer, train, held_out, reward_fn, settings: Settings, sampler=None):
-        self.args = (tokenizer, train, held_out, reward_fn, settings)
-        self.sampler = sampler if sampler is not None else policy
-
-    @torch.no_grad()
-    def publish(self, policy, version: int) -> None:
-        if self.sampler is not policy:
-            for target, source in zip(self.sampler.parameters(), policy.parameters(), strict=True):
-                target.copy_(source)  # casts to the sampler's dtype
-        self.version = version
-
-    def messages(self, iteration: int, final_iteration: int, train_prompts: bool = True):
-        self.sampler.eval()
-        tokenizer, train, held_out, reward_fn, settings = self.args
-        messages = []  # the whole iteration first: nothing overlaps in sync mode
-        rollout_iteration(self.sampler, tokenizer, train, held_out, reward_fn, settings, iteration, self.version,
-                          final_iteration, messages.append, train_prompts)
-        yield from messages
-
-    def close(self) -> None:
-        pass
-
-
-class AsyncRollouts:
-    """The inference process, its two queues and the shared weight buffer, seen from the trainer.
-
-    Start it as early as possible: it imports its libraries while the trainer imports its own, and
-    loads its model while the trainer loads the policy. `load=False` makes it wait after its imports
-    until `load()` (for a model the trainer must build first); `attach(policy)` hands over the
-    weight buffer and waits until the inference side is ready.
-    """
-
-    def __init__(self, model_name: str, load_kwargs: dict, train, held_out, reward_spec: str,
-                 timeline: Timeline | None = None, load: bool = True):
-        context = mp.get_context("spawn")  # fork would copy the trainer's threads and CUDA state
-        self.timeline = timeline or Timeline()
-        self.dtype = load_kwargs.get("dtype")  # the inference side's weights, as published
-        self.weights: WeightBuffer | None = None  # set by attach()
-        self.loading = self.loaded = False
-        self.commands, self.results = context.Queue(), context.Queue()
-        self.process = context.Process(
-            target=inference_process, name="periodic-rl-inference", daemon=True,
-            args=(model_name, load_kwargs, self.commands, self.results, train, held_out, reward_spec))
-        self.process.start()
-        if load:
-            self.load()
-
-    def load(self) -> None:
-        """Let the inference process load its model (once its imports are done). Idempotent."""
-        if not self.loading:
-            self.commands.put(("load",))
-            self.loading = True
-
-    def wait_until_loaded(self) -> None:
-        """Block until the inference process has loaded its model (it answers ("loaded", None)). Idempotent."""
-        self.load()
-        if not self.loaded:
-            self._receive()
-            self.loaded = True
-
-    def attach(self, policy, settings: Settings, threads: int) -> None:
-        """Share θ's buffer with the inference process (as a handle to shared memory, never a copy), with
-        the sampling settings and its thread count."""
-        self.wait_until_loaded()
-        self.weights = WeightBuffer(policy, self.dtype)  # kept alive here: the receiver maps the sender's memory
-        self.commands.put(("attach", self.weights, settings, threads))
-        self._receive()  # ("ready", None) once its model reads θ from the buffer
-
-    def publish(self, policy, version: int) -> None:
-        with self.timeline.span(f"publish θ_{version}"):
-            self.weights.publish(policy, version)
-
-    def messages(self, iteration: int, final_iteration: int, train_prompts: bool = True):
-        self.commands.put(("generate" if train_prompts else "evaluate", iteration, final_iteration))
-        while True:
-            message = self._receive()
-            yield message
-            if isinstance(message, IterationDone):
-                return
-
-    def _receive(self):
-        """Next message from the inference process; raises PipelineError if it failed or died."""
-        start = time.perf_counter()
-        try:
-            while True:
-                try:
-                    kind, payload = self.results.get(timeout=POLL_SECONDS)
-                    break
-                except queue.Empty:
-                    if not self.process.is_alive():
-                        raise PipelineError(
-                            f"the inference process died (exit code {self.process.exitcode}) without reporting "
-                            "an error; it was probably killed (out of memory, or a signal)") from None
-        finally:
-            self.timeline.add(Span("wait for rollouts", TRAINING, start, time.perf_counter(), wait=True))
-        if kind == "error":
-            raise PipelineError(f"the inference process failed: {payload.strip()}")
-        return payload
-
-    def close(self) -> None:
-        """Stop the inference process: politely, then by force. Never leaves it running. Idempotent."""
-        if self.process.is_alive() and self.weights is not None:  # before attach it may still be loading
-            self.commands.put(("stop",))
-            self.process.join(timeout=3)
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(timeout=2)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join()
-        for q in (self.commands, self.results):
-            q.cancel_join_thread()
-            q.close()
 
 
 # --- the training side ---
@@ -310,33 +100,46 @@ class Learner:
         self.minibatch_loss = torch.zeros((), device=self.device)  # partial sum, divided by its D at the step
         self.rewards: list[float] = []
 
-    def add(self, group: Group) -> None:
-        """Take one group; train whatever is ready."""
+    def receive(self, group: Group) -> None:
+        """Take one group, refused unless θ_k sampled it (nothing is trained here: see `ready`)."""
         if group.policy_version != self.iteration:
-            raise OffPolicyError(f"group {group.index} was sampled by weights version {group.policy_version} "
-                                 f"but this is iteration {self.iteration}: refusing an off-policy sample")
+            changed = " (weights that changed while it was sampled)" if group.policy_version == -1 else ""
+            raise OffPolicyError(f"group {group.index} was sampled by weights version {group.policy_version}"
+                                 f"{changed} but this is iteration {self.iteration}: refusing an off-policy sample")
         block = minibatch_of(group.index, self.cfg.prompts_per_iteration, self.cfg.updates_per_iteration)
         self.waiting[block].append(group)
         self.arrived[block] += 1
         self.chunk_arrivals[group.chunk] = self.chunk_arrivals.get(group.chunk, 0) + 1
+
+    def ready(self) -> Iterator[list[Group]]:
+        """The micro-batches that can train now: the current mini-batch's waiting groups, in arrival order,
+        once they reach `micro_batch_tokens` or nothing more will come soon (their generate calls have
+        ended, or the mini-batch is complete). After the caller's `step`, the next mini-batch's follow."""
         while self.minibatch < self.cfg.updates_per_iteration:
             waiting = self.waiting[self.minibatch]
-            complete = self.arrived[self.minibatch] == self.groups_per_minibatch
-            while waiting and (complete or self._calls_done(waiting)
-                               or group_tokens(waiting) >= self.cfg.micro_batch_tokens):
-                size = sizing.micro_batch_size([group_tokens([g]) for g in waiting], self.cfg.micro_batch_tokens)
-                self._accumulate(waiting[:size])
-                del waiting[:size]
-            if not complete:
+            if not waiting or not (self._all_arrived() or self._calls_done(waiting)
+                                   or group_tokens(waiting) >= self.cfg.micro_batch_tokens):
                 return
-            self._step()
+            size = sizing.micro_batch_size([group_tokens([g]) for g in waiting], self.cfg.micro_batch_tokens)
+            micro_batch = waiting[:size]
+            del waiting[:size]
+            yield micro_batch
+
+    def minibatch_done(self) -> bool:
+        """Every group of the current mini-batch has arrived and been trained: time for its optimizer step."""
+        return self.minibatch < self.cfg.updates_per_iteration and self._all_arrived() and not self.waiting[self.minibatch]
+
+    def _all_arrived(self) -> bool:
+        return self.arrived[self.minibatch] == self.groups_per_minibatch
 
     def _calls_done(self, groups: list[Group]) -> bool:
         """Whether the generate calls that sampled `groups` have sent all their groups (none is coming soon)."""
         return all(self.chunk_arrivals[g.chunk] == g.chunk[1] for g in groups)
 
-    def _accumulate(self, groups: list[Group]) -> None:
-        """One forward/backward over a micro-batch of the current mini-batch."""
+    def accumulate(self, groups: list[Group]) -> None:
+        """One forward/backward over a micro-batch of the current mini-batch: ∇ += Σ_g ∇S_g (divided by D
+        at the step)."""
+        self.tri.policy.train()
         name = f"train group {groups[0].index}" if len(groups) == 1 else f"train {len(groups)} groups"
         with self.timeline.span(name):
             batch = [(torch.tensor(g.prompt_ids, device=self.device),                  # (P,)
@@ -360,7 +163,8 @@ class Learner:
             self.minibatch_sequences += len(g.responses)
             self.rewards += g.rewards
 
-    def _step(self) -> None:
+    def step(self) -> None:
+        """The current mini-batch's optimizer step: ∇ /= D, clip, AdamW."""
         with self.timeline.span(f"optimizer step {self.minibatch}"):
             normalizer = loss_normalizer(self.cfg.loss_type, self.minibatch_sequences, self.minibatch_tokens)
             params = [p for p in self.tri.policy.parameters() if p.grad is not None]
@@ -411,22 +215,36 @@ def takes_turns(cfg) -> bool:
     return on_cpu and cfg.rollout_threads + cfg.train_threads > (os.cpu_count() or 1)
 
 
-def start_inference(cfg, load_kwargs: dict, train_examples, held_out, load: bool = True) -> AsyncRollouts:
-    """Spawn the inference process for `cfg` (it loads its model at once, unless load=False)."""
+def inference_side(cfg, load_kwargs: dict, train_examples, held_out, load: bool = True):
+    """A `with` block owning the inference process from spawn to stop (async mode; it loads its model at once
+    unless load=False); in sync mode there is none (None)."""
+    if cfg.mode != "async":
+        return contextlib.nullcontext()
+    load_kwargs = {**load_kwargs, "dtype": getattr(torch, cfg.dtype)}  # its weights: the compute dtype
     return AsyncRollouts(cfg.model, load_kwargs, train_examples, held_out, cfg.reward, load=load)
+
+
+def record(timeline: Timeline, message) -> None:
+    """Put the inference side's spans (a generate call, loading θ_k, an evaluation) on the trainer's timeline."""
+    if isinstance(message, Span):
+        timeline.add(message)
+    elif isinstance(message, Evaluation):
+        timeline.add(Span("evaluate", INFERENCE, message.start, message.end))
 
 
 def train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwargs: dict,
           rollouts: AsyncRollouts | None = None) -> Iterator[dict]:
-    """Run cfg.iterations iterations and yield one metrics dict per iteration, then a final evaluation.
+    """Run cfg.iterations iterations and yield one metrics dict per iteration, then the final evaluation.
 
-    `policy` is already on cfg.train_device; `load_kwargs` tells the inference process how to load
-    its own copy (async mode), unless `rollouts` is an inference process already started. The last
-    yielded dict has `"final": True` and only the evaluation.
+    `policy` is already on cfg.train_device. Async mode samples in `rollouts`, the inference process
+    (`inference_side`; the caller owns it); sync mode samples here, with a copy of the policy in the
+    compute dtype if it differs (`load_kwargs` says how to load it). The last yielded dict has
+    `"final": True` and only the evaluation of θ_final.
     """
+    if cfg.mode == "async" and rollouts is None:
+        raise ValueError("async mode samples in the inference process: pass `rollouts` (see inference_side)")
     device = next(policy.parameters()).device
     compute_dtype = getattr(torch, cfg.dtype)
-    load_kwargs = {**load_kwargs, "dtype": compute_dtype}  # the inference side's weights: the compute dtype
     if cfg.gradient_checkpointing:  # the policy's layers recompute activations in backward (training mode only)
         enable_activation_checkpointing(policy)
     tri = TriModel(policy, use_reference=cfg.beta > 0, use_old=cfg.updates_per_iteration > 1,
@@ -441,51 +259,52 @@ def train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwar
           f"{cfg.rollout_threads} --train-threads {cfg.train_threads} (pass these to fix them)"
           + (f"\nperiodic-rl: {probed}" if probed else ""), flush=True)
     torch.set_num_threads(cfg.train_threads)
-    if cfg.mode == "async":
-        rollouts = rollouts or start_inference(cfg, load_kwargs, train_examples, held_out)
+    if rollouts is not None:
+        rollouts.attach(policy, settings_of(cfg), cfg.rollout_threads)  # θ's buffer, settings, its threads
         timeline = rollouts.timeline  # both processes' spans on one timeline
     else:
         sampler = None
         if compute_dtype != policy.dtype:  # sample from weights in the compute dtype, as the async side does
             from models import load_model
-            sampler, _ = load_model(cfg.model, **{**load_kwargs, "device": str(device)})
+            sampler, _ = load_model(cfg.model, **{**load_kwargs, "dtype": compute_dtype, "device": str(device)})
         rollouts = SyncRollouts(policy, tokenizer, train_examples, held_out, reward_fn, settings_of(cfg), sampler)
         timeline = Timeline()
     learner = Learner(tri, optimizer, cfg, device, timeline)
     in_turns = cfg.mode == "async" and takes_turns(cfg)
     try:
-        if cfg.mode == "async":
-            rollouts.attach(policy, settings_of(cfg), cfg.rollout_threads)
-        for iteration in range(cfg.iterations + 1):
-            final = iteration == cfg.iterations  # one more round that only evaluates θ_final
+        for iteration in range(cfg.iterations):
             start, first_span = time.perf_counter(), len(timeline.spans)
-            rollouts.publish(policy, iteration)
-            tri.start_iteration()
+            rollouts.publish(policy, iteration)                   # θ_k -> the inference side
+            tri.start_iteration()                                 # θ_old := θ_k (when N > 1 updates)
             learner.start(iteration)
-            evaluation = None
-            messages = rollouts.messages(iteration, cfg.iterations, train_prompts=not final)
+            rollouts.generate(iteration, cfg.iterations)          # sample iteration k with θ_k (async: returns at once)
+            messages = rollouts.receive()                         # groups in completion order, then IterationDone
             if in_turns:  # the inference side's whole iteration first, then training: each side on every core
                 messages = list(messages)
+            evaluation = None
             for message in messages:
+                record(timeline, message)
                 if isinstance(message, Group):
-                    policy.train()
-                    learner.add(message)
-                elif isinstance(message, Evaluation):
-                    timeline.add(Span("evaluate", INFERENCE, message.start, message.end))
+                    learner.receive(message)
+                    for micro_batch in learner.ready():
+                        learner.accumulate(micro_batch)           # forward, backward: ∇ accumulates
+                        if learner.minibatch_done():
+                            learner.step()                        # optimizer step, one per mini-batch
+                elif isinstance(message, Evaluation):             # held-out reward of θ_k (if due)
                     evaluation = message.reward
-                elif isinstance(message, Span):
-                    timeline.add(message)
-            row = {"iteration": iteration, "policy_version": iteration, "eval_reward": evaluation}
-            if final:
-                yield {**row, "final": True}
-                return
-            row.update(learner.metrics())
-            row.update(timeline.summary(start, time.perf_counter(), first_span))
+            row = {"iteration": iteration, "policy_version": iteration, "eval_reward": evaluation, **learner.metrics(),
+                   **timeline.summary(start, time.perf_counter(), first_span)}
             row["tokens_per_s"] = row.pop("response_tokens") / row["iteration_s"]
             if not all(math.isfinite(v) for v in row.values() if isinstance(v, float)):
                 raise PipelineError(f"iteration {iteration} produced a non-finite metric: {row}")
             yield row
+        rollouts.publish(policy, cfg.iterations)                  # θ_final, for its evaluation only
+        rollouts.generate(cfg.iterations, cfg.iterations, train_prompts=False)
+        evaluation = None
+        for message in rollouts.receive():
+            record(timeline, message)
+            evaluation = message.reward if isinstance(message, Evaluation) else evaluation
+        yield {"iteration": cfg.iterations, "policy_version": cfg.iterations, "final": True, "eval_reward": evaluation}
     finally:
-        rollouts.close()
         if cfg.trace:
             timeline.write_chrome_trace(cfg.trace)

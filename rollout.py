@@ -76,7 +76,7 @@ class Group:
     """One prompt's G scored responses, as plain Python data (cheap and safe to pickle)."""
     iteration: int
     index: int  # prompt position within the iteration
-    policy_version: int  # the weights that sampled it; must equal `iteration`
+    policy_version: int  # the weights that sampled it (-1: they changed meanwhile); must equal `iteration`
     prompt_ids: list[int]
     responses: list[list[int]]  # token ids, EOS included when the model stopped
     rewards: list[float]
@@ -286,17 +286,21 @@ Message = Union["Group", "Evaluation", "IterationDone", Span]
 
 
 def rollout_iteration(model, tokenizer, train: list[Example], held_out: list[Example], reward_fn: RewardFn,
-                      settings: Settings, iteration: int, policy_version: int, final_iteration: int,
+                      settings: Settings, iteration: int, weights_version: Callable[[], int], final_iteration: int,
                       send: Callable[[Message], None], train_prompts: bool = True) -> None:
     """Send iteration k's groups in completion order, each generate call's span, then the evaluation
     (if due), then IterationDone. Completion order depends only on the sampled tokens: it is the same
-    in both modes, and in every rerun."""
+    in both modes, and in every rerun.
+
+    `weights_version()` reads the version of the weights `model` computes with. A group is tagged with
+    the version read when its generate call started if it still reads so when the group is sent, else
+    -1: its tokens came from weights that changed while it was sampled. The trainer refuses both."""
     generation = sampling_config(settings, stop_token_ids(model, tokenizer), tokenizer.pad_token_id)
     if train_prompts:
         examples = [train[i] for i in iteration_prompts(len(train), settings.prompts_per_iteration, settings.seed,
                                                          iteration)]
         for first, chunk in chunks(examples, settings.groups_per_chunk):
-            start = time.perf_counter()
+            start, version = time.perf_counter(), weights_version()
             prompts = [prompt_token_ids(tokenizer, example.prompt) for example in chunk]
 
             def score_and_send(offset: int, responses: list[list[int]]) -> None:  # called inside generate
@@ -304,7 +308,8 @@ def rollout_iteration(model, tokenizer, train: list[Example], held_out: list[Exa
                 texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
                 rewards = [score(reward_fn, example.prompt, text, example.answer) for text in texts]
                 advantages = grpo.group_advantages(torch.tensor(rewards), settings.group_size, settings.scale_rewards)
-                send(Group(iteration, first + offset, policy_version, prompts[offset], responses, rewards,
+                tag = version if weights_version() == version else -1  # -1: the weights changed while it sampled
+                send(Group(iteration, first + offset, tag, prompts[offset], responses, rewards,
                            advantages.tolist(), start, time.perf_counter(), chunk=(first, len(chunk))))
 
             sample_responses(model, prompts, settings.group_size, generation,
@@ -315,59 +320,5 @@ def rollout_iteration(model, tokenizer, train: list[Example], held_out: list[Exa
     if held_out and is_eval_iteration(iteration, settings.eval_every, final_iteration):
         start = time.perf_counter()
         reward = evaluate(model, tokenizer, held_out, reward_fn, settings)
-        send(Evaluation(iteration, policy_version, reward, start, time.perf_counter()))
+        send(Evaluation(iteration, weights_version(), reward, start, time.perf_counter()))
     send(IterationDone(iteration))
-
-
-# --- the inference process (asynchronous mode) ---
-def inference_process(model_name: str, load_kwargs: dict, commands, results, train: list[Example],
-                      held_out: list[Example], reward_spec: str) -> None:
-    """Entry point of the spawned inference process.
-
-    Protocol: import what loading needs, wait for ("load",), load the model, answer ("loaded", None),
-    then wait for ("attach", weights, settings, threads): the trainer's shared weight buffer
-    (periodic_rl.WeightBuffer), the sampling settings and its thread count; answer ("ready", None).
-    Then wait for ("generate", k) (sent after θ_k is in `weights`), run `rollout_iteration` and put
-    every message on `results`; ("evaluate", k) runs only the held-out evaluation; ("stop",) ends,
-    at any point. Any exception is sent as ("error", summary) before exiting non-zero.
-    """
-    import sys
-    import transformers
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2))  # while loading; attach sets the run's count
-    transformers.utils.logging.disable_progress_bar()
-    try:
-        from models import load_model  # seconds of imports, while the trainer does its own
-        from tasks import load_reward
-        if commands.get()[0] == "stop":  # else ("load",)
-            return
-        model, tokenizer = load_model(model_name, **load_kwargs)
-        model.eval()
-        reward_fn = load_reward(reward_spec)
-        results.put(("loaded", None))
-        command = commands.get()
-        if command[0] == "stop":
-            return
-        _, weights, settings, threads = command
-        torch.set_num_threads(threads)
-        weights.attach(model)  # on CPU its parameters now *are* θ's shared memory
-        results.put(("ready", None))
-        while True:
-            command = commands.get()
-            if command[0] == "stop":
-                break
-            kind, iteration, final_iteration = command
-            start = time.perf_counter()
-            weights.load_into(model, expected_version=iteration)
-            results.put(("message", Span(f"load θ_{iteration}", INFERENCE, start, time.perf_counter())))
-            rollout_iteration(model, tokenizer, train, held_out, reward_fn, settings, iteration, weights.version(),
-                              final_iteration, send=lambda message: results.put(("message", message)),
-                              train_prompts=kind == "generate")
-    except KeyboardInterrupt:  # Ctrl-C reaches the whole process group; the trainer stops too and reads no more
-        results.cancel_join_thread()  # so exiting must not wait to flush queued groups into a full pipe
-        sys.exit(130)
-    except BaseException as error:  # report, then die: the trainer turns this into a clear message
-        summary = f"{type(error).__name__}: {error}" if isinstance(error, RewardError) else traceback.format_exc()
-        results.put(("error", summary))
-        results.close()
-        results.join_thread()  # make sure the error reaches the pipe before the process exits
-        sys.exit(1)

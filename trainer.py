@@ -14,7 +14,6 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import NamedTuple
 
 from config import Config, parse_args
 
@@ -59,86 +58,64 @@ def format_row(row: dict) -> str:
             f"overlap {num('overlap', '.0%')}  {num('tokens_per_s', '.0f')} tok/s")
 
 
-class Loaded(NamedTuple):
-    """Everything a run needs, loaded as configured (see `load`)."""
-
-    policy: object         # the trainable model, on cfg.train_device
-    tokenizer: object
-    train_examples: list
-    held_out: list
-    reward_fn: object
-    load_kwargs: dict      # how the inference process loads its own copy of the model
-    rollouts: object       # the started inference process (async mode), else None
-
-
-def load(cfg: Config) -> Loaded:
-    """Check the devices, load task and reward, start the inference process (async), load the policy.
-
-    The task and the reward load first, so a typo there fails in a second. The inference process is
-    spawned next, before the trainer imports transformers' models and loads its own, so the two
-    processes' imports and loads overlap. The caller closes `rollouts` (`run` does); if loading the
-    policy fails, it is closed here.
-    """
+def prepare(cfg: Config) -> tuple[list, list, object, dict]:
+    """Check the devices, load the task and the reward (a typo there fails in a second): (train examples,
+    held-out examples, reward function, how a model is loaded)."""
     import torch
 
-    import periodic_rl  # torch, and the inference side's code
     from tasks import load_reward, load_task
-
     for option in ("rollout_device", "train_device"):
         device = getattr(cfg, option)
         check_device(device, "--device" if device == cfg.device else "--" + option.replace("_", "-"))
     torch.manual_seed(cfg.seed)
-    # The inference side holds the weights in the compute dtype; the trainer keeps float32 masters (tri_model.py).
     load_kwargs = dict(device=cfg.rollout_device, dtype=getattr(torch, cfg.dtype),
                        attn_implementation=cfg.attn_implementation, cache_dir=cfg.cache_dir)
     train_examples, held_out = load_task(cfg.data, cfg.default_data, eval_size=cfg.eval_size)
-    reward_fn = load_reward(cfg.reward)
-    rollouts = None
-    if cfg.mode == "async":  # spawned before we import transformers' models: the imports overlap too
-        rollouts = periodic_rl.start_inference(cfg, load_kwargs, train_examples, held_out, load=not cfg.is_tiny)
-    try:
-        import transformers
+    return train_examples, held_out, load_reward(cfg.reward), load_kwargs
 
-        from models import TINY_RECIPES, ensure_tiny_model, load_model
-        transformers.utils.logging.disable_progress_bar()  # our own progress bar and log lines only
-        if rollouts is not None:
-            if cfg.is_tiny:
-                ensure_tiny_model(cfg.cache_dir, TINY_RECIPES[cfg.model])  # built here, once, before the
-                # inference process loads it
-            rollouts.load()
-        policy, tokenizer = load_model(cfg.model, **{**load_kwargs, "device": cfg.train_device,
-                                                     "dtype": torch.float32})
-    except BaseException:
-        if rollouts is not None:
-            rollouts.close()
-        raise
-    return Loaded(policy, tokenizer, train_examples, held_out, reward_fn, load_kwargs, rollouts)
+
+def load_policy(cfg: Config, load_kwargs: dict, rollouts=None):
+    """The trainable policy (float32 masters, on cfg.train_device) and its tokenizer. The tiny model is built
+    first if it is not cached yet, and only then may the inference process (`rollouts`) load it."""
+    import torch
+    import transformers
+
+    from models import TINY_RECIPES, ensure_tiny_model, load_model
+    transformers.utils.logging.disable_progress_bar()  # our own progress bar and log lines only
+    if cfg.is_tiny:
+        ensure_tiny_model(cfg.cache_dir, TINY_RECIPES[cfg.model])
+    if rollouts is not None:
+        rollouts.load()
+    return load_model(cfg.model, **{**load_kwargs, "device": cfg.train_device, "dtype": torch.float32})
 
 
 def run(cfg: Config) -> dict:
-    """Train as configured; returns the final row (with the start and end held-out rewards)."""
-    loaded = load(cfg)
-    try:
-        return train_and_log(cfg, loaded)
-    finally:
-        if loaded.rollouts is not None:
-            loaded.rollouts.close()
+    """Train as configured; returns the final row (with the start and end held-out rewards).
 
-
-def train_and_log(cfg: Config, loaded: Loaded) -> dict:
-    """The schedule with a log line and a metrics.jsonl row per iteration, then the saved policy."""
+    The inference process (async mode) is spawned before the trainer imports transformers' models and
+    loads its own copy, so the two processes' imports and loads overlap; the `with` block owns it until
+    it is stopped, however the run ends.
+    """
     import periodic_rl
+    train_examples, held_out, reward_fn, load_kwargs = prepare(cfg)
+    with periodic_rl.inference_side(cfg, load_kwargs, train_examples, held_out, load=not cfg.is_tiny) as rollouts:
+        policy, tokenizer = load_policy(cfg, load_kwargs, rollouts)
+        rows = periodic_rl.train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwargs, rollouts)
+        return log_and_save(cfg, rows, policy, tokenizer, len(train_examples), len(held_out))
+
+
+def log_and_save(cfg: Config, rows, policy, tokenizer, num_train: int, num_held_out: int) -> dict:
+    """A log line and a metrics.jsonl row per iteration, then the saved policy."""
     from tqdm import tqdm
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     metrics_path = out / "metrics.jsonl"
     metrics_path.write_text("")
-    print(f"periodic-rl: {cfg.mode} | model {cfg.model} | {len(loaded.train_examples)} train / "
-          f"{len(loaded.held_out)} held-out prompts | {cfg.iterations} iterations x {cfg.prompts_per_iteration} prompts x {cfg.group_size} "
-          f"| out {out}", flush=True)
+    print(f"periodic-rl: {cfg.mode} | model {cfg.model} | {num_train} train / {num_held_out} held-out prompts | "
+          f"{cfg.iterations} iterations x {cfg.prompts_per_iteration} prompts x {cfg.group_size} | out {out}",
+          flush=True)
     first_eval, start = None, time.perf_counter()
-    rows = periodic_rl.train(cfg, **loaded._asdict())  # field names = train's parameters
     progress = tqdm(total=cfg.iterations, desc="iterations", disable=not sys.stderr.isatty(), leave=False)
     for row in rows:
         if first_eval is None and row.get("eval_reward") is not None:
@@ -151,8 +128,8 @@ def train_and_log(cfg: Config, loaded: Loaded) -> dict:
             f.write(json.dumps(row) + "\n")
     progress.close()
     if cfg.save:
-        loaded.policy.save_pretrained(out / "policy", safe_serialization=True)
-        loaded.tokenizer.save_pretrained(out / "policy")
+        policy.save_pretrained(out / "policy", safe_serialization=True)
+        tokenizer.save_pretrained(out / "policy")
     final = {**row, "start_eval_reward": first_eval}
     print(f"done in {row['elapsed_s']:.1f}s: held-out reward "
           f"{first_eval if first_eval is None else round(first_eval, 3)}"
@@ -162,7 +139,7 @@ def train_and_log(cfg: Config, loaded: Loaded) -> dict:
 
 
 USER_ERRORS = [("models", "ModelNotFoundError"), ("tasks", "TaskError"), ("rollout", "RewardError"),
-               ("periodic_rl", "PipelineError"), ("periodic_rl", "OffPolicyError")]
+               ("inference", "PipelineError"), ("inference", "OffPolicyError")]
 
 
 def is_user_error(error: Exception) -> bool:

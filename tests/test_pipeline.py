@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+import inference
 import periodic_rl
 from config import parse_args
 from models import load_model
-from rollout import Group, IterationDone, Settings
+from rollout import Group, IterationDone, Settings, rollout_iteration
 from tasks import load_reward, load_task
 from timeline import Timeline
 
@@ -30,8 +31,10 @@ def make_cfg(model_dir, *extra):
 def run_training(cfg):
     policy, tokenizer = load_model(cfg.model, device="cpu")
     train, held_out = load_task(cfg.data, eval_size=cfg.eval_size)
-    rows = list(periodic_rl.train(cfg, policy, tokenizer, train, held_out, load_reward(cfg.reward),
-                                  dict(device="cpu", dtype=torch.float32, attn_implementation="sdpa")))
+    load_kwargs = dict(device="cpu", dtype=torch.float32, attn_implementation="sdpa")
+    with periodic_rl.inference_side(cfg, load_kwargs, train, held_out) as rollouts:
+        rows = list(periodic_rl.train(cfg, policy, tokenizer, train, held_out, load_reward(cfg.reward), load_kwargs,
+                                      rollouts))
     return policy, rows
 
 
@@ -131,15 +134,17 @@ def test_async_groups_are_streamed_and_tagged_with_the_version(tiny_model_dir):
     policy, tokenizer = load_model(cfg.model)
     train, held_out = load_task("arithmetic", eval_size=4)
     settings = Settings(cfg.seed, cfg.group_size, cfg.prompts_per_iteration, cfg.max_new_tokens, 1.0, 1.0, 0, 1, True)
-    sync = periodic_rl.SyncRollouts(policy, tokenizer, train, held_out, load_reward(DIGITS), settings)
-    remote = periodic_rl.AsyncRollouts(cfg.model, {}, train, held_out, DIGITS, Timeline())
+    sync = inference.SyncRollouts(policy, tokenizer, train, held_out, load_reward(DIGITS), settings)
+    remote = inference.AsyncRollouts(cfg.model, {}, train, held_out, DIGITS, Timeline())
     try:
         remote.attach(policy, settings, 1)
         for iteration in range(2):
             sync.publish(policy, iteration)
             remote.publish(policy, iteration)
-            local = [m for m in sync.messages(iteration, 2) if isinstance(m, Group)]
-            received = list(remote.messages(iteration, 2))
+            sync.generate(iteration, 2)
+            remote.generate(iteration, 2)
+            local = [m for m in sync.receive() if isinstance(m, Group)]
+            received = list(remote.receive())
             streamed = [m for m in received if isinstance(m, Group)]
             assert isinstance(received[-1], IterationDone)
             assert [g.policy_version for g in streamed] == [iteration] * cfg.prompts_per_iteration
@@ -162,8 +167,43 @@ def test_learner_refuses_off_policy_group(tiny_model_dir):
                                   Timeline())
     learner.start(3)
     stale = Group(3, 0, 2, [1, 2], [[3, 4]] * 4, [0.0] * 4, [0.0] * 4)
-    with pytest.raises(periodic_rl.OffPolicyError, match="version 2"):
-        learner.add(stale)
+    with pytest.raises(inference.OffPolicyError, match="version 2"):
+        learner.receive(stale)
+
+
+def test_a_publish_while_sampling_is_caught(tiny_model_dir):
+    """Claim: a group's tag is the version of the weights that sampled it, read from the weight buffer when its
+    generate call started and again when it is sent, not the iteration the trainer meant. If θ_1 is published while
+    iteration 0 is still being sampled (a broken barrier, provoked here by a reward function that publishes), no
+    group of iteration 0 is tagged 0, and the learner refuses them. Without the early publish every tag is 0."""
+    cfg = make_cfg(tiny_model_dir)
+    policy, tokenizer = load_model(cfg.model)
+    sampler, _ = load_model(cfg.model)
+    train, _ = load_task("arithmetic", eval_size=4)
+    weights = inference.WeightBuffer(policy)
+    weights.attach(sampler)  # on CPU the sampler's parameters are views of the buffer, as in the inference process
+
+    def sample_iteration_0(reward_fn) -> list[Group]:
+        weights.publish(policy, 0)
+        messages = []
+        rollout_iteration(sampler, tokenizer, train, [], reward_fn, periodic_rl.settings_of(cfg), 0, weights.version,
+                          1, messages.append)
+        return [m for m in messages if isinstance(m, Group)]
+
+    assert [g.policy_version for g in sample_iteration_0(lambda *args: 0.0)] == [0] * cfg.prompts_per_iteration
+
+    def publishes_early(*args) -> float:
+        if weights.version() == 0:
+            weights.publish(policy, 1)  # the trainer's bug this guards against: θ_1 while iteration 0 samples
+        return 0.0
+
+    groups = sample_iteration_0(publishes_early)
+    assert len(groups) == cfg.prompts_per_iteration and all(g.policy_version != 0 for g in groups)
+    learner = periodic_rl.Learner(periodic_rl.TriModel(policy, use_reference=False, use_old=False),
+                                  torch.optim.SGD(policy.parameters(), lr=0.1), cfg, torch.device("cpu"), Timeline())
+    learner.start(0)
+    with pytest.raises(inference.OffPolicyError, match="off-policy"):
+        learner.receive(groups[0])
 
 
 def test_batched_training_forward_gives_the_same_update(tiny_model_dir):
@@ -183,7 +223,11 @@ def test_batched_training_forward_gives_the_same_update(tiny_model_dir):
                                       Timeline())
         learner.start(0)
         for group in groups:
-            learner.add(group)
+            learner.receive(group)
+            for micro_batch in learner.ready():
+                learner.accumulate(micro_batch)
+                if learner.minibatch_done():
+                    learner.step()
         learner.metrics()  # raises unless the iteration's step was taken
         weights.append([p.detach().clone() for p in policy.parameters()])
     initial, _ = load_model(str(tiny_model_dir))
@@ -200,17 +244,18 @@ def test_killed_inference_process_is_noticed_within_seconds(tiny_model_dir, when
     policy, _ = load_model(cfg.model)
     train, held_out = load_task("arithmetic", eval_size=4)
     settings = Settings(0, 4, 4, 6, 1.0, 1.0, 0, 1, True)
-    remote = periodic_rl.AsyncRollouts(cfg.model, {}, train, held_out, DIGITS, Timeline())
+    remote = inference.AsyncRollouts(cfg.model, {}, train, held_out, DIGITS, Timeline())
     try:
         if when == "while generating":
             remote.attach(policy, settings, 1)
         os.kill(remote.process.pid, signal.SIGKILL)
         start = time.monotonic()
-        with pytest.raises(periodic_rl.PipelineError, match="died"):
+        with pytest.raises(inference.PipelineError, match="died"):
             if when == "while loading":
                 remote.attach(policy, settings, 1)
             remote.publish(policy, 0)
-            list(remote.messages(0, 1))
+            remote.generate(0, 1)
+            list(remote.receive())
         assert time.monotonic() - start < 10
     finally:
         remote.close()
@@ -227,16 +272,17 @@ def test_deferred_load_waits_for_the_trainer(tiny_model_dir, tmp_path):
     train, held_out = load_task("arithmetic", eval_size=4)
     settings = Settings(0, 4, 4, 6, 1.0, 1.0, 0, 1, True)
     later = tmp_path / "model"
-    remote = periodic_rl.AsyncRollouts(str(later), {}, train, held_out, DIGITS, Timeline(), load=False)
+    remote = inference.AsyncRollouts(str(later), {}, train, held_out, DIGITS, Timeline(), load=False)
     try:
         time.sleep(5)  # past its imports (~4 s here): loading at once would have failed on the missing directory
         shutil.copytree(tiny_model_dir, later)
         remote.attach(policy, settings, 1)  # sends ("load",), then the buffer
         remote.publish(policy, 0)
-        assert isinstance(list(remote.messages(0, 1))[-1], IterationDone)
+        remote.generate(0, 1)
+        assert isinstance(list(remote.receive())[-1], IterationDone)
     finally:
         remote.close()
-    idle = periodic_rl.AsyncRollouts(str(later), {}, train, held_out, DIGITS, Timeline(), load=False)
+    idle = inference.AsyncRollouts(str(later), {}, train, held_out, DIGITS, Timeline(), load=False)
     start = time.monotonic()
     idle.close()
     assert not idle.process.is_alive() and time.monotonic() - start < 10
@@ -330,10 +376,10 @@ def test_too_small_shared_memory_is_one_line_naming_the_fix(tiny_model_dir, monk
     import shutil
     free = 64 * 2**20
     monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(free, 0, free))
-    with pytest.raises(periodic_rl.PipelineError, match=r"--shm-size=2g") as error:
-        periodic_rl.check_shared_memory(10**9)
+    with pytest.raises(inference.PipelineError, match=r"--shm-size=2g") as error:
+        inference.check_shared_memory(10**9)
     assert "\n" not in str(error.value)
     policy, _ = load_model(str(tiny_model_dir))
-    periodic_rl.check_shared_memory(sum(p.numel() * 4 for p in policy.parameters()) // 2)  # tiny: 0.7 MB, fits
-    with pytest.raises(periodic_rl.PipelineError, match="shm-size"):
-        periodic_rl.check_shared_memory(free)
+    inference.check_shared_memory(sum(p.numel() * 4 for p in policy.parameters()) // 2)  # tiny: 0.7 MB, fits
+    with pytest.raises(inference.PipelineError, match="shm-size"):
+        inference.check_shared_memory(free)

@@ -44,9 +44,9 @@ def test_bf16_async_equals_sync_and_publishes_bf16(tiny_model_dir):
     async_policy, tokenizer = load_model(cfg.model)
     train, held_out = load_task(cfg.data, eval_size=cfg.eval_size)
     load_kwargs = dict(device="cpu", dtype=torch.bfloat16, attn_implementation="sdpa")
-    rollouts = periodic_rl.start_inference(cfg, load_kwargs, train, held_out)
-    async_rows = list(periodic_rl.train(cfg, async_policy, tokenizer, train, held_out, load_reward(cfg.reward),
-                                        load_kwargs, rollouts))
+    with periodic_rl.inference_side(cfg, load_kwargs, train, held_out) as rollouts:
+        async_rows = list(periodic_rl.train(cfg, async_policy, tokenizer, train, held_out, load_reward(cfg.reward),
+                                            load_kwargs, rollouts))
     assert rollouts.weights.flat.dtype == torch.bfloat16  # what was published, for the inference process to read
     assert all(p.dtype == torch.float32 for p in async_policy.parameters())
     for p, q in zip(sync_policy.parameters(), async_policy.parameters()):

@@ -26,7 +26,7 @@ def trim_response(tokens: list[int], eos_ids: list[int]) -> list[int]:
 def rollouts(model_dir) -> list[list[list[int]]]:
     model, tokenizer = load_model(str(model_dir))
     messages = []
-    rollout_iteration(model, tokenizer, EXAMPLES, [], length_reward, SETTINGS, iteration=0, policy_version=0,
+    rollout_iteration(model, tokenizer, EXAMPLES, [], length_reward, SETTINGS, iteration=0, weights_version=lambda: 0,
                       final_iteration=1, send=messages.append)
     return [m.responses for m in sorted((m for m in messages if isinstance(m, Group)), key=lambda g: g.index)]
 

@@ -1,0 +1,312 @@
+"""The inference side as the trainer sees it: where rollouts come from, and how θ_k gets there.
+
+    trainer process                                  inference process (async mode)
+    ---------------------------------------------    ----------------------------------------------
+    WeightBuffer.publish(θ_k): copy into one flat    WeightBuffer.attach: on CPU its parameters *are*
+      shared-memory tensor, then version := k          views of that tensor (loading θ_k is free);
+                                                       on GPU/NPU load_into copies it once
+    rollouts.generate(k)  ---- ("generate", k) --->  rollout.rollout_iteration(...): groups in
+    rollouts.receive()    <--- Group, ..., Span,       completion order, then the evaluation (if
+                               Evaluation, Done        due), then IterationDone(k)
+
+`SyncRollouts` has the same three methods and runs `rollout_iteration` in the trainer's own process
+(sync mode); `AsyncRollouts` owns the inference process from spawn to close (use it as a `with`
+block). Each group carries the version of the weights that sampled it, read from the buffer when
+its generate call started and checked again when the group was sent (`rollout.rollout_iteration`):
+a publish while a call was sampling marks its groups (version -1) and the trainer refuses them.
+
+Departures, on purpose:
+1. The weight buffer lives in CPU shared memory even for GPU runs (one device-to-host copy per
+   publish, one host-to-device copy per load); CUDA IPC would save a copy but ties both
+   processes to one driver context and does not cover NPUs.
+2. Groups travel as plain Python lists, never tensors: a tensor on a queue is passed by file
+   descriptor, and the sender would have to outlive the receiver's use of it.
+"""
+from __future__ import annotations
+
+import math
+import os
+import queue
+import shutil
+import sys
+import time
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+from rollout import IterationDone, RewardError, Settings, rollout_iteration
+from timeline import INFERENCE, TRAINING, Span, Timeline
+
+POLL_SECONDS = 0.2  # how often a waiting trainer checks that the inference process is alive
+
+
+class PipelineError(RuntimeError):
+    """The inference process failed or died; the message says why."""
+
+
+class OffPolicyError(RuntimeError):
+    """A group sampled by weights other than the current iteration's: on-policy would be broken."""
+
+
+# --- shared-memory weights ---
+SHM_SLACK_BYTES = 8 * 2**20  # what else lands in /dev/shm during a run (semaphores, queues: kilobytes)
+
+
+def check_shared_memory(nbytes: int, path: str = "/dev/shm") -> None:
+    """Fail in one line, naming the fix, when `path` cannot hold `nbytes` (Docker's default is 64 MB)."""
+    if not os.path.isdir(path):  # not Linux: shared memory is not a size-limited file system there
+        return
+    free = shutil.disk_usage(path).free
+    if nbytes + SHM_SLACK_BYTES > free:
+        need_gib = math.ceil((1.25 * nbytes + SHM_SLACK_BYTES) / 2**30)  # with room to spare
+        raise PipelineError(f"the shared-memory weight buffer needs {nbytes / 2**20:,.0f} MiB (+{SHM_SLACK_BYTES // 2**20} "
+                            f"MiB for queues) but {path} has {free / 2**20:,.0f} MiB free: give the container more "
+                            f"(docker run --shm-size={need_gib}g, or Kubernetes: an emptyDir with medium Memory on "
+                            f"/dev/shm), free some, or use --mode sync")
+
+
+class WeightBuffer:
+    """θ as one flat tensor in shared memory plus a version counter.
+
+    publish(model, k): copy every parameter into its slice (casting to the buffer's dtype), then set version = k.
+    attach(model):     on CPU, make the model's parameters views of their slices (zero copy).
+    load_into(model):  check the version; copy only where attach could not alias (GPU, NPU).
+
+    `dtype` is what the inference side computes in: bf16 halves the bytes published per iteration while
+    the trainer keeps float32 masters.
+    """
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None = None):
+        params = list(model.parameters())  # tied weights (embeddings = lm_head) appear once
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) != 1:
+            raise ValueError(f"WeightBuffer needs one parameter dtype, got {dtypes}")
+        dtype = dtype or params[0].dtype
+        self.shapes = [p.shape for p in params]
+        self.offsets = [0]
+        for p in params:
+            self.offsets.append(self.offsets[-1] + p.numel())
+        check_shared_memory(self.offsets[-1] * dtype.itemsize)
+        self.flat = torch.empty(self.offsets[-1], dtype=dtype).share_memory_()  # (num_params,)
+        self._version = torch.full((1,), -1, dtype=torch.int64).share_memory_()  # (1,) shared too
+        self.aliased = False
+
+    def views(self) -> list[torch.Tensor]:
+        return [self.flat[start:end].view(shape)
+                for start, end, shape in zip(self.offsets, self.offsets[1:], self.shapes)]
+
+    @torch.no_grad()
+    def publish(self, model: torch.nn.Module, version: int) -> None:
+        self._version.fill_(-1)  # being written: a sampler that reads the version now tags its groups -1
+        for view, param in zip(self.views(), model.parameters()):
+            view.copy_(param)
+        self._version.fill_(version)
+
+    def version(self) -> int:
+        return int(self._version[0])
+
+    def attach(self, model: torch.nn.Module) -> None:
+        params = list(model.parameters())
+        if [p.shape for p in params] != self.shapes:
+            raise ValueError("the inference model's parameters do not match the trainer's (same --model?)")
+        if all(p.device.type == "cpu" and p.dtype == self.flat.dtype for p in params):
+            for view, param in zip(self.views(), params):
+                param.data = view
+            self.aliased = True
+
+    @torch.no_grad()
+    def load_into(self, model: torch.nn.Module, expected_version: int) -> None:
+        if self.version() != expected_version:
+            raise OffPolicyError(f"weight buffer holds version {self.version()}, expected {expected_version}")
+        if not self.aliased:
+            for param, view in zip(model.parameters(), self.views()):
+                param.copy_(view, non_blocking=True)
+
+
+# --- where rollouts come from ---
+class SyncRollouts:
+    """Generate the whole iteration in this process, then hand the messages over.
+
+    `sampler` is the model that generates: the policy itself when it computes in its own dtype, else a
+    copy in the compute dtype that `publish` refreshes, as the inference process's weights are in async
+    mode (so that both modes sample from the same bf16 weights).
+    """
+
+    def __init__(self, policy, tokenizer, train, held_out, reward_fn, settings: Settings, sampler=None):
+        self.args = (tokenizer, train, held_out, reward_fn, settings)
+        self.sampler = sampler if sampler is not None else policy
+
+    @torch.no_grad()
+    def publish(self, policy, version: int) -> None:
+        if self.sampler is not policy:
+            for target, source in zip(self.sampler.parameters(), policy.parameters(), strict=True):
+                target.copy_(source)  # casts to the sampler's dtype
+        self.version = version
+
+    def generate(self, iteration: int, final_iteration: int, train_prompts: bool = True) -> None:
+        """Sample iteration k whole, here and now (nothing overlaps in sync mode); `receive` hands it over."""
+        self.sampler.eval()
+        tokenizer, train, held_out, reward_fn, settings = self.args
+        self.messages = []
+        rollout_iteration(self.sampler, tokenizer, train, held_out, reward_fn, settings, iteration,
+                          lambda: self.version, final_iteration, self.messages.append, train_prompts)
+
+    def receive(self):
+        yield from self.messages
+
+
+class AsyncRollouts:
+    """The inference process, its two queues and the shared weight buffer, seen from the trainer.
+
+    Start it as early as possible: it imports its libraries while the trainer imports its own, and
+    loads its model while the trainer loads the policy. `load=False` makes it wait after its imports
+    until `load()` (for a model the trainer must build first); `attach(policy)` hands over the
+    weight buffer and waits until the inference side is ready.
+    """
+
+    def __init__(self, model_name: str, load_kwargs: dict, train, held_out, reward_spec: str,
+                 timeline: Timeline | None = None, load: bool = True):
+        context = mp.get_context("spawn")  # fork would copy the trainer's threads and CUDA state
+        self.timeline = timeline or Timeline()
+        self.dtype = load_kwargs.get("dtype")  # the inference side's weights, as published
+        self.weights: WeightBuffer | None = None  # set by attach()
+        self.loading = self.loaded = False
+        self.commands, self.results = context.Queue(), context.Queue()
+        self.process = context.Process(
+            target=inference_process, name="periodic-rl-inference", daemon=True,
+            args=(model_name, load_kwargs, self.commands, self.results, train, held_out, reward_spec))
+        self.process.start()
+        if load:
+            self.load()
+
+    def load(self) -> None:
+        """Let the inference process load its model (once its imports are done). Idempotent."""
+        if not self.loading:
+            self.commands.put(("load",))
+            self.loading = True
+
+    def wait_until_loaded(self) -> None:
+        """Block until the inference process has loaded its model (it answers ("loaded", None)). Idempotent."""
+        self.load()
+        if not self.loaded:
+            self._receive()
+            self.loaded = True
+
+    def attach(self, policy, settings: Settings, threads: int) -> None:
+        """Share θ's buffer with the inference process (as a handle to shared memory, never a copy), with
+        the sampling settings and its thread count."""
+        self.wait_until_loaded()
+        self.weights = WeightBuffer(policy, self.dtype)  # kept alive here: the receiver maps the sender's memory
+        self.commands.put(("attach", self.weights, settings, threads))
+        self._receive()  # ("ready", None) once its model reads θ from the buffer
+
+    def publish(self, policy, version: int) -> None:
+        with self.timeline.span(f"publish θ_{version}"):
+            self.weights.publish(policy, version)
+
+    def generate(self, iteration: int, final_iteration: int, train_prompts: bool = True) -> None:
+        """Tell the inference process to sample iteration k (θ_k is published); returns at once."""
+        self.commands.put(("generate" if train_prompts else "evaluate", iteration, final_iteration))
+
+    def receive(self):
+        """The iteration's messages as they arrive, up to IterationDone."""
+        while True:
+            message = self._receive()
+            yield message
+            if isinstance(message, IterationDone):
+                return
+
+    def _receive(self):
+        """Next message from the inference process; raises PipelineError if it failed or died."""
+        start = time.perf_counter()
+        try:
+            while True:
+                try:
+                    kind, payload = self.results.get(timeout=POLL_SECONDS)
+                    break
+                except queue.Empty:
+                    if not self.process.is_alive():
+                        raise PipelineError(
+                            f"the inference process died (exit code {self.process.exitcode}) without reporting "
+                            "an error; it was probably killed (out of memory, or a signal)") from None
+        finally:
+            self.timeline.add(Span("wait for rollouts", TRAINING, start, time.perf_counter(), wait=True))
+        if kind == "error":
+            raise PipelineError(f"the inference process failed: {payload.strip()}")
+        return payload
+
+    def __enter__(self) -> AsyncRollouts:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the inference process: politely, then by force. Never leaves it running. Idempotent."""
+        if self.process.is_alive() and self.weights is not None:  # before attach it may still be loading
+            self.commands.put(("stop",))
+            self.process.join(timeout=3)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(timeout=2)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        for q in (self.commands, self.results):
+            q.cancel_join_thread()
+            q.close()
+
+
+# --- the inference process (asynchronous mode) ---
+def inference_process(model_name: str, load_kwargs: dict, commands, results, train: list,
+                      held_out: list, reward_spec: str) -> None:
+    """Entry point of the spawned inference process.
+
+    Protocol: import what loading needs, wait for ("load",), load the model, answer ("loaded", None),
+    then wait for ("attach", weights, settings, threads): the trainer's shared weight buffer
+    (WeightBuffer), the sampling settings and its thread count; answer ("ready", None).
+    Then wait for ("generate", k) (sent after θ_k is in `weights`), run `rollout_iteration` and put
+    every message on `results`; ("evaluate", k) runs only the held-out evaluation; ("stop",) ends,
+    at any point. Any exception is sent as ("error", summary) before exiting non-zero.
+    """
+    import sys
+    import transformers
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2))  # while loading; attach sets the run's count
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        from models import load_model  # seconds of imports, while the trainer does its own
+        from tasks import load_reward
+        if commands.get()[0] == "stop":  # else ("load",)
+            return
+        model, tokenizer = load_model(model_name, **load_kwargs)
+        model.eval()
+        reward_fn = load_reward(reward_spec)
+        results.put(("loaded", None))
+        command = commands.get()
+        if command[0] == "stop":
+            return
+        _, weights, settings, threads = command
+        torch.set_num_threads(threads)
+        weights.attach(model)  # on CPU its parameters now *are* θ's shared memory
+        results.put(("ready", None))
+        while True:
+            command = commands.get()
+            if command[0] == "stop":
+                break
+            kind, iteration, final_iteration = command
+            start = time.perf_counter()
+            weights.load_into(model, expected_version=iteration)
+            results.put(("message", Span(f"load θ_{iteration}", INFERENCE, start, time.perf_counter())))
+            rollout_iteration(model, tokenizer, train, held_out, reward_fn, settings, iteration, weights.version,
+                              final_iteration, send=lambda message: results.put(("message", message)),
+                              train_prompts=kind == "generate")
+    except KeyboardInterrupt:  # Ctrl-C reaches the whole process group; the trainer stops too and reads no more
+        results.cancel_join_thread()  # so exiting must not wait to flush queued groups into a full pipe
+        sys.exit(130)
+    except BaseException as error:  # report, then die: the trainer turns this into a clear message
+        summary = f"{type(error).__name__}: {error}" if isinstance(error, RewardError) else traceback.format_exc()
+        results.put(("error", summary))
+        results.close()
+        results.join_thread()  # make sure the error reaches the pipe before the process exits
+        sys.exit(1)
