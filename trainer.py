@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from config import Config, parse_args
@@ -89,22 +90,32 @@ def load_policy(cfg: Config, load_kwargs: dict, rollouts=None):
     return load_model(cfg.model, **{**load_kwargs, "device": cfg.train_device, "dtype": torch.float32})
 
 
-def run(cfg: Config) -> dict:
-    """Train as configured; returns the final row (with the start and end held-out rewards).
+@contextmanager
+def started(cfg: Config):
+    """The run as configured, ready to iterate: (rows, policy, tokenizer), rows being `periodic_rl.train`'s.
 
     The inference process (async mode) is spawned before the trainer imports transformers' models and
     loads its own copy, so the two processes' imports and loads overlap; the `with` block owns it until
-    it is stopped, however the run ends.
+    it is stopped, however the block is left.
     """
     import periodic_rl
     train_examples, held_out, reward_fn, load_kwargs = prepare(cfg)
     with periodic_rl.inference_side(cfg, load_kwargs, train_examples, held_out, load=not cfg.is_tiny) as rollouts:
         policy, tokenizer = load_policy(cfg, load_kwargs, rollouts)
-        rows = periodic_rl.train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwargs, rollouts)
-        return log_and_save(cfg, rows, policy, tokenizer, len(train_examples), len(held_out))
+        print(f"periodic-rl: {cfg.mode} | model {cfg.model} | {len(train_examples)} train / {len(held_out)} held-out "
+              f"prompts | {cfg.iterations} iterations x {cfg.prompts_per_iteration} prompts x {cfg.group_size} | "
+              f"out {cfg.out}", flush=True)
+        yield (periodic_rl.train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwargs, rollouts),
+               policy, tokenizer)
 
 
-def log_and_save(cfg: Config, rows, policy, tokenizer, num_train: int, num_held_out: int) -> dict:
+def run(cfg: Config) -> dict:
+    """Train as configured; returns the final row (with the start and end held-out rewards)."""
+    with started(cfg) as (rows, policy, tokenizer):
+        return log_and_save(cfg, rows, policy, tokenizer)
+
+
+def log_and_save(cfg: Config, rows, policy, tokenizer) -> dict:
     """A log line and a metrics.jsonl row per iteration, then the saved policy."""
     from tqdm import tqdm
 
@@ -112,9 +123,6 @@ def log_and_save(cfg: Config, rows, policy, tokenizer, num_train: int, num_held_
     out.mkdir(parents=True, exist_ok=True)
     metrics_path = out / "metrics.jsonl"
     metrics_path.write_text("")
-    print(f"periodic-rl: {cfg.mode} | model {cfg.model} | {num_train} train / {num_held_out} held-out prompts | "
-          f"{cfg.iterations} iterations x {cfg.prompts_per_iteration} prompts x {cfg.group_size} | out {out}",
-          flush=True)
     first_eval, start = None, time.perf_counter()
     progress = tqdm(total=cfg.iterations, desc="iterations", disable=not sys.stderr.isatty(), leave=False)
     for row in rows:
