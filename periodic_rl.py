@@ -55,8 +55,8 @@ import torch
 import torch.multiprocessing as mp
 
 import sizing
-from attention import enable_activation_checkpointing
 from grpo import grpo_loss, loss_normalizer
+from packing import enable_activation_checkpointing
 from rollout import Evaluation, Group, IterationDone, Settings, inference_process, rollout_iteration
 from timeline import INFERENCE, TRAINING, Span, Timeline
 from tri_model import TriModel
