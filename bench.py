@@ -3,12 +3,12 @@
 shared-prompt
     One GRPO training step (forward + backward of -(A · logp · mask).sum() / mask.sum()) on a
     random-weight 6-layer Qwen2-shaped model, over a grid of prompt length P and response length R
-    with G = 8 responses per prompt, in three modes of `attention.batch_logprobs`:
+    with G = 8 responses per prompt, in three modes of `packing.batch_logprobs`:
       packed    one row [p | r_1 | ... | r_G]: under sdpa the structured kernel
-                `attention.shared_prompt_attention` (causal prompt, each response against the
+                `packing.shared_prompt_attention` (causal prompt, each response against the
                 prompt and itself), under eager the dense shared-prompt mask
       unpacked  G rows [p | r_i] with an ordinary causal mask (the baseline)
-      auto      per group, `attention.packing_pays` picks one of the two
+      auto      per group, `packing.packing_pays` picks one of the two
     How to read a row: `tokens x` = G(P+R) / (P+GR) is the ideal speedup if only token count
     mattered; `MAC ceil` (`mac_ceiling`) is the most packing can give once the work that does not
     shrink with the tokens is counted: the causal prompt and every response against the whole
@@ -17,9 +17,9 @@ shared-prompt
     `MAC ceil`. Where responses are long and
     prompts short it drops to about 1 or below; `unp/auto` should then stay at about 1: auto falls
     back to plain rows. `--mask dense` sends packed rows through the dense mask instead of the
-    structured kernel: what making the mask cheap is worth. `pred pk/unp` is `attention.packing_cost_ratio`, the cost model auto decides
+    structured kernel: what making the mask cheap is worth. `pred pk/unp` is `packing.packing_cost_ratio`, the cost model auto decides
     by (< 1 packs); the bench also prints the break-even length its own timings fit, to re-tune
-    `attention.ATTENTION_BREAK_EVEN_LEN` for other hardware.
+    `packing.ATTENTION_BREAK_EVEN_LEN` for other hardware.
     Memory: on CPU, the bytes of distinct non-parameter tensors autograd saved for backward (a
     deterministic stand-in for peak activation memory); on CUDA, peak allocated bytes during the
     step. `mask MB` is the dense (B, 1, L, L) mask handed to the model: 0 under sdpa, whose kernel
@@ -114,6 +114,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import attention
+import packing
 
 
 # --- shared-prompt ---
@@ -152,7 +153,7 @@ def grpo_like_step(model: torch.nn.Module, groups: list, advantages: torch.Tenso
                    dense_mask: bool = False) -> None:
     """Forward + backward of the token-mean policy-gradient loss; gradients are cleared first."""
     model.zero_grad(set_to_none=True)
-    logp, mask = attention.batch_logprobs(model, groups, mode=mode, dense_mask=dense_mask)  # (N, T)
+    logp, mask = packing.batch_logprobs(model, groups, mode=mode, dense_mask=dense_mask)  # (N, T)
     loss = -(advantages[:, None] * logp * mask).sum() / mask.sum()
     loss.backward()
 
@@ -271,8 +272,8 @@ def shared_prompt_cell(model: torch.nn.Module, P: int, R: int, G: int, repeats: 
         "P": P, "R": R, "G": G, "packed_len": L, "token_ratio": G * (P + R) / L,
         "mac_ceiling": mac_ceiling(model.config, P, R, G),
         "packed_s": best["packed"], "unpacked_s": best["unpacked"], "auto_s": best["auto"],
-        "auto_choice": "packed" if attention.packing_pays(P, [R] * G) else "unpacked",
-        "predicted_packed_over_unpacked": attention.packing_cost_ratio(P, [R] * G),
+        "auto_choice": "packed" if packing.packing_pays(P, [R] * G) else "unpacked",
+        "predicted_packed_over_unpacked": packing.packing_cost_ratio(P, [R] * G),
         "speedup_packed": best["unpacked"] / best["packed"], "speedup_auto": best["unpacked"] / best["auto"],
         "memory_packed_bytes": peak_bytes(model, steps["packed"], device),
         "memory_unpacked_bytes": peak_bytes(model, steps["unpacked"], device),
@@ -283,7 +284,7 @@ def shared_prompt_cell(model: torch.nn.Module, P: int, R: int, G: int, repeats: 
 def fit_break_even_len(rows: list[dict]) -> int:
     """The `break_even_len` whose `packing_cost_ratio` best matches the measured packed/unpacked (log least squares)."""
     def error(length: float) -> float:
-        return sum((math.log(attention.packing_cost_ratio(row["P"], [row["R"]] * row["G"], length))
+        return sum((math.log(packing.packing_cost_ratio(row["P"], [row["R"]] * row["G"], length))
                     - math.log(row["packed_s"] / row["unpacked_s"])) ** 2 for row in rows)
     candidates = [round(100 * 1.05 ** i) for i in range(100)]  # 100 .. ~12000
     return min(candidates, key=error)
@@ -327,7 +328,7 @@ def shared_prompt(args: argparse.Namespace) -> bool:
             json.dump({"benchmark": "shared-prompt", "device": device, "threads": args.threads, "time": time_measure,
                        "memory_measure": memory_measure, "packed_path": packed_path, "rows": rows}, f, indent=2)
 
-    print(f"packing_pays: ATTENTION_BREAK_EVEN_LEN={attention.ATTENTION_BREAK_EVEN_LEN} in use; "
+    print(f"packing_pays: ATTENTION_BREAK_EVEN_LEN={packing.ATTENTION_BREAK_EVEN_LEN} in use; "
           f"this run's timings fit {fit_break_even_len(rows)}")
     P, R = TARGET_CELL
     G = args.group_size
@@ -769,7 +770,7 @@ def grpo_step_peak(variant: str, dtype: torch.dtype, layers: int, P: int, R: int
     torch.manual_seed(0)
     policy = qwen_05b_shaped(tiny=False, layers=layers).train()
     if variant == "checkpointed":
-        attention.enable_activation_checkpointing(policy)
+        packing.enable_activation_checkpointing(policy)
     tri = TriModel(policy, use_reference=True, use_old=False, compute_dtype=dtype)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6)
     vocab = policy.config.vocab_size
@@ -788,7 +789,7 @@ def grpo_step_peak(variant: str, dtype: torch.dtype, layers: int, P: int, R: int
     finally:
         attention.LOGITS_CHUNK_BYTES = chunk_bytes
     return {"variant": variant, "dtype": str(dtype).removeprefix("torch."), "layers": layers,
-            "layout": "packed" if attention.packing_pays(P, [R] * G) else "plain rows",
+            "layout": "packed" if packing.packing_pays(P, [R] * G) else "plain rows",
             "parameters": sum(p.numel() for p in policy.parameters()),
             "weight_bytes": sum(w.untyped_storage().nbytes() for w in weights),
             "backward_peak_bytes": backward_peak, "peak_bytes": tracker.peak, "step_s": time.perf_counter() - start}

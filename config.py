@@ -82,7 +82,7 @@ class Config:
     max_grad_norm: float = _opt(1.0, "clip the gradient norm before each optimizer step (0 = off)")
     weight_decay: float = _opt(0.0, "AdamW weight decay")
     shared_prompt: bool = _opt(True, "pack each group as one row [prompt | r1 | ... | rG] with the shared-prompt "
-                                     "mask where that pays (see attention.packing_pays); off: one padded row each")
+                                     "mask where that pays (see packing.packing_pays); off: one padded row each")
     # --- evaluation and output ---
     eval_every: int = _opt(10, "evaluate held-out reward every N iterations (and at the start and end; 0 = never)")
     eval_size: int = _opt(64, "held-out prompts per evaluation")

@@ -52,9 +52,9 @@ from typing import Iterator
 import torch
 
 import sizing
-from attention import enable_activation_checkpointing
 from grpo import grpo_loss, loss_normalizer
 from inference import AsyncRollouts, OffPolicyError, PipelineError, SyncRollouts
+from packing import enable_activation_checkpointing
 from rollout import Evaluation, Group, Settings
 from timeline import INFERENCE, Span, Timeline
 from tri_model import TriModel

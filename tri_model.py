@@ -32,7 +32,7 @@ import copy
 import torch
 from torch import nn
 
-from attention import batch_logprobs, recomputes_attention
+from packing import batch_logprobs, recomputes_attention
 
 
 def frozen_copy(model: nn.Module) -> nn.Module:
@@ -65,7 +65,7 @@ class TriModel(nn.Module):
 
     def logprobs(self, model: nn.Module, groups) -> tuple[torch.Tensor, torch.Tensor]:
         """One model's log-probs, by the same kernels for all three: when the policy's layers recompute in
-        backward, packed rows take the dense mask (attention.py, departure 1), so the frozen copies do too."""
+        backward, packed rows take the dense mask (packing.py, departure 1), so the frozen copies do too."""
         device_type = next(model.parameters()).device.type
         with torch.autocast(device_type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
             return batch_logprobs(model, groups, mode=self.packing, temperature=self.temperature, pad_id=self.pad_id,

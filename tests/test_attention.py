@@ -1,4 +1,4 @@
-"""Shared-prompt attention: packed rows must give the same log-probs and gradients as plain rows."""
+"""Shared-prompt attention (attention.py): packed rows must give the same log-probs as plain rows."""
 from functools import lru_cache
 
 import pytest
@@ -6,8 +6,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import attention
-from attention import (batch_logprobs, pack, packed_rows, packing_pays, shared_prompt_attention,
-                       shared_prompt_logprobs, shared_prompt_mask, to_model_mask, unpacked_layout, unpacked_logprobs)
+from attention import (pack, shared_prompt_logprobs, shared_prompt_mask, to_model_mask, unpacked_layout,
+                       unpacked_logprobs)
 
 VOCAB, EOS = 100, 2
 ARCHS = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
@@ -31,20 +31,6 @@ def random_group(prompt_len: int, response_lens: list[int], generator: torch.Gen
     for r in responses[:-1]:
         r[-1] = EOS
     return prompt, responses
-
-
-CASES = {  # name -> [(prompt_len, response_lens), ...], one entry per group in the micro-batch
-    "one_response": [(7, [5])],
-    "one_token_prompt": [(1, [3, 2])],
-    "group_varied_lengths": [(9, [4, 1, 7, 3])],
-    "several_groups_padded": [(5, [3, 6]), (11, [2, 2, 4]), (3, [1])],
-}
-
-
-def grpo_like_grads(model: torch.nn.Module, groups, advantages: torch.Tensor, mode: str, temperature: float):
-    logp, mask = batch_logprobs(model, groups, mode=mode, temperature=temperature)  # (N, T)
-    loss = -(advantages[:, None] * logp * mask).sum() / mask.sum()
-    return logp, mask, torch.autograd.grad(loss, list(model.parameters()))
 
 
 # --- layout and mask ---
@@ -79,6 +65,14 @@ def test_padding_sees_only_itself_and_is_never_seen():
                   [0, 0, 0, 1, 0],
                   [0, 0, 0, 0, 1]]
     assert shared_prompt_mask(layout.segment_ids)[1, 0].int().tolist() == second_row
+
+
+def test_unpacked_layout_is_plain_rows():
+    """The reference layout is one [prompt | r_i] row per response with ordinary positions and the shift at P-1."""
+    layout = unpacked_layout([(torch.tensor([10, 11]), [torch.tensor([20, 21, 22]), torch.tensor([30])])], pad_id=0)
+    assert layout.input_ids.tolist() == [[10, 11, 20, 21, 22], [10, 11, 30, 0, 0]]
+    assert layout.position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 3, 4]]
+    assert layout.source.tolist() == [[1, 2, 3], [1, 0, 0]]
 
 
 def test_to_model_mask_per_kernel():
@@ -121,104 +115,6 @@ def test_unpacked_reference_matches_one_forward_per_response():
             torch.testing.assert_close(logp, expected, rtol=0, atol=1e-5)
 
 
-def test_packed_rows_locate_segments():
-    """packed_rows gives each row's prompt length, real length, response columns (clamped past a response's end)."""
-    layout = pack([(torch.tensor([1, 2]), [torch.tensor([3]), torch.tensor([4, 5, 6])]),
-                   (torch.tensor([7]), [torch.tensor([8])])])
-    first, second = packed_rows(layout)
-    assert (first.prompt_len, first.length, second.prompt_len, second.length) == (2, 6, 1, 2)
-    assert first.response_columns.tolist() == [[2, 2, 2], [3, 4, 5]]
-    assert first.response_kept.tolist() == [0, 3, 4, 5]
-    assert second.response_columns.tolist() == [[1]] and second.response_kept.tolist() == [0]
-
-
-def test_structured_kernel_equals_masked_sdpa():
-    """shared_prompt_attention = SDPA under the dense shared-prompt mask, on every real token (GQA, padded rows)."""
-    generator = torch.Generator().manual_seed(6)
-    groups = [random_group(P, lens, generator) for P, lens in [(5, [3, 6, 1]), (2, [4]), (9, [2, 2])]]
-    layout = pack(groups)
-    B, L = layout.input_ids.shape
-    H, H_kv, D = 4, 2, 8
-    query = torch.randn(B, H, L, D, generator=generator, dtype=torch.float64)
-    key, value = (torch.randn(B, H_kv, L, D, generator=generator, dtype=torch.float64) for _ in range(2))
-    got, _ = shared_prompt_attention(None, query, key, value, None, scaling=0.3, shared_prompt_rows=packed_rows(layout))
-    expected = torch.nn.functional.scaled_dot_product_attention(
-        query, key.repeat_interleave(2, dim=1), value.repeat_interleave(2, dim=1),
-        attn_mask=shared_prompt_mask(layout.segment_ids), scale=0.3).transpose(1, 2)  # (B, L, H, D)
-    real = layout.segment_ids >= 0
-    assert got.shape == (B, L, H, D)
-    torch.testing.assert_close(got[real], expected[real], rtol=0, atol=1e-12)
-    assert (got[~real] == 0).all()
-
-
-def test_sdpa_models_use_the_structured_kernel_and_get_their_own_back(monkeypatch):
-    """Packing an sdpa model runs shared_prompt_attention in every layer, then restores the model's kernel."""
-    calls = []
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs["shared_prompt_rows"])
-        return shared_prompt_attention(*args, **kwargs)
-
-    monkeypatch.setattr(attention, "shared_prompt_attention", spy)
-    model = tiny_model("llama", "sdpa")
-    prompt, responses = random_group(4, [2, 3], torch.Generator().manual_seed(7))
-    batch_logprobs(model, [(prompt, responses)], mode="packed")
-    assert len(calls) == model.config.num_hidden_layers
-    assert model.config._attn_implementation == "sdpa"
-    batch_logprobs(model, [(prompt, responses)], mode="unpacked")
-    assert len(calls) == model.config.num_hidden_layers  # plain rows keep the model's own kernel
-
-
-def test_activation_checkpointing_falls_back_to_the_dense_mask(monkeypatch):
-    """Checkpointing re-runs attention in backward, after the kernel switch: packing must then use the dense mask."""
-    monkeypatch.setattr(attention, "shared_prompt_attention", None)  # would fail if called
-    model = Qwen2ForCausalLM._from_config(tiny_model("qwen2", "sdpa").config, attn_implementation="sdpa")
-    model.load_state_dict(tiny_model("qwen2", "sdpa").state_dict())
-    attention.enable_activation_checkpointing(model)
-    model.train()
-    generator = torch.Generator().manual_seed(8)
-    groups = [random_group(5, [3, 4], generator)]
-    advantages = torch.randn(2, generator=generator)
-    logp_p, _, grads_p = grpo_like_grads(model, groups, advantages, "packed", 1.0)
-    logp_u, _, grads_u = grpo_like_grads(model, groups, advantages, "unpacked", 1.0)
-    torch.testing.assert_close(logp_p, logp_u, rtol=0, atol=1e-5)
-    for g_p, g_u in zip(grads_p, grads_u):
-        assert (g_p - g_u).norm() <= 1e-5 * g_u.norm() + 1e-9
-
-
-def test_dense_mask_switch_skips_the_structured_kernel_with_the_same_result(monkeypatch):
-    """dense_mask=True (bench.py --mask dense) packs an sdpa model through the dense mask: same log-probs."""
-    model = tiny_model("qwen2", "sdpa")
-    groups = [random_group(6, [3, 5, 2], torch.Generator().manual_seed(9))]
-    structured, mask = batch_logprobs(model, groups, mode="packed")
-    monkeypatch.setattr(attention, "shared_prompt_attention", None)  # would fail if called
-    dense, _ = batch_logprobs(model, groups, mode="packed", dense_mask=True)
-    torch.testing.assert_close(dense[mask], structured[mask], rtol=0, atol=1e-5)
-
-
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
-@pytest.mark.parametrize("arch", ARCHS)
-def test_packed_equals_unpacked_logprobs_and_gradients(arch, attn_implementation, case):
-    """Packed = unpacked: per-token log-probs (<= 1e-5 abs), GRPO-loss gradients of every parameter (<= 1e-5 rel).
-
-    sdpa models pack through the structured kernel, eager ones through the dense mask.
-    """
-    model = tiny_model(arch, attn_implementation)
-    generator = torch.Generator().manual_seed(len(case))
-    groups = [random_group(P, lens, generator) for P, lens in CASES[case]]
-    advantages = torch.randn(sum(len(lens) for _, lens in CASES[case]), generator=generator)  # (N,)
-    temperature = 0.9
-    logp_p, mask_p, grads_p = grpo_like_grads(model, groups, advantages, "packed", temperature)
-    logp_u, mask_u, grads_u = grpo_like_grads(model, groups, advantages, "unpacked", temperature)
-    assert mask_p.dtype == torch.bool and torch.equal(mask_p, mask_u)
-    assert logp_p.shape == (len(advantages), max(max(lens) for _, lens in CASES[case]))
-    assert (logp_p[~mask_p] == 0).all()
-    torch.testing.assert_close(logp_p, logp_u, rtol=0, atol=1e-5)
-    for (name, _), g_p, g_u in zip(model.named_parameters(), grads_p, grads_u):
-        assert (g_p - g_u).norm() <= 1e-5 * g_u.norm() + 1e-9, name
-
-
 def test_shared_prompt_logprobs_list_api():
     """shared_prompt_logprobs returns one 1-D tensor per response, as long as it, equal to unpacked_logprobs."""
     model = tiny_model("llama", "sdpa")
@@ -230,51 +126,7 @@ def test_shared_prompt_logprobs_list_api():
         torch.testing.assert_close(p, u, rtol=0, atol=1e-5)
 
 
-def test_auto_mixes_layouts_and_keeps_group_order():
-    """auto packs only the groups where packing pays, and still returns every response in group order."""
-    generator = torch.Generator().manual_seed(4)
-    long_prompt = random_group(120, [3, 2, 3, 1], generator)   # packing pays
-    long_responses = random_group(2, [90, 80, 90], generator)  # packing does not
-    groups = [long_prompt, long_responses, long_prompt]
-    assert [packing_pays(len(p), [len(r) for r in rs]) for p, rs in groups] == [True, False, True]
-    model = tiny_model("qwen2", "sdpa")
-    advantages = torch.randn(11, generator=generator)
-    logp_a, mask_a, grads_a = grpo_like_grads(model, groups, advantages, "auto", 1.0)
-    logp_u, mask_u, grads_u = grpo_like_grads(model, groups, advantages, "unpacked", 1.0)
-    assert torch.equal(mask_a, mask_u)
-    torch.testing.assert_close(logp_a, logp_u, rtol=0, atol=1e-5)
-    for g_a, g_u in zip(grads_a, grads_u):
-        assert (g_a - g_u).norm() <= 1e-5 * g_u.norm() + 1e-9
-
-
-def test_batch_logprobs_rejects_unknown_mode():
-    """A typo in mode fails loudly instead of silently picking a layout."""
-    prompt, responses = random_group(3, [2], torch.Generator().manual_seed(5))
-    with pytest.raises(ValueError, match="mode"):
-        batch_logprobs(tiny_model("qwen2", "sdpa"), [(prompt, responses)], mode="shared")
-
-
-def test_unpacked_layout_is_plain_rows():
-    """The reference layout is one [prompt | r_i] row per response with ordinary positions and the shift at P-1."""
-    layout = unpacked_layout([(torch.tensor([10, 11]), [torch.tensor([20, 21, 22]), torch.tensor([30])])], pad_id=0)
-    assert layout.input_ids.tolist() == [[10, 11, 20, 21, 22], [10, 11, 30, 0, 0]]
-    assert layout.position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 3, 4]]
-    assert layout.source.tolist() == [[1, 2, 3], [1, 0, 0]]
-
-
-# --- when packing pays ---
-
-def test_packing_pays_long_prompt_short_responses_only():
-    """The rule packs long prompts with short responses and refuses short prompts with long responses."""
-    assert packing_pays(512, [32] * 8)
-    assert packing_pays(1024, [16] * 8)
-    assert not packing_pays(32, [256] * 8)
-    assert not packing_pays(16, [512] * 4)
-    assert not packing_pays(100, [50])  # G = 1: nothing shared, nothing saved
-    assert attention.ATTENTION_BREAK_EVEN_LEN > 0
-
-
-# --- real-model concerns: memory of the output layer, attention variants packing cannot express ---
+# --- memory of the output layer ---
 def test_chunked_logprobs_equal_the_full_softmax_and_never_keep_all_logits():
     """Claim: token_logprobs in chunks gives the log-softmax of the whole (M, V) logits, values and gradients
     (fp32, same products, differently grouped: 1e-6), while no tensor of M x V elements is ever saved for backward:
@@ -294,39 +146,3 @@ def test_chunked_logprobs_equal_the_full_softmax_and_never_keep_all_logits():
     grads = [torch.autograd.grad((weights * x).sum(), [hidden, head.weight]) for x in (chunked, full)]
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
-
-
-def reference_logprobs(model, prompt, responses, temperature):
-    """One plain forward of the model per [prompt | r], its own logits (soft-capping and all)."""
-    out = []
-    for r in responses:
-        logits = model(torch.cat([prompt, r])[None]).logits[0, len(prompt) - 1:-1]  # (R, V)
-        out.append((logits.float() / temperature).log_softmax(-1).gather(-1, r[:, None])[:, 0])
-    return out
-
-
-def test_attention_the_packed_layout_cannot_express_stays_on_plain_rows():
-    """Claim: a model with sliding windows and logit soft-capping (a tiny Gemma 2) is never packed: auto uses plain
-    rows and equals the model's own log-probs (including its final-logit soft-capping, taken from its own output
-    layer), and mode='packed' refuses with one line that names the feature; the structured kernel itself refuses
-    a sliding window; a plain Qwen2 with use_sliding_window is refused too."""
-    from transformers import Gemma2Config, Gemma2ForCausalLM
-    config = Gemma2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                          head_dim=16, intermediate_size=64, vocab_size=VOCAB, sliding_window=4)
-    torch.manual_seed(0)
-    model = Gemma2ForCausalLM._from_config(config, attn_implementation="eager").eval()
-    assert attention.packing_unsupported(model) == "sliding-window attention"
-    prompt, responses = random_group(6, [3, 5], torch.Generator().manual_seed(12))
-    logp, _ = batch_logprobs(model, [(prompt, responses)], mode="auto", temperature=0.8)
-    for row, expected in zip(logp, reference_logprobs(model, prompt, responses, 0.8)):
-        torch.testing.assert_close(row[:len(expected)], expected, rtol=0, atol=1e-5)
-    with pytest.raises(ValueError, match="sliding-window attention"):
-        batch_logprobs(model, [(prompt, responses)], mode="packed")
-    with pytest.raises(ValueError, match="sliding_window"):
-        shared_prompt_attention(None, torch.zeros(1, 2, 3, 4), torch.zeros(1, 1, 3, 4), torch.zeros(1, 1, 3, 4), None,
-                                shared_prompt_rows=[], sliding_window=4)
-    windowed = Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                           intermediate_size=128, vocab_size=VOCAB, use_sliding_window=True, sliding_window=8,
-                           max_window_layers=0)
-    assert attention.packing_unsupported(Qwen2ForCausalLM(windowed)) == "sliding-window attention"
-    assert attention.packing_unsupported(tiny_model("qwen2", "sdpa")) is None

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 import periodic_rl
-from attention import enable_activation_checkpointing, recomputes_attention
 from models import load_model
+from packing import enable_activation_checkpointing, recomputes_attention
 from tasks import load_reward, load_task
 from tri_model import TriModel
 from test_pipeline import SAME_THREADS, make_cfg, run_training

@@ -3,9 +3,9 @@ import copy
 
 import torch
 
-from attention import batch_logprobs
 from grpo import grpo_loss
 from models import load_model
+from packing import batch_logprobs
 from tri_model import TriModel
 
 

@@ -60,7 +60,7 @@ What periodic-rl does differently (its defaults on CPU): two `generate` calls of
 iteration with a streamer that reads every decode step's tokens back (`.tolist()`) and hands each group
 to the trainer the moment its last response stops; one reward call per completion; training in
 micro-batches of whatever has arrived (here one forward/backward per call), shared-prompt packing only
-where `attention.packing_pays` (not for these tiny groups). `python bench.py peer` runs both side by side.
+where `packing.packing_pays` (not for these tiny groups). `python bench.py peer` runs both side by side.
 
 Fairness: the two see the same prompts distribution, not the same prompts (TRL's seeded sampler vs
 periodic-rl's permutation) and sample different tokens, so response lengths differ a little: both
