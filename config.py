@@ -20,6 +20,11 @@ import sys
 import typing
 from dataclasses import dataclass, field
 
+class UserError(RuntimeError):
+    """A problem the user can fix (an option, a path, a model, the data, a reward function, a dead inference
+    process): trainer.py reports it as one `error:` paragraph and exit code 1, no traceback."""
+
+
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo")
 MODES = ("async", "sync")
 SIZES = ("probe", "rule")

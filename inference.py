@@ -35,17 +35,18 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
+from config import UserError
 from rollout import IterationDone, RewardError, Settings, rollout_iteration
 from timeline import INFERENCE, TRAINING, Span, Timeline
 
 POLL_SECONDS = 0.2  # how often a waiting trainer checks that the inference process is alive
 
 
-class PipelineError(RuntimeError):
+class PipelineError(UserError):
     """The inference process failed or died; the message says why."""
 
 
-class OffPolicyError(RuntimeError):
+class OffPolicyError(UserError):
     """A group sampled by weights other than the current iteration's: on-policy would be broken."""
 
 

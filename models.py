@@ -52,6 +52,7 @@ from transformers import __version__ as transformers_version
 from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase,
                           PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM)
 
+from config import UserError
 from tasks import chain_working, hub_unreachable_reason, load_task
 
 TINY = "tiny"
@@ -60,7 +61,7 @@ MODEL_ALIASES = {f"qwen2.5-{size}": f"Qwen/Qwen2.5-{size.upper()}-Instruct"
 _LOAD_ERRORS = (OSError, ValueError, HfHubHTTPError)  # what from_pretrained raises for "not loadable"
 
 
-class ModelNotFoundError(RuntimeError):
+class ModelNotFoundError(UserError):
     """A model name could not be loaded; the message lists what was tried and how to fix it."""
 
 

@@ -61,13 +61,14 @@ from transformers import GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
 import grpo
+from config import UserError
 from tasks import Example, prompt_token_ids
 from timeline import INFERENCE, Span
 
 RewardFn = Callable[[str, str, str], float]
 
 
-class RewardError(RuntimeError):
+class RewardError(UserError):
     """A reward function raised, or returned something that is not a finite number."""
 
 

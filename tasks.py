@@ -39,6 +39,8 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Callable
 
+from config import UserError
+
 Reward = Callable[[str, str, str], float]
 
 ARITHMETIC_OPERANDS = range(50)  # two-digit sums: learnable by a 2-layer model in well under a minute
@@ -54,7 +56,7 @@ class Example:
     answer: str  # the gold final answer, a canonical number string ("82", "-3", "2.5")
 
 
-class TaskError(ValueError):
+class TaskError(UserError, ValueError):
     """A dataset or reward could not be loaded; the message says what to do instead."""
 
 

@@ -16,10 +16,10 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from config import Config, parse_args
+from config import Config, UserError, parse_args
 
 
-class DeviceError(RuntimeError):
+class DeviceError(UserError):
     pass
 
 
@@ -146,27 +146,12 @@ def log_and_save(cfg: Config, rows, policy, tokenizer) -> dict:
     return final
 
 
-USER_ERRORS = [("models", "ModelNotFoundError"), ("tasks", "TaskError"), ("rollout", "RewardError"),
-               ("inference", "PipelineError"), ("inference", "OffPolicyError")]
-
-
-def is_user_error(error: Exception) -> bool:
-    """A problem the user can fix (reported as one paragraph). The classes are looked up, not imported:
-    importing models up front would delay spawning the inference process, and an error can only
-    come from a module that is loaded."""
-    classes = [DeviceError] + [getattr(sys.modules[module], name) for module, name in USER_ERRORS
-                               if module in sys.modules]
-    return isinstance(error, tuple(classes))
-
-
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # two processes, each with its own threads
     try:
         run(cfg)
-    except Exception as error:
-        if not is_user_error(error):
-            raise
+    except UserError as error:
         sys.stderr.write(f"error: {error}\n")
         return 1
     except KeyboardInterrupt:
