@@ -36,7 +36,7 @@ import torch
 import torch.multiprocessing as mp
 
 from config import UserError
-from rollout import IterationDone, RewardError, Settings, rollout_iteration
+from rollout import IterationDone, RewardError, rollout_iteration
 from timeline import INFERENCE, TRAINING, Span, Timeline
 
 POLL_SECONDS = 0.2  # how often a waiting trainer checks that the inference process is alive
@@ -134,8 +134,8 @@ class SyncRollouts:
     mode (so that both modes sample from the same bf16 weights).
     """
 
-    def __init__(self, policy, tokenizer, train, held_out, reward_fn, settings: Settings, sampler=None):
-        self.args = (tokenizer, train, held_out, reward_fn, settings)
+    def __init__(self, policy, tokenizer, train, held_out, reward_fn, cfg, sampler=None):
+        self.args = (tokenizer, train, held_out, reward_fn, cfg)
         self.sampler = sampler if sampler is not None else policy
 
     @torch.no_grad()
@@ -148,9 +148,9 @@ class SyncRollouts:
     def generate(self, iteration: int, final_iteration: int, train_prompts: bool = True) -> None:
         """Sample iteration k whole, here and now (nothing overlaps in sync mode); `receive` hands it over."""
         self.sampler.eval()
-        tokenizer, train, held_out, reward_fn, settings = self.args
+        tokenizer, train, held_out, reward_fn, cfg = self.args
         self.messages = []
-        rollout_iteration(self.sampler, tokenizer, train, held_out, reward_fn, settings, iteration,
+        rollout_iteration(self.sampler, tokenizer, train, held_out, reward_fn, cfg, iteration,
                           lambda: self.version, final_iteration, self.messages.append, train_prompts)
 
     def receive(self):
@@ -194,12 +194,12 @@ class AsyncRollouts:
             self._receive()
             self.loaded = True
 
-    def attach(self, policy, settings: Settings, threads: int) -> None:
+    def attach(self, policy, cfg, threads: int) -> None:
         """Share θ's buffer with the inference process (as a handle to shared memory, never a copy), with
-        the sampling settings and its thread count."""
+        the config (sampling settings, sizes) and its thread count."""
         self.wait_until_loaded()
         self.weights = WeightBuffer(policy, self.dtype)  # kept alive here: the receiver maps the sender's memory
-        self.commands.put(("attach", self.weights, settings, threads))
+        self.commands.put(("attach", self.weights, cfg, threads))
         self._receive()  # ("ready", None) once its model reads θ from the buffer
 
     def publish(self, policy, version: int) -> None:
@@ -265,8 +265,8 @@ def inference_process(model_name: str, load_kwargs: dict, commands, results, tra
     """Entry point of the spawned inference process.
 
     Protocol: import what loading needs, wait for ("load",), load the model, answer ("loaded", None),
-    then wait for ("attach", weights, settings, threads): the trainer's shared weight buffer
-    (WeightBuffer), the sampling settings and its thread count; answer ("ready", None).
+    then wait for ("attach", weights, cfg, threads): the trainer's shared weight buffer
+    (WeightBuffer), the run's config and its thread count; answer ("ready", None).
     Then wait for ("generate", k) (sent after θ_k is in `weights`), run `rollout_iteration` and put
     every message on `results`; ("evaluate", k) runs only the held-out evaluation; ("stop",) ends,
     at any point. Any exception is sent as ("error", summary) before exiting non-zero.
@@ -287,7 +287,7 @@ def inference_process(model_name: str, load_kwargs: dict, commands, results, tra
         command = commands.get()
         if command[0] == "stop":
             return
-        _, weights, settings, threads = command
+        _, weights, cfg, threads = command
         torch.set_num_threads(threads)
         weights.attach(model)  # on CPU its parameters now *are* θ's shared memory
         results.put(("ready", None))
@@ -299,7 +299,7 @@ def inference_process(model_name: str, load_kwargs: dict, commands, results, tra
             start = time.perf_counter()
             weights.load_into(model, expected_version=iteration)
             results.put(("message", Span(f"load θ_{iteration}", INFERENCE, start, time.perf_counter())))
-            rollout_iteration(model, tokenizer, train, held_out, reward_fn, settings, iteration, weights.version,
+            rollout_iteration(model, tokenizer, train, held_out, reward_fn, cfg, iteration, weights.version,
                               final_iteration, send=lambda message: results.put(("message", message)),
                               train_prompts=kind == "generate")
     except KeyboardInterrupt:  # Ctrl-C reaches the whole process group; the trainer stops too and reads no more

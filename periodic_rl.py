@@ -55,7 +55,7 @@ import sizing
 from grpo import grpo_loss, loss_normalizer
 from inference import AsyncRollouts, OffPolicyError, PipelineError, SyncRollouts
 from packing import enable_activation_checkpointing
-from rollout import Evaluation, Group, Settings
+from rollout import Evaluation, Group
 from timeline import INFERENCE, Span, Timeline
 from tri_model import TriModel
 
@@ -199,14 +199,6 @@ class Learner:
 
 
 # --- the loop ---
-def settings_of(cfg) -> Settings:
-    """What the inference side needs from the config."""
-    return Settings(seed=cfg.seed, group_size=cfg.group_size, prompts_per_iteration=cfg.prompts_per_iteration,
-                    max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                    eval_every=cfg.eval_every, eval_samples=cfg.eval_samples, scale_rewards=cfg.scale_rewards,
-                    groups_per_chunk=cfg.groups_per_chunk)
-
-
 def takes_turns(cfg) -> bool:
     """Whether the two sides must not compute at once: async on CPU with more threads than cores (the probe's
     "in turns", sync's schedule in two processes). Oversubscribed cores slow both sides, so the trainer then
@@ -253,21 +245,21 @@ def train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwar
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     if rollouts is not None and not cfg.sized:
         rollouts.wait_until_loaded()  # the probe times this machine's cores, not the inference side's loading
-    cfg, probed, _ = sizing.choose(cfg, tri, tokenizer, train_examples, settings_of(cfg))  # sizes left open
+    cfg, probed, _ = sizing.choose(cfg, tri, tokenizer, train_examples)  # sizes left open
     print(f"periodic-rl: sizes: --groups-per-chunk {cfg.groups_per_chunk} ({cfg.chunks_per_iteration} generate "
           f"call(s) per iteration) --micro-batch-tokens {cfg.micro_batch_tokens} --rollout-threads "
           f"{cfg.rollout_threads} --train-threads {cfg.train_threads} (pass these to fix them)"
           + (f"\nperiodic-rl: {probed}" if probed else ""), flush=True)
     torch.set_num_threads(cfg.train_threads)
     if rollouts is not None:
-        rollouts.attach(policy, settings_of(cfg), cfg.rollout_threads)  # θ's buffer, settings, its threads
+        rollouts.attach(policy, cfg, cfg.rollout_threads)  # θ's buffer, the config, its threads
         timeline = rollouts.timeline  # both processes' spans on one timeline
     else:
         sampler = None
         if compute_dtype != policy.dtype:  # sample from weights in the compute dtype, as the async side does
             from models import load_model
             sampler, _ = load_model(cfg.model, **{**load_kwargs, "dtype": compute_dtype, "device": str(device)})
-        rollouts = SyncRollouts(policy, tokenizer, train_examples, held_out, reward_fn, settings_of(cfg), sampler)
+        rollouts = SyncRollouts(policy, tokenizer, train_examples, held_out, reward_fn, cfg, sampler)
         timeline = Timeline()
     learner = Learner(tri, optimizer, cfg, device, timeline)
     in_turns = cfg.mode == "async" and takes_turns(cfg)

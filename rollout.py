@@ -61,7 +61,7 @@ from transformers import GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
 import grpo
-from config import UserError
+from config import Config, UserError
 from tasks import Example, prompt_token_ids
 from timeline import INFERENCE, Span
 
@@ -102,21 +102,6 @@ class IterationDone:
     iteration: int
 
 
-@dataclass
-class Settings:
-    """What the inference side needs from the config (picklable, no torch objects)."""
-    seed: int
-    group_size: int
-    prompts_per_iteration: int
-    max_new_tokens: int
-    temperature: float
-    top_p: float
-    eval_every: int
-    eval_samples: int
-    scale_rewards: bool
-    groups_per_chunk: int = 1
-
-
 # --- which prompts, which seeds ---
 def iteration_prompts(num_examples: int, prompts_per_iteration: int, seed: int, iteration: int) -> list[int]:
     """Indices of iteration k's prompts: consecutive slices of a per-epoch seeded permutation."""
@@ -148,13 +133,13 @@ def stop_token_ids(model, tokenizer) -> list[int]:
     return list(dict.fromkeys(listed + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])))
 
 
-def sampling_config(settings: Settings, eos_ids: list[int], pad_id: int) -> GenerationConfig:
+def sampling_config(cfg: Config, eos_ids: list[int], pad_id: int) -> GenerationConfig:
     """Sampling from softmax(logits / T), truncated by top-p and by nothing else."""
-    return GenerationConfig(do_sample=True, temperature=settings.temperature, top_p=settings.top_p, top_k=0,
+    return GenerationConfig(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=0,
                             min_p=None, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0, repetition_penalty=1.0,
                             no_repeat_ngram_size=0, min_length=0, bad_words_ids=None,
                             suppress_tokens=None, begin_suppress_tokens=None, forced_bos_token_id=None,
-                            forced_eos_token_id=None, max_new_tokens=settings.max_new_tokens, eos_token_id=eos_ids,
+                            forced_eos_token_id=None, max_new_tokens=cfg.max_new_tokens, eos_token_id=eos_ids,
                             pad_token_id=pad_id)
 
 
@@ -268,14 +253,14 @@ def score(reward_fn: RewardFn, prompt: str, completion: str, answer: str) -> flo
     return float(value)
 
 
-def evaluate(model, tokenizer, examples: list[Example], reward_fn: RewardFn, settings: Settings) -> float:
+def evaluate(model, tokenizer, examples: list[Example], reward_fn: RewardFn, cfg: Config) -> float:
     """Mean reward of `eval_samples` sampled responses per held-out prompt (fixed seeds)."""
-    generation = sampling_config(settings, stop_token_ids(model, tokenizer), tokenizer.pad_token_id)
+    generation = sampling_config(cfg, stop_token_ids(model, tokenizer), tokenizer.pad_token_id)
     rewards = []
-    for first, chunk in chunks(examples, settings.groups_per_chunk):
+    for first, chunk in chunks(examples, cfg.groups_per_chunk):
         prompts = [prompt_token_ids(tokenizer, example.prompt) for example in chunk]
-        responses = sample_responses(model, prompts, settings.eval_samples, generation,
-                                     prompt_seed(settings.seed, -1, first))
+        responses = sample_responses(model, prompts, cfg.eval_samples, generation,
+                                     prompt_seed(cfg.seed, -1, first))
         rewards += [score(reward_fn, example.prompt, completion, example.answer)
                     for example, samples in zip(chunk, responses)
                     for completion in tokenizer.batch_decode(samples, skip_special_tokens=True)]
@@ -287,7 +272,7 @@ Message = Union["Group", "Evaluation", "IterationDone", Span]
 
 
 def rollout_iteration(model, tokenizer, train: list[Example], held_out: list[Example], reward_fn: RewardFn,
-                      settings: Settings, iteration: int, weights_version: Callable[[], int], final_iteration: int,
+                      cfg: Config, iteration: int, weights_version: Callable[[], int], final_iteration: int,
                       send: Callable[[Message], None], train_prompts: bool = True) -> None:
     """Send iteration k's groups in completion order, each generate call's span, then the evaluation
     (if due), then IterationDone. Completion order depends only on the sampled tokens: it is the same
@@ -296,11 +281,11 @@ def rollout_iteration(model, tokenizer, train: list[Example], held_out: list[Exa
     `weights_version()` reads the version of the weights `model` computes with. A group is tagged with
     the version read when its generate call started if it still reads so when the group is sent, else
     -1: its tokens came from weights that changed while it was sampled. The trainer refuses both."""
-    generation = sampling_config(settings, stop_token_ids(model, tokenizer), tokenizer.pad_token_id)
+    generation = sampling_config(cfg, stop_token_ids(model, tokenizer), tokenizer.pad_token_id)
     if train_prompts:
-        examples = [train[i] for i in iteration_prompts(len(train), settings.prompts_per_iteration, settings.seed,
+        examples = [train[i] for i in iteration_prompts(len(train), cfg.prompts_per_iteration, cfg.seed,
                                                          iteration)]
-        for first, chunk in chunks(examples, settings.groups_per_chunk):
+        for first, chunk in chunks(examples, cfg.groups_per_chunk):
             start, version = time.perf_counter(), weights_version()
             prompts = [prompt_token_ids(tokenizer, example.prompt) for example in chunk]
 
@@ -308,18 +293,18 @@ def rollout_iteration(model, tokenizer, train: list[Example], held_out: list[Exa
                 example = chunk[offset]
                 texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
                 rewards = [score(reward_fn, example.prompt, text, example.answer) for text in texts]
-                advantages = grpo.group_advantages(torch.tensor(rewards), settings.group_size, settings.scale_rewards)
+                advantages = grpo.group_advantages(torch.tensor(rewards), cfg.group_size, cfg.scale_rewards)
                 tag = version if weights_version() == version else -1  # -1: the weights changed while it sampled
                 send(Group(iteration, first + offset, tag, prompts[offset], responses, rewards,
                            advantages.tolist(), start, time.perf_counter(), chunk=(first, len(chunk))))
 
-            sample_responses(model, prompts, settings.group_size, generation,
-                             prompt_seed(settings.seed, iteration, first), on_done=score_and_send)
+            sample_responses(model, prompts, cfg.group_size, generation,
+                             prompt_seed(cfg.seed, iteration, first), on_done=score_and_send)
             last = first + len(chunk) - 1
             send(Span(f"generate group {first}" if last == first else f"generate groups {first}-{last}", INFERENCE,
                       start, time.perf_counter()))
-    if held_out and is_eval_iteration(iteration, settings.eval_every, final_iteration):
+    if held_out and is_eval_iteration(iteration, cfg.eval_every, final_iteration):
         start = time.perf_counter()
-        reward = evaluate(model, tokenizer, held_out, reward_fn, settings)
+        reward = evaluate(model, tokenizer, held_out, reward_fn, cfg)
         send(Evaluation(iteration, weights_version(), reward, start, time.perf_counter()))
     send(IterationDone(iteration))

@@ -148,13 +148,13 @@ def _timed_backward(tri, batch) -> float:
     return time.perf_counter() - start
 
 
-def probe(cfg, tri, tokenizer, train_examples, settings, threads: int) -> Probe:
+def probe(cfg, tri, tokenizer, train_examples, threads: int) -> Probe:
     """Time iteration 0's generation at every candidate call size (when each group arrives) and its
     training (a forward/backward of one group, then of all in micro-batches of at most
     `cfg.micro_batch_tokens` or the default cap) at `threads` threads. Leaves the RNG, the weights and
     the gradients as they were."""
     policy = tri.policy
-    generation = sampling_config(settings, stop_token_ids(policy, tokenizer), tokenizer.pad_token_id)
+    generation = sampling_config(cfg, stop_token_ids(policy, tokenizer), tokenizer.pad_token_id)
     examples = [train_examples[i] for i in iteration_prompts(len(train_examples), cfg.prompts_per_iteration,
                                                               cfg.seed, 0)]
     prompts = [prompt_token_ids(tokenizer, e.prompt) for e in examples]
@@ -205,7 +205,7 @@ def in_turns(probe: Probe, prompts: int, cap: int, calls: int | None = None) -> 
     return calls, probe.generate_seconds[size] + d * math.ceil(sum(tokens) / cap) + c * sum(tokens)
 
 
-def choose(cfg, tri, tokenizer, train_examples, settings) -> tuple[object, str, float]:
+def choose(cfg, tri, tokenizer, train_examples) -> tuple[object, str, float]:
     """`cfg` with the sizes `config.derive` left open (None) filled from probes, a line saying what was
     measured ('' when nothing was open), and the predicted speedup of the chosen schedule over taking
     turns at the same sizes with every core per side (1.0 when it takes turns, or nothing was probed):
@@ -223,9 +223,9 @@ def choose(cfg, tri, tokenizer, train_examples, settings) -> tuple[object, str, 
     split_open = cfg.mode == "async" and cores > 1 and not (cfg.rollout_threads or cfg.train_threads)
     if cfg.mode == "sync" or not split_open:
         threads = cfg.train_threads if cfg.mode == "async" else cores
-        result = probe(cfg, tri, tokenizer, train_examples, settings, threads=threads or cores)
+        result = probe(cfg, tri, tokenizer, train_examples, threads=threads or cores)
     else:
-        result = probe(cfg, tri, tokenizer, train_examples, settings, threads=max(1, cores // 2))
+        result = probe(cfg, tri, tokenizer, train_examples, threads=max(1, cores // 2))
     if cfg.mode == "sync":
         calls, micro_tokens = in_turns(result, prompts, cap, given)[0], cap
     else:
@@ -235,7 +235,7 @@ def choose(cfg, tri, tokenizer, train_examples, settings) -> tuple[object, str, 
     overlaps = cfg.mode == "async" and iteration_s < (gen_s + train_s) / AS_FAST
     turns_note, full = "", result
     if split_open:
-        full = probe(cfg, tri, tokenizer, train_examples, settings, threads=cores)
+        full = probe(cfg, tri, tokenizer, train_examples, threads=cores)
         turns_calls, turns_s = in_turns(full, prompts, cap, given)
         turns_note = f"; in turns at {cores} threads: {turns_s:.3f} s"
         if not overlaps or turns_s <= iteration_s:

@@ -1,4 +1,5 @@
 """Periodic asynchrony (periodic_rl.py): async equals sync, stays on-policy, and fails loudly and cleanly."""
+import dataclasses
 import os
 import signal
 import subprocess
@@ -13,7 +14,7 @@ import inference
 import periodic_rl
 from config import parse_args
 from models import load_model
-from rollout import Group, IterationDone, Settings, rollout_iteration
+from rollout import Group, IterationDone, rollout_iteration
 from tasks import load_reward, load_task
 from timeline import Timeline
 
@@ -133,7 +134,7 @@ def test_async_groups_are_streamed_and_tagged_with_the_version(tiny_model_dir):
     cfg = make_cfg(tiny_model_dir)
     policy, tokenizer = load_model(cfg.model)
     train, held_out = load_task("arithmetic", eval_size=4)
-    settings = Settings(cfg.seed, cfg.group_size, cfg.prompts_per_iteration, cfg.max_new_tokens, 1.0, 1.0, 0, 1, True)
+    settings = dataclasses.replace(cfg, eval_every=0, groups_per_chunk=1)
     sync = inference.SyncRollouts(policy, tokenizer, train, held_out, load_reward(DIGITS), settings)
     remote = inference.AsyncRollouts(cfg.model, {}, train, held_out, DIGITS, Timeline())
     try:
@@ -186,7 +187,7 @@ def test_a_publish_while_sampling_is_caught(tiny_model_dir):
     def sample_iteration_0(reward_fn) -> list[Group]:
         weights.publish(policy, 0)
         messages = []
-        rollout_iteration(sampler, tokenizer, train, [], reward_fn, periodic_rl.settings_of(cfg), 0, weights.version,
+        rollout_iteration(sampler, tokenizer, train, [], reward_fn, cfg, 0, weights.version,
                           1, messages.append)
         return [m for m in messages if isinstance(m, Group)]
 
@@ -243,7 +244,7 @@ def test_killed_inference_process_is_noticed_within_seconds(tiny_model_dir, when
     cfg = make_cfg(tiny_model_dir)
     policy, _ = load_model(cfg.model)
     train, held_out = load_task("arithmetic", eval_size=4)
-    settings = Settings(0, 4, 4, 6, 1.0, 1.0, 0, 1, True)
+    settings = dataclasses.replace(cfg, eval_every=0, groups_per_chunk=1)
     remote = inference.AsyncRollouts(cfg.model, {}, train, held_out, DIGITS, Timeline())
     try:
         if when == "while generating":
@@ -270,7 +271,7 @@ def test_deferred_load_waits_for_the_trainer(tiny_model_dir, tmp_path):
     cfg = make_cfg(tiny_model_dir)
     policy, _ = load_model(cfg.model)
     train, held_out = load_task("arithmetic", eval_size=4)
-    settings = Settings(0, 4, 4, 6, 1.0, 1.0, 0, 1, True)
+    settings = dataclasses.replace(cfg, eval_every=0, groups_per_chunk=1)
     later = tmp_path / "model"
     remote = inference.AsyncRollouts(str(later), {}, train, held_out, DIGITS, Timeline(), load=False)
     try:

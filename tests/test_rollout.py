@@ -4,12 +4,13 @@ from transformers import GenerationConfig
 
 from conftest import LOGIT_SCALE
 from models import load_model
-from rollout import (Group, Settings, own_sampling_only, rollout_iteration, sample_responses, sampling_config,
+from config import Config
+from rollout import (Group, own_sampling_only, rollout_iteration, sample_responses, sampling_config,
                      stop_token_ids)
 from tasks import Example, prompt_token_ids
 
-SETTINGS = Settings(seed=0, group_size=4, prompts_per_iteration=3, max_new_tokens=24, temperature=1.0, top_p=1.0,
-                    eval_every=0, eval_samples=2, scale_rewards=True)
+SETTINGS = Config(seed=0, group_size=4, batch_size=12, max_new_tokens=24, temperature=1.0, top_p=1.0, eval_every=0,
+                  eval_samples=2, scale_rewards=True, groups_per_chunk=1)
 EXAMPLES = [Example("12+7=", "19"), Example("3+30=", "33"), Example("48+1=", "49")]
 
 
@@ -66,7 +67,7 @@ def test_every_eos_id_stops_a_response(qwen_shaped_dir):
     stops = stop_token_ids(model, tokenizer)
     assert tokenizer.eos_token_id == im_end and stops == [im_end, endoftext]
     prompts = [tokenizer.encode(text, add_special_tokens=False) for text in ("1+2=", "31+45=")]
-    settings = Settings(0, 16, 2, 64, 1.0, 1.0, 0, 1, True)
+    settings = Config(max_new_tokens=64, temperature=1.0, top_p=1.0)
     both = sample_responses(model, prompts, 16, sampling_config(settings, stops, endoftext), seed=3)
     alone = sample_responses(model, prompts, 16, sampling_config(settings, [im_end], endoftext), seed=3)
     responses, unstopped = [r for g in both for r in g], [r for g in alone for r in g]
@@ -86,7 +87,7 @@ def test_groups_stream_in_completion_order_and_match_generate(qwen_shaped_dir):
         model.model.norm.weight.div_(LOGIT_SCALE)  # nearly uniform: EOS ids come up by chance, at varied steps
     stops = stop_token_ids(model, tokenizer)
     prompts = [tokenizer.encode(text, add_special_tokens=False) for text in ("1+2=", "31+45=", "7+7=", "40+2=")]
-    generation = sampling_config(Settings(0, 2, 4, 160, 1.0, 1.0, 0, 1, True), stops, tokenizer.pad_token_id)
+    generation = sampling_config(Config(max_new_tokens=160, temperature=1.0, top_p=1.0), stops, tokenizer.pad_token_id)
     reported = []  # P(a response stops within 160 steps) = 1 - (1 - 2/260)^160 = 0.71: group lengths vary
     responses = sample_responses(model, prompts, 2, generation, seed=5,
                                  on_done=lambda position, group: reported.append((position, [list(r) for r in group])))

@@ -6,7 +6,6 @@ import torch
 import sizing
 from config import Config, derive
 from models import load_model
-from periodic_rl import settings_of
 from tasks import load_task
 from tri_model import TriModel
 
@@ -88,7 +87,7 @@ def test_probe_changes_nothing_and_choose_fills_only_open_sizes(tiny_model_dir, 
     tri = TriModel(policy, use_reference=True, use_old=False, pad_id=tokenizer.pad_token_id)
     before = [p.detach().clone() for p in policy.parameters()]
     rng = torch.get_rng_state()
-    chosen, note, gain = sizing.choose(cfg, tri, tokenizer, train, settings_of(cfg))
+    chosen, note, gain = sizing.choose(cfg, tri, tokenizer, train)
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(torch.equal(p, q) for p, q in zip(policy.parameters(), before))
     assert all(p.grad is None for p in policy.parameters())
@@ -102,8 +101,8 @@ def test_probe_changes_nothing_and_choose_fills_only_open_sizes(tiny_model_dir, 
     assert gain == 1.0 if chosen.train_threads == 2 else gain > 1 / sizing.AS_FAST
     fixed = derive(Config(model=str(tiny_model_dir), data="arithmetic", mode="async", batch_size=32, group_size=4,
                           max_new_tokens=6, groups_per_chunk=3))
-    kept, _, _ = sizing.choose(fixed, tri, tokenizer, train, settings_of(fixed))
+    kept, _, _ = sizing.choose(fixed, tri, tokenizer, train)
     assert kept.groups_per_chunk == 3 and kept.sized
     given = derive(Config(model=str(tiny_model_dir), mode="async", groups_per_chunk=2, micro_batch_tokens=100,
                           rollout_threads=1, train_threads=1))
-    assert sizing.choose(given, tri, tokenizer, train, settings_of(given)) == (given, "", 1.0)
+    assert sizing.choose(given, tri, tokenizer, train) == (given, "", 1.0)
