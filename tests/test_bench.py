@@ -1,20 +1,22 @@
-"""bench.py's pieces run and compute what they say (the timings themselves are never asserted)."""
+"""The benchmarks' pieces (benchmarks/) run and compute what they say (the timings themselves are never asserted)."""
 import time
 
 import pytest
 import torch
 
-import bench
+from benchmarks.memory import LiveTensorBytes
+from benchmarks.pipeline import async_workload, pipeline_bound
+from benchmarks.shared_prompt import forward_macs, mac_ceiling, shared_prompt_cell
 
 
 def test_pipeline_bound():
     """Claim: the fill/drain-aware bound is 1 for one group, approaches the ideal bound with many groups,
     and never exceeds it."""
-    assert bench.pipeline_bound(2.0, 1.0, 1) == pytest.approx(1.0)
-    assert bench.pipeline_bound(1.0, 1.0, 8) == pytest.approx(16 / 9)  # 2n / (n + 1), balanced
+    assert pipeline_bound(2.0, 1.0, 1) == pytest.approx(1.0)
+    assert pipeline_bound(1.0, 1.0, 8) == pytest.approx(16 / 9)  # 2n / (n + 1), balanced
     for t_gen, t_train in [(1.0, 1.0), (3.0, 1.0), (0.5, 2.0)]:
         ideal = (t_gen + t_train) / max(t_gen, t_train)
-        bounds = [bench.pipeline_bound(t_gen, t_train, n) for n in (1, 2, 4, 16, 10_000)]
+        bounds = [pipeline_bound(t_gen, t_train, n) for n in (1, 2, 4, 16, 10_000)]
         assert bounds == sorted(bounds) and bounds[-1] <= ideal and bounds[-1] == pytest.approx(ideal, rel=1e-3)
 
 
@@ -23,7 +25,7 @@ def test_async_workload_reports_the_promised_figures(tiny_model_dir):
     with each other, at the sizes async's probe picked (both modes at its generate calls)."""
     argv = ["--model", str(tiny_model_dir), "--data", "arithmetic", "--batch-size", "8", "--group-size", "4",
             "--max-new-tokens", "3"]
-    row = bench.async_workload(argv, iterations=1, rounds=1)
+    row = async_workload(argv, iterations=1, rounds=1)
     for key in ("sync_s_per_iter", "async_s_per_iter", "speedup", "ideal_speedup", "pipeline_bound"):
         assert row[key] > 0, key
     assert row["speedup"] == pytest.approx(row["sync_s_per_iter"] / row["async_s_per_iter"])
@@ -40,7 +42,7 @@ def test_shared_prompt_cell_measures_all_modes():
     config = Qwen2Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                          intermediate_size=64, vocab_size=64)
     model = Qwen2ForCausalLM._from_config(config, attn_implementation="sdpa").train()
-    row = bench.shared_prompt_cell(model, P=24, R=4, G=4, repeats=1, device="cpu", now=time.perf_counter)
+    row = shared_prompt_cell(model, P=24, R=4, G=4, repeats=1, device="cpu", now=time.perf_counter)
     assert min(row["packed_s"], row["unpacked_s"], row["auto_s"]) > 0
     assert row["token_ratio"] == pytest.approx(4 * 28 / 40)
     assert row["memory_packed_bytes"] < row["memory_unpacked_bytes"]
@@ -63,9 +65,9 @@ def test_forward_macs_counts_tokens_and_the_masks_pairs():
     packed_pairs = int(attention.shared_prompt_mask(attention.pack([(torch.arange(P), [torch.arange(R)] * G)])
                                                     .segment_ids).sum())
     unpacked_pairs = G * (P + R) * (P + R + 1) // 2  # G causal rows
-    assert bench.forward_macs(config, P, R, G, packed=True) == 2 * ((P + G * R) * per_token + packed_pairs * per_pair) + lm_head
-    assert bench.forward_macs(config, P, R, G, packed=False) == 2 * (G * (P + R) * per_token + unpacked_pairs * per_pair) + lm_head
-    assert 1 < bench.mac_ceiling(config, P, R, G) < G * (P + R) / (P + G * R)  # attention and lm head shrink less
+    assert forward_macs(config, P, R, G, packed=True) == 2 * ((P + G * R) * per_token + packed_pairs * per_pair) + lm_head
+    assert forward_macs(config, P, R, G, packed=False) == 2 * (G * (P + R) * per_token + unpacked_pairs * per_pair) + lm_head
+    assert 1 < mac_ceiling(config, P, R, G) < G * (P + R) / (P + G * R)  # attention and lm head shrink less
 
 
 def test_live_tensor_bytes_counts_what_is_alive():
@@ -73,7 +75,7 @@ def test_live_tensor_bytes_counts_what_is_alive():
     freed ones, and keeps the peak: a 4 MiB temporary freed before two 8 MiB tensors alive together (an operand and
     its product) gives a peak of 16 MiB + the input, and the operand, once freed, is no longer live."""
     x = torch.zeros(2**20)  # 4 MiB, counted as existing
-    with bench.LiveTensorBytes([x]) as tracker:
+    with LiveTensorBytes([x]) as tracker:
         y = x + 1  # 4 MiB
         del y
         z = torch.zeros(2 * 2**20) * 2  # 8 MiB operand and 8 MiB product; the operand is freed after the line

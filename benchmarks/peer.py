@@ -1,0 +1,112 @@
+"""`python bench.py peer`: samples/s of TRL's GRPOTrainer and of periodic-rl (sync, async) on the same work.
+
+The same work through TRL 1.16's `GRPOTrainer` (`tools/trl_grpo_run.py`, run by `--trl-python`, a
+separate virtualenv: TRL is never a requirement) and through `trainer.py --mode sync` and
+`--mode async` at their defaults: the tiny model, 16 arithmetic prompts x 8 samples per step, at
+most 8 new tokens, temperature 1, beta 0.04, dapo loss, AdamW lr 1e-4, float32, all cores, no
+evaluation or saving on either side. Each run is a fresh process; contenders are interleaved
+within each of `--rounds` rounds; samples/s = 128 / mean seconds per step (first step dropped),
+and each contender's ratio to TRL, with each one's mean response length (the two train their own
+policies, so lengths drift apart a little). `--task chain`: the `tiny-chain` model on the chain
+task (worked sums, responses of 5 to ~100 tokens with a long tail, <= 128 new tokens), the
+workload where streaming groups by completion pays.
+
+Targets: both modes at least TRL's samples/s, async at least sync's, and on `--task chain` async
+at least 1.5x TRL's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import sys
+
+from benchmarks.common import write_json
+
+
+PEER_TASKS = {"arithmetic": ("tiny", 8), "chain": ("tiny-chain", 128)}  # --task -> (model, default max new tokens)
+PEER_TARGETS = {"arithmetic": 1.0, "chain": 1.5}  # async at least this times TRL's samples/s
+PEER_CONTENDERS = {  # name -> trainer.py options (None: TRL)
+    "TRL GRPOTrainer": None,
+    "periodic-rl sync": ["--mode", "sync"],
+    "periodic-rl async": ["--mode", "async"],
+}
+
+
+def peer_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trl-python", default=".venv-trl/bin/python",
+                        help="a Python with trl==1.16.0 installed (see tools/trl_grpo_run.py)")
+    parser.add_argument("--iterations", type=int, default=10, help="timed steps per run (one more is dropped)")
+    parser.add_argument("--rounds", type=int, default=3, help="runs of each contender, interleaved")
+    parser.add_argument("--task", choices=PEER_TASKS, default="arithmetic",
+                        help="arithmetic: the toy (responses of ~4 tokens); chain: long-tailed responses of 5-100 "
+                             "tokens (the tiny-chain model)")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="default: 8 (arithmetic), 128 (chain)")
+    parser.add_argument("--trainer-args", default="", metavar="ARGS",
+                        help="extra trainer.py options for both periodic-rl contenders")
+    parser.add_argument("--json", metavar="FILE", help="write the figures as JSON to FILE")
+
+
+def peer_run(name: str, argv: list[str] | None, args: argparse.Namespace) -> tuple[float, float]:
+    """One fresh process of a contender: its mean seconds per step (optimizer step = 128 samples) and mean
+    response length in tokens, first step dropped."""
+    import subprocess
+    import tempfile
+    model, default_tokens = PEER_TASKS[args.task]
+    common = ["--model", model, "--max-new-tokens", str(args.max_new_tokens or default_tokens)]
+    if argv is None:
+        out = subprocess.run([args.trl_python, "tools/trl_grpo_run.py", "--steps", str(args.iterations), *common],
+                             capture_output=True, text=True)
+        if out.returncode != 0:
+            raise SystemExit(f"TRL run failed (is trl==1.16.0 installed in {args.trl_python}?):\n{out.stderr[-2000:]}")
+        result = json.loads(out.stdout.strip().splitlines()[-1])
+        return statistics.mean(result["seconds_per_step"]), result["mean_completion_length"]
+    with tempfile.TemporaryDirectory() as tmp:
+        command = [sys.executable, "trainer.py", *argv, *common, "--iterations", str(args.iterations + 1),
+                   "--eval-every", "0", "--no-save", "--out", tmp, *shlex.split(args.trainer_args)]
+        out = subprocess.run(command, capture_output=True, text=True)
+        if out.returncode != 0:
+            raise SystemExit(f"{name} failed:\n{out.stderr[-2000:]}")
+        rows = [json.loads(line) for line in open(os.path.join(tmp, "metrics.jsonl"))]
+    timed = [row for row in rows if not row.get("final") and row["iteration"] > 0]
+    return (statistics.mean(row["iteration_s"] for row in timed),
+            statistics.mean(row["response_length"] for row in timed))
+
+
+def peer(args: argparse.Namespace) -> bool:
+    """Samples/s of TRL's GRPOTrainer and of periodic-rl (sync, async) on the same work, interleaved rounds."""
+    times: dict[str, list[float]] = {name: [] for name in PEER_CONTENDERS}
+    lengths: dict[str, list[float]] = {name: [] for name in PEER_CONTENDERS}
+    model, default_tokens = PEER_TASKS[args.task]
+    print(f"{args.rounds} rounds x {len(times)} contenders, {args.iterations} timed steps each ({args.task}: {model}, "
+          f"16 prompts x 8, <= {args.max_new_tokens or default_tokens} new tokens, beta 0.04, {os.cpu_count()} "
+          "cores), fresh process per run")
+    for round_ in range(args.rounds):
+        for name, argv in PEER_CONTENDERS.items():
+            seconds, length = peer_run(name, argv, args)
+            times[name].append(seconds)
+            lengths[name].append(length)
+            print(f"round {round_}: {name:20s} {128 / seconds:7.0f} samples/s  (mean response {length:.1f} tokens)",
+                  flush=True)
+    trl = [128 / t for t in times["TRL GRPOTrainer"]]
+    results = {}
+    print(f"{'contender':20s} {'samples/s':>10s} {'vs TRL':>8s} {'per round':>12s}  {'mean response':>13s}")
+    for name, seconds in times.items():
+        rates = [128 / t for t in seconds]
+        ratios = [r / q for r, q in zip(rates, trl)]
+        results[name] = {"samples_per_s": statistics.mean(rates), "vs_trl": statistics.mean(rates) / statistics.mean(trl),
+                         "vs_trl_per_round": ratios, "seconds_per_step": seconds,
+                         "mean_response_tokens": statistics.mean(lengths[name])}
+        print(f"{name:20s} {results[name]['samples_per_s']:10.0f} {results[name]['vs_trl']:7.2f}x "
+              f"{min(ratios):5.2f}-{max(ratios):.2f}x  {results[name]['mean_response_tokens']:6.1f} tokens", flush=True)
+    target = PEER_TARGETS[args.task]
+    checks = [(results["periodic-rl async"]["vs_trl"] >= target, f"async (defaults) >= {target}x TRL"),
+              (results["periodic-rl sync"]["vs_trl"] >= 1.0, "sync (defaults) >= TRL"),
+              (results["periodic-rl async"]["samples_per_s"] >= results["periodic-rl sync"]["samples_per_s"],
+               "async >= sync")]
+    for ok, line in checks:
+        print(("PASS " if ok else "FAIL ") + line)
+    write_json(args.json, results)
+    return all(ok for ok, _ in checks)

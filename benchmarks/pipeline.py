@@ -1,0 +1,175 @@
+"""`python bench.py async`: seconds per iteration, synchronous vs periodic asynchrony, on the same work.
+
+The same training run (tiny model, default options, evaluation off) in --mode sync and --mode
+async, in `--rounds` interleaved pairs of runs (sync, async, sync, async, ...) so that drifting
+machine load hits both alike: seconds per iteration of each (mean over all timed iterations,
+each run's first iteration dropped), the speedup and its range over the rounds, the phase
+times T_gen and T_train measured in sync mode, and two bounds:
+  ideal  (T_gen + T_train) / max(T_gen, T_train), a perfect pipeline
+  bound  what the pipeline can gain at the sizes it runs: the probe's prediction (`sizing.choose`:
+         the probe's measured arrival of every group, trained by the learner's rule, against the
+         same sizes taken in turns at all cores), so streaming by completion inside one generate
+         call counts, and the fill (until the first micro-batch is there) and the drain (the last
+         one's training) overlap nothing; exactly 1.00x when the probe takes turns. With every
+         size given (no probe) it is `pipeline_bound`: n equal chunks per iteration, the first
+         chunk's generation and the last one's training overlapping nothing.
+`--chunk-sweep` runs the default workload at several --groups-per-chunk instead: batching vs
+streaming. Both modes run at the sizes async's probe picks (`probed_sizes`, probed once per
+workload: the same generate calls and micro-batch, so the two compare at the same sizes); sync
+uses all cores, async the probe's split. Workloads beyond the default vary the balance (long
+responses, big groups, few groups, 4 prompts per generate call, several updates per iteration).
+
+Targets, on the default workload: async at least 90% of its `bound`; on every workload async at
+least as fast as sync.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import statistics
+
+from benchmarks.common import write_json
+
+
+ASYNC_WORKLOADS = {  # name -> trainer options on top of the tiny defaults (16 prompts x 8, <= 8 new tokens)
+    "default": [],
+    "long responses": ["--max-new-tokens", "24", "--reward", "tests/rewards.py:digit_fraction"],
+    "big groups": ["--group-size", "16"],
+    "few groups": ["--batch-size", "32"],
+    "chunks of 4": ["--groups-per-chunk", "4"],
+    "4 updates/iter": ["--updates-per-iteration", "4"],
+}
+PHASE_KEYS = ("iteration_s", "generate_s", "train_s", "idle_inference_s", "idle_training_s", "overlap")
+
+
+def time_schedule(argv: list[str], iterations: int) -> list[dict[str, float]]:
+    """Run trainer.py's schedule in this process; the per-iteration figures, first iteration dropped."""
+    import trainer
+    from config import parse_args
+
+    cfg = parse_args([*argv, "--iterations", str(iterations + 1), "--eval-every", "0", "--no-save"])
+    with trainer.started(cfg) as (rows, _, _):  # the trainer's own start: devices, task, inference process, policy
+        rows = [row for row in rows if not row.get("final")][1:]
+    return [{key: row[key] for key in PHASE_KEYS} for row in rows]
+
+
+def async_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="the default workload only")
+    parser.add_argument("--iterations", type=int, default=10, help="timed iterations per run (one more is dropped)")
+    parser.add_argument("--rounds", type=int, default=3, help="sync/async run pairs per workload, interleaved")
+    parser.add_argument("--trainer-args", default="", metavar="ARGS",
+                        help="trainer.py options added to every workload, "
+                             "e.g. \"--groups-per-chunk 8 --rollout-threads 2\"")
+    parser.add_argument("--chunk-sweep", action="store_true",
+                        help="instead: the default workload at 1, 2, 4, 8 and 16 prompts per chunk (no targets)")
+    parser.add_argument("--json", metavar="FILE", help="write the figures as JSON to FILE")
+
+
+CHUNK_SWEEP = (1, 2, 4, 8, 16)
+
+
+def pipeline_bound(t_gen: float, t_train: float, chunks: int) -> float:
+    """Best speedup of a two-stage pipeline over running the stages back to back, n equal chunks.
+
+    A chunk is what flows through the pipeline: one group, or --groups-per-chunk groups. Per chunk
+    g = T_gen / n and t = T_train / n. Sync takes n(g + t); the pipeline takes
+    g + t + (n - 1) max(g, t): the first chunk's generation (fill) and the last chunk's training
+    (drain) overlap nothing. As n grows this tends to (T_gen + T_train) / max(T_gen, T_train).
+    """
+    g, t = t_gen / chunks, t_train / chunks
+    return chunks * (g + t) / (g + t + (chunks - 1) * max(g, t))
+
+
+def probed_sizes(argv: list[str]) -> tuple[list[str], list[str], float | None]:
+    """The options async mode's probe picks for `argv` (probed once, here): (the generate calls and the
+    micro-batch, which both modes then use, so that they compare at the same sizes; the thread split,
+    async's only; the probe's predicted speedup over taking turns at these sizes, None if nothing was probed)."""
+    import sizing
+    import trainer
+    from config import parse_args
+    from tri_model import TriModel
+
+    cfg = parse_args([*argv, "--mode", "async"])
+    if cfg.sized:
+        return [], [], None
+    train_examples, _, _, load_kwargs = trainer.prepare(cfg)
+    policy, tokenizer = trainer.load_policy(cfg, load_kwargs)  # the policy only, no inference process
+    tri = TriModel(policy, use_reference=cfg.beta > 0, use_old=cfg.updates_per_iteration > 1,
+                   pad_id=tokenizer.pad_token_id)
+    chosen, _, gain = sizing.choose(cfg, tri, tokenizer, train_examples)
+    return (["--groups-per-chunk", str(chosen.groups_per_chunk), "--micro-batch-tokens", str(chosen.micro_batch_tokens)],
+            ["--rollout-threads", str(chosen.rollout_threads), "--train-threads", str(chosen.train_threads)], gain)
+
+
+def async_workload(argv: list[str], iterations: int, rounds: int) -> dict:
+    """`rounds` pairs of runs, sync then async, so that drifting machine load hits both modes alike,
+    both at the generate calls async's probe picks (`probed_sizes`).
+
+    Seconds per iteration are means over all timed iterations of all rounds (what a long run would
+    see); the speedup is their ratio, and each round's own ratio shows the spread.
+    """
+    from config import parse_args
+    calls, threads, predicted = probed_sizes(argv)
+    argv = [*argv, *calls]
+    runs: dict[str, list[list[dict]]] = {"sync": [], "async": []}
+    for _ in range(rounds):
+        for mode in runs:
+            runs[mode].append(time_schedule([*argv, "--mode", mode, *(threads if mode == "async" else [])],
+                                            iterations))
+
+    def mean(mode: str, key: str, round_: int | None = None) -> float:
+        chosen = runs[mode] if round_ is None else [runs[mode][round_]]
+        return statistics.mean(row[key] for rows in chosen for row in rows)
+
+    t_gen, t_train = mean("sync", "generate_s"), mean("sync", "train_s")
+    chunks = parse_args(argv).chunks_per_iteration  # the pipeline's units
+    per_round = [mean("sync", "iteration_s", r) / mean("async", "iteration_s", r) for r in range(rounds)]
+    return {"sync_s_per_iter": mean("sync", "iteration_s"), "async_s_per_iter": mean("async", "iteration_s"),
+            "speedup": mean("sync", "iteration_s") / mean("async", "iteration_s"), "speedup_per_round": per_round,
+            "ideal_speedup": (t_gen + t_train) / max(t_gen, t_train),
+            "pipeline_bound": pipeline_bound(t_gen, t_train, chunks), "chunks_per_iteration": chunks,
+            "predicted_speedup": predicted,  # the probe's: streaming by completion counted, at async's threads
+            "bound": predicted if predicted is not None else pipeline_bound(t_gen, t_train, chunks),
+            "sync_generate_s": t_gen,
+            "sync_train_s": t_train, "async_generate_s": mean("async", "generate_s"),
+            "async_train_s": mean("async", "train_s"), "async_overlap": mean("async", "overlap"),
+            "sizes": " ".join(calls + threads), "iterations": iterations, "rounds": rounds}
+
+
+def async_speedup(args: argparse.Namespace) -> bool:
+    """Seconds per iteration, synchronous vs periodic asynchrony, on the same work."""
+    results = {}
+    if args.chunk_sweep:
+        workloads = {f"chunks of {c}": ["--groups-per-chunk", str(c)] for c in CHUNK_SWEEP}
+    else:
+        workloads = {name: ASYNC_WORKLOADS[name] for name in (["default"] if args.quick else ASYNC_WORKLOADS)}
+    print(f"{args.rounds} rounds x (sync run, async run) per workload, {args.iterations} timed iterations each; "
+          f"sync: {os.cpu_count()} threads; async: the cores split between the two processes "
+          f"(all to each when an iteration is one chunk)")
+    print(f"{'workload':16s} {'sync s/it':>10s} {'async s/it':>10s} {'speedup':>8s} {'per round':>12s} "
+          f"{'bound':>6s} {'ideal':>6s} {'T_gen':>6s} {'T_train':>7s} {'overlap':>8s}")
+    for name, argv in workloads.items():
+        row = results[name] = async_workload([*argv, *shlex.split(args.trainer_args)], args.iterations, args.rounds)
+        spread = f"{min(row['speedup_per_round']):.2f}-{max(row['speedup_per_round']):.2f}x"
+        print(f"{name:16s} {row['sync_s_per_iter']:10.3f} {row['async_s_per_iter']:10.3f} {row['speedup']:7.2f}x "
+              f"{spread:>12s} {row['bound']:5.2f}x {row['ideal_speedup']:5.2f}x "
+              f"{row['sync_generate_s']:6.3f} {row['sync_train_s']:7.3f} "
+              f"{row['async_overlap']:8.0%}", flush=True)
+    if args.chunk_sweep:  # a trade-off to read, not a target: one chunk per iteration has nothing to overlap
+        fastest = min(results, key=lambda name: min(results[name]["sync_s_per_iter"],
+                                                     results[name]["async_s_per_iter"]))
+        print(f"fastest configuration: {fastest}, "
+              f"{'sync' if results[fastest]['sync_s_per_iter'] < results[fastest]['async_s_per_iter'] else 'async'}")
+        write_json(args.json, {"workloads": results})
+        return True
+    default = results["default"]
+    checks = [(default["speedup"] >= 0.9 * default["bound"],
+               f"async >= 90% of its pipeline bound on the default workload: {default['speedup']:.2f}x of "
+               f"{default['bound']:.2f}x"),
+              (all(r["speedup"] >= 1.0 for r in results.values()),
+               "async never slower than sync: worst " + f"{min(r['speedup'] for r in results.values()):.2f}x")]
+    for ok, line in checks:
+        print(("PASS " if ok else "FAIL ") + line)
+    write_json(args.json, {**default, "workloads": results})
+    return all(ok for ok, _ in checks)
