@@ -20,14 +20,12 @@ import sys
 import typing
 from dataclasses import dataclass, field
 
-from grpo import LOSS_TYPES  # the loss's own list (grpo.py imports only torch)
-
-
 class UserError(RuntimeError):
     """A problem the user can fix (an option, a path, a model, the data, a reward function, a dead inference
     process): trainer.py reports it as one `error:` paragraph and exit code 1, no traceback."""
 
 
+LOSS_TYPES = ("dapo", "grpo", "dr_grpo")  # grpo.LOSS_TYPES, repeated so that parsing options needs no torch (tested)
 MODES = ("async", "sync")
 SIZES = ("probe", "rule")
 DTYPES = ("auto", "float32", "bfloat16")

@@ -6,8 +6,9 @@
       shared-memory tensor, then version := k          views of that tensor (loading θ_k is free);
                                                        on GPU/NPU load_into copies it once
     rollouts.generate(k)  ---- ("generate", k) --->  rollout.rollout_iteration(...): groups in
-    rollouts.receive()    <--- Group, ..., Span,       completion order, then the evaluation (if
-                               Evaluation, Done        due), then IterationDone(k)
+    rollouts.receive()    <--- Group, ..., Span,       completion order, then the evaluation
+                               Evaluation,             (if due), then IterationDone(k)
+                               IterationDone
 
 `SyncRollouts` has the same three methods and runs `rollout_iteration` in the trainer's own process
 (sync mode); `AsyncRollouts` owns the inference process from spawn to close (use it as a `with`
@@ -267,11 +268,10 @@ def inference_process(model_name: str, load_kwargs: dict, commands, results, tra
     Protocol: import what loading needs, wait for ("load",), load the model, answer ("loaded", None),
     then wait for ("attach", weights, cfg, threads): the trainer's shared weight buffer
     (WeightBuffer), the run's config and its thread count; answer ("ready", None).
-    Then wait for ("generate", k) (sent after θ_k is in `weights`), run `rollout_iteration` and put
+    Then wait for ("generate", k, final_iteration) (sent after θ_k is in `weights`), run `rollout_iteration` and put
     every message on `results`; ("evaluate", k) runs only the held-out evaluation; ("stop",) ends,
     at any point. Any exception is sent as ("error", summary) before exiting non-zero.
     """
-    import sys
     import transformers
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2))  # while loading; attach sets the run's count
     transformers.utils.logging.disable_progress_bar()

@@ -100,7 +100,7 @@ class Learner:
         self.minibatch_loss = torch.zeros((), device=self.device)  # partial sum, divided by its D at the step
         self.rewards: list[float] = []
 
-    def receive(self, group: Group) -> None:
+    def take(self, group: Group) -> None:
         """Take one group, refused unless θ_k sampled it (nothing is trained here: see `ready`)."""
         if group.policy_version != self.iteration:
             changed = " (weights that changed while it was sampled)" if group.policy_version == -1 else ""
@@ -114,7 +114,8 @@ class Learner:
     def ready(self) -> Iterator[list[Group]]:
         """The micro-batches that can train now: the current mini-batch's waiting groups, in arrival order,
         once they reach `micro_batch_tokens` or nothing more will come soon (their generate calls have
-        ended, or the mini-batch is complete). After the caller's `step`, the next mini-batch's follow."""
+        ended, or the mini-batch is complete). Call `step` inside the loop as soon as `minibatch_done()`:
+        the next mini-batch's waiting groups follow only after it (with N > 1 updates per iteration)."""
         while self.minibatch < self.cfg.updates_per_iteration:
             waiting = self.waiting[self.minibatch]
             if not waiting or not (self._all_arrived() or self._calls_done(waiting)
@@ -266,10 +267,10 @@ def train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwar
     try:
         for iteration in range(cfg.iterations):
             start, first_span = time.perf_counter(), len(timeline.spans)
-            rollouts.publish(policy, iteration)                   # θ_k -> the inference side
             tri.start_iteration()                                 # θ_old := θ_k (when N > 1 updates)
             learner.start(iteration)
-            rollouts.generate(iteration, cfg.iterations)          # sample iteration k with θ_k (async: returns at once)
+            rollouts.publish(policy, iteration)                   # θ_k -> the inference side
+            rollouts.generate(iteration, final_iteration=cfg.iterations)  # sample iteration k with θ_k (async: returns at once)
             messages = rollouts.receive()                         # groups in completion order, then IterationDone
             if in_turns:  # the inference side's whole iteration first, then training: each side on every core
                 messages = list(messages)
@@ -277,7 +278,7 @@ def train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwar
             for message in messages:
                 record(timeline, message)
                 if isinstance(message, Group):
-                    learner.receive(message)
+                    learner.take(message)
                     for micro_batch in learner.ready():
                         learner.accumulate(micro_batch)           # forward, backward: ∇ accumulates
                         if learner.minibatch_done():
@@ -291,7 +292,7 @@ def train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwar
                 raise PipelineError(f"iteration {iteration} produced a non-finite metric: {row}")
             yield row
         rollouts.publish(policy, cfg.iterations)                  # θ_final, for its evaluation only
-        rollouts.generate(cfg.iterations, cfg.iterations, train_prompts=False)
+        rollouts.generate(cfg.iterations, final_iteration=cfg.iterations, train_prompts=False)  # evaluation only
         evaluation = None
         for message in rollouts.receive():
             record(timeline, message)

@@ -11,7 +11,7 @@ One iteration k of rollouts, with the policy weights θ_k:
     every `eval_every` iterations: held-out reward of θ_k
 
 `rollout_iteration` is that loop, handing each message to `send`. Synchronous mode collects them in
-the trainer's own process; asynchronous mode runs the very same function in `inference_process`,
+the trainer's own process; asynchronous mode runs the very same function in `inference.inference_process`,
 whose `send` puts each message on a queue. Same code, same seeds, so the same rollouts, in the same
 order.
 
@@ -49,9 +49,7 @@ Departures, on purpose:
 from __future__ import annotations
 
 import math
-import os
 import time
-import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Union
@@ -278,7 +276,8 @@ def rollout_iteration(model, tokenizer, train: list[Example], held_out: list[Exa
     (if due), then IterationDone. Completion order depends only on the sampled tokens: it is the same
     in both modes, and in every rerun.
 
-    `weights_version()` reads the version of the weights `model` computes with. A group is tagged with
+    `weights_version()` reads the version in the weight buffer (on CPU `model`'s parameters are views of it;
+    on a GPU/NPU it is the version that was copied into `model`). A group is tagged with
     the version read when its generate call started if it still reads so when the group is sent, else
     -1: its tokens came from weights that changed while it was sampled. The trainer refuses both."""
     generation = sampling_config(cfg, stop_token_ids(model, tokenizer), tokenizer.pad_token_id)

@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import time
+import contextlib
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -105,8 +106,9 @@ def started(cfg: Config):
         print(f"periodic-rl: {cfg.mode} | model {cfg.model} | {len(train_examples)} train / {len(held_out)} held-out "
               f"prompts | {cfg.iterations} iterations x {cfg.prompts_per_iteration} prompts x {cfg.group_size} | "
               f"out {cfg.out}", flush=True)
-        yield (periodic_rl.train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwargs, rollouts),
-               policy, tokenizer)
+        rows = periodic_rl.train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwargs, rollouts)
+        with contextlib.closing(rows):  # however the block ends, the schedule's own clean-up (the trace) runs here
+            yield rows, policy, tokenizer
 
 
 def run(cfg: Config) -> dict:

@@ -49,8 +49,8 @@ def time_schedule(argv: list[str], iterations: int) -> list[dict[str, float]]:
     from config import parse_args
 
     cfg = parse_args([*argv, "--iterations", str(iterations + 1), "--eval-every", "0", "--no-save"])
-    with trainer.started(cfg) as (rows, _, _):  # the trainer's own start: devices, task, inference process, policy
-        rows = [row for row in rows if not row.get("final")][1:]
+    with trainer.started(cfg) as (schedule, _, _):  # the trainer's own start: devices, task, inference process, policy
+        rows = [row for row in schedule if not row.get("final")][1:]
     return [{key: row[key] for key in PHASE_KEYS} for row in rows]
 
 

@@ -143,3 +143,11 @@ def test_readme_real_model_command_is_valid(monkeypatch):
     cfg = parse_args(argv[2:])
     assert cfg.model == "qwen2.5-0.5b" and cfg.gradient_checkpointing and cfg.max_new_tokens == 512
     assert cfg.lr == 1e-6 and cfg.device == "auto"
+
+
+def test_loss_types_are_the_losses():
+    """Claim: the command line offers exactly the losses grpo.py implements (config repeats the list so that parsing
+    options does not import torch)."""
+    import grpo
+    from config import LOSS_TYPES
+    assert LOSS_TYPES == grpo.LOSS_TYPES

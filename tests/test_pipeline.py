@@ -134,11 +134,11 @@ def test_async_groups_are_streamed_and_tagged_with_the_version(tiny_model_dir):
     cfg = make_cfg(tiny_model_dir)
     policy, tokenizer = load_model(cfg.model)
     train, held_out = load_task("arithmetic", eval_size=4)
-    settings = dataclasses.replace(cfg, eval_every=0, groups_per_chunk=1)
-    sync = inference.SyncRollouts(policy, tokenizer, train, held_out, load_reward(DIGITS), settings)
+    sampling = dataclasses.replace(cfg, eval_every=0, groups_per_chunk=1)
+    sync = inference.SyncRollouts(policy, tokenizer, train, held_out, load_reward(DIGITS), sampling)
     remote = inference.AsyncRollouts(cfg.model, {}, train, held_out, DIGITS, Timeline())
     try:
-        remote.attach(policy, settings, 1)
+        remote.attach(policy, sampling, 1)
         for iteration in range(2):
             sync.publish(policy, iteration)
             remote.publish(policy, iteration)
@@ -169,7 +169,7 @@ def test_learner_refuses_off_policy_group(tiny_model_dir):
     learner.start(3)
     stale = Group(3, 0, 2, [1, 2], [[3, 4]] * 4, [0.0] * 4, [0.0] * 4)
     with pytest.raises(inference.OffPolicyError, match="version 2"):
-        learner.receive(stale)
+        learner.take(stale)
 
 
 def test_a_publish_while_sampling_is_caught(tiny_model_dir):
@@ -204,7 +204,7 @@ def test_a_publish_while_sampling_is_caught(tiny_model_dir):
                                   torch.optim.SGD(policy.parameters(), lr=0.1), cfg, torch.device("cpu"), Timeline())
     learner.start(0)
     with pytest.raises(inference.OffPolicyError, match="off-policy"):
-        learner.receive(groups[0])
+        learner.take(groups[0])
 
 
 def test_batched_training_forward_gives_the_same_update(tiny_model_dir):
@@ -224,7 +224,7 @@ def test_batched_training_forward_gives_the_same_update(tiny_model_dir):
                                       Timeline())
         learner.start(0)
         for group in groups:
-            learner.receive(group)
+            learner.take(group)
             for micro_batch in learner.ready():
                 learner.accumulate(micro_batch)
                 if learner.minibatch_done():
@@ -244,16 +244,16 @@ def test_killed_inference_process_is_noticed_within_seconds(tiny_model_dir, when
     cfg = make_cfg(tiny_model_dir)
     policy, _ = load_model(cfg.model)
     train, held_out = load_task("arithmetic", eval_size=4)
-    settings = dataclasses.replace(cfg, eval_every=0, groups_per_chunk=1)
+    sampling = dataclasses.replace(cfg, eval_every=0, groups_per_chunk=1)
     remote = inference.AsyncRollouts(cfg.model, {}, train, held_out, DIGITS, Timeline())
     try:
         if when == "while generating":
-            remote.attach(policy, settings, 1)
+            remote.attach(policy, sampling, 1)
         os.kill(remote.process.pid, signal.SIGKILL)
         start = time.monotonic()
         with pytest.raises(inference.PipelineError, match="died"):
             if when == "while loading":
-                remote.attach(policy, settings, 1)
+                remote.attach(policy, sampling, 1)
             remote.publish(policy, 0)
             remote.generate(0, 1)
             list(remote.receive())
@@ -271,13 +271,13 @@ def test_deferred_load_waits_for_the_trainer(tiny_model_dir, tmp_path):
     cfg = make_cfg(tiny_model_dir)
     policy, _ = load_model(cfg.model)
     train, held_out = load_task("arithmetic", eval_size=4)
-    settings = dataclasses.replace(cfg, eval_every=0, groups_per_chunk=1)
+    sampling = dataclasses.replace(cfg, eval_every=0, groups_per_chunk=1)
     later = tmp_path / "model"
     remote = inference.AsyncRollouts(str(later), {}, train, held_out, DIGITS, Timeline(), load=False)
     try:
         time.sleep(5)  # past its imports (~4 s here): loading at once would have failed on the missing directory
         shutil.copytree(tiny_model_dir, later)
-        remote.attach(policy, settings, 1)  # sends ("load",), then the buffer
+        remote.attach(policy, sampling, 1)  # sends ("load",), then the buffer
         remote.publish(policy, 0)
         remote.generate(0, 1)
         assert isinstance(list(remote.receive())[-1], IterationDone)

@@ -67,9 +67,9 @@ def test_every_eos_id_stops_a_response(qwen_shaped_dir):
     stops = stop_token_ids(model, tokenizer)
     assert tokenizer.eos_token_id == im_end and stops == [im_end, endoftext]
     prompts = [tokenizer.encode(text, add_special_tokens=False) for text in ("1+2=", "31+45=")]
-    settings = Config(max_new_tokens=64, temperature=1.0, top_p=1.0)
-    both = sample_responses(model, prompts, 16, sampling_config(settings, stops, endoftext), seed=3)
-    alone = sample_responses(model, prompts, 16, sampling_config(settings, [im_end], endoftext), seed=3)
+    sampling = Config(max_new_tokens=64, temperature=1.0, top_p=1.0)
+    both = sample_responses(model, prompts, 16, sampling_config(sampling, stops, endoftext), seed=3)
+    alone = sample_responses(model, prompts, 16, sampling_config(sampling, [im_end], endoftext), seed=3)
     responses, unstopped = [r for g in both for r in g], [r for g in alone for r in g]
     stopped = [r for r in responses if r[-1] == endoftext]
     assert stopped, "no response reached <|endoftext|>: the check would be vacuous"
