@@ -209,7 +209,7 @@ def derive(cfg: Config) -> Config:
     probed = cfg.sizes == "probe" and not on_accelerator
     calls = GENERATE_CALLS["accelerator" if on_accelerator else "cpu"]
     groups_per_chunk = cfg.groups_per_chunk or (None if probed else math.ceil(cfg.prompts_per_iteration / calls))
-    chunks = dataclasses.replace(cfg, groups_per_chunk=groups_per_chunk or 1).chunks_per_iteration
+    chunks = math.ceil(cfg.prompts_per_iteration / (groups_per_chunk or 1))  # generate calls per iteration
     # Sync mode runs one side at a time: all cores. So does async when an iteration is a single chunk
     # (nothing to overlap: the two sides take turns); otherwise they run at once and split the cores,
     # since oversubscribed cores slow both (2 + 2 threads on 2 cores, 2 chunks: async 0.72x of sync, against
@@ -248,12 +248,13 @@ def validate(cfg: Config) -> list[str]:
 
     need(cfg.group_size >= 2, f"--group-size must be at least 2 (got {cfg.group_size}): "
                               "group-relative advantages need two responses to compare")
-    need(cfg.batch_size > 0 and cfg.batch_size % max(cfg.group_size, 1) == 0,
+    whole_groups = cfg.batch_size > 0 and cfg.batch_size % max(cfg.group_size, 1) == 0
+    need(whole_groups,
          f"--batch-size must be a positive multiple of --group-size (got {cfg.batch_size} and {cfg.group_size})")
     need(cfg.iterations >= 1, f"--iterations must be at least 1 (got {cfg.iterations})")
     need(cfg.updates_per_iteration >= 1,
          f"--updates-per-iteration must be at least 1 (got {cfg.updates_per_iteration})")
-    if cfg.group_size >= 1 and cfg.batch_size % max(cfg.group_size, 1) == 0 and cfg.batch_size > 0:
+    if whole_groups and cfg.group_size >= 1:
         need(cfg.prompts_per_iteration % cfg.updates_per_iteration == 0,
              f"--updates-per-iteration ({cfg.updates_per_iteration}) must divide the prompts per iteration "
              f"({cfg.prompts_per_iteration} = batch-size / group-size): mini-batches are whole groups")

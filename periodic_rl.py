@@ -94,7 +94,8 @@ class Learner:
         self.waiting: list[list[Group]] = [[] for _ in range(updates)]  # per mini-batch, in arrival order
         self.arrived = [0] * updates  # groups received, per mini-batch
         self.chunk_arrivals: dict[tuple[int, int], int] = {}
-        self.sums = torch.zeros(4, device=self.device)  # loss, clipped tokens, KL sum, grad norm (device-side)
+        self.loss_sum, self.clipped_tokens, self.kl_sum, self.grad_norm_sum = (  # running sums, kept on the
+            torch.zeros((), device=self.device) for _ in range(4))           # device until `metrics`
         self.tokens = 0  # response tokens of the iteration (known on the host from the lengths)
         self.minibatch_tokens = self.minibatch_sequences = 0
         self.minibatch_loss = torch.zeros((), device=self.device)  # partial sum, divided by its D at the step
@@ -135,7 +136,7 @@ class Learner:
 
     def _calls_done(self, groups: list[Group]) -> bool:
         """Whether the generate calls that sampled `groups` have sent all their groups (none is coming soon)."""
-        return all(self.chunk_arrivals[g.chunk] == g.chunk[1] for g in groups)
+        return all(self.chunk_arrivals[g.chunk] == g.chunk[1] for g in groups)  # chunk: (first prompt, prompts)
 
     def accumulate(self, groups: list[Group]) -> None:
         """One forward/backward over a micro-batch of the current mini-batch: ∇ += Σ_g ∇S_g (divided by D
@@ -156,7 +157,8 @@ class Learner:
                                     normalizer=1.0)  # a partial sum; divided by D at the step
             loss.backward()
         self.minibatch_loss += loss.detach()
-        self.sums[1:3] += torch.stack([stats["clipped_tokens"], stats["kl_sum"]])
+        self.clipped_tokens += stats["clipped_tokens"]
+        self.kl_sum += stats["kl_sum"]
         tokens = sum(len(r) for g in groups for r in g.responses)
         self.minibatch_tokens += tokens
         self.tokens += tokens
@@ -170,12 +172,13 @@ class Learner:
             normalizer = loss_normalizer(self.cfg.loss_type, self.minibatch_sequences, self.minibatch_tokens)
             params = [p for p in self.tri.policy.parameters() if p.grad is not None]
             for p in params:
-                p.grad.div_(normalizer)
+                p.grad.div_(normalizer)  # = each micro-batch's loss / D (nanoGPT: loss / accumulation steps), but D
+                # (the mini-batch's tokens or sequences) is known only once all its groups have arrived
             if self.cfg.max_grad_norm > 0:
-                self.sums[3] += torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm)
+                self.grad_norm_sum += torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        self.sums[0] += self.minibatch_loss / normalizer  # this mini-batch's loss, as optimised
+        self.loss_sum += self.minibatch_loss / normalizer  # this mini-batch's loss, as optimised
         self.minibatch += 1
         self.minibatch_tokens = self.minibatch_sequences = 0
         self.minibatch_loss = torch.zeros((), device=self.device)
@@ -185,7 +188,8 @@ class Learner:
             raise PipelineError(f"iteration {self.iteration} ended after {self.minibatch} of "
                                 f"{self.cfg.updates_per_iteration} optimizer steps: groups are missing")
         rewards = torch.tensor(self.rewards)
-        loss, clipped, kl_sum, grad_norm = self.sums.tolist()  # the iteration's one host synchronisation
+        loss, clipped, kl_sum, grad_norm = torch.stack(  # the iteration's one host synchronisation
+            [self.loss_sum, self.clipped_tokens, self.kl_sum, self.grad_norm_sum]).tolist()
         tokens = max(self.tokens, 1)
         return {
             "reward_mean": rewards.mean().item(),
@@ -195,7 +199,6 @@ class Learner:
             "clip_fraction": clipped / tokens,
             "grad_norm": grad_norm / self.cfg.updates_per_iteration,
             "response_length": self.tokens / len(self.rewards),
-            "response_tokens": self.tokens,
         }
 
 
@@ -236,6 +239,7 @@ def train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwar
     """
     if cfg.mode == "async" and rollouts is None:
         raise ValueError("async mode samples in the inference process: pass `rollouts` (see inference_side)")
+    # the policy as trained (θ, with θ_old and π_ref when needed) and AdamW
     device = next(policy.parameters()).device
     compute_dtype = getattr(torch, cfg.dtype)
     if cfg.gradient_checkpointing:  # the policy's layers recompute activations in backward (training mode only)
@@ -244,6 +248,7 @@ def train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwar
                    packing="auto" if cfg.shared_prompt else "unpacked", temperature=cfg.temperature,
                    pad_id=tokenizer.pad_token_id, compute_dtype=compute_dtype)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    # sizes left open: measured (--sizes probe) or by rule (sizing.py)
     if rollouts is not None and not cfg.sized:
         rollouts.wait_until_loaded()  # the probe times this machine's cores, not the inference side's loading
     cfg, probed, _ = sizing.choose(cfg, tri, tokenizer, train_examples)  # sizes left open
@@ -251,6 +256,7 @@ def train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwar
           f"call(s) per iteration) --micro-batch-tokens {cfg.micro_batch_tokens} --rollout-threads "
           f"{cfg.rollout_threads} --train-threads {cfg.train_threads} (pass these to fix them)"
           + (f"\nperiodic-rl: {probed}" if probed else ""), flush=True)
+    # the sampling side: the inference process (async) or a sampler here (sync)
     torch.set_num_threads(cfg.train_threads)
     if rollouts is not None:
         rollouts.attach(policy, cfg, cfg.rollout_threads)  # θ's buffer, the config, its threads
@@ -264,7 +270,7 @@ def train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwar
         timeline = Timeline()
     learner = Learner(tri, optimizer, cfg, device, timeline)
     in_turns = cfg.mode == "async" and takes_turns(cfg)
-    try:
+    try:  # the iterations, as in the module docstring's figure
         for iteration in range(cfg.iterations):
             start, first_span = time.perf_counter(), len(timeline.spans)
             tri.start_iteration()                                 # θ_old := θ_k (when N > 1 updates)
@@ -285,9 +291,9 @@ def train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwar
                             learner.step()                        # optimizer step, one per mini-batch
                 elif isinstance(message, Evaluation):             # held-out reward of θ_k (if due)
                     evaluation = message.reward
+            timing = timeline.summary(start, time.perf_counter(), first_span)
             row = {"iteration": iteration, "policy_version": iteration, "eval_reward": evaluation, **learner.metrics(),
-                   **timeline.summary(start, time.perf_counter(), first_span)}
-            row["tokens_per_s"] = row.pop("response_tokens") / row["iteration_s"]
+                   **timing, "tokens_per_s": learner.tokens / timing["iteration_s"]}
             if not all(math.isfinite(v) for v in row.values() if isinstance(v, float)):
                 raise PipelineError(f"iteration {iteration} produced a non-finite metric: {row}")
             yield row
@@ -296,7 +302,8 @@ def train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwar
         evaluation = None
         for message in rollouts.receive():
             record(timeline, message)
-            evaluation = message.reward if isinstance(message, Evaluation) else evaluation
+            if isinstance(message, Evaluation):
+                evaluation = message.reward
         yield {"iteration": cfg.iterations, "policy_version": cfg.iterations, "final": True, "eval_reward": evaluation}
     finally:
         if cfg.trace:

@@ -13,8 +13,7 @@ import json
 import os
 import sys
 import time
-import contextlib
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from pathlib import Path
 
 from config import Config, UserError, parse_args
@@ -107,7 +106,7 @@ def started(cfg: Config):
               f"prompts | {cfg.iterations} iterations x {cfg.prompts_per_iteration} prompts x {cfg.group_size} | "
               f"out {cfg.out}", flush=True)
         rows = periodic_rl.train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwargs, rollouts)
-        with contextlib.closing(rows):  # however the block ends, the schedule's own clean-up (the trace) runs here
+        with closing(rows):  # however the block ends, the schedule's own clean-up (the trace) runs here
             yield rows, policy, tokenizer
 
 
