@@ -195,14 +195,13 @@ def probe(cfg, tri, tokenizer, train_examples, threads: int) -> Probe:
 
 def in_turns(probe: Probe, prompts: int, cap: int, calls: int | None = None) -> tuple[int, float]:
     """(generate calls, predicted seconds) when the two sides take turns: the least generation (the
-    fewest calls within AS_FAST of it, unless `calls` is given), then the whole iteration's training in
-    micro-batches of up to `cap` tokens."""
+    fewest calls within AS_FAST of it, unless `calls` is given), then the whole iteration's training,
+    cut into micro-batches of up to `cap` tokens by the learner's rule (`predict_seconds`)."""
     least = min(probe.generate_seconds.values())
     if calls is None:
         calls = math.ceil(prompts / max(k for k, s in probe.generate_seconds.items() if s <= AS_FAST * least))
-    size = math.ceil(prompts / calls)
-    (d, c), tokens = probe.train_seconds, probe.tokens[size]
-    return calls, probe.generate_seconds[size] + d * math.ceil(sum(tokens) / cap) + c * sum(tokens)
+    _, generate_s, train_s = predict_seconds(probe, calls, cap)
+    return calls, generate_s + train_s  # one side after the other: no overlap
 
 
 def choose(cfg, tri, tokenizer, train_examples) -> tuple[object, str, float]:
@@ -242,8 +241,7 @@ def choose(cfg, tri, tokenizer, train_examples) -> tuple[object, str, float]:
             calls, micro_tokens, overlaps, result = turns_calls, cfg.micro_batch_tokens or cap, False, full
             gen_s = full.generate_seconds[math.ceil(prompts / calls)]
             iteration_s, train_s = turns_s, turns_s - gen_s
-    same_sizes_in_turns = sum(predict_seconds(full, calls, micro_tokens)[1:])  # generate, then train: no overlap
-    gain = same_sizes_in_turns / iteration_s if overlaps else 1.0
+    gain = in_turns(full, prompts, micro_tokens, calls)[1] / iteration_s if overlaps else 1.0  # same sizes, in turns
     rollout_threads = cfg.rollout_threads or (
         min(cores - 1, max(1, round(cores * gen_s / (gen_s + train_s)))) if overlaps else cores)
     chosen = dataclasses.replace(

@@ -83,9 +83,9 @@ def load_policy(cfg: Config, load_kwargs: dict, rollouts=None):
 
     from models import TINY_RECIPES, ensure_tiny_model, load_model
     transformers.utils.logging.disable_progress_bar()  # our own progress bar and log lines only
-    if cfg.is_tiny:
-        ensure_tiny_model(cfg.cache_dir, TINY_RECIPES[cfg.model])
     if rollouts is not None:
+        if cfg.is_tiny:  # load_model would build it too, but the inference process must not race the build
+            ensure_tiny_model(cfg.cache_dir, TINY_RECIPES[cfg.model])
         rollouts.load()
     return load_model(cfg.model, **{**load_kwargs, "device": cfg.train_device, "dtype": torch.float32})
 
