@@ -20,18 +20,23 @@ Departures, on purpose:
 1. The weight buffer lives in CPU shared memory even for GPU runs (one device-to-host copy per
    publish, one host-to-device copy per load); CUDA IPC would save a copy but ties both
    processes to one driver context and does not cover NPUs.
-2. Groups travel as plain Python lists, never tensors: a tensor on a queue is passed by file
+2. Groups travel as plain Python lists, never tensors: a tensor in a message is passed by file
    descriptor, and the sender would have to outlive the receiver's use of it.
 """
 from __future__ import annotations
 
+import ctypes
 import math
+import multiprocessing.connection
 import os
 import queue
 import shutil
+import signal
 import sys
+import threading
 import time
 import traceback
+from contextlib import contextmanager
 
 import torch
 import torch.multiprocessing as mp
@@ -41,6 +46,10 @@ from rollout import IterationDone, RewardError, rollout_iteration
 from timeline import INFERENCE, TRAINING, Span, Timeline
 
 POLL_SECONDS = 0.2  # how often a waiting trainer checks that the inference process is alive
+HEARTBEAT_SECONDS = 1.0  # the inference process's heartbeat thread counts once per second, whatever it computes
+STOPPED_SECONDS = 5.0  # no heartbeat for this long and state T (SIGSTOP, Ctrl-Z of that process alone): reported
+FROZEN_SECONDS = 60.0  # no heartbeat for this long in any state: hung (a native call holding the GIL, a dead disk)
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 class PipelineError(UserError):
@@ -159,12 +168,17 @@ class SyncRollouts:
 
 
 class AsyncRollouts:
-    """The inference process, its two queues and the shared weight buffer, seen from the trainer.
+    """The inference process, its pipe and the shared weight buffer, seen from the trainer.
 
     Start it as early as possible: it imports its libraries while the trainer imports its own, and
     loads its model while the trainer loads the policy. `load=False` makes it wait after its imports
     until `load()` (for a model the trainer must build first); `attach(policy)` hands over the
-    weight buffer and waits until the inference side is ready.
+    weight buffer and waits until the inference side is ready. Create it in the main thread: the
+    inference process dies with the thread that started it (`die_with_parent`).
+
+    Commands and results travel over one `multiprocessing.Pipe`, not two `Queue`s: a pipe is a pair of
+    file descriptors, where a Queue's locks are named semaphores in /dev/shm that stay there for good
+    when the run is killed before multiprocessing's resource tracker removes them.
     """
 
     def __init__(self, model_name: str, load_kwargs: dict, train, held_out, reward_spec: str,
@@ -173,19 +187,30 @@ class AsyncRollouts:
         self.timeline = timeline or Timeline()
         self.dtype = load_kwargs.get("dtype")  # the inference side's weights, as published
         self.weights: WeightBuffer | None = None  # set by attach()
-        self.loading = self.loaded = False
-        self.commands, self.results = context.Queue(), context.Queue()
+        self.loading = self.loaded = self.failed = False
+        self.connection, child_end = context.Pipe()
+        self.heartbeat = torch.zeros(1, dtype=torch.int64).share_memory_()  # (1,) beats of the inference process
+        self.last_beat, self.last_sign, self.last_check = 0, None, 0.0  # count last seen, when it last changed,
+        # when it was last looked at (trainer's clock: `_check_progress`)
         self.process = context.Process(
             target=inference_process, name="periodic-rl-inference", daemon=True,
-            args=(model_name, load_kwargs, self.commands, self.results, train, held_out, reward_spec))
-        self.process.start()
+            args=(model_name, load_kwargs, child_end, self.heartbeat, train, held_out, reward_spec))
+        with sigint_ignored():  # inherited through exec: a Ctrl-C during the child's imports would print their
+            self.process.start()  # traceback; it takes Ctrl-C again once `inference_process` runs
+        child_end.close()  # only the child holds its end now: its death reads as end-of-file here
         if load:
             self.load()
+
+    def _send(self, *command) -> None:
+        try:
+            self.connection.send(command)
+        except OSError:  # a broken pipe: the inference process is gone
+            raise self._died() from None
 
     def load(self) -> None:
         """Let the inference process load its model (once its imports are done). Idempotent."""
         if not self.loading:
-            self.commands.put(("load",))
+            self._send("load")
             self.loading = True
 
     def wait_until_loaded(self) -> None:
@@ -200,7 +225,7 @@ class AsyncRollouts:
         the config (sampling settings, sizes) and its thread count."""
         self.wait_until_loaded()
         self.weights = WeightBuffer(policy, self.dtype)  # kept alive here: the receiver maps the sender's memory
-        self.commands.put(("attach", self.weights, cfg, threads))
+        self._send("attach", self.weights, cfg, threads)
         self._receive()  # ("ready", None) once its model reads θ from the buffer
 
     def publish(self, policy, version: int) -> None:
@@ -209,7 +234,7 @@ class AsyncRollouts:
 
     def generate(self, iteration: int, final_iteration: int, train_prompts: bool = True) -> None:
         """Tell the inference process to sample iteration k (θ_k is published); returns at once."""
-        self.commands.put(("generate" if train_prompts else "evaluate", iteration, final_iteration))
+        self._send("generate" if train_prompts else "evaluate", iteration, final_iteration)
 
     def receive(self):
         """The iteration's messages as they arrive, up to IterationDone."""
@@ -220,23 +245,55 @@ class AsyncRollouts:
                 return
 
     def _receive(self):
-        """Next message from the inference process; raises PipelineError if it failed or died."""
+        """Next message from the inference process; raises PipelineError if it failed, died or froze."""
         start = time.perf_counter()
         try:
-            while True:
-                try:
-                    kind, payload = self.results.get(timeout=POLL_SECONDS)
-                    break
-                except queue.Empty:
-                    if not self.process.is_alive():
-                        raise PipelineError(
-                            f"the inference process died (exit code {self.process.exitcode}) without reporting "
-                            "an error; it was probably killed (out of memory, or a signal)") from None
+            while not self.connection.poll(POLL_SECONDS):
+                self._check_progress()
+            kind, payload = self.connection.recv()
+        except (EOFError, OSError):  # its end of the pipe closed: it exited
+            raise self._died() from None
         finally:
             self.timeline.add(Span("wait for rollouts", TRAINING, start, time.perf_counter(), wait=True))
         if kind == "error":
+            self.failed = True
             raise PipelineError(f"the inference process failed: {payload.strip()}")
         return payload
+
+    def _died(self) -> PipelineError:
+        """The error for an inference process that exited without reporting one, naming the signal that killed it."""
+        self.failed = True
+        self.process.join(timeout=1)  # its pipe closes an instant before it can be reaped
+        code = self.process.exitcode
+        if code is not None and code < 0:
+            name = signal.Signals(-code).name
+            how = f"killed by {name}" + (" (most likely by the out-of-memory killer: see dmesg)"
+                                         if name == "SIGKILL" else "")
+        else:
+            how = f"exit code {code}, without reporting an error"
+        return PipelineError(f"the inference process (PID {self.process.pid}) died: {how}")
+
+    def _check_progress(self) -> None:
+        """Raise PipelineError if the inference process died, is stopped, or its heartbeat stopped (while waiting).
+
+        Silence is counted on the trainer's clock, between its own checks: after a gap (the trainer itself was
+        suspended, e.g. Ctrl-Z of the whole job) the count starts again.
+        """
+        if not self.process.is_alive():
+            raise self._died()
+        now, beat = time.monotonic(), int(self.heartbeat[0])
+        if beat != self.last_beat or self.last_sign is None or now - self.last_check > 4 * POLL_SECONDS:
+            self.last_beat, self.last_sign = beat, now
+        self.last_check, silent = now, now - self.last_sign
+        state = process_state(self.process.pid)
+        if state == "T" and silent > STOPPED_SECONDS:
+            self.failed = True
+            raise PipelineError(f"the inference process (PID {self.process.pid}) is stopped (state T: SIGSTOP, or "
+                                f"Ctrl-Z of that process alone) and has not run for {silent:.0f} s")
+        if beat > 0 and silent > FROZEN_SECONDS:  # 0: still importing, before its heartbeat starts
+            self.failed = True
+            raise PipelineError(f"the inference process (PID {self.process.pid}) has shown no sign of life for "
+                                f"{silent:.0f} s (state {state}): it hangs, e.g. in a native call that never returns")
 
     def __enter__(self) -> AsyncRollouts:
         return self
@@ -245,46 +302,124 @@ class AsyncRollouts:
         self.close()
 
     def close(self) -> None:
-        """Stop the inference process: politely, then by force. Never leaves it running. Idempotent."""
-        if self.process.is_alive() and self.weights is not None:  # before attach it may still be loading
-            self.commands.put(("stop",))
-            self.process.join(timeout=3)
-        if self.process.is_alive():
+        """Stop the inference process: politely, then by force (at once if it failed: it may be stopped or hung).
+        Never leaves it running. Idempotent."""
+        if self.process.is_alive() and self.weights is not None and not self.failed:  # before attach: loading
+            try:
+                self.connection.send(("stop",))
+                self.process.join(timeout=3)
+            except OSError:  # it is gone already
+                pass
+        if self.process.is_alive() and not self.failed:
             self.process.terminate()
             self.process.join(timeout=2)
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
-        for q in (self.commands, self.results):
-            q.cancel_join_thread()
-            q.close()
+        self.connection.close()
+
+
+@contextmanager
+def sigint_ignored():
+    """SIGINT ignored inside the block (in the main thread; elsewhere handlers cannot change and nothing does)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def process_state(pid: int) -> str | None:
+    """A process's state letter from /proc/PID/stat (R running, S sleeping, T stopped, ...); None off Linux."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
 
 
 # --- the inference process (asynchronous mode) ---
-def inference_process(model_name: str, load_kwargs: dict, commands, results, train: list,
+def die_with_parent() -> None:
+    """End this process when the trainer ends, however it ends (SIGKILL included): else it would sample forever.
+
+    On Linux the kernel sends SIGKILL when the thread that spawned us exits (prctl PR_SET_PDEATHSIG); a
+    trainer that died before the prctl is caught by comparing the parent PID. Elsewhere, a thread waits
+    on multiprocessing's parent sentinel.
+    """
+    parent = multiprocessing.parent_process()
+    if sys.platform == "linux":
+        if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0:
+            if os.getppid() != parent.pid:  # orphaned already: re-parented before the prctl
+                os._exit(1)
+            return
+    threading.Thread(target=lambda: (multiprocessing.connection.wait([parent.sentinel]), os._exit(1)),
+                     daemon=True).start()
+
+
+def beat(heartbeat: torch.Tensor) -> None:
+    """The heartbeat thread: counts once a second, also while the main thread is inside `generate` (torch releases
+    the GIL), so only a stopped or truly hung process falls silent."""
+    while True:
+        heartbeat.add_(1)
+        time.sleep(HEARTBEAT_SECONDS)
+
+
+class Outbox:
+    """Messages to the trainer, sent by a thread, so that `put` never blocks: sampling goes on while the trainer
+    trains instead of reading (what a multiprocessing.Queue's feeder thread does)."""
+
+    def __init__(self, connection):
+        self.pending: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._send_all, args=(connection,), daemon=True)
+        self.thread.start()
+
+    def put(self, message) -> None:
+        self.pending.put(message)
+
+    def _send_all(self, connection) -> None:
+        while (message := self.pending.get()) is not None:
+            try:
+                connection.send(message)
+            except OSError:  # the trainer is gone
+                return
+
+    def flush(self) -> None:
+        """Send everything put so far (an error report must reach the trainer before this process exits)."""
+        self.pending.put(None)
+        self.thread.join()
+
+
+def inference_process(model_name: str, load_kwargs: dict, connection, heartbeat: torch.Tensor, train: list,
                       held_out: list, reward_spec: str) -> None:
     """Entry point of the spawned inference process.
 
     Protocol: import what loading needs, wait for ("load",), load the model, answer ("loaded", None),
     then wait for ("attach", weights, cfg, threads): the trainer's shared weight buffer
     (WeightBuffer), the run's config and its thread count; answer ("ready", None).
-    Then wait for ("generate", k, final_iteration) (sent after θ_k is in `weights`), run `rollout_iteration` and put
-    every message on `results`; ("evaluate", k) runs only the held-out evaluation; ("stop",) ends,
-    at any point. Any exception is sent as ("error", summary) before exiting non-zero.
+    Then wait for ("generate", k, final_iteration) (sent after θ_k is in `weights`), run `rollout_iteration` and send
+    every message; ("evaluate", k) runs only the held-out evaluation; ("stop",) or a closed pipe ends, at any point.
+    Any exception is sent as ("error", summary) before exiting non-zero.
     """
-    import transformers
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2))  # while loading; attach sets the run's count
-    transformers.utils.logging.disable_progress_bar()
+    die_with_parent()
+    threading.Thread(target=beat, args=(heartbeat,), name="heartbeat", daemon=True).start()
+    results = Outbox(connection)
     try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # started with SIGINT ignored (AsyncRollouts)
+        import transformers
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2))  # while loading; attach sets the run's count
+        transformers.utils.logging.disable_progress_bar()
         from models import load_model  # seconds of imports, while the trainer does its own
         from tasks import load_reward
-        if commands.get()[0] == "stop":  # else ("load",)
+        if connection.recv()[0] == "stop":  # else ("load",)
             return
         model, tokenizer = load_model(model_name, **load_kwargs)
         model.eval()
         reward_fn = load_reward(reward_spec)
         results.put(("loaded", None))
-        command = commands.get()
+        command = connection.recv()
         if command[0] == "stop":
             return
         _, weights, cfg, threads = command
@@ -292,7 +427,7 @@ def inference_process(model_name: str, load_kwargs: dict, commands, results, tra
         weights.attach(model)  # on CPU its parameters now *are* θ's shared memory
         results.put(("ready", None))
         while True:
-            command = commands.get()
+            command = connection.recv()
             if command[0] == "stop":
                 break
             kind, iteration, final_iteration = command
@@ -302,12 +437,12 @@ def inference_process(model_name: str, load_kwargs: dict, commands, results, tra
             rollout_iteration(model, tokenizer, train, held_out, reward_fn, cfg, iteration, weights.version,
                               final_iteration, send=lambda message: results.put(("message", message)),
                               train_prompts=kind == "generate")
+    except EOFError:  # the trainer closed its end: it has stopped
+        sys.exit(0)
     except KeyboardInterrupt:  # Ctrl-C reaches the whole process group; the trainer stops too and reads no more
-        results.cancel_join_thread()  # so exiting must not wait to flush queued groups into a full pipe
-        sys.exit(130)
+        sys.exit(130)  # so nothing is flushed: the sender thread is a daemon
     except BaseException as error:  # report, then die: the trainer turns this into a clear message
         summary = f"{type(error).__name__}: {error}" if isinstance(error, RewardError) else traceback.format_exc()
         results.put(("error", summary))
-        results.close()
-        results.join_thread()  # make sure the error reaches the pipe before the process exits
+        results.flush()
         sys.exit(1)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from contextlib import closing, contextmanager
@@ -21,6 +22,45 @@ from config import Config, UserError, parse_args
 
 class DeviceError(UserError):
     pass
+
+
+class Interrupted(KeyboardInterrupt):
+    """A stop signal (Ctrl-C's SIGINT, SIGTERM from kill / timeout / Slurm / docker stop, SIGHUP when the terminal
+    closes), raised in the main thread as Ctrl-C's KeyboardInterrupt is: `with` blocks stop the inference
+    process on the way out, and the schedule may catch it at a safe point."""
+
+    received: int | None = None  # the run's first stop signal, kept even if something swallowed its exception
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+    @classmethod
+    def check(cls) -> None:
+        """Raise again a stop signal whose exception something swallowed (called at safe points)."""
+        if cls.received is not None:
+            raise cls(cls.received)
+
+
+STOP_SIGNALS = [signal.SIGINT, signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
+
+
+@contextmanager
+def stopped_by_signals():
+    """Inside the block every stop signal raises `Interrupted`; a signal the launcher ignores stays ignored (nohup
+    ignores SIGHUP, a shell's background job SIGINT). The previous handlers come back afterwards."""
+    def interrupt(signum, frame):
+        Interrupted.received = Interrupted.received or signum
+        raise Interrupted(signum)
+    previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    for signum, handler in previous.items():
+        if handler is not signal.SIG_IGN:
+            signal.signal(signum, interrupt)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def check_device(device: str, option: str = "--device") -> None:
@@ -127,6 +167,7 @@ def log_and_save(cfg: Config, rows, policy, tokenizer) -> dict:
     first_eval, start = None, time.perf_counter()
     progress = tqdm(total=cfg.iterations, desc="iterations", disable=not sys.stderr.isatty(), leave=False)
     for row in rows:
+        Interrupted.check()
         if first_eval is None and row.get("eval_reward") is not None:
             first_eval = row["eval_reward"]
         row["elapsed_s"] = time.perf_counter() - start
@@ -148,17 +189,26 @@ def log_and_save(cfg: Config, rows, policy, tokenizer) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = parse_args(argv)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # two processes, each with its own threads
-    try:
-        run(cfg)
-    except UserError as error:
-        sys.stderr.write(f"error: {error}\n")
-        return 1
-    except KeyboardInterrupt:
-        sys.stderr.write("interrupted: the inference process was stopped, nothing is left running\n")
-        return 130
-    return 0
+    Interrupted.received = None
+    with stopped_by_signals():
+        try:
+            import numpy  # noqa: F401  before torch, whose C extension imports numpy and clears any error: a Ctrl-C
+            # there was swallowed and left numpy half-imported (the run went on, then crashed at save)
+            cfg = parse_args(argv)
+            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # two processes, each with its own threads
+            run(cfg)
+            Interrupted.check()
+            return 0
+        except UserError as error:
+            if Interrupted.received is None:
+                sys.stderr.write(f"error: {error}\n")
+                return 1
+        except BaseException as error:  # a stop signal, or the error of something it cut short (an import)
+            if Interrupted.received is None and not isinstance(error, KeyboardInterrupt):
+                raise
+    signum = Interrupted.received or signal.SIGINT
+    sys.stderr.write(f"interrupted by {signal.Signals(signum).name}: the run was stopped, nothing is left running\n")
+    return 128 + signum
 
 
 if __name__ == "__main__":

@@ -94,6 +94,19 @@ def shm_entries() -> set[str]:
     return set(os.listdir(SHM)) if SHM.is_dir() else set()
 
 
+def mapped_elsewhere(entries: set[str], run: set[int]) -> set[str]:
+    """Those of `entries` (in /dev/shm) that a live process outside `run` has mapped: another program's, in use
+    (tests run beside other jobs on a shared machine), not a leftover of this run."""
+    used = set()
+    for pid in processes().keys() - run:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:  # gone, or not ours to read
+            continue
+        used |= {entry for entry in entries if f"{SHM}/{entry}" in maps}
+    return used
+
+
 class Launch:
     """`python trainer.py ARGS` in a session of its own (its process group reaches nothing else), stdout and
     stderr read by threads, line by line. As a `with` block it kills whatever is left, by PID, on the way out."""
@@ -181,6 +194,7 @@ class Launch:
             reap(suspects)
             running = [p for p, start in suspects.items() if alive(p, start)]
             files = shm_entries() - self.shm_before
+            files -= mapped_elsewhere(files, {*suspects, self.process.pid})
             if not running and not files or time.monotonic() > deadline:
                 return running, files
             time.sleep(0.2)

@@ -1,0 +1,81 @@
+"""Processes and signals (issue #13, part A): whatever stops a run, it ends with one line, within 10 s,
+leaving no process and nothing in /dev/shm behind (`faults.Launch.assert_stopped` checks all of that)."""
+import os
+import signal
+
+import pytest
+
+from faults import Launch
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds processes through Linux's /proc")
+
+# Small, fixed sizes (no probe): a run of 1000 iterations that only a signal ends.
+ENDLESS = ("--data", "arithmetic", "--iterations", "1000", "--batch-size", "16", "--group-size", "4",
+           "--max-new-tokens", "4", "--eval-every", "0", "--groups-per-chunk", "2", "--micro-batch-tokens", "16384",
+           "--rollout-threads", "1", "--train-threads", "1", "--no-save")
+
+
+def endless(model_dir, out, *extra) -> Launch:
+    return Launch("--model", model_dir, *ENDLESS, "--out", out, *extra)
+
+
+@pytest.mark.parametrize("signum, group", [(signal.SIGTERM, False), (signal.SIGHUP, False),
+                                           (signal.SIGTERM, True), (signal.SIGHUP, True)],
+                         ids=["SIGTERM", "SIGHUP", "SIGTERM-group", "SIGHUP-group"])
+def test_signal_mid_run_stops_like_ctrl_c(tiny_model_dir, tmp_path, signum, group):
+    """Claim: SIGTERM (kill, timeout, Slurm, docker stop) and SIGHUP (terminal closed), to the trainer or to its
+    whole process group, stop the run as Ctrl-C does: one line naming the signal, exit code 128 + signal,
+    within 10 s, no process and no semaphore or segment in /dev/shm left behind."""
+    with endless(tiny_model_dir, tmp_path) as run:
+        run.wait_for(r"^iter ")
+        run.send(signum, group=group)
+        run.assert_stopped(128 + signum, rf"^interrupted by {signal.Signals(signum).name}")
+
+
+def test_killed_trainer_takes_its_inference_process_along(tiny_model_dir, tmp_path):
+    """Claim: SIGKILL to the trainer (nothing can be handled) still leaves nothing running: the inference process
+    dies with its parent, and multiprocessing's resource tracker with them; nothing is left in /dev/shm."""
+    with endless(tiny_model_dir, tmp_path) as run:
+        run.wait_for(r"^iter ")
+        run.send(signal.SIGKILL)
+        run.assert_stopped(-signal.SIGKILL, None)
+
+
+@pytest.mark.parametrize("delay", [0.3, 1.5, 4.0])
+def test_ctrl_c_at_any_moment_of_start_up(tiny_model_dir, tmp_path, delay):
+    """Claim: Ctrl-C while the trainer imports, spawns or loads is never swallowed (once it went on and crashed in
+    a half-imported numpy): the run stops with the interrupted line and exit code 130."""
+    import time
+    with endless(tiny_model_dir, tmp_path) as run:
+        time.sleep(delay)
+        run.send(signal.SIGINT, group=True)  # what the terminal does
+        run.assert_stopped(130, r"^interrupted by SIGINT")
+
+
+@pytest.mark.parametrize("signum, message", [
+    (signal.SIGKILL, r"^error: the inference process \(PID \d+\) died: killed by SIGKILL"),
+    (signal.SIGSTOP, r"^error: the inference process \(PID \d+\) is stopped \(state T"),
+], ids=["SIGKILL", "SIGSTOP"])
+def test_inference_process_killed_or_stopped_is_reported(tiny_model_dir, tmp_path, signum, message):
+    """Claim: an inference process killed by a signal is reported with that signal's name, and one stopped by
+    SIGSTOP (or frozen) is reported instead of hanging the run forever: exit code 1 within 10 s, no leftovers."""
+    with endless(tiny_model_dir, tmp_path) as run:
+        run.wait_for(r"^iter ")
+        run.send(signum, to=run.inference_pid())
+        run.assert_stopped(1, message)
+
+
+def test_sigterm_during_the_tiny_model_build_leaves_no_building_folder(tmp_path):
+    """Claim: SIGTERM while the tiny model is being built (first run, ~1 min) stops the run within 10 s and removes
+    the half-built `.building-*` folder from the cache."""
+    cache = tmp_path / "cache"
+    with Launch("--model", "tiny", *ENDLESS, "--out", tmp_path / "out", "--cache-dir", cache) as run:
+        import time
+        deadline = time.monotonic() + 120
+        while not list(cache.glob(".building-*")):
+            assert time.monotonic() < deadline and run.process.poll() is None, "\n".join(run.stderr)
+            time.sleep(0.2)
+        time.sleep(2)  # well into the warm-up
+        run.send(signal.SIGTERM)
+        run.assert_stopped(128 + signal.SIGTERM, r"^interrupted by SIGTERM")
+    assert list(cache.iterdir()) == []
