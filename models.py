@@ -38,6 +38,7 @@ import json
 import math
 import os
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -271,11 +272,24 @@ def cache_root(cache_dir: str | Path | None = None) -> Path:
     return Path(cache_dir or os.environ.get("PERIODIC_RL_CACHE") or "~/.cache/periodic-rl").expanduser()
 
 
+def sweep_stale_builds(root: Path) -> None:
+    """Remove the `.building-HOST-PID-*` folders of this host whose builder is gone (SIGKILL runs no clean-up)."""
+    for folder in root.glob(f".building-{socket.gethostname()}-*"):
+        pid = folder.name.rsplit("-", 2)[1]
+        try:
+            os.kill(int(pid), 0)  # signal 0: only asks whether the process exists
+        except ProcessLookupError:
+            shutil.rmtree(folder, ignore_errors=True)
+        except (ValueError, PermissionError):  # not our name, or alive under another user
+            pass
+
+
 def ensure_tiny_model(cache_dir: str | Path | None = None, recipe: TinyRecipe | None = None) -> Path:
     """The warmed-up tiny model's directory, building it first if it is not cached.
 
     Built in a temporary folder and renamed into place, so a killed build leaves no half-written
     model; when two processes build at once, the first rename wins and the other's copy is dropped.
+    The folder is removed however the build ends, and a killed build's by the next one.
     """
     recipe = recipe or TINY_RECIPE  # read at call time so tests can swap in a short recipe
     root = cache_root(cache_dir)
@@ -285,7 +299,8 @@ def ensure_tiny_model(cache_dir: str | Path | None = None, recipe: TinyRecipe | 
     root.mkdir(parents=True, exist_ok=True)
     print(f"periodic-rl: building the tiny model once into {final} ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
-    building = Path(tempfile.mkdtemp(prefix=".building-", dir=root))
+    sweep_stale_builds(root)
+    building = Path(tempfile.mkdtemp(prefix=f".building-{socket.gethostname()}-{os.getpid()}-", dir=root))
     threads = torch.get_num_threads()
     # One thread: the same model whatever the caller's thread count, and on busy shared cores 4x
     # faster than two threads spin-waiting on each other (53 s vs 213 s measured at load average 4.5).

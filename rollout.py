@@ -12,7 +12,7 @@ One iteration k of rollouts, with the policy weights θ_k:
 
 `rollout_iteration` is that loop, handing each message to `send`. Synchronous mode collects them in
 the trainer's own process; asynchronous mode runs the very same function in `inference.inference_process`,
-whose `send` puts each message on a queue. Same code, same seeds, so the same rollouts, in the same
+whose `send` writes each message to a pipe. Same code, same seeds, so the same rollouts, in the same
 order.
 
 Chunks (`--groups-per-chunk C`; default: the whole iteration in one call on an accelerator, in two

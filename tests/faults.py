@@ -97,13 +97,21 @@ def shm_entries() -> set[str]:
 def mapped_elsewhere(entries: set[str], run: set[int]) -> set[str]:
     """Those of `entries` (in /dev/shm) that a live process outside `run` has mapped: another program's, in use
     (tests run beside other jobs on a shared machine), not a leftover of this run."""
+    inodes = {}
+    for entry in entries:
+        try:
+            inodes[(SHM / entry).stat().st_ino] = entry
+        except FileNotFoundError:
+            pass
     used = set()
     for pid in processes().keys() - run:
         try:
-            maps = Path(f"/proc/{pid}/maps").read_text()
+            maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
         except OSError:  # gone, or not ours to read
             continue
-        used |= {entry for entry in entries if f"{SHM}/{entry}" in maps}
+        # by inode: a mapping's path can be another name of the file (glibc's sem_open maps a temporary one)
+        used |= {inodes[int(fields[4])] for fields in map(str.split, maps)
+                 if len(fields) > 5 and fields[5].startswith(str(SHM)) and int(fields[4]) in inodes}
     return used
 
 
@@ -245,3 +253,9 @@ class Launch:
                 os.kill(p, signal.SIGKILL)
         time.sleep(0.1)
         reap(self.tree)
+
+
+def frozen_reward(prompt: str, completion: str, answer: str) -> float:
+    """A reward function ('tests/faults.py:frozen_reward') stuck for good in a native call that holds the GIL, as a
+    hung extension would be: a backtracking regex (the re module never releases the GIL, ~1e13 paths here)."""
+    return float(re.fullmatch(r"(a|aa)*c", "a" * 64) is not None)

@@ -65,6 +65,35 @@ def test_inference_process_killed_or_stopped_is_reported(tiny_model_dir, tmp_pat
         run.assert_stopped(1, message)
 
 
+def test_inference_process_without_heartbeat_is_reported_as_hung(tiny_model_dir, monkeypatch):
+    """Claim: an inference process whose heartbeat stops (a thread counting once a second, which keeps counting
+    during `generate`) is reported as hung after FROZEN_SECONDS instead of hanging the run forever; here a reward
+    stuck in a native call that holds the GIL, with the limit shortened from 60 s to 3 s."""
+    import dataclasses
+    import time
+
+    import inference
+    from config import parse_args
+    from models import load_model
+    from tasks import load_task
+    monkeypatch.setattr(inference, "FROZEN_SECONDS", 3.0)
+    cfg = dataclasses.replace(parse_args(["--model", str(tiny_model_dir), *ENDLESS]), max_new_tokens=2)
+    policy, _ = load_model(cfg.model)
+    train, held_out = load_task("arithmetic", eval_size=4)
+    remote = inference.AsyncRollouts(cfg.model, {}, train, held_out, "tests/faults.py:frozen_reward")
+    try:
+        remote.attach(policy, cfg, 1)
+        remote.publish(policy, 0)
+        remote.generate(0, 1)
+        start = time.monotonic()
+        with pytest.raises(inference.PipelineError, match=r"\(PID \d+\) has shown no sign of life for \d+ s"):
+            list(remote.receive())
+        assert time.monotonic() - start < 10
+    finally:
+        remote.close()
+    assert not remote.process.is_alive()
+
+
 def test_sigterm_during_the_tiny_model_build_leaves_no_building_folder(tmp_path):
     """Claim: SIGTERM while the tiny model is being built (first run, ~1 min) stops the run within 10 s and removes
     the half-built `.building-*` folder from the cache."""
@@ -79,3 +108,20 @@ def test_sigterm_during_the_tiny_model_build_leaves_no_building_folder(tmp_path)
         run.send(signal.SIGTERM)
         run.assert_stopped(128 + signal.SIGTERM, r"^interrupted by SIGTERM")
     assert list(cache.iterdir()) == []
+
+
+def test_a_killed_builds_folder_is_swept_by_the_next_build(tmp_path):
+    """Claim: SIGKILL runs no clean-up, so the next build removes the `.building-*` folders of this host whose
+    builder is gone, and leaves alone those of a live one."""
+    import socket
+    import subprocess
+
+    from models import sweep_stale_builds
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    host = socket.gethostname()
+    dead, live = tmp_path / f".building-{host}-{gone.pid}-abc", tmp_path / f".building-{host}-{os.getpid()}-def"
+    for folder in (dead, live):
+        (folder / "part").mkdir(parents=True)
+    sweep_stale_builds(tmp_path)
+    assert not dead.exists() and live.exists()
