@@ -392,6 +392,14 @@ class Outbox:
         self.thread.join()
 
 
+def next_command(connection) -> tuple:
+    """The trainer's next command; ("stop",) once it has closed its end of the pipe."""
+    try:
+        return connection.recv()
+    except EOFError:
+        return ("stop",)
+
+
 def inference_process(model_name: str, load_kwargs: dict, connection, heartbeat: torch.Tensor, train: list,
                       held_out: list, reward_spec: str) -> None:
     """Entry point of the spawned inference process.
@@ -413,13 +421,13 @@ def inference_process(model_name: str, load_kwargs: dict, connection, heartbeat:
         transformers.utils.logging.disable_progress_bar()
         from models import load_model  # seconds of imports, while the trainer does its own
         from tasks import load_reward
-        if connection.recv()[0] == "stop":  # else ("load",)
+        if next_command(connection)[0] == "stop":  # else ("load",)
             return
         model, tokenizer = load_model(model_name, **load_kwargs)
         model.eval()
         reward_fn = load_reward(reward_spec)
         results.put(("loaded", None))
-        command = connection.recv()
+        command = next_command(connection)
         if command[0] == "stop":
             return
         _, weights, cfg, threads = command
@@ -427,7 +435,7 @@ def inference_process(model_name: str, load_kwargs: dict, connection, heartbeat:
         weights.attach(model)  # on CPU its parameters now *are* θ's shared memory
         results.put(("ready", None))
         while True:
-            command = connection.recv()
+            command = next_command(connection)
             if command[0] == "stop":
                 break
             kind, iteration, final_iteration = command
@@ -437,8 +445,6 @@ def inference_process(model_name: str, load_kwargs: dict, connection, heartbeat:
             rollout_iteration(model, tokenizer, train, held_out, reward_fn, cfg, iteration, weights.version,
                               final_iteration, send=lambda message: results.put(("message", message)),
                               train_prompts=kind == "generate")
-    except EOFError:  # the trainer closed its end: it has stopped
-        sys.exit(0)
     except KeyboardInterrupt:  # Ctrl-C reaches the whole process group; the trainer stops too and reads no more
         sys.exit(130)  # so nothing is flushed: the sender thread is a daemon
     except BaseException as error:  # report, then die: the trainer turns this into a clear message

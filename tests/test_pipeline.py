@@ -352,7 +352,7 @@ def test_trainer_stops_cleanly(tiny_model_dir, tmp_path, how):
         if how == "kill-child":
             os.kill(inference_process_of(process.pid), signal.SIGKILL)
             _, err = process.communicate(timeout=10)
-            assert process.returncode == 1 and "inference process died" in err and "Traceback" not in err
+            assert process.returncode == 1 and "died: killed by SIGKILL" in err and "Traceback" not in err
         else:
             os.killpg(process.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
             _, err = process.communicate(timeout=5)
