@@ -303,7 +303,8 @@ def rollout_iteration(model, tokenizer, train: list[Example], held_out: list[Exa
             send(Span(f"generate group {first}" if last == first else f"generate groups {first}-{last}", INFERENCE,
                       start, time.perf_counter()))
     if held_out and is_eval_iteration(iteration, cfg.eval_every, final_iteration):
-        start = time.perf_counter()
+        start, version = time.perf_counter(), weights_version()
         reward = evaluate(model, tokenizer, held_out, reward_fn, cfg)
-        send(Evaluation(iteration, weights_version(), reward, start, time.perf_counter()))
+        tag = version if weights_version() == version else -1  # as a group's: the weights that were evaluated
+        send(Evaluation(iteration, tag, reward, start, time.perf_counter()))
     send(IterationDone(iteration))
