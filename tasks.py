@@ -330,3 +330,26 @@ def prompt_token_ids(tokenizer, question: str) -> list[int]:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return tokenizer.encode(text, add_special_tokens=False)
     return tokenizer.encode(question, add_special_tokens=False)
+
+
+def check_prompt_lengths(tokenizer, examples: list[Example], context: int | None, max_new_tokens: int) -> None:
+    """Refuse, at start-up, prompts that leave no room for `max_new_tokens` in the model's context (its
+    max_position_embeddings; None: unknown, nothing to check).
+
+    Only prompts that might be too long are tokenized (GSM8K's 7.5 k take seconds): a token covers at least one
+    byte of text (byte-level BPE, SentencePiece with byte fallback), so a prompt has at most the chat template's
+    own tokens plus one per UTF-8 byte of its question.
+    """
+    if context is None:
+        return
+    limit = context - max_new_tokens
+    template = len(prompt_token_ids(tokenizer, ""))
+    candidates = [e for e in examples if template + len(e.prompt.encode()) > limit]
+    length, longest = max(((len(prompt_token_ids(tokenizer, e.prompt)), e) for e in candidates),
+                          key=lambda pair: pair[0], default=(0, None))
+    if length > limit:
+        raise TaskError(f"the longest prompt is {length} tokens ({longest.prompt[:50]!r}...): with --max-new-tokens "
+                        f"{max_new_tokens} that exceeds the model's context of {context} tokens "
+                        f"(max_position_embeddings). Remove the prompts longer than {max(limit, 0)} tokens from the "
+                        "data" + (f", or lower --max-new-tokens to {context - length} or less." if length < context
+                                  else "."))
