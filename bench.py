@@ -8,7 +8,7 @@ peer           samples/s of TRL's GRPOTrainer and of periodic-rl sync and async 
                (benchmarks/peer.py)
 publish        the cost of moving θ_k to the inference process (benchmarks/publish.py)
 tri-model      memory and step time with and without the reference and old-policy copies
-               (benchmarks/tri_model.py)
+               (benchmarks/tri_model_copies.py)
 memory         peak training memory of one GRPO step on the Qwen2.5-0.5B configuration
                (benchmarks/memory.py)
 
@@ -21,13 +21,13 @@ from __future__ import annotations
 import argparse
 from typing import Callable
 
-from benchmarks import memory, peer, pipeline, publish, shared_prompt, tri_model
+from benchmarks import memory, peer, pipeline, publish, shared_prompt, tri_model_copies
 
 BENCHMARKS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], bool]]] = {
     "shared-prompt": (shared_prompt.shared_prompt_args, shared_prompt.shared_prompt),
     "async": (pipeline.async_args, pipeline.async_speedup),
     "publish": (publish.publish_args, publish.publish),
-    "tri-model": (tri_model.tri_model_args, tri_model.tri_model),
+    "tri-model": (tri_model_copies.tri_model_args, tri_model_copies.tri_model),
     "memory": (memory.memory_args, memory.memory),
     "peer": (peer.peer_args, peer.peer),
 }

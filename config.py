@@ -37,6 +37,19 @@ GENERATE_CALLS = {"cpu": 2, "accelerator": 1}  # default generate calls per iter
 MICRO_BATCH_TOKENS = 16384
 
 
+def _dtype_name(name: str) -> str:
+    """--dtype's argparse type: float16 is refused with the reason (argparse's own message would only list the choices)."""
+    if name == "float16":
+        raise argparse.ArgumentTypeError(f"{name} is not supported: training in float16 needs loss scaling, which "
+                                         "this trainer does not do; use bfloat16 (same memory, float32's range) or float32")
+    return name
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity: a container's or `taskset`'s share, not the host's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def _opt(default, help: str, **extra):
     """A dataclass field with a help line (and optional argparse `choices`)."""
     return field(default=default, metadata={"help": help, **extra})
@@ -51,8 +64,10 @@ class Config:
                                   "the hub), or a GSM8K-format JSONL path; default: the tiny model's task, else gsm8k")
     reward: str = _opt("math", "reward function: 'math' (final-number match) or 'module:function' / "
                                "'path/to/file.py:function' taking (prompt, completion, answer) -> float")
+    reward_timeout: float = _opt(10.0, "seconds one reward call may take; a call that runs longer stops the run with "
+                                       "an error naming the function (0 = no limit)")
     out: str = _opt("runs/latest", "output directory: metrics.jsonl, trace and the final policy/ model")
-    seed: int = _opt(0, "seed for prompt order and for each prompt's sampling")
+    seed: int = _opt(0, "seed for prompt order and for each prompt's sampling (0 to 2**64 - 1)")
     # --- schedule ---
     mode: str = _opt("async", "async: periodic asynchrony (separate inference process); sync: generate, then train",
                      choices=MODES)
@@ -112,7 +127,7 @@ class Config:
                               "and computes in bf16 (autocast); the inference side holds bf16 weights (half the "
                               "bytes to publish). auto: bfloat16 on GPUs/NPUs that support it, float32 on CPU. "
                               "(float16 is not offered: it would need loss scaling)",
-                      choices=DTYPES)
+                      choices=DTYPES, type=_dtype_name)
     attn_implementation: str = _opt("sdpa", "attention kernel of the Hugging Face model", choices=("sdpa", "eager"))
     cache_dir: str | None = _opt(None, "where the warmed-up tiny model is cached "
                                        "(default: $PERIODIC_RL_CACHE or ~/.cache/periodic-rl)")
@@ -254,7 +269,7 @@ def validate(cfg: Config) -> list[str]:
     need(cfg.iterations >= 1, f"--iterations must be at least 1 (got {cfg.iterations})")
     need(cfg.updates_per_iteration >= 1,
          f"--updates-per-iteration must be at least 1 (got {cfg.updates_per_iteration})")
-    if whole_groups and cfg.group_size >= 1:
+    if whole_groups and cfg.group_size >= 1 and cfg.updates_per_iteration >= 1:
         need(cfg.prompts_per_iteration % cfg.updates_per_iteration == 0,
              f"--updates-per-iteration ({cfg.updates_per_iteration}) must divide the prompts per iteration "
              f"({cfg.prompts_per_iteration} = batch-size / group-size): mini-batches are whole groups")
@@ -262,7 +277,14 @@ def validate(cfg: Config) -> list[str]:
          f"--groups-per-chunk must be at least 1 (got {cfg.groups_per_chunk})")
     need(cfg.micro_batch_tokens is None or cfg.micro_batch_tokens >= 1,
          f"--micro-batch-tokens must be at least 1 (got {cfg.micro_batch_tokens})")
+    for f in dataclasses.fields(cfg):  # inf and nan parse as floats; no option means them
+        value = getattr(cfg, f.name)
+        need(not isinstance(value, float) or math.isfinite(value),
+             f"--{f.name.replace('_', '-')} must be a finite number (got {value})")
+    need(0 <= cfg.seed < 2**64, f"--seed must be from 0 to 2**64 - 1, a 64-bit seed (got {cfg.seed})")
     need(cfg.lr is None or cfg.lr > 0, f"--lr must be positive (got {cfg.lr})")
+    need(cfg.weight_decay >= 0, f"--weight-decay must be >= 0 (got {cfg.weight_decay})")
+    need(cfg.reward_timeout >= 0, f"--reward-timeout must be >= 0 seconds, 0 for no limit (got {cfg.reward_timeout})")
     need(cfg.beta >= 0, f"--beta must be >= 0 (got {cfg.beta})")
     need(cfg.epsilon_low >= 0 and cfg.epsilon_high >= 0, "--epsilon-low and --epsilon-high must be >= 0")
     need(cfg.temperature > 0, f"--temperature must be positive (got {cfg.temperature})")
@@ -272,9 +294,11 @@ def validate(cfg: Config) -> list[str]:
     need(cfg.max_grad_norm >= 0, f"--max-grad-norm must be >= 0 (got {cfg.max_grad_norm})")
     need(cfg.eval_every >= 0 and cfg.eval_size >= 1 and cfg.eval_samples >= 1,
          "--eval-every must be >= 0, --eval-size and --eval-samples >= 1")
+    cores = available_cores()
     for name in ("rollout_threads", "train_threads"):
         value = getattr(cfg, name)
-        need(value is None or value >= 1, f"--{name.replace('_', '-')} must be at least 1 (got {value})")
+        need(value is None or 1 <= value <= cores, f"--{name.replace('_', '-')} must be from 1 to {cores}, the CPU "
+                                                   f"cores this process may use (got {value})")
     for name in ("device", "rollout_device", "train_device"):
         value = getattr(cfg, name)
         need(value is None or value == "auto" and name == "device" or _is_device_name(value),
@@ -311,7 +335,7 @@ def build_parser(prog: str = "trainer.py") -> argparse.ArgumentParser:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
                                 help=f.metadata["help"])
         else:
-            parser.add_argument(flag, type=kind, default=f.default, help=f.metadata["help"],
+            parser.add_argument(flag, type=f.metadata.get("type", kind), default=f.default, help=f.metadata["help"],
                                 choices=f.metadata.get("choices"),
                                 metavar=None if "choices" in f.metadata else f.name.upper())
     return parser

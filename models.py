@@ -48,6 +48,8 @@ from pathlib import Path
 import torch
 from huggingface_hub import constants as hub_constants
 from huggingface_hub.errors import HfHubHTTPError
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 from tokenizers import Tokenizer, decoders, models as tokenizer_models, normalizers, pre_tokenizers
 from transformers import __version__ as transformers_version
 from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase,
@@ -64,6 +66,10 @@ _LOAD_ERRORS = (OSError, ValueError, HfHubHTTPError)  # what from_pretrained rai
 
 class ModelNotFoundError(UserError):
     """A model name could not be loaded; the message lists what was tried and how to fix it."""
+
+
+class ModelError(UserError):
+    """A model was found but cannot be trained: unreadable weights, no tokenizer, not a causal language model."""
 
 
 # --- resolving names ---
@@ -93,12 +99,34 @@ def _one_line(error: BaseException) -> str:
 # --- loading ---
 def _from_pretrained(source: str, device: str, dtype: torch.dtype, attn_implementation: str,
                      local_files_only: bool) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn_implementation,
-                                                 local_files_only=local_files_only)  # first: clearest error
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn_implementation,
+                                                     local_files_only=local_files_only)  # first: clearest error
+    except SafetensorError as error:
+        raise ModelError(f"the weights of model {source} cannot be read ({_one_line(error)}): the file is "
+                         "truncated or corrupt; download or save the model again") from None
     tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_files_only)
+    if not tokenizer.encode("1 + 1 = 2", add_special_tokens=False):  # transformers 5 makes an empty one when
+        # the directory has no tokenizer files
+        raise ModelError(f"model {source} has no usable tokenizer (it turns text into no tokens): put the model's "
+                         "tokenizer files there (tokenizer.json, tokenizer_config.json, ...: tokenizer.save_pretrained)")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # generation pads finished rows; they are masked out anyway
-    return model.to(device), tokenizer
+    model = model.to(device)
+    if not is_causal(model):
+        raise ModelError(f"model {source} ({type(model).__name__}) is not a causal language model: its prediction "
+                         "at a position depends on the tokens after it. GRPO samples left to right: use a "
+                         "decoder-only model (Qwen2, Llama, ...)")
+    return model, tokenizer
+
+
+@torch.no_grad()
+def is_causal(model: PreTrainedModel) -> bool:
+    """Whether the logits at a position ignore later tokens, probed on two inputs that differ in their second token
+    only (BERT loads as BertLMHeadModel, a 'causal LM' class, yet attends both ways unless is_decoder is set)."""
+    device = next(model.parameters()).device
+    logits = model(input_ids=torch.tensor([[1, 2], [1, 3]], device=device)).logits[:, 0].float()  # (2, V)
+    return torch.allclose(logits[0], logits[1], rtol=1e-3, atol=1e-3 * logits.abs().max().item())
 
 
 def load_model(name: str = TINY, device: str = "cpu", dtype: torch.dtype = torch.float32,
@@ -295,7 +323,13 @@ def ensure_tiny_model(cache_dir: str | Path | None = None, recipe: TinyRecipe | 
     root = cache_root(cache_dir)
     final = root / f"tiny-{recipe_key(recipe)}"
     if (final / "config.json").is_file():
-        return final
+        try:
+            load_file(final / "model.safetensors")  # 1.3 MB: cheap enough to check on every run
+            return final
+        except (SafetensorError, OSError) as error:  # a truncated or damaged cache: build it again
+            print(f"periodic-rl: the cached tiny model in {final} cannot be read ({_one_line(error)}); rebuilding it",
+                  file=sys.stderr, flush=True)
+            shutil.rmtree(final)
     root.mkdir(parents=True, exist_ok=True)
     print(f"periodic-rl: building the tiny model once into {final} ...", file=sys.stderr, flush=True)
     start = time.perf_counter()

@@ -40,7 +40,7 @@ Deliberate choices and departures:
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator, NamedTuple, Sequence
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 import torch
 from torch import Tensor
@@ -307,3 +307,13 @@ def batch_logprobs(model: torch.nn.Module, groups: list[tuple[Tensor, list[Tenso
         masks.append(torch.nn.functional.pad(mask[rows], (0, pad)))  # (G, T)
         taken[p] += len(responses)
     return torch.cat(logps), torch.cat(masks)
+
+
+def logprobs_fn(policy: torch.nn.Module, mode: str = "auto", temperature: float = 1.0,
+                pad_id: int = 0) -> Callable[[torch.nn.Module, Sequence[Group]], tuple[Tensor, Tensor]]:
+    """The tri-model's scorer (tri_model.TriModel's `logprobs_fn`): `batch_logprobs` with the run's settings, the
+    same kernels for all three copies: when the policy's layers recompute in backward, packed rows take the dense
+    mask (departure 1), and so do the frozen copies', so that at θ = θ_0 policy and reference agree exactly."""
+    def logprobs(model: torch.nn.Module, groups: Sequence[Group]) -> tuple[Tensor, Tensor]:
+        return batch_logprobs(model, groups, mode, temperature, pad_id, dense_mask=recomputes_attention(policy))
+    return logprobs

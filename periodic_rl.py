@@ -54,7 +54,7 @@ import torch
 import sizing
 from grpo import grpo_loss, loss_normalizer
 from inference import AsyncRollouts, OffPolicyError, PipelineError, SyncRollouts
-from packing import enable_activation_checkpointing
+from packing import enable_activation_checkpointing, logprobs_fn
 from rollout import Evaluation, Group
 from timeline import INFERENCE, Span, Timeline
 from tri_model import TriModel
@@ -203,6 +203,21 @@ class Learner:
 
 
 # --- the loop ---
+def held_out_reward(evaluation: Evaluation, iteration: int) -> float:
+    """The evaluation's reward, if it is θ_k's (the version its weights read throughout, as for a group)."""
+    if evaluation.policy_version != iteration:
+        raise OffPolicyError(f"the held-out evaluation of iteration {iteration} ran on weights version "
+                             f"{evaluation.policy_version}, not θ_{iteration} (-1: they changed while it ran)")
+    return evaluation.reward
+
+
+def build_tri_model(cfg, policy, pad_id: int) -> TriModel:
+    """θ as trained, with θ_old and π_ref when the run needs them, scored by packing.py's shared-prompt rows."""
+    logprobs = logprobs_fn(policy, "auto" if cfg.shared_prompt else "unpacked", cfg.temperature, pad_id)
+    return TriModel(policy, logprobs, use_reference=cfg.beta > 0, use_old=cfg.updates_per_iteration > 1,
+                    compute_dtype=getattr(torch, cfg.dtype))
+
+
 def takes_turns(cfg) -> bool:
     """Whether the two sides must not compute at once: async on CPU with more threads than cores (the probe's
     "in turns", sync's schedule in two processes). Oversubscribed cores slow both sides, so the trainer then
@@ -241,12 +256,9 @@ def train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwar
         raise ValueError("async mode samples in the inference process: pass `rollouts` (see inference_side)")
     # the policy as trained (θ, with θ_old and π_ref when needed) and AdamW
     device = next(policy.parameters()).device
-    compute_dtype = getattr(torch, cfg.dtype)
     if cfg.gradient_checkpointing:  # the policy's layers recompute activations in backward (training mode only)
         enable_activation_checkpointing(policy)
-    tri = TriModel(policy, use_reference=cfg.beta > 0, use_old=cfg.updates_per_iteration > 1,
-                   packing="auto" if cfg.shared_prompt else "unpacked", temperature=cfg.temperature,
-                   pad_id=tokenizer.pad_token_id, compute_dtype=compute_dtype)
+    tri = build_tri_model(cfg, policy, tokenizer.pad_token_id)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     # sizes left open: measured (--sizes probe) or by rule (sizing.py)
     if rollouts is not None and not cfg.sized:
@@ -263,9 +275,9 @@ def train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwar
         timeline = rollouts.timeline  # both processes' spans on one timeline
     else:
         sampler = None
-        if compute_dtype != policy.dtype:  # sample from weights in the compute dtype, as the async side does
+        if tri.compute_dtype != policy.dtype:  # sample from weights in the compute dtype, as the async side does
             from models import load_model
-            sampler, _ = load_model(cfg.model, **{**load_kwargs, "dtype": compute_dtype, "device": str(device)})
+            sampler, _ = load_model(cfg.model, **{**load_kwargs, "dtype": tri.compute_dtype, "device": str(device)})
         rollouts = SyncRollouts(policy, tokenizer, train_examples, held_out, reward_fn, cfg, sampler)
         timeline = Timeline()
     learner = Learner(tri, optimizer, cfg, device, timeline)
@@ -290,7 +302,7 @@ def train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwar
                         if learner.minibatch_done():
                             learner.step()                        # optimizer step, one per mini-batch
                 elif isinstance(message, Evaluation):             # held-out reward of θ_k (if due)
-                    evaluation = message.reward
+                    evaluation = held_out_reward(message, iteration)
             timing = timeline.summary(start, time.perf_counter(), first_span)
             row = {"iteration": iteration, "policy_version": iteration, "eval_reward": evaluation, **learner.metrics(),
                    **timing, "tokens_per_s": learner.tokens / timing["iteration_s"]}
@@ -303,7 +315,7 @@ def train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwar
         for message in rollouts.receive():
             record(timeline, message)
             if isinstance(message, Evaluation):
-                evaluation = message.reward
+                evaluation = held_out_reward(message, cfg.iterations)
         yield {"iteration": cfg.iterations, "policy_version": cfg.iterations, "final": True, "eval_reward": evaluation}
     finally:
         if cfg.trace:

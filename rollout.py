@@ -49,6 +49,9 @@ Departures, on purpose:
 from __future__ import annotations
 
 import math
+import reprlib
+import signal
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -67,7 +70,8 @@ RewardFn = Callable[[str, str, str], float]
 
 
 class RewardError(UserError):
-    """A reward function raised, or returned something that is not a finite number."""
+    """A reward function raised (or exited), ran past --reward-timeout, or returned something that is not one
+    finite real number."""
 
 
 @dataclass
@@ -106,14 +110,16 @@ def iteration_prompts(num_examples: int, prompts_per_iteration: int, seed: int, 
     indices = []
     for position in range(iteration * prompts_per_iteration, (iteration + 1) * prompts_per_iteration):
         epoch, offset = divmod(position, num_examples)
-        permutation = torch.randperm(num_examples, generator=torch.Generator().manual_seed(seed * 7919 + epoch))
+        generator = torch.Generator().manual_seed((seed * 7919 + epoch) % 2**64)  # any 64-bit --seed
+        permutation = torch.randperm(num_examples, generator=generator)
         indices.append(int(permutation[offset]))
     return indices
 
 
 def prompt_seed(seed: int, iteration: int, index: int) -> int:
-    """A sampling seed that depends only on (seed, iteration, prompt index)."""
-    return (seed * 1_000_003 + iteration) * 1_000_003 + index + 1
+    """A sampling seed that depends only on (seed, iteration, prompt index), folded into torch's 64 bits (torch
+    seeds a negative number n as n + 2**64, so the fold changes no seed that torch accepted unfolded)."""
+    return ((seed * 1_000_003 + iteration) * 1_000_003 + index + 1) % 2**64
 
 
 def is_eval_iteration(iteration: int, eval_every: int, final_iteration: int) -> bool:
@@ -237,17 +243,94 @@ def chunks(examples: list[Example], size: int) -> list[tuple[int, list[Example]]
     return [(first, examples[first:first + size]) for first in range(0, len(examples), size)]
 
 
-def score(reward_fn: RewardFn, prompt: str, completion: str, answer: str) -> float:
-    """reward_fn(prompt, completion, answer) as a float; any failure becomes a RewardError that says where."""
-    name = getattr(reward_fn, "__qualname__", repr(reward_fn))
+class RewardTimeout(BaseException):
+    """Raised inside a reward call that ran past --reward-timeout (a BaseException: a reward's own
+    `except Exception` must not swallow it)."""
+
+
+class RewardClock:
+    """The time limit on reward calls (`RewardClock.limit(seconds)` around each call, in the main thread).
+
+    A watchdog thread sends the main thread SIGUSR1 while a call is overdue, and the handler raises
+    RewardTimeout there: between two bytecodes, or out of a blocking system call (a sleep, a socket).
+    The reward itself stays in the main thread, where reward libraries may rely on signals (math-verify
+    times its own calls with SIGALRM, which is why the clock does not use that signal). One limit it
+    cannot enforce: C code that holds the GIL (a catastrophically backtracking regex) runs on until it returns.
+    """
+    POLL_SECONDS = 0.1
+    SIGNAL = getattr(signal, "SIGUSR1", None)  # POSIX only: elsewhere, no limit
+    _clock: RewardClock | None = None  # one per process: the signal handler is process-wide
+
+    def __init__(self):
+        self.deadline: float | None = None  # time.monotonic() by which the running call must return
+        signal.signal(self.SIGNAL, self._interrupt)
+        threading.Thread(target=self._watch, name="reward-clock", daemon=True).start()
+
+    def _interrupt(self, signum, frame) -> None:
+        if self.deadline is not None and time.monotonic() >= self.deadline:  # not a call that has returned since
+            raise RewardTimeout
+
+    def _watch(self) -> None:
+        main = threading.main_thread().ident
+        while True:  # sends again while the call is still overdue (it may have swallowed one RewardTimeout)
+            deadline = self.deadline
+            if deadline is not None and time.monotonic() >= deadline:
+                signal.pthread_kill(main, self.SIGNAL)
+            time.sleep(self.POLL_SECONDS)
+
+    @classmethod
+    @contextmanager
+    def limit(cls, seconds: float):
+        """Raise RewardTimeout in the block once it has run `seconds` (0: no limit; outside the main thread,
+        where no signal handler can run, none either)."""
+        if seconds <= 0 or cls.SIGNAL is None or threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        if cls._clock is None:
+            cls._clock = cls()
+        cls._clock.deadline = time.monotonic() + seconds
+        try:
+            yield
+        finally:
+            cls._clock.deadline = None
+
+
+def not_a_reward(value) -> str | None:
+    """What is wrong with a reward function's return value, or None if it is one finite real number.
+
+    Accepted: whatever `float()` converts, except bools, text and anything with dimensions: int, float,
+    numpy.float32 / int64, Decimal, Fraction, a 0-d array or tensor.
+    """
+    kind = f"a {type(value).__name__}"
+    if isinstance(value, bool) or str(getattr(value, "dtype", "")).endswith("bool"):  # numpy.bool_, torch.bool too
+        return f"a bool ({value!r})"
+    if isinstance(value, (str, bytes)):
+        return f"{kind} ({reprlib.repr(value)})"
+    if tuple(getattr(value, "shape", ())):
+        return f"an array of shape {tuple(value.shape)} ({type(value).__name__})"
     try:
-        value = reward_fn(prompt, completion, answer)
-    except Exception as error:
-        raise RewardError(f"reward function {name!r} raised {type(error).__name__}: {error} "
-                          f"(prompt {prompt!r}, completion {completion!r}, answer {answer!r})") from error
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise RewardError(f"reward function {name!r} returned {value!r}, not a finite number "
-                          f"(prompt {prompt!r}, completion {completion!r}, answer {answer!r})")
+        number = float(value)
+    except (TypeError, ValueError):
+        return "None" if value is None else f"{kind} ({reprlib.repr(value)})"
+    return None if math.isfinite(number) else f"{number}, not a finite number"
+
+
+def score(reward_fn: RewardFn, prompt: str, completion: str, answer: str, time_limit: float = 0.0) -> float:
+    """reward_fn(prompt, completion, answer) as a float, within `time_limit` seconds (0: no limit); any failure
+    becomes a RewardError that says where."""
+    name = getattr(reward_fn, "__qualname__", repr(reward_fn))
+    where = f"(prompt {prompt!r}, completion {completion!r}, answer {answer!r})"
+    try:
+        with RewardClock.limit(time_limit):
+            value = reward_fn(prompt, completion, answer)
+    except RewardTimeout:
+        raise RewardError(f"reward function {name!r} did not return within {time_limit:g} s (--reward-timeout: "
+                          f"raise it, or 0 for no limit) {where}") from None
+    except (Exception, SystemExit) as error:  # sys.exit() in a reward is a broken reward, not the end of the run
+        raise RewardError(f"reward function {name!r} raised {type(error).__name__}: {error} {where}") from error
+    problem = not_a_reward(value)
+    if problem is not None:
+        raise RewardError(f"reward function {name!r} returned {problem}: return one real number {where}")
     return float(value)
 
 
@@ -259,7 +342,7 @@ def evaluate(model, tokenizer, examples: list[Example], reward_fn: RewardFn, cfg
         prompts = [prompt_token_ids(tokenizer, example.prompt) for example in chunk]
         responses = sample_responses(model, prompts, cfg.eval_samples, generation,
                                      prompt_seed(cfg.seed, -1, first))
-        rewards += [score(reward_fn, example.prompt, completion, example.answer)
+        rewards += [score(reward_fn, example.prompt, completion, example.answer, cfg.reward_timeout)
                     for example, samples in zip(chunk, responses)
                     for completion in tokenizer.batch_decode(samples, skip_special_tokens=True)]
     return sum(rewards) / len(rewards)
@@ -291,7 +374,8 @@ def rollout_iteration(model, tokenizer, train: list[Example], held_out: list[Exa
             def score_and_send(offset: int, responses: list[list[int]]) -> None:  # called inside generate
                 example = chunk[offset]
                 texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-                rewards = [score(reward_fn, example.prompt, text, example.answer) for text in texts]
+                rewards = [score(reward_fn, example.prompt, text, example.answer, cfg.reward_timeout)
+                           for text in texts]
                 advantages = grpo.group_advantages(torch.tensor(rewards), cfg.group_size, cfg.scale_rewards)
                 tag = version if weights_version() == version else -1  # -1: the weights changed while it sampled
                 send(Group(iteration, first + offset, tag, prompts[offset], responses, rewards,
@@ -303,7 +387,8 @@ def rollout_iteration(model, tokenizer, train: list[Example], held_out: list[Exa
             send(Span(f"generate group {first}" if last == first else f"generate groups {first}-{last}", INFERENCE,
                       start, time.perf_counter()))
     if held_out and is_eval_iteration(iteration, cfg.eval_every, final_iteration):
-        start = time.perf_counter()
+        start, version = time.perf_counter(), weights_version()
         reward = evaluate(model, tokenizer, held_out, reward_fn, cfg)
-        send(Evaluation(iteration, weights_version(), reward, start, time.perf_counter()))
+        tag = version if weights_version() == version else -1  # as a group's: the weights that were evaluated
+        send(Evaluation(iteration, tag, reward, start, time.perf_counter()))
     send(IterationDone(iteration))

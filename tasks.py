@@ -33,6 +33,7 @@ import importlib.util
 import json
 import random
 import re
+import traceback
 import zlib
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
@@ -107,6 +108,15 @@ def math_reward(prompt: str, completion: str, answer: str) -> float:
     return float(predicted is not None and predicted == canonical_number(answer))
 
 
+def _failing_line(error: BaseException) -> str:
+    """'path, line N: Type: message' for an error raised while importing a reward module (its innermost frame, or
+    the offending line of a SyntaxError)."""
+    if isinstance(error, SyntaxError):
+        return f"{error.filename}, line {error.lineno}: {type(error).__name__}: {error.msg}"
+    frame = traceback.extract_tb(error.__traceback__)[-1]
+    return f"{frame.filename}, line {frame.lineno}: {type(error).__name__}: {error}"
+
+
 def load_reward(spec: str) -> Reward:
     """'math' -> `math_reward`; 'package.module:function' or 'path/to/file.py:function' -> that function."""
     if spec == "math":
@@ -121,16 +131,23 @@ def load_reward(spec: str) -> Reward:
         if not path.is_file():
             raise TaskError(f"--reward {spec!r}: the file {path} does not exist (relative paths are resolved "
                             f"from {Path.cwd()}). Pass an existing .py file, or a module importable from here.")
-        module_spec = importlib.util.spec_from_file_location(path.stem, path)
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
-    else:
-        try:
+    try:
+        if module_name.endswith(".py"):
+            module_spec = importlib.util.spec_from_file_location(path.stem, path)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
             module = importlib.import_module(module_name)
-        except ImportError as error:
-            raise TaskError(f"--reward {spec!r}: cannot import module {module_name!r} ({error}). Make it "
-                            "importable (install it or run from its folder), or pass 'path/to/file.py:function'."
-                            ) from error
+    except ModuleNotFoundError as error:
+        if error.name != module_name and not module_name.startswith(f"{error.name}."):  # the module exists; what it
+            # imports does not
+            raise TaskError(f"--reward {spec!r}: {_failing_line(error)}. Install it, or fix the import.") from None
+        raise TaskError(f"--reward {spec!r}: cannot import module {module_name!r} ({error}). Make it "
+                        "importable (install it or run from its folder), or pass 'path/to/file.py:function'."
+                        ) from None
+    except (Exception, SystemExit) as error:  # a syntax error, or code that fails when the module is imported
+        raise TaskError(f"--reward {spec!r}: importing {module_name} failed: {_failing_line(error)}. "
+                        "Fix it there.") from None
     function = getattr(module, function_name, None)
     if not callable(function):
         raise TaskError(f"--reward {spec!r}: {module_name} has no function {function_name!r}. Define "
@@ -202,7 +219,7 @@ def load_gsm8k_jsonl(path: str | Path) -> list[Example]:
     """One {"question": ..., "answer": "... #### N"} object per line (GSM8K's release format)."""
     path = Path(path)
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = path.read_bytes().splitlines()
     except OSError as error:
         raise TaskError(f"cannot read the GSM8K file {path} ({error.strerror or error}). Pass --data with an "
                         "existing JSONL file (one {\"question\", \"answer\"} object per line, the answer ending "
@@ -212,12 +229,19 @@ def load_gsm8k_jsonl(path: str | Path) -> list[Example]:
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row = json.loads(line.decode("utf-8"))  # decoded per line, so that an error can name its line
             question, solution = row["question"], row["answer"]
+        except UnicodeDecodeError as error:
+            raise TaskError(f"{path}, line {number}: not UTF-8 text (byte {line[error.start]:#04x} at column "
+                            f"{error.start + 1}). Save the file as UTF-8, or fix or remove that line.") from None
         except (json.JSONDecodeError, TypeError, KeyError) as error:
             raise TaskError(f"{path}, line {number}: expected a JSON object with 'question' and 'answer' "
                             f"({type(error).__name__}: {error}). Fix or remove that line.") from error
-        example = _gsm8k_example(question, str(solution))
+        for key, value in (("question", question), ("answer", solution)):
+            if not isinstance(value, str):
+                raise TaskError(f"{path}, line {number}: the {key!r} is {type(value).__name__} {value!r:.40}, not "
+                                "text. Fix or remove that line.")
+        example = _gsm8k_example(question, solution)
         if example is None:
             raise TaskError(f"{path}, line {number}: the answer does not end in '#### <number>', so there is "
                             "no gold answer to reward. Fix or remove that line.")
@@ -306,3 +330,26 @@ def prompt_token_ids(tokenizer, question: str) -> list[int]:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return tokenizer.encode(text, add_special_tokens=False)
     return tokenizer.encode(question, add_special_tokens=False)
+
+
+def check_prompt_lengths(tokenizer, examples: list[Example], context: int | None, max_new_tokens: int) -> None:
+    """Refuse, at start-up, prompts that leave no room for `max_new_tokens` in the model's context (its
+    max_position_embeddings; None: unknown, nothing to check).
+
+    Only prompts that might be too long are tokenized (GSM8K's 7.5 k take seconds): a token covers at least one
+    byte of text (byte-level BPE, SentencePiece with byte fallback), so a prompt has at most the chat template's
+    own tokens plus one per UTF-8 byte of its question.
+    """
+    if context is None:
+        return
+    limit = context - max_new_tokens
+    template = len(prompt_token_ids(tokenizer, ""))
+    candidates = [e for e in examples if template + len(e.prompt.encode()) > limit]
+    length, longest = max(((len(prompt_token_ids(tokenizer, e.prompt)), e) for e in candidates),
+                          key=lambda pair: pair[0], default=(0, None))
+    if length > limit:
+        raise TaskError(f"the longest prompt is {length} tokens ({longest.prompt[:50]!r}...): with --max-new-tokens "
+                        f"{max_new_tokens} that exceeds the model's context of {context} tokens "
+                        f"(max_position_embeddings). Remove the prompts longer than {max(limit, 0)} tokens from the "
+                        "data" + (f", or lower --max-new-tokens to {context - length} or less." if length < context
+                                  else "."))

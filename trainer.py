@@ -139,9 +139,12 @@ def started(cfg: Config):
     it is stopped, however the block is left.
     """
     import periodic_rl
+    from tasks import check_prompt_lengths
     train_examples, held_out, reward_fn, load_kwargs = prepare(cfg)
     with periodic_rl.inference_side(cfg, load_kwargs, train_examples, held_out, load=not cfg.is_tiny) as rollouts:
         policy, tokenizer = load_policy(cfg, load_kwargs, rollouts)
+        check_prompt_lengths(tokenizer, train_examples + held_out, getattr(policy.config, "max_position_embeddings",
+                                                                           None), cfg.max_new_tokens)
         print(f"periodic-rl: {cfg.mode} | model {cfg.model} | {len(train_examples)} train / {len(held_out)} held-out "
               f"prompts | {cfg.iterations} iterations x {cfg.prompts_per_iteration} prompts x {cfg.group_size} | "
               f"out {cfg.out}", flush=True)

@@ -9,6 +9,11 @@ The paper keeps the three models GRPO needs in the training process, behind one 
 
     logp, old_logp, ref_logp, mask = tri_model(groups)          each (N, T)
 
+How a model scores the groups is passed in (`logprobs_fn(model, groups) -> (logp, mask)`), and the
+three copies are scored by that same function: here `packing.logprobs_fn` (the shared-prompt rows
+of attention.py); in another project, whatever computes per-token log-probs there. So this file
+copies alone, with nothing but torch.
+
 Mixed precision: with compute_dtype=bfloat16 the three forwards run under `torch.autocast` (matrix
 products in bf16) while every parameter, the optimizer state and the gradients stay float32, so an
 AdamW step of lr 1e-6 is applied, not rounded away (bf16 spacing near 0.02 is 1.2e-4). Log-softmax
@@ -28,11 +33,13 @@ Copies exist only when they are needed:
 from __future__ import annotations
 
 import copy
+from typing import Callable
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-from packing import batch_logprobs, recomputes_attention
+Groups = list[tuple[Tensor, list[Tensor]]]  # [(prompt_ids (P,), [response_ids (R_i,), ...]), ...]
+LogprobsFn = Callable[[nn.Module, Groups], tuple[Tensor, Tensor]]  # (model, groups) -> logp (N, T), mask (N, T)
 
 
 def frozen_copy(model: nn.Module) -> nn.Module:
@@ -47,14 +54,13 @@ def parameter_bytes(model: nn.Module | None) -> int:
 
 
 class TriModel(nn.Module):
-    def __init__(self, policy: nn.Module, use_reference: bool, use_old: bool, packing: str = "auto",
-                 temperature: float = 1.0, pad_id: int = 0, compute_dtype: torch.dtype = torch.float32):
+    def __init__(self, policy: nn.Module, logprobs_fn: LogprobsFn, use_reference: bool, use_old: bool,
+                 compute_dtype: torch.dtype = torch.float32):
         super().__init__()
         self.policy = policy
         self.reference = frozen_copy(policy) if use_reference else None
         self.old = frozen_copy(policy) if use_old else None
-        self.packing, self.temperature, self.pad_id = packing, temperature, pad_id
-        self.compute_dtype = compute_dtype
+        self.logprobs_fn, self.compute_dtype = logprobs_fn, compute_dtype
 
     @torch.no_grad()
     def start_iteration(self) -> None:
@@ -63,15 +69,13 @@ class TriModel(nn.Module):
             for old, new in zip(self.old.parameters(), self.policy.parameters()):
                 old.copy_(new)
 
-    def logprobs(self, model: nn.Module, groups) -> tuple[torch.Tensor, torch.Tensor]:
-        """One model's log-probs, by the same kernels for all three: when the policy's layers recompute in
-        backward, packed rows take the dense mask (packing.py, departure 1), so the frozen copies do too."""
+    def logprobs(self, model: nn.Module, groups: Groups) -> tuple[Tensor, Tensor]:
+        """One model's log-probs, (N, T) each, under autocast when computing in bf16."""
         device_type = next(model.parameters()).device.type
         with torch.autocast(device_type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
-            return batch_logprobs(model, groups, mode=self.packing, temperature=self.temperature, pad_id=self.pad_id,
-                                  dense_mask=recomputes_attention(self.policy))
+            return self.logprobs_fn(model, groups)
 
-    def forward(self, groups: list[tuple[torch.Tensor, list[torch.Tensor]]]):
+    def forward(self, groups: Groups):
         """groups: [(prompt_ids (P,), [response_ids (R_i,), ...]), ...] -> logp, old_logp, ref_logp, mask."""
         logp, mask = self.logprobs(self.policy, groups)  # (N, T), (N, T)
         with torch.no_grad():

@@ -85,7 +85,7 @@ def grpo_step_peak(variant: str, dtype: torch.dtype, layers: int, P: int, R: int
     policy = qwen_05b_shaped(tiny=False, layers=layers).train()
     if variant == "checkpointed":
         packing.enable_activation_checkpointing(policy)
-    tri = TriModel(policy, use_reference=True, use_old=False, compute_dtype=dtype)
+    tri = TriModel(policy, packing.logprobs_fn(policy), use_reference=True, use_old=False, compute_dtype=dtype)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6)
     vocab = policy.config.vocab_size
     group = (torch.randint(vocab, (P,)), [torch.randint(vocab, (R,)) for _ in range(G)])

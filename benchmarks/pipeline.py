@@ -85,18 +85,17 @@ def probed_sizes(argv: list[str]) -> tuple[list[str], list[str], float | None]:
     """The options async mode's probe picks for `argv` (probed once, here): (the generate calls and the
     micro-batch, which both modes then use, so that they compare at the same sizes; the thread split,
     async's only; the probe's predicted speedup over taking turns at these sizes, None if nothing was probed)."""
+    import periodic_rl
     import sizing
     import trainer
     from config import parse_args
-    from tri_model import TriModel
 
     cfg = parse_args([*argv, "--mode", "async"])
     if cfg.sized:
         return [], [], None
     train_examples, _, _, load_kwargs = trainer.prepare(cfg)
     policy, tokenizer = trainer.load_policy(cfg, load_kwargs)  # the policy only, no inference process
-    tri = TriModel(policy, use_reference=cfg.beta > 0, use_old=cfg.updates_per_iteration > 1,
-                   pad_id=tokenizer.pad_token_id)
+    tri = periodic_rl.build_tri_model(cfg, policy, tokenizer.pad_token_id)
     chosen, _, gain = sizing.choose(cfg, tri, tokenizer, train_examples)
     return (["--groups-per-chunk", str(chosen.groups_per_chunk), "--micro-batch-tokens", str(chosen.micro_batch_tokens)],
             ["--rollout-threads", str(chosen.rollout_threads), "--train-threads", str(chosen.train_threads)], gain)

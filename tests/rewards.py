@@ -1,4 +1,8 @@
 """Reward functions used by the tests, loaded by the trainer as 'tests/rewards.py:NAME'."""
+import os
+import sys
+import time
+from pathlib import Path
 
 
 def digit_fraction(prompt: str, completion: str, answer: str) -> float:
@@ -12,3 +16,14 @@ def raising_reward(prompt: str, completion: str, answer: str) -> float:
 
 def nan_reward(prompt: str, completion: str, answer: str) -> float:
     return float("nan")
+
+
+def hanging_reward(prompt: str, completion: str, answer: str) -> float:
+    """Never returns; first touches the file $PERIODIC_RL_TEST_MARKER, so a test knows when the hang began."""
+    Path(os.environ["PERIODIC_RL_TEST_MARKER"]).touch()
+    while True:
+        time.sleep(3600)
+
+
+def exiting_reward(prompt: str, completion: str, answer: str) -> float:
+    sys.exit(0)

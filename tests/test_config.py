@@ -33,6 +33,16 @@ def test_help_lists_every_field_with_its_default():
     (["--train-device", "cuda:x"], "--train-device must be cpu"),
     (["--updates-per-iteration", "3"], "must divide the prompts per iteration"),
     (["--iterations", "two"], "invalid int value"),
+    (["--updates-per-iteration", "0"], "--updates-per-iteration must be at least 1"),
+    (["--weight-decay", "-1"], "--weight-decay must be >= 0"),
+    (["--lr", "inf"], "--lr must be a finite number"),
+    (["--beta", "nan"], "--beta must be a finite number"),
+    (["--seed", "1e20"], "invalid int value"),
+    (["--seed", str(2**64)], "--seed must be from 0 to 2**64 - 1"),
+    (["--seed", "-1"], "--seed must be from 0 to 2**64 - 1"),
+    (["--device", "cpu:abc"], "--device must be auto, cpu"),
+    (["--dtype", "float16"], "float16 is not supported: training in float16 needs loss scaling"),
+    (["--reward-timeout", "-1"], "--reward-timeout must be >= 0"),
 ])
 def test_invalid_values_fail_with_one_line_and_exit_2(argv, fragment, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -40,6 +50,36 @@ def test_invalid_values_fail_with_one_line_and_exit_2(argv, fragment, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert fragment in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("option", ["--rollout-threads", "--train-threads"])
+def test_thread_counts_are_bounded_by_the_cores(option, capsys, monkeypatch):
+    """Claim: a thread count above the cores this process may use fails at start-up naming that number (10000
+    threads once made a 2-core machine unusable for minutes), while every count up to it is accepted."""
+    import config
+    monkeypatch.setattr(config, "available_cores", lambda: 4)
+    assert getattr(parse_args([option, "4"]), option[2:].replace("-", "_")) == 4
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args([option, "10000"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and f"{option} must be from 1 to 4, the CPU cores" in err and err.count("\n") == 1
+
+
+def test_every_accepted_seed_seeds_torch():
+    """Claim: every seed --seed accepts (up to 2**64 - 1) seeds torch's generators (the per-prompt seeds are folded
+    into 64 bits; unfolded, a seed of 2e7 already overflowed), and the fold changes no seed torch took before: small
+    seeds are unchanged, and the held-out evaluation's negative ones draw the same numbers folded."""
+    import torch
+
+    from rollout import iteration_prompts, prompt_seed
+    assert prompt_seed(7, 3, 2) == (7 * 1_000_003 + 3) * 1_000_003 + 3
+    unfolded = (0 * 1_000_003 - 1) * 1_000_003 + 1  # seed 0, iteration -1 (evaluation), prompt 0: negative
+    draws = [torch.rand(3, generator=torch.Generator().manual_seed(s)) for s in (unfolded, prompt_seed(0, -1, 0))]
+    assert torch.equal(*draws)
+    for seed in (20240101, 2**63, 2**64 - 1):
+        torch.manual_seed(prompt_seed(seed, 5, 3))
+        torch.manual_seed(prompt_seed(seed, -1, 0))
+        assert len(iteration_prompts(100, 4, seed, 7)) == 4
 
 
 def test_defaults_are_valid_and_derived():

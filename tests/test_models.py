@@ -95,6 +95,29 @@ def test_directory_that_is_not_a_model(tmp_path):
         models.load_model(str(tmp_path))
 
 
+def test_a_model_that_cannot_be_trained_is_one_line(tiny_model_dir, tmp_path):
+    """Claim: a model directory with truncated weights, without tokenizer files, or of a non-causal architecture
+    (BERT, which from_pretrained loads as BertLMHeadModel) raises ModelError in one line saying what to do (they
+    were a traceback, or a crash deep in generate)."""
+    import shutil
+
+    from transformers import BertConfig, BertForMaskedLM
+    truncated = shutil.copytree(tiny_model_dir, tmp_path / "truncated")
+    weights = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    no_tokenizer = shutil.copytree(tiny_model_dir, tmp_path / "no-tokenizer",
+                                   ignore=shutil.ignore_patterns("tokenizer*", "special_tokens*"))
+    bert = tmp_path / "bert"
+    BertForMaskedLM(BertConfig(vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                               intermediate_size=64)).save_pretrained(bert)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(bert)
+    for directory, said in [(truncated, "cannot be read (SafetensorError"), (no_tokenizer, "has no usable tokenizer"),
+                            (bert, "(BertLMHeadModel) is not a causal language model")]:
+        with pytest.raises(models.ModelError) as error:
+            models.load_model(str(directory))
+        assert f"{directory}" in str(error.value) and said in str(error.value) and "\n" not in str(error.value)
+
+
 def test_alias_offline_fails_fast_with_what_was_tried(monkeypatch):
     """Claim: offline, an alias fails within seconds (no retry back-off) and the message lists the alias's
     hub id, the HF cache and the hub, and how to fix it (hf download, HF_HOME, --model tiny)."""
@@ -142,6 +165,18 @@ def test_tiny_model_is_built_once_and_cached(short_recipe, monkeypatch, tmp_path
     models.load_model("tiny")
     assert len(warm_ups) == 2 and sorted(p.name for p in (tmp_path / "cache").iterdir()) == sorted(
         [folder.name, f"tiny-{models.recipe_key(models.TINY_RECIPE)}"])
+
+
+def test_a_damaged_tiny_model_cache_is_rebuilt(short_recipe, tmp_path, capsys):
+    """Claim: a cached tiny model whose weights cannot be read (a full disk, a killed copy) is rebuilt, and the
+    rebuild is said on stderr, instead of failing every later run with a traceback."""
+    folder = models.ensure_tiny_model()
+    (folder / "model.safetensors").write_bytes(b"not a safetensors file")
+    capsys.readouterr()
+    model, _ = models.load_model("tiny")
+    err = capsys.readouterr().err
+    assert f"the cached tiny model in {folder} cannot be read" in err and "rebuilding it" in err
+    assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 def test_killed_build_leaves_no_cache(short_recipe, monkeypatch, tmp_path):

@@ -14,7 +14,8 @@ import inference
 import periodic_rl
 from config import parse_args
 from models import load_model
-from rollout import Group, IterationDone, rollout_iteration
+from packing import logprobs_fn
+from rollout import Evaluation, Group, IterationDone, rollout_iteration
 from tasks import load_reward, load_task
 from timeline import Timeline
 
@@ -136,8 +137,7 @@ def test_async_groups_are_streamed_and_tagged_with_the_version(tiny_model_dir):
     train, held_out = load_task("arithmetic", eval_size=4)
     sampling = dataclasses.replace(cfg, eval_every=0, groups_per_chunk=1)
     sync = inference.SyncRollouts(policy, tokenizer, train, held_out, load_reward(DIGITS), sampling)
-    remote = inference.AsyncRollouts(cfg.model, {}, train, held_out, DIGITS, Timeline())
-    try:
+    with inference.AsyncRollouts(cfg.model, {}, train, held_out, DIGITS, Timeline()) as remote:
         remote.attach(policy, sampling, 1)
         for iteration in range(2):
             sync.publish(policy, iteration)
@@ -154,8 +154,6 @@ def test_async_groups_are_streamed_and_tagged_with_the_version(tiny_model_dir):
             with torch.no_grad():  # a new version: the next iteration must sample from the new weights
                 for p in policy.parameters():
                     p.add_(torch.randn_like(p) * 0.05)
-    finally:
-        remote.close()
     assert not remote.process.is_alive()
 
 
@@ -163,7 +161,7 @@ def test_learner_refuses_off_policy_group(tiny_model_dir):
     """A group sampled by another weight version is rejected, not silently trained on."""
     cfg = make_cfg(tiny_model_dir)
     policy, _ = load_model(cfg.model)
-    tri = periodic_rl.TriModel(policy, use_reference=False, use_old=False)
+    tri = periodic_rl.TriModel(policy, logprobs_fn(policy), use_reference=False, use_old=False)
     learner = periodic_rl.Learner(tri, torch.optim.SGD(policy.parameters(), lr=0.1), cfg, torch.device("cpu"),
                                   Timeline())
     learner.start(3)
@@ -176,7 +174,8 @@ def test_a_publish_while_sampling_is_caught(tiny_model_dir):
     """Claim: a group's tag is the version of the weights that sampled it, read from the weight buffer when its
     generate call started and again when it is sent, not the iteration the trainer meant. If θ_1 is published while
     iteration 0 is still being sampled (a broken barrier, provoked here by a reward function that publishes), no
-    group of iteration 0 is tagged 0, and the learner refuses them. Without the early publish every tag is 0."""
+    group of iteration 0 is tagged 0, and the learner refuses them. Without the early publish every tag is 0. The held-out
+    evaluation's tag is checked the same way."""
     cfg = make_cfg(tiny_model_dir)
     policy, tokenizer = load_model(cfg.model)
     sampler, _ = load_model(cfg.model)
@@ -200,11 +199,18 @@ def test_a_publish_while_sampling_is_caught(tiny_model_dir):
 
     groups = sample_iteration_0(publishes_early)
     assert len(groups) == cfg.prompts_per_iteration and all(g.policy_version != 0 for g in groups)
-    learner = periodic_rl.Learner(periodic_rl.TriModel(policy, use_reference=False, use_old=False),
+    learner = periodic_rl.Learner(periodic_rl.TriModel(policy, logprobs_fn(policy), use_reference=False, use_old=False),
                                   torch.optim.SGD(policy.parameters(), lr=0.1), cfg, torch.device("cpu"), Timeline())
     learner.start(0)
     with pytest.raises(inference.OffPolicyError, match="off-policy"):
         learner.take(groups[0])
+    weights.publish(policy, 0)  # the held-out evaluation's tag is as honest as a group's
+    messages = []
+    rollout_iteration(sampler, tokenizer, train, train[:2], publishes_early, cfg, 0, weights.version, 1,
+                      messages.append, train_prompts=False)
+    evaluation = next(m for m in messages if isinstance(m, Evaluation))
+    with pytest.raises(inference.OffPolicyError, match="evaluation"):
+        periodic_rl.held_out_reward(evaluation, 0)
 
 
 def test_batched_training_forward_gives_the_same_update(tiny_model_dir):
@@ -219,7 +225,7 @@ def test_batched_training_forward_gives_the_same_update(tiny_model_dir):
     for cap in (1, 10_000):
         cfg = make_cfg(tiny_model_dir, "--groups-per-chunk", "4", "--micro-batch-tokens", cap)
         policy, _ = load_model(cfg.model)
-        tri = periodic_rl.TriModel(policy, use_reference=True, use_old=False)
+        tri = periodic_rl.TriModel(policy, logprobs_fn(policy), use_reference=True, use_old=False)
         learner = periodic_rl.Learner(tri, torch.optim.SGD(policy.parameters(), lr=1.0), cfg, torch.device("cpu"),
                                       Timeline())
         learner.start(0)
@@ -245,8 +251,7 @@ def test_killed_inference_process_is_noticed_within_seconds(tiny_model_dir, when
     policy, _ = load_model(cfg.model)
     train, held_out = load_task("arithmetic", eval_size=4)
     sampling = dataclasses.replace(cfg, eval_every=0, groups_per_chunk=1)
-    remote = inference.AsyncRollouts(cfg.model, {}, train, held_out, DIGITS, Timeline())
-    try:
+    with inference.AsyncRollouts(cfg.model, {}, train, held_out, DIGITS, Timeline()) as remote:
         if when == "while generating":
             remote.attach(policy, sampling, 1)
         os.kill(remote.process.pid, signal.SIGKILL)
@@ -258,8 +263,6 @@ def test_killed_inference_process_is_noticed_within_seconds(tiny_model_dir, when
             remote.generate(0, 1)
             list(remote.receive())
         assert time.monotonic() - start < 10
-    finally:
-        remote.close()
     assert not remote.process.is_alive()
 
 
@@ -273,16 +276,13 @@ def test_deferred_load_waits_for_the_trainer(tiny_model_dir, tmp_path):
     train, held_out = load_task("arithmetic", eval_size=4)
     sampling = dataclasses.replace(cfg, eval_every=0, groups_per_chunk=1)
     later = tmp_path / "model"
-    remote = inference.AsyncRollouts(str(later), {}, train, held_out, DIGITS, Timeline(), load=False)
-    try:
+    with inference.AsyncRollouts(str(later), {}, train, held_out, DIGITS, Timeline(), load=False) as remote:
         time.sleep(5)  # past its imports (~4 s here): loading at once would have failed on the missing directory
         shutil.copytree(tiny_model_dir, later)
         remote.attach(policy, sampling, 1)  # sends ("load",), then the buffer
         remote.publish(policy, 0)
         remote.generate(0, 1)
         assert isinstance(list(remote.receive())[-1], IterationDone)
-    finally:
-        remote.close()
     idle = inference.AsyncRollouts(str(later), {}, train, held_out, DIGITS, Timeline(), load=False)
     start = time.monotonic()
     idle.close()
@@ -297,15 +297,14 @@ def run_trainer(*args, timeout=240):
 @pytest.mark.parametrize("reward, fragment", [("tests/rewards.py:raising_reward", "broken on purpose"),
                                               ("tests/rewards.py:nan_reward", "not a finite number")])
 def test_bad_reward_stops_trainer_with_clear_message(tiny_model_dir, tmp_path, reward, fragment):
-    """A reward function that raises or returns NaN (in the inference process) ends the run within seconds:
-    exit code 1, a message naming the function and the prompt, no traceback, no process left behind."""
-    start = time.monotonic()
+    """A reward function that raises or returns NaN (in the inference process) ends the run: exit code 1, a message
+    naming the function and the prompt, no traceback. (No hang: the subprocess's timeout; no wall-clock assertion,
+    the start-up alone takes 10-60 s on a loaded 2-core machine.)"""
     result = run_trainer("--model", tiny_model_dir, "--data", "arithmetic", "--reward", reward,
                          "--max-new-tokens", "4", "--out", tmp_path, timeout=120)
     assert result.returncode == 1, result.stderr
     assert fragment in result.stderr and reward.split(":")[1] in result.stderr and "prompt" in result.stderr
     assert "Traceback" not in result.stderr
-    assert time.monotonic() - start < 60
 
 
 def children_of(pid: int) -> list[int]:

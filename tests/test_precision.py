@@ -4,7 +4,7 @@ import torch
 
 import periodic_rl
 from models import load_model
-from packing import enable_activation_checkpointing, recomputes_attention
+from packing import enable_activation_checkpointing, logprobs_fn, recomputes_attention
 from tasks import load_reward, load_task
 from tri_model import TriModel
 from test_pipeline import SAME_THREADS, make_cfg, run_training
@@ -92,7 +92,7 @@ def test_gradient_checkpointing_gives_the_same_logprobs_and_gradients(tiny_model
         if checkpointing:
             enable_activation_checkpointing(policy)
         policy.train()
-        tri = TriModel(policy, use_reference=True, use_old=False)
+        tri = TriModel(policy, logprobs_fn(policy), use_reference=True, use_old=False)
         logp, _, ref_logp, mask = tri(groups)
         assert recomputes_attention(policy) == checkpointing
         assert torch.equal(ref_logp, logp.detach())  # KL = 0 at θ_0, with or without checkpointing

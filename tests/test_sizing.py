@@ -6,6 +6,7 @@ import torch
 import sizing
 from config import Config, derive
 from models import load_model
+from packing import logprobs_fn
 from tasks import load_task
 from tri_model import TriModel
 
@@ -84,7 +85,7 @@ def test_probe_changes_nothing_and_choose_fills_only_open_sizes(tiny_model_dir, 
                         max_new_tokens=6))
     policy, tokenizer = load_model(cfg.model)
     train, _ = load_task(cfg.data, eval_size=4)
-    tri = TriModel(policy, use_reference=True, use_old=False, pad_id=tokenizer.pad_token_id)
+    tri = TriModel(policy, logprobs_fn(policy, pad_id=tokenizer.pad_token_id), use_reference=True, use_old=False)
     before = [p.detach().clone() for p in policy.parameters()]
     rng = torch.get_rng_state()
     chosen, note, gain = sizing.choose(cfg, tri, tokenizer, train)

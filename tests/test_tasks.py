@@ -123,18 +123,39 @@ def test_load_reward_errors_name_what_was_not_found(spec, mentioned):
     assert mentioned in str(error.value)
 
 
+@pytest.mark.parametrize("source, said", [
+    ("def reward(prompt, completion, answer):\n    return 1.0 +\n", "line 2: SyntaxError: invalid syntax"),
+    ("import math\nimport no_such_module_xyz\n", "line 2: ModuleNotFoundError: No module named 'no_such_module_xyz'"),
+    ("import sys\nsys.exit(3)\n", "line 2: SystemExit: 3"),
+], ids=["syntax", "import", "exit"])
+def test_a_reward_file_that_cannot_be_imported_names_its_line(tmp_path, source, said):
+    """Claim: a reward file with a syntax error, a missing import or code that fails when imported is one TaskError
+    line naming the file and the line (it was a traceback)."""
+    path = tmp_path / "broken_reward.py"
+    path.write_text(source)
+    with pytest.raises(TaskError) as error:
+        tasks.load_reward(f"{path}:reward")
+    assert f"{path}, {said}" in str(error.value) and "\n" not in str(error.value)
+
+
 # --- GSM8K files ---
 @pytest.mark.parametrize("lines, line_number", [
     ([json.dumps(gsm8k_rows(1)[0]), "{not json"], 2),
     ([json.dumps({"question": "q", "answer": "no final answer"})], 1),
     ([json.dumps(gsm8k_rows(1)[0]), "", json.dumps({"question": "q"})], 3),
-])
+    ([json.dumps(gsm8k_rows(1)[0]), '{"question": "caf\xe9?", "answer": "#### 1"}'.encode("latin-1")], 2),
+    ([json.dumps({"question": 5, "answer": "#### 5"})], 1),
+    ([json.dumps(gsm8k_rows(1)[0]), json.dumps({"question": "q", "answer": None})], 2),
+], ids=["json", "no-answer", "missing-key", "latin-1", "number-question", "null-answer"])
 def test_load_gsm8k_jsonl_errors_name_file_and_line(tmp_path, lines, line_number):
-    """Claim: bad JSON, a missing key or a missing '####' raises TaskError naming the file and the line."""
-    path = write_jsonl(tmp_path / "bad.jsonl", lines)
+    """Claim: bad JSON, a missing key or '####', a line that is not UTF-8 (a Latin-1 file) and a question or answer
+    that is not text raise a one-line TaskError naming the file and the line."""
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b"".join((row if isinstance(row, bytes) else row.encode()) + b"\n" for row in lines))
     with pytest.raises(TaskError) as error:
         tasks.load_gsm8k_jsonl(path)
-    assert str(path) in str(error.value) and f"line {line_number}" in str(error.value)
+    assert str(path) in str(error.value) and f"line {line_number}:" in str(error.value)
+    assert "\n" not in str(error.value)
 
 
 def test_load_gsm8k_jsonl_missing_file(tmp_path):

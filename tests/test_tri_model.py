@@ -5,7 +5,7 @@ import torch
 
 from grpo import grpo_loss
 from models import load_model
-from packing import batch_logprobs
+from packing import batch_logprobs, logprobs_fn
 from tri_model import TriModel
 
 
@@ -28,7 +28,7 @@ def test_three_outputs_equal_separate_forwards(tiny_model_dir):
     (θ now, θ_k at the iteration start, θ_0 at construction)."""
     policy, _ = load_model(str(tiny_model_dir))
     reference = copy.deepcopy(policy)
-    tri = TriModel(policy, use_reference=True, use_old=True)
+    tri = TriModel(policy, logprobs_fn(policy), use_reference=True, use_old=True)
     perturb(policy, seed=1)
     tri.start_iteration()
     old = copy.deepcopy(policy)
@@ -45,14 +45,15 @@ def test_one_update_per_iteration_needs_no_old_copy_and_ratio_is_exactly_one(tin
     """Claim: with one step per iteration no old copy is made and old_logp = logp.detach() exactly (ratio 1);
     with beta = 0 no reference copy is made and ref_logp is None."""
     policy, _ = load_model(str(tiny_model_dir))
-    tri = TriModel(policy, use_reference=False, use_old=False)
+    tri = TriModel(policy, logprobs_fn(policy), use_reference=False, use_old=False)
     assert tri.old is None and tri.reference is None
     logp, old_logp, ref_logp, _ = tri(group())
     assert ref_logp is None and torch.equal(old_logp, logp.detach()) and not old_logp.requires_grad
     assert torch.equal(torch.exp(logp - old_logp), torch.ones_like(logp))
     report = tri.memory_report()
     assert report["old_bytes"] == report["reference_bytes"] == 0 and report["policy_bytes"] > 0
-    full = TriModel(load_model(str(tiny_model_dir))[0], use_reference=True, use_old=True).memory_report()
+    fresh = load_model(str(tiny_model_dir))[0]
+    full = TriModel(fresh, logprobs_fn(fresh), use_reference=True, use_old=True).memory_report()
     assert full["old_bytes"] == full["reference_bytes"] == full["policy_bytes"]
 
 
@@ -61,7 +62,7 @@ def test_frozen_copies_have_no_grad_and_reference_stays_at_initial_weights(tiny_
     and only the policy's parameters are in the optimizer."""
     policy, _ = load_model(str(tiny_model_dir))
     initial = [p.detach().clone() for p in policy.parameters()]
-    tri = TriModel(policy, use_reference=True, use_old=True)
+    tri = TriModel(policy, logprobs_fn(policy), use_reference=True, use_old=True)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
     frozen = list(tri.reference.parameters()) + list(tri.old.parameters())
     optimizer_params = {id(p) for group_ in optimizer.param_groups for p in group_["params"]}
@@ -85,7 +86,7 @@ def test_old_logp_is_the_iteration_start_snapshot(tiny_model_dir):
     """Claim: with N > 1 updates per iteration old_logp comes from the weights at the iteration start, so after
     the first step the ratio departs from 1 (clipping can act), and start_iteration re-synchronises it."""
     policy, _ = load_model(str(tiny_model_dir))
-    tri = TriModel(policy, use_reference=False, use_old=True)
+    tri = TriModel(policy, logprobs_fn(policy), use_reference=False, use_old=True)
     tri.start_iteration()
     snapshot = copy.deepcopy(policy)
     optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)

@@ -23,6 +23,7 @@ def tri_model_args(parser: argparse.ArgumentParser) -> None:
 def tri_model(args: argparse.Namespace) -> bool:
     """Memory and step time of the tri-model with the reference on/off and 1 or 4 updates per iteration."""
     from grpo import grpo_loss
+    from packing import logprobs_fn
     from tri_model import TriModel
     from models import load_model
     results = {}
@@ -35,7 +36,7 @@ def tri_model(args: argparse.Namespace) -> bool:
           f"{'saved activations MB':>20s} {'step ms':>8s}")
     for beta, updates in ((0.0, 1), (0.04, 1), (0.0, 4), (0.04, 4)):
         policy = copy.deepcopy(policy_template)
-        tri = TriModel(policy, use_reference=beta > 0, use_old=updates > 1)
+        tri = TriModel(policy, logprobs_fn(policy), use_reference=beta > 0, use_old=updates > 1)
         optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-5)
 
         def step():

@@ -1,0 +1,162 @@
+"""Bad inputs end the run with one clear line (issue #13, part C): reward functions that hang, exit or return the
+wrong type, unreadable data and reward files, models that cannot be trained, prompts longer than the context.
+
+Pure checks run in-process; the end-to-end claims (exit code, one line, no traceback, how fast, nothing left
+running) run `python trainer.py` in a subprocess, as tests/test_end_to_end.py does.
+"""
+import decimal
+import fractions
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from rollout import RewardError, score
+from test_pipeline import alive, children_of  # (tests/faults.py, part A's harness, is to hold these)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# --- reward functions, in-process ---
+@pytest.mark.parametrize("value", [np.float32(0.5), np.int64(1), torch.tensor(0.5), np.array(1.0), 1, 0.5,
+                                   fractions.Fraction(1, 2), decimal.Decimal("0.5")],
+                         ids=lambda v: type(v).__name__)
+def test_every_real_scalar_is_a_reward(value):
+    """Claim: a reward may return any one real number: numpy's float32 and int64, a 0-d tensor or array, int,
+    float, Fraction, Decimal (numpy.float32 was refused as 'not a finite number' while numpy.float64 passed)."""
+    assert score(lambda prompt, completion, answer: value, "1+1=", "2", "2") == float(value)
+
+
+@pytest.mark.parametrize("value, said", [
+    (True, "returned a bool (True)"), (np.bool_(False), "returned a bool"), ("1.0", "returned a str ('1.0')"),
+    ([1.0], "returned a list ([1.0])"), (None, "returned None"), (np.ones(2), "returned an array of shape (2,)"),
+    (float("nan"), "returned nan, not a finite number"), (np.float32("inf"), "returned inf, not a finite number"),
+])
+def test_a_wrong_reward_type_is_named(value, said):
+    """Claim: a reward that is not one finite real number is refused in one line that says plainly what it was."""
+    def odd(prompt, completion, answer):
+        return value
+    with pytest.raises(RewardError) as error:
+        score(odd, "1+1=", "2", "2")
+    assert f"odd' {said}" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_reward_that_exits_is_an_error_of_the_reward():
+    """Claim: sys.exit() inside a reward is a RewardError (not the end of the run: a sync run exited 0 with nothing
+    saved), while Ctrl-C (KeyboardInterrupt) still goes through to stop the run."""
+    with pytest.raises(RewardError, match="raised SystemExit: 0"):
+        score(lambda prompt, completion, answer: sys.exit(0), "1+1=", "2", "2")
+
+    def interrupted(prompt, completion, answer):
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        score(interrupted, "1+1=", "2", "2")
+
+
+def test_a_reward_call_has_a_time_limit():
+    """Claim: a reward call that runs past its limit is stopped there, in a sleep or in a Python loop that swallows
+    exceptions, and named with the limit and the option; calls within it, and the limit 0, are untouched."""
+    def stubborn(prompt, completion, answer):
+        while True:
+            try:
+                time.sleep(60)
+            except Exception:
+                pass
+    start = time.monotonic()
+    with pytest.raises(RewardError, match=r"stubborn' did not return within 0.5 s \(--reward-timeout"):
+        score(stubborn, "1+1=", "2", "2", time_limit=0.5)
+    assert time.monotonic() - start < 5
+    assert score(lambda prompt, completion, answer: time.sleep(0.2) or 1.0, "1+1=", "2", "2", time_limit=0.5) == 1.0
+    time.sleep(0.5)  # a late signal from the clock must not hit the code after a call that returned
+    assert score(lambda prompt, completion, answer: 0.0, "1+1=", "2", "2", time_limit=0) == 0.0
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="shared memory is a size-limited file system on Linux only")
+def test_a_full_shared_memory_is_reported_before_anything_is_made_there(monkeypatch):
+    """Claim: with /dev/shm (nearly) full, async mode fails with the one line naming --shm-size before it makes its
+    queues' semaphores there or starts the inference process (the weights' own size is checked before their
+    buffer is allocated: tests/test_pipeline.py)."""
+    import multiprocessing
+    import shutil
+
+    import inference
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(2**20, 2**20 - 4096, 4096))
+    with pytest.raises(inference.PipelineError, match="--shm-size"):
+        inference.AsyncRollouts("tiny", {}, [], [], "math")
+    assert multiprocessing.active_children() == []
+
+
+# --- end to end: python trainer.py in a subprocess ---
+def trainer_args(model_dir, out, *extra) -> list[str]:
+    """A tiny run with every size given (no probe), so it starts in seconds."""
+    return [sys.executable, "trainer.py", "--model", str(model_dir), "--data", "arithmetic", "--iterations", "2",
+            "--batch-size", "8", "--group-size", "4", "--max-new-tokens", "4", "--eval-every", "0",
+            "--groups-per-chunk", "2", "--micro-batch-tokens", "16384", "--rollout-threads", "1",
+            "--train-threads", "1", "--out", str(out), *map(str, extra)]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_hanging_reward_ends_the_run_within_its_limit(tiny_model_dir, tmp_path, mode):
+    """Claim: a reward call that never returns ends the run, in either mode, within --reward-timeout plus a few
+    seconds of its start: exit 1, one `error:` line naming the function, the limit and the option, no traceback,
+    no process left running, nothing saved (it hung silently forever)."""
+    marker = tmp_path / "reward-started"
+    process = subprocess.Popen(trainer_args(tiny_model_dir, tmp_path / "out", "--mode", mode, "--reward",
+                                            "tests/rewards.py:hanging_reward", "--reward-timeout", "2"),
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PERIODIC_RL_TEST_MARKER": str(marker)}, start_new_session=True)
+    try:
+        while not marker.exists():
+            assert process.poll() is None, process.communicate()
+            time.sleep(0.05)
+        hang_began, children = time.monotonic(), children_of(process.pid)
+        _, err = process.communicate(timeout=60)
+        elapsed = time.monotonic() - hang_began
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert process.returncode == 1, err
+    assert "hanging_reward' did not return within 2 s (--reward-timeout" in err and "Traceback" not in err
+    assert err.count("error:") == 1 and err.strip().splitlines()[-1].startswith("error:"), err
+    assert elapsed < 2 + 5, f"the run took {elapsed:.1f} s after the reward began to hang"
+    deadline = time.monotonic() + 3  # the resource tracker exits when it sees the trainer's pipe close
+    while any(alive(child) for child in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [child for child in children if alive(child)], "a child process outlived the trainer"
+    assert not (tmp_path / "out" / "policy").exists()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_reward_that_calls_sys_exit_is_an_error(tiny_model_dir, tmp_path, mode):
+    """Claim: a reward that calls sys.exit(0) fails the run in either mode: exit 1, one line naming the function and
+    SystemExit, no traceback, no policy saved (sync exited 0 silently with nothing saved; async printed a
+    traceback)."""
+    result = subprocess.run(trainer_args(tiny_model_dir, tmp_path, "--mode", mode, "--reward",
+                                         "tests/rewards.py:exiting_reward"),
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert "exiting_reward' raised SystemExit: 0" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "policy").exists()
+
+
+def test_a_prompt_longer_than_the_context_is_refused_at_start_up(tiny_model_dir, tmp_path):
+    """Claim: a --data file with a prompt that leaves no room for --max-new-tokens in the model's context
+    (max_position_embeddings: 4096 for the tiny model) is refused before training, naming the prompt's length."""
+    import json
+    rows = [{"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"} for i in range(80)]
+    rows[3]["question"] = "1+" * 2100 + "1?"  # 4202 bytes: 4202 tokens of the byte-level tiny tokenizer
+    data = tmp_path / "long.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    args = trainer_args(tiny_model_dir, tmp_path / "out", "--mode", "sync", "--eval-size", "8")
+    args[args.index("arithmetic")] = str(data)
+    result = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert "the longest prompt is 4202 tokens" in result.stderr and "context of 4096 tokens" in result.stderr
+    assert "iter " not in result.stdout and "Traceback" not in result.stderr
