@@ -183,7 +183,7 @@ class AsyncRollouts:
 
     def __init__(self, model_name: str, load_kwargs: dict, train, held_out, reward_spec: str,
                  timeline: Timeline | None = None, load: bool = True):
-        check_shared_memory(0)  # room for the queues' semaphores, before any is made (the weights: see attach)
+        check_shared_memory(0)  # a full /dev/shm fails here, in one line, before a process is spawned (weights: attach)
         context = mp.get_context("spawn")  # fork would copy the trainer's threads and CUDA state
         self.timeline = timeline or Timeline()
         self.dtype = load_kwargs.get("dtype")  # the inference side's weights, as published
