@@ -25,18 +25,19 @@ Departures, on purpose:
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 import multiprocessing.connection
 import os
 import queue
+import re
 import shutil
 import signal
 import sys
 import threading
 import time
 import traceback
-from contextlib import contextmanager
 
 import torch
 import torch.multiprocessing as mp
@@ -77,6 +78,22 @@ def check_shared_memory(nbytes: int, path: str = "/dev/shm") -> None:
                             f"/dev/shm), free some, or use --mode sync")
 
 
+def shared(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor.share_memory_()`, in one line when /dev/shm is full (filled since `check_shared_memory`), and without
+    the file torch leaves there then (it names the file in its error)."""
+    try:
+        return tensor.share_memory_()
+    except RuntimeError as error:
+        leftover = re.search(r"<(/torch_[\w.-]+)>", str(error))
+        if leftover is None:
+            raise
+        with contextlib.suppress(OSError):
+            os.unlink("/dev/shm" + leftover[1])
+        raise PipelineError(f"could not allocate {tensor.nbytes / 2**20:,.1f} MiB of shared memory ({error}): free "
+                            "some in /dev/shm, give the container more (docker run --shm-size), or use --mode sync"
+                            ) from None
+
+
 class WeightBuffer:
     """θ as one flat tensor in shared memory plus a version counter.
 
@@ -99,8 +116,8 @@ class WeightBuffer:
         for p in params:
             self.offsets.append(self.offsets[-1] + p.numel())
         check_shared_memory(self.offsets[-1] * dtype.itemsize)
-        self.flat = torch.empty(self.offsets[-1], dtype=dtype).share_memory_()  # (num_params,)
-        self._version = torch.full((1,), -1, dtype=torch.int64).share_memory_()  # (1,) shared too
+        self.flat = shared(torch.empty(self.offsets[-1], dtype=dtype))  # (num_params,)
+        self._version = shared(torch.full((1,), -1, dtype=torch.int64))  # (1,) shared too
         self.aliased = False
 
     def views(self) -> list[torch.Tensor]:
@@ -190,7 +207,7 @@ class AsyncRollouts:
         self.weights: WeightBuffer | None = None  # set by attach()
         self.loading = self.loaded = self.failed = False
         self.connection, child_end = context.Pipe()
-        self.heartbeat = torch.zeros(1, dtype=torch.int64).share_memory_()  # (1,) beats of the inference process
+        self.heartbeat = shared(torch.zeros(1, dtype=torch.int64))  # (1,) beats of the inference process
         self.last_beat, self.last_sign, self.last_check = 0, None, 0.0  # count last seen, when it last changed,
         # when it was last looked at (trainer's clock: `_check_progress`)
         self.process = context.Process(
@@ -320,7 +337,7 @@ class AsyncRollouts:
         self.connection.close()
 
 
-@contextmanager
+@contextlib.contextmanager
 def sigint_ignored():
     """SIGINT ignored inside the block (in the main thread; elsewhere handlers cannot change and nothing does)."""
     if threading.current_thread() is not threading.main_thread():

@@ -125,3 +125,34 @@ def test_a_killed_builds_folder_is_swept_by_the_next_build(tmp_path):
         (folder / "part").mkdir(parents=True)
     sweep_stale_builds(tmp_path)
     assert not dead.exists() and live.exists()
+
+
+FULL_SHM = """
+import torch, inference
+inference.check_shared_memory = lambda nbytes: None  # as if /dev/shm filled up after the check
+try:
+    inference.WeightBuffer(torch.nn.Linear(2000, 2000))  # 15 MiB
+except inference.PipelineError as error:
+    print("error:", error)
+"""
+
+
+def test_a_full_dev_shm_leaves_no_torch_segment(tmp_path):
+    """Claim: when a shared-memory allocation fails for want of room in /dev/shm (here a 1 MiB one, in a mount
+    namespace of its own), the error is one line and the `torch_*` file torch leaves behind is removed."""
+    import shutil
+    import subprocess
+    import sys
+
+    from faults import ROOT
+    if not shutil.which("unshare") or subprocess.run(["unshare", "--map-root-user", "--mount", "true"]).returncode:
+        pytest.skip("needs unshare with user and mount namespaces (a private /dev/shm)")
+    script = tmp_path / "full_shm.py"
+    script.write_text(FULL_SHM)
+    result = subprocess.run(
+        ["unshare", "--map-root-user", "--mount", "sh", "-c",
+         f"mount -t tmpfs -o size=1m tmpfs /dev/shm && {sys.executable} {script} && ls -A /dev/shm"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
+    lines = result.stdout.splitlines()
+    assert result.returncode == 0 and len(lines) == 1, result.stdout + result.stderr
+    assert lines[0].startswith("error: could not allocate 15.3 MiB of shared memory") and "--shm-size" in lines[0]
