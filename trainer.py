@@ -6,6 +6,8 @@ a Hugging Face model directory <out>/policy that `AutoModelForCausalLM.from_pret
 
 Any problem a user can fix (bad option, missing model or data, failing reward function, dead
 inference process) ends with one `error:` paragraph on stderr and a non-zero exit, no traceback.
+A stop signal (Ctrl-C, SIGTERM, SIGHUP), at any moment, ends with one `interrupted by SIG...` line
+and exit code 128 + signal, after both processes have stopped.
 """
 from __future__ import annotations
 
