@@ -53,6 +53,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, 
                           PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM)
 
 from config import UserError
+from outputs import make_directory
 from tasks import chain_working, hub_unreachable_reason, load_task
 
 TINY = "tiny"
@@ -282,7 +283,7 @@ def ensure_tiny_model(cache_dir: str | Path | None = None, recipe: TinyRecipe | 
     final = root / f"tiny-{recipe_key(recipe)}"
     if (final / "config.json").is_file():
         return final
-    root.mkdir(parents=True, exist_ok=True)
+    make_directory(root, "the tiny-model cache (--cache-dir, $PERIODIC_RL_CACHE)")
     print(f"periodic-rl: building the tiny model once into {final} ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
     building = Path(tempfile.mkdtemp(prefix=".building-", dir=root))
