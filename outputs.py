@@ -76,9 +76,8 @@ def check_paths(cfg: Config) -> None:
 
 def previous_run(out: Path) -> list[str]:
     """The files of an earlier run in `out` (an empty metrics.jsonl, from a run that failed early, is none)."""
-    metrics = out / "metrics.jsonl"
-    return [name for name in RUN_FILES if (out / name).exists()
-            and not (out / name == metrics and metrics.is_file() and metrics.stat().st_size == 0)]
+    paths = [out / name for name in RUN_FILES]
+    return [path.name for path in paths if path.is_dir() or path.is_file() and path.stat().st_size > 0]
 
 
 @contextmanager
