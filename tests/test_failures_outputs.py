@@ -172,7 +172,8 @@ def test_a_save_killed_half_way_leaves_the_previous_policy(tiny_model_dir, tmp_p
 def test_metrics_on_a_full_disk_is_one_line_saying_what_became_of_the_policy(tiny_model_dir, tmp_path, monkeypatch):
     """Claim: a full disk while appending to metrics.jsonl stops the run with one OutputError naming the file and
     the cause, and saying whether the trained policy was saved: before the last iteration it was not; at the
-    final evaluation's row it was, complete and loadable (it is saved right after the last optimizer step)."""
+    final evaluation's row it was, complete and loadable (it is saved right after the last optimizer step). A full
+    disk while saving the policy is one line too, and leaves the previous policy/ as it was."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     cfg = derive(Config(out=str(tmp_path), iterations=2))
@@ -197,6 +198,20 @@ def test_metrics_on_a_full_disk_is_one_line_saying_what_became_of_the_policy(tin
     with pytest.raises(outputs.OutputError, match=r"No space left on device \(the trained policy was saved in "):
         trainer.log_and_save(cfg, iter([dict(r) for r in rows]), model, tokenizer)
     assert_loadable(tmp_path / "policy")
+    monkeypatch.undo()
+    (tmp_path / "metrics.jsonl").write_text("")  # a full disk at save time: the previous policy/ stays whole
+    before = {p.name: p.read_bytes() for p in (tmp_path / "policy").iterdir()}
+    save = model.save_pretrained
+
+    def save_then_disk_full(folder, **kwargs):
+        save(folder, **kwargs)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(model, "save_pretrained", save_then_disk_full)
+    with pytest.raises(outputs.OutputError, match=r"^could not write the trained policy to .*policy: No space left "
+                                                  r"on device$"):
+        trainer.log_and_save(cfg, iter([dict(r) for r in rows]), model, tokenizer)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "policy").iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "policy"]
 
 
 def test_inference_process_dying_in_the_final_evaluation_keeps_the_policy(tiny_model_dir, tmp_path):
