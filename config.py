@@ -66,7 +66,9 @@ class Config:
                                "'path/to/file.py:function' taking (prompt, completion, answer) -> float")
     reward_timeout: float = _opt(10.0, "seconds one reward call may take; a call that runs longer stops the run with "
                                        "an error naming the function (0 = no limit)")
-    out: str = _opt("runs/latest", "output directory: metrics.jsonl, trace and the final policy/ model")
+    out: str = _opt("runs/latest", "output directory: metrics.jsonl and the final policy/ model (one run at a time)")
+    overwrite: bool = _opt(False, "replace the previous run in --out (its metrics.jsonl and policy/ are deleted "
+                                  "first); without it a directory holding a run is refused")
     seed: int = _opt(0, "seed for prompt order and for each prompt's sampling (0 to 2**64 - 1)")
     # --- schedule ---
     mode: str = _opt("async", "async: periodic asynchrony (separate inference process); sync: generate, then train",
@@ -304,6 +306,8 @@ def validate(cfg: Config) -> list[str]:
         need(value is None or value == "auto" and name == "device" or _is_device_name(value),
              f"--{name.replace('_', '-')} must be {'auto, ' if name == 'device' else ''}cpu, cuda[:N] or npu[:N] "
              f"(got {value!r})")
+    need(cfg.out.strip() != "", f"--out must name a directory (got {cfg.out!r})")
+    need(cfg.trace is None or cfg.trace.strip() != "", f"--trace must name a file (got {cfg.trace!r})")
     if cfg.data not in (None, "arithmetic", "gsm8k"):
         need(os.path.isfile(cfg.data), f"--data {cfg.data!r} is neither 'arithmetic', 'gsm8k' nor an existing "
                                        "JSONL file")

@@ -56,6 +56,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, 
                           PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM)
 
 from config import UserError
+from outputs import make_directory
 from tasks import chain_working, hub_unreachable_reason, load_task
 
 TINY = "tiny"
@@ -330,7 +331,7 @@ def ensure_tiny_model(cache_dir: str | Path | None = None, recipe: TinyRecipe | 
             print(f"periodic-rl: the cached tiny model in {final} cannot be read ({_one_line(error)}); rebuilding it",
                   file=sys.stderr, flush=True)
             shutil.rmtree(final)
-    root.mkdir(parents=True, exist_ok=True)
+    make_directory(root, "the tiny-model cache (--cache-dir, $PERIODIC_RL_CACHE)")
     print(f"periodic-rl: building the tiny model once into {final} ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
     sweep_stale_builds(root)

@@ -51,6 +51,7 @@ from typing import Iterator
 
 import torch
 
+import outputs
 import sizing
 from grpo import grpo_loss, loss_normalizer
 from inference import AsyncRollouts, OffPolicyError, PipelineError, SyncRollouts
@@ -319,4 +320,5 @@ def train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwar
         yield {"iteration": cfg.iterations, "policy_version": cfg.iterations, "final": True, "eval_reward": evaluation}
     finally:
         if cfg.trace:
-            timeline.write_chrome_trace(cfg.trace)
+            with outputs.writing("the trace", cfg.trace):
+                timeline.write_chrome_trace(cfg.trace)

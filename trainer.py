@@ -1,8 +1,9 @@
 """Entry point: `python trainer.py [--model qwen2.5-0.5b] [--mode async|sync] ...` (see --help).
 
-Reads the config, loads the policy and the task, runs the schedule of periodic_rl.py, prints one
-line per iteration (and appends it as JSON to <out>/metrics.jsonl), and saves the final policy as
-a Hugging Face model directory <out>/policy that `AutoModelForCausalLM.from_pretrained` loads.
+Reads the config, claims the output directory (outputs.py: checked, locked, no previous run mixed in),
+loads the policy and the task, runs the schedule of periodic_rl.py, prints one line per iteration (and
+appends it as JSON to <out>/metrics.jsonl), and saves θ_final, as soon as the last optimizer step is
+done, as a Hugging Face model directory <out>/policy that `AutoModelForCausalLM.from_pretrained` loads.
 
 Any problem a user can fix (bad option, missing model or data, failing reward function, dead
 inference process) ends with one `error:` paragraph on stderr and a non-zero exit, no traceback.
@@ -16,9 +17,10 @@ import os
 import signal
 import sys
 import time
-from contextlib import closing, contextmanager
+from contextlib import closing, contextmanager, suppress
 from pathlib import Path
 
+import outputs
 from config import Config, UserError, parse_args
 
 
@@ -157,39 +159,57 @@ def started(cfg: Config):
 
 def run(cfg: Config) -> dict:
     """Train as configured; returns the final row (with the start and end held-out rewards)."""
-    with started(cfg) as (rows, policy, tokenizer):
+    with outputs.claimed(cfg), started(cfg) as (rows, policy, tokenizer):  # --out checked and locked first
         return log_and_save(cfg, rows, policy, tokenizer)
 
 
+def save_policy(policy, tokenizer, path: Path) -> None:
+    """A Hugging Face model directory that `from_pretrained` loads, written atomically (outputs.save_atomically)."""
+    def write(folder: Path) -> None:
+        policy.save_pretrained(folder, safe_serialization=True)
+        tokenizer.save_pretrained(folder)
+    with outputs.writing("the trained policy to", path):
+        outputs.save_atomically(path, write)
+
+
 def log_and_save(cfg: Config, rows, policy, tokenizer) -> dict:
-    """A log line and a metrics.jsonl row per iteration, then the saved policy."""
+    """A log line and a metrics.jsonl row per iteration; the policy is saved as soon as the last optimizer
+    step is done, before the final evaluation and the trace, which can still fail without losing it."""
     from tqdm import tqdm
 
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    metrics_path = out / "metrics.jsonl"
-    metrics_path.write_text("")
-    first_eval, start = None, time.perf_counter()
+    metrics_path, policy_path = out / "metrics.jsonl", out / "policy"
+    with outputs.writing("metrics to", metrics_path):
+        metrics_path.write_text("")
+    first_eval, start, trained, saved = None, time.perf_counter(), False, False
     progress = tqdm(total=cfg.iterations, desc="iterations", disable=not sys.stderr.isatty(), leave=False)
-    for row in rows:
-        Interrupted.check()
-        if first_eval is None and row.get("eval_reward") is not None:
-            first_eval = row["eval_reward"]
-        row["elapsed_s"] = time.perf_counter() - start
-        tqdm.write(format_row(row), file=sys.stdout)
-        sys.stdout.flush()
-        progress.update(0 if row.get("final") else 1)
-        with metrics_path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+    try:
+        for row in rows:
+            Interrupted.check()
+            if first_eval is None and row.get("eval_reward") is not None:
+                first_eval = row["eval_reward"]
+            row["elapsed_s"] = time.perf_counter() - start
+            tqdm.write(format_row(row), file=sys.stdout)
+            sys.stdout.flush()
+            progress.update(0 if row.get("final") else 1)
+            trained = trained or row["iteration"] == cfg.iterations - 1  # the last optimizer step is done
+            if cfg.save and trained and not saved:  # before anything else can fail: the evaluation, the trace
+                save_policy(policy, tokenizer, policy_path)
+                saved = True
+            with outputs.writing("metrics to", metrics_path), metrics_path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+    except UserError as error:  # say what became of the trained policy (a failed save says so itself)
+        if saved:
+            error.args = (f"{error} (the trained policy was saved in {policy_path} first)",)
+        elif cfg.save and not trained:
+            error.args = (f"{error} (the run stopped before training ended: no policy was saved)",)
+        raise
     progress.close()
-    if cfg.save:
-        policy.save_pretrained(out / "policy", safe_serialization=True)
-        tokenizer.save_pretrained(out / "policy")
     final = {**row, "start_eval_reward": first_eval}
     print(f"done in {row['elapsed_s']:.1f}s: held-out reward "
           f"{first_eval if first_eval is None else round(first_eval, 3)}"
           f" -> {row['eval_reward'] if row['eval_reward'] is None else round(row['eval_reward'], 3)}; "
-          f"metrics in {metrics_path}" + (f", policy in {out / 'policy'}" if cfg.save else ""), flush=True)
+          f"metrics in {metrics_path}" + (f", policy in {policy_path}" if cfg.save else ""), flush=True)
     return final
 
 
@@ -208,11 +228,21 @@ def main(argv: list[str] | None = None) -> int:
             if Interrupted.received is None:
                 sys.stderr.write(f"error: {error}\n")
                 return 1
+        except BrokenPipeError:  # stdout's reader exited (`| head`): stop, as Unix tools do, and say so on stderr
+            if Interrupted.received is None:
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the flush at exit cannot fail again
+                with suppress(BrokenPipeError):  # stderr may be the same closed pipe (2>&1)
+                    sys.stderr.write("error: standard output was closed (its reader exited, e.g. `| head`): the run "
+                                     "stopped and the inference process with it; to keep the log, use `> log.txt` or "
+                                     "`| tee log.txt`\n")
+                return 1
         except BaseException as error:  # a stop signal, or the error of something it cut short (an import)
             if Interrupted.received is None and not isinstance(error, KeyboardInterrupt):
                 raise
     signum = Interrupted.received or signal.SIGINT
-    sys.stderr.write(f"interrupted by {signal.Signals(signum).name}: the run was stopped, nothing is left running\n")
+    with suppress(OSError):  # SIGHUP: the terminal may be gone
+        sys.stderr.write(f"interrupted by {signal.Signals(signum).name}: the run was stopped, nothing is left "
+                         "running\n")
     return 128 + signum
 
 

@@ -1,0 +1,258 @@
+"""Outputs and saves fail cleanly (issue #13, part B): bad output paths are one line at start-up, one run per --out,
+no previous run mixed in or lost, the policy saved before anything that can still fail, and saved atomically."""
+import errno
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import faults
+import outputs
+import trainer
+from config import Config, derive, validate
+from models import ensure_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXED_SIZES = ["--groups-per-chunk", "2", "--micro-batch-tokens", "1000", "--rollout-threads", "1",
+               "--train-threads", "1"]  # no probe: the run is short and its reward calls countable
+
+
+def small_run(out, *extra) -> list[str]:
+    return ["--data", "arithmetic", "--iterations", "2", "--batch-size", "16", "--group-size", "4",
+            "--max-new-tokens", "4", "--eval-every", "0", *FIXED_SIZES, "--out", str(out), *extra]
+
+
+def trainer_py(*args, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "trainer.py", *map(str, args)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, **kwargs)
+
+
+def assert_one_error_line(result: subprocess.CompletedProcess, fragment: str) -> None:
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], result.stderr
+
+
+def read_only(path: Path) -> Path:
+    """`path`, made read-only; skips the test where that denies nothing (root, with CAP_DAC_OVERRIDE)."""
+    path.mkdir(parents=True, exist_ok=True)
+    path.chmod(0o555)
+    if os.access(path, os.W_OK):
+        pytest.skip("this user writes into read-only directories (root)")
+    return path
+
+
+def assert_loadable(policy_dir: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(policy_dir)
+    tokenizer = AutoTokenizer.from_pretrained(policy_dir)
+    ids = torch.tensor([tokenizer.encode("12+7=", add_special_tokens=False)])
+    assert torch.isfinite(model(ids).logits).all()
+
+
+# --- the output paths, at start-up ---
+@pytest.mark.parametrize("out", ["", "  "])
+def test_blank_out_is_refused(out):
+    """Claim: `--out ''` (which wrote into the current directory) and a blank --trace are refused by validate."""
+    assert any(p.startswith("--out must name a directory") for p in validate(Config(out=out)))
+    assert any(p.startswith("--trace must name a file") for p in validate(Config(trace=out)))
+
+
+@pytest.mark.parametrize("option, fragment", [("--out", "is a file, not a directory"),
+                                              ("--trace", "is a directory")])
+def test_bad_output_path_fails_before_any_model_is_loaded(tmp_path, option, fragment):
+    """Claim: an --out that is a file, or a --trace that is a directory (found only after training before), is one
+    `error:` line at once: the run stops before loading the model (a model that does not exist is never reached)."""
+    (tmp_path / "file").write_text("not a directory")
+    (tmp_path / "folder").mkdir()
+    paths = {"--out": tmp_path / "file", "--trace": tmp_path / "folder"}
+    args = ["--model", tmp_path / "no-such-model", "--out", paths["--out"] if option == "--out" else tmp_path / "run"]
+    result = trainer_py(*args, *(["--trace", paths["--trace"]] if option == "--trace" else []))
+    assert_one_error_line(result, fragment)
+    assert "no-such-model" not in result.stderr
+
+
+def test_read_only_paths_are_one_line(tmp_path):
+    """Claim: a read-only --out, a read-only folder for --trace or for a new --out, and a read-only --cache-dir
+    where the tiny model must be built are each reported as one line naming the path, before anything is written."""
+    locked = read_only(tmp_path / "locked")
+    for cfg, fragment in [(Config(out=str(locked)), f"--out {locked} is not writable"),
+                          (Config(out=str(locked / "run")), f"--out {locked / 'run'} cannot be created"),
+                          (Config(out=str(tmp_path / "run"), trace=str(locked / "trace.json")), "--trace")]:
+        with pytest.raises(outputs.OutputError, match=fragment):
+            outputs.check_paths(cfg)
+    with pytest.raises(outputs.OutputError, match=f"tiny-model cache .* {re.escape(str(locked))} is not writable"):
+        ensure_tiny_model(locked)
+    assert not any(locked.iterdir())
+
+
+# --- one run per directory, nothing mixed, nothing lost ---
+def test_a_busy_out_is_refused_naming_the_other_run(tmp_path):
+    """Claim: while a run holds --out, a second run on it stops at once with one line naming the first run's PID;
+    the lock is released when the first run ends."""
+    cfg = Config(out=str(tmp_path))
+    with outputs.claimed(cfg):
+        result = trainer_py("--model", tmp_path / "no-such-model", "--out", tmp_path)
+        assert_one_error_line(result, f"--out {tmp_path} is in use by another run (PID {os.getpid()})")
+    with outputs.claimed(cfg):  # free again
+        pass
+
+
+def test_a_previous_run_is_refused_unless_overwrite(tmp_path):
+    """Claim: --out holding a previous run (metrics.jsonl with rows, policy/) is refused and left untouched;
+    --overwrite deletes those files first (and a half-written save); an empty metrics.jsonl is no run."""
+    (tmp_path / "metrics.jsonl").write_text('{"iteration": 0}\n')
+    (tmp_path / "policy").mkdir()
+    (tmp_path / "notes.txt").write_text("the user's own file")
+    (tmp_path / ".policy.saving-123").mkdir()
+    with pytest.raises(outputs.OutputError, match=r"holds a previous run \(metrics.jsonl, policy\): pass --overwrite"):
+        with outputs.claimed(Config(out=str(tmp_path))):
+            pass
+    assert (tmp_path / "metrics.jsonl").read_text() and (tmp_path / "policy").is_dir()
+    with outputs.claimed(Config(out=str(tmp_path), overwrite=True)):
+        assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "notes.txt"]
+    (tmp_path / "metrics.jsonl").write_text("")
+    with outputs.claimed(Config(out=str(tmp_path))):
+        pass
+
+
+# --- the policy: saved first, saved atomically ---
+def test_replacing_a_directory_keeps_nothing_of_the_old_one(tmp_path):
+    """Claim: save_atomically over an existing directory leaves exactly the new contents (none of the previous
+    run's files beside them) and no temporary folder; a write that fails leaves the previous directory as it was."""
+    target = tmp_path / "policy"
+    target.mkdir()
+    (target / "model.safetensors").write_text("previous weights")
+
+    def write_new(folder: Path) -> None:
+        (folder / "config.json").write_text("{}")
+    outputs.save_atomically(target, write_new)
+    assert [p.name for p in tmp_path.iterdir()] == ["policy"]
+    assert [p.name for p in target.iterdir()] == ["config.json"]
+
+    def write_then_fail(folder: Path) -> None:
+        (folder / "config.json").write_text('{"torn": true}')
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    with pytest.raises(OSError):
+        outputs.save_atomically(target, write_then_fail)
+    assert [p.name for p in tmp_path.iterdir()] == ["policy"] and (target / "config.json").read_text() == "{}"
+
+
+def test_a_save_killed_half_way_leaves_the_previous_policy(tiny_model_dir, tmp_path):
+    """Claim: SIGKILL while save_atomically writes (config written, weights not yet) leaves the previous policy/
+    byte for byte, and from_pretrained loads it."""
+    target = tmp_path / "policy"
+    shutil.copytree(tiny_model_dir, target)
+    before = {p.name: p.read_bytes() for p in target.iterdir()}
+    script = (f"import sys, time; from pathlib import Path; sys.path.insert(0, {str(ROOT)!r}); import outputs\n"
+              "def write(folder):\n"
+              "    (folder / 'config.json').write_text('{}')\n"
+              "    print('writing', flush=True)\n"
+              "    time.sleep(60)\n"
+              f"outputs.save_atomically(Path({str(target)!r}), write)\n")
+    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline() == "writing\n"
+    finally:
+        process.kill()
+        process.wait()
+    assert {p.name: p.read_bytes() for p in target.iterdir()} == before
+    assert_loadable(target)
+
+
+def test_metrics_on_a_full_disk_is_one_line_saying_what_became_of_the_policy(tiny_model_dir, tmp_path, monkeypatch):
+    """Claim: a full disk while appending to metrics.jsonl stops the run with one OutputError naming the file and
+    the cause, and saying whether the trained policy was saved: before the last iteration it was not; at the
+    final evaluation's row it was, complete and loadable (it is saved right after the last optimizer step). A full
+    disk while saving the policy is one line too, and leaves the previous policy/ as it was."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    cfg = derive(Config(out=str(tmp_path), iterations=2))
+    rows = [{"iteration": 0, "policy_version": 0, "eval_reward": 0.5},
+            {"iteration": 1, "policy_version": 1, "eval_reward": None},
+            {"iteration": 2, "policy_version": 2, "final": True, "eval_reward": 0.75}]
+    open_path = Path.open
+
+    def disk_full_at(iteration):
+        def fake_open(path, mode="r", *args, **kwargs):
+            if path.name == "metrics.jsonl" and mode == "a" and len(path.read_text().splitlines()) == iteration:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+            return open_path(path, mode, *args, **kwargs)
+        return fake_open
+
+    monkeypatch.setattr(Path, "open", disk_full_at(0))
+    with pytest.raises(outputs.OutputError, match=r"^could not write metrics to .*metrics.jsonl: No space left on "
+                                                  r"device \(the run stopped before training ended: no policy"):
+        trainer.log_and_save(cfg, iter([dict(r) for r in rows]), model, tokenizer)
+    assert not (tmp_path / "policy").exists()
+    monkeypatch.setattr(Path, "open", disk_full_at(2))
+    with pytest.raises(outputs.OutputError, match=r"No space left on device \(the trained policy was saved in "):
+        trainer.log_and_save(cfg, iter([dict(r) for r in rows]), model, tokenizer)
+    assert_loadable(tmp_path / "policy")
+    monkeypatch.undo()
+    (tmp_path / "metrics.jsonl").write_text("")  # a full disk at save time: the previous policy/ stays whole
+    before = {p.name: p.read_bytes() for p in (tmp_path / "policy").iterdir()}
+    save = model.save_pretrained
+
+    def save_then_disk_full(folder, **kwargs):
+        save(folder, **kwargs)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(model, "save_pretrained", save_then_disk_full)
+    with pytest.raises(outputs.OutputError, match=r"^could not write the trained policy to .*policy: No space left "
+                                                  r"on device$"):
+        trainer.log_and_save(cfg, iter([dict(r) for r in rows]), model, tokenizer)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "policy").iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "policy"]
+
+
+def test_inference_process_dying_in_the_final_evaluation_keeps_the_policy(tiny_model_dir, tmp_path):
+    """Claim: the inference process killed during the final evaluation ends the run with one `error:` line that
+    says the policy was saved; policy/ is complete and loadable, nothing is left running or in /dev/shm; with
+    --overwrite nothing of the previous run in --out survives beside the new one."""
+    reward = tmp_path / "reward.py"  # 2 iterations x 16 responses + the first evaluation's 4 x 4: then the final one
+    reward.write_text("import os, signal\ncalls = 0\n"
+                      "def reward(prompt, completion, answer):\n"
+                      "    global calls\n    calls += 1\n"
+                      "    if calls > 48:\n        os.kill(os.getpid(), signal.SIGKILL)\n"
+                      "    return 1.0\n")
+    out = tmp_path / "run"
+    (out / "policy").mkdir(parents=True)
+    (out / "policy" / "stale.bin").write_text("the previous run's weights")
+    (out / "metrics.jsonl").write_text('{"iteration": 99}\n')
+    run = faults.Launch("--model", tiny_model_dir, *small_run(out, "--eval-every", "2", "--eval-size", "4",
+                                                              "--eval-samples", "4", "--reward", f"{reward}:reward",
+                                                              "--overwrite"))
+    with run:
+        run.assert_stopped(1, r"^error: .*inference process.*\(the trained policy was saved in .*policy first\)$",
+                           within=300)
+    assert [json.loads(line)["iteration"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [0, 1]
+    assert not (out / "policy" / "stale.bin").exists()
+    assert_loadable(out / "policy")
+
+
+def test_closed_stdout_stops_the_run_without_a_traceback(tiny_model_dir, tmp_path):
+    """Claim: `python trainer.py | head -n 1` prints that line, then the trainer stops (exit 1) with one `error:`
+    line on stderr, no traceback, and leaves no process behind."""
+    faults.become_subreaper()  # an orphaned inference process would be re-parented to this process
+    before = faults.children(os.getpid())
+    command = " ".join([sys.executable, "trainer.py", "--model", str(tiny_model_dir),
+                        *small_run(tmp_path, "--iterations", "1000")])
+    shm_before = faults.shm_entries()
+    result = subprocess.run(["bash", "-c", f'{command} | head -n 1; exit "${{PIPESTATUS[0]}}"'], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert result.stdout.startswith("periodic-rl: async") and result.stdout.count("\n") == 1
+    assert_one_error_line(result, "standard output was closed")
+    time.sleep(1)
+    left = {p: s for p, s in faults.children(os.getpid()).items() if before.get(p) != s}
+    faults.reap(left)
+    assert not [p for p, s in left.items() if faults.alive(p, s)], left
+    assert faults.shm_entries() <= shm_before
