@@ -111,6 +111,15 @@ class Config:
     eval_samples: int = _opt(4, "sampled responses per held-out prompt")
     trace: str | None = _opt(None, "write a Chrome trace-event JSON timeline of both processes to this path")
     save: bool = _opt(True, "save the final policy as a Hugging Face model directory in <out>/policy")
+    # --- long runs (checkpoint.py) ---
+    save_every: int = _opt(0, "every N iterations write <out>/checkpoint-<k>: policy, optimizer state and config, "
+                              "everything an exact resume needs, atomically (0 = never)")
+    keep_checkpoints: int = _opt(2, "keep the newest K checkpoints, delete older ones (0 = keep all)")
+    resume: str | None = _opt(None, "continue a run: a checkpoint directory, or 'auto' (the newest in --out). The "
+                                    "checkpoint's options apply; only those that do not change the result (iterations, "
+                                    "evaluation, outputs, devices, threads, micro-batch) may be given anew")
+    save_on_stop: bool = _opt(False, "on SIGTERM, SIGINT or SIGHUP write a checkpoint of the iterations done before "
+                                     "stopping (always done when --save-every is set)")
     gradient_checkpointing: bool = _opt(False, "recompute each layer's activations in backward (real models: trades "
                                                "~30%% more training compute for far less activation memory)")
     # --- devices ---
@@ -306,6 +315,8 @@ def validate(cfg: Config) -> list[str]:
         need(value is None or value == "auto" and name == "device" or _is_device_name(value),
              f"--{name.replace('_', '-')} must be {'auto, ' if name == 'device' else ''}cpu, cuda[:N] or npu[:N] "
              f"(got {value!r})")
+    need(cfg.save_every >= 0 and cfg.keep_checkpoints >= 0, "--save-every and --keep-checkpoints must be >= 0")
+    need(cfg.resume is None or cfg.resume.strip() != "", "--resume must name a checkpoint directory or 'auto'")
     need(cfg.out.strip() != "", f"--out must name a directory (got {cfg.out!r})")
     need(cfg.trace is None or cfg.trace.strip() != "", f"--trace must name a file (got {cfg.trace!r})")
     if cfg.data not in (None, "arithmetic", "gsm8k"):
@@ -329,20 +340,27 @@ def _argument_type(annotation: str):
     return names[parts[0]]
 
 
-def build_parser(prog: str = "trainer.py") -> argparse.ArgumentParser:
+def build_parser(prog: str = "trainer.py", defaults: bool = True) -> argparse.ArgumentParser:
+    """The command line of Config; defaults=False leaves out every option not given (see `given_options`)."""
     parser = _OneLineParser(prog=prog, description="GRPO with periodic asynchrony (arXiv 2511.18871).",
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(Config):
         flag = "--" + f.name.replace("_", "-")
         kind = _argument_type(f.type)
+        default = f.default if defaults else argparse.SUPPRESS
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
                                 help=f.metadata["help"])
         else:
-            parser.add_argument(flag, type=f.metadata.get("type", kind), default=f.default, help=f.metadata["help"],
+            parser.add_argument(flag, type=f.metadata.get("type", kind), default=default, help=f.metadata["help"],
                                 choices=f.metadata.get("choices"),
                                 metavar=None if "choices" in f.metadata else f.name.upper())
     return parser
+
+
+def given_options(argv: list[str] | None = None) -> set[str]:
+    """The fields named on the command line, not left at their defaults (a resumed run tells them apart)."""
+    return set(vars(build_parser(defaults=False).parse_args(argv)))
 
 
 def parse_args(argv: list[str] | None = None, prog: str = "trainer.py") -> Config:

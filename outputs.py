@@ -12,9 +12,9 @@ Rules (each a one-line `OutputError` when broken; trainer.py prints it and exits
    only when it must build there: a read-only cache that already holds the model is fine.)
 2. One run per directory: a second run on a busy `--out` is refused and told the other run's PID. The
    kernel drops the lock when its process ends, however it ends, so a killed run never blocks the next.
-3. A directory that holds a previous run (metrics.jsonl with rows, or policy/) is refused unless
-   `--overwrite`, which deletes those first: a new run's files are never mixed with an old run's, and an
-   old run is never lost unless the user asked.
+3. A directory that holds a previous run (metrics.jsonl with rows, policy/, checkpoints) is refused unless
+   `--resume` continues it or `--overwrite` deletes those first: a new run's files are never mixed with
+   an old run's, and an old run is never lost unless the user asked.
 4. `save_atomically` writes a directory beside its target, syncs it to disk and renames it into place:
    a kill or a full disk at any moment leaves the previous directory or the new one, never a torn one.
 
@@ -34,7 +34,7 @@ from typing import Callable, Iterator
 from config import Config, UserError
 
 LOCK_FILE = ".lock"
-RUN_FILES = ("metrics.jsonl", "policy")  # what a run leaves in --out (--overwrite deletes these)
+RUN_FILES = ("metrics.jsonl", "policy")  # what a run leaves in --out besides checkpoint-* (--overwrite deletes them)
 
 
 class OutputError(UserError):
@@ -75,8 +75,9 @@ def check_paths(cfg: Config) -> None:
 
 
 def previous_run(out: Path) -> list[str]:
-    """The files of an earlier run in `out` (an empty metrics.jsonl, from a run that failed early, is none)."""
-    paths = [out / name for name in RUN_FILES]
+    """The files of an earlier run in `out`, its checkpoints included (an empty metrics.jsonl, from a run that
+    failed early, is none)."""
+    paths = [out / name for name in RUN_FILES] + sorted(out.glob("checkpoint-*"))
     return [path.name for path in paths if path.is_dir() or path.is_file() and path.stat().st_size > 0]
 
 
@@ -99,10 +100,10 @@ def claimed(cfg: Config) -> Iterator[Path]:
         lock.write(f"{os.getpid()}\n")
         lock.flush()
         found = previous_run(out)
-        if found and not cfg.overwrite:
-            raise OutputError(f"--out {out} holds a previous run ({', '.join(found)}): pass --overwrite to "
-                              "replace it, or choose another --out")
-        for name in found:
+        if found and not (cfg.overwrite or cfg.resume):
+            raise OutputError(f"--out {out} holds a previous run ({', '.join(found[:3])}{', ...' if found[3:] else ''}"
+                              "): pass --resume auto to continue it, --overwrite to replace it, or choose another --out")
+        for name in found if cfg.overwrite else []:
             target = out / name
             shutil.rmtree(target) if target.is_dir() else target.unlink()
         for stale in out.glob(".*.saving-*"):  # a save killed half-way (rule 4); the lock says it is not running

@@ -47,10 +47,12 @@ import contextlib
 import math
 import os
 import time
+from pathlib import Path
 from typing import Iterator
 
 import torch
 
+import checkpoint
 import outputs
 import sizing
 from grpo import grpo_loss, loss_normalizer
@@ -88,6 +90,7 @@ class Learner:
                  timeline: Timeline):
         self.tri, self.optimizer, self.cfg, self.device, self.timeline = tri_model, optimizer, cfg, device, timeline
         self.groups_per_minibatch = cfg.prompts_per_iteration // cfg.updates_per_iteration
+        self.iteration, self.minibatch, self.stepping = None, 0, False
 
     def start(self, iteration: int) -> None:
         self.iteration, self.minibatch = iteration, 0
@@ -169,6 +172,7 @@ class Learner:
 
     def step(self) -> None:
         """The current mini-batch's optimizer step: ∇ /= D, clip, AdamW."""
+        self.stepping = True
         with self.timeline.span(f"optimizer step {self.minibatch}"):
             normalizer = loss_normalizer(self.cfg.loss_type, self.minibatch_sequences, self.minibatch_tokens)
             params = [p for p in self.tri.policy.parameters() if p.grad is not None]
@@ -183,6 +187,16 @@ class Learner:
         self.minibatch += 1
         self.minibatch_tokens = self.minibatch_sequences = 0
         self.minibatch_loss = torch.zeros((), device=self.device)
+        self.stepping = False
+
+    def iterations_done(self) -> int | None:
+        """How many iterations the weights and AdamW's state hold exactly, or None half-way through an
+        iteration's steps (or inside one): what a checkpoint written now can claim."""
+        if self.iteration is None or self.stepping:
+            return None
+        if self.minibatch == 0:
+            return self.iteration
+        return self.iteration + 1 if self.minibatch == self.cfg.updates_per_iteration else None
 
     def metrics(self) -> dict[str, float]:
         if self.minibatch != self.cfg.updates_per_iteration:
@@ -245,13 +259,14 @@ def record(timeline: Timeline, message) -> None:
 
 
 def train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwargs: dict,
-          rollouts: AsyncRollouts | None = None) -> Iterator[dict]:
+          rollouts: AsyncRollouts | None = None, resume_from: Path | None = None) -> Iterator[dict]:
     """Run cfg.iterations iterations and yield one metrics dict per iteration, then the final evaluation.
 
-    `policy` is already on cfg.train_device. Async mode samples in `rollouts`, the inference process
-    (`inference_side`; the caller owns it); sync mode samples here, with a copy of the policy in the
-    compute dtype if it differs (`load_kwargs` says how to load it). The last yielded dict has
-    `"final": True` and only the evaluation of θ_final.
+    `policy` is already on cfg.train_device, at θ_0. Async mode samples in `rollouts`, the inference
+    process (`inference_side`; the caller owns it); sync mode samples here, with a copy of the policy in
+    the compute dtype if it differs (`load_kwargs` says how to load it). The last yielded dict has
+    `"final": True` and only the evaluation of θ_final. `resume_from`: a checkpoint (checkpoint.py) whose
+    θ_k and optimizer state replace θ_0's after the reference is taken; the run goes on at iteration k.
     """
     if cfg.mode == "async" and rollouts is None:
         raise ValueError("async mode samples in the inference process: pass `rollouts` (see inference_side)")
@@ -261,6 +276,14 @@ def train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwar
         enable_activation_checkpointing(policy)
     tri = build_tri_model(cfg, policy, tokenizer.pad_token_id)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    # a long run's checkpoints: θ_k and AdamW's state, tied to θ_0 (the reference) by its fingerprint
+    keeps_checkpoints = bool(cfg.save_every or cfg.save_on_stop or resume_from)
+    theta_0 = checkpoint.fingerprint(policy) if keeps_checkpoints else ""
+    first = checkpoint.restore(resume_from, policy, optimizer, theta_0) if resume_from else 0
+
+    def save_checkpoint(iterations_done: int) -> None:
+        with timeline.span(f"checkpoint {iterations_done}"):
+            checkpoint.save(cfg.out, iterations_done, policy, tokenizer, optimizer, cfg, theta_0, cfg.keep_checkpoints)
     # sizes left open: measured (--sizes probe) or by rule (sizing.py)
     if rollouts is not None and not cfg.sized:
         rollouts.wait_until_loaded()  # the probe times this machine's cores, not the inference side's loading
@@ -283,8 +306,9 @@ def train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwar
         timeline = Timeline()
     learner = Learner(tri, optimizer, cfg, device, timeline)
     in_turns = cfg.mode == "async" and takes_turns(cfg)
+    logged = first  # iterations whose row is out
     try:  # the iterations, as in the module docstring's figure
-        for iteration in range(cfg.iterations):
+        for iteration in range(first, cfg.iterations):
             start, first_span = time.perf_counter(), len(timeline.spans)
             tri.start_iteration()                                 # θ_old := θ_k (when N > 1 updates)
             learner.start(iteration)
@@ -309,7 +333,10 @@ def train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwar
                    **timing, "tokens_per_s": learner.tokens / timing["iteration_s"]}
             if not all(math.isfinite(v) for v in row.values() if isinstance(v, float)):
                 raise PipelineError(f"iteration {iteration} produced a non-finite metric: {row}")
+            logged = iteration + 1
             yield row
+            if cfg.save_every and (iteration + 1) % cfg.save_every == 0:
+                save_checkpoint(iteration + 1)                    # an exact resume point (after the row is out)
         rollouts.publish(policy, cfg.iterations)                  # θ_final, for its evaluation only
         rollouts.generate(cfg.iterations, final_iteration=cfg.iterations, train_prompts=False)  # evaluation only
         evaluation = None
@@ -318,6 +345,11 @@ def train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwar
             if isinstance(message, Evaluation):
                 evaluation = held_out_reward(message, cfg.iterations)
         yield {"iteration": cfg.iterations, "policy_version": cfg.iterations, "final": True, "eval_reward": evaluation}
+    except KeyboardInterrupt:  # a stop signal (trainer.py): keep the iterations done, if that state is exact
+        done = learner.iterations_done()  # None half-way through an iteration's steps: not an exact state
+        if (cfg.save_every or cfg.save_on_stop) and done == logged != first:  # and each iteration's row is out
+            save_checkpoint(done)
+        raise
     finally:
         if cfg.trace:
             with outputs.writing("the trace", cfg.trace):

@@ -21,7 +21,7 @@ from contextlib import closing, contextmanager, suppress
 from pathlib import Path
 
 import outputs
-from config import Config, UserError, parse_args
+from config import Config, UserError, given_options, parse_args
 
 
 class DeviceError(UserError):
@@ -135,8 +135,9 @@ def load_policy(cfg: Config, load_kwargs: dict, rollouts=None):
 
 
 @contextmanager
-def started(cfg: Config):
-    """The run as configured, ready to iterate: (rows, policy, tokenizer), rows being `periodic_rl.train`'s.
+def started(cfg: Config, resume_from: Path | None = None):
+    """The run as configured, ready to iterate: (rows, policy, tokenizer), rows being `periodic_rl.train`'s
+    (from the checkpoint `resume_from`, if given).
 
     The inference process (async mode) is spawned before the trainer imports transformers' models and
     loads its own copy, so the two processes' imports and loads overlap; the `with` block owns it until
@@ -152,15 +153,18 @@ def started(cfg: Config):
         print(f"periodic-rl: {cfg.mode} | model {cfg.model} | {len(train_examples)} train / {len(held_out)} held-out "
               f"prompts | {cfg.iterations} iterations x {cfg.prompts_per_iteration} prompts x {cfg.group_size} | "
               f"out {cfg.out}", flush=True)
-        rows = periodic_rl.train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwargs, rollouts)
+        rows = periodic_rl.train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwargs, rollouts,
+                                 resume_from)
         with closing(rows):  # however the block ends, the schedule's own clean-up (the trace) runs here
             yield rows, policy, tokenizer
 
 
-def run(cfg: Config) -> dict:
-    """Train as configured; returns the final row (with the start and end held-out rewards)."""
-    with outputs.claimed(cfg), started(cfg) as (rows, policy, tokenizer):  # --out checked and locked first
-        return log_and_save(cfg, rows, policy, tokenizer)
+def run(cfg: Config, resume_from: Path | None = None) -> dict:
+    """Train as configured (on from a checkpoint); returns the final row (with the start and end held-out rewards)."""
+    import checkpoint
+    resumed_at = checkpoint.read_state(resume_from)["iterations_done"] if resume_from else 0
+    with outputs.claimed(cfg), started(cfg, resume_from) as (rows, policy, tokenizer):  # --out checked, locked first
+        return log_and_save(cfg, rows, policy, tokenizer, resumed_at)
 
 
 def save_policy(policy, tokenizer, path: Path) -> None:
@@ -172,16 +176,30 @@ def save_policy(policy, tokenizer, path: Path) -> None:
         outputs.save_atomically(path, write)
 
 
-def log_and_save(cfg: Config, rows, policy, tokenizer) -> dict:
-    """A log line and a metrics.jsonl row per iteration; the policy is saved as soon as the last optimizer
-    step is done, before the final evaluation and the trace, which can still fail without losing it."""
+def earlier_rows(metrics_path: Path, before: int) -> list[dict]:
+    """A resumed run's metrics so far: the rows of iterations before `before` (a row torn by a kill is dropped)."""
+    rows = []
+    for line in metrics_path.read_text().splitlines() if metrics_path.is_file() else []:
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return [row for row in rows if not row.get("final") and row.get("iteration", before) < before]
+
+
+def log_and_save(cfg: Config, rows, policy, tokenizer, resumed_at: int = 0) -> dict:
+    """A log line and a metrics.jsonl row per iteration (a resumed run's continue the file); the policy is saved
+    as soon as the last optimizer step is done, before the final evaluation and the trace, which can still fail
+    without losing it."""
     from tqdm import tqdm
 
     out = Path(cfg.out)
     metrics_path, policy_path = out / "metrics.jsonl", out / "policy"
+    kept = earlier_rows(metrics_path, resumed_at) if resumed_at else []
     with outputs.writing("metrics to", metrics_path):
-        metrics_path.write_text("")
-    first_eval, start, trained, saved = None, time.perf_counter(), False, False
+        metrics_path.write_text("".join(json.dumps(row) + "\n" for row in kept))
+    first_eval = next((row["eval_reward"] for row in kept if row.get("eval_reward") is not None), None)
+    start, trained, saved = time.perf_counter(), False, False
     progress = tqdm(total=cfg.iterations, desc="iterations", disable=not sys.stderr.isatty(), leave=False)
     try:
         for row in rows:
@@ -198,6 +216,8 @@ def log_and_save(cfg: Config, rows, policy, tokenizer) -> dict:
                 saved = True
             with outputs.writing("metrics to", metrics_path), metrics_path.open("a") as f:
                 f.write(json.dumps(row) + "\n")
+    except KeyboardInterrupt as stop:  # a stop signal while a row is handled here: the schedule may still keep
+        rows.throw(stop)               # a checkpoint of the iterations done (periodic_rl.train), then stops
     except UserError as error:  # say what became of the trained policy (a failed save says so itself)
         if saved:
             error.args = (f"{error} (the trained policy was saved in {policy_path} first)",)
@@ -221,7 +241,9 @@ def main(argv: list[str] | None = None) -> int:
             # there was swallowed and left numpy half-imported (the run went on, then crashed at save)
             cfg = parse_args(argv)
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # two processes, each with its own threads
-            run(cfg)
+            import checkpoint
+            cfg, resume_from = checkpoint.resumption(cfg, given_options(argv))  # --resume: the checkpoint's options
+            run(cfg, resume_from)
             Interrupted.check()
             return 0
         except UserError as error:

@@ -108,13 +108,14 @@ def test_a_busy_out_is_refused_naming_the_other_run(tmp_path):
 
 
 def test_a_previous_run_is_refused_unless_overwrite(tmp_path):
-    """Claim: --out holding a previous run (metrics.jsonl with rows, policy/) is refused and left untouched;
-    --overwrite deletes those files first (and a half-written save); an empty metrics.jsonl is no run."""
+    """Claim: --out holding a previous run (metrics.jsonl with rows, policy/, checkpoints) is refused and left
+    untouched; --overwrite deletes those files first (and a half-written save); an empty metrics.jsonl is no run."""
     (tmp_path / "metrics.jsonl").write_text('{"iteration": 0}\n')
     (tmp_path / "policy").mkdir()
+    (tmp_path / "checkpoint-2").mkdir()
     (tmp_path / "notes.txt").write_text("the user's own file")
     (tmp_path / ".policy.saving-123").mkdir()
-    with pytest.raises(outputs.OutputError, match=r"holds a previous run \(metrics.jsonl, policy\): pass --overwrite"):
+    with pytest.raises(outputs.OutputError, match=r"holds a previous run \(metrics.jsonl, policy, checkpoint-2\): pass --resume auto"):
         with outputs.claimed(Config(out=str(tmp_path))):
             pass
     assert (tmp_path / "metrics.jsonl").read_text() and (tmp_path / "policy").is_dir()

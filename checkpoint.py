@@ -1,0 +1,170 @@
+"""Checkpoints: what an exact resume needs, written so that a kill at any moment never leaves a torn one.
+
+    <out>/checkpoint-<k>/          k = iterations done: a resumed run starts at iteration k
+        policy/                    θ_k, a Hugging Face model directory (from_pretrained loads it alone)
+        optimizer.pt               AdamW's state_dict: both moments and the step count of every parameter
+        state.json                 k, the run's resolved config (sizes and threads included), θ_0's fingerprint
+
+Nothing else is needed, because everything else an iteration uses is a function of these:
+- the reference π_ref = θ_0 is the run's `--model`, loaded again at resume and checked against the
+  fingerprint saved here (a SHA-256 of its parameters), so no second full copy lies on disk;
+- the old policy θ_old is θ_k itself at an iteration boundary;
+- rollouts are sampled from seeds derived from (seed, iteration, prompt index) (rollout.prompt_seed),
+  and prompts are picked by (seed, iteration) (rollout.iteration_prompts): no RNG state carries over;
+- the sizes (generate calls, micro-batch, threads) are in the config, so a resume batches the same
+  groups together and sums in the same order: with equal thread counts it is bitwise the run that was
+  never interrupted (tests/test_checkpoint.py).
+
+Resuming takes the checkpoint's config; options that do not change the result (iterations, evaluation
+cadence, outputs, devices, threads, ...) may be given anew; any other option given with a different
+value is refused, naming it (`resumed_config`). How big a checkpoint is: the policy in float32 plus
+AdamW's two moments, 3 x 4 bytes per parameter (Qwen2.5-0.5B: 0.49 G parameters, ~5.9 GB).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+from config import Config, UserError, validate
+from outputs import save_atomically
+
+CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+# Options a resumed run may give anew: they decide how long, where, on what and how often to report, or change
+# float rounding only (sums in another order, other kernels), not what is computed. Not given, they stay the
+# checkpoint's, so that by default a resume is bitwise the run that was never interrupted.
+HARMLESS = {"iterations", "eval_every", "eval_size", "eval_samples", "trace", "save", "save_every", "keep_checkpoints",
+            "save_on_stop", "sizes", "cache_dir", "reward_timeout", "gradient_checkpointing", "attn_implementation",
+            "micro_batch_tokens", "rollout_threads", "train_threads"}
+DEVICES = {"device", "rollout_device", "train_device"}  # given one, all three are this run's (derived together)
+THIS_RUN = {"out", "resume", "overwrite"}  # where the checkpoint was found and how
+
+
+class CheckpointError(UserError):
+    """A checkpoint is missing, incomplete or does not belong to this run."""
+
+
+def fingerprint(model: torch.nn.Module) -> str:
+    """SHA-256 of every parameter's name, shape, dtype and bytes: tells θ_0 from any other weights."""
+    digest = hashlib.sha256()
+    for name, parameter in model.state_dict().items():
+        tensor = parameter.detach().to("cpu").contiguous()
+        digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()
+
+
+def save(out: str | Path, iterations_done: int, policy, tokenizer, optimizer: torch.optim.Optimizer, cfg: Config,
+         reference_fingerprint: str, keep: int = 0) -> Path:
+    """Write <out>/checkpoint-<iterations_done> atomically; then keep only the newest `keep` (0: all)."""
+    target = Path(out) / f"checkpoint-{iterations_done}"
+
+    def write(directory: Path) -> None:
+        policy.save_pretrained(directory / "policy", safe_serialization=True)
+        tokenizer.save_pretrained(directory / "policy")
+        torch.save(optimizer.state_dict(), directory / "optimizer.pt")
+        state = {"iterations_done": iterations_done, "config": dataclasses.asdict(cfg),
+                 "reference_fingerprint": reference_fingerprint}
+        (directory / "state.json").write_text(json.dumps(state, indent=1))
+
+    save_atomically(target, write)
+    if keep:
+        for old in checkpoints(out)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    return target
+
+
+def checkpoints(out: str | Path) -> list[Path]:
+    """The complete checkpoints in `out`, oldest first (a torn write never has a checkpoint-<k> name)."""
+    found = [(int(m.group(1)), p) for p in Path(out).glob("checkpoint-*") if (m := CHECKPOINT.match(p.name))]
+    return [p for _, p in sorted(found) if (p / "state.json").is_file()]
+
+
+def find(resume: str, out: str | Path) -> Path:
+    """--resume PATH (a checkpoint directory) or auto (the newest complete one in --out)."""
+    if resume == "auto":
+        found = checkpoints(out)
+        if not found:
+            raise CheckpointError(f"--resume auto: no checkpoint in {out} (they are written by --save-every N)")
+        return found[-1]
+    path = Path(resume)
+    if not (path / "state.json").is_file():
+        raise CheckpointError(f"--resume {resume}: not a checkpoint directory (no state.json in it); "
+                              f"pass a <out>/checkpoint-<k> directory or --resume auto")
+    return path
+
+
+def read_state(path: Path) -> dict:
+    """state.json, with one clear line if it cannot be read."""
+    try:
+        state = json.loads((path / "state.json").read_text())
+        return {"iterations_done": int(state["iterations_done"]), "config": dict(state["config"]),
+                "reference_fingerprint": str(state["reference_fingerprint"])}
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise CheckpointError(f"checkpoint {path} is unreadable ({type(error).__name__}: {error}); "
+                              f"resume from another one or start afresh") from None
+
+
+def resumed_config(cfg: Config, given: set[str], state: dict) -> Config:
+    """The checkpoint's config, but the harmless options given anew; a result-changing option given with another
+    value than the checkpoint's is refused, naming it."""
+    saved, values = state["config"], {}
+    for field in dataclasses.fields(Config):
+        name, new = field.name, getattr(cfg, field.name)
+        anew = name in given or name in DEVICES and bool(given & DEVICES)
+        if name not in saved or name in THIS_RUN or anew and (name in HARMLESS or name in DEVICES):
+            values[name] = new
+        elif anew and new != saved[name]:
+            option = "--" + name.replace("_", "-")
+            raise CheckpointError(f"{option} {new} differs from the checkpoint's {saved[name]}: it would change "
+                                  f"the run, so it cannot be resumed with it (drop {option}, or start a new run)")
+        else:
+            values[name] = saved[name]
+    return dataclasses.replace(cfg, **values)
+
+
+def resumption(cfg: Config, given: set[str]) -> tuple[Config, Path | None]:
+    """--resume: (the config the checkpoint fixes, the checkpoint); (cfg, None) without --resume. A checkpoint named
+    by its path continues in its own run directory unless --out is given."""
+    if cfg.resume is None:
+        return cfg, None
+    path = find(cfg.resume, cfg.out)
+    state = read_state(path)
+    if cfg.resume != "auto" and "out" not in given:
+        cfg = dataclasses.replace(cfg, out=str(path.parent))
+    cfg = resumed_config(cfg, given, state)
+    problems = validate(cfg)
+    if problems:
+        raise CheckpointError(f"the checkpoint's options do not fit this machine: {problems[0]}")
+    print(f"periodic-rl: resuming from {path} at iteration {state['iterations_done']} of {cfg.iterations}",
+          flush=True)
+    return cfg, path
+
+
+def restore(path: Path, policy, optimizer: torch.optim.Optimizer, reference_fingerprint: str) -> int:
+    """θ_k and AdamW's state into the run's policy and optimizer (whose reference is θ_0, just loaded);
+    returns k, the iteration to resume at."""
+    state = read_state(path)
+    if state["reference_fingerprint"] != reference_fingerprint:
+        raise CheckpointError(f"checkpoint {path} was trained from other initial weights than this run's --model "
+                              f"(θ_0's fingerprint differs): the model changed since; resume with the same model")
+    from safetensors.torch import load_file
+    try:
+        weights = {}
+        for file in sorted((path / "policy").glob("*.safetensors")):
+            weights.update(load_file(file))
+        missing, unexpected = policy.load_state_dict(weights, strict=False)
+        tied = {name for name in missing if getattr(policy.config, "tie_word_embeddings", False)
+                and name.endswith("lm_head.weight")}
+        if set(missing) - tied or unexpected:
+            raise ValueError(f"missing {sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]}")
+        optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
+    except Exception as error:  # a torn or foreign file fails in many ways (unpickling, safetensors, shapes)
+        raise CheckpointError(f"checkpoint {path} is damaged ({type(error).__name__}: {str(error)[:200]}); "
+                              f"resume from an older one (--resume <out>/checkpoint-<k>)") from None
+    return state["iterations_done"]

@@ -1,0 +1,165 @@
+"""checkpoint.py and the long-run options: checkpoints are atomic, a resume is exact, a stop keeps what is exact."""
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import checkpoint
+from config import given_options, parse_args
+from models import load_model
+
+ROOT = Path(__file__).resolve().parents[1]
+# Sizes fixed, so that the probe's timing cannot pick other ones for the two runs compared.
+RUN = ["--data", "arithmetic", "--iterations", "4", "--batch-size", "16", "--group-size", "4", "--max-new-tokens", "4",
+       "--eval-every", "2", "--eval-size", "4", "--groups-per-chunk", "2", "--micro-batch-tokens", "64",
+       "--rollout-threads", "1", "--train-threads", "1"]
+TIMINGS = ("_s", "overlap", "tokens_per_s")  # what differs between two runs of the same computation
+
+
+def trainer(*args: str) -> list[str]:
+    return [sys.executable, "trainer.py", *map(str, args)]
+
+
+def outcome(out: Path) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    """metrics.jsonl without the timings, and the saved policy's tensors."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [{k: v for k, v in row.items() if not k.endswith(TIMINGS)} for row in rows]
+    return rows, load_file(out / "policy" / "model.safetensors")
+
+
+def assert_same_run(a: Path, b: Path) -> None:
+    rows_a, weights_a = outcome(a)
+    rows_b, weights_b = outcome(b)
+    assert rows_a == rows_b
+    assert weights_a.keys() == weights_b.keys() and all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
+
+
+@pytest.mark.parametrize("mode, updates, stop", [("sync", "2", signal.SIGKILL), ("async", "2", signal.SIGKILL),
+                                                 ("async", "1", signal.SIGTERM)])
+def test_a_stopped_run_resumed_equals_the_uninterrupted_one(tiny_model_dir, tmp_path, mode, updates, stop):
+    """Claim: a run killed (SIGKILL) after a checkpoint, or stopped (SIGTERM, exit 143), and resumed with
+    `--resume auto` gives the same metrics (timings aside) and bitwise the same final weights as the run that was
+    never interrupted, with equal thread counts, in sync and async mode, with 1 and 2 updates per iteration;
+    metrics.jsonl continues. Rollouts are the same too: their rewards and lengths are in the metrics, and
+    any other rollout would move the weights elsewhere."""
+    run = ["--model", tiny_model_dir, *RUN, "--mode", mode, "--updates-per-iteration", updates]
+    straight = subprocess.run(trainer(*run, "--out", tmp_path / "straight"), cwd=ROOT, capture_output=True, text=True,
+                              timeout=300)
+    assert straight.returncode == 0, straight.stderr
+    out = tmp_path / "stopped"
+    saving = ["--save-every", "1"] if stop == signal.SIGKILL else ["--save-every", "2", "--save-on-stop"]
+    process = subprocess.Popen(trainer(*run, *saving, "--out", out), cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (list(out.glob("checkpoint-2")) if stop == signal.SIGKILL else
+                   (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 2):
+            assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+            time.sleep(0.05)
+        process.send_signal(stop)
+        _, err = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == (-signal.SIGKILL if stop == signal.SIGKILL else 128 + signal.SIGTERM), err
+    assert checkpoint.checkpoints(out), "no checkpoint was written"
+    assert not (out / "policy").exists()
+    resumed = subprocess.run(trainer("--resume", "auto", "--out", out, "--model", tiny_model_dir), cwd=ROOT,
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming from" in resumed.stdout
+    assert_same_run(tmp_path / "straight", out)
+
+
+def test_resume_refuses_options_that_change_the_run(tiny_model_dir):
+    """Claim: a resumed run takes the checkpoint's options; a result-changing one given with another value is one
+    line naming it; harmless ones (iterations, evaluation, threads) are the checkpoint's unless given anew."""
+    saved = parse_args(["--model", str(tiny_model_dir), *RUN, "--seed", "3", "--lr", "0.01"])
+    state = {"iterations_done": 2, "config": dataclasses.asdict(saved), "reference_fingerprint": "x"}
+    for argv, option in ((["--seed", "4"], "--seed"), (["--lr", "0.02"], "--lr"), (["--group-size", "8"], "--group-size"),
+                         (["--groups-per-chunk", "4"], "--groups-per-chunk")):
+        with pytest.raises(checkpoint.CheckpointError, match=f"^{option} .* differs from the checkpoint's"):
+            checkpoint.resumed_config(parse_args(argv), given_options(argv), state)
+    argv = ["--seed", "3", "--iterations", "9", "--out", "elsewhere", "--train-threads", "2"]
+    cfg = checkpoint.resumed_config(parse_args(argv), given_options(argv), state)
+    assert (cfg.seed, cfg.lr, cfg.model, cfg.batch_size, cfg.groups_per_chunk) == (3, 0.01, str(tiny_model_dir), 16, 2)
+    assert (cfg.iterations, cfg.eval_every, cfg.out, cfg.train_threads, cfg.rollout_threads) == (9, 2, "elsewhere", 2, 1)
+
+
+def test_checkpoints_are_atomic_pruned_and_checked(tiny_model_dir, tmp_path, monkeypatch):
+    """Claim: a checkpoint whose write fails half-way leaves no checkpoint-<k> (the previous one stays complete and
+    `--resume auto` picks it); --keep-checkpoints prunes the oldest; a damaged checkpoint, a missing one or one from
+    other initial weights is one CheckpointError line."""
+    policy, tokenizer = load_model(str(tiny_model_dir))
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    policy(torch.tensor([[1, 2, 3]])).logits.sum().backward()
+    optimizer.step()
+    cfg, theta_0 = parse_args(["--model", str(tiny_model_dir)]), checkpoint.fingerprint(policy)
+    for k in (1, 2, 3):
+        checkpoint.save(tmp_path, k, policy, tokenizer, optimizer, cfg, theta_0, keep=2)
+    assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["checkpoint-2", "checkpoint-3"]
+
+    def torn(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "save", torn)
+        with pytest.raises(OSError):
+            checkpoint.save(tmp_path, 4, policy, tokenizer, optimizer, cfg, theta_0, keep=2)
+    assert checkpoint.find("auto", tmp_path).name == "checkpoint-3"
+    assert not (tmp_path / "checkpoint-4").exists()
+    fresh, _ = load_model(str(tiny_model_dir))
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+    assert checkpoint.restore(tmp_path / "checkpoint-3", fresh, fresh_optimizer, theta_0) == 3
+    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), policy.parameters()))
+    assert str(fresh_optimizer.state_dict()) == str(optimizer.state_dict())
+    with pytest.raises(checkpoint.CheckpointError, match="other initial weights"):
+        checkpoint.restore(tmp_path / "checkpoint-3", fresh, fresh_optimizer, "another")
+    (tmp_path / "checkpoint-3" / "optimizer.pt").write_bytes(b"torn")
+    with pytest.raises(checkpoint.CheckpointError, match="damaged"):
+        checkpoint.restore(tmp_path / "checkpoint-3", fresh, fresh_optimizer, theta_0)
+    with pytest.raises(checkpoint.CheckpointError, match="not a checkpoint"):
+        checkpoint.find(str(tmp_path / "nothing"), tmp_path)
+    with pytest.raises(checkpoint.CheckpointError, match="no checkpoint"):
+        checkpoint.find("auto", tmp_path / "empty")
+    (tmp_path / "checkpoint-2" / "state.json").write_text("{")
+    with pytest.raises(checkpoint.CheckpointError, match="unreadable"):
+        checkpoint.read_state(tmp_path / "checkpoint-2")
+
+
+def test_a_bad_resume_is_one_line(tmp_path):
+    """Claim: `--resume` of something that is not a checkpoint ends with one line and exit 1, before any loading."""
+    result = subprocess.run(trainer("--resume", tmp_path, "--out", tmp_path / "out"), cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [f"error: --resume {tmp_path}: not a checkpoint directory (no "
+                                                  f"state.json in it); pass a <out>/checkpoint-<k> directory or "
+                                                  f"--resume auto"]
+
+
+def test_a_stop_writes_a_checkpoint_of_the_iterations_done(tiny_model_dir, tmp_path):
+    """Claim: with --save-on-stop, a stop (the KeyboardInterrupt trainer.py raises for SIGINT, SIGTERM and SIGHUP)
+    arriving while iteration 1's row is being logged writes checkpoint-1 (θ_1, AdamW after one step), and that
+    checkpoint restores the weights the run had."""
+    import periodic_rl
+    from tasks import load_reward, load_task
+    cfg = parse_args(["--model", str(tiny_model_dir), *RUN, "--mode", "sync", "--save-on-stop", "--out", str(tmp_path)])
+    policy, tokenizer = load_model(cfg.model)
+    train, held_out = load_task(cfg.data, eval_size=cfg.eval_size)
+    rows = periodic_rl.train(cfg, policy, tokenizer, train, held_out, load_reward(cfg.reward), {})
+    assert next(rows)["iteration"] == 0
+    with pytest.raises(KeyboardInterrupt):
+        rows.throw(KeyboardInterrupt())
+    assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["checkpoint-1"]
+    fresh, _ = load_model(cfg.model)
+    optimizer = torch.optim.AdamW(fresh.parameters(), lr=cfg.lr)
+    assert checkpoint.restore(tmp_path / "checkpoint-1", fresh, optimizer, checkpoint.fingerprint(fresh)) == 1
+    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), policy.parameters()))
