@@ -2,9 +2,9 @@
 
     trainer process                                  inference process (async mode)
     ---------------------------------------------    ----------------------------------------------
-    WeightBuffer.publish(θ_k): copy into one flat    WeightBuffer.attach: on CPU its parameters *are*
-      shared-memory tensor, then version := k          views of that tensor (loading θ_k is free);
-                                                       on GPU/NPU load_into copies it once
+    WeightBuffer.publish(θ_k) (weights.py): copy     WeightBuffer.attach: on CPU its parameters *are*
+      into one flat shared-memory tensor, then         views of that tensor (loading θ_k is free);
+      version := k                                     on GPU/NPU load_into copies it once
     rollouts.generate(k)  ---- ("generate", k) --->  rollout.rollout_iteration(...): groups in
     rollouts.receive()    <--- Group, ..., Span,       completion order, then the evaluation
                                Evaluation,             (if due), then IterationDone(k)
@@ -16,23 +16,17 @@ block). Each group carries the version of the weights that sampled it, read from
 its generate call started and checked again when the group was sent (`rollout.rollout_iteration`):
 a publish while a call was sampling marks its groups (version -1) and the trainer refuses them.
 
-Departures, on purpose:
-1. The weight buffer lives in CPU shared memory even for GPU runs (one device-to-host copy per
-   publish, one host-to-device copy per load); CUDA IPC would save a copy but ties both
-   processes to one driver context and does not cover NPUs.
-2. Groups travel as plain Python lists, never tensors: a tensor in a message is passed by file
-   descriptor, and the sender would have to outlive the receiver's use of it.
+The weight buffer is weights.py's. Departure, on purpose: groups travel as plain Python lists, never
+tensors: a tensor in a message is passed by file descriptor, and the sender would have to outlive the
+receiver's use of it.
 """
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import math
 import multiprocessing.connection
 import os
 import queue
-import re
-import shutil
 import signal
 import sys
 import threading
@@ -43,8 +37,10 @@ import torch
 import torch.multiprocessing as mp
 
 from config import UserError
-from rollout import IterationDone, RewardError, rollout_iteration
+from reward import RewardError
+from rollout import IterationDone, rollout_iteration
 from timeline import INFERENCE, TRAINING, Span, Timeline
+from weights import WeightBuffer, check_shared_memory, shared
 
 POLL_SECONDS = 0.2  # how often a waiting trainer checks that the inference process is alive
 HEARTBEAT_SECONDS = 1.0  # the inference process's heartbeat thread counts once per second, whatever it computes
@@ -55,101 +51,6 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 class PipelineError(UserError):
     """The inference process failed or died; the message says why."""
-
-
-class OffPolicyError(UserError):
-    """A group sampled by weights other than the current iteration's: on-policy would be broken."""
-
-
-# --- shared-memory weights ---
-SHM_SLACK_BYTES = 8 * 2**20  # what else lands in /dev/shm during a run (semaphores, queues: kilobytes)
-
-
-def check_shared_memory(nbytes: int, path: str = "/dev/shm") -> None:
-    """Fail in one line, naming the fix, when `path` cannot hold `nbytes` (Docker's default is 64 MB)."""
-    if not os.path.isdir(path):  # not Linux: shared memory is not a size-limited file system there
-        return
-    free = shutil.disk_usage(path).free
-    if nbytes + SHM_SLACK_BYTES > free:
-        need_gib = math.ceil((1.25 * nbytes + SHM_SLACK_BYTES) / 2**30)  # with room to spare
-        raise PipelineError(f"the shared-memory weight buffer needs {nbytes / 2**20:,.0f} MiB (+{SHM_SLACK_BYTES // 2**20} "
-                            f"MiB for queues) but {path} has {free / 2**20:,.0f} MiB free: give the container more "
-                            f"(docker run --shm-size={need_gib}g, or Kubernetes: an emptyDir with medium Memory on "
-                            f"/dev/shm), free some, or use --mode sync")
-
-
-def shared(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor.share_memory_()`, in one line when /dev/shm is full (filled since `check_shared_memory`), and without
-    the file torch leaves there then (it names the file in its error)."""
-    try:
-        return tensor.share_memory_()
-    except RuntimeError as error:
-        leftover = re.search(r"<(/torch_[\w.-]+)>", str(error))
-        if leftover is None:
-            raise
-        with contextlib.suppress(OSError):
-            os.unlink("/dev/shm" + leftover[1])
-        raise PipelineError(f"could not allocate {tensor.nbytes / 2**20:,.1f} MiB of shared memory ({error}): free "
-                            "some in /dev/shm, give the container more (docker run --shm-size), or use --mode sync"
-                            ) from None
-
-
-class WeightBuffer:
-    """θ as one flat tensor in shared memory plus a version counter.
-
-    publish(model, k): copy every parameter into its slice (casting to the buffer's dtype), then set version = k.
-    attach(model):     on CPU, make the model's parameters views of their slices (zero copy).
-    load_into(model):  check the version; copy only where attach could not alias (GPU, NPU).
-
-    `dtype` is what the inference side computes in: bf16 halves the bytes published per iteration while
-    the trainer keeps float32 masters.
-    """
-
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None = None):
-        params = list(model.parameters())  # tied weights (embeddings = lm_head) appear once
-        dtypes = {p.dtype for p in params}
-        if len(dtypes) != 1:
-            raise ValueError(f"WeightBuffer needs one parameter dtype, got {dtypes}")
-        dtype = dtype or params[0].dtype
-        self.shapes = [p.shape for p in params]
-        self.offsets = [0]
-        for p in params:
-            self.offsets.append(self.offsets[-1] + p.numel())
-        check_shared_memory(self.offsets[-1] * dtype.itemsize)
-        self.flat = shared(torch.empty(self.offsets[-1], dtype=dtype))  # (num_params,)
-        self._version = shared(torch.full((1,), -1, dtype=torch.int64))  # (1,) shared too
-        self.aliased = False
-
-    def views(self) -> list[torch.Tensor]:
-        return [self.flat[start:end].view(shape)
-                for start, end, shape in zip(self.offsets, self.offsets[1:], self.shapes)]
-
-    @torch.no_grad()
-    def publish(self, model: torch.nn.Module, version: int) -> None:
-        self._version.fill_(-1)  # being written: a sampler that reads the version now tags its groups -1
-        for view, param in zip(self.views(), model.parameters()):
-            view.copy_(param)
-        self._version.fill_(version)
-
-    def version(self) -> int:
-        return int(self._version[0])
-
-    def attach(self, model: torch.nn.Module) -> None:
-        params = list(model.parameters())
-        if [p.shape for p in params] != self.shapes:
-            raise ValueError("the inference model's parameters do not match the trainer's (same --model?)")
-        if all(p.device.type == "cpu" and p.dtype == self.flat.dtype for p in params):
-            for view, param in zip(self.views(), params):
-                param.data = view
-            self.aliased = True
-
-    @torch.no_grad()
-    def load_into(self, model: torch.nn.Module, expected_version: int) -> None:
-        if self.version() != expected_version:
-            raise OffPolicyError(f"weight buffer holds version {self.version()}, expected {expected_version}")
-        if not self.aliased:
-            for param, view in zip(model.parameters(), self.views()):
-                param.copy_(view, non_blocking=True)
 
 
 # --- where rollouts come from ---
@@ -438,7 +339,7 @@ def inference_process(model_name: str, load_kwargs: dict, connection, heartbeat:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2))  # while loading; attach sets the run's count
         transformers.utils.logging.disable_progress_bar()
         from models import load_model  # seconds of imports, while the trainer does its own
-        from tasks import load_reward
+        from reward import load_reward
         if next_command(connection)[0] == "stop":  # else ("load",)
             return
         model, tokenizer = load_model(model_name, **load_kwargs)

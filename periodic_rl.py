@@ -56,11 +56,12 @@ import checkpoint
 import outputs
 import sizing
 from grpo import grpo_loss, loss_normalizer
-from inference import AsyncRollouts, OffPolicyError, PipelineError, SyncRollouts
+from inference import AsyncRollouts, PipelineError, SyncRollouts
 from packing import enable_activation_checkpointing, logprobs_fn
 from rollout import Evaluation, Group
 from timeline import INFERENCE, Span, Timeline
 from tri_model import TriModel
+from weights import OffPolicyError
 
 
 # --- the training side ---

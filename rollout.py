@@ -48,10 +48,6 @@ Departures, on purpose:
 """
 from __future__ import annotations
 
-import math
-import reprlib
-import signal
-import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -62,16 +58,11 @@ from transformers import GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
 import grpo
-from config import Config, UserError
+from config import Config
+from reward import Reward, score
 from tasks import Example, prompt_token_ids
 from timeline import INFERENCE, Span
 
-RewardFn = Callable[[str, str, str], float]
-
-
-class RewardError(UserError):
-    """A reward function raised (or exited), ran past --reward-timeout, or returned something that is not one
-    finite real number."""
 
 
 @dataclass
@@ -243,98 +234,7 @@ def chunks(examples: list[Example], size: int) -> list[tuple[int, list[Example]]
     return [(first, examples[first:first + size]) for first in range(0, len(examples), size)]
 
 
-class RewardTimeout(BaseException):
-    """Raised inside a reward call that ran past --reward-timeout (a BaseException: a reward's own
-    `except Exception` must not swallow it)."""
-
-
-class RewardClock:
-    """The time limit on reward calls (`RewardClock.limit(seconds)` around each call, in the main thread).
-
-    A watchdog thread sends the main thread SIGUSR1 while a call is overdue, and the handler raises
-    RewardTimeout there: between two bytecodes, or out of a blocking system call (a sleep, a socket).
-    The reward itself stays in the main thread, where reward libraries may rely on signals (math-verify
-    times its own calls with SIGALRM, which is why the clock does not use that signal). One limit it
-    cannot enforce: C code that holds the GIL (a catastrophically backtracking regex) runs on until it returns.
-    """
-    POLL_SECONDS = 0.1
-    SIGNAL = getattr(signal, "SIGUSR1", None)  # POSIX only: elsewhere, no limit
-    _clock: RewardClock | None = None  # one per process: the signal handler is process-wide
-
-    def __init__(self):
-        self.deadline: float | None = None  # time.monotonic() by which the running call must return
-        signal.signal(self.SIGNAL, self._interrupt)
-        threading.Thread(target=self._watch, name="reward-clock", daemon=True).start()
-
-    def _interrupt(self, signum, frame) -> None:
-        if self.deadline is not None and time.monotonic() >= self.deadline:  # not a call that has returned since
-            raise RewardTimeout
-
-    def _watch(self) -> None:
-        main = threading.main_thread().ident
-        while True:  # sends again while the call is still overdue (it may have swallowed one RewardTimeout)
-            deadline = self.deadline
-            if deadline is not None and time.monotonic() >= deadline:
-                signal.pthread_kill(main, self.SIGNAL)
-            time.sleep(self.POLL_SECONDS)
-
-    @classmethod
-    @contextmanager
-    def limit(cls, seconds: float):
-        """Raise RewardTimeout in the block once it has run `seconds` (0: no limit; outside the main thread,
-        where no signal handler can run, none either)."""
-        if seconds <= 0 or cls.SIGNAL is None or threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        if cls._clock is None:
-            cls._clock = cls()
-        cls._clock.deadline = time.monotonic() + seconds
-        try:
-            yield
-        finally:
-            cls._clock.deadline = None
-
-
-def not_a_reward(value) -> str | None:
-    """What is wrong with a reward function's return value, or None if it is one finite real number.
-
-    Accepted: whatever `float()` converts, except bools, text and anything with dimensions: int, float,
-    numpy.float32 / int64, Decimal, Fraction, a 0-d array or tensor.
-    """
-    kind = f"a {type(value).__name__}"
-    if isinstance(value, bool) or str(getattr(value, "dtype", "")).endswith("bool"):  # numpy.bool_, torch.bool too
-        return f"a bool ({value!r})"
-    if isinstance(value, (str, bytes)):
-        return f"{kind} ({reprlib.repr(value)})"
-    if tuple(getattr(value, "shape", ())):
-        return f"an array of shape {tuple(value.shape)} ({type(value).__name__})"
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return "None" if value is None else f"{kind} ({reprlib.repr(value)})"
-    return None if math.isfinite(number) else f"{number}, not a finite number"
-
-
-def score(reward_fn: RewardFn, prompt: str, completion: str, answer: str, time_limit: float = 0.0) -> float:
-    """reward_fn(prompt, completion, answer) as a float, within `time_limit` seconds (0: no limit); any failure
-    becomes a RewardError that says where."""
-    name = getattr(reward_fn, "__qualname__", repr(reward_fn))
-    where = f"(prompt {prompt!r}, completion {completion!r}, answer {answer!r})"
-    try:
-        with RewardClock.limit(time_limit):
-            value = reward_fn(prompt, completion, answer)
-    except RewardTimeout:
-        raise RewardError(f"reward function {name!r} did not return within {time_limit:g} s (--reward-timeout: "
-                          f"raise it, or 0 for no limit) {where}") from None
-    except (Exception, SystemExit) as error:  # sys.exit() in a reward is a broken reward, not the end of the run
-        raise RewardError(f"reward function {name!r} raised {type(error).__name__}: {error} {where}") from error
-    problem = not_a_reward(value)
-    if problem is not None:
-        raise RewardError(f"reward function {name!r} returned {problem}: return one real number {where}")
-    return float(value)
-
-
-def evaluate(model, tokenizer, examples: list[Example], reward_fn: RewardFn, cfg: Config) -> float:
+def evaluate(model, tokenizer, examples: list[Example], reward_fn: Reward, cfg: Config) -> float:
     """Mean reward of `eval_samples` sampled responses per held-out prompt (fixed seeds)."""
     generation = sampling_config(cfg, stop_token_ids(model, tokenizer), tokenizer.pad_token_id)
     rewards = []
@@ -352,7 +252,7 @@ def evaluate(model, tokenizer, examples: list[Example], reward_fn: RewardFn, cfg
 Message = Union["Group", "Evaluation", "IterationDone", Span]
 
 
-def rollout_iteration(model, tokenizer, train: list[Example], held_out: list[Example], reward_fn: RewardFn,
+def rollout_iteration(model, tokenizer, train: list[Example], held_out: list[Example], reward_fn: Reward,
                       cfg: Config, iteration: int, weights_version: Callable[[], int], final_iteration: int,
                       send: Callable[[Message], None], train_prompts: bool = True) -> None:
     """Send iteration k's groups in completion order, each generate call's span, then the evaluation

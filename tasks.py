@@ -1,11 +1,11 @@
-"""Tasks: the prompts the policy is trained on, and the reward that scores its answers.
+"""Tasks: the prompts the policy is trained on, and the built-in reward that scores its answers.
 
 A task is a list of `Example(prompt, answer)`: the question as plain text (before any chat template)
 and the gold final answer as a canonical number string. The reward is a plain function
 
     reward(prompt, completion, answer) -> float        # 1.0 correct, 0.0 wrong for `math_reward`
 
-so a user can swap in their own with `--reward my_rewards.py:score` (TRL's reward-function shape).
+so a user can swap in their own with `--reward my_rewards.py:score` (reward.py loads and calls it).
 Three tasks are built in:
 
 - `arithmetic` (offline): `"37+45="` -> `"82"` with operands in [0, 50). A fixed CRC32 of the operand
@@ -28,21 +28,15 @@ Deliberate departures:
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
 import random
 import re
-import traceback
 import zlib
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import Callable
 
 from config import UserError
-
-Reward = Callable[[str, str, str], float]
 
 ARITHMETIC_OPERANDS = range(50)  # two-digit sums: learnable by a 2-layer model in well under a minute
 ARITHMETIC_EVAL_BUCKETS = 10  # 1 in 10 operand pairs is held out
@@ -57,7 +51,7 @@ class Example:
     answer: str  # the gold final answer, a canonical number string ("82", "-3", "2.5")
 
 
-class TaskError(UserError, ValueError):
+class TaskError(UserError):
     """A dataset or reward could not be loaded; the message says what to do instead."""
 
 
@@ -106,53 +100,6 @@ def math_reward(prompt: str, completion: str, answer: str) -> float:
     """1.0 if the completion's final number equals the gold answer numerically, else 0.0."""
     predicted = extract_final_number(completion)
     return float(predicted is not None and predicted == canonical_number(answer))
-
-
-def _failing_line(error: BaseException) -> str:
-    """'path, line N: Type: message' for an error raised while importing a reward module (its innermost frame, or
-    the offending line of a SyntaxError)."""
-    if isinstance(error, SyntaxError):
-        return f"{error.filename}, line {error.lineno}: {type(error).__name__}: {error.msg}"
-    frame = traceback.extract_tb(error.__traceback__)[-1]
-    return f"{frame.filename}, line {frame.lineno}: {type(error).__name__}: {error}"
-
-
-def load_reward(spec: str) -> Reward:
-    """'math' -> `math_reward`; 'package.module:function' or 'path/to/file.py:function' -> that function."""
-    if spec == "math":
-        return math_reward
-    module_name, sep, function_name = spec.rpartition(":")  # rpartition: Windows paths contain ':'
-    if not sep or not module_name or not function_name:
-        raise TaskError(f"--reward {spec!r} is not understood: use 'math' (built-in GSM8K/arithmetic "
-                        "correctness) or 'module:function' / 'path/to/file.py:function' naming a function "
-                        "reward(prompt, completion, answer) -> float.")
-    if module_name.endswith(".py"):
-        path = Path(module_name)
-        if not path.is_file():
-            raise TaskError(f"--reward {spec!r}: the file {path} does not exist (relative paths are resolved "
-                            f"from {Path.cwd()}). Pass an existing .py file, or a module importable from here.")
-    try:
-        if module_name.endswith(".py"):
-            module_spec = importlib.util.spec_from_file_location(path.stem, path)
-            module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(module_name)
-    except ModuleNotFoundError as error:
-        if error.name != module_name and not module_name.startswith(f"{error.name}."):  # the module exists; what it
-            # imports does not
-            raise TaskError(f"--reward {spec!r}: {_failing_line(error)}. Install it, or fix the import.") from None
-        raise TaskError(f"--reward {spec!r}: cannot import module {module_name!r} ({error}). Make it "
-                        "importable (install it or run from its folder), or pass 'path/to/file.py:function'."
-                        ) from None
-    except (Exception, SystemExit) as error:  # a syntax error, or code that fails when the module is imported
-        raise TaskError(f"--reward {spec!r}: importing {module_name} failed: {_failing_line(error)}. "
-                        "Fix it there.") from None
-    function = getattr(module, function_name, None)
-    if not callable(function):
-        raise TaskError(f"--reward {spec!r}: {module_name} has no function {function_name!r}. Define "
-                        f"{function_name}(prompt, completion, answer) -> float there, or name another function.")
-    return function
 
 
 # --- arithmetic (offline) ---

@@ -108,7 +108,8 @@ def prepare(cfg: Config) -> tuple[list, list, object, dict]:
     held-out examples, reward function, how a model is loaded)."""
     import torch
 
-    from tasks import load_reward, load_task
+    from reward import load_reward
+    from tasks import load_task
     for option in ("rollout_device", "train_device"):
         device = getattr(cfg, option)
         check_device(device, "--device" if device == cfg.device else "--" + option.replace("_", "-"))
@@ -146,8 +147,10 @@ def started(cfg: Config, resume_from: Path | None = None):
     import periodic_rl
     from tasks import check_prompt_lengths
     train_examples, held_out, reward_fn, load_kwargs = prepare(cfg)
+    Interrupted.check()  # a Ctrl-C that a C extension swallowed while torch was imported stops the run here
     with periodic_rl.inference_side(cfg, load_kwargs, train_examples, held_out, load=not cfg.is_tiny) as rollouts:
         policy, tokenizer = load_policy(cfg, load_kwargs, rollouts)
+        Interrupted.check()  # and one swallowed while transformers' models were imported
         check_prompt_lengths(tokenizer, train_examples + held_out, getattr(policy.config, "max_position_embeddings",
                                                                            None), cfg.max_new_tokens)
         print(f"periodic-rl: {cfg.mode} | model {cfg.model} | {len(train_examples)} train / {len(held_out)} held-out "

@@ -150,7 +150,8 @@ def test_a_stop_writes_a_checkpoint_of_the_iterations_done(tiny_model_dir, tmp_p
     arriving while iteration 1's row is being logged writes checkpoint-1 (θ_1, AdamW after one step), and that
     checkpoint restores the weights the run had."""
     import periodic_rl
-    from tasks import load_reward, load_task
+    from reward import load_reward
+    from tasks import load_task
     cfg = parse_args(["--model", str(tiny_model_dir), *RUN, "--mode", "sync", "--save-on-stop", "--out", str(tmp_path)])
     policy, tokenizer = load_model(cfg.model)
     train, held_out = load_task(cfg.data, eval_size=cfg.eval_size)
@@ -163,3 +164,40 @@ def test_a_stop_writes_a_checkpoint_of_the_iterations_done(tiny_model_dir, tmp_p
     optimizer = torch.optim.AdamW(fresh.parameters(), lr=cfg.lr)
     assert checkpoint.restore(tmp_path / "checkpoint-1", fresh, optimizer, checkpoint.fingerprint(fresh)) == 1
     assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), policy.parameters()))
+
+
+KILLED_WHILE_SAVING = """
+import sys, time, torch
+import checkpoint
+from config import parse_args
+from models import load_model
+out, model = sys.argv[1], sys.argv[2]
+policy, tokenizer = load_model(model)
+optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+cfg = parse_args(["--model", model])
+checkpoint.save(out, 1, policy, tokenizer, optimizer, cfg, "θ0")
+real_save = torch.save
+def slow_save(*args, **kwargs):
+    real_save(*args, **kwargs)
+    print("writing", flush=True)
+    time.sleep(60)  # killed here: the policy and optimizer of checkpoint-2 are on disk, its state.json is not
+torch.save = slow_save
+checkpoint.save(out, 2, policy, tokenizer, optimizer, cfg, "θ0")
+"""
+
+
+def test_a_kill_while_a_checkpoint_is_written_leaves_the_previous_one(tiny_model_dir, tmp_path):
+    """Claim: SIGKILL in the middle of writing checkpoint-2 leaves no checkpoint-2 and checkpoint-1 complete;
+    `--resume auto` (checkpoint.find) picks checkpoint-1 and it restores."""
+    process = subprocess.Popen([sys.executable, "-c", KILLED_WHILE_SAVING, str(tmp_path), str(tiny_model_dir)],
+                               cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline().strip() == "writing"
+        process.kill()
+        process.wait(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert checkpoint.find("auto", tmp_path).name == "checkpoint-1" and not (tmp_path / "checkpoint-2").exists()
+    policy, _ = load_model(str(tiny_model_dir))
+    assert checkpoint.restore(tmp_path / "checkpoint-1", policy, torch.optim.AdamW(policy.parameters()), "θ0") == 1

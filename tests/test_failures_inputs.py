@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from rollout import RewardError, score
+from reward import RewardError, score
 from test_pipeline import alive, children_of  # (tests/faults.py, part A's harness, is to hold these)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,15 +79,16 @@ def test_a_reward_call_has_a_time_limit():
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="shared memory is a size-limited file system on Linux only")
 def test_a_full_shared_memory_is_reported_before_anything_is_made_there(monkeypatch):
-    """Claim: with /dev/shm (nearly) full, async mode fails with the one line naming --shm-size before it makes its
-    queues' semaphores there or starts the inference process (the weights' own size is checked before their
-    buffer is allocated: tests/test_pipeline.py)."""
+    """Claim: with /dev/shm (nearly) full, async mode fails with the one line naming --shm-size before it puts
+    anything there or starts the inference process (the weights' own size is checked before their buffer is
+    allocated: tests/test_pipeline.py)."""
     import multiprocessing
     import shutil
 
     import inference
+    import weights
     monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(2**20, 2**20 - 4096, 4096))
-    with pytest.raises(inference.PipelineError, match="--shm-size"):
+    with pytest.raises(weights.SharedMemoryError, match="--shm-size"):
         inference.AsyncRollouts("tiny", {}, [], [], "math")
     assert multiprocessing.active_children() == []
 

@@ -128,11 +128,11 @@ def test_a_killed_builds_folder_is_swept_by_the_next_build(tmp_path):
 
 
 FULL_SHM = """
-import torch, inference
-inference.check_shared_memory = lambda nbytes: None  # as if /dev/shm filled up after the check
+import torch, weights
+weights.check_shared_memory = lambda nbytes: None  # as if /dev/shm filled up after the check
 try:
-    inference.WeightBuffer(torch.nn.Linear(2000, 2000))  # 15 MiB
-except inference.PipelineError as error:
+    weights.WeightBuffer(torch.nn.Linear(2000, 2000))  # 15 MiB
+except weights.SharedMemoryError as error:
     print("error:", error)
 """
 

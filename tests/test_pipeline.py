@@ -12,11 +12,13 @@ import torch
 
 import inference
 import periodic_rl
+import weights
 from config import parse_args
 from models import load_model
 from packing import logprobs_fn
 from rollout import Evaluation, Group, IterationDone, rollout_iteration
-from tasks import load_reward, load_task
+from reward import load_reward
+from tasks import load_task
 from timeline import Timeline
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -166,7 +168,7 @@ def test_learner_refuses_off_policy_group(tiny_model_dir):
                                   Timeline())
     learner.start(3)
     stale = Group(3, 0, 2, [1, 2], [[3, 4]] * 4, [0.0] * 4, [0.0] * 4)
-    with pytest.raises(inference.OffPolicyError, match="version 2"):
+    with pytest.raises(weights.OffPolicyError, match="version 2"):
         learner.take(stale)
 
 
@@ -180,7 +182,7 @@ def test_a_publish_while_sampling_is_caught(tiny_model_dir):
     policy, tokenizer = load_model(cfg.model)
     sampler, _ = load_model(cfg.model)
     train, _ = load_task("arithmetic", eval_size=4)
-    weights = inference.WeightBuffer(policy)
+    weights = weights.WeightBuffer(policy)
     weights.attach(sampler)  # on CPU the sampler's parameters are views of the buffer, as in the inference process
 
     def sample_iteration_0(reward_fn) -> list[Group]:
@@ -202,14 +204,14 @@ def test_a_publish_while_sampling_is_caught(tiny_model_dir):
     learner = periodic_rl.Learner(periodic_rl.TriModel(policy, logprobs_fn(policy), use_reference=False, use_old=False),
                                   torch.optim.SGD(policy.parameters(), lr=0.1), cfg, torch.device("cpu"), Timeline())
     learner.start(0)
-    with pytest.raises(inference.OffPolicyError, match="off-policy"):
+    with pytest.raises(weights.OffPolicyError, match="off-policy"):
         learner.take(groups[0])
     weights.publish(policy, 0)  # the held-out evaluation's tag is as honest as a group's
     messages = []
     rollout_iteration(sampler, tokenizer, train, train[:2], publishes_early, cfg, 0, weights.version, 1,
                       messages.append, train_prompts=False)
     evaluation = next(m for m in messages if isinstance(m, Evaluation))
-    with pytest.raises(inference.OffPolicyError, match="evaluation"):
+    with pytest.raises(weights.OffPolicyError, match="evaluation"):
         periodic_rl.held_out_reward(evaluation, 0)
 
 
@@ -376,10 +378,10 @@ def test_too_small_shared_memory_is_one_line_naming_the_fix(tiny_model_dir, monk
     import shutil
     free = 64 * 2**20
     monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(free, 0, free))
-    with pytest.raises(inference.PipelineError, match=r"--shm-size=2g") as error:
-        inference.check_shared_memory(10**9)
+    with pytest.raises(weights.SharedMemoryError, match=r"--shm-size=2g") as error:
+        weights.check_shared_memory(10**9)
     assert "\n" not in str(error.value)
     policy, _ = load_model(str(tiny_model_dir))
-    inference.check_shared_memory(sum(p.numel() * 4 for p in policy.parameters()) // 2)  # tiny: 0.7 MB, fits
-    with pytest.raises(inference.PipelineError, match="shm-size"):
-        inference.check_shared_memory(free)
+    weights.check_shared_memory(sum(p.numel() * 4 for p in policy.parameters()) // 2)  # tiny: 0.7 MB, fits
+    with pytest.raises(weights.SharedMemoryError, match="shm-size"):
+        weights.check_shared_memory(free)

@@ -5,7 +5,8 @@ import torch
 import periodic_rl
 from models import load_model
 from packing import enable_activation_checkpointing, logprobs_fn, recomputes_attention
-from tasks import load_reward, load_task
+from reward import load_reward
+from tasks import load_task
 from tri_model import TriModel
 from test_pipeline import SAME_THREADS, make_cfg, run_training
 

@@ -99,45 +99,6 @@ def test_arithmetic_splits_are_disjoint_complete_and_deterministic():
         tasks.arithmetic_examples("test")
 
 
-# --- rewards by name ---
-def test_load_reward_builtin_module_and_file(tmp_path, monkeypatch):
-    """Claim: 'math' is the built-in reward; 'module:function' imports a module; 'file.py:function' loads a file."""
-    assert tasks.load_reward("math") is tasks.math_reward
-    (tmp_path / "my_rewards.py").write_text("def length(prompt, completion, answer):\n    return len(completion)\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    assert tasks.load_reward("my_rewards:length")("p", "abc", "a") == 3
-    assert tasks.load_reward(f"{tmp_path / 'my_rewards.py'}:length")("p", "abcd", "a") == 4
-
-
-@pytest.mark.parametrize("spec, mentioned", [
-    ("nonsense", "'math'"),
-    ("no_such_module_xyz:f", "no_such_module_xyz"),
-    ("missing/file.py:f", "missing/file.py"),
-    ("tasks:no_such_function", "no_such_function"),
-    ("tasks:GSM8K_REPO", "GSM8K_REPO"),  # exists but is not callable
-])
-def test_load_reward_errors_name_what_was_not_found(spec, mentioned):
-    """Claim: a bad --reward raises TaskError naming the missing module, file or function."""
-    with pytest.raises(TaskError) as error:
-        tasks.load_reward(spec)
-    assert mentioned in str(error.value)
-
-
-@pytest.mark.parametrize("source, said", [
-    ("def reward(prompt, completion, answer):\n    return 1.0 +\n", "line 2: SyntaxError: invalid syntax"),
-    ("import math\nimport no_such_module_xyz\n", "line 2: ModuleNotFoundError: No module named 'no_such_module_xyz'"),
-    ("import sys\nsys.exit(3)\n", "line 2: SystemExit: 3"),
-], ids=["syntax", "import", "exit"])
-def test_a_reward_file_that_cannot_be_imported_names_its_line(tmp_path, source, said):
-    """Claim: a reward file with a syntax error, a missing import or code that fails when imported is one TaskError
-    line naming the file and the line (it was a traceback)."""
-    path = tmp_path / "broken_reward.py"
-    path.write_text(source)
-    with pytest.raises(TaskError) as error:
-        tasks.load_reward(f"{path}:reward")
-    assert f"{path}, {said}" in str(error.value) and "\n" not in str(error.value)
-
-
 # --- GSM8K files ---
 @pytest.mark.parametrize("lines, line_number", [
     ([json.dumps(gsm8k_rows(1)[0]), "{not json"], 2),
