@@ -182,21 +182,21 @@ def test_a_publish_while_sampling_is_caught(tiny_model_dir):
     policy, tokenizer = load_model(cfg.model)
     sampler, _ = load_model(cfg.model)
     train, _ = load_task("arithmetic", eval_size=4)
-    weights = weights.WeightBuffer(policy)
-    weights.attach(sampler)  # on CPU the sampler's parameters are views of the buffer, as in the inference process
+    buffer = weights.WeightBuffer(policy)
+    buffer.attach(sampler)  # on CPU the sampler's parameters are views of the buffer, as in the inference process
 
     def sample_iteration_0(reward_fn) -> list[Group]:
-        weights.publish(policy, 0)
+        buffer.publish(policy, 0)
         messages = []
-        rollout_iteration(sampler, tokenizer, train, [], reward_fn, cfg, 0, weights.version,
+        rollout_iteration(sampler, tokenizer, train, [], reward_fn, cfg, 0, buffer.version,
                           1, messages.append)
         return [m for m in messages if isinstance(m, Group)]
 
     assert [g.policy_version for g in sample_iteration_0(lambda *args: 0.0)] == [0] * cfg.prompts_per_iteration
 
     def publishes_early(*args) -> float:
-        if weights.version() == 0:
-            weights.publish(policy, 1)  # the trainer's bug this guards against: θ_1 while iteration 0 samples
+        if buffer.version() == 0:
+            buffer.publish(policy, 1)  # the trainer's bug this guards against: θ_1 while iteration 0 samples
         return 0.0
 
     groups = sample_iteration_0(publishes_early)
@@ -206,9 +206,9 @@ def test_a_publish_while_sampling_is_caught(tiny_model_dir):
     learner.start(0)
     with pytest.raises(weights.OffPolicyError, match="off-policy"):
         learner.take(groups[0])
-    weights.publish(policy, 0)  # the held-out evaluation's tag is as honest as a group's
+    buffer.publish(policy, 0)  # the held-out evaluation's tag is as honest as a group's
     messages = []
-    rollout_iteration(sampler, tokenizer, train, train[:2], publishes_early, cfg, 0, weights.version, 1,
+    rollout_iteration(sampler, tokenizer, train, train[:2], publishes_early, cfg, 0, buffer.version, 1,
                       messages.append, train_prompts=False)
     evaluation = next(m for m in messages if isinstance(m, Evaluation))
     with pytest.raises(weights.OffPolicyError, match="evaluation"):
@@ -223,7 +223,7 @@ def test_batched_training_forward_gives_the_same_update(tiny_model_dir):
     groups = [Group(0, i, 0, torch.randint(2, 50, (3 + i,), generator=generator).tolist(),
                     [torch.randint(2, 50, (1 + (i + j) % 4,), generator=generator).tolist() for j in range(4)],
                     [0.0] * 4, torch.randn(4, generator=generator).tolist(), chunk=(0, 4)) for i in range(4)]
-    weights = []
+    trained = []
     for cap in (1, 10_000):
         cfg = make_cfg(tiny_model_dir, "--groups-per-chunk", "4", "--micro-batch-tokens", cap)
         policy, _ = load_model(cfg.model)
@@ -238,10 +238,10 @@ def test_batched_training_forward_gives_the_same_update(tiny_model_dir):
                 if learner.minibatch_done():
                     learner.step()
         learner.metrics()  # raises unless the iteration's step was taken
-        weights.append([p.detach().clone() for p in policy.parameters()])
+        trained.append([p.detach().clone() for p in policy.parameters()])
     initial, _ = load_model(str(tiny_model_dir))
-    assert max((p - q).abs().max().item() for p, q in zip(weights[0], initial.parameters())) > 1e-4
-    for p, q in zip(*weights):
+    assert max((p - q).abs().max().item() for p, q in zip(trained[0], initial.parameters())) > 1e-4
+    for p, q in zip(*trained):
         assert (p - q).abs().max().item() <= 1e-6
 
 
