@@ -95,6 +95,21 @@ def test_read_only_paths_are_one_line(tmp_path):
     assert not any(locked.iterdir())
 
 
+WITHOUT_OVERRIDE = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--inh-caps=-all"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="for root only (others run it directly)")
+def test_read_only_paths_are_one_line_for_root_too():
+    """Claim: as root (CI's user here), the read-only test above runs too: in a subprocess that has dropped the
+    capability to write anywhere (setpriv), where read-only means read-only, instead of skipping."""
+    if subprocess.run([*WITHOUT_OVERRIDE, "true"]).returncode:
+        pytest.skip("setpriv may not drop capabilities here")
+    result = subprocess.run([*WITHOUT_OVERRIDE, sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                             f"{__file__}::test_read_only_paths_are_one_line"], cwd=faults.ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "1 passed" in result.stdout, result.stdout[-2000:]
+
+
 # --- one run per directory, nothing mixed, nothing lost ---
 def test_a_busy_out_is_refused_naming_the_other_run(tmp_path):
     """Claim: while a run holds --out, a second run on it stops at once with one line naming the first run's PID;
