@@ -106,11 +106,15 @@ def _from_pretrained(source: str, device: str, dtype: torch.dtype, attn_implemen
     except SafetensorError as error:
         raise ModelError(f"the weights of model {source} cannot be read ({_one_line(error)}): the file is "
                          "truncated or corrupt; download or save the model again") from None
-    tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_files_only)
+    fix = "put the model's tokenizer files there (tokenizer.json, tokenizer_config.json, ...: tokenizer.save_pretrained)"
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_files_only)
+    except (TypeError, ImportError) as error:  # transformers 4.x without tokenizer files: a slow tokenizer's missing
+        # vocabulary path, or the protobuf its fallback wants
+        raise ModelError(f"model {source} has no usable tokenizer ({type(error).__name__}): {fix}") from None
     if not tokenizer.encode("1 + 1 = 2", add_special_tokens=False):  # transformers 5 makes an empty one when
         # the directory has no tokenizer files
-        raise ModelError(f"model {source} has no usable tokenizer (it turns text into no tokens): put the model's "
-                         "tokenizer files there (tokenizer.json, tokenizer_config.json, ...: tokenizer.save_pretrained)")
+        raise ModelError(f"model {source} has no usable tokenizer (it turns text into no tokens): {fix}")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # generation pads finished rows; they are masked out anyway
     model = model.to(device)
