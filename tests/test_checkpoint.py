@@ -89,8 +89,9 @@ def test_resume_refuses_options_that_change_the_run(tiny_model_dir):
                          (["--groups-per-chunk", "4"], "--groups-per-chunk")):
         with pytest.raises(checkpoint.CheckpointError, match=f"^{option} .* differs from the checkpoint's"):
             checkpoint.resumed_config(parse_args(argv), given_options(argv), state)
-    argv = ["--seed", "3", "--iterations", "9", "--out", "elsewhere", "--train-threads", "2"]
+    argv = ["--seed", "3", "--iterations", "9", "--out", "elsewhere", "--train-threads", "2", "--mode", "sync"]
     cfg = checkpoint.resumed_config(parse_args(argv), given_options(argv), state)
+    assert cfg.mode == "sync" != saved.mode
     assert (cfg.seed, cfg.lr, cfg.model, cfg.batch_size, cfg.groups_per_chunk) == (3, 0.01, str(tiny_model_dir), 16, 2)
     assert (cfg.iterations, cfg.eval_every, cfg.out, cfg.train_threads, cfg.rollout_threads) == (9, 2, "elsewhere", 2, 1)
 
