@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
+import faults
 from reward import RewardError, score
-from test_pipeline import alive, children_of  # (tests/faults.py, part A's harness, is to hold these)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -116,7 +116,7 @@ def test_a_hanging_reward_ends_the_run_within_its_limit(tiny_model_dir, tmp_path
         while not marker.exists():
             assert process.poll() is None, process.communicate()
             time.sleep(0.05)
-        hang_began, children = time.monotonic(), children_of(process.pid)
+        hang_began, children = time.monotonic(), faults.children(process.pid)  # PID -> start time
         _, err = process.communicate(timeout=60)
         elapsed = time.monotonic() - hang_began
     finally:
@@ -128,9 +128,9 @@ def test_a_hanging_reward_ends_the_run_within_its_limit(tiny_model_dir, tmp_path
     assert err.count("error:") == 1 and err.strip().splitlines()[-1].startswith("error:"), err
     assert elapsed < 2 + 5, f"the run took {elapsed:.1f} s after the reward began to hang"
     deadline = time.monotonic() + 3  # the resource tracker exits when it sees the trainer's pipe close
-    while any(alive(child) for child in children) and time.monotonic() < deadline:
+    while any(faults.alive(*child) for child in children.items()) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [child for child in children if alive(child)], "a child process outlived the trainer"
+    assert not [child for child in children.items() if faults.alive(*child)], "a child process outlived the trainer"
     assert not (tmp_path / "out" / "policy").exists()
 
 

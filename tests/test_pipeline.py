@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import faults
 import inference
 import periodic_rl
 import weights
@@ -309,21 +310,9 @@ def test_bad_reward_stops_trainer_with_clear_message(tiny_model_dir, tmp_path, r
     assert "Traceback" not in result.stderr
 
 
-def children_of(pid: int) -> list[int]:
-    path = Path(f"/proc/{pid}/task/{pid}/children")
-    return [int(c) for c in path.read_text().split()] if path.exists() else []
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def inference_process_of(pid: int) -> int:
     """The spawned inference process (not multiprocessing's resource tracker, the other child)."""
-    for child in children_of(pid):
+    for child in faults.children(pid):
         if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
             return child
     raise AssertionError(f"no inference process among the children of {pid}")
@@ -348,7 +337,7 @@ def test_trainer_stops_cleanly(tiny_model_dir, tmp_path, how):
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         wait_for_iteration(process, tmp_path / "metrics.jsonl")
-        children = children_of(process.pid)
+        children = faults.children(process.pid)  # PID -> start time
         start = time.monotonic()
         if how == "kill-child":
             os.kill(inference_process_of(process.pid), signal.SIGKILL)
@@ -360,9 +349,9 @@ def test_trainer_stops_cleanly(tiny_model_dir, tmp_path, how):
             assert process.returncode == 130 and "interrupted" in err
         assert time.monotonic() - start < (10 if how == "kill-child" else 5)
         deadline = time.monotonic() + 3  # the resource tracker exits when it sees the trainer's pipe close
-        while any(alive(child) for child in children) and time.monotonic() < deadline:
+        while any(faults.alive(*child) for child in children.items()) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not [child for child in children if alive(child)], "a child process outlived the trainer"
+        assert not [child for child in children.items() if faults.alive(*child)], "a child process outlived the trainer"
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
