@@ -32,7 +32,7 @@ import json
 import random
 import re
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
@@ -47,8 +47,10 @@ SYSTEM_PROMPT = ("You are a careful math tutor. Reason step by step, then give t
 
 @dataclass(frozen=True)
 class Example:
-    prompt: str  # the question, before any chat template
-    answer: str  # the gold final answer, a canonical number string ("82", "-3", "2.5")
+    prompt: str | list[dict]  # the question before any chat template, or a conversation (TRL's chat format)
+    answer: str  # the gold final answer, a canonical number string ("82", "-3", "2.5") for the math reward
+    columns: dict = field(default_factory=dict, compare=False)  # the dataset row's other columns (TRL-style
+    # rewards receive them as keyword lists)
 
 
 class TaskError(UserError):
