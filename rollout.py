@@ -254,7 +254,8 @@ Message = Union["Group", "Evaluation", "IterationDone", Span]
 
 def rollout_iteration(model, tokenizer, train: list[Example], held_out: list[Example], reward_fn: Reward,
                       cfg: Config, iteration: int, weights_version: Callable[[], int], final_iteration: int,
-                      send: Callable[[Message], None], train_prompts: bool = True) -> None:
+                      send: Callable[[Message], None], train_prompts: bool = True,
+                      share: tuple[int, int] = (0, 1)) -> None:
     """Send iteration k's groups in completion order, each generate call's span, then the evaluation
     (if due), then IterationDone. Completion order depends only on the sampled tokens: it is the same
     in both modes, and in every rerun.
@@ -262,12 +263,17 @@ def rollout_iteration(model, tokenizer, train: list[Example], held_out: list[Exa
     `weights_version()` reads the version in the weight buffer (on CPU `model`'s parameters are views of it;
     on a GPU/NPU it is the version that was copied into `model`). A group is tagged with
     the version read when its generate call started if it still reads so when the group is sent, else
-    -1: its tokens came from weights that changed while it was sampled. The trainer refuses both."""
+    -1: its tokens came from weights that changed while it was sampled. The trainer refuses both.
+
+    `share` = (s, S): this sampler is one of S that split the iteration, and samples the generate calls c with
+    c % S == s (their seeds are the calls', so the rollouts do not depend on S); share 0 also evaluates."""
     generation = sampling_config(cfg, stop_token_ids(model, tokenizer), tokenizer.pad_token_id)
     if train_prompts:
         examples = [train[i] for i in iteration_prompts(len(train), cfg.prompts_per_iteration, cfg.seed,
                                                          iteration)]
-        for first, chunk in chunks(examples, cfg.groups_per_chunk):
+        for call, (first, chunk) in enumerate(chunks(examples, cfg.groups_per_chunk)):
+            if call % share[1] != share[0]:
+                continue  # another sampler's generate call
             start, version = time.perf_counter(), weights_version()
             prompts = [prompt_token_ids(tokenizer, example.prompt) for example in chunk]
 
@@ -286,7 +292,7 @@ def rollout_iteration(model, tokenizer, train: list[Example], held_out: list[Exa
             last = first + len(chunk) - 1
             send(Span(f"generate group {first}" if last == first else f"generate groups {first}-{last}", INFERENCE,
                       start, time.perf_counter()))
-    if held_out and is_eval_iteration(iteration, cfg.eval_every, final_iteration):
+    if held_out and share[0] == 0 and is_eval_iteration(iteration, cfg.eval_every, final_iteration):
         start, version = time.perf_counter(), weights_version()
         reward = evaluate(model, tokenizer, held_out, reward_fn, cfg)
         tag = version if weights_version() == version else -1  # as a group's: the weights that were evaluated
