@@ -137,7 +137,11 @@ def dataset_examples(rows, prompt_column: str, answer_column: str, where: str) -
     columns = list(rows.column_names)
     prompt_column = _column(prompt_column, columns, where, "--prompt-column")
     answer_column = _column(answer_column, columns, where, "--answer-column")
-    table = rows.to_dict()  # column -> list of raw values
+    try:
+        table = rows.to_dict()  # column -> list of raw values
+    except UnicodeDecodeError as error:  # pyarrow's JSON reader may keep bytes that are not UTF-8 until now
+        raise TaskError(f"{where}: not UTF-8 text ({one_line(error)}). Save the data as UTF-8, or fix or remove the "
+                        "row.") from None
     examples = []
     for index, (prompt, value) in enumerate(zip(table[prompt_column], table[answer_column])):
         if not (isinstance(prompt, str) and prompt.strip() or _is_conversation(prompt)):
