@@ -117,7 +117,8 @@ def gold_answer(value) -> str | None:
 
 def _is_conversation(prompt) -> bool:
     return (isinstance(prompt, list) and len(prompt) > 0
-            and all(isinstance(message, dict) and "role" in message and "content" in message for message in prompt))
+            and all(isinstance(message, dict) and isinstance(message.get("role"), str)
+                    and isinstance(message.get("content"), (str, list)) for message in prompt))  # list: multimodal parts
 
 
 def _column(wanted: str, columns: list[str], where: str, option: str) -> str:

@@ -168,16 +168,24 @@ def one_line(error: BaseException) -> str:
 
 
 def hub_error(repo_id: str, filename: str, repo_type: str) -> Exception | None:
-    """Ask the hub once, without retries, for one file's metadata: None if it answered with the file, else the error.
+    """Ask the hub once, without retries, for one file: None if it answered with the file, else the error (one with
+    a `.response` when the hub answered, e.g. 404; none when it could not be reached or offline mode is on).
 
-    `hf_hub_download`, `from_pretrained` and `load_dataset` retry network errors with back-off (~25 s offline);
-    this probe fails in well under a second on a machine with no network (a black-holed network
-    waits for HF_HUB_ETAG_TIMEOUT, 10 s by default), and honours HF_ENDPOINT, proxies and tokens.
+    `hf_hub_download`, `from_pretrained`, `load_dataset` and, before huggingface_hub 1.0, `get_hf_file_metadata`
+    retry network errors with back-off (~25 s offline); one HEAD request on the hub's own session fails in well
+    under a second on a machine with no network (a black-holed network waits for HF_HUB_ETAG_TIMEOUT, 10 s by
+    default), and honours HF_ENDPOINT, proxies and tokens.
     """
-    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    from huggingface_hub import constants, hf_hub_url
+    from huggingface_hub.errors import OfflineModeIsEnabled
+    from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+    if constants.HF_HUB_OFFLINE:  # checked here too: before 1.0 the session keeps the mode it was created in
+        return OfflineModeIsEnabled("offline mode is on (HF_HUB_OFFLINE)")
     try:
-        get_hf_file_metadata(hf_hub_url(repo_id, filename, repo_type=repo_type))
-    except Exception as error:  # network, offline mode, 401/404
+        response = get_session().head(hf_hub_url(repo_id, filename, repo_type=repo_type), headers=build_hf_headers(),
+                                      timeout=constants.HF_HUB_ETAG_TIMEOUT)
+        hf_raise_for_status(response)  # 401/404 -> an error with its response
+    except Exception as error:  # network, proxy, 401/404
         return error
     return None
 
