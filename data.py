@@ -95,8 +95,8 @@ def load_splits(data: str, data_config: str | None = None):
         if unreachable is not None:
             from datasets.config import HF_DATASETS_CACHE
             raise TaskError(f"cannot reach the Hugging Face hub for {data!r} ({unreachable}), and the datasets cache "
-                            f"{HF_DATASETS_CACHE} has no copy ({one_line(error)}). Offline, pass a local copy with --data "
-                            "path/to/dir-or-file (e.g. --data ../shared/data/gsm8k: its test.jsonl becomes the "
+                            f"{HF_DATASETS_CACHE} has no copy ({one_line(error)}). Offline, pass a local copy with "
+                            "--data path/to/dir-or-file (e.g. --data ../shared/data/gsm8k: its test.jsonl becomes the "
                             "held-out set), or use --data arithmetic.") from None
         raise TaskError(f"cannot load --data {data!r} with datasets ({one_line(error)}). Fix the data, or pass "
                         "--data arithmetic for the built-in offline task.") from None
@@ -118,7 +118,8 @@ def gold_answer(value) -> str | None:
 def _is_conversation(prompt) -> bool:
     return (isinstance(prompt, list) and len(prompt) > 0
             and all(isinstance(message, dict) and isinstance(message.get("role"), str)
-                    and isinstance(message.get("content"), (str, list)) for message in prompt))  # list: multimodal parts
+                    and isinstance(message.get("content"), (str, list))  # a list: multimodal parts
+                    for message in prompt))
 
 
 def _column(wanted: str, columns: list[str], where: str, option: str) -> str:
@@ -152,7 +153,8 @@ def dataset_examples(rows, prompt_column: str, answer_column: str, where: str) -
         if answer is None:
             raise TaskError(f"{where}, row {index + 1}: the {answer_column!r} is {value!r:.60}, so there is no gold "
                             "answer to reward. Fix or remove that row, or pick another column with --answer-column.")
-        examples.append(Example(prompt, answer, {name: table[name][index] for name in columns if name != prompt_column}))
+        others = {name: table[name][index] for name in columns if name != prompt_column}  # TRL passes all but 'prompt'
+        examples.append(Example(prompt, answer, others))
     if not examples:
         raise TaskError(f"{where} holds no rows. Pass data with at least one.")
     return examples

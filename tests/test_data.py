@@ -99,9 +99,9 @@ def test_the_real_gsm8k_files():
         assert tasks.math_reward(example.prompt, solution, example.answer) == 1.0
 
 
-@pytest.mark.parametrize("value, gold", [("She has 5.\n#### 1,080", "1080"), ("#### 18.00", "18"), ("  Paris\n", "Paris"),
-                                         ("#### yes", "yes"), (7, "7"), (2.5, "2.5"), ("", None), (" ", None),
-                                         (None, None), ([1], None), (True, None)])
+@pytest.mark.parametrize("value, gold", [("She has 5.\n#### 1,080", "1080"), ("#### 18.00", "18"),
+                                         ("  Paris\n", "Paris"), ("#### yes", "yes"), (7, "7"), (2.5, "2.5"),
+                                         ("", None), (" ", None), (None, None), ([1], None), (True, None)])
 def test_gold_answer(value, gold):
     """Claim: GSM8K's '#### N' gives the canonical N, other text is kept as it is (stripped), a number becomes its
     text; nothing, blank text or a value that is not text has no gold answer."""
@@ -225,3 +225,16 @@ def test_offline_gsm8k_loads_from_the_datasets_cache(tmp_path, datasets_cache, m
     assert len(train) == 30 and [e.answer for e in held_out] == ["501", "502", "503", "504"]
     assert time.perf_counter() - start < 10
     assert hub_constants.HF_HUB_OFFLINE and datasets.config.HF_HUB_OFFLINE == datasets_offline  # switched back
+
+
+def test_the_command_line_takes_every_form_of_data(tmp_path):
+    """Claim: --data with a hub id or an existing directory parses (a hub id is checked when loaded), a path that does
+    not exist is refused at parse time in one line, and the column and split options reach the Config."""
+    from config import Config, parse_args, validate
+    for given in ("openai/gsm8k", "gsm8k", "chain", str(tmp_path)):
+        assert validate(Config(data=given)) == []
+    for missing in (str(tmp_path / "absent.jsonl"), "no/such/dir", "./nowhere"):
+        assert [p for p in validate(Config(data=missing)) if "nor an existing file or directory" in p]
+    cfg = parse_args(["--data", "openai/gsm8k", "--data-config", "socratic", "--split", "test", "--prompt-column", "q",
+                      "--answer-column", "a"])
+    assert (cfg.data_config, cfg.split, cfg.prompt_column, cfg.answer_column) == ("socratic", "test", "q", "a")
