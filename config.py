@@ -60,8 +60,19 @@ class Config:
     # --- what to train ---
     model: str = _opt("tiny", "Hugging Face id, local model directory, or alias: tiny (offline, default), "
                               "tiny-chain (offline, long responses), qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b, ...")
-    data: str | None = _opt(None, "training prompts: 'arithmetic' or 'chain' (built-in), 'gsm8k' (fetched from "
-                                  "the hub), or a GSM8K-format JSONL path; default: the tiny model's task, else gsm8k")
+    data: str | None = _opt(None, "training prompts: 'arithmetic' or 'chain' (built-in, offline), 'gsm8k' (the hub's "
+                                  "openai/gsm8k), a hub dataset id, or a local directory or .jsonl/.json/.parquet/.csv "
+                                  "file, loaded with Hugging Face datasets (data.py); held out: its 'test' split, else "
+                                  "the last --eval-size rows; default: the tiny model's task, else gsm8k")
+    data_config: str | None = _opt(None, "the dataset's configuration (load_dataset's name), e.g. 'main' of "
+                                         "openai/gsm8k (the default for --data gsm8k)")
+    split: str = _opt("train", "the split of --data to train on")
+    prompt_column: str = _opt("question", "the column of prompts: text, or a list of chat messages "
+                                          "([{'role', 'content'}], TRL's conversational format, rendered with the "
+                                          "model's chat template as it is); data without a 'question' column but with "
+                                          "TRL's 'prompt' column uses that")
+    answer_column: str = _opt("answer", "the column of gold answers: the number N of GSM8K's '... #### N', else the "
+                                        "text as it is")
     reward: str = _opt("math", "reward function: 'math' (final-number match) or 'module:function' / "
                                "'path/to/file.py:function' taking (prompt, completion, answer) -> float")
     reward_timeout: float = _opt(10.0, "seconds one reward call may take; a call that runs longer stops the run with "
@@ -319,9 +330,12 @@ def validate(cfg: Config) -> list[str]:
     need(cfg.resume is None or cfg.resume.strip() != "", "--resume must name a checkpoint directory or 'auto'")
     need(cfg.out.strip() != "", f"--out must name a directory (got {cfg.out!r})")
     need(cfg.trace is None or cfg.trace.strip() != "", f"--trace must name a file (got {cfg.trace!r})")
-    if cfg.data not in (None, "arithmetic", "gsm8k"):
-        need(os.path.isfile(cfg.data), f"--data {cfg.data!r} is neither 'arithmetic', 'gsm8k' nor an existing "
-                                       "JSONL file")
+    if cfg.data is not None:
+        from data import looks_like_path  # a hub id is checked when loaded
+        path = os.path.expanduser(cfg.data)
+        need(not looks_like_path(cfg.data) or os.path.isfile(path) or os.path.isdir(path),
+             f"--data {cfg.data!r} is neither 'arithmetic', 'chain', 'gsm8k', a hub dataset id nor an existing file or "
+             "directory")
     return problems
 
 

@@ -1,12 +1,13 @@
 """Tasks: the prompts the policy is trained on, and the built-in reward that scores its answers.
 
-A task is a list of `Example(prompt, answer)`: the question as plain text (before any chat template)
-and the gold final answer as a canonical number string. The reward is a plain function
+A task is a list of `Example(prompt, answer, columns)`: the question as plain text (before any chat
+template) or a conversation (TRL's format: a list of {"role", "content"} messages), the gold final answer
+(a canonical number string for the math reward), and the row's other columns. The reward is a plain function
 
     reward(prompt, completion, answer) -> float        # 1.0 correct, 0.0 wrong for `math_reward`
 
 so a user can swap in their own with `--reward my_rewards.py:score` (reward.py loads and calls it).
-Three tasks are built in:
+Two tasks are built in, and anything `datasets` loads can be used (data.py):
 
 - `arithmetic` (offline): `"37+45="` -> `"82"` with operands in [0, 50). A fixed CRC32 of the operand
   pair puts ~10% of the pairs in a held-out `eval` split, so held-out accuracy measures addition, not
@@ -16,31 +17,33 @@ Three tasks are built in:
   P(k) ∝ k^-1.5 on 2..13, so responses run from 5 to ~100 tokens with a long tail, as an LLM's
   reasoning does: most groups finish in a few decode steps, one in ten runs ten times longer. The
   workload where streaming groups by completion pays (bench.py peer --task chain).
-- GSM8K (Cobbe et al., 2021): the paper's benchmark (arXiv 2511.18871, Sec. 5). The gold answer is the
-  number after `####`. Read from a local JSONL file, or fetched once from the hub into the HF cache.
+- GSM8K (Cobbe et al., 2021): the paper's benchmark (arXiv 2511.18871, Sec. 5), `--data gsm8k` for the hub's
+  openai/gsm8k (config main) or a local copy (`--data ../shared/data/gsm8k`). The gold answer is the number
+  after `####`.
+
+A plain-text prompt is wrapped in the model's chat template after SYSTEM_PROMPT (instruct models) or fed raw
+(the tiny models); a conversation goes through the chat template as it is (`prompt_token_ids`).
 
 Deliberate departures:
 1. Answers are compared as numbers (`18.00` == `18`, `1,080` == `1080`), not as strings, and the
    completion's answer is the first of: `#### N`, `\\boxed{N}`, "the answer is N", the last number.
    Format is not rewarded separately: one binary correctness reward, as in the paper.
-2. Fetching GSM8K first looks in the HF cache, then asks the hub once *without retries*: offline,
+2. Before a model or dataset is fetched, the hub is asked once *without retries* (`hub_error`): offline,
    huggingface_hub would otherwise retry with back-off for ~25 s before failing.
 """
 from __future__ import annotations
 
-import json
 import random
 import re
 import zlib
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
-from pathlib import Path
 
 from config import UserError
 
 ARITHMETIC_OPERANDS = range(50)  # two-digit sums: learnable by a 2-layer model in well under a minute
 ARITHMETIC_EVAL_BUCKETS = 10  # 1 in 10 operand pairs is held out
-GSM8K_REPO = "openai/gsm8k"
+GSM8K_HUB = ("openai/gsm8k", "main")  # what --data gsm8k means: the hub id and its config
 SYSTEM_PROMPT = ("You are a careful math tutor. Reason step by step, then give the final answer as a "
                  "number on the last line, in the form '#### <number>'.")
 
@@ -155,98 +158,53 @@ def chain_examples(split: str) -> list[Example]:
     return examples
 
 
-# --- GSM8K ---
-def _gsm8k_example(question: str, solution: str) -> Example | None:
-    """GSM8K's solution ends with '#### N'; None when it does not."""
-    if "####" not in solution:
-        return None
-    answer = canonical_number(solution.rsplit("####", 1)[1])
-    return Example(question, answer) if answer is not None else None
+# --- the Hugging Face hub ---
+def one_line(error: BaseException) -> str:
+    """'ArrowInvalid: JSON parse error: ...': the error's type and first line (datasets' own wrapper is skipped)."""
+    if type(error).__name__ == "DatasetGenerationError" and error.__cause__ is not None:
+        error = error.__cause__  # "An error occurred while generating the dataset" says less than its cause
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
 
 
-def load_gsm8k_jsonl(path: str | Path) -> list[Example]:
-    """One {"question": ..., "answer": "... #### N"} object per line (GSM8K's release format)."""
-    path = Path(path)
-    try:
-        lines = path.read_bytes().splitlines()
-    except OSError as error:
-        raise TaskError(f"cannot read the GSM8K file {path} ({error.strerror or error}). Pass --data with an "
-                        "existing JSONL file (one {\"question\", \"answer\"} object per line, the answer ending "
-                        "in '#### N'), or --data arithmetic for the built-in offline task.") from error
-    examples = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line.decode("utf-8"))  # decoded per line, so that an error can name its line
-            question, solution = row["question"], row["answer"]
-        except UnicodeDecodeError as error:
-            raise TaskError(f"{path}, line {number}: not UTF-8 text (byte {line[error.start]:#04x} at column "
-                            f"{error.start + 1}). Save the file as UTF-8, or fix or remove that line.") from None
-        except (json.JSONDecodeError, TypeError, KeyError) as error:
-            raise TaskError(f"{path}, line {number}: expected a JSON object with 'question' and 'answer' "
-                            f"({type(error).__name__}: {error}). Fix or remove that line.") from error
-        for key, value in (("question", question), ("answer", solution)):
-            if not isinstance(value, str):
-                raise TaskError(f"{path}, line {number}: the {key!r} is {type(value).__name__} {value!r:.40}, not "
-                                "text. Fix or remove that line.")
-        example = _gsm8k_example(question, solution)
-        if example is None:
-            raise TaskError(f"{path}, line {number}: the answer does not end in '#### <number>', so there is "
-                            "no gold answer to reward. Fix or remove that line.")
-        examples.append(example)
-    if not examples:
-        raise TaskError(f"{path} holds no examples. Pass a GSM8K-format JSONL file with at least one line.")
-    return examples
+def hub_error(repo_id: str, filename: str, repo_type: str) -> Exception | None:
+    """Ask the hub once, without retries, for one file: None if it answered with the file, else the error (one with
+    a `.response` when the hub answered, e.g. 404; none when it could not be reached or offline mode is on).
 
-
-def hub_unreachable_reason(repo_id: str, filename: str, repo_type: str = "model") -> str | None:
-    """Ask the hub once, without retries, for one file's metadata; None if it answered, else why not.
-
-    `hf_hub_download` and `from_pretrained` retry network errors with back-off (~25 s offline);
-    this probe fails in well under a second on a machine with no network (a black-holed network
-    waits for HF_HUB_ETAG_TIMEOUT, 10 s by default), and honours HF_ENDPOINT, proxies and tokens.
+    `hf_hub_download`, `from_pretrained`, `load_dataset` and, before huggingface_hub 1.0, `get_hf_file_metadata`
+    retry network errors with back-off (~25 s offline); one HEAD request on the hub's own session fails in well
+    under a second on a machine with no network (a black-holed network waits for HF_HUB_ETAG_TIMEOUT, 10 s by
+    default), and honours HF_ENDPOINT, proxies and tokens.
     """
-    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    from huggingface_hub import constants, hf_hub_url
+    from huggingface_hub.errors import OfflineModeIsEnabled
+    from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+    if constants.HF_HUB_OFFLINE:  # checked here too: before 1.0 the session keeps the mode it was created in
+        return OfflineModeIsEnabled("offline mode is on (HF_HUB_OFFLINE)")
     try:
-        get_hf_file_metadata(hf_hub_url(repo_id, filename, repo_type=repo_type))
-    except Exception as error:  # network, offline mode, 401/404: all mean "cannot download it now"
-        return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}".rstrip(": ")
+        response = get_session().head(hf_hub_url(repo_id, filename, repo_type=repo_type), headers=build_hf_headers(),
+                                      timeout=constants.HF_HUB_ETAG_TIMEOUT)
+        hf_raise_for_status(response)  # 401/404 -> an error with its response
+    except Exception as error:  # network, proxy, 401/404
+        return error
     return None
 
 
-def fetch_gsm8k(split: str) -> list[Example]:
-    """GSM8K `split` ('train' or 'test') from the hub's parquet file, cached in the HF cache."""
-    from huggingface_hub import hf_hub_download
-    filename = f"main/{split}-00000-of-00001.parquet"
-    download = dict(repo_id=GSM8K_REPO, filename=filename, repo_type="dataset")
-    try:
-        path = hf_hub_download(**download, local_files_only=True)
-    except Exception:  # not cached yet (or a cache error): ask the hub once before downloading
-        reason = hub_unreachable_reason(GSM8K_REPO, filename, repo_type="dataset")
-        if reason is not None:
-            raise TaskError(f"cannot fetch GSM8K {split!r} from the Hugging Face hub ({GSM8K_REPO}, {filename}: "
-                            f"{reason}), and it is not in the local HF cache. Offline, pass a local copy with "
-                            "--data path/to/gsm8k.jsonl (e.g. --data ../shared/data/gsm8k/train.jsonl; a sibling "
-                            "test.jsonl becomes the held-out set), or use --data arithmetic.") from None
-        path = hf_hub_download(**download)
-    try:
-        import pyarrow.parquet as pq
-    except ImportError as error:
-        raise TaskError("reading GSM8K's parquet file needs pyarrow: pip install pyarrow "
-                        "(or pass a JSONL copy with --data path/to/gsm8k.jsonl).") from error
-    table = pq.read_table(path, columns=["question", "answer"]).to_pydict()
-    examples = [_gsm8k_example(q, a) for q, a in zip(table["question"], table["answer"])]
-    return [example for example in examples if example is not None]
+def hub_unreachable_reason(repo_id: str, filename: str, repo_type: str = "model") -> str | None:
+    """None if the hub has the file now, else why it cannot be downloaded (no network, offline mode, 401/404)."""
+    error = hub_error(repo_id, filename, repo_type)
+    return None if error is None else one_line(error)
 
 
 # --- choosing a task ---
-def load_task(data: str | None, default: str = "gsm8k", eval_size: int = 64) -> tuple[list[Example], list[Example]]:
+def load_task(data: str | None, default: str = "gsm8k", eval_size: int = 64, data_config: str | None = None,
+              split: str = "train", prompt_column: str = "question",
+              answer_column: str = "answer") -> tuple[list[Example], list[Example]]:
     """(train, held-out) examples for `--data`; the held-out list has at most `eval_size` examples.
 
-    None -> `default` (the task a tiny model was warmed up on) or GSM8K from the hub; 'arithmetic'; 'chain'; 'gsm8k';
-    or a GSM8K-format JSONL path: a `train.jsonl` with a sibling `test.jsonl` is evaluated on that,
-    any other file keeps its last `eval_size` lines out of training.
+    None -> `default` (the task a tiny model was warmed up on) or GSM8K; 'arithmetic'; 'chain'; 'gsm8k' (the hub's
+    openai/gsm8k, config main); anything else through Hugging Face datasets (data.py: a hub id, a directory or a
+    file, its prompt and answer columns, held out: its 'test' split or the last `eval_size` rows).
     """
     data = data or default
     if data == "arithmetic":
@@ -254,51 +212,66 @@ def load_task(data: str | None, default: str = "gsm8k", eval_size: int = 64) -> 
     if data == "chain":
         return chain_examples("train"), chain_examples("eval")[:eval_size]
     if data == "gsm8k":
-        return fetch_gsm8k("train"), fetch_gsm8k("test")[:eval_size]
-    path = Path(data)
-    if not path.is_file():
-        raise TaskError(f"--data {data!r} is neither 'arithmetic', 'chain', 'gsm8k' nor an existing file. Pass a "
-                        "GSM8K-format JSONL path (e.g. ../shared/data/gsm8k/train.jsonl), 'gsm8k' to fetch it "
-                        "from the hub, or 'arithmetic' or 'chain' for a built-in offline task.")
-    examples = load_gsm8k_jsonl(path)
-    sibling = path.with_name("test.jsonl")
-    if path.name == "train.jsonl" and sibling.is_file():
-        return examples, load_gsm8k_jsonl(sibling)[:eval_size]
-    if len(examples) <= eval_size:
-        raise TaskError(f"{path} has {len(examples)} examples, too few to hold out {eval_size} for evaluation "
-                        "and still train. Use a larger file, a smaller --eval-size, or put a test.jsonl next to "
-                        "a train.jsonl.")
-    return examples[:-eval_size], examples[-eval_size:]
+        data, data_config = GSM8K_HUB[0], data_config or GSM8K_HUB[1]
+    from data import load_data  # imports datasets: only for data that needs it
+    return load_data(data, data_config, split, prompt_column, answer_column, eval_size)
 
 
-def prompt_token_ids(tokenizer, question: str) -> list[int]:
-    """The prompt's token ids: chat template (instruct models) or the raw text (the tiny model)."""
-    if getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
-        # tokenize=False then encode: the template's return type differs across transformers versions
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return tokenizer.encode(text, add_special_tokens=False)
-    return tokenizer.encode(question, add_special_tokens=False)
+# --- prompts ---
+def prompt_token_ids(tokenizer, prompt: str | list[dict]) -> list[int]:
+    """The prompt's token ids. Text: in the chat template after SYSTEM_PROMPT (instruct models), or raw (the tiny
+    model). A conversation (TRL's format): the chat template as-is, ending with the assistant's generation prompt."""
+    if isinstance(prompt, str):
+        if not getattr(tokenizer, "chat_template", None):
+            return tokenizer.encode(prompt, add_special_tokens=False)
+        prompt = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": prompt}]
+    elif not getattr(tokenizer, "chat_template", None):
+        raise TaskError("the prompts are conversations (lists of chat messages), but the model's tokenizer has no "
+                        "chat template to turn them into text: use a chat model, or plain-text prompts "
+                        "(--prompt-column).")
+    # tokenize=False then encode: the template's return type differs across transformers versions
+    text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _roles(prompt: str | list[dict]) -> tuple[str, ...] | None:
+    return None if isinstance(prompt, str) else tuple(message["role"] for message in prompt)
+
+
+def _text_bytes(prompt: str | list[dict]) -> int:
+    if isinstance(prompt, str):
+        return len(prompt.encode())
+    return sum(len(str(message["content"] or "").encode()) for message in prompt)
+
+
+def _preview(prompt: str | list[dict]) -> str:
+    return prompt if isinstance(prompt, str) else str(prompt[-1]["content"])
 
 
 def check_prompt_lengths(tokenizer, examples: list[Example], context: int | None, max_new_tokens: int) -> None:
     """Refuse, at start-up, prompts that leave no room for `max_new_tokens` in the model's context (its
-    max_position_embeddings; None: unknown, nothing to check).
+    max_position_embeddings; None: unknown, nothing to check), and conversations a model without a chat template
+    cannot read.
 
     Only prompts that might be too long are tokenized (GSM8K's 7.5 k take seconds): a token covers at least one
     byte of text (byte-level BPE, SentencePiece with byte fallback), so a prompt has at most the chat template's
-    own tokens plus one per UTF-8 byte of its question.
+    own tokens (those of the same messages emptied) plus one per UTF-8 byte of its text.
     """
+    wrapper = {}  # roles of the messages (None: plain text) -> the chat template's own tokens
+    for example in examples:
+        roles = _roles(example.prompt)
+        if roles not in wrapper:
+            empty = "" if roles is None else [{"role": role, "content": ""} for role in roles]
+            wrapper[roles] = len(prompt_token_ids(tokenizer, empty))
     if context is None:
         return
     limit = context - max_new_tokens
-    template = len(prompt_token_ids(tokenizer, ""))
-    candidates = [e for e in examples if template + len(e.prompt.encode()) > limit]
+    candidates = [e for e in examples if wrapper[_roles(e.prompt)] + _text_bytes(e.prompt) > limit]
     length, longest = max(((len(prompt_token_ids(tokenizer, e.prompt)), e) for e in candidates),
                           key=lambda pair: pair[0], default=(0, None))
     if length > limit:
-        raise TaskError(f"the longest prompt is {length} tokens ({longest.prompt[:50]!r}...): with --max-new-tokens "
-                        f"{max_new_tokens} that exceeds the model's context of {context} tokens "
+        raise TaskError(f"the longest prompt is {length} tokens ({_preview(longest.prompt)[:50]!r}...): with "
+                        f"--max-new-tokens {max_new_tokens} that exceeds the model's context of {context} tokens "
                         f"(max_position_embeddings). Remove the prompts longer than {max(limit, 0)} tokens from the "
                         "data" + (f", or lower --max-new-tokens to {context - length} or less." if length < context
                                   else "."))

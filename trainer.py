@@ -116,7 +116,8 @@ def prepare(cfg: Config) -> tuple[list, list, object, dict]:
     torch.manual_seed(cfg.seed)
     load_kwargs = dict(device=cfg.rollout_device, dtype=getattr(torch, cfg.dtype),
                        attn_implementation=cfg.attn_implementation, cache_dir=cfg.cache_dir)
-    train_examples, held_out = load_task(cfg.data, cfg.default_data, eval_size=cfg.eval_size)
+    train_examples, held_out = load_task(cfg.data, cfg.default_data, cfg.eval_size, cfg.data_config, cfg.split,
+                                         cfg.prompt_column, cfg.answer_column)
     return train_examples, held_out, load_reward(cfg.reward), load_kwargs
 
 

@@ -1,45 +1,13 @@
-"""Tasks (tasks.py): answers are extracted and rewarded robustly, datasets load or fail with a usable message."""
-import json
-import time
-from pathlib import Path
+"""Tasks (tasks.py): answers are extracted and rewarded robustly; the built-in tasks; prompts in the chat template.
 
+Loading --data through Hugging Face datasets: tests/test_data.py."""
 import pytest
-from huggingface_hub import constants as hub_constants
 
 import tasks
 from tasks import Example, TaskError
 
-from conftest import GSM8K_DIR
-
-GSM8K = GSM8K_DIR
-
-
-def write_jsonl(path: Path, rows: list) -> Path:
-    path.write_text("".join((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows))
-    return path
-
-
-def gsm8k_rows(count: int, start: int = 0) -> list[dict]:
-    return [{"question": f"What is {i} + 1?", "answer": f"{i} + 1 = {i + 1}\n#### {i + 1}"}
-            for i in range(start, start + count)]
-
 
 # --- answers ---
-def test_every_gsm8k_test_answer_round_trips():
-    """Claim: the gold '#### N' of every GSM8K test line is extracted from its own solution text, equals the
-    loaded answer, and the reference solution earns reward 1."""
-    path = GSM8K / "test.jsonl"
-    if not path.is_file():
-        pytest.skip(f"GSM8K is not at {path}")
-    examples = tasks.load_gsm8k_jsonl(path)
-    solutions = [json.loads(line)["answer"] for line in path.read_text().splitlines()]
-    assert len(examples) == len(solutions) == 1319
-    for example, solution in zip(examples, solutions):
-        gold = solution.rsplit("####", 1)[1].strip().replace(",", "")
-        assert example.answer == tasks.canonical_number(gold) == tasks.extract_final_number(solution)
-        assert tasks.math_reward(example.prompt, solution, example.answer) == 1.0
-
-
 @pytest.mark.parametrize("completion, expected", [
     ("She has 16 - 3 = 13 eggs.\n#### 13", "13"),
     ("#### $1,080.", "1080"),
@@ -99,78 +67,12 @@ def test_arithmetic_splits_are_disjoint_complete_and_deterministic():
         tasks.arithmetic_examples("test")
 
 
-# --- GSM8K files ---
-@pytest.mark.parametrize("lines, line_number", [
-    ([json.dumps(gsm8k_rows(1)[0]), "{not json"], 2),
-    ([json.dumps({"question": "q", "answer": "no final answer"})], 1),
-    ([json.dumps(gsm8k_rows(1)[0]), "", json.dumps({"question": "q"})], 3),
-    ([json.dumps(gsm8k_rows(1)[0]), '{"question": "caf\xe9?", "answer": "#### 1"}'.encode("latin-1")], 2),
-    ([json.dumps({"question": 5, "answer": "#### 5"})], 1),
-    ([json.dumps(gsm8k_rows(1)[0]), json.dumps({"question": "q", "answer": None})], 2),
-], ids=["json", "no-answer", "missing-key", "latin-1", "number-question", "null-answer"])
-def test_load_gsm8k_jsonl_errors_name_file_and_line(tmp_path, lines, line_number):
-    """Claim: bad JSON, a missing key or '####', a line that is not UTF-8 (a Latin-1 file) and a question or answer
-    that is not text raise a one-line TaskError naming the file and the line."""
-    path = tmp_path / "bad.jsonl"
-    path.write_bytes(b"".join((row if isinstance(row, bytes) else row.encode()) + b"\n" for row in lines))
-    with pytest.raises(TaskError) as error:
-        tasks.load_gsm8k_jsonl(path)
-    assert str(path) in str(error.value) and f"line {line_number}:" in str(error.value)
-    assert "\n" not in str(error.value)
-
-
-def test_load_gsm8k_jsonl_missing_file(tmp_path):
-    """Claim: a missing file raises TaskError naming it and suggesting --data."""
-    with pytest.raises(TaskError, match="--data") as error:
-        tasks.load_gsm8k_jsonl(tmp_path / "absent.jsonl")
-    assert "absent.jsonl" in str(error.value)
-
-
 # --- choosing a task ---
 def test_load_task_builtin_arithmetic():
     """Claim: the tiny model's default task is arithmetic, with the held-out split cut to eval_size."""
     train, held_out = tasks.load_task(None, default="arithmetic", eval_size=10)
     assert train == tasks.arithmetic_examples("train") and held_out == tasks.arithmetic_examples("eval")[:10]
     assert tasks.load_task("arithmetic", eval_size=10) == (train, held_out)
-
-
-def test_load_task_train_file_uses_sibling_test_file(tmp_path):
-    """Claim: --data .../train.jsonl trains on every line and evaluates on the sibling test.jsonl."""
-    write_jsonl(tmp_path / "train.jsonl", gsm8k_rows(20))
-    write_jsonl(tmp_path / "test.jsonl", gsm8k_rows(8, start=100))
-    train, held_out = tasks.load_task(str(tmp_path / "train.jsonl"), eval_size=5)
-    assert len(train) == 20 and [e.answer for e in held_out] == ["101", "102", "103", "104", "105"]
-
-
-def test_load_task_other_file_holds_out_its_last_lines(tmp_path):
-    """Claim: any other JSONL file keeps its last eval_size examples out of training."""
-    path = write_jsonl(tmp_path / "mine.jsonl", gsm8k_rows(20))
-    write_jsonl(tmp_path / "test.jsonl", gsm8k_rows(3))  # not used: the file is not named train.jsonl
-    train, held_out = tasks.load_task(str(path), eval_size=5)
-    assert len(train) == 15 and held_out == tasks.load_gsm8k_jsonl(path)[15:]
-    with pytest.raises(TaskError, match="too few"):
-        tasks.load_task(str(path), eval_size=20)
-    with pytest.raises(TaskError, match="arithmetic"):
-        tasks.load_task(str(tmp_path / "nope.jsonl"))
-
-
-def test_load_task_real_gsm8k_file():
-    """Claim: the shared GSM8K copy loads as 7473 train and eval_size test examples."""
-    if not (GSM8K / "train.jsonl").is_file():
-        pytest.skip(f"GSM8K is not at {GSM8K}")
-    train, held_out = tasks.load_task(str(GSM8K / "train.jsonl"), eval_size=64)
-    assert len(train) == 7473 and len(held_out) == 64 and held_out[0].answer == "18"
-
-
-def test_fetch_gsm8k_offline_fails_fast_with_advice(tmp_path, monkeypatch):
-    """Claim: without the hub and an empty HF cache, fetching GSM8K fails within seconds (no retry back-off)
-    with a TaskError that says to pass --data path/to/gsm8k.jsonl."""
-    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path))
-    start = time.perf_counter()
-    with pytest.raises(TaskError, match="--data path/to/gsm8k.jsonl"):
-        tasks.load_task("gsm8k")
-    assert time.perf_counter() - start < 10
 
 
 # --- prompts ---

@@ -1,0 +1,180 @@
+"""Data through Hugging Face `datasets`: `--data` as a list of `tasks.Example`.
+
+--data is a hub id (`openai/gsm8k` with --data-config main), a local directory (datasets infers its splits
+from the file names: train.jsonl, test.parquet, ...) or a local file (.jsonl, .json, .parquet, .csv), loaded
+by `datasets.load_dataset`. Each row becomes
+
+    Example(prompt=row[--prompt-column], answer=gold_answer(row[--answer-column]), columns=every other column)
+
+The prompt is text or a conversation (TRL's format: a list of {"role", "content"} messages; tasks.prompt_token_ids
+renders it with the model's chat template). The gold answer follows GSM8K's "... #### 72" -> "72"; any other
+answer is kept as text.
+
+Deliberate departures from a plain `load_dataset` call:
+1. The hub is asked once without retries first (tasks.hub_error); when it cannot be reached, the dataset is
+   loaded in datasets' offline mode, from its cache, instead of after ~25 s of retries.
+2. A train.<ext> file with a sibling test.<ext> loads as a 'train' and a 'test' split, as its directory would.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+
+from tasks import Example, TaskError, canonical_number, hub_error, one_line
+
+DATA_FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}  # datasets' builders
+
+
+def looks_like_path(data: str) -> bool:
+    """'./d', '/abs/d', 'a/b/c' and 'x.jsonl' are local paths; 'openai/gsm8k' and 'gsm8k' may be hub ids."""
+    return (data.startswith((".", "/", "~")) or "\\" in data or data.count("/") > 1
+            or Path(data).suffix.lower() in DATA_FILE_BUILDERS)
+
+
+@contextmanager
+def _datasets_quietly(offline: bool = False):
+    """datasets without progress bars or log lines (its errors become our one line), and in offline mode if asked:
+    from its cache only, without the network and its ~25 s of retries."""
+    import datasets
+    import huggingface_hub.constants as hub_constants
+    switches = [(module, name) for module in (datasets.config, hub_constants) if offline
+                for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if hasattr(module, name)]
+    saved = [getattr(module, name) for module, name in switches]
+    verbosity, bars_off = datasets.logging.get_verbosity(), datasets.utils.are_progress_bars_disabled()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    datasets.disable_progress_bars()
+    for module, name in switches:
+        setattr(module, name, True)
+    try:
+        yield datasets
+    finally:
+        for (module, name), value in zip(switches, saved):
+            setattr(module, name, value)
+        datasets.logging.set_verbosity(verbosity)
+        if not bars_off:
+            datasets.enable_progress_bars()
+
+
+def _hub_unreachable_reason(repo_id: str) -> str | None:
+    """Why the hub cannot be reached now (no network, offline mode), or None if it answered, even with a 404."""
+    error = hub_error(repo_id, "README.md", "dataset")
+    return None if error is None or getattr(error, "response", None) is not None else one_line(error)
+
+
+def load_splits(data: str, data_config: str | None = None):
+    """--data as a datasets.DatasetDict (split name -> rows).
+
+    A file: its format's builder, split 'train', plus 'test' from a sibling test.<ext> when the file is
+    train.<ext>. A directory: datasets infers the splits from the file names (train.jsonl, test.parquet, ...).
+    Anything else is a hub id; when the hub cannot be reached, the copy in the datasets cache is used.
+    """
+    path, files, unreachable = Path(data).expanduser(), None, None
+    if path.is_file():
+        source = DATA_FILE_BUILDERS.get(path.suffix.lower())
+        if source is None:
+            raise TaskError(f"--data {data!r}: cannot tell the format of a {path.suffix or 'suffix-less'} file. "
+                            f"Name it {', '.join(DATA_FILE_BUILDERS)}, or pass its directory.")
+        if path.stat().st_size == 0:
+            raise TaskError(f"--data {data!r} is empty: pass a file with at least one row.")
+        files = {"train": str(path)}
+        sibling = path.with_name("test" + path.suffix)
+        if path.stem == "train" and sibling.is_file():
+            files["test"] = str(sibling)
+    elif path.is_dir():
+        source = str(path)
+    elif looks_like_path(data):
+        raise TaskError(f"--data {data!r} is neither 'arithmetic', 'chain', 'gsm8k', a hub dataset id nor an existing "
+                        f"file or directory. Pass a local file ({', '.join(DATA_FILE_BUILDERS)}) or directory (e.g. "
+                        "../shared/data/gsm8k), a hub id (e.g. openai/gsm8k), or 'arithmetic' or 'chain'.")
+    else:
+        source, unreachable = data, _hub_unreachable_reason(data)
+    try:
+        with _datasets_quietly(offline=unreachable is not None) as datasets:
+            return datasets.load_dataset(source, data_config, data_files=files)
+    except Exception as error:
+        if unreachable is not None:
+            from datasets.config import HF_DATASETS_CACHE
+            raise TaskError(f"cannot reach the Hugging Face hub for {data!r} ({unreachable}), and the datasets cache "
+                            f"{HF_DATASETS_CACHE} has no copy ({one_line(error)}). Offline, pass a local copy with "
+                            "--data path/to/dir-or-file (e.g. --data ../shared/data/gsm8k: its test.jsonl becomes the "
+                            "held-out set), or use --data arithmetic.") from None
+        raise TaskError(f"cannot load --data {data!r} with datasets ({one_line(error)}). Fix the data, or pass "
+                        "--data arithmetic for the built-in offline task.") from None
+
+
+def gold_answer(value) -> str | None:
+    """The gold answer of a row: GSM8K's '... #### 1,080' -> '1080', other text as-is (stripped), a number as text;
+    None when there is none (None, empty, not text)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, str):
+        return None
+    if "####" in value:
+        value = value.rsplit("####", 1)[1]
+        return canonical_number(value) or value.strip() or None
+    return value.strip() or None
+
+
+def _is_conversation(prompt) -> bool:
+    return (isinstance(prompt, list) and len(prompt) > 0
+            and all(isinstance(message, dict) and isinstance(message.get("role"), str)
+                    and isinstance(message.get("content"), (str, list))  # a list: multimodal parts
+                    for message in prompt))
+
+
+def _column(wanted: str, columns: list[str], where: str, option: str) -> str:
+    if wanted in columns:
+        return wanted
+    if option == "--prompt-column" and wanted == "question" and "prompt" in columns:
+        return "prompt"  # TRL's column
+    raise TaskError(f"{where} has no column {wanted!r}; its columns are {', '.join(map(repr, columns))}. "
+                    f"Pick one with {option}.")
+
+
+def dataset_examples(rows, prompt_column: str, answer_column: str, where: str) -> list[Example]:
+    """Each row of a datasets.Dataset as Example(prompt, gold answer, every column but the prompt's).
+
+    The prompt is text or a conversation (TRL's format: a list of {"role", "content"} messages).
+    """
+    columns = list(rows.column_names)
+    prompt_column = _column(prompt_column, columns, where, "--prompt-column")
+    answer_column = _column(answer_column, columns, where, "--answer-column")
+    try:
+        table = rows.to_dict()  # column -> list of raw values
+    except UnicodeDecodeError as error:  # pyarrow's JSON reader may keep bytes that are not UTF-8 until now
+        raise TaskError(f"{where}: not UTF-8 text ({one_line(error)}). Save the data as UTF-8, or fix or remove the "
+                        "row.") from None
+    examples = []
+    for index, (prompt, value) in enumerate(zip(table[prompt_column], table[answer_column])):
+        if not (isinstance(prompt, str) and prompt.strip() or _is_conversation(prompt)):
+            raise TaskError(f"{where}, row {index + 1}: the {prompt_column!r} is {prompt!r:.60}, neither text nor a "
+                            "list of chat messages ({'role', 'content'}). Fix or remove that row.")
+        answer = gold_answer(value)
+        if answer is None:
+            raise TaskError(f"{where}, row {index + 1}: the {answer_column!r} is {value!r:.60}, so there is no gold "
+                            "answer to reward. Fix or remove that row, or pick another column with --answer-column.")
+        others = {name: table[name][index] for name in columns if name != prompt_column}  # TRL passes all but 'prompt'
+        examples.append(Example(prompt, answer, others))
+    if not examples:
+        raise TaskError(f"{where} holds no rows. Pass data with at least one.")
+    return examples
+
+
+def load_data(data: str, data_config: str | None, split: str, prompt_column: str, answer_column: str,
+              eval_size: int) -> tuple[list[Example], list[Example]]:
+    """(train, held-out) examples of `split` of --data; held out: the 'test' split's first `eval_size` rows when
+    there is one, else the last `eval_size` rows of `split`, kept out of training."""
+    splits = load_splits(data, data_config)
+    if split not in splits:
+        raise TaskError(f"--data {data!r} has the splits {', '.join(map(repr, splits))}, not {split!r}: pick one "
+                        "with --split.")
+    examples = dataset_examples(splits[split], prompt_column, answer_column, f"{data} ({split} split)")
+    if "test" in splits and split != "test":
+        test = splits["test"]
+        return examples, dataset_examples(test.select(range(min(eval_size, len(test)))), prompt_column,
+                                          answer_column, f"{data} (test split)")
+    if len(examples) <= eval_size:
+        raise TaskError(f"--data {data!r} has {len(examples)} examples, too few to hold out {eval_size} for evaluation "
+                        "and still train. Use more data, a smaller --eval-size, or a test split (e.g. a test.jsonl "
+                        "next to a train.jsonl).")
+    return examples[:-eval_size], examples[-eval_size:]

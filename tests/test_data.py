@@ -1,0 +1,240 @@
+"""Data through Hugging Face datasets (data.py): every form of --data loads, with its columns, its held-out split and
+TRL's conversational prompts, offline from the cache; bad data is one line naming the row or the columns there are."""
+import json
+import re
+import shutil
+import time
+from pathlib import Path
+
+import datasets
+import pytest
+from huggingface_hub import constants as hub_constants
+
+import data
+import tasks
+from tasks import Example, TaskError
+
+from conftest import GSM8K_DIR, QWEN_CHAT_TEMPLATE
+
+
+@pytest.fixture(autouse=True)
+def datasets_cache(tmp_path, monkeypatch) -> Path:
+    """Each test its own datasets cache: nothing is written to, or read from, the user's."""
+    cache = tmp_path / "datasets-cache"
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+    return cache
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_bytes(b"".join((row if isinstance(row, bytes) else json.dumps(row).encode()) + b"\n" for row in rows))
+    return path
+
+
+def gsm8k_rows(count: int, start: int = 0) -> list[dict]:
+    return [{"question": f"What is {i} + 1?", "answer": f"{i} + 1 = {i + 1}\n#### {i + 1:,}"}
+            for i in range(start, start + count)]
+
+
+def sum_rows(count: int, start: int = 0) -> list[dict]:
+    """Rows with other column names than GSM8K's, and a number (not text) as the answer."""
+    return [{"problem": f"{i}+{i}=", "solution": 2 * i, "level": i % 3} for i in range(start, start + count)]
+
+
+def conversation(i: int) -> list[dict]:
+    return [{"role": "system", "content": "Answer with a number."}, {"role": "user", "content": f"What is {i}+1?"}]
+
+
+# --- the forms of --data ---
+@pytest.mark.parametrize("suffix", ["jsonl", "parquet", "csv"])
+def test_a_local_file_with_its_own_column_names(tmp_path, suffix):
+    """Claim: a .jsonl, .parquet or .csv file loads through datasets with --prompt-column / --answer-column naming its
+    columns; a number answer becomes its text, the other columns (the answer's too) ride along in `columns`, and the
+    last eval_size rows are held out of training."""
+    path = tmp_path / f"sums.{suffix}"
+    getattr(datasets.Dataset.from_list(sum_rows(20)), f"to_{suffix if suffix != 'jsonl' else 'json'}")(str(path))
+    train, held_out = tasks.load_task(str(path), eval_size=5, prompt_column="problem", answer_column="solution")
+    assert [e.prompt for e in train] == [f"{i}+{i}=" for i in range(15)]
+    assert [e.answer for e in held_out] == [str(2 * i) for i in range(15, 20)]
+    assert train[3].columns == {"solution": 6, "level": 0}
+
+
+def test_a_directory_holds_out_its_test_split(tmp_path):
+    """Claim: a directory of train/test files loads with the splits datasets infers from their names: trained on
+    every train row, evaluated on the test split's first eval_size rows."""
+    datasets.Dataset.from_list(gsm8k_rows(20)).to_parquet(str(tmp_path / "train.parquet"))
+    datasets.Dataset.from_list(gsm8k_rows(8, start=1000)).to_parquet(str(tmp_path / "test.parquet"))
+    train, held_out = tasks.load_task(str(tmp_path), eval_size=5)
+    assert len(train) == 20 and [e.answer for e in held_out] == ["1001", "1002", "1003", "1004", "1005"]
+    assert train[0] == Example("What is 0 + 1?", "1") and train[0].columns == {"answer": "0 + 1 = 1\n#### 1"}
+
+
+def test_a_train_file_uses_its_sibling_test_file(tmp_path):
+    """Claim: --data .../train.jsonl trains on every line and evaluates on the sibling test.jsonl; a file with another
+    name keeps its last eval_size lines out of training instead, and refuses data too small to do both."""
+    write_jsonl(tmp_path / "train.jsonl", gsm8k_rows(20))
+    write_jsonl(tmp_path / "test.jsonl", gsm8k_rows(8, start=100))
+    train, held_out = tasks.load_task(str(tmp_path / "train.jsonl"), eval_size=5)
+    assert len(train) == 20 and [e.answer for e in held_out] == ["101", "102", "103", "104", "105"]
+    mine = write_jsonl(tmp_path / "mine.jsonl", gsm8k_rows(20))
+    train, held_out = tasks.load_task(str(mine), eval_size=5)
+    assert len(train) == 15 and [e.answer for e in held_out] == ["16", "17", "18", "19", "20"]
+    with pytest.raises(TaskError, match="too few"):
+        tasks.load_task(str(mine), eval_size=20)
+
+
+def test_the_real_gsm8k_files():
+    """Claim: the shared GSM8K copy loads as a directory or as its train.jsonl (7473 train, the test split held out),
+    and the gold answer of every test line is the '#### N' of its solution, which earns reward 1."""
+    if not (GSM8K_DIR / "train.jsonl").is_file():
+        pytest.skip(f"GSM8K is not at {GSM8K_DIR}")
+    train, held_out = tasks.load_task(str(GSM8K_DIR), eval_size=64)
+    assert len(train) == 7473 and len(held_out) == 64 and held_out[0].answer == "18"
+    assert tasks.load_task(str(GSM8K_DIR / "train.jsonl"), eval_size=64) == (train, held_out)
+    test = data.dataset_examples(data.load_splits(str(GSM8K_DIR))["test"], "question", "answer", "test")
+    solutions = [json.loads(line)["answer"] for line in (GSM8K_DIR / "test.jsonl").read_text().splitlines()]
+    assert len(test) == len(solutions) == 1319
+    for example, solution in zip(test, solutions):
+        gold = solution.rsplit("####", 1)[1].strip().replace(",", "")
+        assert example.answer == tasks.canonical_number(gold) == tasks.extract_final_number(solution)
+        assert tasks.math_reward(example.prompt, solution, example.answer) == 1.0
+
+
+@pytest.mark.parametrize("value, gold", [("She has 5.\n#### 1,080", "1080"), ("#### 18.00", "18"),
+                                         ("  Paris\n", "Paris"), ("#### yes", "yes"), (7, "7"), (2.5, "2.5"),
+                                         ("", None), (" ", None), (None, None), ([1], None), (True, None)])
+def test_gold_answer(value, gold):
+    """Claim: GSM8K's '#### N' gives the canonical N, other text is kept as it is (stripped), a number becomes its
+    text; nothing, blank text or a value that is not text has no gold answer."""
+    assert data.gold_answer(value) == gold
+
+
+# --- TRL's conversational prompts ---
+def test_a_conversational_prompt_column_goes_through_the_chat_template(tmp_path):
+    """Claim: TRL's 'prompt' column of chat messages is used when the data has no 'question' column; each prompt is
+    rendered with the model's chat template (Qwen2.5-Instruct's) as it is: its own system message, no SYSTEM_PROMPT
+    added, ending with the assistant's turn; a plain-text prompt still gets SYSTEM_PROMPT."""
+    from models import tiny_tokenizer
+    rows = [{"prompt": conversation(i), "solution": str(i + 1)} for i in range(12)]
+    train, held_out = tasks.load_task(str(write_jsonl(tmp_path / "chat.jsonl", rows)), eval_size=2,
+                                      answer_column="solution")
+    assert train[4].prompt == conversation(4) and train[4].answer == "5" and train[4].columns == {"solution": "5"}
+    tokenizer = tiny_tokenizer()  # the tokenizer of conftest's Qwen-shaped model, without building the model
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.chat_template = QWEN_CHAT_TEMPLATE
+    text = tokenizer.decode(tasks.prompt_token_ids(tokenizer, train[4].prompt))
+    assert text == ("<|im_start|>system\nAnswer with a number.<|im_end|>\n<|im_start|>user\nWhat is 4+1?<|im_end|>\n"
+                    "<|im_start|>assistant\n")
+    plain = tokenizer.decode(tasks.prompt_token_ids(tokenizer, "What is 4+1?"))
+    assert plain.startswith(f"<|im_start|>system\n{tasks.SYSTEM_PROMPT}<|im_end|>")
+
+
+def test_conversations_need_a_chat_template_and_fit_the_context():
+    """Claim: conversations with a model that has no chat template are refused at start-up in one line (even when the
+    context is unknown); with a template, a conversation too long for the context is found and its length named."""
+    from models import tiny_tokenizer
+    tokenizer = tiny_tokenizer()  # one token per byte, no chat template
+    chats = [Example(conversation(i), str(i + 1)) for i in range(3)]
+    with pytest.raises(TaskError, match="no chat template") as error:
+        tasks.check_prompt_lengths(tokenizer, chats, None, 8)
+    assert "\n" not in str(error.value)
+    tokenizer.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+                               "{% if add_generation_prompt %}<assistant>{% endif %}")
+    long = Example([{"role": "user", "content": "1+" * 60 + "1?"}], "61")
+    tasks.check_prompt_lengths(tokenizer, chats + [long], 256, 8)
+    length = len(tasks.prompt_token_ids(tokenizer, long.prompt))
+    assert length == len("<user>" + "1+" * 60 + "1?\n<assistant>")  # byte-level: one token per character
+    with pytest.raises(TaskError, match=f"the longest prompt is {length} tokens"):
+        tasks.check_prompt_lengths(tokenizer, chats + [long], length + 7, 8)
+
+
+# --- bad data: one line ---
+@pytest.mark.parametrize("rows, said", [
+    ([gsm8k_rows(1)[0], b"{not json"], "JSON parse error"),
+    ([gsm8k_rows(1)[0], '{"question": "caf\xe9?", "answer": "#### 1"}'.encode("latin-1")], "UnicodeDecodeError"),
+    ([gsm8k_rows(1)[0], {"question": "q"}], "row 2: the 'answer' is None"),
+    ([gsm8k_rows(1)[0], {"question": "q", "answer": ""}], "row 2: the 'answer' is ''"),
+    ([gsm8k_rows(1)[0], {"question": 5, "answer": "#### 5"}],  # datasets < 5 refuses the mixed column itself
+     "row 2: the 'question' is 5, neither text nor|changed from string to number"),
+    ([{"question": conversation(0), "answer": "1"}, {"question": [{"role": "user"}], "answer": "5"}],
+     "row 2: the 'question' is \\["),
+], ids=["json", "latin-1", "missing-answer", "empty-answer", "number-question", "message-without-content"])
+def test_bad_rows_are_one_line(tmp_path, rows, said):
+    """Claim: a line that is not JSON or not UTF-8, a row without an answer, or with a prompt that is neither text
+    nor chat messages, is one TaskError line naming the file (and the row, 1-based, where it is a row's fault)."""
+    path = write_jsonl(tmp_path / "bad.jsonl", rows)
+    with pytest.raises(TaskError) as error:
+        tasks.load_task(str(path), eval_size=1)
+    assert str(path) in str(error.value) and re.search(said, str(error.value)) and "\n" not in str(error.value)
+
+
+def test_a_missing_column_lists_the_columns_there_are(tmp_path):
+    """Claim: a prompt or answer column the data does not have is one line listing its columns and the option."""
+    path = write_jsonl(tmp_path / "sums.jsonl", sum_rows(10))
+    with pytest.raises(TaskError, match=r"has no column 'question'; its columns are 'problem', 'solution', 'level'. "
+                                        r"Pick one with --prompt-column"):
+        tasks.load_task(str(path), eval_size=2)
+    with pytest.raises(TaskError, match=r"has no column 'answer'; .* --answer-column"):
+        tasks.load_task(str(path), eval_size=2, prompt_column="problem")
+
+
+@pytest.mark.parametrize("name, said", [("absent.jsonl", "nor an existing file or directory"),
+                                        ("no/such/dir", "nor an existing file or directory"),
+                                        ("notes.txt", "cannot tell the format"), ("empty.jsonl", "is empty")])
+def test_paths_that_cannot_be_data(tmp_path, name, said):
+    """Claim: a missing path, a file of an unknown format and an empty file are one line suggesting --data forms."""
+    (tmp_path / "notes.txt").write_text("hello\n")
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(TaskError, match=said):
+        tasks.load_task(str(tmp_path / name))
+
+
+def test_a_missing_split_names_the_splits_there_are(tmp_path):
+    """Claim: --split naming a split the data does not have is one line listing its splits."""
+    path = write_jsonl(tmp_path / "train.jsonl", gsm8k_rows(10))
+    write_jsonl(tmp_path / "test.jsonl", gsm8k_rows(3))
+    with pytest.raises(TaskError, match=r"has the splits 'train', 'test', not 'validation': pick one with --split"):
+        tasks.load_task(str(path), split="validation")
+
+
+# --- offline ---
+def cache_as_if_downloaded(cache: Path, rows_dir: Path, repo_id: str, config: str) -> None:
+    """Put local files in the datasets cache as a hub download of `repo_id` (config `config`) leaves them:
+    <cache>/<owner>___<name>/<config>/<version>/<hash>/ with <name>-<split>.arrow and dataset_info.json."""
+    from datasets.packaged_modules.json.json import Json
+    owner, name = repo_id.split("/")
+    builder = Json(cache_dir=str(cache / "build"), dataset_name=name, config_name=config, hash="0" * 16,
+                   data_files={split: str(rows_dir / f"{split}.jsonl") for split in ("train", "test")})
+    builder.download_and_prepare()
+    built = Path(builder.cache_dir)  # <cache>/build/<name>/<config>-<kwargs hash>/<version>/<hash>
+    shutil.copytree(built, cache / f"{owner}___{name}" / config / built.parent.name / built.name)
+
+
+def test_offline_gsm8k_loads_from_the_datasets_cache(tmp_path, datasets_cache, monkeypatch):
+    """Claim: with the hub unreachable, --data gsm8k loads openai/gsm8k (config main) from the datasets cache at once
+    (no ~25 s of retries); without a cached copy it fails as fast, in one line telling to pass a local copy."""
+    datasets_offline = datasets.config.HF_HUB_OFFLINE
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)  # what an unreachable hub looks like to the probe
+    start = time.perf_counter()
+    with pytest.raises(TaskError, match="cannot reach the Hugging Face hub for 'openai/gsm8k'") as error:
+        tasks.load_task("gsm8k")
+    assert "--data path/to/dir-or-file" in str(error.value) and "\n" not in str(error.value)
+    write_jsonl(tmp_path / "train.jsonl", gsm8k_rows(30))
+    write_jsonl(tmp_path / "test.jsonl", gsm8k_rows(10, start=500))
+    cache_as_if_downloaded(datasets_cache, tmp_path, "openai/gsm8k", "main")
+    train, held_out = tasks.load_task("gsm8k", eval_size=4)
+    assert len(train) == 30 and [e.answer for e in held_out] == ["501", "502", "503", "504"]
+    assert time.perf_counter() - start < 10
+    assert hub_constants.HF_HUB_OFFLINE and datasets.config.HF_HUB_OFFLINE == datasets_offline  # switched back
+
+
+def test_the_command_line_takes_every_form_of_data(tmp_path):
+    """Claim: --data with a hub id or an existing directory parses (a hub id is checked when loaded), a path that does
+    not exist is refused at parse time in one line, and the column and split options reach the Config."""
+    from config import Config, parse_args, validate
+    for given in ("openai/gsm8k", "gsm8k", "chain", str(tmp_path)):
+        assert validate(Config(data=given)) == []
+    for missing in (str(tmp_path / "absent.jsonl"), "no/such/dir", "./nowhere"):
+        assert [p for p in validate(Config(data=missing)) if "nor an existing file or directory" in p]
+    cfg = parse_args(["--data", "openai/gsm8k", "--data-config", "socratic", "--split", "test", "--prompt-column", "q",
+                      "--answer-column", "a"])
+    assert (cfg.data_config, cfg.split, cfg.prompt_column, cfg.answer_column) == ("socratic", "test", "q", "a")
