@@ -99,8 +99,8 @@ class AsyncRollouts:
     when the run is killed before multiprocessing's resource tracker removes them.
     """
 
-    def __init__(self, model_name: str, load_kwargs: dict, train, held_out, reward_specs: tuple[list[str], list[float]],
-                 timeline: Timeline | None = None, load: bool = True):
+    def __init__(self, model_name: str, load_kwargs: dict, train, held_out, reward_specs: list[str] | str,
+                 timeline: Timeline | None = None, load: bool = True, reward_weights: list[float] | None = None):
         check_shared_memory(0)  # a full /dev/shm fails here, in one line, before a process is spawned (weights: attach)
         context = mp.get_context("spawn")  # fork would copy the trainer's threads and CUDA state
         self.timeline = timeline or Timeline()
@@ -113,7 +113,8 @@ class AsyncRollouts:
         # when it was last looked at (trainer's clock: `_check_progress`)
         self.process = context.Process(
             target=inference_process, name="periodic-rl-inference", daemon=True,
-            args=(model_name, load_kwargs, child_end, self.heartbeat, train, held_out, reward_specs))
+            args=(model_name, load_kwargs, child_end, self.heartbeat, train, held_out,
+                  [reward_specs] if isinstance(reward_specs, str) else reward_specs, reward_weights))
         with sigint_ignored():  # inherited through exec: a Ctrl-C during the child's imports would print their
             self.process.start()  # traceback; it takes Ctrl-C again once `inference_process` runs
         child_end.close()  # only the child holds its end now: its death reads as end-of-file here
@@ -320,11 +321,11 @@ def next_command(connection) -> tuple:
 
 
 def inference_process(model_name: str, load_kwargs: dict, connection, heartbeat: torch.Tensor, train: list,
-                      held_out: list, reward_specs: tuple[list[str], list[float]]) -> None:
+                      held_out: list, reward_specs: list[str], reward_weights: list[float] | None) -> None:
     """Entry point of the spawned inference process.
 
-    Protocol: import what loading needs, wait for ("load",), load the model and the rewards (`reward_specs`:
-    --reward and --reward-weights, loaded here from their names: functions need not pickle), answer ("loaded", None),
+    Protocol: import what loading needs, wait for ("load",), load the model and the rewards (--reward and
+    --reward-weights, loaded here from their names: functions need not pickle), answer ("loaded", None),
     then wait for ("attach", weights, cfg, threads): the trainer's shared weight buffer
     (WeightBuffer), the run's config and its thread count; answer ("ready", None).
     Then wait for ("generate", k, final_iteration) (sent after θ_k is in `weights`), run `rollout_iteration` and send
@@ -345,7 +346,7 @@ def inference_process(model_name: str, load_kwargs: dict, connection, heartbeat:
             return
         model, tokenizer = load_model(model_name, **load_kwargs)
         model.eval()
-        rewards = load_rewards(*reward_specs)
+        rewards = load_rewards(reward_specs, reward_weights)
         results.put(("loaded", None))
         command = next_command(connection)
         if command[0] == "stop":

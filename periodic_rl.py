@@ -264,8 +264,8 @@ def inference_side(cfg, load_kwargs: dict, train_examples, held_out, load: bool 
     if cfg.mode != "async":
         return contextlib.nullcontext()
     load_kwargs = {**load_kwargs, "dtype": getattr(torch, cfg.dtype)}  # its weights: the compute dtype
-    return AsyncRollouts(cfg.model, load_kwargs, train_examples, held_out, (cfg.reward, cfg.reward_weights),
-                         load=load)
+    return AsyncRollouts(cfg.model, load_kwargs, train_examples, held_out, cfg.reward, load=load,
+                         reward_weights=cfg.reward_weights)
 
 
 def record(timeline: Timeline, message) -> None:
