@@ -105,8 +105,9 @@ def read_state(path: Path) -> dict:
     try:
         state = json.loads((path / "state.json").read_text())
         config = dict(state["config"])
-        if isinstance(config.get("reward"), str):  # written before --reward was repeatable: its one reward
+        if isinstance(config.get("reward"), str):  # written before --reward was repeatable: its one reward, weight 1
             config["reward"] = [config["reward"]]
+            config.setdefault("reward_weights", [1.0])
         return {"iterations_done": int(state["iterations_done"]), "config": config,
                 "reference_fingerprint": str(state["reference_fingerprint"])}
     except (OSError, ValueError, KeyError, TypeError) as error:

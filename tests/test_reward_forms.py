@@ -154,7 +154,7 @@ def test_reward_is_repeatable_and_weights_default_to_one():
 
 def test_a_checkpoint_with_the_old_single_reward_resumes(tmp_path):
     """Claim: a checkpoint written when `reward` was one string resumes as that one reward, and giving that reward
-    again is not taken for a change."""
+    again is not taken for a change; other rewards or weights change the run and are refused, naming the option."""
     cfg = parse_args(["--reward", "math", "--out", str(tmp_path)])
     (tmp_path / "checkpoint-1").mkdir()
     config = {**{k: v for k, v in vars(cfg).items() if k != "reward_weights"}, "reward": "math"}
@@ -164,6 +164,9 @@ def test_a_checkpoint_with_the_old_single_reward_resumes(tmp_path):
     assert state["config"]["reward"] == ["math"]
     resumed = checkpoint.resumed_config(cfg, {"reward"}, state)
     assert resumed.reward == ["math"] and resumed.reward_weights == [1.0]
+    for argv, option in ((["--reward", "math-verify"], "--reward"), (["--reward-weights", "0.5"], "--reward-weights")):
+        with pytest.raises(checkpoint.CheckpointError, match=f"^{option} .* differs from the checkpoint's"):
+            checkpoint.resumed_config(parse_args(argv), {option[2:].replace("-", "_")}, state)
 
 
 def test_weighted_rewards_are_logged_each_on_its_own_in_both_modes(tiny_model_dir, tmp_path):
