@@ -104,7 +104,11 @@ def read_state(path: Path) -> dict:
     """state.json, with one clear line if it cannot be read."""
     try:
         state = json.loads((path / "state.json").read_text())
-        return {"iterations_done": int(state["iterations_done"]), "config": dict(state["config"]),
+        config = dict(state["config"])
+        if isinstance(config.get("reward"), str):  # written before --reward was repeatable: its one reward, weight 1
+            config["reward"] = [config["reward"]]
+            config.setdefault("reward_weights", [1.0])
+        return {"iterations_done": int(state["iterations_done"]), "config": config,
                 "reference_fingerprint": str(state["reference_fingerprint"])}
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise CheckpointError(f"checkpoint {path} is unreadable ({type(error).__name__}: {error}); "

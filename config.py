@@ -51,7 +51,9 @@ def available_cores() -> int:
 
 
 def _opt(default, help: str, **extra):
-    """A dataclass field with a help line (and optional argparse `choices`)."""
+    """A dataclass field with a help line (and optional argparse `choices`); a list default is copied per Config."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help, **extra})
     return field(default=default, metadata={"help": help, **extra})
 
 
@@ -73,10 +75,16 @@ class Config:
                                           "TRL's 'prompt' column uses that")
     answer_column: str = _opt("answer", "the column of gold answers: the number N of GSM8K's '... #### N', else the "
                                         "text as it is")
-    reward: str = _opt("math", "reward function: 'math' (final-number match) or 'module:function' / "
-                               "'path/to/file.py:function' taking (prompt, completion, answer) -> float")
-    reward_timeout: float = _opt(10.0, "seconds one reward call may take; a call that runs longer stops the run with "
-                                       "an error naming the function (0 = no limit)")
+    reward: list[str] = _opt(["math"], "reward function(s), repeatable: 'math' (GSM8K final-number match), "
+                                       "'math-verify' (Hugging Face math-verify: \\boxed{}, fractions, LaTeX), or "
+                                       "'module:function' / 'path/to/file.py:function': f(prompt, completion, "
+                                       "answer) -> float, or TRL's f(prompts, completions, **kwargs) -> list "
+                                       "(reward.py; default: math)")
+    reward_weights: list[float] | None = _opt(None, "one weight per --reward; the reward trained on is the weighted "
+                                                    "sum, each reward is also logged alone (default: all 1.0)")
+    reward_timeout: float = _opt(10.0, "seconds one reward call may take (a TRL-style reward: one call per group); a "
+                                       "call that runs longer stops the run with an error naming the function "
+                                       "(0 = no limit)")
     out: str = _opt("runs/latest", "output directory: metrics.jsonl and the final policy/ model (one run at a time)")
     overwrite: bool = _opt(False, "replace the previous run in --out (its metrics.jsonl and policy/ are deleted "
                                   "first); without it a directory holding a run is refused")
@@ -260,6 +268,7 @@ def derive(cfg: Config) -> Config:
         cfg,
         max_new_tokens=cfg.max_new_tokens or (TINY_MODELS[cfg.model][1] if cfg.is_tiny else 512),
         lr=cfg.lr if cfg.lr is not None else (1e-4 if cfg.is_tiny else 1e-6),
+        reward_weights=cfg.reward_weights or [1.0] * len(cfg.reward),
         groups_per_chunk=groups_per_chunk,
         micro_batch_tokens=cfg.micro_batch_tokens or (None if probed else MICRO_BATCH_TOKENS),
         rollout_device=rollout_device,
@@ -306,6 +315,11 @@ def validate(cfg: Config) -> list[str]:
     need(0 <= cfg.seed < 2**64, f"--seed must be from 0 to 2**64 - 1, a 64-bit seed (got {cfg.seed})")
     need(cfg.lr is None or cfg.lr > 0, f"--lr must be positive (got {cfg.lr})")
     need(cfg.weight_decay >= 0, f"--weight-decay must be >= 0 (got {cfg.weight_decay})")
+    weights = cfg.reward_weights
+    need(weights is None or len(weights) == len(cfg.reward),
+         f"--reward-weights has {len(weights or [])} number(s) but --reward names {len(cfg.reward)} function(s) "
+         f"({' '.join(cfg.reward)}): give one weight per reward, in the same order")
+    need(all(math.isfinite(w) for w in weights or []), f"--reward-weights must be finite numbers (got {weights})")
     need(cfg.reward_timeout >= 0, f"--reward-timeout must be >= 0 seconds, 0 for no limit (got {cfg.reward_timeout})")
     need(cfg.beta >= 0, f"--beta must be >= 0 (got {cfg.beta})")
     need(cfg.epsilon_low >= 0 and cfg.epsilon_high >= 0, "--epsilon-low and --epsilon-high must be >= 0")
@@ -348,10 +362,12 @@ class _OneLineParser(argparse.ArgumentParser):
 
 
 def _argument_type(annotation: str):
-    """The scalar type of a field annotation such as 'int | None' (annotations are strings here)."""
+    """The scalar type of a field annotation such as 'int | None' or 'list[float] | None' (annotations are strings
+    here), and whether it is a list."""
     names = {"int": int, "float": float, "str": str, "bool": bool}
-    parts = [part.strip() for part in annotation.split("|") if part.strip() != "None"]
-    return names[parts[0]]
+    part = [part.strip() for part in annotation.split("|") if part.strip() != "None"][0]
+    is_list = part.startswith("list[")
+    return names[part[5:-1] if is_list else part], is_list
 
 
 def build_parser(prog: str = "trainer.py", defaults: bool = True) -> argparse.ArgumentParser:
@@ -360,9 +376,13 @@ def build_parser(prog: str = "trainer.py", defaults: bool = True) -> argparse.Ar
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(Config):
         flag = "--" + f.name.replace("_", "-")
-        kind = _argument_type(f.type)
+        kind, is_list = _argument_type(f.type)
         default = f.default if defaults else argparse.SUPPRESS
-        if kind is bool:
+        if is_list:  # `--reward a --reward b` or `--reward a b`; not given: the field's default (argparse would
+            # extend a default list instead of replacing it)
+            parser.add_argument(flag, type=kind, nargs="+", action="extend", default=argparse.SUPPRESS,
+                                help=f.metadata["help"], metavar=f.name.upper().removesuffix("S"))
+        elif kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
                                 help=f.metadata["help"])
         else:

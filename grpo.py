@@ -10,6 +10,8 @@ responses o_1..o_G to one prompt with rewards r_1..r_G:
 std is the *sample* std (Bessel-corrected, torch's default) over the group, exactly as TRL, so the
 numbers compare line by line; eps = 1e-4 keeps an all-equal group (std 0) at A = 0 instead of NaN.
 `scale=False` drops the division (Dr. GRPO, arXiv 2503.20783: the std favours easy/hard prompts).
+A reward of NaN marks a response no reward function scored (TRL's None, reward.py): it is left out of its
+group's mean and std, and its advantage is 0 (TRL since #5902).
 
 Per-token loss (TRL 1.16 `GRPOTrainer._compute_loss`, its defaults), with the ratio against the old
 policy θ_k (which sampled the tokens):
@@ -63,10 +65,26 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True,
     tensor([ 0.7070, -0.7070,  0.0000,  0.0000])
     """
     grouped = rewards.view(-1, group_size)  # (num_prompts, G)
+    if grouped.isnan().any():
+        return _advantages_of_scored(grouped, scale, eps)
     advantages = grouped - grouped.mean(dim=1, keepdim=True)  # (num_prompts, G)
     if scale:
         advantages = advantages / (grouped.std(dim=1, keepdim=True) + eps)
     return advantages.reshape(-1)  # (num_prompts * G,)
+
+
+def _advantages_of_scored(grouped: torch.Tensor, scale: bool, eps: float) -> torch.Tensor:
+    """`group_advantages` over the scored (non-NaN) rewards of each group; 0 for the others.
+
+    >>> _advantages_of_scored(torch.tensor([[1., 0., float("nan")]]), scale=True, eps=1e-4)
+    tensor([ 0.7070, -0.7070,  0.0000])
+    """
+    scored = (~grouped.isnan()).sum(dim=1, keepdim=True)  # (num_prompts, 1)
+    advantages = grouped - grouped.nanmean(dim=1, keepdim=True)  # (num_prompts, G), NaN where not scored
+    if scale:  # sample std over the scored ones, as `std` (NaN with fewer than two: then A = 0 below)
+        std = (advantages.nan_to_num(0.0).square().sum(dim=1, keepdim=True) / (scored - 1)).sqrt()
+        advantages = advantages / (std + eps)
+    return advantages.nan_to_num(0.0).reshape(-1)  # (num_prompts * G,)
 
 
 def sequence_weights(mask: torch.Tensor, loss_type: str, max_new_tokens: int | None = None) -> torch.Tensor:

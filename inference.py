@@ -62,8 +62,8 @@ class SyncRollouts:
     mode (so that both modes sample from the same bf16 weights).
     """
 
-    def __init__(self, policy, tokenizer, train, held_out, reward_fn, cfg, sampler=None):
-        self.args = (tokenizer, train, held_out, reward_fn, cfg)
+    def __init__(self, policy, tokenizer, train, held_out, rewards, cfg, sampler=None):
+        self.args = (tokenizer, train, held_out, rewards, cfg)
         self.sampler = sampler if sampler is not None else policy
 
     @torch.no_grad()
@@ -76,9 +76,9 @@ class SyncRollouts:
     def generate(self, iteration: int, final_iteration: int, train_prompts: bool = True) -> None:
         """Sample iteration k whole, here and now (nothing overlaps in sync mode); `receive` hands it over."""
         self.sampler.eval()
-        tokenizer, train, held_out, reward_fn, cfg = self.args
+        tokenizer, train, held_out, rewards, cfg = self.args
         self.messages = []
-        rollout_iteration(self.sampler, tokenizer, train, held_out, reward_fn, cfg, iteration,
+        rollout_iteration(self.sampler, tokenizer, train, held_out, rewards, cfg, iteration,
                           lambda: self.version, final_iteration, self.messages.append, train_prompts)
 
     def receive(self):
@@ -99,8 +99,8 @@ class AsyncRollouts:
     when the run is killed before multiprocessing's resource tracker removes them.
     """
 
-    def __init__(self, model_name: str, load_kwargs: dict, train, held_out, reward_spec: str,
-                 timeline: Timeline | None = None, load: bool = True):
+    def __init__(self, model_name: str, load_kwargs: dict, train, held_out, reward_specs: list[str] | str,
+                 timeline: Timeline | None = None, load: bool = True, reward_weights: list[float] | None = None):
         check_shared_memory(0)  # a full /dev/shm fails here, in one line, before a process is spawned (weights: attach)
         context = mp.get_context("spawn")  # fork would copy the trainer's threads and CUDA state
         self.timeline = timeline or Timeline()
@@ -113,7 +113,8 @@ class AsyncRollouts:
         # when it was last looked at (trainer's clock: `_check_progress`)
         self.process = context.Process(
             target=inference_process, name="periodic-rl-inference", daemon=True,
-            args=(model_name, load_kwargs, child_end, self.heartbeat, train, held_out, reward_spec))
+            args=(model_name, load_kwargs, child_end, self.heartbeat, train, held_out,
+                  [reward_specs] if isinstance(reward_specs, str) else reward_specs, reward_weights))
         with sigint_ignored():  # inherited through exec: a Ctrl-C during the child's imports would print their
             self.process.start()  # traceback; it takes Ctrl-C again once `inference_process` runs
         child_end.close()  # only the child holds its end now: its death reads as end-of-file here
@@ -320,10 +321,11 @@ def next_command(connection) -> tuple:
 
 
 def inference_process(model_name: str, load_kwargs: dict, connection, heartbeat: torch.Tensor, train: list,
-                      held_out: list, reward_spec: str) -> None:
+                      held_out: list, reward_specs: list[str], reward_weights: list[float] | None) -> None:
     """Entry point of the spawned inference process.
 
-    Protocol: import what loading needs, wait for ("load",), load the model, answer ("loaded", None),
+    Protocol: import what loading needs, wait for ("load",), load the model and the rewards (--reward and
+    --reward-weights, loaded here from their names: functions need not pickle), answer ("loaded", None),
     then wait for ("attach", weights, cfg, threads): the trainer's shared weight buffer
     (WeightBuffer), the run's config and its thread count; answer ("ready", None).
     Then wait for ("generate", k, final_iteration) (sent after θ_k is in `weights`), run `rollout_iteration` and send
@@ -339,12 +341,12 @@ def inference_process(model_name: str, load_kwargs: dict, connection, heartbeat:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2))  # while loading; attach sets the run's count
         transformers.utils.logging.disable_progress_bar()
         from models import load_model  # seconds of imports, while the trainer does its own
-        from reward import load_reward
+        from reward import load_rewards
         if next_command(connection)[0] == "stop":  # else ("load",)
             return
         model, tokenizer = load_model(model_name, **load_kwargs)
         model.eval()
-        reward_fn = load_reward(reward_spec)
+        rewards = load_rewards(reward_specs, reward_weights)
         results.put(("loaded", None))
         command = next_command(connection)
         if command[0] == "stop":
@@ -361,7 +363,7 @@ def inference_process(model_name: str, load_kwargs: dict, connection, heartbeat:
             start = time.perf_counter()
             weights.load_into(model, expected_version=iteration)
             results.put(("message", Span(f"load θ_{iteration}", INFERENCE, start, time.perf_counter())))
-            rollout_iteration(model, tokenizer, train, held_out, reward_fn, cfg, iteration, weights.version,
+            rollout_iteration(model, tokenizer, train, held_out, rewards, cfg, iteration, weights.version,
                               final_iteration, send=lambda message: results.put(("message", message)),
                               train_prompts=kind == "generate")
     except KeyboardInterrupt:  # Ctrl-C reaches the whole process group; the trainer stops too and reads no more

@@ -58,6 +58,7 @@ import sizing
 from grpo import grpo_loss, loss_normalizer
 from inference import AsyncRollouts, PipelineError, SyncRollouts
 from packing import enable_activation_checkpointing, logprobs_fn
+from reward import as_rewards
 from rollout import Evaluation, Group
 from timeline import INFERENCE, Span, Timeline
 from tri_model import TriModel
@@ -75,6 +76,12 @@ def group_tokens(groups: list[Group]) -> int:
     return sum(len(g.responses) * len(g.prompt_ids) + sum(len(r) for r in g.responses) for g in groups)
 
 
+def mean_std(values: list[float]) -> tuple[float | None, float | None]:
+    """Mean and sample std of the values that are not NaN (a response no reward scored); None where undefined."""
+    scored = torch.tensor([value for value in values if not math.isnan(value)])  # (n,)
+    return scored.mean().item() if len(scored) else None, scored.std().item() if len(scored) > 1 else None
+
+
 class Learner:
     """Consumes one iteration's groups in arrival order: forward/backward in micro-batches, an optimizer
     step per mini-batch.
@@ -85,11 +92,13 @@ class Learner:
     Arrival order is completion order, which depends only on the sampled tokens, so the micro-batches
     (and hence the float rounding of the accumulated gradient) are the same in both modes and in
     every rerun. Statistics stay on the device until `metrics`: no host synchronisation per group.
+    `reward_names` label each reward's own statistics (`rewards/<name>/mean`, TRL's names).
     """
 
     def __init__(self, tri_model: TriModel, optimizer: torch.optim.Optimizer, cfg, device: torch.device,
-                 timeline: Timeline):
+                 timeline: Timeline, reward_names: list[str] = ()):
         self.tri, self.optimizer, self.cfg, self.device, self.timeline = tri_model, optimizer, cfg, device, timeline
+        self.reward_names = list(reward_names)
         self.groups_per_minibatch = cfg.prompts_per_iteration // cfg.updates_per_iteration
         self.iteration, self.minibatch, self.stepping = None, 0, False
 
@@ -104,7 +113,8 @@ class Learner:
         self.tokens = 0  # response tokens of the iteration (known on the host from the lengths)
         self.minibatch_tokens = self.minibatch_sequences = 0
         self.minibatch_loss = torch.zeros((), device=self.device)  # partial sum, divided by its D at the step
-        self.rewards: list[float] = []
+        self.rewards: list[float] = []  # weighted sums, per response
+        self.rewards_per_function: list[list[float]] = [[] for _ in self.reward_names]  # [reward k][response]
 
     def take(self, group: Group) -> None:
         """Take one group, refused unless θ_k sampled it (nothing is trained here: see `ready`)."""
@@ -170,6 +180,8 @@ class Learner:
         for g in groups:
             self.minibatch_sequences += len(g.responses)
             self.rewards += g.rewards
+            for values, new in zip(self.rewards_per_function, g.rewards_per_function):
+                values += new
 
     def step(self) -> None:
         """The current mini-batch's optimizer step: ∇ /= D, clip, AdamW."""
@@ -203,13 +215,17 @@ class Learner:
         if self.minibatch != self.cfg.updates_per_iteration:
             raise PipelineError(f"iteration {self.iteration} ended after {self.minibatch} of "
                                 f"{self.cfg.updates_per_iteration} optimizer steps: groups are missing")
-        rewards = torch.tensor(self.rewards)
+        reward_mean, reward_std = mean_std(self.rewards)
+        per_function = {}
+        for name, values in zip(self.reward_names, self.rewards_per_function):
+            per_function[f"rewards/{name}/mean"], per_function[f"rewards/{name}/std"] = mean_std(values)
         loss, clipped, kl_sum, grad_norm = torch.stack(  # the iteration's one host synchronisation
             [self.loss_sum, self.clipped_tokens, self.kl_sum, self.grad_norm_sum]).tolist()
         tokens = max(self.tokens, 1)
         return {
-            "reward_mean": rewards.mean().item(),
-            "reward_std": rewards.std().item(),
+            "reward_mean": reward_mean,  # of the weighted sum
+            "reward_std": reward_std,
+            **per_function,
             "loss": loss / self.cfg.updates_per_iteration,  # mean over the mini-batches
             "kl": kl_sum / tokens if self.cfg.beta > 0 else None,
             "clip_fraction": clipped / tokens,
@@ -248,7 +264,8 @@ def inference_side(cfg, load_kwargs: dict, train_examples, held_out, load: bool 
     if cfg.mode != "async":
         return contextlib.nullcontext()
     load_kwargs = {**load_kwargs, "dtype": getattr(torch, cfg.dtype)}  # its weights: the compute dtype
-    return AsyncRollouts(cfg.model, load_kwargs, train_examples, held_out, cfg.reward, load=load)
+    return AsyncRollouts(cfg.model, load_kwargs, train_examples, held_out, cfg.reward, load=load,
+                         reward_weights=cfg.reward_weights)
 
 
 def record(timeline: Timeline, message) -> None:
@@ -259,12 +276,13 @@ def record(timeline: Timeline, message) -> None:
         timeline.add(Span("evaluate", INFERENCE, message.start, message.end))
 
 
-def train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwargs: dict,
+def train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs: dict,
           rollouts: AsyncRollouts | None = None, resume_from: Path | None = None) -> Iterator[dict]:
     """Run cfg.iterations iterations and yield one metrics dict per iteration, then the final evaluation.
 
     `policy` is already on cfg.train_device, at θ_0. Async mode samples in `rollouts`, the inference
-    process (`inference_side`; the caller owns it); sync mode samples here, with a copy of the policy in
+    process (`inference_side`; the caller owns it, and loads the rewards there); sync mode samples here, scored by
+    `rewards` (reward.load_rewards; their names label the metrics in both modes), with a copy of the policy in
     the compute dtype if it differs (`load_kwargs` says how to load it). The last yielded dict has
     `"final": True` and only the evaluation of θ_final. `resume_from`: a checkpoint (checkpoint.py) whose
     θ_k and optimizer state replace θ_0's after the reference is taken; the run goes on at iteration k.
@@ -303,9 +321,9 @@ def train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwar
         if tri.compute_dtype != policy.dtype:  # sample from weights in the compute dtype, as the async side does
             from models import load_model
             sampler, _ = load_model(cfg.model, **{**load_kwargs, "dtype": tri.compute_dtype, "device": str(device)})
-        rollouts = SyncRollouts(policy, tokenizer, train_examples, held_out, reward_fn, cfg, sampler)
+        rollouts = SyncRollouts(policy, tokenizer, train_examples, held_out, rewards, cfg, sampler)
         timeline = Timeline()
-    learner = Learner(tri, optimizer, cfg, device, timeline)
+    learner = Learner(tri, optimizer, cfg, device, timeline, as_rewards(rewards).names)
     in_turns = cfg.mode == "async" and takes_turns(cfg)
     logged = first  # iterations whose row is out
     try:  # the iterations, as in the module docstring's figure

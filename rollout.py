@@ -5,7 +5,7 @@ One iteration k of rollouts, with the policy weights θ_k:
     for each chunk of C prompts x_j of iteration k, in index order:
         o_j1..o_jG ~ π_θk(· | x_j), all j at once Hugging Face `generate`, KV cache, seeded per chunk
         as soon as all G responses of a prompt x_j have stopped (inside generate):
-            r_i = reward(x_j, o_ji, answer_j)     a plain Python function, checked for errors / NaN
+            r_i = Σ_k w_k reward_k(x_j, o_ji, answer_j)   the --reward functions, checked (reward.py)
             A_i = group_advantages(r)             grpo.py
             send(Group(...))                      -> the trainer, at once
     every `eval_every` iterations: held-out reward of θ_k
@@ -48,9 +48,10 @@ Departures, on purpose:
 """
 from __future__ import annotations
 
+import math
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Union
 
 import torch
@@ -59,7 +60,7 @@ from transformers.generation.streamers import BaseStreamer
 
 import grpo
 from config import Config
-from reward import Reward, score
+from reward import Reward, Rewards, as_rewards, score_group, weighted_total
 from tasks import Example, prompt_token_ids
 from timeline import INFERENCE, Span
 
@@ -78,13 +79,15 @@ class Group:
     start: float = 0.0  # its generate call's start, time.perf_counter() (a system-wide clock on Linux)
     end: float = 0.0  # when its last response stopped
     chunk: tuple[int, int] = (0, 1)  # (first prompt index, prompts) of the generate call that sampled it
+    rewards_per_function: list[list[float]] = field(default_factory=list)  # [reward k][response i], unweighted
+    # (`rewards` is their weighted sum; NaN: a batched reward returned None)
 
 
 @dataclass
 class Evaluation:
     iteration: int
     policy_version: int
-    reward: float  # mean held-out reward
+    reward: float | None  # mean held-out reward (weighted sum; None: no response could be scored)
     start: float = 0.0
     end: float = 0.0
 
@@ -234,25 +237,36 @@ def chunks(examples: list[Example], size: int) -> list[tuple[int, list[Example]]
     return [(first, examples[first:first + size]) for first in range(0, len(examples), size)]
 
 
-def evaluate(model, tokenizer, examples: list[Example], reward_fn: Reward, cfg: Config) -> float:
-    """Mean reward of `eval_samples` sampled responses per held-out prompt (fixed seeds)."""
+def score_responses(rewards: Rewards, tokenizer, example: Example, responses: list[list[int]], cfg: Config
+                    ) -> tuple[list[float], list[list[float]]]:
+    """(the weighted reward of each response, each reward's values [k][i]) for one prompt's responses."""
+    texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+    per_function = score_group(rewards, example.prompt, example.answer, example.columns, texts, responses,
+                               cfg.reward_timeout)
+    return weighted_total(per_function, rewards.weights), per_function
+
+
+def evaluate(model, tokenizer, examples: list[Example], rewards: Rewards | Reward, cfg: Config) -> float | None:
+    """Mean (weighted) reward of `eval_samples` sampled responses per held-out prompt (fixed seeds), over the
+    responses some reward scored (None if none)."""
+    rewards = as_rewards(rewards)
     generation = sampling_config(cfg, stop_token_ids(model, tokenizer), tokenizer.pad_token_id)
-    rewards = []
+    totals = []
     for first, chunk in chunks(examples, cfg.groups_per_chunk):
         prompts = [prompt_token_ids(tokenizer, example.prompt) for example in chunk]
         responses = sample_responses(model, prompts, cfg.eval_samples, generation,
                                      prompt_seed(cfg.seed, -1, first))
-        rewards += [score(reward_fn, example.prompt, completion, example.answer, cfg.reward_timeout)
-                    for example, samples in zip(chunk, responses)
-                    for completion in tokenizer.batch_decode(samples, skip_special_tokens=True)]
-    return sum(rewards) / len(rewards)
+        for example, samples in zip(chunk, responses):
+            totals += score_responses(rewards, tokenizer, example, samples, cfg)[0]
+    scored = [total for total in totals if not math.isnan(total)]
+    return sum(scored) / len(scored) if scored else None
 
 
 # --- one iteration, as a stream of messages ---
 Message = Union["Group", "Evaluation", "IterationDone", Span]
 
 
-def rollout_iteration(model, tokenizer, train: list[Example], held_out: list[Example], reward_fn: Reward,
+def rollout_iteration(model, tokenizer, train: list[Example], held_out: list[Example], rewards: Rewards | Reward,
                       cfg: Config, iteration: int, weights_version: Callable[[], int], final_iteration: int,
                       send: Callable[[Message], None], train_prompts: bool = True,
                       share: tuple[int, int] = (0, 1)) -> None:
@@ -266,7 +280,9 @@ def rollout_iteration(model, tokenizer, train: list[Example], held_out: list[Exa
     -1: its tokens came from weights that changed while it was sampled. The trainer refuses both.
 
     `share` = (s, S): this sampler is one of S that split the iteration, and samples the generate calls c with
-    c % S == s (their seeds are the calls', so the rollouts do not depend on S); share 0 also evaluates."""
+    c % S == s (their seeds are the calls', so the rollouts do not depend on S); share 0 also evaluates.
+    `rewards`: the --reward functions and weights (reward.load_rewards), or one reward function."""
+    rewards = as_rewards(rewards)
     generation = sampling_config(cfg, stop_token_ids(model, tokenizer), tokenizer.pad_token_id)
     if train_prompts:
         examples = [train[i] for i in iteration_prompts(len(train), cfg.prompts_per_iteration, cfg.seed,
@@ -278,14 +294,11 @@ def rollout_iteration(model, tokenizer, train: list[Example], held_out: list[Exa
             prompts = [prompt_token_ids(tokenizer, example.prompt) for example in chunk]
 
             def score_and_send(offset: int, responses: list[list[int]]) -> None:  # called inside generate
-                example = chunk[offset]
-                texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-                rewards = [score(reward_fn, example.prompt, text, example.answer, cfg.reward_timeout)
-                           for text in texts]
-                advantages = grpo.group_advantages(torch.tensor(rewards), cfg.group_size, cfg.scale_rewards)
+                totals, per_function = score_responses(rewards, tokenizer, chunk[offset], responses, cfg)
+                advantages = grpo.group_advantages(torch.tensor(totals), cfg.group_size, cfg.scale_rewards)
                 tag = version if weights_version() == version else -1  # -1: the weights changed while it sampled
-                send(Group(iteration, first + offset, tag, prompts[offset], responses, rewards,
-                           advantages.tolist(), start, time.perf_counter(), chunk=(first, len(chunk))))
+                send(Group(iteration, first + offset, tag, prompts[offset], responses, totals, advantages.tolist(),
+                           start, time.perf_counter(), chunk=(first, len(chunk)), rewards_per_function=per_function))
 
             sample_responses(model, prompts, cfg.group_size, generation,
                              prompt_seed(cfg.seed, iteration, first), on_done=score_and_send)
@@ -294,7 +307,7 @@ def rollout_iteration(model, tokenizer, train: list[Example], held_out: list[Exa
                       start, time.perf_counter()))
     if held_out and share[0] == 0 and is_eval_iteration(iteration, cfg.eval_every, final_iteration):
         start, version = time.perf_counter(), weights_version()
-        reward = evaluate(model, tokenizer, held_out, reward_fn, cfg)
+        reward = evaluate(model, tokenizer, held_out, rewards, cfg)
         tag = version if weights_version() == version else -1  # as a group's: the weights that were evaluated
         send(Evaluation(iteration, tag, reward, start, time.perf_counter()))
     send(IterationDone(iteration))

@@ -104,11 +104,11 @@ def format_row(row: dict) -> str:
 
 
 def prepare(cfg: Config) -> tuple[list, list, object, dict]:
-    """Check the devices, load the task and the reward (a typo there fails in a second): (train examples,
-    held-out examples, reward function, how a model is loaded)."""
+    """Check the devices, load the task and the rewards (a typo there fails in a second): (train examples,
+    held-out examples, reward functions and weights, how a model is loaded)."""
     import torch
 
-    from reward import load_reward
+    from reward import load_rewards
     from tasks import load_task
     for option in ("rollout_device", "train_device"):
         device = getattr(cfg, option)
@@ -118,7 +118,7 @@ def prepare(cfg: Config) -> tuple[list, list, object, dict]:
                        attn_implementation=cfg.attn_implementation, cache_dir=cfg.cache_dir)
     train_examples, held_out = load_task(cfg.data, cfg.default_data, cfg.eval_size, cfg.data_config, cfg.split,
                                          cfg.prompt_column, cfg.answer_column)
-    return train_examples, held_out, load_reward(cfg.reward), load_kwargs
+    return train_examples, held_out, load_rewards(cfg.reward, cfg.reward_weights), load_kwargs
 
 
 def load_policy(cfg: Config, load_kwargs: dict, rollouts=None):
@@ -147,7 +147,7 @@ def started(cfg: Config, resume_from: Path | None = None):
     """
     import periodic_rl
     from tasks import check_prompt_lengths
-    train_examples, held_out, reward_fn, load_kwargs = prepare(cfg)
+    train_examples, held_out, rewards, load_kwargs = prepare(cfg)
     Interrupted.check()  # a Ctrl-C that a C extension swallowed while torch was imported stops the run here
     with periodic_rl.inference_side(cfg, load_kwargs, train_examples, held_out, load=not cfg.is_tiny) as rollouts:
         policy, tokenizer = load_policy(cfg, load_kwargs, rollouts)
@@ -157,7 +157,7 @@ def started(cfg: Config, resume_from: Path | None = None):
         print(f"periodic-rl: {cfg.mode} | model {cfg.model} | {len(train_examples)} train / {len(held_out)} held-out "
               f"prompts | {cfg.iterations} iterations x {cfg.prompts_per_iteration} prompts x {cfg.group_size} | "
               f"out {cfg.out}", flush=True)
-        rows = periodic_rl.train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwargs, rollouts,
+        rows = periodic_rl.train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs, rollouts,
                                  resume_from)
         with closing(rows):  # however the block ends, the schedule's own clean-up (the trace) runs here
             yield rows, policy, tokenizer

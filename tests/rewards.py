@@ -27,3 +27,9 @@ def hanging_reward(prompt: str, completion: str, answer: str) -> float:
 
 def exiting_reward(prompt: str, completion: str, answer: str) -> float:
     sys.exit(0)
+
+
+def digit_count(prompts: list, completions: list, completion_ids: list, **kwargs) -> list[float]:
+    """TRL's batched form: each completion's digits, up to 4, over 4 (called once per group, with keyword lists)."""
+    assert len(prompts) == len(completions) == len(completion_ids) == len(kwargs["answer"])
+    return [min(sum(c.isdigit() for c in text), 4) / 4 for text in completions]

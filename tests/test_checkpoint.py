@@ -151,12 +151,12 @@ def test_a_stop_writes_a_checkpoint_of_the_iterations_done(tiny_model_dir, tmp_p
     arriving while iteration 1's row is being logged writes checkpoint-1 (θ_1, AdamW after one step), and that
     checkpoint restores the weights the run had."""
     import periodic_rl
-    from reward import load_reward
+    from reward import load_rewards
     from tasks import load_task
     cfg = parse_args(["--model", str(tiny_model_dir), *RUN, "--mode", "sync", "--save-on-stop", "--out", str(tmp_path)])
     policy, tokenizer = load_model(cfg.model)
     train, held_out = load_task(cfg.data, eval_size=cfg.eval_size)
-    rows = periodic_rl.train(cfg, policy, tokenizer, train, held_out, load_reward(cfg.reward), {})
+    rows = periodic_rl.train(cfg, policy, tokenizer, train, held_out, load_rewards(cfg.reward), {})
     assert next(rows)["iteration"] == 0
     with pytest.raises(KeyboardInterrupt):
         rows.throw(KeyboardInterrupt())

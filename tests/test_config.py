@@ -43,6 +43,10 @@ def test_help_lists_every_field_with_its_default():
     (["--device", "cpu:abc"], "--device must be auto, cpu"),
     (["--dtype", "float16"], "float16 is not supported: training in float16 needs loss scaling"),
     (["--reward-timeout", "-1"], "--reward-timeout must be >= 0"),
+    (["--reward", "math", "--reward", "math-verify", "--reward-weights", "1"],
+     "--reward-weights has 1 number(s) but --reward names 2 function(s) (math math-verify): give one weight per reward"),
+    (["--reward-weights", "1", "nan"], "--reward-weights has 2 number(s) but --reward names 1 function(s)"),
+    (["--reward", "math", "math-verify", "--reward-weights", "1", "inf"], "--reward-weights must be finite numbers"),
 ])
 def test_invalid_values_fail_with_one_line_and_exit_2(argv, fragment, capsys):
     with pytest.raises(SystemExit) as exit_info:

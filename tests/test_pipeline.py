@@ -18,7 +18,7 @@ from config import parse_args
 from models import load_model
 from packing import logprobs_fn
 from rollout import Evaluation, Group, IterationDone, rollout_iteration
-from reward import load_reward
+from reward import load_reward, load_rewards
 from tasks import load_task
 from timeline import Timeline
 
@@ -38,7 +38,7 @@ def run_training(cfg):
     train, held_out = load_task(cfg.data, eval_size=cfg.eval_size)
     load_kwargs = dict(device="cpu", dtype=torch.float32, attn_implementation="sdpa")
     with periodic_rl.inference_side(cfg, load_kwargs, train, held_out) as rollouts:
-        rows = list(periodic_rl.train(cfg, policy, tokenizer, train, held_out, load_reward(cfg.reward), load_kwargs,
+        rows = list(periodic_rl.train(cfg, policy, tokenizer, train, held_out, load_rewards(cfg.reward), load_kwargs,
                                       rollouts))
     return policy, rows
 

@@ -5,7 +5,7 @@ import torch
 import periodic_rl
 from models import load_model
 from packing import enable_activation_checkpointing, logprobs_fn, recomputes_attention
-from reward import load_reward
+from reward import load_rewards
 from tasks import load_task
 from tri_model import TriModel
 from test_pipeline import SAME_THREADS, make_cfg, run_training
@@ -46,7 +46,7 @@ def test_bf16_async_equals_sync_and_publishes_bf16(tiny_model_dir):
     train, held_out = load_task(cfg.data, eval_size=cfg.eval_size)
     load_kwargs = dict(device="cpu", dtype=torch.bfloat16, attn_implementation="sdpa")
     with periodic_rl.inference_side(cfg, load_kwargs, train, held_out) as rollouts:
-        async_rows = list(periodic_rl.train(cfg, async_policy, tokenizer, train, held_out, load_reward(cfg.reward),
+        async_rows = list(periodic_rl.train(cfg, async_policy, tokenizer, train, held_out, load_rewards(cfg.reward),
                                             load_kwargs, rollouts))
     assert rollouts.weights.flat.dtype == torch.bfloat16  # what was published, for the inference process to read
     assert all(p.dtype == torch.float32 for p in async_policy.parameters())

@@ -7,8 +7,11 @@ from reward import RewardError
 
 
 def test_load_reward_builtin_module_and_file(tmp_path, monkeypatch):
-    """Claim: 'math' is the built-in reward; 'module:function' imports a module; 'file.py:function' loads a file."""
+    """Claim: 'math' and 'math-verify' are the built-in rewards; 'module:function' imports a module;
+    'file.py:function' loads a file."""
+    import math_verify_reward
     assert reward.load_reward("math") is tasks.math_reward
+    assert reward.load_reward("math-verify") is math_verify_reward.math_verify_reward
     (tmp_path / "my_rewards.py").write_text("def length(prompt, completion, answer):\n    return len(completion)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     assert reward.load_reward("my_rewards:length")("p", "abc", "a") == 3

@@ -1,0 +1,200 @@
+"""reward.py's two forms and several weighted rewards (issue #15, point 2): a TRL-style batched reward gets TRL's
+keyword lists, its failures are one line each, None is 'not scored', and weighted rewards add up and are logged
+each on its own, in both modes."""
+import functools
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import checkpoint
+import grpo
+from config import parse_args
+from periodic_rl import mean_std
+from reward import RewardError, Rewards, is_batched, score_group, weighted_total
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def accuracy_reward(completions, solution, **kwargs):  # TRL's trl.rewards.accuracy_reward signature
+    return [1.0] * len(completions)
+
+
+@pytest.mark.parametrize("function, batched", [
+    (lambda prompt, completion, answer: 1.0, False),
+    (lambda prompt, completion, answer, **kwargs: 1.0, False),
+    (lambda prompts, completions, **kwargs: [1.0], True),
+    (accuracy_reward, True),
+    (lambda **kwargs: [1.0], True),
+    (functools.partial(accuracy_reward, solution=["1"]), True),
+])
+def test_the_form_is_told_by_the_parameter_names(function, batched):
+    """Claim: the documented rule: a parameter `prompts` or `completions`, or **kwargs without `completion`, is TRL's
+    batched form (TRL's own accuracy_reward included); (prompt, completion, answer) is the plain form."""
+    assert is_batched(function) is batched
+
+
+@pytest.mark.parametrize("prompt, columns, completions", [
+    ("1+1=", {}, ["2", "3"]),
+    ([{"role": "user", "content": "1+1?"}], {"level": 1},
+     [[{"role": "assistant", "content": "2"}], [{"role": "assistant", "content": "3"}]]),
+    ("1+1=", {"answer": "1+1 = 2\n#### 2", "prompt": "hidden"}, ["2", "3"]),
+], ids=["text", "conversation", "own-answer-column"])
+def test_a_batched_reward_gets_trls_keyword_lists(prompt, columns, completions):
+    """Claim: a batched reward is called once per group, with keywords only, as TRL's _calculate_rewards calls it:
+    prompts and completions (a conversation's completions as assistant messages), completion_ids, and each dataset
+    column as a list of G values; `answer` is the gold answer unless the row has its own `answer` column (passed as
+    it is); a column named prompt/completion/completion_ids is left out, as TRL does. None means 'not scored' (NaN)."""
+    calls = []
+
+    def recorder(*args, **kwargs):  # **kwargs alone: the batched form
+        calls.append((args, kwargs))
+        return [1.0, None]
+    values = score_group(Rewards([recorder], [1.0]), prompt, "2", columns, ["2", "3"], [[5, 0], [6]])
+    expected = {"prompts": [prompt, prompt], "completions": completions, "completion_ids": [[5, 0], [6]],
+                "answer": [columns.get("answer", "2")] * 2, **{k: [v] * 2 for k, v in columns.items() if k != "prompt"}}
+    assert calls == [((), expected)]
+    assert values[0][0] == 1.0 and math.isnan(values[0][1])
+
+
+def test_a_plain_reward_is_called_once_per_completion():
+    """Claim: the plain form is called as before, f(prompt, completion, answer) per completion, in order."""
+    calls = []
+
+    def plain(prompt, completion, answer):
+        calls.append((prompt, completion, answer))
+        return len(completion)
+    assert score_group(Rewards([plain], [1.0]), "p=", "7", {"x": 1}, ["a", "bcd"], [[1], [2]]) == [[1.0, 3.0]]
+    assert calls == [("p=", "a", "7"), ("p=", "bcd", "7")]
+
+
+@pytest.mark.parametrize("returned, said", [
+    ([1.0], "returned 1 values for 2 completions: return one per completion"),
+    ("1.0", "returned a str ('1.0'): return a list of 2 numbers"),
+    (0.5, "returned a float (0.5): return a list of 2 numbers"),
+    (None, "returned None: return a list of 2 numbers"),
+    (np.ones((2, 2)), "returned an array of shape (2, 2)"),
+    ([1.0, float("nan")], "returned nan, not a finite number for completion 1: return a real number, or None"),
+    ([1.0, "x"], "returned a str ('x') for completion 1"),
+    ([True, 1.0], "returned a bool (True) for completion 0"),
+], ids=["short", "str", "float", "None", "2-d", "nan", "str-item", "bool-item"])
+def test_a_wrong_batched_result_is_one_line(returned, said):
+    """Claim: a batched reward that does not return one real number or None per completion is refused in one line
+    naming the function, what it returned and the prompt (TRL would fail later, or train on NaN)."""
+    def batched(prompts, completions, **kwargs):
+        return returned
+    with pytest.raises(RewardError) as error:
+        score_group(Rewards([batched], [1.0]), "1+1=", "2", {}, ["2", "3"], [[1], [2]])
+    assert f"'test_a_wrong_batched_result_is_one_line.<locals>.batched' {said}" in str(error.value)
+    assert "prompt '1+1='" in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("returned", [np.array([1.0, 0.5]), torch.tensor([1.0, 0.5]), (1, 0.5),
+                                      [np.float32(1.0), None]], ids=["numpy", "tensor", "tuple", "float32-None"])
+def test_batched_results_torch_would_take_are_taken(returned):
+    """Claim: what TRL turns into a tensor (a list, tuple, 1-d array or tensor of real numbers, None) is accepted."""
+    values = score_group(Rewards([lambda completions, **kwargs: returned], [1.0]), "p", "a", {}, ["x", "y"], [[1], [2]])
+    assert values[0][0] == 1.0 and (values[0][1] == 0.5 or returned[1] is None and math.isnan(values[0][1]))
+
+
+def test_a_batched_reward_raising_or_hanging_is_one_line():
+    """Claim: a batched reward that raises, or runs past the time limit of its one call, is a RewardError line."""
+    def broken(prompts, completions, **kwargs):
+        raise ValueError("broken on purpose")
+
+    def stuck(prompts, completions, **kwargs):
+        time.sleep(60)
+    with pytest.raises(RewardError, match=r"broken' raised ValueError: broken on purpose \(prompt 'p', 2 completions"):
+        score_group(Rewards([broken], [1.0]), "p", "a", {}, ["x", "y"], [[1], [2]])
+    start = time.monotonic()
+    with pytest.raises(RewardError, match=r"stuck' did not return within 0.5 s \(--reward-timeout"):
+        score_group(Rewards([stuck], [1.0]), "p", "a", {}, ["x", "y"], [[1], [2]], time_limit=0.5)
+    assert time.monotonic() - start < 5
+
+
+def test_weighted_rewards_add_up_and_unscored_responses_leave_the_baseline():
+    """Claim: the reward trained on is Σ_k w_k r_k over the rewards that scored a response (TRL's nansum); a response
+    no reward scored is NaN, and then gets advantage 0 while the others get exactly the advantages of a group made of
+    them alone (TRL #5902) (up to float32 rounding of the two ways of summing: 1e-6); its logged mean skips it."""
+    nan = float("nan")
+    per_reward = [[1.0, 0.0, nan, 1.0], [nan, 0.5, nan, 0.25]]
+    totals = weighted_total(per_reward, [1.0, 2.0])
+    assert totals[:2] + totals[3:] == [1.0, 1.0, 1.5] and math.isnan(totals[2])
+    advantages = grpo.group_advantages(torch.tensor(totals), group_size=4)
+    alone = grpo.group_advantages(torch.tensor([1.0, 1.0, 1.5]), group_size=3)
+    assert advantages[2] == 0 and torch.allclose(advantages[[0, 1, 3]], alone, atol=1e-6)
+    assert advantages.abs().sum() > 0  # the scored ones do learn
+    assert mean_std(totals) == pytest.approx((7 / 6, torch.tensor([1.0, 1.0, 1.5]).std().item()))
+    assert mean_std([nan, nan]) == (None, None) and mean_std([2.0]) == (2.0, None)
+
+
+def test_reward_names_are_trls_and_unique():
+    """Claim: each reward is logged under its function's __name__ (through functools.partial, as TRL's
+    get_callable_name), numbered when two share it, so no column overwrites another."""
+    def f(prompt, completion, answer):
+        return 0.0
+    assert Rewards([f, accuracy_reward, f, functools.partial(f)], [1.0] * 4).names == ["f", "accuracy_reward", "f_2",
+                                                                                       "f_3"]
+
+
+def test_reward_is_repeatable_and_weights_default_to_one():
+    """Claim: `--reward a --reward b` (or `--reward a b`) names two rewards, weighted 1.0 each unless
+    --reward-weights gives one number per reward; not given, the reward is `math`."""
+    assert (parse_args([]).reward, parse_args([]).reward_weights) == (["math"], [1.0])
+    for argv in (["--reward", "a.py:f", "--reward", "b.py:g"], ["--reward", "a.py:f", "b.py:g"]):
+        assert (parse_args(argv).reward, parse_args(argv).reward_weights) == (["a.py:f", "b.py:g"], [1.0, 1.0])
+    assert parse_args(["--reward", "a.py:f", "b.py:g", "--reward-weights", "1", "0.2"]).reward_weights == [1.0, 0.2]
+
+
+def test_a_checkpoint_with_the_old_single_reward_resumes(tmp_path):
+    """Claim: a checkpoint written when `reward` was one string resumes as that one reward, and giving that reward
+    again is not taken for a change; other rewards or weights change the run and are refused, naming the option."""
+    cfg = parse_args(["--reward", "math", "--out", str(tmp_path)])
+    (tmp_path / "checkpoint-1").mkdir()
+    config = {**{k: v for k, v in vars(cfg).items() if k != "reward_weights"}, "reward": "math"}
+    (tmp_path / "checkpoint-1" / "state.json").write_text(json.dumps(
+        {"iterations_done": 1, "config": config, "reference_fingerprint": "x"}))
+    state = checkpoint.read_state(tmp_path / "checkpoint-1")
+    assert state["config"]["reward"] == ["math"]
+    resumed = checkpoint.resumed_config(cfg, {"reward"}, state)
+    assert resumed.reward == ["math"] and resumed.reward_weights == [1.0]
+    for argv, option in ((["--reward", "math-verify"], "--reward"), (["--reward-weights", "0.5"], "--reward-weights")):
+        with pytest.raises(checkpoint.CheckpointError, match=f"^{option} .* differs from the checkpoint's"):
+            checkpoint.resumed_config(parse_args(argv), {option[2:].replace("-", "_")}, state)
+
+
+def test_weighted_rewards_are_logged_each_on_its_own_in_both_modes(tiny_model_dir, tmp_path):
+    """Claim: a run with a plain reward, a TRL-style batched one and math-verify, weights 1 0.5 0.25, logs each
+    reward's mean and std (TRL's `rewards/<name>/mean`) and trains on their weighted sum: reward_mean = Σ w_k mean_k
+    (all responses scored: equal up to float32 rounding, 1e-6 on values <= 1.75), the held-out evaluation one number;
+    and the async run, whose rewards run in the inference process (math-verify's SIGALRM timeouts in its main
+    thread), logs exactly what the sync run logs."""
+    weights = [1.0, 0.5, 0.25]
+    rows = {}
+    for mode in ("sync", "async"):
+        out = tmp_path / mode
+        result = subprocess.run(
+            [sys.executable, "trainer.py", "--model", str(tiny_model_dir), "--data", "arithmetic", "--iterations", "2",
+             "--batch-size", "8", "--group-size", "4", "--max-new-tokens", "4", "--eval-every", "1", "--eval-size", "4",
+             "--eval-samples", "2", "--groups-per-chunk", "2", "--micro-batch-tokens", "16384", "--rollout-threads",
+             "1", "--train-threads", "1", "--no-save", "--out", str(out), "--mode", mode,
+             "--reward", "tests/rewards.py:digit_fraction", "--reward", "tests/rewards.py:digit_count",
+             "--reward", "math-verify", "--reward-weights", *map(str, weights)],
+            cwd=ROOT, capture_output=True, text=True, timeout=180)
+        assert result.returncode == 0, result.stderr
+        rows[mode] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for row in rows["sync"][:-1]:
+        means = [row[f"rewards/{name}/mean"] for name in ("digit_fraction", "digit_count", "math_verify_reward")]
+        assert all(isinstance(row[f"rewards/{name}/std"], float)
+                   for name in ("digit_fraction", "digit_count", "math_verify_reward"))
+        assert row["reward_mean"] == pytest.approx(sum(w * m for w, m in zip(weights, means)), abs=1e-6)
+        assert isinstance(row["eval_reward"], float)
+    assert any(row["rewards/digit_count/mean"] > 0 for row in rows["sync"][:-1])  # the batched reward did score
+    keys = [key for key in rows["sync"][0] if key.startswith("reward") or key == "eval_reward"]
+    assert [[row.get(k) for k in keys] for row in rows["sync"]] == [[row.get(k) for k in keys] for row in rows["async"]]
