@@ -216,27 +216,6 @@ def pick_devices(device: str, mode: str, workers: int = 1) -> tuple[str, str]:
     return (rollout.split(",")[0],) * 2 if mode == "sync" else (rollout, train)
 
 
-def worker_devices(rollout_device: str | None, workers: int) -> list[str | None]:
-    """The device of each inference worker: --rollout-device is one device for all or one per worker.
-
-    >>> worker_devices("cuda:0,cuda:1", 2), worker_devices("cpu", 2), worker_devices(None, 1)
-    (['cuda:0', 'cuda:1'], ['cpu', 'cpu'], [None])
-    """
-    devices = rollout_device.split(",") if rollout_device else [None]
-    if len(devices) not in (1, workers):
-        raise ValueError(f"{len(devices)} rollout devices for {workers} inference workers")
-    return devices * workers if len(devices) == 1 else devices
-
-
-def split_threads(threads: int, workers: int) -> list[int]:
-    """--rollout-threads split among the inference workers: T // N each, the first T % N one more, at least 1.
-
-    >>> split_threads(5, 2), split_threads(1, 2)
-    ([3, 2], [1, 1])
-    """
-    return [max(1, threads // workers + (w < threads % workers)) for w in range(workers)]
-
-
 def pick_dtype(dtype: str, train_device: str) -> str:
     """auto -> bfloat16 where the training device computes in bf16 natively (recent GPUs, NPUs), else float32."""
     if dtype != "auto":
@@ -356,12 +335,17 @@ def validate(cfg: Config) -> list[str]:
              f"{'(or a comma-separated list, one per inference worker) ' if name == 'rollout_device' else ''}"
              f"(got {value!r})")
     need(cfg.inference_workers >= 1, f"--inference-workers must be at least 1 (got {cfg.inference_workers})")
+    whole_prompts = whole_groups and cfg.group_size >= 1  # prompts per iteration is defined
+    if whole_prompts:
+        need(cfg.prompts_per_iteration >= cfg.inference_workers,
+             f"--inference-workers {cfg.inference_workers} is more than the {cfg.prompts_per_iteration} prompts per "
+             "iteration (batch-size / group-size): a worker would have no generate call to sample")
     if cfg.rollout_device and cfg.inference_workers >= 1:
         listed = len(cfg.rollout_device.split(","))
         need(listed in (1, cfg.inference_workers),
              f"--rollout-device lists {listed} devices for {cfg.inference_workers} --inference-workers: give one "
              "device for all of them or one per worker")
-    if cfg.groups_per_chunk and whole_groups and cfg.inference_workers >= 1:
+    if cfg.groups_per_chunk and cfg.groups_per_chunk >= 1 and whole_prompts and cfg.inference_workers >= 1:
         calls = math.ceil(cfg.prompts_per_iteration / cfg.groups_per_chunk)
         need(calls >= cfg.inference_workers,
              f"--inference-workers {cfg.inference_workers} needs at least as many generate calls per iteration, but "

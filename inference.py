@@ -45,13 +45,13 @@ from typing import Iterator
 import torch
 import torch.multiprocessing as mp
 
-from config import split_threads, worker_devices
 from rollout import Group, IterationDone, Message, rollout_iteration
 from timeline import TRAINING, Span, Timeline
 from weights import WeightBuffer, check_shared_memory
 from worker import POLL_SECONDS, PipelineError, Worker
 
-__all__ = ["AsyncRollouts", "PipelineError", "SyncRollouts", "in_call_order", "worker_shares"]
+__all__ = ["AsyncRollouts", "PipelineError", "SyncRollouts", "in_call_order", "split_threads", "worker_devices",
+           "worker_shares"]
 
 
 # --- which worker samples what, and in which order the trainer takes it ---
@@ -72,6 +72,27 @@ def owned_calls(prompts: int, groups_per_chunk: int, share: tuple[int, int]) -> 
     [4, 12]
     """
     return [first for call, first in enumerate(range(0, prompts, groups_per_chunk)) if call % share[1] == share[0]]
+
+
+def worker_devices(rollout_device: str | None, workers: int) -> list[str | None]:
+    """The device of each inference worker: --rollout-device is one device for all or one per worker.
+
+    >>> worker_devices("cuda:0,cuda:1", 2), worker_devices("cpu", 2), worker_devices(None, 1)
+    (['cuda:0', 'cuda:1'], ['cpu', 'cpu'], [None])
+    """
+    devices = rollout_device.split(",") if rollout_device else [None]
+    if len(devices) not in (1, workers):
+        raise ValueError(f"{len(devices)} rollout devices for {workers} inference workers")
+    return devices * workers if len(devices) == 1 else devices
+
+
+def split_threads(threads: int, workers: int) -> list[int]:
+    """--rollout-threads split among the inference workers: T // N each, the first T % N one more, at least 1.
+
+    >>> split_threads(5, 2), split_threads(1, 2)
+    ([3, 2], [1, 1])
+    """
+    return [max(1, threads // workers + (w < threads % workers)) for w in range(workers)]
 
 
 def in_call_order(messages: Iterator[Message], calls: list[int], workers: int) -> Iterator[Message]:
@@ -146,7 +167,7 @@ class AsyncRollouts:
     with the thread that started them (`worker.die_with_parent`).
 
     `workers` = N processes, placed by load_kwargs["device"]: one device for all, or a comma-separated
-    list with one per worker (`config.worker_devices`); `share` = (r, M), this trainer's share of the
+    list with one per worker (`worker_devices`); `share` = (r, M), this trainer's share of the
     generate calls, split among its workers (`worker_shares`).
     """
 
@@ -190,7 +211,7 @@ class AsyncRollouts:
 
     def attach(self, policy, cfg, threads: int) -> None:
         """Share θ's buffer with the workers (as a handle to shared memory, never a copy), with the config
-        (sampling settings, sizes) and their thread counts: `threads` split among them (config.split_threads)."""
+        (sampling settings, sizes) and their thread counts: `threads` split among them (`split_threads`)."""
         self.wait_until_loaded()
         self.weights = WeightBuffer(policy, self.dtype)  # kept alive here: the receivers map the sender's memory
         self.calls = owned_calls(cfg.prompts_per_iteration, cfg.groups_per_chunk, self.share)

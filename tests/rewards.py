@@ -27,3 +27,12 @@ def hanging_reward(prompt: str, completion: str, answer: str) -> float:
 
 def exiting_reward(prompt: str, completion: str, answer: str) -> float:
     sys.exit(0)
+
+
+def digit_fraction_worker_0_slow(prompt: str, completion: str, answer: str) -> float:
+    """digit_fraction, 0.1 s late in inference worker 0 (process name periodic-rl-inference-0): its groups reach
+    the trainer after those of worker 1, whatever the scheduler does."""
+    import multiprocessing
+    if multiprocessing.current_process().name == "periodic-rl-inference-0":
+        time.sleep(0.1)
+    return digit_fraction(prompt, completion, answer)

@@ -10,7 +10,7 @@ import torch
 import inference
 import periodic_rl
 import sizing
-from config import parse_args, split_threads, worker_devices
+from config import parse_args
 from faults import Launch
 from models import load_model
 from reward import load_reward
@@ -19,11 +19,12 @@ from tasks import load_task
 from timeline import Timeline
 
 DIGITS = "tests/rewards.py:digit_fraction"
-# 4 prompts per iteration, one per generate call: worker 0 of 2 samples calls 0 and 2, worker 1 calls 1 and 3.
-# Micro-batches of at most 60 tokens (one or two groups of 4 x (~6 + <= 6) tokens) and two optimizer steps per
-# iteration, so that the order in which groups reach the trainer decides the micro-batch cuts and the summation
-# order of the gradient. The same thread count on every process (a worker's threads change its float rounding).
-SIZES = ("--batch-size", "16", "--group-size", "4", "--groups-per-chunk", "1", "--micro-batch-tokens", "60",
+# 8 prompts per iteration, one per generate call: worker 0 of 2 samples the even calls, worker 1 the odd ones.
+# Two optimizer steps per iteration, each over 4 groups, each group its own micro-batch (its call is complete when
+# it arrives), so that the order in which groups reach the trainer is the summation order of the gradient
+# (with two terms per step it would not matter: a + b == b + a). The same thread count on every process (a
+# worker's threads change its float rounding).
+SIZES = ("--batch-size", "32", "--group-size", "4", "--groups-per-chunk", "1", "--micro-batch-tokens", "60",
          "--updates-per-iteration", "2", "--epsilon-low", "0.01", "--epsilon-high", "0.01",
          "--rollout-threads", "1", "--train-threads", "1")
 
@@ -59,8 +60,32 @@ def test_shares_threads_and_devices_of_the_workers():
         owners = [[s for s, total in shares if call % total == s] for call in range(12)]
         assert all(len(owner) == 1 for owner in owners), (ranks, workers, owners)
     assert inference.owned_calls(10, 3, (0, 2)) == [0, 6] and inference.owned_calls(10, 3, (1, 2)) == [3, 9]
-    assert split_threads(4, 2) == [2, 2] and split_threads(3, 2) == [2, 1] and split_threads(1, 3) == [1, 1, 1]
-    assert worker_devices("cuda:0,cuda:1", 2) == ["cuda:0", "cuda:1"] and worker_devices("cpu", 3) == ["cpu"] * 3
+    assert [inference.split_threads(t, n) for t, n in ((4, 2), (3, 2), (1, 3))] == [[2, 2], [2, 1], [1, 1, 1]]
+    assert inference.worker_devices("cuda:0,cuda:1", 2) == ["cuda:0", "cuda:1"]
+    assert inference.worker_devices("cpu", 3) == ["cpu"] * 3
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--inference-workers", "0"], "--inference-workers must be at least 1"),
+    (["--inference-workers", "2", "--rollout-device", "cpu,cpu,cpu"], "lists 3 devices for 2 --inference-workers"),
+    (["--inference-workers", "2", "--rollout-device", "cpu,gpu"], "comma-separated list"),
+    (["--inference-workers", "3", "--batch-size", "16", "--group-size", "4", "--groups-per-chunk", "2"],
+     "makes 2 of the 4 prompts"),
+])
+def test_bad_worker_options_are_one_line(capsys, options, message):
+    """Claim: a worker count or device list that cannot work is refused in one line naming the option (a worker
+    without a generate call to sample would idle for the whole run)."""
+    with pytest.raises(SystemExit) as stop:
+        parse_args(options)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_more_workers_get_a_call_each_by_default():
+    """Claim: left open, the generate calls per iteration are at least the workers (the probe, which models one
+    worker, does not choose them)."""
+    cfg = parse_args(["--inference-workers", "4", "--batch-size", "64", "--group-size", "4"])
+    assert cfg.chunks_per_iteration == 4
 
 
 def group(index: int, chunk: tuple[int, int]) -> Group:
@@ -111,15 +136,16 @@ def test_rollouts_do_not_depend_on_the_number_of_workers(tiny_model_dir):
 
 def test_training_does_not_depend_on_the_number_of_workers(tiny_model_dir):
     """Claim: a run with two inference workers is bitwise the run with one: the same metrics and, after three
-    iterations of two optimizer steps each, the same weights (torch.equal), although the workers' groups arrive
-    interleaved by timing. Exact because the trainer takes the groups in one worker's order (in_call_order), so
-    the micro-batches and the gradient's summation order are those of one worker. Taking them in arrival order
-    instead changes both with the timing, and the weights then differ run to run."""
-    reference, reference_rows = train(config(tiny_model_dir, "--mode", "sync"))
+    iterations of two optimizer steps each, the same weights (torch.equal), although worker 0 is made slow (its
+    reward waits 0.1 s per response), so that worker 1's groups (odd calls) arrive before worker 0's (even calls). Exact because the trainer takes the groups in one worker's order (in_call_order), so the micro-batches
+    and the gradient's summation order are those of one worker. (Taking them in arrival order instead, the same
+    test gave different weights: the sums ran in another order.)"""
+    slow = ("--reward", "tests/rewards.py:digit_fraction_worker_0_slow")  # the same values in every process
+    reference, reference_rows = train(config(tiny_model_dir, "--mode", "sync", *slow))
     initial, _ = load_model(str(tiny_model_dir))
     assert max((p - q).abs().max().item() for p, q in zip(reference.parameters(), initial.parameters())) > 1e-3
     for mode in ("async", "sync"):
-        policy, rows = train(config(tiny_model_dir, "--mode", mode, "--inference-workers", "2"))
+        policy, rows = train(config(tiny_model_dir, "--mode", mode, "--inference-workers", "2", *slow))
         assert all(torch.equal(p, q) for p, q in zip(policy.parameters(), reference.parameters())), mode
         assert len(rows) == len(reference_rows) == 4
         for row, expected in zip(rows, reference_rows):
