@@ -81,6 +81,18 @@ def test_bad_worker_options_are_one_line(capsys, options, message):
     assert stop.value.code == 2 and message in err and err.count("\n") == 1, err
 
 
+def test_auto_places_each_worker_on_its_own_device(monkeypatch):
+    """Claim: --device auto with N workers and more than N accelerators puts worker w on :w and the trainer on :N;
+    with fewer, everything on :0; sync mode (one process) on the first device."""
+    import config
+    monkeypatch.setattr(config, "detect_accelerator", lambda: "cuda")
+    monkeypatch.setattr(config, "accelerator_count", lambda kind: 3)
+    assert config.pick_devices("auto", "async", 2) == ("cuda:0,cuda:1", "cuda:2")
+    assert config.pick_devices("auto", "sync", 2) == ("cuda:0", "cuda:0")
+    assert config.pick_devices("auto", "async", 3) == ("cuda:0", "cuda:0")
+    assert config.pick_devices("auto", "async", 1) == ("cuda:0", "cuda:1")
+
+
 def test_more_workers_get_a_call_each_by_default():
     """Claim: left open, the generate calls per iteration are at least the workers (the probe, which models one
     worker, does not choose them)."""
@@ -192,6 +204,10 @@ def test_balanced_split():
     assert sizing.balanced_split(1.0, 1.0, 2) == (1, 1)
     with pytest.raises(ValueError):
         sizing.balanced_split(1.0, 1.0, 1)
+    import trainer
+    cfg = parse_args(["--inference-workers", "2"])
+    line = trainer.device_split(cfg, [(9.0, 9.0), (5.4, 2.0), (5.4, 2.0)])  # the first iteration is dropped
+    assert "with 8 devices, 6 inference + 2 training" in line and "(this run: 2 + 1)" in line
     line = sizing.split_report(5.4, 2.0, 1, 1)
     assert "inference 2.7x slower than training" in line and "with 8 devices, 6 inference + 2 training" in line
     assert "with 2 devices, 1 inference + 1 training (this run: 1 + 1)" in line
