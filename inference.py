@@ -23,12 +23,14 @@ it owns the calls c with c % M == r), worker w samples the calls c with c % (M·
 
 Why the rollouts do not depend on N: a call's tokens depend only on its prompts and its seed
 prompt_seed(seed, k, first prompt), never on which worker samples it or on what that worker sampled
-before (rollout.py); so N = 1 and N = 2 draw the same groups. Why training does not either:
+before (rollout.py); so N = 1 and N = 2 draw the same groups (bitwise where each worker computes as the one
+worker did: on CPU the same thread count per worker, since threads change the logits' rounding and, with
+probability ~1e-7 per token, a draw). Why training does not depend on N either:
 `in_call_order` hands the trainer the groups in the order one worker would send them, call after call,
 each call's in its completion order (a function of the tokens alone), holding back the groups of a call
 until every earlier call has delivered all of its own. The learner cuts micro-batches and sums
 gradients in arrival order, so with that order it computes bitwise what it computes with one worker
-(tests/test_workers.py). The price: a call's groups that finish before an earlier call's wait, so the
+(tests/test_workers.py; in arrival order the same test's weights were off by 3.5e-5). The price: a call's groups that finish before an earlier call's wait, so the
 trainer may idle while they could train; the alternative, taking groups in arrival order across workers,
 changes the micro-batch cuts and the gradient's summation order with the timing, and the weights then
 differ run to run at float rounding, which Adam's per-element scaling amplifies (tests/test_pipeline.py).
@@ -192,6 +194,7 @@ class AsyncRollouts:
             self.close()
             raise
         self.by_connection = {worker.connection: worker for worker in self.workers}
+        self.ready: list = []  # pipes found readable, not read yet
         if load:
             self.load()
 
@@ -249,10 +252,11 @@ class AsyncRollouts:
         """The next message of any worker; raises PipelineError if one failed, died or froze, naming it."""
         start = time.perf_counter()
         try:
-            while not (ready := multiprocessing.connection.wait(list(self.by_connection), POLL_SECONDS)):
-                for worker in self.workers:
+            while not self.ready:  # one message from each readable pipe in turn, so no worker waits behind another
+                self.ready = multiprocessing.connection.wait(list(self.by_connection), POLL_SECONDS)
+                for worker in self.workers if not self.ready else []:
                     worker.check_progress()
-            worker = self.by_connection[ready[0]]
+            worker = self.by_connection[self.ready.pop(0)]
             return worker, worker.receive()  # a dead worker's pipe is readable: end-of-file, reported at once
         finally:
             self.timeline.add(Span("wait for rollouts", TRAINING, start, time.perf_counter(), wait=True))
