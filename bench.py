@@ -11,6 +11,8 @@ tri-model      memory and step time with and without the reference and old-polic
                (benchmarks/tri_model_copies.py)
 memory         peak training memory of one GRPO step on the Qwen2.5-0.5B configuration
                (benchmarks/memory.py)
+workers        seconds per iteration with 1 and 2 inference workers per trainer, against the prediction
+               (benchmarks/workers.py)
 
 Each module's docstring says what it measures, how to read its output and its targets. To add a
 benchmark: write `<name>_args(parser)` and `<name>(args) -> bool` (True = all targets met) in a
@@ -21,7 +23,7 @@ from __future__ import annotations
 import argparse
 from typing import Callable
 
-from benchmarks import memory, peer, pipeline, publish, shared_prompt, tri_model_copies
+from benchmarks import memory, peer, pipeline, publish, shared_prompt, tri_model_copies, workers
 
 BENCHMARKS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], bool]]] = {
     "shared-prompt": (shared_prompt.shared_prompt_args, shared_prompt.shared_prompt),
@@ -30,6 +32,7 @@ BENCHMARKS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[
     "tri-model": (tri_model_copies.tri_model_args, tri_model_copies.tri_model),
     "memory": (memory.memory_args, memory.memory),
     "peer": (peer.peer_args, peer.peer),
+    "workers": (workers.workers_args, workers.workers),
 }
 
 

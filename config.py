@@ -144,9 +144,17 @@ class Config:
     # --- devices ---
     device: str = _opt("auto", "default device for both sides: auto (CUDA, else NPU, else CPU), cpu, cuda, cuda:N, "
                                "npu, npu:N; auto with two or more GPUs samples on :0 and trains on :1")
-    rollout_device: str | None = _opt(None, "device of the inference process (default: from --device)")
+    inference_workers: int = _opt(1, "inference processes per trainer (async mode); each samples a share of every "
+                                     "iteration's generate calls (worker w: the calls c with c %% N == w), so the "
+                                     "rollouts and the update do not depend on N (see inference.py); give each a "
+                                     "device with --rollout-device, or on CPU a share of --rollout-threads")
+    rollout_device: str | None = _opt(None, "device of the inference side (default: from --device); with several "
+                                            "--inference-workers one for all or a comma-separated list, one per "
+                                            "worker: cuda:0,cuda:1")
     train_device: str | None = _opt(None, "device of the training process (default: from --device)")
-    rollout_threads: int | None = _opt(None, "CPU threads of the inference process (default: see --sizes)")
+    rollout_threads: int | None = _opt(None, "CPU threads of the inference side, split among --inference-workers "
+                                             "(N workers: T // N each, the first T %% N one more, at least 1 each; "
+                                             "default: see --sizes)")
     train_threads: int | None = _opt(None, "CPU threads of the training process (default: see --sizes)")
     sizes: str = _opt("probe", "how the sizes not given are chosen. probe: on CPU, time iteration 0's generation "
                                "and training first and pick the generate calls, the micro-batch and the thread "
@@ -206,20 +214,25 @@ def accelerator_count(kind: str) -> int:
     return 0 if kind == "cpu" else getattr(torch, kind).device_count()
 
 
-def pick_devices(device: str, mode: str) -> tuple[str, str]:
-    """(inference device, training device) for --device.
+def pick_devices(device: str, mode: str, workers: int = 1) -> tuple[str, str]:
+    """(inference device(s), training device) for --device.
 
-    auto: the accelerator this machine has (`detect_accelerator`); with two or more, inference on :0 and
-    training on :1, else both on :0. Sync mode runs both sides in one process: both on the first device.
+    auto: the accelerator this machine has (`detect_accelerator`); with N inference workers and at least N + 1
+    devices, worker w on :w and training on :N (one worker, two devices: inference on :0, training on :1), else
+    all on :0. Sync mode runs both sides in one process: both on the first device.
     """
     if device == "auto":
         kind = detect_accelerator()
         if kind == "cpu":
             return "cpu", "cpu"
-        rollout, train = f"{kind}:0", f"{kind}:1" if accelerator_count(kind) >= 2 else f"{kind}:0"
+        count = accelerator_count(kind)
+        if count > workers:
+            rollout, train = ",".join(f"{kind}:{w}" for w in range(workers)), f"{kind}:{workers}"
+        else:
+            rollout = train = f"{kind}:0"
     else:
         rollout = train = device
-    return (rollout, rollout) if mode == "sync" else (rollout, train)
+    return (rollout.split(",")[0],) * 2 if mode == "sync" else (rollout, train)
 
 
 def pick_dtype(dtype: str, train_device: str) -> str:
@@ -239,7 +252,7 @@ def pick_dtype(dtype: str, train_device: str) -> str:
 def derive(cfg: Config) -> Config:
     """Fill the model- and hardware-dependent defaults and the thread split; returns a new Config."""
     cores = os.cpu_count() or 1
-    rollout_device, train_device = pick_devices(cfg.device, cfg.mode)
+    rollout_device, train_device = pick_devices(cfg.device, cfg.mode, cfg.inference_workers)
     rollout_device = cfg.rollout_device or rollout_device
     train_device = cfg.train_device or train_device
     on_accelerator = rollout_device.split(":")[0] != "cpu"
@@ -253,7 +266,11 @@ def derive(cfg: Config) -> Config:
     # With --sizes probe on CPU, the sizes not given stay None here: `sizing.choose` measures and fills them.
     probed = cfg.sizes == "probe" and not on_accelerator
     calls = GENERATE_CALLS["accelerator" if on_accelerator else "cpu"]
-    groups_per_chunk = cfg.groups_per_chunk or (None if probed else math.ceil(cfg.prompts_per_iteration / calls))
+    if cfg.inference_workers > 1:  # at least one call per worker, whatever the probe would pick (it models one)
+        calls, probed_calls = max(calls, cfg.inference_workers), False
+    else:
+        probed_calls = probed
+    groups_per_chunk = cfg.groups_per_chunk or (None if probed_calls else math.ceil(cfg.prompts_per_iteration / calls))
     chunks = math.ceil(cfg.prompts_per_iteration / (groups_per_chunk or 1))  # generate calls per iteration
     # Sync mode runs one side at a time: all cores. So does async when an iteration is a single chunk
     # (nothing to overlap: the two sides take turns); otherwise they run at once and split the cores,
@@ -337,9 +354,28 @@ def validate(cfg: Config) -> list[str]:
                                                    f"cores this process may use (got {value})")
     for name in ("device", "rollout_device", "train_device"):
         value = getattr(cfg, name)
-        need(value is None or value == "auto" and name == "device" or _is_device_name(value),
+        names = value.split(",") if name == "rollout_device" and value else [value]
+        need(value is None or value == "auto" and name == "device" or all(map(_is_device_name, names)),
              f"--{name.replace('_', '-')} must be {'auto, ' if name == 'device' else ''}cpu, cuda[:N] or npu[:N] "
+             f"{'(or a comma-separated list, one per inference worker) ' if name == 'rollout_device' else ''}"
              f"(got {value!r})")
+    need(cfg.inference_workers >= 1, f"--inference-workers must be at least 1 (got {cfg.inference_workers})")
+    whole_prompts = whole_groups and cfg.group_size >= 1  # prompts per iteration is defined
+    if whole_prompts:
+        need(cfg.prompts_per_iteration >= cfg.inference_workers,
+             f"--inference-workers {cfg.inference_workers} is more than the {cfg.prompts_per_iteration} prompts per "
+             "iteration (batch-size / group-size): a worker would have no generate call to sample")
+    if cfg.rollout_device and cfg.inference_workers >= 1:
+        listed = len(cfg.rollout_device.split(","))
+        need(listed in (1, cfg.inference_workers),
+             f"--rollout-device lists {listed} devices for {cfg.inference_workers} --inference-workers: give one "
+             "device for all of them or one per worker")
+    if cfg.groups_per_chunk and cfg.groups_per_chunk >= 1 and whole_prompts and cfg.inference_workers >= 1:
+        calls = math.ceil(cfg.prompts_per_iteration / cfg.groups_per_chunk)
+        need(calls >= cfg.inference_workers,
+             f"--inference-workers {cfg.inference_workers} needs at least as many generate calls per iteration, but "
+             f"--groups-per-chunk {cfg.groups_per_chunk} makes {calls} of the {cfg.prompts_per_iteration} prompts: "
+             "lower --groups-per-chunk")
     need(cfg.save_every >= 0 and cfg.keep_checkpoints >= 0, "--save-every and --keep-checkpoints must be >= 0")
     need(cfg.resume is None or cfg.resume.strip() != "", "--resume must name a checkpoint directory or 'auto'")
     need(cfg.out.strip() != "", f"--out must name a directory (got {cfg.out!r})")

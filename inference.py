@@ -1,56 +1,124 @@
 """The inference side as the trainer sees it: where rollouts come from, and how θ_k gets there.
 
-    trainer process                                  inference process (async mode)
+    trainer process                                  N inference workers (async mode; worker.py)
     ---------------------------------------------    ----------------------------------------------
-    WeightBuffer.publish(θ_k) (weights.py): copy     WeightBuffer.attach: on CPU its parameters *are*
-      into one flat shared-memory tensor, then         views of that tensor (loading θ_k is free);
-      version := k                                     on GPU/NPU load_into copies it once
-    rollouts.generate(k)  ---- ("generate", k) --->  rollout.rollout_iteration(...): groups in
-    rollouts.receive()    <--- Group, ..., Span,       completion order, then the evaluation
-                               Evaluation,             (if due), then IterationDone(k)
-                               IterationDone
+    WeightBuffer.publish(θ_k) (weights.py): copy     WeightBuffer.attach: on CPU each worker's
+      into one flat shared-memory tensor, then         parameters *are* views of that one tensor;
+      version := k                                     on GPU/NPU load_into copies it to its device
+    rollouts.generate(k)  ---- ("generate", k) --->  every worker: rollout.rollout_iteration(share):
+    rollouts.receive()    <--- Group, ..., Span,       its generate calls' groups in completion
+                               Evaluation,             order, the evaluation (worker 0, if due),
+                               IterationDone           IterationDone(k)
 
 `SyncRollouts` has the same three methods and runs `rollout_iteration` in the trainer's own process
-(sync mode); `AsyncRollouts` owns the inference process from spawn to close (use it as a `with`
-block). Each group carries the version of the weights that sampled it, read from the buffer when
-its generate call started and checked again when the group was sent (`rollout.rollout_iteration`):
-a publish while a call was sampling marks its groups (version -1) and the trainer refuses them.
+(sync mode); `AsyncRollouts` owns the workers from spawn to close (use it as a `with` block). Each
+group carries the version of the weights that sampled it, read from the buffer when its generate call
+started and checked again when the group was sent (`rollout.rollout_iteration`): a publish while a call
+was sampling marks its groups (version -1) and the trainer refuses them.
 
-The weight buffer is weights.py's. Departure, on purpose: groups travel as plain Python lists, never
-tensors: a tensor in a message is passed by file descriptor, and the sender would have to outlive the
-receiver's use of it.
+N workers per trainer (`--inference-workers N`). An iteration's prompts are cut into generate calls
+c = 0, 1, ... of --groups-per-chunk prompts each; with this trainer's share (r, M) (trainer rank r of M:
+it owns the calls c with c % M == r), worker w samples the calls c with c % (M·N) == r + M·w
+(`worker_shares`). All read the same θ_k: one shared-memory buffer, published once per iteration.
+
+Why the rollouts do not depend on N: a call's tokens depend only on its prompts and its seed
+prompt_seed(seed, k, first prompt), never on which worker samples it or on what that worker sampled
+before (rollout.py); so N = 1 and N = 2 draw the same groups (bitwise where each worker computes as the one
+worker did: on CPU the same thread count per worker, since threads change the logits' rounding and, with
+probability ~1e-7 per token, a draw). Why training does not depend on N either:
+`in_call_order` hands the trainer the groups in the order one worker would send them, call after call,
+each call's in its completion order (a function of the tokens alone), holding back the groups of a call
+until every earlier call has delivered all of its own. The learner cuts micro-batches and sums
+gradients in arrival order, so with that order it computes bitwise what it computes with one worker
+(tests/test_workers.py; in arrival order the same test's weights were off by 3.5e-5). The price: a call's groups that finish before an earlier call's wait, so the
+trainer may idle while they could train; the alternative, taking groups in arrival order across workers,
+changes the micro-batch cuts and the gradient's summation order with the timing, and the weights then
+differ run to run at float rounding, which Adam's per-element scaling amplifies (tests/test_pipeline.py).
+
+Departure, on purpose: groups travel as plain Python lists, never tensors: a tensor in a message is passed
+by file descriptor, and the sender would have to outlive the receiver's use of it.
 """
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import multiprocessing.connection
-import os
-import queue
-import signal
-import sys
-import threading
 import time
-import traceback
+from typing import Iterator
 
 import torch
 import torch.multiprocessing as mp
 
-from config import UserError
-from reward import RewardError
-from rollout import IterationDone, rollout_iteration
-from timeline import INFERENCE, TRAINING, Span, Timeline
-from weights import WeightBuffer, check_shared_memory, shared
+from rollout import Group, IterationDone, Message, rollout_iteration
+from timeline import TRAINING, Span, Timeline
+from weights import WeightBuffer, check_shared_memory
+from worker import POLL_SECONDS, PipelineError, Worker
 
-POLL_SECONDS = 0.2  # how often a waiting trainer checks that the inference process is alive
-HEARTBEAT_SECONDS = 1.0  # the inference process's heartbeat thread counts once per second, whatever it computes
-STOPPED_SECONDS = 5.0  # no heartbeat for this long and state T (SIGSTOP, Ctrl-Z of that process alone): reported
-FROZEN_SECONDS = 60.0  # no heartbeat for this long in any state: hung (a native call holding the GIL, a dead disk)
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+__all__ = ["AsyncRollouts", "PipelineError", "SyncRollouts", "in_call_order", "split_threads", "worker_devices",
+           "worker_shares"]
 
 
-class PipelineError(UserError):
-    """The inference process failed or died; the message says why."""
+# --- which worker samples what, and in which order the trainer takes it ---
+def worker_shares(share: tuple[int, int], workers: int) -> list[tuple[int, int]]:
+    """The rollout shares (s, S) of a trainer's workers: worker w samples the calls c with c % S == s.
+
+    >>> worker_shares((1, 2), 2)  # trainer rank 1 of 2, two workers: calls 1, 5, 9, ... and 3, 7, 11, ...
+    [(1, 4), (3, 4)]
+    """
+    rank, ranks = share
+    return [(rank + ranks * w, ranks * workers) for w in range(workers)]
+
+
+def owned_calls(prompts: int, groups_per_chunk: int, share: tuple[int, int]) -> list[int]:
+    """First prompt index of each generate call of the share (s, S), in call order.
+
+    >>> owned_calls(16, 4, (1, 2))  # calls 0..3 start at prompts 0, 4, 8, 12; share 1 of 2 owns calls 1 and 3
+    [4, 12]
+    """
+    return [first for call, first in enumerate(range(0, prompts, groups_per_chunk)) if call % share[1] == share[0]]
+
+
+def worker_devices(rollout_device: str | None, workers: int) -> list[str | None]:
+    """The device of each inference worker: --rollout-device is one device for all or one per worker.
+
+    >>> worker_devices("cuda:0,cuda:1", 2), worker_devices("cpu", 2), worker_devices(None, 1)
+    (['cuda:0', 'cuda:1'], ['cpu', 'cpu'], [None])
+    """
+    devices = rollout_device.split(",") if rollout_device else [None]
+    if len(devices) not in (1, workers):
+        raise ValueError(f"{len(devices)} rollout devices for {workers} inference workers")
+    return devices * workers if len(devices) == 1 else devices
+
+
+def split_threads(threads: int, workers: int) -> list[int]:
+    """--rollout-threads split among the inference workers: T // N each, the first T % N one more, at least 1.
+
+    >>> split_threads(5, 2), split_threads(1, 2)
+    ([3, 2], [1, 1])
+    """
+    return [max(1, threads // workers + (w < threads % workers)) for w in range(workers)]
+
+
+def in_call_order(messages: Iterator[Message], calls: list[int], workers: int) -> Iterator[Message]:
+    """The messages of `workers` samplers, merged: groups in the order of `calls` (first prompt of each, as
+    `owned_calls`), each call's groups in the order they came; everything else at once; one IterationDone
+    after all `workers` have sent theirs. A group waits only while an earlier call is still delivering."""
+    held: dict[int, list[Group]] = {first: [] for first in calls}
+    position, released, done = 0, 0, 0  # the call going through now, its groups released so far, workers done
+    for message in messages:
+        if isinstance(message, Group):
+            held[message.chunk[0]].append(message)
+            while position < len(calls) and held[calls[position]]:
+                group = held[calls[position]].pop(0)
+                released += 1
+                if released == group.chunk[1]:  # chunk: (first prompt, prompts): the call is complete
+                    position, released = position + 1, 0
+                yield group
+        elif isinstance(message, IterationDone):
+            done += 1
+            if done == workers:
+                yield message
+                return
+        else:
+            yield message
 
 
 # --- where rollouts come from ---
@@ -58,13 +126,17 @@ class SyncRollouts:
     """Generate the whole iteration in this process, then hand the messages over.
 
     `sampler` is the model that generates: the policy itself when it computes in its own dtype, else a
-    copy in the compute dtype that `publish` refreshes, as the inference process's weights are in async
-    mode (so that both modes sample from the same bf16 weights).
+    copy in the compute dtype that `publish` refreshes, as the workers' weights are in async mode (so that
+    both modes sample from the same bf16 weights). With `workers` = N it samples the N workers' shares one
+    after another, and hands the groups over in the same order as `AsyncRollouts` does (`in_call_order`).
     """
 
-    def __init__(self, policy, tokenizer, train, held_out, rewards, cfg, sampler=None):
+    def __init__(self, policy, tokenizer, train, held_out, rewards, cfg, sampler=None, workers: int = 1,
+                 share: tuple[int, int] = (0, 1)):
         self.args = (tokenizer, train, held_out, rewards, cfg)
         self.sampler = sampler if sampler is not None else policy
+        self.shares = worker_shares(share, workers)
+        self.calls = owned_calls(cfg.prompts_per_iteration, cfg.groups_per_chunk, share)
 
     @torch.no_grad()
     def publish(self, policy, version: int) -> None:
@@ -78,142 +150,116 @@ class SyncRollouts:
         self.sampler.eval()
         tokenizer, train, held_out, rewards, cfg = self.args
         self.messages = []
-        rollout_iteration(self.sampler, tokenizer, train, held_out, rewards, cfg, iteration,
-                          lambda: self.version, final_iteration, self.messages.append, train_prompts)
+        for share in self.shares:
+            rollout_iteration(self.sampler, tokenizer, train, held_out, rewards, cfg, iteration,
+                              lambda: self.version, final_iteration, self.messages.append, train_prompts, share)
 
     def receive(self):
-        yield from self.messages
+        yield from in_call_order(iter(self.messages), self.calls, len(self.shares))
 
 
 class AsyncRollouts:
-    """The inference process, its pipe and the shared weight buffer, seen from the trainer.
+    """The inference workers (worker.Worker: process, pipe, heartbeat) and the shared weight buffer, seen from
+    the trainer.
 
-    Start it as early as possible: it imports its libraries while the trainer imports its own, and
-    loads its model while the trainer loads the policy. `load=False` makes it wait after its imports
-    until `load()` (for a model the trainer must build first); `attach(policy)` hands over the
-    weight buffer and waits until the inference side is ready. Create it in the main thread: the
-    inference process dies with the thread that started it (`die_with_parent`).
+    Start it as early as possible: the workers import their libraries while the trainer imports its own,
+    and load their models while the trainer loads the policy. `load=False` makes them wait after their
+    imports until `load()` (for a model the trainer must build first); `attach(policy)` hands over the
+    weight buffer and waits until every worker is ready. Create it in the main thread: the workers die
+    with the thread that started them (`worker.die_with_parent`).
 
-    Commands and results travel over one `multiprocessing.Pipe`, not two `Queue`s: a pipe is a pair of
-    file descriptors, where a Queue's locks are named semaphores in /dev/shm that stay there for good
-    when the run is killed before multiprocessing's resource tracker removes them.
+    `workers` = N processes, placed by load_kwargs["device"]: one device for all, or a comma-separated
+    list with one per worker (`worker_devices`); `share` = (r, M), this trainer's share of the
+    generate calls, split among its workers (`worker_shares`).
     """
 
     def __init__(self, model_name: str, load_kwargs: dict, train, held_out, reward_specs: list[str] | str,
-                 timeline: Timeline | None = None, load: bool = True, reward_weights: list[float] | None = None):
+                 timeline: Timeline | None = None, load: bool = True, workers: int = 1,
+                 share: tuple[int, int] = (0, 1), reward_weights: list[float] | None = None):
         check_shared_memory(0)  # a full /dev/shm fails here, in one line, before a process is spawned (weights: attach)
         context = mp.get_context("spawn")  # fork would copy the trainer's threads and CUDA state
         self.timeline = timeline or Timeline()
         self.dtype = load_kwargs.get("dtype")  # the inference side's weights, as published
+        self.share = share
         self.weights: WeightBuffer | None = None  # set by attach()
-        self.loading = self.loaded = self.failed = False
-        self.connection, child_end = context.Pipe()
-        self.heartbeat = shared(torch.zeros(1, dtype=torch.int64))  # (1,) beats of the inference process
-        self.last_beat, self.last_sign, self.last_check = 0, None, 0.0  # count last seen, when it last changed,
-        # when it was last looked at (trainer's clock: `_check_progress`)
-        self.process = context.Process(
-            target=inference_process, name="periodic-rl-inference", daemon=True,
-            args=(model_name, load_kwargs, child_end, self.heartbeat, train, held_out,
-                  [reward_specs] if isinstance(reward_specs, str) else reward_specs, reward_weights))
-        with sigint_ignored():  # inherited through exec: a Ctrl-C during the child's imports would print their
-            self.process.start()  # traceback; it takes Ctrl-C again once `inference_process` runs
-        child_end.close()  # only the child holds its end now: its death reads as end-of-file here
+        self.loading = self.loaded = False
+        self.workers: list[Worker] = []
+        try:
+            for index, (device, worker_share) in enumerate(zip(worker_devices(load_kwargs.get("device"), workers),
+                                                               worker_shares(share, workers))):
+                kwargs = {**load_kwargs, "device": device} if device else load_kwargs
+                self.workers.append(Worker(index, workers, worker_share, model_name, kwargs, train, held_out,
+                                           reward_specs, reward_weights, context))
+        except BaseException:  # a Ctrl-C or a failed spawn: none of those started may outlive this
+            self.close()
+            raise
+        self.by_connection = {worker.connection: worker for worker in self.workers}
+        self.ready: list = []  # pipes found readable, not read yet
         if load:
             self.load()
 
-    def _send(self, *command) -> None:
-        try:
-            self.connection.send(command)
-        except OSError:  # a broken pipe: the inference process is gone
-            raise self._died() from None
-
     def load(self) -> None:
-        """Let the inference process load its model (once its imports are done). Idempotent."""
+        """Let the workers load their models (once their imports are done). Idempotent."""
         if not self.loading:
-            self._send("load")
+            for worker in self.workers:
+                worker.send("load")
             self.loading = True
 
     def wait_until_loaded(self) -> None:
-        """Block until the inference process has loaded its model (it answers ("loaded", None)). Idempotent."""
+        """Block until every worker has loaded its model (each answers ("loaded", None)). Idempotent."""
         self.load()
         if not self.loaded:
-            self._receive()
+            self._answers()
             self.loaded = True
 
     def attach(self, policy, cfg, threads: int) -> None:
-        """Share θ's buffer with the inference process (as a handle to shared memory, never a copy), with
-        the config (sampling settings, sizes) and its thread count."""
+        """Share θ's buffer with the workers (as a handle to shared memory, never a copy), with the config
+        (sampling settings, sizes) and their thread counts: `threads` split among them (`split_threads`)."""
         self.wait_until_loaded()
-        self.weights = WeightBuffer(policy, self.dtype)  # kept alive here: the receiver maps the sender's memory
-        self._send("attach", self.weights, cfg, threads)
-        self._receive()  # ("ready", None) once its model reads θ from the buffer
+        self.weights = WeightBuffer(policy, self.dtype)  # kept alive here: the receivers map the sender's memory
+        self.calls = owned_calls(cfg.prompts_per_iteration, cfg.groups_per_chunk, self.share)
+        for worker, worker_threads in zip(self.workers, split_threads(threads, len(self.workers))):
+            worker.send("attach", self.weights, cfg, worker_threads)
+        self._answers()  # ("ready", None) from each, once its model reads θ from the buffer
 
     def publish(self, policy, version: int) -> None:
         with self.timeline.span(f"publish θ_{version}"):
             self.weights.publish(policy, version)
 
     def generate(self, iteration: int, final_iteration: int, train_prompts: bool = True) -> None:
-        """Tell the inference process to sample iteration k (θ_k is published); returns at once."""
-        self._send("generate" if train_prompts else "evaluate", iteration, final_iteration)
+        """Tell every worker to sample its share of iteration k (θ_k is published); returns at once."""
+        for worker in self.workers:
+            worker.send("generate" if train_prompts else "evaluate", iteration, final_iteration)
 
     def receive(self):
-        """The iteration's messages as they arrive, up to IterationDone."""
-        while True:
-            message = self._receive()
-            yield message
-            if isinstance(message, IterationDone):
-                return
+        """The iteration's messages as they arrive, groups in call order (`in_call_order`), up to IterationDone."""
+        yield from in_call_order(self._messages(), self.calls, len(self.workers))
 
-    def _receive(self):
-        """Next message from the inference process; raises PipelineError if it failed, died or froze."""
+    def _messages(self):
+        while True:
+            worker, message = self._next()
+            if isinstance(message, Span):
+                message.lane = worker.index  # its row in the trace, its share of the busy time
+            yield message
+
+    def _answers(self) -> None:
+        """Wait until every worker has answered once (("loaded", None) or ("ready", None))."""
+        waiting = set(self.workers)
+        while waiting:
+            waiting.discard(self._next()[0])
+
+    def _next(self) -> tuple[Worker, object]:
+        """The next message of any worker; raises PipelineError if one failed, died or froze, naming it."""
         start = time.perf_counter()
         try:
-            while not self.connection.poll(POLL_SECONDS):
-                self._check_progress()
-            kind, payload = self.connection.recv()
-        except (EOFError, OSError):  # its end of the pipe closed: it exited
-            raise self._died() from None
+            while not self.ready:  # one message from each readable pipe in turn, so no worker waits behind another
+                self.ready = multiprocessing.connection.wait(list(self.by_connection), POLL_SECONDS)
+                for worker in self.workers if not self.ready else []:
+                    worker.check_progress()
+            worker = self.by_connection[self.ready.pop(0)]
+            return worker, worker.receive()  # a dead worker's pipe is readable: end-of-file, reported at once
         finally:
             self.timeline.add(Span("wait for rollouts", TRAINING, start, time.perf_counter(), wait=True))
-        if kind == "error":
-            self.failed = True
-            raise PipelineError(f"the inference process failed: {payload.strip()}")
-        return payload
-
-    def _died(self) -> PipelineError:
-        """The error for an inference process that exited without reporting one, naming the signal that killed it."""
-        self.failed = True
-        self.process.join(timeout=1)  # its pipe closes an instant before it can be reaped
-        code = self.process.exitcode
-        if code is not None and code < 0:
-            name = signal.Signals(-code).name
-            how = f"killed by {name}" + (" (most likely by the out-of-memory killer: see dmesg)"
-                                         if name == "SIGKILL" else "")
-        else:
-            how = f"exit code {code}, without reporting an error"
-        return PipelineError(f"the inference process (PID {self.process.pid}) died: {how}")
-
-    def _check_progress(self) -> None:
-        """Raise PipelineError if the inference process died, is stopped, or its heartbeat stopped (while waiting).
-
-        Silence is counted on the trainer's clock, between its own checks: after a gap (the trainer itself was
-        suspended, e.g. Ctrl-Z of the whole job) the count starts again.
-        """
-        if not self.process.is_alive():
-            raise self._died()
-        now, beat = time.monotonic(), int(self.heartbeat[0])
-        if beat != self.last_beat or self.last_sign is None or now - self.last_check > 4 * POLL_SECONDS:
-            self.last_beat, self.last_sign = beat, now
-        self.last_check, silent = now, now - self.last_sign
-        state = process_state(self.process.pid)
-        if state == "T" and silent > STOPPED_SECONDS:
-            self.failed = True
-            raise PipelineError(f"the inference process (PID {self.process.pid}) is stopped (state T: SIGSTOP, or "
-                                f"Ctrl-Z of that process alone) and has not run for {silent:.0f} s")
-        if beat > 0 and silent > FROZEN_SECONDS:  # 0: still importing, before its heartbeat starts
-            self.failed = True
-            raise PipelineError(f"the inference process (PID {self.process.pid}) has shown no sign of life for "
-                                f"{silent:.0f} s (state {state}): it hangs, e.g. in a native call that never returns")
 
     def __enter__(self) -> AsyncRollouts:
         return self
@@ -222,154 +268,12 @@ class AsyncRollouts:
         self.close()
 
     def close(self) -> None:
-        """Stop the inference process: politely, then by force (at once if it failed: it may be stopped or hung).
-        Never leaves it running. Idempotent."""
-        if self.process.is_alive() and self.weights is not None and not self.failed:  # before attach: loading
-            try:
-                self.connection.send(("stop",))
-                self.process.join(timeout=3)
-            except OSError:  # it is gone already
-                pass
-        if self.process.is_alive() and not self.failed:
-            self.process.terminate()
-            self.process.join(timeout=2)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join()
-        self.connection.close()
-
-
-@contextlib.contextmanager
-def sigint_ignored():
-    """SIGINT ignored inside the block (in the main thread; elsewhere handlers cannot change and nothing does)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-def process_state(pid: int) -> str | None:
-    """A process's state letter from /proc/PID/stat (R running, S sleeping, T stopped, ...); None off Linux."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return None
-
-
-# --- the inference process (asynchronous mode) ---
-def die_with_parent() -> None:
-    """End this process when the trainer ends, however it ends (SIGKILL included): else it would sample forever.
-
-    On Linux the kernel sends SIGKILL when the thread that spawned us exits (prctl PR_SET_PDEATHSIG); a
-    trainer that died before the prctl is caught by comparing the parent PID. Elsewhere, a thread waits
-    on multiprocessing's parent sentinel.
-    """
-    parent = multiprocessing.parent_process()
-    if sys.platform == "linux":
-        if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0:
-            if os.getppid() != parent.pid:  # orphaned already: re-parented before the prctl
-                os._exit(1)
-            return
-    threading.Thread(target=lambda: (multiprocessing.connection.wait([parent.sentinel]), os._exit(1)),
-                     daemon=True).start()
-
-
-def beat(heartbeat: torch.Tensor) -> None:
-    """The heartbeat thread: counts once a second, also while the main thread is inside `generate` (torch releases
-    the GIL), so only a stopped or truly hung process falls silent."""
-    while True:
-        heartbeat.add_(1)
-        time.sleep(HEARTBEAT_SECONDS)
-
-
-class Outbox:
-    """Messages to the trainer, sent by a thread, so that `put` never blocks: sampling goes on while the trainer
-    trains instead of reading (what a multiprocessing.Queue's feeder thread does)."""
-
-    def __init__(self, connection):
-        self.pending: queue.SimpleQueue = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._send_all, args=(connection,), daemon=True)
-        self.thread.start()
-
-    def put(self, message) -> None:
-        self.pending.put(message)
-
-    def _send_all(self, connection) -> None:
-        while (message := self.pending.get()) is not None:
-            try:
-                connection.send(message)
-            except OSError:  # the trainer is gone
-                return
-
-    def flush(self) -> None:
-        """Send everything put so far (an error report must reach the trainer before this process exits)."""
-        self.pending.put(None)
-        self.thread.join()
-
-
-def next_command(connection) -> tuple:
-    """The trainer's next command; ("stop",) once it has closed its end of the pipe."""
-    try:
-        return connection.recv()
-    except EOFError:
-        return ("stop",)
-
-
-def inference_process(model_name: str, load_kwargs: dict, connection, heartbeat: torch.Tensor, train: list,
-                      held_out: list, reward_specs: list[str], reward_weights: list[float] | None) -> None:
-    """Entry point of the spawned inference process.
-
-    Protocol: import what loading needs, wait for ("load",), load the model and the rewards (--reward and
-    --reward-weights, loaded here from their names: functions need not pickle), answer ("loaded", None),
-    then wait for ("attach", weights, cfg, threads): the trainer's shared weight buffer
-    (WeightBuffer), the run's config and its thread count; answer ("ready", None).
-    Then wait for ("generate", k, final_iteration) (sent after θ_k is in `weights`), run `rollout_iteration` and send
-    every message; ("evaluate", k) runs only the held-out evaluation; ("stop",) or a closed pipe ends, at any point.
-    Any exception is sent as ("error", summary) before exiting non-zero.
-    """
-    die_with_parent()
-    threading.Thread(target=beat, args=(heartbeat,), name="heartbeat", daemon=True).start()
-    results = Outbox(connection)
-    try:
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # started with SIGINT ignored (AsyncRollouts)
-        import transformers
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2))  # while loading; attach sets the run's count
-        transformers.utils.logging.disable_progress_bar()
-        from models import load_model  # seconds of imports, while the trainer does its own
-        from reward import load_rewards
-        if next_command(connection)[0] == "stop":  # else ("load",)
-            return
-        model, tokenizer = load_model(model_name, **load_kwargs)
-        model.eval()
-        rewards = load_rewards(reward_specs, reward_weights)
-        results.put(("loaded", None))
-        command = next_command(connection)
-        if command[0] == "stop":
-            return
-        _, weights, cfg, threads = command
-        torch.set_num_threads(threads)
-        weights.attach(model)  # on CPU its parameters now *are* θ's shared memory
-        results.put(("ready", None))
-        while True:
-            command = next_command(connection)
-            if command[0] == "stop":
-                break
-            kind, iteration, final_iteration = command
-            start = time.perf_counter()
-            weights.load_into(model, expected_version=iteration)
-            results.put(("message", Span(f"load θ_{iteration}", INFERENCE, start, time.perf_counter())))
-            rollout_iteration(model, tokenizer, train, held_out, rewards, cfg, iteration, weights.version,
-                              final_iteration, send=lambda message: results.put(("message", message)),
-                              train_prompts=kind == "generate")
-    except KeyboardInterrupt:  # Ctrl-C reaches the whole process group; the trainer stops too and reads no more
-        sys.exit(130)  # so nothing is flushed: the sender thread is a daemon
-    except BaseException as error:  # report, then die: the trainer turns this into a clear message
-        summary = f"{type(error).__name__}: {error}" if isinstance(error, RewardError) else traceback.format_exc()
-        results.put(("error", summary))
-        results.flush()
-        sys.exit(1)
+        """Stop the workers: politely, all at once, then by force (at once if one failed: the others may be in the
+        middle of an iteration). Never leaves one running. Idempotent."""
+        failed = any(worker.failed for worker in self.workers)
+        polite = self.weights is not None and not failed  # before attach a worker may still be loading
+        if polite:
+            for worker in self.workers:
+                worker.ask_to_stop()
+        for worker in self.workers:
+            worker.end(wait=polite, terminate=not failed)

@@ -255,7 +255,8 @@ def takes_turns(cfg) -> bool:
     "in turns", sync's schedule in two processes). Oversubscribed cores slow both sides, so the trainer then
     takes the inference side's whole iteration, held-out evaluation included, before it computes."""
     on_cpu = cfg.rollout_device.startswith("cpu") and cfg.train_device.startswith("cpu")
-    return on_cpu and cfg.rollout_threads + cfg.train_threads > (os.cpu_count() or 1)
+    rollout_threads = max(cfg.rollout_threads, cfg.inference_workers)  # each worker has at least one
+    return on_cpu and rollout_threads + cfg.train_threads > (os.cpu_count() or 1)
 
 
 def inference_side(cfg, load_kwargs: dict, train_examples, held_out, load: bool = True):
@@ -265,7 +266,7 @@ def inference_side(cfg, load_kwargs: dict, train_examples, held_out, load: bool 
         return contextlib.nullcontext()
     load_kwargs = {**load_kwargs, "dtype": getattr(torch, cfg.dtype)}  # its weights: the compute dtype
     return AsyncRollouts(cfg.model, load_kwargs, train_examples, held_out, cfg.reward, load=load,
-                         reward_weights=cfg.reward_weights)
+                         workers=cfg.inference_workers, reward_weights=cfg.reward_weights)
 
 
 def record(timeline: Timeline, message) -> None:
@@ -321,7 +322,8 @@ def train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs
         if tri.compute_dtype != policy.dtype:  # sample from weights in the compute dtype, as the async side does
             from models import load_model
             sampler, _ = load_model(cfg.model, **{**load_kwargs, "dtype": tri.compute_dtype, "device": str(device)})
-        rollouts = SyncRollouts(policy, tokenizer, train_examples, held_out, rewards, cfg, sampler)
+        rollouts = SyncRollouts(policy, tokenizer, train_examples, held_out, rewards, cfg, sampler,
+                                workers=cfg.inference_workers)  # the workers' shares, one after another
         timeline = Timeline()
     learner = Learner(tri, optimizer, cfg, device, timeline, as_rewards(rewards).names)
     in_turns = cfg.mode == "async" and takes_turns(cfg)

@@ -11,7 +11,7 @@ One iteration k of rollouts, with the policy weights θ_k:
     every `eval_every` iterations: held-out reward of θ_k
 
 `rollout_iteration` is that loop, handing each message to `send`. Synchronous mode collects them in
-the trainer's own process; asynchronous mode runs the very same function in `inference.inference_process`,
+the trainer's own process; asynchronous mode runs the very same function in `worker.inference_process`,
 whose `send` writes each message to a pipe. Same code, same seeds, so the same rollouts, in the same
 order.
 

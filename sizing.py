@@ -254,3 +254,34 @@ def choose(cfg, tri, tokenizer, train_examples) -> tuple[object, str, float]:
             f"{c * 1e6:.2f} us/token; predicted {iteration_s:.3f} s per iteration (generate {gen_s:.3f} s, "
             f"train {train_s:.3f} s, {f'overlapped: {gain:.2f}x taking turns' if overlaps else 'in turns'}{turns_note})")
     return chosen, note, gain
+
+
+# --- the split of devices between the two sides (issue #16, point 6) ---
+def balanced_split(generate_s: float, train_s: float, devices: int) -> tuple[int, int]:
+    """(inference, training) devices out of `devices` that balance the two sides, from the device-seconds each
+    side was busy per iteration (the timeline's generate_device_s and train_s), if each side's time divides
+    by its device count (disjoint inference shares, data-parallel training): the i minimising the slower
+    side, max(T_gen / i, T_train / (devices - i)); on a tie, fewer inference devices.
+
+    >>> balanced_split(2.7, 1.0, 8)  # inference 2.7x slower than training: with 8 devices, 6 inference + 2 training
+    (6, 2)
+    """
+    if devices < 2:
+        raise ValueError(f"splitting needs at least 2 devices, got {devices}")
+    inference = min(range(1, devices), key=lambda i: (max(generate_s / i, train_s / (devices - i)), i))
+    return inference, devices - inference
+
+
+def split_report(generate_s: float, train_s: float, inference: int, training: int) -> str:
+    """One line for the end of a run: how much slower one side is, and the split that balances them, on this
+    run's devices (`inference` + `training`) and on 8 (a node). `generate_s`, `train_s`: busy device-seconds
+    per iteration, summed over the side's devices."""
+    if min(generate_s, train_s) <= 0:
+        return "split: one side was never busy: nothing to balance"
+    slower, faster, ratio = (("inference", "training", generate_s / train_s) if generate_s >= train_s
+                             else ("training", "inference", train_s / generate_s))
+    here = balanced_split(generate_s, train_s, max(2, inference + training))
+    node = balanced_split(generate_s, train_s, 8)
+    return (f"split: {slower} {ratio:.1f}x slower than {faster} ({generate_s:.3f} s inference, {train_s:.3f} s "
+            f"training busy device-seconds per iteration): with {sum(here)} devices, {here[0]} inference + {here[1]} "
+            f"training (this run: {inference} + {training}); with 8 devices, {node[0]} inference + {node[1]} training")

@@ -7,11 +7,12 @@ Per iteration, over its wall time W (from publishing θ_k to the optimizer step 
 
     busy_p   = |union of p's work spans|             p ∈ {inference, training}
     idle_p   = W - busy_p
+    generate_device_s = Σ_w busy of inference worker w   (device-seconds; = busy_inference with one worker)
     overlap  = |busy_inference ∩ busy_training| / min(busy_inference, busy_training)
 
 overlap = 1 means the shorter side was completely hidden behind the longer one (the ideal of the
 pipeline); synchronous mode has overlap 0 by construction. `write_chrome_trace` writes the
-trace-event JSON that chrome://tracing and https://ui.perfetto.dev open: one row per process.
+trace-event JSON that chrome://tracing and https://ui.perfetto.dev open: one row per process (per inference worker: its lane).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ class Span:
     start: float
     end: float
     wait: bool = False  # waiting, not working: excluded from busy time
+    lane: int = 0  # which of the side's processes (inference worker w): its own row in the trace
 
 
 def merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -81,18 +83,21 @@ class Timeline:
         linear in its length. Exact, because a span is added once it has ended: any span that ends
         after `start` was added after `start`.
         """
-        def busy(process: str) -> list[tuple[float, float]]:
+        def busy(process: str, lane: int | None = None) -> list[tuple[float, float]]:
             clipped = [(max(s.start, start), min(s.end, end)) for s in self.spans[first:]
-                       if s.process == process and not s.wait and s.end > start and s.start < end]
+                       if s.process == process and not s.wait and s.end > start and s.start < end
+                       and lane in (None, s.lane)]
             return merge(clipped)
 
         inference, training = busy(INFERENCE), busy(TRAINING)
         wall = end - start
         gen, train = length(inference), length(training)
         shorter = min(gen, train)
+        lanes = {s.lane for s in self.spans[first:] if s.process == INFERENCE}
         return {
             "iteration_s": wall,
             "generate_s": gen,
+            "generate_device_s": sum(length(busy(INFERENCE, lane)) for lane in lanes),
             "train_s": train,
             "idle_inference_s": wall - gen,
             "idle_training_s": wall - train,
@@ -105,7 +110,7 @@ class Timeline:
         events = [{"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": name}}
                   for name, pid in pids.items()]
         events += [{"ph": "X", "name": s.name, "cat": "wait" if s.wait else "work", "pid": pids[s.process],
-                    "tid": 0, "ts": (s.start - origin) * 1e6, "dur": (s.end - s.start) * 1e6}
+                    "tid": s.lane, "ts": (s.start - origin) * 1e6, "dur": (s.end - s.start) * 1e6}
                    for s in self.spans]
         with open(path, "w") as f:
             json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)

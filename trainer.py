@@ -111,8 +111,8 @@ def prepare(cfg: Config) -> tuple[list, list, object, dict]:
     from reward import load_rewards
     from tasks import load_task
     for option in ("rollout_device", "train_device"):
-        device = getattr(cfg, option)
-        check_device(device, "--device" if device == cfg.device else "--" + option.replace("_", "-"))
+        for device in getattr(cfg, option).split(","):  # --rollout-device: one per inference worker
+            check_device(device, "--device" if device == cfg.device else "--" + option.replace("_", "-"))
     torch.manual_seed(cfg.seed)
     load_kwargs = dict(device=cfg.rollout_device, dtype=getattr(torch, cfg.dtype),
                        attn_implementation=cfg.attn_implementation, cache_dir=cfg.cache_dir)
@@ -203,7 +203,7 @@ def log_and_save(cfg: Config, rows, policy, tokenizer, resumed_at: int = 0) -> d
     with outputs.writing("metrics to", metrics_path):
         metrics_path.write_text("".join(json.dumps(row) + "\n" for row in kept))
     first_eval = next((row["eval_reward"] for row in kept if row.get("eval_reward") is not None), None)
-    start, trained, saved = time.perf_counter(), False, False
+    start, trained, saved, phases = time.perf_counter(), False, False, []
     progress = tqdm(total=cfg.iterations, desc="iterations", disable=not sys.stderr.isatty(), leave=False)
     try:
         for row in rows:
@@ -215,6 +215,8 @@ def log_and_save(cfg: Config, rows, policy, tokenizer, resumed_at: int = 0) -> d
             sys.stdout.flush()
             progress.update(0 if row.get("final") else 1)
             trained = trained or row["iteration"] == cfg.iterations - 1  # the last optimizer step is done
+            if not row.get("final"):
+                phases.append((row["generate_device_s"], row["train_s"]))
             if cfg.save and trained and not saved:  # before anything else can fail: the evaluation, the trace
                 save_policy(policy, tokenizer, policy_path)
                 saved = True
@@ -234,7 +236,18 @@ def log_and_save(cfg: Config, rows, policy, tokenizer, resumed_at: int = 0) -> d
           f"{first_eval if first_eval is None else round(first_eval, 3)}"
           f" -> {row['eval_reward'] if row['eval_reward'] is None else round(row['eval_reward'], 3)}; "
           f"metrics in {metrics_path}" + (f", policy in {policy_path}" if cfg.save else ""), flush=True)
+    if phases:
+        print(f"periodic-rl: {device_split(cfg, phases)}", flush=True)
     return final
+
+
+def device_split(cfg: Config, phases: list[tuple[float, float]]) -> str:
+    """The split of devices that would balance the two sides (sizing.split_report), from the iterations' busy
+    device-seconds (the first dropped when there are more: it warms up)."""
+    import sizing
+    timed = phases[1:] or phases
+    generate_s, train_s = (sum(side) / len(timed) for side in zip(*timed))
+    return sizing.split_report(generate_s, train_s, cfg.inference_workers, 1)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,7 +40,7 @@ ASYNC_WORKLOADS = {  # name -> trainer options on top of the tiny defaults (16 p
     "chunks of 4": ["--groups-per-chunk", "4"],
     "4 updates/iter": ["--updates-per-iteration", "4"],
 }
-PHASE_KEYS = ("iteration_s", "generate_s", "train_s", "idle_inference_s", "idle_training_s", "overlap")
+PHASE_KEYS = ("iteration_s", "generate_s", "generate_device_s", "train_s", "idle_inference_s", "idle_training_s", "overlap")
 
 
 def time_schedule(argv: list[str], iterations: int) -> list[dict[str, float]]:

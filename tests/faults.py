@@ -164,10 +164,15 @@ class Launch:
 
     def inference_pid(self) -> int:
         """The spawned inference process (multiprocessing's resource tracker is the trainer's other child)."""
-        for pid in children(self.process.pid):
-            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                return pid
-        raise AssertionError(f"no inference process among the children of {self.process.pid}")
+        return self.inference_pids()[0]
+
+    def inference_pids(self) -> list[int]:
+        """The spawned inference workers, in the order they started (worker 0 first)."""
+        spawned = sorted((start, pid) for pid, start in children(self.process.pid).items()
+                         if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes())
+        if not spawned:
+            raise AssertionError(f"no inference process among the children of {self.process.pid}")
+        return [pid for _, pid in spawned]
 
     def send(self, signum: int, to: int | None = None, group: bool = False) -> None:
         """Send `signum` to the trainer (or to PID `to`, or to the trainer's whole process group); the

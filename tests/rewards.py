@@ -33,3 +33,12 @@ def digit_count(prompts: list, completions: list, completion_ids: list, **kwargs
     """TRL's batched form: each completion's digits, up to 4, over 4 (called once per group, with keyword lists)."""
     assert len(prompts) == len(completions) == len(completion_ids) == len(kwargs["answer"])
     return [min(sum(c.isdigit() for c in text), 4) / 4 for text in completions]
+
+
+def digit_fraction_worker_0_slow(prompt: str, completion: str, answer: str) -> float:
+    """digit_fraction, 0.1 s late in inference worker 0 (process name periodic-rl-inference-0): its groups reach
+    the trainer after those of worker 1, whatever the scheduler does."""
+    import multiprocessing
+    if multiprocessing.current_process().name == "periodic-rl-inference-0":
+        time.sleep(0.1)
+    return digit_fraction(prompt, completion, answer)

@@ -7,6 +7,7 @@ import torch
 from benchmarks.memory import LiveTensorBytes
 from benchmarks.pipeline import async_workload, pipeline_bound
 from benchmarks.shared_prompt import forward_macs, mac_ceiling, shared_prompt_cell
+from benchmarks.workers import predicted_seconds
 
 
 def test_pipeline_bound():
@@ -18,6 +19,14 @@ def test_pipeline_bound():
         ideal = (t_gen + t_train) / max(t_gen, t_train)
         bounds = [pipeline_bound(t_gen, t_train, n) for n in (1, 2, 4, 16, 10_000)]
         assert bounds == sorted(bounds) and bounds[-1] <= ideal and bounds[-1] == pytest.approx(ideal, rel=1e-3)
+
+
+def test_workers_prediction():
+    """Claim: the N-worker prediction is the one-worker pipeline for N = 1 (its bound's denominator), and with a
+    worker per call the iteration is one call's sampling plus all the training (nothing left to overlap)."""
+    assert predicted_seconds(4.0, 1.0, 4, 1) == pytest.approx((4.0 + 1.0) / pipeline_bound(4.0, 1.0, 4))
+    assert predicted_seconds(4.0, 1.0, 4, 4) == pytest.approx(4.0 / 4 + 1.0)
+    assert predicted_seconds(4.0, 1.0, 4, 2) < predicted_seconds(4.0, 1.0, 4, 1)
 
 
 def test_async_workload_reports_the_promised_figures(tiny_model_dir):

@@ -73,10 +73,11 @@ def test_inference_process_without_heartbeat_is_reported_as_hung(tiny_model_dir,
     import time
 
     import inference
+    import worker
     from config import parse_args
     from models import load_model
     from tasks import load_task
-    monkeypatch.setattr(inference, "FROZEN_SECONDS", 3.0)
+    monkeypatch.setattr(worker, "FROZEN_SECONDS", 3.0)
     cfg = dataclasses.replace(parse_args(["--model", str(tiny_model_dir), *ENDLESS]), max_new_tokens=2)
     policy, _ = load_model(cfg.model)
     train, held_out = load_task("arithmetic", eval_size=4)
@@ -91,7 +92,7 @@ def test_inference_process_without_heartbeat_is_reported_as_hung(tiny_model_dir,
         assert time.monotonic() - start < 10
     finally:
         remote.close()
-    assert not remote.process.is_alive()
+    assert not remote.workers[0].process.is_alive()
 
 
 def test_sigterm_during_the_tiny_model_build_leaves_no_building_folder(tmp_path):

@@ -157,7 +157,7 @@ def test_async_groups_are_streamed_and_tagged_with_the_version(tiny_model_dir):
             with torch.no_grad():  # a new version: the next iteration must sample from the new weights
                 for p in policy.parameters():
                     p.add_(torch.randn_like(p) * 0.05)
-    assert not remote.process.is_alive()
+    assert not remote.workers[0].process.is_alive()
 
 
 def test_learner_refuses_off_policy_group(tiny_model_dir):
@@ -257,7 +257,7 @@ def test_killed_inference_process_is_noticed_within_seconds(tiny_model_dir, when
     with inference.AsyncRollouts(cfg.model, {}, train, held_out, DIGITS, Timeline()) as remote:
         if when == "while generating":
             remote.attach(policy, sampling, 1)
-        os.kill(remote.process.pid, signal.SIGKILL)
+        os.kill(remote.workers[0].process.pid, signal.SIGKILL)
         start = time.monotonic()
         with pytest.raises(inference.PipelineError, match="died"):
             if when == "while loading":
@@ -266,7 +266,7 @@ def test_killed_inference_process_is_noticed_within_seconds(tiny_model_dir, when
             remote.generate(0, 1)
             list(remote.receive())
         assert time.monotonic() - start < 10
-    assert not remote.process.is_alive()
+    assert not remote.workers[0].process.is_alive()
 
 
 def test_deferred_load_waits_for_the_trainer(tiny_model_dir, tmp_path):
@@ -289,7 +289,7 @@ def test_deferred_load_waits_for_the_trainer(tiny_model_dir, tmp_path):
     idle = inference.AsyncRollouts(str(later), {}, train, held_out, DIGITS, Timeline(), load=False)
     start = time.monotonic()
     idle.close()
-    assert not idle.process.is_alive() and time.monotonic() - start < 10
+    assert not idle.workers[0].process.is_alive() and time.monotonic() - start < 10
 
 
 def run_trainer(*args, timeout=240):

@@ -21,7 +21,7 @@ def test_summary_busy_idle_overlap():
     timeline = Timeline()
     pipeline_iteration(timeline, 0.0)
     assert timeline.summary(0.0, 6.0) == pytest.approx({
-        "iteration_s": 6.0, "generate_s": 3.0, "train_s": 3.0, "idle_inference_s": 3.0, "idle_training_s": 3.0,
+        "iteration_s": 6.0, "generate_s": 3.0, "generate_device_s": 3.0, "train_s": 3.0, "idle_inference_s": 3.0, "idle_training_s": 3.0,
         "overlap": 1 / 3})  # both busy during [2, 3] only
 
 

@@ -1,0 +1,87 @@
+"""`python bench.py workers`: seconds per iteration with N = 1 and N = 2 inference workers per trainer, against
+the prediction from the N = 1 run's phase times.
+
+The same training run (tiny model, 16 prompts x 8 responses, evaluation off, every size fixed: 4 generate
+calls of 4 prompts, so that two workers get two calls each) with --inference-workers 1 and 2, in `--rounds`
+interleaved runs (N = 1, N = 2, N = 1, ...) so that drifting machine load hits both alike; the first
+iteration of each run is dropped. From the N = 1 runs' busy times T_gen (inference) and T_train (training)
+the prediction for N workers, each on its own device (`predicted_seconds`), and the split of devices that
+would balance the two sides (sizing.balanced_split).
+
+What to expect on a CPU machine: the workers share its cores, so N = 2 is no faster (and its threads,
+one per worker plus the trainer's, oversubscribe 2 cores, so the sides take turns: periodic_rl.takes_turns);
+the prediction is what separate devices would give. No targets: a figure to read.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import shlex
+import statistics
+
+from benchmarks.common import write_json
+from benchmarks.pipeline import time_schedule
+
+WORKLOAD = ["--groups-per-chunk", "4", "--micro-batch-tokens", "16384"]  # tiny defaults otherwise: 16 prompts x 8
+THREADS = ["--rollout-threads", "1", "--train-threads", "1"]  # one per worker, one for the trainer
+
+
+def predicted_seconds(t_gen: float, t_train: float, calls: int, workers: int) -> float:
+    """Seconds per iteration with `workers` inference workers on devices of their own, from one worker's phase
+    times: a two-stage pipeline over rounds of `workers` calls sampled at once.
+
+    A round takes a = T_gen / calls to sample (one call's time; its calls run side by side) and
+    b = workers · T_train / calls to train; R = ceil(calls / workers) rounds take a + b + (R - 1) · max(a, b):
+    the first round's sampling (fill) and the last one's training (drain) overlap nothing. With one worker
+    this is benchmarks.pipeline's bound for `calls` chunks.
+
+    >>> predicted_seconds(4.0, 1.0, calls=4, workers=1), predicted_seconds(4.0, 1.0, calls=4, workers=2)
+    (4.25, 2.5)
+    """
+    a, b = t_gen / calls, workers * t_train / calls
+    return a + b + (math.ceil(calls / workers) - 1) * max(a, b)
+
+
+def workers_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--iterations", type=int, default=8, help="timed iterations per run (one more is dropped)")
+    parser.add_argument("--rounds", type=int, default=2, help="runs per worker count, interleaved")
+    parser.add_argument("--trainer-args", default="", metavar="ARGS", help="trainer.py options added to every run")
+    parser.add_argument("--json", metavar="FILE", help="write the figures as JSON to FILE")
+
+
+def workers(args: argparse.Namespace) -> bool:
+    """Seconds per iteration with 1 and 2 inference workers per trainer, against the prediction."""
+    import sizing
+    from config import parse_args
+    argv = [*WORKLOAD, *THREADS, *shlex.split(args.trainer_args)]
+    counts = (1, 2)
+    runs: dict[int, list[list[dict]]] = {n: [] for n in counts}
+    for _ in range(args.rounds):
+        for n in counts:
+            runs[n].append(time_schedule([*argv, "--inference-workers", str(n)], args.iterations))
+
+    def mean(n: int, key: str, round_: int | None = None) -> float:
+        chosen = runs[n] if round_ is None else [runs[n][round_]]
+        return statistics.mean(row[key] for rows in chosen for row in rows)
+
+    calls = parse_args(argv).chunks_per_iteration
+    t_gen, t_train = mean(1, "generate_s"), mean(1, "train_s")
+    print(f"model {parse_args(argv).model}, {calls} generate calls per iteration, {args.rounds} interleaved runs per N, {args.iterations} "
+          f"timed iterations each; N = 1 phase times: T_gen {t_gen:.3f} s, T_train {t_train:.3f} s")
+    print(f"{'workers':>7s} {'s/iter':>7s} {'per round':>13s} {'predicted':>9s} {'gen dev-s':>9s} {'T_train':>7s} "
+          f"{'overlap':>7s}")
+    figures = {"calls": calls, "t_gen": t_gen, "t_train": t_train, "iterations": args.iterations,
+               "rounds": args.rounds, "options": " ".join(argv), "workers": {}}
+    for n in counts:
+        per_round = [mean(n, "iteration_s", r) for r in range(args.rounds)]
+        row = figures["workers"][n] = {
+            "s_per_iter": mean(n, "iteration_s"), "per_round": per_round,
+            "predicted": predicted_seconds(t_gen, t_train, calls, n),
+            "generate_device_s": mean(n, "generate_device_s"), "train_s": mean(n, "train_s"),
+            "overlap": mean(n, "overlap")}
+        print(f"{n:7d} {row['s_per_iter']:7.3f} {f'{min(per_round):.3f}-{max(per_round):.3f}':>13s} "
+              f"{row['predicted']:9.3f} {row['generate_device_s']:9.3f} {row['train_s']:7.3f} {row['overlap']:7.0%}",
+              flush=True)
+    print(sizing.split_report(t_gen, t_train, 1, 1))
+    write_json(args.json, figures)
+    return True
