@@ -28,6 +28,7 @@ class UserError(RuntimeError):
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo")  # grpo.LOSS_TYPES, repeated so that parsing options needs no torch (tested)
 MODES = ("async", "sync")
 SIZES = ("probe", "rule")
+TRACKERS = ("none", "tensorboard", "wandb", "trackio")  # --report-to (tracking.py)
 DTYPES = ("auto", "float32", "bfloat16")
 # The offline models (models.TINY_RECIPES): name -> (the task it was warmed up on, its default --max-new-tokens)
 TINY_MODELS = {"tiny": ("arithmetic", 8), "tiny-chain": ("chain", 128)}
@@ -51,7 +52,9 @@ def available_cores() -> int:
 
 
 def _opt(default, help: str, **extra):
-    """A dataclass field with a help line (and optional argparse `choices`)."""
+    """A dataclass field with a help line (and optional argparse `choices`); a list default is copied per Config."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help, **extra})
     return field(default=default, metadata={"help": help, **extra})
 
 
@@ -111,6 +114,13 @@ class Config:
     eval_samples: int = _opt(4, "sampled responses per held-out prompt")
     trace: str | None = _opt(None, "write a Chrome trace-event JSON timeline of both processes to this path")
     save: bool = _opt(True, "save the final policy as a Hugging Face model directory in <out>/policy")
+    report_to: list[str] = _opt(["none"], "also send each metrics row to these trackers, named as TRL's (train/reward, "
+                                          "eval/reward, ...; tracking.py): tensorboard (<out>/runs), wandb, trackio; "
+                                          "several may be given", choices=TRACKERS, metavar="TRACKER")
+    config: str | None = _opt(None, "read options from this JSON or YAML file, e.g. a run's <out>/config.json (keys: "
+                                    "the option names, max_new_tokens for --max-new-tokens); options given on the "
+                                    "command line override it; resume and overwrite are read from the command "
+                                    "line only")
     # --- long runs (checkpoint.py) ---
     save_every: int = _opt(0, "every N iterations write <out>/checkpoint-<k>: policy, optimizer state and config, "
                               "everything an exact resume needs, atomically (0 = never)")
@@ -319,6 +329,8 @@ def validate(cfg: Config) -> list[str]:
     need(cfg.resume is None or cfg.resume.strip() != "", "--resume must name a checkpoint directory or 'auto'")
     need(cfg.out.strip() != "", f"--out must name a directory (got {cfg.out!r})")
     need(cfg.trace is None or cfg.trace.strip() != "", f"--trace must name a file (got {cfg.trace!r})")
+    need("none" not in cfg.report_to or len(set(cfg.report_to)) == 1,
+         f"--report-to none cannot be combined with a tracker (got {' '.join(cfg.report_to)})")
     if cfg.data not in (None, "arithmetic", "gsm8k"):
         need(os.path.isfile(cfg.data), f"--data {cfg.data!r} is neither 'arithmetic', 'gsm8k' nor an existing "
                                        "JSONL file")
@@ -334,10 +346,10 @@ class _OneLineParser(argparse.ArgumentParser):
 
 
 def _argument_type(annotation: str):
-    """The scalar type of a field annotation such as 'int | None' (annotations are strings here)."""
+    """The scalar type of a field annotation such as 'int | None' or 'list[str]' (annotations are strings here)."""
     names = {"int": int, "float": float, "str": str, "bool": bool}
     parts = [part.strip() for part in annotation.split("|") if part.strip() != "None"]
-    return names[parts[0]]
+    return names[parts[0].removeprefix("list[").removesuffix("]")]
 
 
 def build_parser(prog: str = "trainer.py", defaults: bool = True) -> argparse.ArgumentParser:
@@ -347,25 +359,31 @@ def build_parser(prog: str = "trainer.py", defaults: bool = True) -> argparse.Ar
     for f in dataclasses.fields(Config):
         flag = "--" + f.name.replace("_", "-")
         kind = _argument_type(f.type)
-        default = f.default if defaults else argparse.SUPPRESS
+        default = (f.default_factory() if f.default is dataclasses.MISSING else f.default) if defaults \
+            else argparse.SUPPRESS
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
                                 help=f.metadata["help"])
         else:
             parser.add_argument(flag, type=f.metadata.get("type", kind), default=default, help=f.metadata["help"],
                                 choices=f.metadata.get("choices"),
-                                metavar=None if "choices" in f.metadata else f.name.upper())
+                                metavar=f.metadata.get("metavar", None if "choices" in f.metadata else f.name.upper()),
+                                nargs="+" if f.type.startswith("list[") else None)
     return parser
 
 
 def given_options(argv: list[str] | None = None) -> set[str]:
-    """The fields named on the command line, not left at their defaults (a resumed run tells them apart)."""
-    return set(vars(build_parser(defaults=False).parse_args(argv)))
+    """The fields named on the command line, not left at their defaults (a resumed run tells them apart); the
+    options of a --config file count as named."""
+    from run_config import with_config_file
+    return set(vars(build_parser(defaults=False).parse_args(with_config_file(argv))))
 
 
 def parse_args(argv: list[str] | None = None, prog: str = "trainer.py") -> Config:
-    """Parse, validate and derive; on invalid input print one line and exit with code 2."""
-    args = build_parser(prog).parse_args(argv)
+    """Parse (a --config file's options first, the command line's after them), validate and derive; on invalid
+    input print one line and exit with code 2."""
+    from run_config import with_config_file
+    args = build_parser(prog).parse_args(with_config_file(argv, prog))
     cfg = Config(**vars(args))
     problems = validate(cfg)
     if problems:
