@@ -138,9 +138,14 @@ class Trackers:
 
     def start(self, out: Path, config: dict, run_id: str, first_step: int = 0) -> None:
         """Open every tracker (once; the run's options are final, `first_step` is the iteration it starts at)."""
-        if not self.opened:
-            for name, module in self.modules.items():
+        if self.opened:
+            return
+        for name, module in self.modules.items():
+            try:
                 self.opened.append(TRACKERS[name](module, Path(out), config, run_id, first_step))
+            except Exception as error:  # not logged in, no network, a folder it cannot write: say which tracker
+                raise TrackingError(f"--report-to {name} could not start its run ({type(error).__name__}: "
+                                    f"{error})".replace("\n", " ")) from None
 
     def log(self, row: dict) -> None:
         names = tracker_names(row)

@@ -15,7 +15,7 @@ import plot
 import trainer
 from checkpoint import CheckpointError, resumption
 from config import Config, given_options, parse_args
-from tracking import TensorBoard, Trackers, tracker_names
+from tracking import TensorBoard, TrackingError, Trackers, tracker_names
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ["--mode", "sync", "--iterations", "3", "--batch-size", "16", "--group-size", "4", "--max-new-tokens", "4",
@@ -106,6 +106,19 @@ def test_wandb_gets_each_row_at_its_iteration_and_is_finished_however_the_run_en
         ("init", dict(project="periodic-rl", id="run-1", name="run-1", config={"lr": 0.1}, dir=str(tmp_path),
                       resume="allow")),
         ("log", 2, {"train/reward": 0.5}), ("log", 3, {"eval/reward": 0.7}), ("finish", 1 if stop else 0)]
+
+
+def test_a_tracker_that_cannot_start_is_one_line_naming_it(tmp_path, monkeypatch):
+    """Claim: a tracker that fails to start its run (wandb not logged in, no network) stops the run with one line
+    naming --report-to and the cause, not a traceback, and the trackers already open are closed."""
+    wandb = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: (_ for _ in ()).throw(RuntimeError("api key\nnot set")))
+    with pytest.raises(TrackingError, match=r"^--report-to wandb could not start its run \(RuntimeError: api key "
+                                            r"not set\)$"):
+        with Trackers(["tensorboard", "wandb"]) as trackers:
+            trackers.start(tmp_path, {}, "run-1")
+    assert not trackers.opened and (tmp_path / "runs").is_dir()
 
 
 def scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
