@@ -15,6 +15,7 @@ import plot
 import trainer
 from checkpoint import CheckpointError, resumption
 from config import Config, given_options, parse_args
+from run_config import RunRecord
 from tracking import TensorBoard, TrackingError, Trackers, tracker_names
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -174,6 +175,16 @@ def test_config_json_records_the_resolved_options_the_versions_and_the_command(r
     if (ROOT / ".git").exists():  # a checkout (or a worktree): HEAD's commit and whether tracked files changed
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
         assert versions["periodic_rl"]["commit"] == head and isinstance(versions["periodic_rl"]["dirty"], bool)
+
+
+def test_a_resumed_run_keeps_its_run_id(tmp_path):
+    """Claim: a resumed run rewrites config.json under the same run_id (the name wandb and trackio continue), while
+    a new run in the same --out (after --overwrite) gets a new one."""
+    first = RunRecord(tmp_path, ["trainer.py"], resumed=False)
+    first.write(Config(out=str(tmp_path)))
+    assert RunRecord(tmp_path, ["trainer.py", "--resume", "auto"], resumed=True).run_id == first.run_id
+    assert RunRecord(tmp_path, ["trainer.py"], resumed=False).run_id != first.run_id
+    assert first.run_id.startswith(tmp_path.name[:8])
 
 
 def test_config_json_fed_back_reruns_the_same_options_and_flags_override_it(run_dir):
