@@ -15,7 +15,7 @@ import plot
 import trainer
 from checkpoint import CheckpointError, resumption
 from config import Config, given_options, parse_args
-from run_config import RunRecord
+from run_config import RunRecord, git_commit
 from tracking import TensorBoard, TrackingError, Trackers, tracker_names
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -175,6 +175,25 @@ def test_config_json_records_the_resolved_options_the_versions_and_the_command(r
     if (ROOT / ".git").exists():  # a checkout (or a worktree): HEAD's commit and whether tracked files changed
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
         assert versions["periodic_rl"]["commit"] == head and isinstance(versions["periodic_rl"]["dirty"], bool)
+
+
+def test_the_commit_is_recorded_only_for_the_top_of_a_checkout(tmp_path):
+    """Claim: versions' periodic_rl entry is the checkout's HEAD with dirty = tracked files changed (new untracked
+    files, such as runs/, do not count), and None for a folder that is no checkout or only lies inside one."""
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+    assert git_commit(tmp_path) is None
+    git("init", "-q")
+    (tmp_path / "code.py").write_text("a = 1\n")
+    git("add", "code.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "first")
+    head = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "new.txt").write_text("untracked")
+    assert git_commit(tmp_path) == {"commit": head.strip(), "dirty": False}
+    (tmp_path / "code.py").write_text("a = 2\n")
+    assert git_commit(tmp_path) == {"commit": head.strip(), "dirty": True}
+    assert git_commit(tmp_path / "runs") is None
 
 
 def test_a_resumed_run_keeps_its_run_id(tmp_path):
