@@ -29,7 +29,9 @@ model loads (a missing one fails in one line naming the pip command); `start` op
 are final (they get config.json's content); `log` sends a row; leaving the block closes them, however the run
 ends (an error, Ctrl-C). Only the trainer process logs. A resumed run (checkpoint.py) logs from its iteration k
 on: TensorBoard writes into the same <out>/runs with `purge_step=k`, so its reader drops the stopped run's
-events from step k on; wandb and trackio resume the run named by config.json's run_id.
+events from step k on; wandb and trackio resume the run named by config.json's run_id (wandb keeps the
+values it already has for a step: those the stopped run logged after its last checkpoint stay, not the resumed
+run's).
 """
 from __future__ import annotations
 
