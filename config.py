@@ -28,6 +28,7 @@ class UserError(RuntimeError):
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo")  # grpo.LOSS_TYPES, repeated so that parsing options needs no torch (tested)
 MODES = ("async", "sync")
 SIZES = ("probe", "rule")
+TRACKERS = ("none", "tensorboard", "wandb", "trackio")  # --report-to (tracking.py)
 DTYPES = ("auto", "float32", "bfloat16")
 # The offline models (models.TINY_RECIPES): name -> (the task it was warmed up on, its default --max-new-tokens)
 TINY_MODELS = {"tiny": ("arithmetic", 8), "tiny-chain": ("chain", 128)}
@@ -130,6 +131,13 @@ class Config:
     eval_samples: int = _opt(4, "sampled responses per held-out prompt")
     trace: str | None = _opt(None, "write a Chrome trace-event JSON timeline of both processes to this path")
     save: bool = _opt(True, "save the final policy as a Hugging Face model directory in <out>/policy")
+    report_to: list[str] = _opt(["none"], "also send each metrics row to these trackers, named as TRL's (train/reward, "
+                                          "eval/reward, ...; tracking.py): tensorboard (<out>/runs), wandb, trackio; "
+                                          "several may be given", choices=TRACKERS, metavar="TRACKER")
+    config: str | None = _opt(None, "read options from this JSON or YAML file, e.g. a run's <out>/config.json (keys: "
+                                    "the option names, max_new_tokens for --max-new-tokens); options given on the "
+                                    "command line override it; resume and overwrite are read from the command "
+                                    "line only")
     # --- long runs (checkpoint.py) ---
     save_every: int = _opt(0, "every N iterations write <out>/checkpoint-<k>: policy, optimizer state and config, "
                               "everything an exact resume needs, atomically (0 = never)")
@@ -380,6 +388,8 @@ def validate(cfg: Config) -> list[str]:
     need(cfg.resume is None or cfg.resume.strip() != "", "--resume must name a checkpoint directory or 'auto'")
     need(cfg.out.strip() != "", f"--out must name a directory (got {cfg.out!r})")
     need(cfg.trace is None or cfg.trace.strip() != "", f"--trace must name a file (got {cfg.trace!r})")
+    need("none" not in cfg.report_to or len(set(cfg.report_to)) == 1,
+         f"--report-to none cannot be combined with a tracker (got {' '.join(cfg.report_to)})")
     if cfg.data is not None:
         from data import looks_like_path  # a hub id is checked when loaded
         path = os.path.expanduser(cfg.data)
@@ -417,25 +427,30 @@ def build_parser(prog: str = "trainer.py", defaults: bool = True) -> argparse.Ar
         if is_list:  # `--reward a --reward b` or `--reward a b`; not given: the field's default (argparse would
             # extend a default list instead of replacing it)
             parser.add_argument(flag, type=kind, nargs="+", action="extend", default=argparse.SUPPRESS,
-                                help=f.metadata["help"], metavar=f.name.upper().removesuffix("S"))
+                                help=f.metadata["help"], choices=f.metadata.get("choices"),
+                                metavar=f.metadata.get("metavar", f.name.upper().removesuffix("S")))
         elif kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
                                 help=f.metadata["help"])
         else:
             parser.add_argument(flag, type=f.metadata.get("type", kind), default=default, help=f.metadata["help"],
                                 choices=f.metadata.get("choices"),
-                                metavar=None if "choices" in f.metadata else f.name.upper())
+                                metavar=f.metadata.get("metavar", None if "choices" in f.metadata else f.name.upper()))
     return parser
 
 
 def given_options(argv: list[str] | None = None) -> set[str]:
-    """The fields named on the command line, not left at their defaults (a resumed run tells them apart)."""
-    return set(vars(build_parser(defaults=False).parse_args(argv)))
+    """The fields named on the command line, not left at their defaults (a resumed run tells them apart); the
+    options of a --config file count as named."""
+    from run_config import with_config_file
+    return set(vars(build_parser(defaults=False).parse_args(with_config_file(argv))))
 
 
 def parse_args(argv: list[str] | None = None, prog: str = "trainer.py") -> Config:
-    """Parse, validate and derive; on invalid input print one line and exit with code 2."""
-    args = build_parser(prog).parse_args(argv)
+    """Parse (a --config file's options first, the command line's after them), validate and derive; on invalid
+    input print one line and exit with code 2."""
+    from run_config import with_config_file
+    args = build_parser(prog).parse_args(with_config_file(argv, prog))
     cfg = Config(**vars(args))
     problems = validate(cfg)
     if problems:

@@ -4,6 +4,8 @@
         .lock           held (fcntl.flock) while a run writes here; holds that run's PID
         metrics.jsonl   one JSON row per iteration, appended as they come
         policy/         θ_final as a Hugging Face model directory, saved once the last step is done
+        config.json     every option as resolved, the versions, the command (run_config.py)
+        runs/, wandb/   --report-to tensorboard's event files, wandb's local files (tracking.py)
 
 Rules (each a one-line `OutputError` when broken; trainer.py prints it and exits 1):
 1. Every path the run writes (`--out`, the `--trace` file's folder) is created and checked at start-up,
@@ -13,10 +15,13 @@ Rules (each a one-line `OutputError` when broken; trainer.py prints it and exits
 2. One run per directory: a second run on a busy `--out` is refused and told the other run's PID. The
    kernel drops the lock when its process ends, however it ends, so a killed run never blocks the next.
 3. A directory that holds a previous run (metrics.jsonl with rows, policy/, checkpoints) is refused unless
-   `--resume` continues it or `--overwrite` deletes those first: a new run's files are never mixed with
-   an old run's, and an old run is never lost unless the user asked.
-4. `save_atomically` writes a directory beside its target, syncs it to disk and renames it into place:
-   a kill or a full disk at any moment leaves the previous directory or the new one, never a torn one.
+   `--resume` continues it or `--overwrite` deletes those first (and its records: config.json, the
+   trackers' files): a new run's files are never mixed with an old run's, and an old run is never lost
+   unless the user asked. The records alone, like an empty metrics.jsonl, are no run: they are left by
+   a run that failed before its first iteration ended, and a new run replaces them.
+4. `save_atomically` writes a directory beside its target, syncs it to disk and renames it into place
+   (`write_atomically`, the same for one file): a kill or a full disk at any moment leaves the previous
+   directory or the new one, never a torn one.
 
 Departure, on purpose: replacing an existing directory takes two renames (the old one aside, the new one
 in), as POSIX renames no directory over a non-empty one; a kill between the two (microseconds) leaves the
@@ -25,9 +30,10 @@ previous copy, complete, as `.policy.old-*` beside the missing target.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -35,6 +41,7 @@ from config import Config, UserError
 
 LOCK_FILE = ".lock"
 RUN_FILES = ("metrics.jsonl", "policy")  # what a run leaves in --out besides checkpoint-* (--overwrite deletes them)
+RECORDS = ("config.json", "runs", "wandb")  # what it says about itself: no run alone, deleted with it by --overwrite
 
 
 class OutputError(UserError):
@@ -103,12 +110,31 @@ def claimed(cfg: Config) -> Iterator[Path]:
         if found and not (cfg.overwrite or cfg.resume):
             raise OutputError(f"--out {out} holds a previous run ({', '.join(found[:3])}{', ...' if found[3:] else ''}"
                               "): pass --resume auto to continue it, --overwrite to replace it, or choose another --out")
-        for name in found if cfg.overwrite else []:
-            target = out / name
-            shutil.rmtree(target) if target.is_dir() else target.unlink()
+        for name in [*found, *RECORDS] if cfg.overwrite else []:
+            remove(out / name)
         for stale in out.glob(".*.saving-*"):  # a save killed half-way (rule 4); the lock says it is not running
-            shutil.rmtree(stale, ignore_errors=True)
+            with suppress(OSError):
+                remove(stale)
         yield out
+
+
+def remove(path: Path) -> None:
+    """Delete a file or a directory tree, if it is there."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The rows of a metrics.jsonl (none if it is missing; a row torn by a kill is dropped)."""
+    rows = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return rows
 
 
 def fsync(path: Path | str) -> None:
@@ -146,3 +172,16 @@ def save_atomically(target: Path, write: Callable[[Path], None]) -> None:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     shutil.rmtree(aside, ignore_errors=True)
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Rule 4 for one file: `text` goes to a sibling, synced and renamed over `path` (the old file or the new)."""
+    staging = path.with_name(f".{path.name}.saving-{os.getpid()}")
+    try:
+        staging.write_text(text)
+        fsync(staging)
+        os.replace(staging, path)
+        fsync(path.parent)
+    except BaseException:
+        staging.unlink(missing_ok=True)
+        raise

@@ -278,7 +278,7 @@ def record(timeline: Timeline, message) -> None:
 
 
 def train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs: dict,
-          rollouts: AsyncRollouts | None = None, resume_from: Path | None = None) -> Iterator[dict]:
+          rollouts: AsyncRollouts | None = None, resume_from: Path | None = None, on_sized=None) -> Iterator[dict]:
     """Run cfg.iterations iterations and yield one metrics dict per iteration, then the final evaluation.
 
     `policy` is already on cfg.train_device, at θ_0. Async mode samples in `rollouts`, the inference
@@ -287,6 +287,7 @@ def train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs
     the compute dtype if it differs (`load_kwargs` says how to load it). The last yielded dict has
     `"final": True` and only the evaluation of θ_final. `resume_from`: a checkpoint (checkpoint.py) whose
     θ_k and optimizer state replace θ_0's after the reference is taken; the run goes on at iteration k.
+    `on_sized(cfg)`: told the config with its sizes once they are chosen, before iteration k (trainer.py records it).
     """
     if cfg.mode == "async" and rollouts is None:
         raise ValueError("async mode samples in the inference process: pass `rollouts` (see inference_side)")
@@ -312,6 +313,8 @@ def train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs
           f"call(s) per iteration) --micro-batch-tokens {cfg.micro_batch_tokens} --rollout-threads "
           f"{cfg.rollout_threads} --train-threads {cfg.train_threads} (pass these to fix them)"
           + (f"\nperiodic-rl: {probed}" if probed else ""), flush=True)
+    if on_sized is not None:
+        on_sized(cfg)
     # the sampling side: the inference process (async) or a sampler here (sync)
     torch.set_num_threads(cfg.train_threads)
     if rollouts is not None:

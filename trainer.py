@@ -1,9 +1,11 @@
 """Entry point: `python trainer.py [--model qwen2.5-0.5b] [--mode async|sync] ...` (see --help).
 
 Reads the config, claims the output directory (outputs.py: checked, locked, no previous run mixed in),
-loads the policy and the task, runs the schedule of periodic_rl.py, prints one line per iteration (and
-appends it as JSON to <out>/metrics.jsonl), and saves θ_final, as soon as the last optimizer step is
-done, as a Hugging Face model directory <out>/policy that `AutoModelForCausalLM.from_pretrained` loads.
+imports the trackers --report-to names (tracking.py), records the options in <out>/config.json
+(run_config.py), loads the policy and the task, runs the schedule of periodic_rl.py, prints one line per
+iteration (and appends it as JSON to <out>/metrics.jsonl, then sends it to the trackers), and saves
+θ_final, as soon as the last optimizer step is done, as a Hugging Face model directory <out>/policy
+that `AutoModelForCausalLM.from_pretrained` loads.
 
 Any problem a user can fix (bad option, missing model or data, failing reward function, dead
 inference process) ends with one `error:` paragraph on stderr and a non-zero exit, no traceback.
@@ -137,9 +139,9 @@ def load_policy(cfg: Config, load_kwargs: dict, rollouts=None):
 
 
 @contextmanager
-def started(cfg: Config, resume_from: Path | None = None):
+def started(cfg: Config, resume_from: Path | None = None, on_sized=None):
     """The run as configured, ready to iterate: (rows, policy, tokenizer), rows being `periodic_rl.train`'s
-    (from the checkpoint `resume_from`, if given).
+    (from the checkpoint `resume_from`, if given; `on_sized(cfg)` once its sizes are known).
 
     The inference process (async mode) is spawned before the trainer imports transformers' models and
     loads its own copy, so the two processes' imports and loads overlap; the `with` block owns it until
@@ -158,17 +160,27 @@ def started(cfg: Config, resume_from: Path | None = None):
               f"prompts | {cfg.iterations} iterations x {cfg.prompts_per_iteration} prompts x {cfg.group_size} | "
               f"out {cfg.out}", flush=True)
         rows = periodic_rl.train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs, rollouts,
-                                 resume_from)
+                                 resume_from, on_sized)
         with closing(rows):  # however the block ends, the schedule's own clean-up (the trace) runs here
             yield rows, policy, tokenizer
 
 
-def run(cfg: Config, resume_from: Path | None = None) -> dict:
-    """Train as configured (on from a checkpoint); returns the final row (with the start and end held-out rewards)."""
+def run(cfg: Config, resume_from: Path | None = None, command: list[str] | None = None) -> dict:
+    """Train as configured (on from a checkpoint); returns the final row (with the start and end held-out rewards).
+    `command`: the command line, as config.json records it."""
     import checkpoint
+    from run_config import RunRecord
+    from tracking import Trackers
     resumed_at = checkpoint.read_state(resume_from)["iterations_done"] if resume_from else 0
-    with outputs.claimed(cfg), started(cfg, resume_from) as (rows, policy, tokenizer):  # --out checked, locked first
-        return log_and_save(cfg, rows, policy, tokenizer, resumed_at)
+    # --out checked and locked, the trackers' packages imported, the options recorded: all before a model loads
+    with outputs.claimed(cfg) as out, Trackers(cfg.report_to) as trackers:
+        record = RunRecord(out, command or ["trainer.py"], resumed=resume_from is not None)
+        record.write(cfg)
+
+        def on_sized(sized: Config) -> None:  # the options are final: recorded with the sizes, sent to the trackers
+            trackers.start(out, record.write(sized), record.run_id, resumed_at)
+        with started(cfg, resume_from, on_sized) as (rows, policy, tokenizer):
+            return log_and_save(cfg, rows, policy, tokenizer, resumed_at, trackers.log)
 
 
 def save_policy(policy, tokenizer, path: Path) -> None:
@@ -182,19 +194,14 @@ def save_policy(policy, tokenizer, path: Path) -> None:
 
 def earlier_rows(metrics_path: Path, before: int) -> list[dict]:
     """A resumed run's metrics so far: the rows of iterations before `before` (a row torn by a kill is dropped)."""
-    rows = []
-    for line in metrics_path.read_text().splitlines() if metrics_path.is_file() else []:
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            continue
-    return [row for row in rows if not row.get("final") and row.get("iteration", before) < before]
+    return [row for row in outputs.read_metrics(metrics_path)
+            if not row.get("final") and row.get("iteration", before) < before]
 
 
-def log_and_save(cfg: Config, rows, policy, tokenizer, resumed_at: int = 0) -> dict:
-    """A log line and a metrics.jsonl row per iteration (a resumed run's continue the file); the policy is saved
-    as soon as the last optimizer step is done, before the final evaluation and the trace, which can still fail
-    without losing it."""
+def log_and_save(cfg: Config, rows, policy, tokenizer, resumed_at: int = 0, report=lambda row: None) -> dict:
+    """A log line and a metrics.jsonl row per iteration (a resumed run's continue the file), then `report(row)`
+    (the trackers); the policy is saved as soon as the last optimizer step is done, before the final evaluation
+    and the trace, which can still fail without losing it."""
     from tqdm import tqdm
 
     out = Path(cfg.out)
@@ -222,6 +229,7 @@ def log_and_save(cfg: Config, rows, policy, tokenizer, resumed_at: int = 0) -> d
                 saved = True
             with outputs.writing("metrics to", metrics_path), metrics_path.open("a") as f:
                 f.write(json.dumps(row) + "\n")
+            report(row)
     except KeyboardInterrupt as stop:  # a stop signal while a row is handled here: the schedule may still keep
         rows.throw(stop)               # a checkpoint of the iterations done (periodic_rl.train), then stops
     except UserError as error:  # say what became of the trained policy (a failed save says so itself)
@@ -256,11 +264,12 @@ def main(argv: list[str] | None = None) -> int:
         try:
             import numpy  # noqa: F401  before torch, whose C extension imports numpy and clears any error: a Ctrl-C
             # there was swallowed and left numpy half-imported (the run went on, then crashed at save)
+            argv = sys.argv[1:] if argv is None else argv
             cfg = parse_args(argv)
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # two processes, each with its own threads
             import checkpoint
             cfg, resume_from = checkpoint.resumption(cfg, given_options(argv))  # --resume: the checkpoint's options
-            run(cfg, resume_from)
+            run(cfg, resume_from, ["trainer.py", *argv])
             Interrupted.check()
             return 0
         except UserError as error:

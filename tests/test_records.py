@@ -1,0 +1,317 @@
+"""What a run records about itself: trackers (tracking.py), <out>/config.json and --config (run_config.py), plot.py."""
+import contextlib
+import dataclasses
+import json
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import outputs
+import plot
+import trainer
+from checkpoint import CheckpointError, resumption
+from config import Config, given_options, parse_args
+from run_config import RunRecord, git_commit
+from tracking import TensorBoard, TrackingError, Trackers, tracker_names
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN = ["--mode", "sync", "--iterations", "3", "--batch-size", "16", "--group-size", "4", "--max-new-tokens", "4",
+       "--eval-every", "2", "--eval-size", "4", "--report-to", "tensorboard"]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """One 3-iteration run of trainer.py with --report-to tensorboard; its sizes are left to the probe."""
+    out = tmp_path_factory.mktemp("run")
+    argv = ["--model", str(tiny_model_dir), "--data", "arithmetic", *RUN, "--out", str(out)]
+    result = subprocess.run([sys.executable, "trainer.py", *argv], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    (out / "argv.json").write_text(json.dumps(argv))
+    return out
+
+
+# --- trackers ---
+def test_tracker_names_are_trls_and_pass_unknown_keys_through():
+    """Claim: a row's figures get TRL's names (train/reward, train/kl, eval/reward, ...), timing goes under time/, a
+    key this module does not know (another reward's mean, a new timing) still reaches the trackers under train/,
+    eval/ or time/, and nothing that is not a number (None, the final flag) or is the step itself is logged."""
+    row = {"iteration": 4, "policy_version": 4, "final": False, "eval_reward": None, "reward_mean": 0.5,
+           "reward_std": 0.25, "kl": 0.01, "loss": -0.1, "clip_fraction": 0.0, "grad_norm": 2, "response_length": 5.5,
+           "generate_s": 0.3, "tokens_per_s": 900.0, "overlap": 0.5, "rewards/format/mean": 1.0,
+           "eval_accuracy": 0.75, "publish_s": 0.01, "note": "text"}
+    assert tracker_names(row) == {
+        "train/reward": 0.5, "train/reward_std": 0.25, "train/kl": 0.01, "train/loss": -0.1,
+        "train/clip_ratio/region_mean": 0.0, "train/grad_norm": 2.0, "train/completions/mean_length": 5.5,
+        "time/generate_s": 0.3, "time/tokens_per_s": 900.0, "time/overlap": 0.5, "train/rewards/format/mean": 1.0,
+        "eval/accuracy": 0.75, "time/publish_s": 0.01}
+    assert tracker_names({"iteration": 9, "final": True, "eval_reward": 0.8}) == {"eval/reward": 0.8}
+
+
+@pytest.mark.parametrize("tracker, module", [("wandb", "wandb"), ("trackio", "trackio"),
+                                             ("tensorboard", "torch.utils.tensorboard")])
+def test_a_missing_tracker_package_fails_in_one_line_before_any_model_loads(tracker, module, tmp_path, monkeypatch,
+                                                                            capsys):
+    """Claim: --report-to naming a tracker whose package is not installed ends with one line naming the pip
+    command, exit 1, before the task or a model is loaded (and before config.json is written)."""
+    monkeypatch.setitem(sys.modules, module, None)  # `import module` now raises ImportError, as when not installed
+
+    def loads(*args, **kwargs):
+        raise AssertionError("a model or the task was loaded")
+    monkeypatch.setattr(trainer, "prepare", loads)
+    monkeypatch.setattr(trainer, "load_policy", loads)
+    assert trainer.main(["--report-to", tracker, "--out", str(tmp_path)]) == 1
+    package = "tensorboard" if tracker == "tensorboard" else tracker
+    assert capsys.readouterr().err == f"error: --report-to {tracker} needs the {package} package: pip install {package}\n"
+    assert not (tmp_path / "config.json").exists()
+
+
+class FakeWandb(types.ModuleType):
+    """wandb's calls as trainer.py makes them (wandb is not installed here), recorded."""
+
+    def __init__(self):
+        super().__init__("wandb")
+        self.calls = []
+
+    def init(self, **kwargs):
+        self.calls.append(("init", kwargs))
+        return self
+
+    def log(self, names, step):
+        self.calls.append(("log", step, names))
+
+    def finish(self, exit_code):
+        self.calls.append(("finish", exit_code))
+
+
+@pytest.mark.parametrize("stop", [None, RuntimeError, KeyboardInterrupt])
+def test_wandb_gets_each_row_at_its_iteration_and_is_finished_however_the_run_ends(stop, tmp_path, monkeypatch):
+    """Claim: with --report-to wandb the run is opened once with the run's options, each row is logged at step =
+    its iteration under tracker_names, and wandb.finish is called when the run ends, also on an error or
+    Ctrl-C (exit code 1 then, so wandb marks the run failed)."""
+    wandb = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    rows = [{"iteration": 2, "reward_mean": 0.5, "kl": None}, {"iteration": 3, "final": True, "eval_reward": 0.7}]
+    with pytest.raises(stop) if stop else contextlib.nullcontext():
+        with Trackers(["wandb"]) as trackers:
+            trackers.start(tmp_path, {"lr": 0.1}, "run-1", first_step=2)
+            for row in rows:
+                trackers.log(row)
+            if stop:
+                raise stop()
+    assert wandb.calls == [
+        ("init", dict(project="periodic-rl", id="run-1", name="run-1", config={"lr": 0.1}, dir=str(tmp_path),
+                      resume="allow")),
+        ("log", 2, {"train/reward": 0.5}), ("log", 3, {"eval/reward": 0.7}), ("finish", 1 if stop else 0)]
+
+
+def test_a_tracker_that_cannot_start_is_one_line_naming_it(tmp_path, monkeypatch):
+    """Claim: a tracker that fails to start its run (wandb not logged in, no network) stops the run with one line
+    naming --report-to and the cause, not a traceback, and the trackers already open are closed."""
+    wandb = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: (_ for _ in ()).throw(RuntimeError("api key\nnot set")))
+    with pytest.raises(TrackingError, match=r"^--report-to wandb could not start its run \(RuntimeError: api key "
+                                            r"not set\)$"):
+        with Trackers(["tensorboard", "wandb"]) as trackers:
+            trackers.start(tmp_path, {}, "run-1")
+    assert not trackers.opened and (tmp_path / "runs").is_dir()
+
+
+def scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar in a TensorBoard log directory, read back by TensorBoard's own reader: tag -> [(step, value)]."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    reader = EventAccumulator(str(log_dir))
+    reader.Reload()
+    return {tag: [(event.step, event.value) for event in reader.Scalars(tag)] for tag in reader.Tags()["scalars"]}
+
+
+def test_tensorboard_events_equal_metrics_jsonl(run_dir):
+    """Claim: --report-to tensorboard writes <out>/runs, whose events, read back by TensorBoard's reader, are
+    metrics.jsonl's rows under tracker_names at step = iteration: every figure, every row, the final held-out
+    reward included (exact: an event holds the float32 of the row's value)."""
+    rows = outputs.read_metrics(run_dir / "metrics.jsonl")
+    expected = {}
+    for row in rows:
+        for name, value in tracker_names(row).items():
+            expected.setdefault(name, []).append((row["iteration"], float(np.float32(value))))
+    assert scalars(run_dir / "runs") == expected
+    assert expected["eval/reward"][-1][0] == 3 and len(expected["train/kl"]) == 3
+
+
+def test_a_resumed_run_replaces_tensorboards_events_from_its_step_on(tmp_path):
+    """Claim: a run resumed at iteration k logs into the same <out>/runs from step k, and TensorBoard's reader
+    drops the stopped run's events from k on (purge_step), so each step has one value: the resumed run's."""
+    from torch.utils import tensorboard
+    first = TensorBoard(tensorboard, tmp_path, {}, "run", first_step=0)
+    for step in range(4):
+        first.log({"train/reward": float(step)}, step)
+    first.close(failed=True)  # killed after iteration 3's row; the checkpoint is of iteration 2
+    resumed = TensorBoard(tensorboard, tmp_path, {}, "run", first_step=2)
+    for step in (2, 3, 4):
+        resumed.log({"train/reward": 10.0 + step}, step)
+    resumed.close(failed=False)
+    assert scalars(tmp_path / "runs") == {"train/reward": [(0, 0.0), (1, 1.0), (2, 12.0), (3, 13.0), (4, 14.0)]}
+
+
+# --- config.json and --config ---
+def test_config_json_records_the_resolved_options_the_versions_and_the_command(run_dir):
+    """Claim: <out>/config.json holds every option as the run resolved it, the sizes the probe chose included
+    (they were not given), the versions of Python, torch, transformers and datasets, this checkout's commit, and
+    the command line."""
+    import torch
+    import transformers
+    record = json.loads((run_dir / "config.json").read_text())
+    assert set(record) == {f.name for f in dataclasses.fields(Config)} | {"run_id", "versions", "command"}
+    assert record["micro_batch_tokens"] and record["groups_per_chunk"] and record["lr"] == 1e-6  # derived: not given
+    assert record["command"] == ["trainer.py", *json.loads((run_dir / "argv.json").read_text())]
+    versions = record["versions"]
+    assert versions["torch"] == torch.__version__ and versions["transformers"] == transformers.__version__
+    assert versions["python"] == ".".join(map(str, sys.version_info[:3])) and "datasets" in versions
+    if (ROOT / ".git").exists():  # a checkout (or a worktree): HEAD's commit and whether tracked files changed
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        assert versions["periodic_rl"]["commit"] == head and isinstance(versions["periodic_rl"]["dirty"], bool)
+
+
+def test_the_commit_is_recorded_only_for_the_top_of_a_checkout(tmp_path):
+    """Claim: versions' periodic_rl entry is the checkout's HEAD with dirty = tracked files changed (new untracked
+    files, such as runs/, do not count), and None for a folder that is no checkout or only lies inside one."""
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+    assert git_commit(tmp_path) is None
+    git("init", "-q")
+    (tmp_path / "code.py").write_text("a = 1\n")
+    git("add", "code.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "first")
+    head = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "new.txt").write_text("untracked")
+    assert git_commit(tmp_path) == {"commit": head.strip(), "dirty": False}
+    (tmp_path / "code.py").write_text("a = 2\n")
+    assert git_commit(tmp_path) == {"commit": head.strip(), "dirty": True}
+    assert git_commit(tmp_path / "runs") is None
+
+
+def test_a_resumed_run_keeps_its_run_id(tmp_path):
+    """Claim: a resumed run rewrites config.json under the same run_id (the name wandb and trackio continue), while
+    a new run in the same --out (after --overwrite) gets a new one."""
+    first = RunRecord(tmp_path, ["trainer.py"], resumed=False)
+    first.write(Config(out=str(tmp_path)))
+    assert RunRecord(tmp_path, ["trainer.py", "--resume", "auto"], resumed=True).run_id == first.run_id
+    assert RunRecord(tmp_path, ["trainer.py"], resumed=False).run_id != first.run_id
+    assert first.run_id.startswith(tmp_path.name[:8])
+
+
+def test_config_json_fed_back_reruns_the_same_options_and_flags_override_it(run_dir):
+    """Claim: `--config <out>/config.json` resolves to the run's own options (its sizes included, so a rerun
+    batches alike), only `config` itself now naming the file; a flag on the command line overrides the file."""
+    record = json.loads((run_dir / "config.json").read_text())
+    options = Config(**{f.name: record[f.name] for f in dataclasses.fields(Config)})
+    path = str(run_dir / "config.json")
+    assert parse_args(["--config", path]) == dataclasses.replace(options, config=path)
+    assert parse_args(["--config", path, "--iterations", "7", "--no-save"]) == \
+        dataclasses.replace(options, config=path, iterations=7, save=False)
+    assert {"lr", "micro_batch_tokens", "iterations"} <= given_options(["--config", path])
+
+
+def test_a_yaml_config_file_is_read_like_flags(tmp_path):
+    """Claim: a YAML file's options are read as the same flags typed (`1e-4`, a string to YAML, is the float
+    --lr 1e-4); resume and overwrite in a file are skipped (only the command line may replace or continue a run)."""
+    path = tmp_path / "run.yaml"
+    path.write_text("lr: 1e-4\nreport_to: tensorboard\nsave: false\nmax_new_tokens: 6\noverwrite: true\n"
+                    "resume: auto\ntrace: null\n")
+    cfg = parse_args(["--config", str(path)])
+    assert (cfg.lr, cfg.report_to, cfg.save, cfg.max_new_tokens) == (1e-4, ["tensorboard"], False, 6)
+    assert (cfg.overwrite, cfg.resume, cfg.trace) == (False, None, None)
+
+
+def test_a_list_option_on_the_command_line_replaces_the_files(tmp_path):
+    """Claim: --reward and --report-to add up when repeated on the command line, but given there they replace a
+    --config file's list instead of extending it (the command line wins, as for any other option)."""
+    path = tmp_path / "run.json"
+    path.write_text('{"reward": ["math", "math-verify"], "reward_weights": [1, 0.5], "report_to": ["tensorboard"]}')
+    cfg = parse_args(["--config", str(path)])
+    assert (cfg.reward, cfg.reward_weights, cfg.report_to) == (["math", "math-verify"], [1.0, 0.5], ["tensorboard"])
+    cfg = parse_args(["--config", str(path), "--reward", "math-verify", "--reward-weights", "2"])
+    assert (cfg.reward, cfg.reward_weights, cfg.report_to) == (["math-verify"], [2.0], ["tensorboard"])
+    assert parse_args(["--reward", "math", "--reward", "math-verify"]).reward == ["math", "math-verify"]
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ('{"lr": 0.1, "learning_rate": 1, "epochs": 2}', "unknown option(s) epochs, learning_rate: the keys are"),
+    ('{"lr": 0.1,', "is not valid JSON"),
+    ('[1, 2]', "must hold a mapping"),
+    ('{"iterations": null}', "iterations: null is not a value of --iterations"),
+    ('{"save": "yes please"}', "save must be true or false"),
+    ('{"iterations": "two"}', "argument --iterations: invalid int value: 'two'"),
+])
+def test_a_bad_config_file_fails_with_one_line_and_exit_2(text, fragment, tmp_path, capsys):
+    path = tmp_path / "run.json"
+    path.write_text(text)
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--config", str(path)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and fragment in err and err.count("\n") == 1, err
+
+
+def test_config_file_with_resume_is_checked_like_typed_flags(tmp_path):
+    """Claim: with --resume, a --config file's options count as given: the run's own config.json resumes with the
+    checkpoint's options, while a file whose seed differs is refused naming --seed (as a typed --seed would be)."""
+    saved = parse_args(["--out", str(tmp_path), "--iterations", "4"])
+    checkpoint = tmp_path / "checkpoint-2"
+    checkpoint.mkdir()
+    (checkpoint / "state.json").write_text(json.dumps(
+        {"iterations_done": 2, "config": dataclasses.asdict(saved), "reference_fingerprint": "θ_0"}))
+    same, other = tmp_path / "config.json", tmp_path / "other.json"
+    same.write_text(json.dumps({**dataclasses.asdict(saved), "run_id": "r", "versions": {}, "command": []}))
+    other.write_text(json.dumps({**dataclasses.asdict(saved), "seed": 5}))
+    for path in (same, other):
+        argv = ["--config", str(path), "--resume", "auto", "--out", str(tmp_path)]
+        if path == same:
+            cfg, found = resumption(parse_args(argv), given_options(argv))
+            assert found == checkpoint and cfg == dataclasses.replace(saved, config=str(same), resume="auto")
+        else:
+            with pytest.raises(CheckpointError, match="--seed 5 differs from the checkpoint's 0"):
+                resumption(parse_args(argv), given_options(argv))
+
+
+def test_records_alone_are_no_previous_run_and_overwrite_deletes_them(tmp_path):
+    """Claim: config.json and the trackers' folders left by a run that failed before its first row do not make
+    --out a previous run (as an empty metrics.jsonl does not); --overwrite deletes them with the run's files."""
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "metrics.jsonl").write_text("")
+    with outputs.claimed(Config(out=str(tmp_path))):
+        pass
+    (tmp_path / "metrics.jsonl").write_text('{"iteration": 0}\n')
+    with outputs.claimed(Config(out=str(tmp_path), overwrite=True)):
+        assert not any((tmp_path / name).exists() for name in ("config.json", "runs", "metrics.jsonl"))
+
+
+# --- plot.py ---
+def test_plot_draws_the_four_panels_of_a_run(run_dir, tmp_path):
+    """Claim: `python plot.py RUN_DIR -o FILE` writes a PNG of the run; its figure has the four panels (reward with
+    the held-out points, KL, response length, busy/idle seconds of both processes) drawn from metrics.jsonl."""
+    output = tmp_path / "run.png"
+    assert plot.main([str(run_dir), "-o", str(output)]) == 0
+    assert output.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = outputs.read_metrics(run_dir / "metrics.jsonl")
+    reward, kl, length, seconds = plot.figure(rows).axes
+    assert tuple(axes.get_title(loc="left") for axes in (reward, kl, length, seconds)) == plot.TITLES
+    train, held_out = reward.get_lines()
+    assert list(train.get_xdata()) == [0, 1, 2] and list(held_out.get_xdata()) == [0, 2, 3]  # eval every 2, final
+    assert list(held_out.get_ydata()) == [row["eval_reward"] for row in rows if row["eval_reward"] is not None]
+    assert len(kl.get_lines()[0].get_xdata()) == 3 and len(length.get_lines()[0].get_xdata()) == 3
+    assert len(seconds.patches) == 4 * 3  # busy and idle of each process, per iteration
+
+
+def test_plot_without_metrics_says_so_in_one_line(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text("")
+    assert plot.main([str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "metrics.jsonl has no rows: nothing to draw" in err and err.count("\n") == 1
+    assert plot.main([str(tmp_path / "none")]) == 1 and "does not exist" in capsys.readouterr().err

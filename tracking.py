@@ -1,0 +1,164 @@
+"""Send each metrics row to the experiment trackers `--report-to` names: TensorBoard, Weights & Biases, Trackio.
+
+metrics.jsonl stays the run's record (trainer.py writes it first); a tracker gets the same numbers, named as
+TRL 1.16's GRPOTrainer logs them through transformers' integrations (its keys, with `train/` or `eval/` put in
+front by `rewrite_logs`), so dashboards of the two trainers line up. `tracker_names` maps a row:
+
+    metrics.jsonl key        tracker name                      TRL's key (GRPOTrainer._metrics)
+    reward_mean              train/reward                      reward
+    reward_std               train/reward_std                  reward_std
+    kl                       train/kl                          kl
+    loss                     train/loss                        loss (transformers' Trainer)
+    clip_fraction            train/clip_ratio/region_mean      clip_ratio/region_mean: tokens where the clip is
+                                                               the active branch of the min (grpo.py counts alike)
+    grad_norm                train/grad_norm                   grad_norm (transformers' Trainer)
+    response_length          train/completions/mean_length     completions/mean_length
+    eval_reward              eval/reward                       eval_reward -> eval/reward
+    <name>_s, tokens_per_s,  time/<name>                       (TRL logs no pipeline timing)
+    overlap
+    any other number         train/<key>  (eval_<x>: eval/<x>) e.g. rewards/<f>/mean -> train/rewards/<f>/mean,
+                                                               TRL's own name for a reward function's mean
+    iteration                the step (x axis); with policy_version and final: not logged
+
+The step is the iteration k, the version of the weights that sampled the row; the final row (the held-out
+reward of θ_N after the last iteration) is logged at step N. A value that is None (kl with --beta 0, an
+iteration without evaluation) is left out, as TRL leaves out a metric it did not compute.
+
+Life of the trackers (trainer.run): `with Trackers(cfg.report_to)` imports their packages at start-up, before a
+model loads (a missing one fails in one line naming the pip command); `start` opens them once the run's options
+are final (they get config.json's content); `log` sends a row; leaving the block closes them, however the run
+ends (an error, Ctrl-C). Only the trainer process logs. A resumed run (checkpoint.py) logs from its iteration k
+on: TensorBoard writes into the same <out>/runs with `purge_step=k`, so its reader drops the stopped run's
+events from step k on; wandb and trackio resume the run named by config.json's run_id (wandb keeps the
+values it already has for a step: those the stopped run logged after its last checkpoint stay, not the resumed
+run's).
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+from pathlib import Path
+
+from config import UserError
+
+TENSORBOARD_DIR = "runs"  # <out>/runs: `tensorboard --logdir <out>/runs`
+PROJECT = os.environ.get("WANDB_PROJECT", "periodic-rl")  # the wandb / trackio project
+NOT_LOGGED = {"iteration", "policy_version", "final"}
+TRL_NAMES = {"reward_mean": "train/reward", "reward_std": "train/reward_std", "kl": "train/kl", "loss": "train/loss",
+             "clip_fraction": "train/clip_ratio/region_mean", "grad_norm": "train/grad_norm",
+             "response_length": "train/completions/mean_length", "eval_reward": "eval/reward"}
+
+
+class TrackingError(UserError):
+    """A tracker --report-to names cannot be used (its package is not installed)."""
+
+
+def tracker_name(key: str) -> str:
+    """A metrics.jsonl key's name on a tracker (the module docstring's table)."""
+    if key in TRL_NAMES:
+        return TRL_NAMES[key]
+    if key.endswith("_s") or key == "overlap":
+        return f"time/{key}"
+    return f"eval/{key.removeprefix('eval_')}" if key.startswith("eval_") else f"train/{key}"
+
+
+def tracker_names(row: dict) -> dict[str, float]:
+    """The numbers of one metrics row under their tracker names (None, text and flags left out).
+
+    Example: {"iteration": 3, "reward_mean": 0.5, "kl": None, "train_s": 0.1, "rewards/math/mean": 0.5}
+             -> {"train/reward": 0.5, "time/train_s": 0.1, "train/rewards/math/mean": 0.5}
+    """
+    return {tracker_name(key): float(value) for key, value in row.items()
+            if key not in NOT_LOGGED and isinstance(value, (int, float)) and not isinstance(value, bool)}
+
+
+# --- the trackers: one class each, opened with the run's directory, options and first step ---
+class TensorBoard:
+    package, module = "tensorboard", "torch.utils.tensorboard"
+
+    def __init__(self, module, out: Path, config: dict, run_id: str, first_step: int):
+        self.writer = module.SummaryWriter(log_dir=str(out / TENSORBOARD_DIR), purge_step=first_step or None)
+        self.writer.add_text("config", f"```\n{json.dumps(config, indent=1)}\n```", first_step)  # shown as code
+
+    def log(self, names: dict[str, float], step: int) -> None:
+        for name, value in names.items():
+            self.writer.add_scalar(name, value, step)
+        self.writer.flush()  # a dashboard open on <out>/runs sees each iteration as it ends
+
+    def close(self, failed: bool) -> None:
+        self.writer.close()
+
+
+class WandB:
+    package = module = "wandb"
+
+    def __init__(self, module, out: Path, config: dict, run_id: str, first_step: int):
+        self.run = module.init(project=PROJECT, id=run_id, name=run_id, config=config, dir=str(out), resume="allow")
+
+    def log(self, names: dict[str, float], step: int) -> None:
+        self.run.log(names, step=step)
+
+    def close(self, failed: bool) -> None:
+        self.run.finish(exit_code=1 if failed else 0)
+
+
+class Trackio:
+    package = module = "trackio"
+
+    def __init__(self, module, out: Path, config: dict, run_id: str, first_step: int):
+        self.trackio = module
+        module.init(project=PROJECT, name=run_id, config=config, resume="allow")
+
+    def log(self, names: dict[str, float], step: int) -> None:
+        self.trackio.log(names, step=step)
+
+    def close(self, failed: bool) -> None:
+        self.trackio.finish()
+
+
+TRACKERS = {"tensorboard": TensorBoard, "wandb": WandB, "trackio": Trackio}
+
+
+def import_tracker(name: str):
+    """The module a tracker writes with, or one line naming the package to install."""
+    kind = TRACKERS[name]
+    try:
+        return importlib.import_module(kind.module)
+    except ImportError:
+        raise TrackingError(f"--report-to {name} needs the {kind.package} package: pip install {kind.package}") \
+            from None
+
+
+class Trackers:
+    """The trackers of one run, as a `with` block: imported on entry, opened by `start`, closed on exit."""
+
+    def __init__(self, names: list[str]):
+        self.modules = {name: import_tracker(name) for name in dict.fromkeys(names) if name != "none"}
+        self.opened: list = []
+
+    def start(self, out: Path, config: dict, run_id: str, first_step: int = 0) -> None:
+        """Open every tracker (once; the run's options are final, `first_step` is the iteration it starts at)."""
+        if self.opened:
+            return
+        for name, module in self.modules.items():
+            try:
+                self.opened.append(TRACKERS[name](module, Path(out), config, run_id, first_step))
+            except Exception as error:  # not logged in, no network, a folder it cannot write: say which tracker
+                raise TrackingError(f"--report-to {name} could not start its run ({type(error).__name__}: "
+                                    f"{error})".replace("\n", " ")) from None
+
+    def log(self, row: dict) -> None:
+        names = tracker_names(row)
+        for tracker in self.opened:
+            tracker.log(names, row["iteration"])
+
+    def __enter__(self) -> Trackers:
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        with contextlib.ExitStack() as closing:  # each one closed, even if closing another failed
+            for tracker in self.opened:
+                closing.callback(tracker.close, failed=kind is not None)
+            self.opened = []
