@@ -40,7 +40,7 @@ CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 # checkpoint's, so that by default a resume is bitwise the run that was never interrupted.
 HARMLESS = {"iterations", "eval_every", "eval_size", "eval_samples", "trace", "save", "save_every", "keep_checkpoints",
             "save_on_stop", "sizes", "cache_dir", "reward_timeout", "gradient_checkpointing", "attn_implementation",
-            "micro_batch_tokens", "rollout_threads", "train_threads",
+            "micro_batch_tokens", "rollout_threads", "train_threads", "collective_timeout",
             "mode"}  # async and sync are the same run (bitwise, with equal thread counts: tests/test_pipeline.py)
 DEVICES = {"device", "rollout_device", "train_device"}  # given one, all three are this run's (derived together)
 THIS_RUN = {"out", "resume", "overwrite"}  # where the checkpoint was found and how

@@ -140,6 +140,9 @@ class Config:
                               "(float16 is not offered: it would need loss scaling)",
                       choices=DTYPES, type=_dtype_name)
     attn_implementation: str = _opt("sdpa", "attention kernel of the Hugging Face model", choices=("sdpa", "eager"))
+    collective_timeout: float = _opt(600.0, "seconds a trainer rank waits in a collective (gradient all-reduce, "
+                                            "rendezvous) for the other ranks before it gives up with an error "
+                                            "(torchrun launches only; see distributed.py)")
     cache_dir: str | None = _opt(None, "where the warmed-up tiny model is cached "
                                        "(default: $PERIODIC_RL_CACHE or ~/.cache/periodic-rl)")
 
@@ -315,6 +318,7 @@ def validate(cfg: Config) -> list[str]:
         need(value is None or value == "auto" and name == "device" or _is_device_name(value),
              f"--{name.replace('_', '-')} must be {'auto, ' if name == 'device' else ''}cpu, cuda[:N] or npu[:N] "
              f"(got {value!r})")
+    need(cfg.collective_timeout > 0, f"--collective-timeout must be positive (got {cfg.collective_timeout})")
     need(cfg.save_every >= 0 and cfg.keep_checkpoints >= 0, "--save-every and --keep-checkpoints must be >= 0")
     need(cfg.resume is None or cfg.resume.strip() != "", "--resume must name a checkpoint directory or 'auto'")
     need(cfg.out.strip() != "", f"--out must name a directory (got {cfg.out!r})")

@@ -62,9 +62,11 @@ class SyncRollouts:
     mode (so that both modes sample from the same bf16 weights).
     """
 
-    def __init__(self, policy, tokenizer, train, held_out, reward_fn, cfg, sampler=None):
+    def __init__(self, policy, tokenizer, train, held_out, reward_fn, cfg, sampler=None,
+                 share: tuple[int, int] = (0, 1)):
         self.args = (tokenizer, train, held_out, reward_fn, cfg)
         self.sampler = sampler if sampler is not None else policy
+        self.share = share  # (r, M): a trainer rank samples its own generate calls (distributed.py)
 
     @torch.no_grad()
     def publish(self, policy, version: int) -> None:
@@ -79,7 +81,7 @@ class SyncRollouts:
         tokenizer, train, held_out, reward_fn, cfg = self.args
         self.messages = []
         rollout_iteration(self.sampler, tokenizer, train, held_out, reward_fn, cfg, iteration,
-                          lambda: self.version, final_iteration, self.messages.append, train_prompts)
+                          lambda: self.version, final_iteration, self.messages.append, train_prompts, self.share)
 
     def receive(self):
         yield from self.messages
@@ -100,7 +102,7 @@ class AsyncRollouts:
     """
 
     def __init__(self, model_name: str, load_kwargs: dict, train, held_out, reward_spec: str,
-                 timeline: Timeline | None = None, load: bool = True):
+                 timeline: Timeline | None = None, load: bool = True, share: tuple[int, int] = (0, 1)):
         check_shared_memory(0)  # a full /dev/shm fails here, in one line, before a process is spawned (weights: attach)
         context = mp.get_context("spawn")  # fork would copy the trainer's threads and CUDA state
         self.timeline = timeline or Timeline()
@@ -113,7 +115,7 @@ class AsyncRollouts:
         # when it was last looked at (trainer's clock: `_check_progress`)
         self.process = context.Process(
             target=inference_process, name="periodic-rl-inference", daemon=True,
-            args=(model_name, load_kwargs, child_end, self.heartbeat, train, held_out, reward_spec))
+            args=(model_name, load_kwargs, child_end, self.heartbeat, train, held_out, reward_spec, share))
         with sigint_ignored():  # inherited through exec: a Ctrl-C during the child's imports would print their
             self.process.start()  # traceback; it takes Ctrl-C again once `inference_process` runs
         child_end.close()  # only the child holds its end now: its death reads as end-of-file here
@@ -320,7 +322,7 @@ def next_command(connection) -> tuple:
 
 
 def inference_process(model_name: str, load_kwargs: dict, connection, heartbeat: torch.Tensor, train: list,
-                      held_out: list, reward_spec: str) -> None:
+                      held_out: list, reward_spec: str, share: tuple[int, int] = (0, 1)) -> None:
     """Entry point of the spawned inference process.
 
     Protocol: import what loading needs, wait for ("load",), load the model, answer ("loaded", None),
@@ -363,7 +365,7 @@ def inference_process(model_name: str, load_kwargs: dict, connection, heartbeat:
             results.put(("message", Span(f"load θ_{iteration}", INFERENCE, start, time.perf_counter())))
             rollout_iteration(model, tokenizer, train, held_out, reward_fn, cfg, iteration, weights.version,
                               final_iteration, send=lambda message: results.put(("message", message)),
-                              train_prompts=kind == "generate")
+                              train_prompts=kind == "generate", share=share)
     except KeyboardInterrupt:  # Ctrl-C reaches the whole process group; the trainer stops too and reads no more
         sys.exit(130)  # so nothing is flushed: the sender thread is a daemon
     except BaseException as error:  # report, then die: the trainer turns this into a clear message

@@ -9,6 +9,9 @@ Any problem a user can fix (bad option, missing model or data, failing reward fu
 inference process) ends with one `error:` paragraph on stderr and a non-zero exit, no traceback.
 A stop signal (Ctrl-C, SIGTERM, SIGHUP), at any moment, ends with one `interrupted by SIG...` line
 and exit code 128 + signal, after both processes have stopped.
+
+Launched by torchrun, each process is one trainer rank (distributed.py, docs/distributed.md): rank 0
+logs and writes --out; the others print nothing on stdout and never touch --out.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import os
 import signal
 import sys
 import time
-from contextlib import closing, contextmanager, suppress
+from contextlib import closing, contextmanager, nullcontext, redirect_stdout, suppress
 from pathlib import Path
 
 import outputs
@@ -136,9 +139,9 @@ def load_policy(cfg: Config, load_kwargs: dict, rollouts=None):
 
 
 @contextmanager
-def started(cfg: Config, resume_from: Path | None = None):
+def started(cfg: Config, resume_from: Path | None = None, ranks=None):
     """The run as configured, ready to iterate: (rows, policy, tokenizer), rows being `periodic_rl.train`'s
-    (from the checkpoint `resume_from`, if given).
+    (from the checkpoint `resume_from`, if given; as trainer rank `ranks`, if given: distributed.py).
 
     The inference process (async mode) is spawned before the trainer imports transformers' models and
     loads its own copy, so the two processes' imports and loads overlap; the `with` block owns it until
@@ -148,7 +151,10 @@ def started(cfg: Config, resume_from: Path | None = None):
     from tasks import check_prompt_lengths
     train_examples, held_out, reward_fn, load_kwargs = prepare(cfg)
     Interrupted.check()  # a Ctrl-C that a C extension swallowed while torch was imported stops the run here
-    with periodic_rl.inference_side(cfg, load_kwargs, train_examples, held_out, load=not cfg.is_tiny) as rollouts:
+    from distributed import Ranks
+    ranks = ranks or Ranks()
+    with periodic_rl.inference_side(cfg, load_kwargs, train_examples, held_out, load=not cfg.is_tiny,
+                                    ranks=ranks) as rollouts:
         policy, tokenizer = load_policy(cfg, load_kwargs, rollouts)
         Interrupted.check()  # and one swallowed while transformers' models were imported
         check_prompt_lengths(tokenizer, train_examples + held_out, getattr(policy.config, "max_position_embeddings",
@@ -157,16 +163,21 @@ def started(cfg: Config, resume_from: Path | None = None):
               f"prompts | {cfg.iterations} iterations x {cfg.prompts_per_iteration} prompts x {cfg.group_size} | "
               f"out {cfg.out}", flush=True)
         rows = periodic_rl.train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwargs, rollouts,
-                                 resume_from)
+                                 resume_from, ranks)
         with closing(rows):  # however the block ends, the schedule's own clean-up (the trace) runs here
             yield rows, policy, tokenizer
 
 
-def run(cfg: Config, resume_from: Path | None = None) -> dict:
-    """Train as configured (on from a checkpoint); returns the final row (with the start and end held-out rewards)."""
+def run(cfg: Config, resume_from: Path | None = None, ranks=None) -> dict:
+    """Train as configured (on from a checkpoint); returns the final row (with the start and end held-out rewards).
+    A trainer rank other than 0 (`ranks`) takes part in every step but neither claims --out nor writes there."""
     import checkpoint
     resumed_at = checkpoint.read_state(resume_from)["iterations_done"] if resume_from else 0
-    with outputs.claimed(cfg), started(cfg, resume_from) as (rows, policy, tokenizer):  # --out checked, locked first
+    main_rank = ranks is None or ranks.is_main
+    with outputs.claimed(cfg) if main_rank else nullcontext(), \
+            started(cfg, resume_from, ranks) as (rows, policy, tokenizer):  # --out checked, locked first
+        if not main_rank:
+            return list(rows)[-1]
         return log_and_save(cfg, rows, policy, tokenizer, resumed_at)
 
 
@@ -245,8 +256,14 @@ def main(argv: list[str] | None = None) -> int:
             cfg = parse_args(argv)
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # two processes, each with its own threads
             import checkpoint
+            import distributed
             cfg, resume_from = checkpoint.resumption(cfg, given_options(argv))  # --resume: the checkpoint's options
-            run(cfg, resume_from)
+            ranks = distributed.from_environment()  # torchrun's; one rank otherwise
+            cfg = distributed.place(cfg, ranks, given_options(argv))
+            distributed.check(cfg, ranks)
+            with distributed.process_group(cfg, ranks), \
+                    redirect_stdout(open(os.devnull, "w")) if not ranks.is_main else nullcontext():  # rank 0 logs
+                run(cfg, resume_from, ranks)
             Interrupted.check()
             return 0
         except UserError as error:
