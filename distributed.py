@@ -137,8 +137,8 @@ def collective(what: str, ranks: Ranks) -> Iterator[None]:
         yield
     except (RuntimeError, dist.DistError) as error:  # gloo raises RuntimeError, NCCL/HCCL DistBackendError
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise RanksError(f"trainer rank {ranks.rank} of {ranks.size}: {what} failed: another rank died or did not "
-                         f"join within --collective-timeout ({first_line}); torchrun's report names the rank") from None
+        raise RanksError(f"{what} failed: another rank died or did not join within --collective-timeout "
+                         f"({first_line}); torchrun's report names the rank") from None
 
 
 def sum_gradients(params: list[torch.nn.Parameter], ranks: Ranks) -> list[torch.nn.Parameter]:
@@ -179,3 +179,18 @@ def gather_dicts(local: dict, ranks: Ranks) -> dict:
     with collective("the gather of the rewards", ranks):
         dist.all_gather_object(everyone, local)
     return {key: value for part in everyone for key, value in part.items()}
+
+
+def check_same_weights(policy: torch.nn.Module, ranks: Ranks) -> None:
+    """Raise unless every rank holds the same θ, as the step promises (each rank publishes its own copy to its
+    inference process: a rank that drifted would sample other rollouts). Compares a float64 checksum per
+    parameter (its sum and its sum of squares): equal bits give equal checksums."""
+    checksums = [(p.detach().double().sum().item(), p.detach().double().square().sum().item())
+                 for p in policy.parameters()]
+    everyone: list[list | None] = [None] * ranks.size
+    with collective("the check that every rank holds the same weights", ranks):
+        dist.all_gather_object(everyone, checksums)
+    differ = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
+    if differ:
+        raise RanksError(f"trainer ranks {differ} hold other weights than rank 0 after the same steps: the "
+                         "gradient all-reduce did not leave the same bits on every rank")

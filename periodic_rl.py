@@ -370,6 +370,8 @@ def train(cfg, policy, tokenizer, train_examples, held_out, reward_fn, load_kwar
             yield row
             if cfg.save_every and (iteration + 1) % cfg.save_every == 0:
                 save_checkpoint(iteration + 1)                    # an exact resume point (after the row is out)
+        if ranks.size > 1:
+            distributed.check_same_weights(policy, ranks)         # every rank's θ_final: the same bits
         rollouts.publish(policy, cfg.iterations)                  # θ_final, for its evaluation only
         rollouts.generate(cfg.iterations, final_iteration=cfg.iterations, train_prompts=False)  # evaluation only
         evaluation = None

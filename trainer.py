@@ -247,6 +247,12 @@ def log_and_save(cfg: Config, rows, policy, tokenizer, resumed_at: int = 0) -> d
     return final
 
 
+def rank_prefix() -> str:
+    """'trainer rank r of M: ' under torchrun (every rank reports for itself), else ''."""
+    rank, size = os.environ.get("RANK"), os.environ.get("WORLD_SIZE", "1")
+    return f"trainer rank {rank} of {size}: " if rank is not None and size != "1" else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     Interrupted.received = None
     with stopped_by_signals():
@@ -261,14 +267,14 @@ def main(argv: list[str] | None = None) -> int:
             ranks = distributed.from_environment()  # torchrun's; one rank otherwise
             cfg = distributed.place(cfg, ranks, given_options(argv))
             distributed.check(cfg, ranks)
-            with distributed.process_group(cfg, ranks), \
-                    redirect_stdout(open(os.devnull, "w")) if not ranks.is_main else nullcontext():  # rank 0 logs
+            with distributed.process_group(cfg, ranks), open(os.devnull, "w") as devnull, \
+                    redirect_stdout(devnull) if not ranks.is_main else nullcontext():  # rank 0 alone logs
                 run(cfg, resume_from, ranks)
             Interrupted.check()
             return 0
         except UserError as error:
             if Interrupted.received is None:
-                sys.stderr.write(f"error: {error}\n")
+                sys.stderr.write(f"error: {rank_prefix()}{error}\n")
                 return 1
         except BrokenPipeError:  # stdout's reader exited (`| head`): stop, as Unix tools do, and say so on stderr
             if Interrupted.received is None:
@@ -283,8 +289,9 @@ def main(argv: list[str] | None = None) -> int:
                 raise
     signum = Interrupted.received or signal.SIGINT
     with suppress(OSError):  # SIGHUP: the terminal may be gone
-        sys.stderr.write(f"interrupted by {signal.Signals(signum).name}: the run was stopped, nothing is left "
-                         "running\n")
+        sys.stderr.write(f"{rank_prefix()}interrupted by {signal.Signals(signum).name}: the run was stopped, nothing "
+                         "is left running" + (" (torchrun stops every rank once one fails or is stopped: its report "
+                                              "names the rank and why)" if rank_prefix() else "") + "\n")
     return 128 + signum
 
 
