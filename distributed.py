@@ -84,7 +84,7 @@ def owner(call: int, ranks: int) -> int:
 
 def place(cfg, ranks: Ranks, given: set[str]):
     """`cfg` for this rank: its devices (local rank l of L on an accelerator: trains on :l, samples on :L+l when
-    the node has 2L devices, else on :l too), and, off rank 0, no output (save=False, no trace).
+    the node has 2L devices, else on :l too; sync mode on :l), and, off rank 0, no output (save=False, no trace).
     Devices named by --train-device / --rollout-device, or --device with an index, are kept."""
     if ranks.size == 1:
         return cfg
@@ -93,6 +93,7 @@ def place(cfg, ranks: Ranks, given: set[str]):
         count = getattr(torch, kind).device_count()
         train = f"{kind}:{ranks.local_rank}"
         rollout = f"{kind}:{ranks.local_size + ranks.local_rank}" if count >= 2 * ranks.local_size else train
+        rollout = train if cfg.mode == "sync" else rollout  # sync samples in the trainer's process
         cfg = dataclasses.replace(cfg, train_device=cfg.train_device if "train_device" in given else train,
                                   rollout_device=cfg.rollout_device if "rollout_device" in given else rollout)
     if not ranks.is_main:

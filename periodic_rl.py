@@ -35,6 +35,9 @@ equal thread counts they are bitwise the same run (tests/test_pipeline.py).
 Synchronous mode runs the same `rollout_iteration` in the trainer's process and only then trains:
 same seeds, same groups, same gradients, no overlap.
 
+Trainer ranks (`torchrun`, distributed.py): each rank runs this loop for its own generate calls, with its
+own inference process; each step sums ∇ and D over the ranks, so it is the same step (docs/distributed.md).
+
 Departures, on purpose:
 1. The held-out evaluation runs in the inference process after the iteration's groups, so it
    overlaps the training tail instead of stalling the trainer; except when the sides take turns
@@ -56,12 +59,12 @@ import checkpoint
 import distributed
 import outputs
 import sizing
+from distributed import Ranks
 from grpo import grpo_loss, loss_normalizer
 from inference import AsyncRollouts, PipelineError, SyncRollouts
 from packing import enable_activation_checkpointing, logprobs_fn
 from rollout import Evaluation, Group
 from timeline import INFERENCE, Span, Timeline
-from distributed import Ranks
 from tri_model import TriModel
 from weights import OffPolicyError
 

@@ -263,10 +263,13 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # two processes, each with its own threads
             import checkpoint
             import distributed
-            cfg, resume_from = checkpoint.resumption(cfg, given_options(argv))  # --resume: the checkpoint's options
+            given = given_options(argv)
+            cfg, resume_from = checkpoint.resumption(cfg, given)  # --resume: the checkpoint's options
             ranks = distributed.from_environment()  # torchrun's; one rank otherwise
-            cfg = distributed.place(cfg, ranks, given_options(argv))
+            cfg = distributed.place(cfg, ranks, given)
             distributed.check(cfg, ranks)
+            if ranks.size > 1:  # before the process group, whose backend needs it (torch_npu registers hccl)
+                check_device(cfg.train_device, "--train-device")
             with distributed.process_group(cfg, ranks), open(os.devnull, "w") as devnull, \
                     redirect_stdout(devnull) if not ranks.is_main else nullcontext():  # rank 0 alone logs
                 run(cfg, resume_from, ranks)
@@ -289,9 +292,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise
     signum = Interrupted.received or signal.SIGINT
     with suppress(OSError):  # SIGHUP: the terminal may be gone
+        by_torchrun = rank_prefix() and signum == signal.SIGTERM  # how torchrun stops the others when a rank fails
         sys.stderr.write(f"{rank_prefix()}interrupted by {signal.Signals(signum).name}: the run was stopped, nothing "
-                         "is left running" + (" (torchrun stops every rank once one fails or is stopped: its report "
-                                              "names the rank and why)" if rank_prefix() else "") + "\n")
+                         "is left running" + (" (torchrun stops every rank once one fails: its report names the rank "
+                                              "and why)" if by_torchrun else "") + "\n")
     return 128 + signum
 
 

@@ -17,6 +17,7 @@ gradients, then the all-reduce adds the ranks' sums):
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import socket
@@ -96,19 +97,18 @@ def initial_weights(model_dir) -> torch.Tensor:
     return torch.cat([weights[name].reshape(-1).double() for name in sorted(weights)])
 
 
-@pytest.mark.parametrize("setup", list(SETUPS))
-def test_two_ranks_equal_the_single_process(tiny_model_dir, single_process, tmp_path, setup):
+def test_two_ranks_equal_the_single_process(tiny_model_dir, single_process, tmp_path):
     """Claim (#16 point 4): `torchrun --nproc-per-node 2` gives the single-process run's rollouts exactly and its
-    update up to float summation order (tolerances: module docstring), with unequal groups per rank and with a
-    rank that has none of a mini-batch's groups; rank 0 alone logs (one line per iteration, not one per rank);
-    every rank ends with the same θ (else the run fails: distributed.check_same_weights)."""
+    update up to float summation order (tolerances: module docstring), with 2 updates per iteration where each
+    rank has none of one mini-batch's groups (and still joins its step); rank 0 alone logs (one line per
+    iteration, not one per rank); every rank ends with the same θ (else the run fails:
+    distributed.check_same_weights). One update per iteration, with unequal groups per rank: the next test."""
     done = run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "trainer.py",
-                *options(tiny_model_dir, tmp_path, setup)])
+                *options(tiny_model_dir, tmp_path, "2 mini-batches")])
     assert sum(line.startswith("iter ") for line in done.stdout.splitlines()) == 3, done.stdout
     ranks = result(tmp_path)
-    assert_same_run(single_process(setup), ranks, initial_weights(tiny_model_dir))
-    if "--updates-per-iteration" in SETUPS[setup]:
-        assert max(row["clip_fraction"] for row in ranks[0][:-1]) > 0, "2 updates should activate clipping"
+    assert_same_run(single_process("2 mini-batches"), ranks, initial_weights(tiny_model_dir))
+    assert max(row["clip_fraction"] for row in ranks[0][:-1]) > 0, "2 updates should activate clipping"
 
 
 def free_port() -> int:
@@ -119,18 +119,20 @@ def free_port() -> int:
 
 def test_two_nodes_equal_the_single_process(tiny_model_dir, single_process, tmp_path):
     """Claim (#16 point 5): two torchrun launches of one rank each, as two "nodes" meeting at one c10d rendezvous
-    on localhost, are the same run (sync mode here: async and sync are the same run, tests/test_pipeline.py)."""
+    on localhost, are the same run as the single process; here with one update per iteration and 5 calls, 3 on one
+    rank and 2 on the other, in sync mode (the single process runs async: async and sync are the same run with
+    equal thread counts, tests/test_pipeline.py)."""
     port, launches = free_port(), []
     for node in (0, 1):
         launches.append(subprocess.Popen(
             [*TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node), "--rdzv-backend", "c10d",
              "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "two-nodes", "trainer.py",
-             *options(tiny_model_dir, tmp_path, "2 mini-batches", "--mode", "sync")],
+             *options(tiny_model_dir, tmp_path, "5 calls", "--mode", "sync")],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     for launch in launches:
         out, err = launch.communicate(timeout=300)
         assert launch.returncode == 0, err[-3000:]
-    assert_same_run(single_process("2 mini-batches"), result(tmp_path), initial_weights(tiny_model_dir))
+    assert_same_run(single_process("5 calls"), result(tmp_path), initial_weights(tiny_model_dir))
 
 
 def test_learner_expects_only_its_ranks_groups(tiny_model_dir):
@@ -146,6 +148,23 @@ def test_learner_expects_only_its_ranks_groups(tiny_model_dir):
     assert from_environment({}) == Ranks()
     assert from_environment({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}) == \
         Ranks(3, 4, 1, 2)
+
+
+def test_each_rank_gets_its_devices_and_only_rank_0_writes(monkeypatch):
+    """Claim: on a node with 8 GPUs and 4 ranks, local rank l trains on cuda:l and samples on cuda:4+l (with 4 GPUs
+    both on cuda:l); devices given by option stay as given; ranks other than 0 save nothing and write no trace."""
+    from config import parse_args
+    from distributed import place
+    cfg = dataclasses.replace(parse_args(["--sizes", "rule", "--trace", "t.json"]), device="auto",
+                              train_device="cuda:1", rollout_device="cuda:0")  # as derive picks with >= 2 GPUs
+    for gpus, expected in ((8, ("cuda:2", "cuda:6")), (4, ("cuda:2", "cuda:2"))):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+        placed = place(cfg, Ranks(2, 4, 2, 4), given=set())
+        assert (placed.train_device, placed.rollout_device) == expected
+        assert placed.save is False and placed.trace is None
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert place(cfg, Ranks(0, 4, 0, 4), given={"rollout_device"}).rollout_device == "cuda:0"
+    assert place(cfg, Ranks(0, 4, 0, 4), given=set()).trace == "t.json"
 
 
 @pytest.mark.parametrize("option, fragment", [([], "--sizes probe does not work with trainer ranks"),
@@ -194,3 +213,5 @@ def test_a_dead_rank_or_ctrl_c_stops_every_process(tiny_model_dir, tmp_path, how
         if how == "kill rank 1":
             assert "trainer rank 0 of 2: interrupted by SIGTERM" in err, err
             assert "rank      : 1 (local_rank: 1)" in err and "Signal 9 (SIGKILL)" in err, err
+        else:  # torchrun passes SIGINT on to each rank
+            assert all(f"trainer rank {rank} of 2: interrupted by SIGINT" in err for rank in (0, 1)), err
