@@ -23,8 +23,11 @@ Departures, on purpose:
    DDP: a rank trains as many micro-batches as its groups need, zero when none of its calls falls in a
    mini-batch, while DDP reduces inside every backward and would need no_sync() and join() for unequal
    counts. The cost is DDP's overlap of the reduction with the backward.
-2. Rank 0 alone writes --out (metrics, policy, trace) and prints the log; the other ranks get save=False
-   and no trace, and never lock or read --out. Checkpoints are refused with ranks (not implemented yet).
+2. Rank 0 alone writes --out (metrics, policy, trace, checkpoints) and prints the log; the other ranks
+   never lock or write there. Rank 0's checkpoint is every rank's: all hold the same θ and AdamW state
+   (the same summed gradients, the same steps); a resumed run restores it on every rank, so --resume
+   must name a path every node can read. A save must end within --collective-timeout (the others wait
+   in the next step's all-reduce meanwhile).
 3. `--sizes probe` on CPU is refused with ranks unless the sizes are given: the probe times one process
    on the whole machine, not M trainers sharing it, and every rank must use the same sizes.
 """
@@ -84,7 +87,8 @@ def owner(call: int, ranks: int) -> int:
 
 def place(cfg, ranks: Ranks, given: set[str]):
     """`cfg` for this rank: its devices (local rank l of L on an accelerator: trains on :l, samples on :L+l when
-    the node has 2L devices, else on :l too; sync mode on :l), and, off rank 0, no output (save=False, no trace).
+    the node has 2L devices, else on :l too; sync mode on :l), and, off rank 0, no output (no policy, no trace,
+    no checkpoint).
     Devices named by --train-device / --rollout-device, or --device with an index, are kept."""
     if ranks.size == 1:
         return cfg
@@ -97,17 +101,14 @@ def place(cfg, ranks: Ranks, given: set[str]):
         cfg = dataclasses.replace(cfg, train_device=cfg.train_device if "train_device" in given else train,
                                   rollout_device=cfg.rollout_device if "rollout_device" in given else rollout)
     if not ranks.is_main:
-        cfg = dataclasses.replace(cfg, save=False, trace=None)
+        cfg = dataclasses.replace(cfg, save=False, trace=None, save_every=0, save_on_stop=False)
     return cfg
 
 
 def check(cfg, ranks: Ranks) -> None:
-    """Refuse, in one line, what ranks do not support (departures 2 and 3)."""
+    """Refuse, in one line, what ranks do not support (departure 3)."""
     if ranks.size == 1:
         return
-    if cfg.save_every or cfg.save_on_stop or cfg.resume:
-        raise RanksError(f"checkpoints (--save-every, --save-on-stop, --resume) are not supported with trainer ranks "
-                         f"yet ({ranks.size} ranks): run without them, or as one process")
     if not cfg.sized:
         raise RanksError(f"--sizes probe does not work with trainer ranks ({ranks.size} ranks): every rank must use "
                          "the same sizes; give --groups-per-chunk, --micro-batch-tokens, --rollout-threads and "

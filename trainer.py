@@ -263,16 +263,15 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # two processes, each with its own threads
             import checkpoint
             import distributed
-            given = given_options(argv)
-            cfg, resume_from = checkpoint.resumption(cfg, given)  # --resume: the checkpoint's options
-            ranks = distributed.from_environment()  # torchrun's; one rank otherwise
-            cfg = distributed.place(cfg, ranks, given)
-            distributed.check(cfg, ranks)
-            if ranks.size > 1:  # before the process group, whose backend needs it (torch_npu registers hccl)
-                check_device(cfg.train_device, "--train-device")
-            with distributed.process_group(cfg, ranks), open(os.devnull, "w") as devnull, \
-                    redirect_stdout(devnull) if not ranks.is_main else nullcontext():  # rank 0 alone logs
-                run(cfg, resume_from, ranks)
+            given, ranks = given_options(argv), distributed.from_environment()  # torchrun's ranks; else one
+            with open(os.devnull, "w") as devnull, redirect_stdout(devnull) if not ranks.is_main else nullcontext():
+                cfg, resume_from = checkpoint.resumption(cfg, given)  # --resume: the checkpoint's options
+                cfg = distributed.place(cfg, ranks, given)  # (rank 0 alone logs, above, and writes --out)
+                distributed.check(cfg, ranks)
+                if ranks.size > 1:  # before the process group, whose backend needs it (torch_npu registers hccl)
+                    check_device(cfg.train_device, "--train-device")
+                with distributed.process_group(cfg, ranks):
+                    run(cfg, resume_from, ranks)
             Interrupted.check()
             return 0
         except UserError as error:

@@ -103,13 +103,21 @@ def test_two_ranks_equal_the_single_process(tiny_model_dir, single_process, tmp_
     update up to float summation order (tolerances: module docstring), with 2 updates per iteration where each
     rank has none of one mini-batch's groups (and still joins its step); rank 0 alone logs (one line per
     iteration, not one per rank); every rank ends with the same θ (else the run fails:
-    distributed.check_same_weights). One update per iteration, with unequal groups per rank: the next test."""
+    distributed.check_same_weights). One update per iteration, with unequal groups per rank: the next test.
+    And rank 0's checkpoint is every rank's: resumed at iteration 2 by 2 ranks, the run ends with bitwise the
+    same weights and the same last row."""
     done = run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "trainer.py",
-                *options(tiny_model_dir, tmp_path, "2 mini-batches")])
+                *options(tiny_model_dir, tmp_path / "run", "2 mini-batches", "--save-every", "2")])
     assert sum(line.startswith("iter ") for line in done.stdout.splitlines()) == 3, done.stdout
-    ranks = result(tmp_path)
+    ranks = result(tmp_path / "run")
     assert_same_run(single_process("2 mini-batches"), ranks, initial_weights(tiny_model_dir))
     assert max(row["clip_fraction"] for row in ranks[0][:-1]) > 0, "2 updates should activate clipping"
+    run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "trainer.py", "--resume",
+         tmp_path / "run" / "checkpoint-2", "--out", tmp_path / "resumed"])
+    resumed = result(tmp_path / "resumed")
+    assert torch.equal(resumed[1], ranks[1])
+    last = next(row for row in resumed[0] if row["iteration"] == 2)
+    assert all(last[key] == ranks[0][2][key] for key in (*EXACT, *SUMS)), (last, ranks[0][2])
 
 
 def free_port() -> int:
@@ -168,16 +176,15 @@ def test_each_rank_gets_its_devices_and_only_rank_0_writes(monkeypatch):
     assert place(cfg, Ranks(0, 4, 0, 4), given=set()).trace == "t.json"
 
 
-@pytest.mark.parametrize("option, fragment", [([], "--sizes probe does not work with trainer ranks"),
-                                              (["--sizes", "rule", "--save-every", "1"], "checkpoints")])
-def test_unsupported_options_with_ranks_are_one_line(tiny_model_dir, tmp_path, monkeypatch, capsys, option,
-                                                      fragment):
-    """Claim: what ranks do not support is refused in one line, before any process group or model."""
+def test_probing_sizes_with_ranks_is_refused_in_one_line(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """Claim: `--sizes probe` on CPU with ranks (the default) is refused in one line, before any process group or
+    model: every rank must use the same sizes, and the probe times one process, not M of them."""
     for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(name, value)
-    assert trainer.main(["--model", str(tiny_model_dir), "--out", str(tmp_path), *option]) == 1
+    assert trainer.main(["--model", str(tiny_model_dir), "--out", str(tmp_path)]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("error: trainer rank 0 of 2: ") and fragment in err and err.count("\n") == 1, err
+    assert err.startswith("error: trainer rank 0 of 2: --sizes probe does not work with trainer ranks") and \
+        err.count("\n") == 1, err
 
 
 def launch_ranks(tiny_model_dir, out) -> faults.Launch:
