@@ -47,6 +47,9 @@ from config import UserError
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}  # by the training device's kind
 BUCKET_ELEMENTS = 25 * 2**20  # gradient elements per all_reduce (100 MiB of float32; DDP's default is 25 MiB)
+# Options that may differ between ranks (each rank's own devices, threads and outputs); all others must agree
+PER_RANK = {"device", "rollout_device", "train_device", "rollout_threads", "train_threads", "cache_dir", "out",
+            "overwrite", "trace", "save", "save_every", "keep_checkpoints", "save_on_stop", "resume"}
 
 
 class RanksError(UserError):
@@ -127,9 +130,25 @@ def process_group(cfg, ranks: Ranks) -> Iterator[None]:
         getattr(torch, kind).set_device(cfg.train_device)
     dist.init_process_group(BACKENDS[kind], timeout=timedelta(seconds=cfg.collective_timeout))
     try:
+        check_same_options(cfg, ranks)
         yield
     finally:
         dist.destroy_process_group()
+
+
+def check_same_options(cfg, ranks: Ranks) -> None:
+    """Refuse, on every rank, ranks launched with other options than rank 0's (two nodes, two commands): they would
+    sample and train another run, or wait for each other until the timeout. Devices, threads, outputs may differ."""
+    mine = {key: value for key, value in dataclasses.asdict(cfg).items() if key not in PER_RANK}
+    everyone: list[dict | None] = [None] * ranks.size
+    with collective("the comparison of the ranks' options", ranks):
+        dist.all_gather_object(everyone, mine)
+    first = everyone[0]
+    differ = {rank: [key for key in first if theirs.get(key) != first[key]] for rank, theirs in enumerate(everyone)}
+    if any(differ.values()):
+        raise RanksError("ranks launched with other options than rank 0: " + "; ".join(
+            f"rank {rank}: " + ", ".join(f"--{key.replace('_', '-')} {everyone[rank].get(key)} (rank 0: {first[key]})"
+                                         for key in keys) for rank, keys in differ.items() if keys))
 
 
 @contextmanager

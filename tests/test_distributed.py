@@ -223,3 +223,19 @@ def test_a_dead_rank_or_ctrl_c_stops_every_process(tiny_model_dir, tmp_path, how
             assert "rank      : 1 (local_rank: 1)" in err and "Signal 9 (SIGKILL)" in err, err
         else:  # torchrun passes SIGINT on to each rank
             assert all(f"trainer rank {rank} of 2: interrupted by SIGINT" in err for rank in (0, 1)), err
+
+
+def test_ranks_launched_with_other_options_are_refused(tiny_model_dir, tmp_path):
+    """Claim: two "nodes" launched with different options (here --seed) both stop at once, naming the rank and the
+    option, instead of training two runs at once or waiting for each other until the timeout."""
+    port, launches = free_port(), []
+    for node, seed in ((0, "0"), (1, "7")):
+        launches.append(subprocess.Popen(
+            [*TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node), "--rdzv-backend", "c10d",
+             "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "other-options", "trainer.py",
+             *options(tiny_model_dir, tmp_path / str(node), "5 calls", "--seed", seed)],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    errors = [launch.communicate(timeout=120)[1] for launch in launches]
+    assert all(launch.returncode != 0 for launch in launches)
+    assert all("ranks launched with other options than rank 0: rank 1: --seed 7 (rank 0: 0)" in err
+               for err in errors), errors
