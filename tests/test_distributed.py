@@ -9,12 +9,14 @@ gradients, then the all-reduce adds the ranks' sums):
 - loss, grad_norm, kl, clip fraction within 1e-4 relative: float32 sums of n ~ 10^2-10^3 terms, n·2^-24 <= 6e-5.
 - final weights: ‖θ_ranks − θ_single‖₂ <= 1e-3 · ‖θ_single − θ_0‖₂. Not elementwise: Adam divides each gradient
   element by its own magnitude, so an element whose gradient is at the rounding-noise level may step either way
-  by up to lr (test_pipeline.test_async_matches_sync_across_thread_counts says the same). The single process's
-  own sensitivity to summation order, measured by regrouping its micro-batches (--micro-batch-tokens 60 vs 1000,
-  same math): 2e-5 of the movement after 3 iterations; the ranks measured 7e-6. 1e-3 is 50 times that, while a
-  step in a wrong direction changes every element's step by O(lr): gradients not summed over the ranks
-  measured 0.97 of the movement. A wrong *scale* (a rank-local normaliser D) hardly shows in Adam's weights
-  (6.7e-3 measured), which is why the loss and gradient norm rows are compared too (1.77 vs 2.95 there).
+  by up to lr (test_pipeline.test_async_matches_sync_across_thread_counts says the same). Measured in the
+  setups below (3 iterations, lr 1e-2): the single process's own sensitivity to summation order, by regrouping
+  its micro-batches (--micro-batch-tokens 60 vs 1000, same math), 3.4e-6 of the movement; the ranks 6.2e-6
+  ("5 calls") and 0 ("2 mini-batches": each mini-batch is one rank's whole, so the sums are the same sums).
+  1e-3 leaves a margin of 160x, while a step in a wrong direction changes every element's step by O(lr):
+  gradients not summed over the ranks measured 0.97 of the movement. A wrong *scale* (a rank-local normaliser
+  D) hardly shows in Adam's weights (6.7e-3 measured), which is why the loss and gradient-norm rows are
+  compared too (1.77 vs 2.95 there).
 """
 from __future__ import annotations
 
