@@ -175,6 +175,9 @@ class Config:
                               "(float16 is not offered: it would need loss scaling)",
                       choices=DTYPES, type=_dtype_name)
     attn_implementation: str = _opt("sdpa", "attention kernel of the Hugging Face model", choices=("sdpa", "eager"))
+    collective_timeout: float = _opt(600.0, "seconds a trainer rank waits in a collective (gradient all-reduce, "
+                                            "rendezvous) for the other ranks before it gives up with an error "
+                                            "(torchrun launches only; see distributed.py)")
     cache_dir: str | None = _opt(None, "where the warmed-up tiny model is cached "
                                        "(default: $PERIODIC_RL_CACHE or ~/.cache/periodic-rl)")
 
@@ -384,6 +387,7 @@ def validate(cfg: Config) -> list[str]:
              f"--inference-workers {cfg.inference_workers} needs at least as many generate calls per iteration, but "
              f"--groups-per-chunk {cfg.groups_per_chunk} makes {calls} of the {cfg.prompts_per_iteration} prompts: "
              "lower --groups-per-chunk")
+    need(cfg.collective_timeout > 0, f"--collective-timeout must be positive (got {cfg.collective_timeout})")
     need(cfg.save_every >= 0 and cfg.keep_checkpoints >= 0, "--save-every and --keep-checkpoints must be >= 0")
     need(cfg.resume is None or cfg.resume.strip() != "", "--resume must name a checkpoint directory or 'auto'")
     need(cfg.out.strip() != "", f"--out must name a directory (got {cfg.out!r})")

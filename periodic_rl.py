@@ -35,6 +35,9 @@ equal thread counts they are bitwise the same run (tests/test_pipeline.py).
 Synchronous mode runs the same `rollout_iteration` in the trainer's process and only then trains:
 same seeds, same groups, same gradients, no overlap.
 
+Trainer ranks (`torchrun`, distributed.py): each rank runs this loop for its own generate calls, with its
+own inference process; each step sums ∇ and D over the ranks, so it is the same step (docs/distributed.md).
+
 Departures, on purpose:
 1. The held-out evaluation runs in the inference process after the iteration's groups, so it
    overlaps the training tail instead of stalling the trainer; except when the sides take turns
@@ -53,8 +56,10 @@ from typing import Iterator
 import torch
 
 import checkpoint
+import distributed
 import outputs
 import sizing
+from distributed import Ranks
 from grpo import grpo_loss, loss_normalizer
 from inference import AsyncRollouts, PipelineError, SyncRollouts
 from packing import enable_activation_checkpointing, logprobs_fn
@@ -92,14 +97,21 @@ class Learner:
     Arrival order is completion order, which depends only on the sampled tokens, so the micro-batches
     (and hence the float rounding of the accumulated gradient) are the same in both modes and in
     every rerun. Statistics stay on the device until `metrics`: no host synchronisation per group.
+
+    With trainer ranks (distributed.py) it takes only its rank's groups, so a mini-batch may hold none
+    of them: `ready` then yields an empty micro-batch, and the rank still joins the step's all-reduce.
     `reward_names` label each reward's own statistics (`rewards/<name>/mean`, TRL's names).
     """
 
     def __init__(self, tri_model: TriModel, optimizer: torch.optim.Optimizer, cfg, device: torch.device,
-                 timeline: Timeline, reward_names: list[str] = ()):
+                 timeline: Timeline, ranks: Ranks = Ranks(), reward_names: list[str] = ()):
         self.tri, self.optimizer, self.cfg, self.device, self.timeline = tri_model, optimizer, cfg, device, timeline
-        self.reward_names = list(reward_names)
-        self.groups_per_minibatch = cfg.prompts_per_iteration // cfg.updates_per_iteration
+        self.ranks, self.reward_names = ranks, list(reward_names)
+        prompts, updates = cfg.prompts_per_iteration, cfg.updates_per_iteration
+        self.groups_per_minibatch = [0] * updates  # this rank's groups in each mini-batch
+        for index in range(prompts):
+            if distributed.owner(index // cfg.groups_per_chunk, ranks.size) == ranks.rank:
+                self.groups_per_minibatch[minibatch_of(index, prompts, updates)] += 1
         self.iteration, self.minibatch, self.stepping = None, 0, False
 
     def start(self, iteration: int) -> None:
@@ -113,8 +125,8 @@ class Learner:
         self.tokens = 0  # response tokens of the iteration (known on the host from the lengths)
         self.minibatch_tokens = self.minibatch_sequences = 0
         self.minibatch_loss = torch.zeros((), device=self.device)  # partial sum, divided by its D at the step
-        self.rewards: list[float] = []  # weighted sums, per response
-        self.rewards_per_function: list[list[float]] = [[] for _ in self.reward_names]  # [reward k][response]
+        self.rewards: dict[int, tuple] = {}  # by group index: (weighted sums, [reward k][response]); metrics in
+        # index order, whatever the arrival
 
     def take(self, group: Group) -> None:
         """Take one group, refused unless θ_k sampled it (nothing is trained here: see `ready`)."""
@@ -122,6 +134,8 @@ class Learner:
             changed = " (weights that changed while it was sampled)" if group.policy_version == -1 else ""
             raise OffPolicyError(f"group {group.index} was sampled by weights version {group.policy_version}"
                                  f"{changed} but this is iteration {self.iteration}: refusing an off-policy sample")
+        if (owner := distributed.owner(group.index // self.cfg.groups_per_chunk, self.ranks.size)) != self.ranks.rank:
+            raise PipelineError(f"group {group.index} belongs to trainer rank {owner}, not rank {self.ranks.rank}")
         block = minibatch_of(group.index, self.cfg.prompts_per_iteration, self.cfg.updates_per_iteration)
         self.waiting[block].append(group)
         self.arrived[block] += 1
@@ -134,6 +148,9 @@ class Learner:
         the next mini-batch's waiting groups follow only after it (with N > 1 updates per iteration)."""
         while self.minibatch < self.cfg.updates_per_iteration:
             waiting = self.waiting[self.minibatch]
+            if self.groups_per_minibatch[self.minibatch] == 0:  # none of this rank's groups: an empty micro-batch,
+                yield []                                         # and the caller steps (the all-reduce) at once
+                continue
             if not waiting or not (self._all_arrived() or self._calls_done(waiting)
                                    or group_tokens(waiting) >= self.cfg.micro_batch_tokens):
                 return
@@ -147,7 +164,7 @@ class Learner:
         return self.minibatch < self.cfg.updates_per_iteration and self._all_arrived() and not self.waiting[self.minibatch]
 
     def _all_arrived(self) -> bool:
-        return self.arrived[self.minibatch] == self.groups_per_minibatch
+        return self.arrived[self.minibatch] == self.groups_per_minibatch[self.minibatch]
 
     def _calls_done(self, groups: list[Group]) -> bool:
         """Whether the generate calls that sampled `groups` have sent all their groups (none is coming soon)."""
@@ -155,7 +172,9 @@ class Learner:
 
     def accumulate(self, groups: list[Group]) -> None:
         """One forward/backward over a micro-batch of the current mini-batch: ∇ += Σ_g ∇S_g (divided by D
-        at the step)."""
+        at the step). An empty micro-batch (another rank's groups only) computes nothing."""
+        if not groups:
+            return
         self.tri.policy.train()
         name = f"train group {groups[0].index}" if len(groups) == 1 else f"train {len(groups)} groups"
         with self.timeline.span(name):
@@ -179,16 +198,22 @@ class Learner:
         self.tokens += tokens
         for g in groups:
             self.minibatch_sequences += len(g.responses)
-            self.rewards += g.rewards
-            for values, new in zip(self.rewards_per_function, g.rewards_per_function):
-                values += new
+            self.rewards[g.index] = (g.rewards, g.rewards_per_function)
 
     def step(self) -> None:
-        """The current mini-batch's optimizer step: ∇ /= D, clip, AdamW."""
+        """The current mini-batch's optimizer step: ∇ /= D, clip, AdamW. With ranks, ∇, D's counts and the loss
+        are first summed over the ranks (distributed.py): the same step on every rank."""
         self.stepping = True
         with self.timeline.span(f"optimizer step {self.minibatch}"):
-            normalizer = loss_normalizer(self.cfg.loss_type, self.minibatch_sequences, self.minibatch_tokens)
-            params = [p for p in self.tri.policy.parameters() if p.grad is not None]
+            sequences, tokens, minibatch_loss = self.minibatch_sequences, self.minibatch_tokens, self.minibatch_loss
+            if self.ranks.size > 1:
+                params = distributed.sum_gradients(  # ∇ = Σ_r ∇_r
+                    [p for p in self.tri.policy.parameters() if p.requires_grad], self.ranks)
+                sequences, tokens, minibatch_loss = distributed.sum_values(
+                    [sequences, tokens, minibatch_loss], self.ranks, self.device)
+            else:
+                params = [p for p in self.tri.policy.parameters() if p.grad is not None]
+            normalizer = loss_normalizer(self.cfg.loss_type, int(sequences), int(tokens))
             for p in params:
                 p.grad.div_(normalizer)  # = each micro-batch's loss / D (nanoGPT: loss / accumulation steps), but D
                 # (the mini-batch's tokens or sequences) is known only once all its groups have arrived
@@ -196,7 +221,7 @@ class Learner:
                 self.grad_norm_sum += torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        self.loss_sum += self.minibatch_loss / normalizer  # this mini-batch's loss, as optimised
+        self.loss_sum += minibatch_loss / normalizer  # this mini-batch's loss, as optimised
         self.minibatch += 1
         self.minibatch_tokens = self.minibatch_sequences = 0
         self.minibatch_loss = torch.zeros((), device=self.device)
@@ -215,13 +240,20 @@ class Learner:
         if self.minibatch != self.cfg.updates_per_iteration:
             raise PipelineError(f"iteration {self.iteration} ended after {self.minibatch} of "
                                 f"{self.cfg.updates_per_iteration} optimizer steps: groups are missing")
-        reward_mean, reward_std = mean_std(self.rewards)
-        per_function = {}
-        for name, values in zip(self.reward_names, self.rewards_per_function):
-            per_function[f"rewards/{name}/mean"], per_function[f"rewards/{name}/std"] = mean_std(values)
         loss, clipped, kl_sum, grad_norm = torch.stack(  # the iteration's one host synchronisation
             [self.loss_sum, self.clipped_tokens, self.kl_sum, self.grad_norm_sum]).tolist()
-        tokens = max(self.tokens, 1)
+        all_tokens, by_group = self.tokens, self.rewards
+        if self.ranks.size > 1:  # the whole iteration's (loss and grad_norm are already every rank's, from `step`)
+            clipped, kl_sum, all_tokens = distributed.sum_values([clipped, kl_sum, all_tokens], self.ranks, self.device)
+            by_group = distributed.gather_dicts(self.rewards, self.ranks)
+        ordered = [by_group[index] for index in sorted(by_group)]  # (weighted sums, per reward) of each group
+        reward_mean, reward_std = mean_std([r for total, _ in ordered for r in total])
+        per_function = {}
+        for k, name in enumerate(self.reward_names):
+            per_function[f"rewards/{name}/mean"], per_function[f"rewards/{name}/std"] = mean_std(
+                [r for _, parts in ordered for r in parts[k]])
+        self.all_tokens = all_tokens  # response tokens of the iteration, every rank's
+        tokens = max(all_tokens, 1)
         return {
             "reward_mean": reward_mean,  # of the weighted sum
             "reward_std": reward_std,
@@ -230,7 +262,7 @@ class Learner:
             "kl": kl_sum / tokens if self.cfg.beta > 0 else None,
             "clip_fraction": clipped / tokens,
             "grad_norm": grad_norm / self.cfg.updates_per_iteration,
-            "response_length": self.tokens / len(self.rewards),
+            "response_length": all_tokens / sum(len(total) for total, _ in ordered),
         }
 
 
@@ -259,14 +291,14 @@ def takes_turns(cfg) -> bool:
     return on_cpu and rollout_threads + cfg.train_threads > (os.cpu_count() or 1)
 
 
-def inference_side(cfg, load_kwargs: dict, train_examples, held_out, load: bool = True):
+def inference_side(cfg, load_kwargs: dict, train_examples, held_out, load: bool = True, ranks: Ranks = Ranks()):
     """A `with` block owning the inference process from spawn to stop (async mode; it loads its model at once
-    unless load=False); in sync mode there is none (None)."""
+    unless load=False; it samples this rank's generate calls); in sync mode there is none (None)."""
     if cfg.mode != "async":
         return contextlib.nullcontext()
     load_kwargs = {**load_kwargs, "dtype": getattr(torch, cfg.dtype)}  # its weights: the compute dtype
     return AsyncRollouts(cfg.model, load_kwargs, train_examples, held_out, cfg.reward, load=load,
-                         workers=cfg.inference_workers, reward_weights=cfg.reward_weights)
+                         workers=cfg.inference_workers, share=ranks.share, reward_weights=cfg.reward_weights)
 
 
 def record(timeline: Timeline, message) -> None:
@@ -278,7 +310,8 @@ def record(timeline: Timeline, message) -> None:
 
 
 def train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs: dict,
-          rollouts: AsyncRollouts | None = None, resume_from: Path | None = None, on_sized=None) -> Iterator[dict]:
+          rollouts: AsyncRollouts | None = None, resume_from: Path | None = None, on_sized=None,
+          ranks: Ranks = Ranks()) -> Iterator[dict]:
     """Run cfg.iterations iterations and yield one metrics dict per iteration, then the final evaluation.
 
     `policy` is already on cfg.train_device, at θ_0. Async mode samples in `rollouts`, the inference
@@ -288,6 +321,7 @@ def train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs
     `"final": True` and only the evaluation of θ_final. `resume_from`: a checkpoint (checkpoint.py) whose
     θ_k and optimizer state replace θ_0's after the reference is taken; the run goes on at iteration k.
     `on_sized(cfg)`: told the config with its sizes once they are chosen, before iteration k (trainer.py records it).
+    `ranks`: this process's trainer rank (distributed.py): it samples and trains only its generate calls.
     """
     if cfg.mode == "async" and rollouts is None:
         raise ValueError("async mode samples in the inference process: pass `rollouts` (see inference_side)")
@@ -326,9 +360,9 @@ def train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs
             from models import load_model
             sampler, _ = load_model(cfg.model, **{**load_kwargs, "dtype": tri.compute_dtype, "device": str(device)})
         rollouts = SyncRollouts(policy, tokenizer, train_examples, held_out, rewards, cfg, sampler,
-                                workers=cfg.inference_workers)  # the workers' shares, one after another
+                                workers=cfg.inference_workers, share=ranks.share)  # the shares, one after another
         timeline = Timeline()
-    learner = Learner(tri, optimizer, cfg, device, timeline, as_rewards(rewards).names)
+    learner = Learner(tri, optimizer, cfg, device, timeline, ranks, as_rewards(rewards).names)
     in_turns = cfg.mode == "async" and takes_turns(cfg)
     logged = first  # iterations whose row is out
     try:  # the iterations, as in the module docstring's figure
@@ -346,21 +380,23 @@ def train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs
                 record(timeline, message)
                 if isinstance(message, Group):
                     learner.take(message)
-                    for micro_batch in learner.ready():
-                        learner.accumulate(micro_batch)           # forward, backward: ∇ accumulates
-                        if learner.minibatch_done():
-                            learner.step()                        # optimizer step, one per mini-batch
                 elif isinstance(message, Evaluation):             # held-out reward of θ_k (if due)
                     evaluation = held_out_reward(message, iteration)
+                for micro_batch in learner.ready():               # (with ranks: [] if none is this rank's)
+                    learner.accumulate(micro_batch)               # forward, backward: ∇ accumulates
+                    if learner.minibatch_done():
+                        learner.step()                            # optimizer step, one per mini-batch
             timing = timeline.summary(start, time.perf_counter(), first_span)
             row = {"iteration": iteration, "policy_version": iteration, "eval_reward": evaluation, **learner.metrics(),
-                   **timing, "tokens_per_s": learner.tokens / timing["iteration_s"]}
+                   **timing, "tokens_per_s": learner.all_tokens / timing["iteration_s"]}
             if not all(math.isfinite(v) for v in row.values() if isinstance(v, float)):
                 raise PipelineError(f"iteration {iteration} produced a non-finite metric: {row}")
             logged = iteration + 1
             yield row
             if cfg.save_every and (iteration + 1) % cfg.save_every == 0:
                 save_checkpoint(iteration + 1)                    # an exact resume point (after the row is out)
+        if ranks.size > 1:
+            distributed.check_same_weights(policy, ranks)         # every rank's θ_final: the same bits
         rollouts.publish(policy, cfg.iterations)                  # θ_final, for its evaluation only
         rollouts.generate(cfg.iterations, final_iteration=cfg.iterations, train_prompts=False)  # evaluation only
         evaluation = None

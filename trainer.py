@@ -11,6 +11,9 @@ Any problem a user can fix (bad option, missing model or data, failing reward fu
 inference process) ends with one `error:` paragraph on stderr and a non-zero exit, no traceback.
 A stop signal (Ctrl-C, SIGTERM, SIGHUP), at any moment, ends with one `interrupted by SIG...` line
 and exit code 128 + signal, after both processes have stopped.
+
+Launched by torchrun, each process is one trainer rank (distributed.py, docs/distributed.md): rank 0
+logs and writes --out; the others print nothing on stdout and never touch --out.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import os
 import signal
 import sys
 import time
-from contextlib import closing, contextmanager, suppress
+from contextlib import closing, contextmanager, nullcontext, redirect_stdout, suppress
 from pathlib import Path
 
 import outputs
@@ -139,9 +142,10 @@ def load_policy(cfg: Config, load_kwargs: dict, rollouts=None):
 
 
 @contextmanager
-def started(cfg: Config, resume_from: Path | None = None, on_sized=None):
+def started(cfg: Config, resume_from: Path | None = None, on_sized=None, ranks=None):
     """The run as configured, ready to iterate: (rows, policy, tokenizer), rows being `periodic_rl.train`'s
-    (from the checkpoint `resume_from`, if given; `on_sized(cfg)` once its sizes are known).
+    (from the checkpoint `resume_from`, if given; `on_sized(cfg)` once its sizes are known; as trainer rank
+    `ranks`, if given: distributed.py).
 
     The inference process (async mode) is spawned before the trainer imports transformers' models and
     loads its own copy, so the two processes' imports and loads overlap; the `with` block owns it until
@@ -151,7 +155,10 @@ def started(cfg: Config, resume_from: Path | None = None, on_sized=None):
     from tasks import check_prompt_lengths
     train_examples, held_out, rewards, load_kwargs = prepare(cfg)
     Interrupted.check()  # a Ctrl-C that a C extension swallowed while torch was imported stops the run here
-    with periodic_rl.inference_side(cfg, load_kwargs, train_examples, held_out, load=not cfg.is_tiny) as rollouts:
+    from distributed import Ranks
+    ranks = ranks or Ranks()
+    with periodic_rl.inference_side(cfg, load_kwargs, train_examples, held_out, load=not cfg.is_tiny,
+                                    ranks=ranks) as rollouts:
         policy, tokenizer = load_policy(cfg, load_kwargs, rollouts)
         Interrupted.check()  # and one swallowed while transformers' models were imported
         check_prompt_lengths(tokenizer, train_examples + held_out, getattr(policy.config, "max_position_embeddings",
@@ -160,18 +167,22 @@ def started(cfg: Config, resume_from: Path | None = None, on_sized=None):
               f"prompts | {cfg.iterations} iterations x {cfg.prompts_per_iteration} prompts x {cfg.group_size} | "
               f"out {cfg.out}", flush=True)
         rows = periodic_rl.train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs, rollouts,
-                                 resume_from, on_sized)
+                                 resume_from, on_sized, ranks)
         with closing(rows):  # however the block ends, the schedule's own clean-up (the trace) runs here
             yield rows, policy, tokenizer
 
 
-def run(cfg: Config, resume_from: Path | None = None, command: list[str] | None = None) -> dict:
+def run(cfg: Config, resume_from: Path | None = None, command: list[str] | None = None, ranks=None) -> dict:
     """Train as configured (on from a checkpoint); returns the final row (with the start and end held-out rewards).
-    `command`: the command line, as config.json records it."""
+    `command`: the command line, as config.json records it. A trainer rank other than 0 (`ranks`) takes part in
+    every step but neither claims --out nor writes there (nor reports to trackers)."""
     import checkpoint
     from run_config import RunRecord
     from tracking import Trackers
     resumed_at = checkpoint.read_state(resume_from)["iterations_done"] if resume_from else 0
+    if ranks is not None and not ranks.is_main:
+        with started(cfg, resume_from, ranks=ranks) as (rows, policy, tokenizer):
+            return list(rows)[-1]
     # --out checked and locked, the trackers' packages imported, the options recorded: all before a model loads
     with outputs.claimed(cfg) as out, Trackers(cfg.report_to) as trackers:
         record = RunRecord(out, command or ["trainer.py"], resumed=resume_from is not None)
@@ -179,7 +190,7 @@ def run(cfg: Config, resume_from: Path | None = None, command: list[str] | None 
 
         def on_sized(sized: Config) -> None:  # the options are final: recorded with the sizes, sent to the trackers
             trackers.start(out, record.write(sized), record.run_id, resumed_at)
-        with started(cfg, resume_from, on_sized) as (rows, policy, tokenizer):
+        with started(cfg, resume_from, on_sized, ranks) as (rows, policy, tokenizer):
             return log_and_save(cfg, rows, policy, tokenizer, resumed_at, trackers.log)
 
 
@@ -255,7 +266,14 @@ def device_split(cfg: Config, phases: list[tuple[float, float]]) -> str:
     import sizing
     timed = phases[1:] or phases
     generate_s, train_s = (sum(side) / len(timed) for side in zip(*timed))
-    return sizing.split_report(generate_s, train_s, cfg.inference_workers, 1)
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))  # trainer ranks (torchrun), each with its own workers
+    return sizing.split_report(generate_s, train_s, cfg.inference_workers * ranks, ranks)
+
+
+def rank_prefix() -> str:
+    """'trainer rank r of M: ' under torchrun (every rank reports for itself), else ''."""
+    rank, size = os.environ.get("RANK"), os.environ.get("WORLD_SIZE", "1")
+    return f"trainer rank {rank} of {size}: " if rank is not None and size != "1" else ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -268,13 +286,21 @@ def main(argv: list[str] | None = None) -> int:
             cfg = parse_args(argv)
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # two processes, each with its own threads
             import checkpoint
-            cfg, resume_from = checkpoint.resumption(cfg, given_options(argv))  # --resume: the checkpoint's options
-            run(cfg, resume_from, ["trainer.py", *argv])
+            import distributed
+            given, ranks = given_options(argv), distributed.from_environment()  # torchrun's ranks; else one
+            with open(os.devnull, "w") as devnull, redirect_stdout(devnull) if not ranks.is_main else nullcontext():
+                cfg, resume_from = checkpoint.resumption(cfg, given)  # --resume: the checkpoint's options
+                cfg = distributed.place(cfg, ranks, given)  # (rank 0 alone logs, above, and writes --out)
+                distributed.check(cfg, ranks)
+                if ranks.size > 1:  # before the process group, whose backend needs it (torch_npu registers hccl)
+                    check_device(cfg.train_device, "--train-device")
+                with distributed.process_group(cfg, ranks):
+                    run(cfg, resume_from, ["trainer.py", *argv], ranks)
             Interrupted.check()
             return 0
         except UserError as error:
             if Interrupted.received is None:
-                sys.stderr.write(f"error: {error}\n")
+                sys.stderr.write(f"error: {rank_prefix()}{error}\n")
                 return 1
         except BrokenPipeError:  # stdout's reader exited (`| head`): stop, as Unix tools do, and say so on stderr
             if Interrupted.received is None:
@@ -289,8 +315,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise
     signum = Interrupted.received or signal.SIGINT
     with suppress(OSError):  # SIGHUP: the terminal may be gone
-        sys.stderr.write(f"interrupted by {signal.Signals(signum).name}: the run was stopped, nothing is left "
-                         "running\n")
+        by_torchrun = rank_prefix() and signum == signal.SIGTERM  # how torchrun stops the others when a rank fails
+        sys.stderr.write(f"{rank_prefix()}interrupted by {signal.Signals(signum).name}: the run was stopped, nothing "
+                         "is left running" + (" (torchrun stops every rank once one fails: its report names the rank "
+                                              "and why)" if by_torchrun else "") + "\n")
     return 128 + signum
 
 

@@ -116,10 +116,11 @@ def mapped_elsewhere(entries: set[str], run: set[int]) -> set[str]:
 
 
 class Launch:
-    """`python trainer.py ARGS` in a session of its own (its process group reaches nothing else), stdout and
-    stderr read by threads, line by line. As a `with` block it kills whatever is left, by PID, on the way out."""
+    """`python [LAUNCHER] trainer.py ARGS` in a session of its own (its process group reaches nothing else), stdout
+    and stderr read by threads, line by line. As a `with` block it kills whatever is left, by PID, on the way out.
+    `launcher`: e.g. ("-m", "torch.distributed.run", "--nproc-per-node", "2") for trainer ranks."""
 
-    def __init__(self, *args, cwd: Path = ROOT, env: dict | None = None):
+    def __init__(self, *args, cwd: Path = ROOT, env: dict | None = None, launcher: tuple[str, ...] = ()):
         become_subreaper()
         self.shm_before = shm_entries()
         self.children_before = children(os.getpid())
@@ -128,7 +129,7 @@ class Launch:
         self.line_arrived = threading.Condition()
         self.signalled_at: float | None = None
         self.tree: dict[int, int] = {}  # the run's processes when last looked at: PID -> start time
-        self.process = subprocess.Popen([sys.executable, "trainer.py", *map(str, args)], cwd=cwd,
+        self.process = subprocess.Popen([sys.executable, *launcher, "trainer.py", *map(str, args)], cwd=cwd,
                                         env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, text=True, errors="replace",
                                         start_new_session=True)

@@ -1,0 +1,217 @@
+"""Trainer ranks on torch.distributed: the process group, which rank trains which group, what crosses ranks.
+
+    torchrun --nproc-per-node M trainer.py ...        (two nodes: --nnodes 2 --node-rank 0|1 --rdzv-backend c10d
+                                                       --rdzv-endpoint HOST:PORT on each; docs/distributed.md)
+
+Ownership. Iteration k's prompts are sampled in generate calls of C prompts (call c = prompt index // C).
+Rank r of M owns the calls c with c % M == r: its own inference process samples exactly those (share
+(r, M), rollout.rollout_iteration) and its Learner trains exactly their groups.
+
+The step. Each rank accumulates the partial sums of its own groups; at each mini-batch's step, on every rank,
+
+    ∇ = Σ_r Σ_{g of rank r} ∇S_g(θ_k)        D = Σ_r D_r        (all_reduce, SUM: `sum_gradients`, `sum_values`)
+    θ ← AdamW(θ, clip(∇ / D))                  (clip with the norm of the summed ∇)
+
+which is the single-process step (1/D) Σ_g ∇S_g(θ_k) (periodic_rl.Learner) with the terms summed in
+another order: equal up to float rounding (tests/test_distributed.py derives the tolerance). An
+all-reduce leaves the same bits on every rank, and every rank runs the same clip and AdamW from the same
+state, so θ stays bitwise identical on all ranks: each rank publishes θ_{k+1} to its own inference
+process through the shared-memory buffer (weights.py) and no weights cross ranks or nodes.
+
+Departures, on purpose:
+1. A plain all_reduce of the gradients, once per optimizer step (in buckets of BUCKET_ELEMENTS), not
+   DDP: a rank trains as many micro-batches as its groups need, zero when none of its calls falls in a
+   mini-batch, while DDP reduces inside every backward and would need no_sync() and join() for unequal
+   counts. The cost is DDP's overlap of the reduction with the backward.
+2. Rank 0 alone writes --out (metrics, policy, trace, checkpoints) and prints the log; the other ranks
+   never lock or write there. Rank 0's checkpoint is every rank's: all hold the same θ and AdamW state
+   (the same summed gradients, the same steps); a resumed run restores it on every rank, so --resume
+   must name a path every node can read. A save must end within --collective-timeout (the others wait
+   in the next step's all-reduce meanwhile).
+3. `--sizes probe` on CPU is refused with ranks unless the sizes are given: the probe times one process
+   on the whole machine, not M trainers sharing it, and every rank must use the same sizes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from config import UserError
+
+BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}  # by the training device's kind
+BUCKET_ELEMENTS = 25 * 2**20  # gradient elements per all_reduce (100 MiB of float32; DDP's default is 25 MiB)
+# Options that may differ between ranks (each rank's own devices, threads and outputs); all others must agree
+PER_RANK = {"device", "rollout_device", "train_device", "rollout_threads", "train_threads", "cache_dir", "out",
+            "overwrite", "trace", "save", "save_every", "keep_checkpoints", "save_on_stop", "resume"}
+
+
+class RanksError(UserError):
+    """Options that do not work with trainer ranks, or a collective that failed (a rank died or timed out)."""
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place among the trainer ranks (torchrun's environment); one rank when not launched by it."""
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    local_size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one that logs and writes --out."""
+        return self.rank == 0
+
+    @property
+    def share(self) -> tuple[int, int]:
+        """(r, M): the generate calls c % M == r are this rank's (rollout.rollout_iteration's `share`)."""
+        return self.rank, self.size
+
+
+def from_environment(environ=os.environ) -> Ranks:
+    """The ranks torchrun describes in RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE (Ranks() without them)."""
+    if "WORLD_SIZE" not in environ:
+        return Ranks()
+    return Ranks(int(environ["RANK"]), int(environ["WORLD_SIZE"]), int(environ.get("LOCAL_RANK", 0)),
+                 int(environ.get("LOCAL_WORLD_SIZE", 1)))
+
+
+def owner(call: int, ranks: int) -> int:
+    """The rank that samples and trains generate call `call` (prompts call·C to call·C + C - 1)."""
+    return call % ranks
+
+
+def place(cfg, ranks: Ranks, given: set[str]):
+    """`cfg` for this rank: its devices (local rank l of L on an accelerator: trains on :l, samples on :L+l when
+    the node has 2L devices, else on :l too; sync mode on :l), and, off rank 0, no output (no policy, no trace,
+    no checkpoint).
+    Devices named by --train-device / --rollout-device, or --device with an index, are kept."""
+    if ranks.size == 1:
+        return cfg
+    kind = cfg.train_device.split(":")[0]
+    if kind != "cpu" and ":" not in cfg.device:
+        count = getattr(torch, kind).device_count()
+        train = f"{kind}:{ranks.local_rank}"
+        rollout = f"{kind}:{ranks.local_size + ranks.local_rank}" if count >= 2 * ranks.local_size else train
+        rollout = train if cfg.mode == "sync" else rollout  # sync samples in the trainer's process
+        cfg = dataclasses.replace(cfg, train_device=cfg.train_device if "train_device" in given else train,
+                                  rollout_device=cfg.rollout_device if "rollout_device" in given else rollout)
+    if not ranks.is_main:
+        cfg = dataclasses.replace(cfg, save=False, trace=None, save_every=0, save_on_stop=False)
+    return cfg
+
+
+def check(cfg, ranks: Ranks) -> None:
+    """Refuse, in one line, what ranks do not support (departure 3)."""
+    if ranks.size == 1:
+        return
+    if not cfg.sized:
+        raise RanksError(f"--sizes probe does not work with trainer ranks ({ranks.size} ranks): every rank must use "
+                         "the same sizes; give --groups-per-chunk, --micro-batch-tokens, --rollout-threads and "
+                         "--train-threads, or pass --sizes rule")
+
+
+@contextmanager
+def process_group(cfg, ranks: Ranks) -> Iterator[None]:
+    """The trainer ranks' process group for the block (nothing when there is one rank), destroyed however it ends.
+    Every collective, the first rendezvous included, gives up after --collective-timeout seconds."""
+    if ranks.size == 1:
+        yield
+        return
+    kind = cfg.train_device.split(":")[0]
+    if kind != "cpu":
+        getattr(torch, kind).set_device(cfg.train_device)
+    dist.init_process_group(BACKENDS[kind], timeout=timedelta(seconds=cfg.collective_timeout))
+    try:
+        check_same_options(cfg, ranks)
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def check_same_options(cfg, ranks: Ranks) -> None:
+    """Refuse, on every rank, ranks launched with other options than rank 0's (two nodes, two commands): they would
+    sample and train another run, or wait for each other until the timeout. Devices, threads, outputs may differ."""
+    mine = {key: value for key, value in dataclasses.asdict(cfg).items() if key not in PER_RANK}
+    everyone: list[dict | None] = [None] * ranks.size
+    with collective("the comparison of the ranks' options", ranks):
+        dist.all_gather_object(everyone, mine)
+    first = everyone[0]
+    differ = {rank: [key for key in first if theirs.get(key) != first[key]] for rank, theirs in enumerate(everyone)}
+    if any(differ.values()):
+        raise RanksError("ranks launched with other options than rank 0: " + "; ".join(
+            f"rank {rank}: " + ", ".join(f"--{key.replace('_', '-')} {everyone[rank].get(key)} (rank 0: {first[key]})"
+                                         for key in keys) for rank, keys in differ.items() if keys))
+
+
+@contextmanager
+def collective(what: str, ranks: Ranks) -> Iterator[None]:
+    """A collective's failure (a peer died, or did not join within the timeout) as one line naming this rank."""
+    try:
+        yield
+    except (RuntimeError, dist.DistError) as error:  # gloo raises RuntimeError, NCCL/HCCL DistBackendError
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise RanksError(f"{what} failed: another rank died or did not join within --collective-timeout "
+                         f"({first_line}); torchrun's report names the rank") from None
+
+
+def sum_gradients(params: list[torch.nn.Parameter], ranks: Ranks) -> list[torch.nn.Parameter]:
+    """p.grad := Σ_r p.grad on every rank, in place, in buckets of flattened gradients; returns the parameters
+    that have a gradient on some rank (what the single process would clip and step). A rank that trained none
+    of the mini-batch's groups has no gradients: zeros there. One all_reduce per bucket, and one for which exist."""
+    device = params[0].device
+    exists = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=device)  # (n,)
+    with collective("the gradient all-reduce", ranks):
+        dist.all_reduce(exists)
+        params = [p for p, count in zip(params, exists.tolist()) if count > 0]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        bucket: list[torch.Tensor] = []
+        for i, p in enumerate(params):
+            bucket.append(p.grad)
+            if i == len(params) - 1 or sum(g.numel() for g in bucket) + params[i + 1].numel() > BUCKET_ELEMENTS:
+                flat = torch.cat([g.reshape(-1) for g in bucket])  # (Σ numel,)
+                dist.all_reduce(flat)
+                for g, summed in zip(bucket, flat.split([g.numel() for g in bucket])):
+                    g.copy_(summed.view_as(g))
+                bucket = []
+    return params
+
+
+def sum_values(values: list[float | torch.Tensor], ranks: Ranks, device: torch.device) -> list[float]:
+    """Σ_r of each value (counts, partial sums of the loss and statistics), in float64: integer counts stay exact."""
+    flat = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])  # (n,)
+    with collective("the all-reduce of the step's counts", ranks):
+        dist.all_reduce(flat)
+    return flat.tolist()
+
+
+def gather_dicts(local: dict, ranks: Ranks) -> dict:
+    """The union of every rank's dict (keys are disjoint: e.g. group index -> rewards)."""
+    everyone: list[dict | None] = [None] * ranks.size
+    with collective("the gather of the rewards", ranks):
+        dist.all_gather_object(everyone, local)
+    return {key: value for part in everyone for key, value in part.items()}
+
+
+def check_same_weights(policy: torch.nn.Module, ranks: Ranks) -> None:
+    """Raise unless every rank holds the same θ, as the step promises (each rank publishes its own copy to its
+    inference process: a rank that drifted would sample other rollouts). Compares a float64 checksum per
+    parameter (its sum and its sum of squares): equal bits give equal checksums."""
+    checksums = [(p.detach().double().sum().item(), p.detach().double().square().sum().item())
+                 for p in policy.parameters()]
+    everyone: list[list | None] = [None] * ranks.size
+    with collective("the check that every rank holds the same weights", ranks):
+        dist.all_gather_object(everyone, checksums)
+    differ = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
+    if differ:
+        raise RanksError(f"trainer ranks {differ} hold other weights than rank 0 after the same steps: the "
+                         "gradient all-reduce did not leave the same bits on every rank")

@@ -1,0 +1,254 @@
+"""Trainer ranks (distributed.py): torchrun with M = 2 ranks on CPU (gloo) is the single-process run, and fails cleanly.
+
+Tolerances, from the arithmetic (the ranks change only the order of float sums: each rank sums its own groups'
+gradients, then the all-reduce adds the ranks' sums):
+- rollouts equal exactly: every generate call is seeded per call (rollout.prompt_seed), whichever rank samples it,
+  and the weights agree to ~1e-6 of their movement (below), so a sampled token would change only if a uniform draw
+  fell within that of a CDF boundary. Checked on reward mean / std (over the groups in index order), response
+  length and held-out reward, all exact (==).
+- loss, grad_norm, kl, clip fraction within 1e-4 relative: float32 sums of n ~ 10^2-10^3 terms, n·2^-24 <= 6e-5.
+- final weights: ‖θ_ranks − θ_single‖₂ <= 1e-3 · ‖θ_single − θ_0‖₂. Not elementwise: Adam divides each gradient
+  element by its own magnitude, so an element whose gradient is at the rounding-noise level may step either way
+  by up to lr (test_pipeline.test_async_matches_sync_across_thread_counts says the same). Measured in the
+  setups below (3 iterations, lr 1e-2): the single process's own sensitivity to summation order, by regrouping
+  its micro-batches (--micro-batch-tokens 60 vs 1000, same math), 3.4e-6 of the movement; the ranks 6.2e-6
+  ("5 calls") and 0 ("2 mini-batches": each mini-batch is one rank's whole, so the sums are the same sums).
+  1e-3 leaves a margin of 160x, while a step in a wrong direction changes every element's step by O(lr):
+  gradients not summed over the ranks measured 0.97 of the movement. A wrong *scale* (a rank-local normaliser
+  D) hardly shows in Adam's weights (6.7e-3 measured), which is why the loss and gradient-norm rows are
+  compared too (1.77 vs 2.95 there).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import faults
+import trainer
+from distributed import Ranks, from_environment
+from periodic_rl import Learner
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
+EXACT = ("reward_mean", "reward_std", "response_length", "eval_reward")
+SUMS = ("loss", "grad_norm", "kl", "clip_fraction")
+# 5 prompts in calls of 1 (rank 0 trains 3 groups, rank 1 two), or 4 prompts in calls of 2 with two mini-batches
+# (each mini-batch is one call's: each rank has none of the other mini-batch's groups and still joins its step)
+SETUPS = {"5 calls": ["--batch-size", "20", "--groups-per-chunk", "1"],
+          "2 mini-batches": ["--batch-size", "16", "--groups-per-chunk", "2", "--updates-per-iteration", "2",
+                             "--epsilon-low", "0.01", "--epsilon-high", "0.01"]}
+
+
+def options(model_dir, out, setup: str, *extra) -> list[str]:
+    return ["--model", model_dir, "--data", "arithmetic", "--reward", "tests/rewards.py:digit_fraction",
+            "--iterations", "3", "--group-size", "4", "--max-new-tokens", "6", "--eval-every", "2", "--eval-size", "4",
+            "--eval-samples", "2", "--lr", "1e-2", "--micro-batch-tokens", "60", "--rollout-threads", "1",
+            "--train-threads", "1", "--out", out, *SETUPS[setup], *extra]
+
+
+def run(command: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def result(out: Path) -> tuple[list[dict], torch.Tensor]:
+    """(metrics rows, the saved policy's parameters as one float64 vector)."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    weights = load_file(out / "policy" / "model.safetensors")
+    return rows, torch.cat([weights[name].reshape(-1).double() for name in sorted(weights)])
+
+
+@pytest.fixture(scope="module")
+def single_process(tiny_model_dir, tmp_path_factory):
+    """The single-process run of each setup (run once, compared with several ranks runs)."""
+    runs = {}
+
+    def get(setup: str):
+        if setup not in runs:
+            out = tmp_path_factory.mktemp("single")
+            run([sys.executable, "trainer.py", *options(tiny_model_dir, out, setup)])
+            runs[setup] = result(out)
+        return runs[setup]
+    return get
+
+
+def assert_same_run(single: tuple, ranks: tuple, initial: torch.Tensor) -> None:
+    (single_rows, single_weights), (ranks_rows, ranks_weights) = single, ranks
+    assert len(single_rows) == len(ranks_rows) == 4
+    for s, r in zip(single_rows, ranks_rows):
+        for key in EXACT:
+            assert s.get(key) == r.get(key), (key, s, r)
+        for key in SUMS:
+            assert r.get(key) == (None if s.get(key) is None else pytest.approx(s[key], rel=1e-4, abs=1e-7)), key
+    moved = (single_weights - initial).norm()
+    assert moved > 1e-2, "training did not move the weights: the comparison would be vacuous"
+    assert (ranks_weights - single_weights).norm() <= 1e-3 * moved
+
+
+def initial_weights(model_dir) -> torch.Tensor:
+    weights = load_file(Path(model_dir) / "model.safetensors")
+    return torch.cat([weights[name].reshape(-1).double() for name in sorted(weights)])
+
+
+def test_two_ranks_equal_the_single_process(tiny_model_dir, single_process, tmp_path):
+    """Claim (#16 point 4): `torchrun --nproc-per-node 2` gives the single-process run's rollouts exactly and its
+    update up to float summation order (tolerances: module docstring), with 2 updates per iteration where each
+    rank has none of one mini-batch's groups (and still joins its step); rank 0 alone logs (one line per
+    iteration, not one per rank); every rank ends with the same θ (else the run fails:
+    distributed.check_same_weights). One update per iteration, with unequal groups per rank: the next test.
+    And rank 0's checkpoint is every rank's: resumed at iteration 2 by 2 ranks, the run ends with bitwise the
+    same weights and the same last row."""
+    done = run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "trainer.py",
+                *options(tiny_model_dir, tmp_path / "run", "2 mini-batches", "--save-every", "2")])
+    assert sum(line.startswith("iter ") for line in done.stdout.splitlines()) == 3, done.stdout
+    ranks = result(tmp_path / "run")
+    assert_same_run(single_process("2 mini-batches"), ranks, initial_weights(tiny_model_dir))
+    assert max(row["clip_fraction"] for row in ranks[0][:-1]) > 0, "2 updates should activate clipping"
+    run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "trainer.py", "--resume",
+         tmp_path / "run" / "checkpoint-2", "--out", tmp_path / "resumed"])
+    resumed = result(tmp_path / "resumed")
+    assert torch.equal(resumed[1], ranks[1])
+    last = next(row for row in resumed[0] if row["iteration"] == 2)
+    assert all(last[key] == ranks[0][2][key] for key in (*EXACT, *SUMS)), (last, ranks[0][2])
+
+
+def test_two_ranks_of_two_inference_workers_equal_the_single_process(tiny_model_dir, single_process, tmp_path):
+    """Claim (#16 point 4, M = 2 x N = 2): two trainer ranks, each with two inference workers (async), give the
+    single process's rollouts exactly and its update up to float summation order (module docstring). With 5 calls
+    of one prompt, rank 0 owns calls 0, 2, 4 and rank 1 calls 1, 3; the four workers sample calls {0, 4}, {2},
+    {1}, {3} (share r + M·w of M·N), each seeded per call as in the single process."""
+    done = run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "trainer.py",
+                *options(tiny_model_dir, tmp_path / "run", "5 calls", "--inference-workers", "2")])
+    assert sum(line.startswith("iter ") for line in done.stdout.splitlines()) == 3, done.stdout
+    assert_same_run(single_process("5 calls"), result(tmp_path / "run"), initial_weights(tiny_model_dir))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_equal_the_single_process(tiny_model_dir, single_process, tmp_path):
+    """Claim (#16 point 5): two torchrun launches of one rank each, as two "nodes" meeting at one c10d rendezvous
+    on localhost, are the same run as the single process; here with one update per iteration and 5 calls, 3 on one
+    rank and 2 on the other, in sync mode (the single process runs async: async and sync are the same run with
+    equal thread counts, tests/test_pipeline.py)."""
+    port, launches = free_port(), []
+    for node in (0, 1):
+        launches.append(subprocess.Popen(
+            [*TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node), "--rdzv-backend", "c10d",
+             "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "two-nodes", "trainer.py",
+             *options(tiny_model_dir, tmp_path, "5 calls", "--mode", "sync")],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for launch in launches:
+        out, err = launch.communicate(timeout=300)
+        assert launch.returncode == 0, err[-3000:]
+    assert_same_run(single_process("5 calls"), result(tmp_path), initial_weights(tiny_model_dir))
+
+
+def test_learner_expects_only_its_ranks_groups(tiny_model_dir):
+    """Claim: rank r expects the groups of the calls c % M == r in each mini-batch, and together the ranks expect
+    every group once (4 prompts, calls of 2, two mini-batches: each rank owns one mini-batch whole)."""
+    from config import parse_args
+    cfg = parse_args(["--model", str(tiny_model_dir), "--batch-size", "16", "--group-size", "4",
+                      "--groups-per-chunk", "2", "--updates-per-iteration", "2", "--sizes", "rule"])
+    expected = [Learner(None, None, cfg, torch.device("cpu"), None, Ranks(rank, 2)).groups_per_minibatch
+                for rank in (0, 1)]
+    assert expected == [[2, 0], [0, 2]]
+    assert Learner(None, None, cfg, torch.device("cpu"), None).groups_per_minibatch == [2, 2]
+    assert from_environment({}) == Ranks()
+    assert from_environment({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}) == \
+        Ranks(3, 4, 1, 2)
+
+
+def test_each_rank_gets_its_devices_and_only_rank_0_writes(monkeypatch):
+    """Claim: on a node with 8 GPUs and 4 ranks, local rank l trains on cuda:l and samples on cuda:4+l (with 4 GPUs
+    both on cuda:l); devices given by option stay as given; ranks other than 0 save nothing and write no trace."""
+    from config import parse_args
+    from distributed import place
+    cfg = dataclasses.replace(parse_args(["--sizes", "rule", "--trace", "t.json"]), device="auto",
+                              train_device="cuda:1", rollout_device="cuda:0")  # as derive picks with >= 2 GPUs
+    for gpus, expected in ((8, ("cuda:2", "cuda:6")), (4, ("cuda:2", "cuda:2"))):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+        placed = place(cfg, Ranks(2, 4, 2, 4), given=set())
+        assert (placed.train_device, placed.rollout_device) == expected
+        assert placed.save is False and placed.trace is None
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert place(cfg, Ranks(0, 4, 0, 4), given={"rollout_device"}).rollout_device == "cuda:0"
+    assert place(cfg, Ranks(0, 4, 0, 4), given=set()).trace == "t.json"
+
+
+def test_probing_sizes_with_ranks_is_refused_in_one_line(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """Claim: `--sizes probe` on CPU with ranks (the default) is refused in one line, before any process group or
+    model: every rank must use the same sizes, and the probe times one process, not M of them."""
+    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    assert trainer.main(["--model", str(tiny_model_dir), "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: trainer rank 0 of 2: --sizes probe does not work with trainer ranks") and \
+        err.count("\n") == 1, err
+
+
+def launch_ranks(tiny_model_dir, out) -> faults.Launch:
+    return faults.Launch(*options(tiny_model_dir, out, "5 calls", "--iterations", "1000", "--eval-every", "0"),
+                         launcher=(*TORCHRUN[1:], "--standalone", "--nproc-per-node", "2"))
+
+
+def rank_pid(launch: faults.Launch, rank: int) -> int:
+    """The PID of trainer rank `rank` (a child of the torchrun agent, RANK in its environment)."""
+    for pid in faults.children(launch.process.pid):
+        if f"\0RANK={rank}\0".encode() in b"\0" + Path(f"/proc/{pid}/environ").read_bytes():
+            return pid
+    raise AssertionError(f"no trainer rank {rank} among the children of {launch.process.pid}")
+
+
+@pytest.mark.parametrize("how", ["kill rank 1", "ctrl-c"])
+def test_a_dead_rank_or_ctrl_c_stops_every_process(tiny_model_dir, tmp_path, how):
+    """Claim (#16 point 7): SIGKILL of one trainer rank, or Ctrl-C (SIGINT to the launcher's process group), stops
+    every process of the run (launcher, ranks, their inference processes) within 10 s, none left behind. The
+    surviving rank says which rank it is and why it stopped; torchrun's report names the rank that died and its
+    signal."""
+    with launch_ranks(tiny_model_dir, tmp_path) as launch:
+        launch.wait_for(r"^iter +2 ")
+        if how == "ctrl-c":
+            launch.send(signal.SIGINT, group=True)
+        else:
+            launch.send(signal.SIGKILL, to=rank_pid(launch, 1))
+        launch.finish(faults.STOP_SECONDS)
+        running, files = launch.leftovers()
+        assert not running, [launch.describe(p) for p in running]
+        assert not files, files
+        err = "\n".join(launch.stderr)
+        assert launch.process.returncode != 0
+        if how == "kill rank 1":
+            assert "trainer rank 0 of 2: interrupted by SIGTERM" in err, err
+            assert "rank      : 1 (local_rank: 1)" in err and "Signal 9 (SIGKILL)" in err, err
+        else:  # torchrun passes SIGINT on to each rank
+            assert all(f"trainer rank {rank} of 2: interrupted by SIGINT" in err for rank in (0, 1)), err
+
+
+def test_ranks_launched_with_other_options_are_refused(tiny_model_dir, tmp_path):
+    """Claim: two "nodes" launched with different options (here --seed) both stop at once, naming the rank and the
+    option, instead of training two runs at once or waiting for each other until the timeout."""
+    port, launches = free_port(), []
+    for node, seed in ((0, "0"), (1, "7")):
+        launches.append(subprocess.Popen(
+            [*TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node), "--rdzv-backend", "c10d",
+             "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "other-options", "trainer.py",
+             *options(tiny_model_dir, tmp_path / str(node), "5 calls", "--seed", seed)],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    errors = [launch.communicate(timeout=120)[1] for launch in launches]
+    assert all(launch.returncode != 0 for launch in launches)
+    assert all("ranks launched with other options than rank 0: rank 1: --seed 7 (rank 0: 0)" in err
+               for err in errors), errors
