@@ -233,7 +233,7 @@ def log_and_save(cfg: Config, rows, policy, tokenizer, resumed_at: int = 0, repo
             sys.stdout.flush()
             progress.update(0 if row.get("final") else 1)
             trained = trained or row["iteration"] == cfg.iterations - 1  # the last optimizer step is done
-            if not row.get("final"):
+            if "generate_device_s" in row:  # an iteration's row (not the final evaluation's): both sides' busy time
                 phases.append((row["generate_device_s"], row["train_s"]))
             if cfg.save and trained and not saved:  # before anything else can fail: the evaluation, the trace
                 save_policy(policy, tokenizer, policy_path)
