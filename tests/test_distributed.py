@@ -35,7 +35,7 @@ from safetensors.torch import load_file
 import faults
 import trainer
 from distributed import Ranks, from_environment
-from periodic_rl import Learner
+from learner import Learner
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run")

@@ -15,6 +15,7 @@ import inference
 import periodic_rl
 import weights
 from config import parse_args
+from learner import Learner
 from models import load_model
 from packing import logprobs_fn
 from rollout import Evaluation, Group, IterationDone, rollout_iteration
@@ -165,7 +166,7 @@ def test_learner_refuses_off_policy_group(tiny_model_dir):
     cfg = make_cfg(tiny_model_dir)
     policy, _ = load_model(cfg.model)
     tri = periodic_rl.TriModel(policy, logprobs_fn(policy), use_reference=False, use_old=False)
-    learner = periodic_rl.Learner(tri, torch.optim.SGD(policy.parameters(), lr=0.1), cfg, torch.device("cpu"),
+    learner = Learner(tri, torch.optim.SGD(policy.parameters(), lr=0.1), cfg, torch.device("cpu"),
                                   Timeline())
     learner.start(3)
     stale = Group(3, 0, 2, [1, 2], [[3, 4]] * 4, [0.0] * 4, [0.0] * 4)
@@ -202,7 +203,7 @@ def test_a_publish_while_sampling_is_caught(tiny_model_dir):
 
     groups = sample_iteration_0(publishes_early)
     assert len(groups) == cfg.prompts_per_iteration and all(g.policy_version != 0 for g in groups)
-    learner = periodic_rl.Learner(periodic_rl.TriModel(policy, logprobs_fn(policy), use_reference=False, use_old=False),
+    learner = Learner(periodic_rl.TriModel(policy, logprobs_fn(policy), use_reference=False, use_old=False),
                                   torch.optim.SGD(policy.parameters(), lr=0.1), cfg, torch.device("cpu"), Timeline())
     learner.start(0)
     with pytest.raises(weights.OffPolicyError, match="off-policy"):
@@ -229,7 +230,7 @@ def test_batched_training_forward_gives_the_same_update(tiny_model_dir):
         cfg = make_cfg(tiny_model_dir, "--groups-per-chunk", "4", "--micro-batch-tokens", cap)
         policy, _ = load_model(cfg.model)
         tri = periodic_rl.TriModel(policy, logprobs_fn(policy), use_reference=True, use_old=False)
-        learner = periodic_rl.Learner(tri, torch.optim.SGD(policy.parameters(), lr=1.0), cfg, torch.device("cpu"),
+        learner = Learner(tri, torch.optim.SGD(policy.parameters(), lr=1.0), cfg, torch.device("cpu"),
                                       Timeline())
         learner.start(0)
         for group in groups:

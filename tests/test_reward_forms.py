@@ -16,7 +16,7 @@ import torch
 import checkpoint
 import grpo
 from config import parse_args
-from periodic_rl import mean_std
+from learner import mean_std
 from reward import RewardError, Rewards, is_batched, score_group, weighted_total
 
 ROOT = Path(__file__).resolve().parents[1]
