@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -131,6 +132,7 @@ def process_group(cfg, ranks: Ranks) -> Iterator[None]:
     dist.init_process_group(BACKENDS[kind], timeout=timedelta(seconds=cfg.collective_timeout))
     try:
         check_same_options(cfg, ranks)
+        note_neighbours(ranks)
         yield
     finally:
         dist.destroy_process_group()
@@ -149,6 +151,38 @@ def check_same_options(cfg, ranks: Ranks) -> None:
         raise RanksError("ranks launched with other options than rank 0: " + "; ".join(
             f"rank {rank}: " + ", ".join(f"--{key.replace('_', '-')} {everyone[rank].get(key)} (rank 0: {first[key]})"
                                          for key in keys) for rank, keys in differ.items() if keys))
+
+
+NEIGHBOURS: dict[int, int] = {}  # the other ranks on this host: rank -> PID (note_neighbours)
+
+
+def note_neighbours(ranks: Ranks) -> None:
+    """Remember the PIDs of the other ranks on this host, so that a rank stopped by torchrun can say which of them
+    is gone (`gone_neighbours`)."""
+    everyone: list[tuple | None] = [None] * ranks.size
+    with collective("the exchange of the ranks' hosts", ranks):
+        dist.all_gather_object(everyone, (socket.gethostname(), os.getpid()))
+    NEIGHBOURS.clear()
+    NEIGHBOURS.update({rank: pid for rank, (host, pid) in enumerate(everyone)
+                       if host == socket.gethostname() and rank != ranks.rank})
+
+
+def gone_neighbours() -> list[str]:
+    """'trainer rank r of M (PID n)' for each other rank on this host whose process has ended (gone from /proc, or
+    a zombie torchrun has not reaped yet); [] off Linux, where /proc cannot tell."""
+    if not os.path.isdir("/proc"):
+        return []
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    gone = []
+    for rank, pid in sorted(NEIGHBOURS.items()):
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                ended = stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+        except OSError:
+            ended = True
+        if ended:
+            gone.append(f"trainer rank {rank} of {size} (PID {pid})")
+    return gone
 
 
 @contextmanager

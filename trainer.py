@@ -316,9 +316,16 @@ def main(argv: list[str] | None = None) -> int:
     signum = Interrupted.received or signal.SIGINT
     with suppress(OSError):  # SIGHUP: the terminal may be gone
         by_torchrun = rank_prefix() and signum == signal.SIGTERM  # how torchrun stops the others when a rank fails
-        sys.stderr.write(f"{rank_prefix()}interrupted by {signal.Signals(signum).name}: the run was stopped, nothing "
-                         "is left running" + (" (torchrun stops every rank once one fails: its report names the rank "
-                                              "and why)" if by_torchrun else "") + "\n")
+        ranks_module = sys.modules.get("distributed")  # imported once the run has started (main)
+        gone = ranks_module.gone_neighbours() if by_torchrun and ranks_module else []
+        if gone:  # a rank on this host ended first: that is why torchrun stopped this one
+            sys.stderr.write(f"error: {rank_prefix()}{', '.join(gone)} ended first (killed, out of memory, or its own "
+                             "error line above; torchrun's report names its exit code or signal), so torchrun stopped "
+                             "this rank; nothing is left running\n")
+        else:
+            sys.stderr.write(f"{rank_prefix()}interrupted by {signal.Signals(signum).name}: the run was stopped, "
+                             "nothing is left running" + (" (torchrun stops every rank once one fails: its report "
+                                                          "names the rank and why)" if by_torchrun else "") + "\n")
     return 128 + signum
 
 
