@@ -153,7 +153,8 @@ class Config:
     device: str = _opt("auto", "default device for both sides: auto (CUDA, else NPU, else CPU), cpu, cuda, cuda:N, "
                                "npu, npu:N; auto with two or more GPUs samples on :0 and trains on :1")
     inference_workers: int = _opt(1, "inference processes per trainer (async mode); each samples a share of every "
-                                     "iteration's generate calls (worker w: the calls c with c %% N == w), so the "
+                                     "iteration's generate calls (worker w of trainer rank r of M: the calls c with "
+                                     "c %% (M·N) == r + M·w), so the "
                                      "rollouts and the update do not depend on N (see inference.py); give each a "
                                      "device with --rollout-device, or on CPU a share of --rollout-threads")
     rollout_device: str | None = _opt(None, "device of the inference side (default: from --device); with several "

@@ -50,7 +50,7 @@ BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}  # by the training dev
 BUCKET_ELEMENTS = 25 * 2**20  # gradient elements per all_reduce (100 MiB of float32; DDP's default is 25 MiB)
 # Options that may differ between ranks (each rank's own devices, threads and outputs); all others must agree
 PER_RANK = {"device", "rollout_device", "train_device", "rollout_threads", "train_threads", "cache_dir", "out",
-            "overwrite", "trace", "save", "save_every", "keep_checkpoints", "save_on_stop", "resume"}
+            "overwrite", "trace", "save", "save_every", "keep_checkpoints", "save_on_stop", "resume", "config"}
 
 
 class RanksError(UserError):
@@ -90,17 +90,26 @@ def owner(call: int, ranks: int) -> int:
 
 
 def place(cfg, ranks: Ranks, given: set[str]):
-    """`cfg` for this rank: its devices (local rank l of L on an accelerator: trains on :l, samples on :L+l when
-    the node has 2L devices, else on :l too; sync mode on :l), and, off rank 0, no output (no policy, no trace,
-    no checkpoint).
+    """`cfg` for this rank: its devices (local rank l of L with N inference workers, on an accelerator: trains on
+    :l; its workers sample on :L+l·N+w when the node has L·(1+N) devices, else all on :L+l when it has 2L, else on
+    :l too; sync mode on :l), the generate calls (when --groups-per-chunk is not given, at most P // (M·N) prompts
+    per call, so that every rank's every worker has a call: the rule's one call per iteration would leave all
+    ranks but rank 0 idle), and, off rank 0, no output (no policy, no trace, no checkpoint).
     Devices named by --train-device / --rollout-device, or --device with an index, are kept."""
     if ranks.size == 1:
         return cfg
+    samplers = ranks.size * cfg.inference_workers
+    if "groups_per_chunk" not in given and cfg.groups_per_chunk:
+        cfg = dataclasses.replace(cfg, groups_per_chunk=min(cfg.groups_per_chunk,
+                                                            max(1, cfg.prompts_per_iteration // samplers)))
     kind = cfg.train_device.split(":")[0]
     if kind != "cpu" and ":" not in cfg.device:
-        count = getattr(torch, kind).device_count()
+        count, local, workers = getattr(torch, kind).device_count(), ranks.local_size, cfg.inference_workers
         train = f"{kind}:{ranks.local_rank}"
-        rollout = f"{kind}:{ranks.local_size + ranks.local_rank}" if count >= 2 * ranks.local_size else train
+        if count >= local * (1 + workers):  # a device per worker
+            rollout = ",".join(f"{kind}:{local + ranks.local_rank * workers + w}" for w in range(workers))
+        else:
+            rollout = f"{kind}:{local + ranks.local_rank}" if count >= 2 * local else train
         rollout = train if cfg.mode == "sync" else rollout  # sync samples in the trainer's process
         cfg = dataclasses.replace(cfg, train_device=cfg.train_device if "train_device" in given else train,
                                   rollout_device=cfg.rollout_device if "rollout_device" in given else rollout)
@@ -117,6 +126,12 @@ def check(cfg, ranks: Ranks) -> None:
         raise RanksError(f"--sizes probe does not work with trainer ranks ({ranks.size} ranks): every rank must use "
                          "the same sizes; give --groups-per-chunk, --micro-batch-tokens, --rollout-threads and "
                          "--train-threads, or pass --sizes rule")
+    samplers = ranks.size * cfg.inference_workers
+    if cfg.chunks_per_iteration < samplers:
+        raise RanksError(f"--groups-per-chunk {cfg.groups_per_chunk} makes {cfg.chunks_per_iteration} generate calls per "
+                         f"iteration, fewer than the {ranks.size} ranks x {cfg.inference_workers} inference workers "
+                         f"that sample them (some would sit idle): give --groups-per-chunk "
+                         f"{max(1, cfg.prompts_per_iteration // samplers)} or less")
 
 
 @contextmanager

@@ -16,7 +16,9 @@ a mapping from option names (Config's field names: `max_new_tokens` for --max-ne
 shape of config.json is accepted (its run_id, versions and command are skipped). The file's options become
 command-line flags placed before the command line's own (`with_config_file`), so argparse checks them as it
 checks typed ones and the command line wins (argparse keeps an option's last value; a list option given
-on the command line, such as --reward, replaces the file's instead of adding to it); they count as given:
+on the command line, such as --reward, replaces the file's instead of adding to it, and an option the file
+holds as derived from one given anew is derived again: `DERIVED_FROM`; under torchrun each rank places its
+own devices); they count as given:
 with --resume a result-changing one that differs from the checkpoint's is refused, like a typed flag.
 
 Departure, on purpose: `resume`, `overwrite` and `config` in a file are skipped; they act on what --out
@@ -29,6 +31,7 @@ import argparse
 import dataclasses
 import importlib.metadata
 import json
+import os
 import platform
 import re
 import secrets
@@ -42,6 +45,12 @@ from config import Config
 RECORD = "config.json"
 NOT_OPTIONS = ("run_id", "versions", "command")  # config.json's keys that are not options
 COMMAND_LINE_ONLY = ("resume", "overwrite", "config")
+# Options config.json records as `derive` resolved them from another option: given anew on the command line, that
+# option re-derives them (a tiny run's config.json with --model qwen2.5-0.5b must not keep the tiny lr and lengths).
+SIZES = ("groups_per_chunk", "micro_batch_tokens", "rollout_threads", "train_threads")
+DERIVED_FROM = {"model": ("lr", "max_new_tokens", *SIZES), "reward": ("reward_weights",),
+                "device": ("train_device", "rollout_device", "dtype", *SIZES), "mode": ("rollout_device", *SIZES),
+                "batch_size": SIZES, "group_size": SIZES, "inference_workers": ("rollout_device", *SIZES)}
 
 
 # --- --config FILE ---
@@ -111,8 +120,11 @@ def with_config_file(argv: list[str] | None = None, prog: str = "trainer.py") ->
         return argv
     from config import build_parser
     given = set(vars(build_parser(prog, defaults=False).parse_args(argv)))  # a list option given on the command line
-    try:                                                                  # replaces the file's (it would extend it)
-        return file_arguments(path, skip=given) + argv
+    skip = given | {derived for option in given for derived in DERIVED_FROM.get(option, ())}  # replaces the file's
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun each rank places its own devices (distributed.py)
+        skip |= {"train_device", "rollout_device"}
+    try:
+        return file_arguments(path, skip=skip) + argv
     except ValueError as error:
         sys.stderr.write(f"{prog}: error: --config {path} {error}\n")
         raise SystemExit(2) from None

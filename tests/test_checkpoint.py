@@ -86,7 +86,8 @@ def test_resume_refuses_options_that_change_the_run(tiny_model_dir):
     saved = parse_args(["--model", str(tiny_model_dir), *RUN, "--seed", "3", "--lr", "0.01"])
     state = {"iterations_done": 2, "config": dataclasses.asdict(saved), "reference_fingerprint": "x"}
     for argv, option in ((["--seed", "4"], "--seed"), (["--lr", "0.02"], "--lr"), (["--group-size", "8"], "--group-size"),
-                         (["--groups-per-chunk", "4"], "--groups-per-chunk")):
+                         (["--groups-per-chunk", "4"], "--groups-per-chunk"),
+                         (["--eval-size", "8"], "--eval-size")):  # data without a test split: fewer training rows
         with pytest.raises(checkpoint.CheckpointError, match=f"^{option} .* differs from the checkpoint's"):
             checkpoint.resumed_config(parse_args(argv), given_options(argv), state)
     argv = ["--seed", "3", "--iterations", "9", "--out", "elsewhere", "--train-threads", "2", "--mode", "sync"]

@@ -189,6 +189,28 @@ def test_each_rank_gets_its_devices_and_only_rank_0_writes(monkeypatch):
     assert place(cfg, Ranks(0, 4, 0, 4), given=set()).trace == "t.json"
 
 
+def test_every_worker_of_every_rank_gets_calls_and_a_device(monkeypatch):
+    """Claim: with M ranks x N workers the rule's sizes are cut so that every worker has a generate call (the rule's
+    one call per iteration on a GPU would leave every rank but rank 0 idle), on a node with L·(1+N) GPUs each worker
+    of local rank l samples on its own cuda:L+l·N+w, and sizes given by option that leave a worker idle are refused
+    in one line."""
+    from config import parse_args
+    from distributed import RanksError, check, place
+    cfg = dataclasses.replace(parse_args(["--sizes", "rule", "--inference-workers", "3"]), device="auto",
+                              train_device="cuda:1", rollout_device="cuda:0", groups_per_chunk=16)  # the GPU rule
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    placed = [place(cfg, Ranks(rank, 2, rank, 2), given=set()) for rank in range(2)]
+    assert [(p.train_device, p.rollout_device) for p in placed] == [("cuda:0", "cuda:2,cuda:3,cuda:4"),
+                                                                     ("cuda:1", "cuda:5,cuda:6,cuda:7")]
+    assert all(p.groups_per_chunk == 16 // 6 and p.chunks_per_iteration >= 6 for p in placed)
+    for p, rank in zip(placed, range(2)):
+        check(p, Ranks(rank, 2, rank, 2))
+    with pytest.raises(RanksError, match=r"--groups-per-chunk 4 makes 4 generate calls per iteration, fewer than "
+                                         r"the 2 ranks x 3 inference workers .* give --groups-per-chunk 2 or less"):
+        check(place(dataclasses.replace(cfg, groups_per_chunk=4), Ranks(0, 2, 0, 2), given={"groups_per_chunk"}),
+              Ranks(0, 2, 0, 2))
+
+
 def test_probing_sizes_with_ranks_is_refused_in_one_line(tiny_model_dir, tmp_path, monkeypatch, capsys):
     """Claim: `--sizes probe` on CPU with ranks (the default) is refused in one line, before any process group or
     model: every rank must use the same sizes, and the probe times one process, not M of them."""

@@ -229,6 +229,24 @@ def test_a_yaml_config_file_is_read_like_flags(tmp_path):
     assert (cfg.overwrite, cfg.resume, cfg.trace) == (False, None, None)
 
 
+def test_options_derived_from_one_given_anew_are_derived_again(tmp_path, monkeypatch):
+    """Claim: config.json holds derived values (lr, max_new_tokens, reward_weights, devices) as resolved; given the
+    option they derive from anew on the command line, they are derived again instead of kept (a tiny run's file
+    with --model qwen2.5-0.5b trains at the real model's lr and lengths); under torchrun each rank places its own
+    devices, so the file's are not kept."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model": "tiny", "lr": 1e-4, "max_new_tokens": 8, "reward": ["math"],
+                                "reward_weights": [1.0], "train_device": "cpu", "rollout_device": "cpu"}))
+    cfg = parse_args(["--config", str(path), "--model", "qwen2.5-0.5b", "--reward", "math", "math-verify"])
+    assert (cfg.lr, cfg.max_new_tokens, cfg.reward_weights) == (1e-6, 512, [1.0, 1.0])
+    assert (parse_args(["--config", str(path)]).lr, parse_args(["--config", str(path), "--lr", "3e-4"]).lr) == \
+        (1e-4, 3e-4)
+    from run_config import with_config_file
+    assert "--train-device=cpu" in with_config_file(["--config", str(path)])
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert not any("device" in flag for flag in with_config_file(["--config", str(path)]))
+
+
 def test_a_list_option_on_the_command_line_replaces_the_files(tmp_path):
     """Claim: --reward and --report-to add up when repeated on the command line, but given there they replace a
     --config file's list instead of extending it (the command line wins, as for any other option)."""
