@@ -185,19 +185,12 @@ def note_neighbours(ranks: Ranks) -> None:
 def gone_neighbours() -> list[str]:
     """'trainer rank r of M (PID n)' for each other rank on this host whose process has ended (gone from /proc, or
     a zombie torchrun has not reaped yet); [] off Linux, where /proc cannot tell."""
+    from worker import process_state
     if not os.path.isdir("/proc"):
         return []
-    size = int(os.environ.get("WORLD_SIZE", "1"))
-    gone = []
-    for rank, pid in sorted(NEIGHBOURS.items()):
-        try:
-            with open(f"/proc/{pid}/stat") as stat:
-                ended = stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-        except OSError:
-            ended = True
-        if ended:
-            gone.append(f"trainer rank {rank} of {size} (PID {pid})")
-    return gone
+    size = from_environment().size
+    return [f"trainer rank {rank} of {size} (PID {pid})" for rank, pid in sorted(NEIGHBOURS.items())
+            if process_state(pid) in (None, "Z", "X")]  # None: no /proc/PID, the process is gone
 
 
 @contextmanager

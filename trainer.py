@@ -266,7 +266,8 @@ def device_split(cfg: Config, phases: list[tuple[float, float]]) -> str:
     import sizing
     timed = phases[1:] or phases
     generate_s, train_s = (sum(side) / len(timed) for side in zip(*timed))
-    ranks = int(os.environ.get("WORLD_SIZE", "1"))  # trainer ranks (torchrun), each with its own workers
+    from distributed import from_environment
+    ranks = from_environment().size  # trainer ranks (torchrun), each with its own workers
     return sizing.split_report(generate_s, train_s, cfg.inference_workers * ranks, ranks)
 
 
