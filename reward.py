@@ -150,6 +150,9 @@ class Rewards:
     functions: list[Reward]
     weights: list[float]
 
+    def __post_init__(self):
+        self.batched = [is_batched(function) for function in self.functions]  # each one's form, read once
+
     @property
     def names(self) -> list[str]:
         """Each function's name, numbered from the second one that shares it: ['f', 'g', 'f_2']."""
@@ -310,8 +313,8 @@ def score_group(rewards: Rewards, prompt, answer: str, columns: dict, completion
     """Every reward's value of each of one prompt's completions, [reward i][completion j] (NaN: not scored)."""
     arguments = None
     per_reward = []
-    for reward_fn in rewards.functions:
-        if is_batched(reward_fn):
+    for reward_fn, batched in zip(rewards.functions, rewards.batched):
+        if batched:
             arguments = arguments or trl_arguments(prompt, answer, columns, completions, completion_ids)
             per_reward.append(score_batch(reward_fn, arguments, time_limit))
         else:
