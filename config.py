@@ -157,6 +157,10 @@ class Config:
                                      "c %% (M·N) == r + M·w), so the "
                                      "rollouts and the update do not depend on N (see inference.py); give each a "
                                      "device with --rollout-device, or on CPU a share of --rollout-threads")
+    inference_ranks: int = _opt(0, "under torchrun: the last K ranks sample instead of training (inference ranks, "
+                                   "e.g. whole inference-only nodes); trainer rank 0 broadcasts θ_k to them and each "
+                                   "sends its groups to the trainer rank that owns them, over torch.distributed "
+                                   "(async mode, one inference worker each; see remote.py)")
     rollout_device: str | None = _opt(None, "device of the inference side (default: from --device); with several "
                                             "--inference-workers one for all or a comma-separated list, one per "
                                             "worker: cuda:0,cuda:1")
@@ -388,6 +392,10 @@ def validate(cfg: Config) -> list[str]:
              f"--inference-workers {cfg.inference_workers} needs at least as many generate calls per iteration, but "
              f"--groups-per-chunk {cfg.groups_per_chunk} makes {calls} of the {cfg.prompts_per_iteration} prompts: "
              "lower --groups-per-chunk")
+    need(cfg.inference_ranks >= 0, f"--inference-ranks must be >= 0 (got {cfg.inference_ranks})")
+    need(cfg.inference_ranks == 0 or cfg.mode == "async" and cfg.inference_workers == 1,
+         "--inference-ranks samples on ranks of their own: it needs --mode async and one --inference-workers (the "
+         "inference ranks are the workers)")
     need(cfg.collective_timeout > 0, f"--collective-timeout must be positive (got {cfg.collective_timeout})")
     need(cfg.save_every >= 0 and cfg.keep_checkpoints >= 0, "--save-every and --keep-checkpoints must be >= 0")
     need(cfg.resume is None or cfg.resume.strip() != "", "--resume must name a checkpoint directory or 'auto'")

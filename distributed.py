@@ -18,6 +18,9 @@ all-reduce leaves the same bits on every rank, and every rank runs the same clip
 state, so θ stays bitwise identical on all ranks: each rank publishes θ_{k+1} to its own inference
 process through the shared-memory buffer (weights.py) and no weights cross ranks or nodes.
 
+Inference ranks (--inference-ranks K): the last K ranks sample instead (remote.py); the M = W - K trainer ranks
+are the ranks above, with their collectives on a group of their own (GROUPS["trainers"]).
+
 Departures, on purpose:
 1. A plain all_reduce of the gradients, once per optimizer step (in buckets of BUCKET_ELEMENTS), not
    DDP: a rank trains as many micro-batches as its groups need, zero when none of its calls falls in a
@@ -59,11 +62,28 @@ class RanksError(UserError):
 
 @dataclass(frozen=True)
 class Ranks:
-    """This process's place among the trainer ranks (torchrun's environment); one rank when not launched by it."""
+    """This process's place among the ranks (torchrun's environment); one rank when not launched by it. The first
+    `size` ranks train (trainer ranks 0..M-1); the `inference` ranks after them sample (remote.py, --inference-ranks)."""
     rank: int = 0
-    size: int = 1
+    size: int = 1  # M, the trainer ranks
     local_rank: int = 0
     local_size: int = 1
+    inference: int = 0  # K, the inference ranks (global ranks M..M+K-1)
+
+    @property
+    def world(self) -> int:
+        return self.size + self.inference
+
+    @property
+    def is_inference(self) -> bool:
+        return self.rank >= self.size
+
+    def name(self, rank: int | None = None) -> str:
+        """'trainer rank r of M' or 'inference rank j of K (rank r)', of this process or of `rank`."""
+        rank = self.rank if rank is None else rank
+        if rank < self.size:
+            return f"trainer rank {rank} of {self.size}"
+        return f"inference rank {rank - self.size} of {self.inference} (rank {rank})"
 
     @property
     def is_main(self) -> bool:
@@ -84,6 +104,16 @@ def from_environment(environ=os.environ) -> Ranks:
                  int(environ.get("LOCAL_WORLD_SIZE", 1)))
 
 
+def split_roles(ranks: Ranks, inference: int) -> Ranks:
+    """torchrun's W ranks as W - K trainer ranks and K inference ranks (--inference-ranks K)."""
+    if inference == 0:
+        return ranks
+    if inference >= ranks.size:
+        raise RanksError(f"--inference-ranks {inference} leaves no trainer rank among the {ranks.size} ranks torchrun "
+                         f"started: launch more (--nproc-per-node, --nnodes) or give fewer inference ranks")
+    return dataclasses.replace(ranks, size=ranks.size - inference, inference=inference)
+
+
 def owner(call: int, ranks: int) -> int:
     """The rank that samples and trains generate call `call` (prompts call·C to call·C + C - 1)."""
     return call % ranks
@@ -96,14 +126,18 @@ def place(cfg, ranks: Ranks, given: set[str]):
     per call, so that every rank's every worker has a call: the rule's one call per iteration would leave all
     ranks but rank 0 idle), and, off rank 0, no output (no policy, no trace, no checkpoint).
     Devices named by --train-device / --rollout-device, or --device with an index, are kept."""
-    if ranks.size == 1:
+    if ranks.world == 1:
         return cfg
-    samplers = ranks.size * cfg.inference_workers
+    samplers = ranks.inference or ranks.size * cfg.inference_workers
     if "groups_per_chunk" not in given and cfg.groups_per_chunk:
         cfg = dataclasses.replace(cfg, groups_per_chunk=min(cfg.groups_per_chunk,
                                                             max(1, cfg.prompts_per_iteration // samplers)))
     kind = cfg.train_device.split(":")[0]
-    if kind != "cpu" and ":" not in cfg.device:
+    if kind != "cpu" and ":" not in cfg.device and ranks.inference:  # one device per rank, of either kind
+        own = f"{kind}:{ranks.local_rank}"
+        cfg = dataclasses.replace(cfg, train_device=cfg.train_device if "train_device" in given else own,
+                                  rollout_device=cfg.rollout_device if "rollout_device" in given else own)
+    elif kind != "cpu" and ":" not in cfg.device:
         count, local, workers = getattr(torch, kind).device_count(), ranks.local_size, cfg.inference_workers
         train = f"{kind}:{ranks.local_rank}"
         if count >= local * (1 + workers):  # a device per worker
@@ -120,36 +154,52 @@ def place(cfg, ranks: Ranks, given: set[str]):
 
 def check(cfg, ranks: Ranks) -> None:
     """Refuse, in one line, what ranks do not support (departure 3)."""
-    if ranks.size == 1:
+    if ranks.world == 1:
         return
     if not cfg.sized:
         raise RanksError(f"--sizes probe does not work with trainer ranks ({ranks.size} ranks): every rank must use "
                          "the same sizes; give --groups-per-chunk, --micro-batch-tokens, --rollout-threads and "
                          "--train-threads, or pass --sizes rule")
-    samplers = ranks.size * cfg.inference_workers
+    samplers = ranks.inference or ranks.size * cfg.inference_workers
     if cfg.chunks_per_iteration < samplers:
+        who = (f"{ranks.inference} inference ranks" if ranks.inference else
+               f"{ranks.size} ranks x {cfg.inference_workers} inference workers")
         raise RanksError(f"--groups-per-chunk {cfg.groups_per_chunk} makes {cfg.chunks_per_iteration} generate calls per "
-                         f"iteration, fewer than the {ranks.size} ranks x {cfg.inference_workers} inference workers "
-                         f"that sample them (some would sit idle): give --groups-per-chunk "
+                         f"iteration, fewer than the {who} that sample them (some would sit idle): give --groups-per-chunk "
                          f"{max(1, cfg.prompts_per_iteration // samplers)} or less")
+
+
+ME = Ranks()  # this process's ranks once the options are read (trainer.main): error lines name it
+GROUPS: dict = {}  # with inference ranks (process_group): "trainers", "weights", "transport" (one per trainer rank)
 
 
 @contextmanager
 def process_group(cfg, ranks: Ranks) -> Iterator[None]:
-    """The trainer ranks' process group for the block (nothing when there is one rank), destroyed however it ends.
-    Every collective, the first rendezvous included, gives up after --collective-timeout seconds."""
-    if ranks.size == 1:
+    """The ranks' process group for the block (nothing when there is one rank), destroyed however it ends.
+    Every collective, the first rendezvous included, gives up after --collective-timeout seconds. With inference
+    ranks, subgroups (GROUPS): the trainer ranks' (gradients), trainer rank 0 with the inference ranks (θ's
+    broadcast, on the devices' backend) and, for each trainer rank r, r with the inference ranks on gloo (the groups
+    sent to r as Python objects: remote.py; one group per destination, so that no send waits behind another's)."""
+    if ranks.world == 1:
         yield
         return
-    kind = cfg.train_device.split(":")[0]
+    device = cfg.rollout_device if ranks.is_inference else cfg.train_device
+    kind = device.split(":")[0]
     if kind != "cpu":
-        getattr(torch, kind).set_device(cfg.train_device)
+        getattr(torch, kind).set_device(device)
     dist.init_process_group(BACKENDS[kind], timeout=timedelta(seconds=cfg.collective_timeout))
     try:
         check_same_options(cfg, ranks)
         note_neighbours(ranks)
+        if ranks.inference:  # every rank creates every group, in the same order (torch.distributed's rule)
+            with collective("the creation of the ranks' groups", ranks):
+                GROUPS["trainers"] = dist.new_group(list(range(ranks.size)))
+                GROUPS["weights"] = dist.new_group([0, *range(ranks.size, ranks.world)])
+                GROUPS["transport"] = [dist.new_group([r, *range(ranks.size, ranks.world)], backend="gloo")
+                                       for r in range(ranks.size)]
         yield
     finally:
+        GROUPS.clear()
         dist.destroy_process_group()
 
 
@@ -157,7 +207,7 @@ def check_same_options(cfg, ranks: Ranks) -> None:
     """Refuse, on every rank, ranks launched with other options than rank 0's (two nodes, two commands): they would
     sample and train another run, or wait for each other until the timeout. Devices, threads, outputs may differ."""
     mine = {key: value for key, value in dataclasses.asdict(cfg).items() if key not in PER_RANK}
-    everyone: list[dict | None] = [None] * ranks.size
+    everyone: list[dict | None] = [None] * ranks.world
     with collective("the comparison of the ranks' options", ranks):
         dist.all_gather_object(everyone, mine)
     first = everyone[0]
@@ -168,28 +218,27 @@ def check_same_options(cfg, ranks: Ranks) -> None:
                                          for key in keys) for rank, keys in differ.items() if keys))
 
 
-NEIGHBOURS: dict[int, int] = {}  # the other ranks on this host: rank -> PID (note_neighbours)
+NEIGHBOURS: dict[int, tuple[int, str]] = {}  # the other ranks on this host: rank -> (PID, name) (note_neighbours)
 
 
 def note_neighbours(ranks: Ranks) -> None:
     """Remember the PIDs of the other ranks on this host, so that a rank stopped by torchrun can say which of them
     is gone (`gone_neighbours`)."""
-    everyone: list[tuple | None] = [None] * ranks.size
+    everyone: list[tuple | None] = [None] * ranks.world
     with collective("the exchange of the ranks' hosts", ranks):
         dist.all_gather_object(everyone, (socket.gethostname(), os.getpid()))
     NEIGHBOURS.clear()
-    NEIGHBOURS.update({rank: pid for rank, (host, pid) in enumerate(everyone)
+    NEIGHBOURS.update({rank: (pid, ranks.name(rank)) for rank, (host, pid) in enumerate(everyone)
                        if host == socket.gethostname() and rank != ranks.rank})
 
 
 def gone_neighbours() -> list[str]:
-    """'trainer rank r of M (PID n)' for each other rank on this host whose process has ended (gone from /proc, or
-    a zombie torchrun has not reaped yet); [] off Linux, where /proc cannot tell."""
+    """'trainer rank r of M (PID n)' (or 'inference rank ...') for each other rank on this host whose process has
+    ended (gone from /proc, or a zombie torchrun has not reaped yet); [] off Linux, where /proc cannot tell."""
     from worker import process_state
     if not os.path.isdir("/proc"):
         return []
-    size = from_environment().size
-    return [f"trainer rank {rank} of {size} (PID {pid})" for rank, pid in sorted(NEIGHBOURS.items())
+    return [f"{name} (PID {pid})" for rank, (pid, name) in sorted(NEIGHBOURS.items())
             if process_state(pid) in (None, "Z", "X")]  # None: no /proc/PID, the process is gone
 
 
@@ -200,8 +249,10 @@ def collective(what: str, ranks: Ranks) -> Iterator[None]:
         yield
     except (RuntimeError, dist.DistError) as error:  # gloo raises RuntimeError, NCCL/HCCL DistBackendError
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise RanksError(f"{what} failed: another rank died or did not join within --collective-timeout "
-                         f"({first_line}); torchrun's report names the rank") from None
+        gone = gone_neighbours()  # a rank on this host that has ended: name it
+        who = (f"{', '.join(gone)} ended first (killed, out of memory, or its own error line)" if gone else
+               "another rank died or did not join within --collective-timeout")
+        raise RanksError(f"{what} failed: {who} ({first_line}); torchrun's report names the rank") from None
 
 
 def sum_gradients(params: list[torch.nn.Parameter], ranks: Ranks) -> list[torch.nn.Parameter]:
@@ -211,7 +262,7 @@ def sum_gradients(params: list[torch.nn.Parameter], ranks: Ranks) -> list[torch.
     device = params[0].device
     exists = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=device)  # (n,)
     with collective("the gradient all-reduce", ranks):
-        dist.all_reduce(exists)
+        dist.all_reduce(exists, group=GROUPS.get("trainers"))
         params = [p for p, count in zip(params, exists.tolist()) if count > 0]
         for p in params:
             if p.grad is None:
@@ -221,7 +272,7 @@ def sum_gradients(params: list[torch.nn.Parameter], ranks: Ranks) -> list[torch.
             bucket.append(p.grad)
             if i == len(params) - 1 or sum(g.numel() for g in bucket) + params[i + 1].numel() > BUCKET_ELEMENTS:
                 flat = torch.cat([g.reshape(-1) for g in bucket])  # (Σ numel,)
-                dist.all_reduce(flat)
+                dist.all_reduce(flat, group=GROUPS.get("trainers"))
                 for g, summed in zip(bucket, flat.split([g.numel() for g in bucket])):
                     g.copy_(summed.view_as(g))
                 bucket = []
@@ -232,7 +283,7 @@ def sum_values(values: list[float | torch.Tensor], ranks: Ranks, device: torch.d
     """Σ_r of each value (counts, partial sums of the loss and statistics), in float64: integer counts stay exact."""
     flat = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])  # (n,)
     with collective("the all-reduce of the step's counts", ranks):
-        dist.all_reduce(flat)
+        dist.all_reduce(flat, group=GROUPS.get("trainers"))
     return flat.tolist()
 
 
@@ -240,7 +291,7 @@ def gather_dicts(local: dict, ranks: Ranks) -> dict:
     """The union of every rank's dict (keys are disjoint: e.g. group index -> rewards)."""
     everyone: list[dict | None] = [None] * ranks.size
     with collective("the gather of the rewards", ranks):
-        dist.all_gather_object(everyone, local)
+        dist.all_gather_object(everyone, local, group=GROUPS.get("trainers"))
     return {key: value for part in everyone for key, value in part.items()}
 
 
@@ -252,7 +303,7 @@ def check_same_weights(policy: torch.nn.Module, ranks: Ranks) -> None:
                  for p in policy.parameters()]
     everyone: list[list | None] = [None] * ranks.size
     with collective("the check that every rank holds the same weights", ranks):
-        dist.all_gather_object(everyone, checksums)
+        dist.all_gather_object(everyone, checksums, group=GROUPS.get("trainers"))
     differ = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
     if differ:
         raise RanksError(f"trainer ranks {differ} hold other weights than rank 0 after the same steps: the "

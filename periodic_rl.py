@@ -99,9 +99,13 @@ def takes_turns(cfg) -> bool:
 
 def inference_side(cfg, load_kwargs: dict, train_examples, held_out, load: bool = True, ranks: Ranks = Ranks()):
     """A `with` block owning the inference process from spawn to stop (async mode; it loads its model at once
-    unless load=False; it samples this rank's generate calls); in sync mode there is none (None)."""
+    unless load=False; it samples this rank's generate calls), or, with inference ranks, the handle on them
+    (remote.py); in sync mode there is none (None)."""
     if cfg.mode != "async":
         return contextlib.nullcontext()
+    if ranks.inference:  # samplers of their own, over torch.distributed
+        from remote import RemoteRollouts
+        return RemoteRollouts(ranks, getattr(torch, cfg.dtype))
     load_kwargs = {**load_kwargs, "dtype": getattr(torch, cfg.dtype)}  # its weights: the compute dtype
     return AsyncRollouts(cfg.model, load_kwargs, train_examples, held_out, cfg.reward, load=load,
                          workers=cfg.inference_workers, share=ranks.share, reward_weights=cfg.reward_weights)

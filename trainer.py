@@ -266,13 +266,24 @@ def device_split(cfg: Config, phases: list[tuple[float, float]]) -> str:
     import sizing
     timed = phases[1:] or phases
     generate_s, train_s = (sum(side) / len(timed) for side in zip(*timed))
-    from distributed import from_environment
-    ranks = from_environment().size  # trainer ranks (torchrun), each with its own workers
-    return sizing.split_report(generate_s, train_s, cfg.inference_workers * ranks, ranks)
+    from distributed import ME
+    inference = ME.inference or cfg.inference_workers * ME.size  # inference ranks, or each trainer rank's workers
+    return sizing.split_report(generate_s, train_s, inference, ME.size)
+
+
+def serve(cfg: Config, ranks) -> None:
+    """An inference rank (--inference-ranks): the task and rewards as a trainer loads them, then remote.serve."""
+    import remote
+    train_examples, held_out, rewards, load_kwargs = prepare(cfg)
+    remote.serve(cfg, ranks, train_examples, held_out, rewards, load_kwargs)
 
 
 def rank_prefix() -> str:
-    """'trainer rank r of M: ' under torchrun (every rank reports for itself), else ''."""
+    """'trainer rank r of M: ' (or 'inference rank j of K (rank r): ') under torchrun (every rank reports for
+    itself), else ''."""
+    ranks_module = sys.modules.get("distributed")
+    if ranks_module is not None and ranks_module.ME.world > 1:  # the roles are known (main)
+        return ranks_module.ME.name() + ": "
     rank, size = os.environ.get("RANK"), os.environ.get("WORLD_SIZE", "1")
     return f"trainer rank {rank} of {size}: " if rank is not None and size != "1" else ""
 
@@ -291,12 +302,18 @@ def main(argv: list[str] | None = None) -> int:
             given, ranks = given_options(argv), distributed.from_environment()  # torchrun's ranks; else one
             with open(os.devnull, "w") as devnull, redirect_stdout(devnull) if not ranks.is_main else nullcontext():
                 cfg, resume_from = checkpoint.resumption(cfg, given)  # --resume: the checkpoint's options
+                ranks = distributed.split_roles(ranks, cfg.inference_ranks)  # trainer ranks, then inference ranks
+                distributed.ME = ranks
                 cfg = distributed.place(cfg, ranks, given)  # (rank 0 alone logs, above, and writes --out)
                 distributed.check(cfg, ranks)
-                if ranks.size > 1:  # before the process group, whose backend needs it (torch_npu registers hccl)
-                    check_device(cfg.train_device, "--train-device")
+                if ranks.world > 1:  # before the process group, whose backend needs it (torch_npu registers hccl)
+                    device = "rollout_device" if ranks.is_inference else "train_device"
+                    check_device(getattr(cfg, device), "--" + device.replace("_", "-"))
                 with distributed.process_group(cfg, ranks):
-                    run(cfg, resume_from, ["trainer.py", *argv], ranks)
+                    if ranks.is_inference:
+                        serve(cfg, ranks)
+                    else:
+                        run(cfg, resume_from, ["trainer.py", *argv], ranks)
             Interrupted.check()
             return 0
         except UserError as error:
