@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -240,6 +241,36 @@ def gone_neighbours() -> list[str]:
         return []
     return [f"{name} (PID {pid})" for rank, (pid, name) in sorted(NEIGHBOURS.items())
             if process_state(pid) in (None, "Z", "X")]  # None: no /proc/PID, the process is gone
+
+
+def check_neighbours(what: str) -> None:
+    """Raise RanksError naming the ranks of this host that have ended (`gone_neighbours`), if any."""
+    if gone := gone_neighbours():
+        raise RanksError(f"{what} failed: {', '.join(gone)} ended first (killed, out of memory, or its own error "
+                         "line); torchrun's report names the rank")
+
+
+def interruptibly(call, what: str):
+    """call() in a thread while this (main) thread waits for it: a stop signal is handled at once (a gloo receive
+    blocks in C++, where Python's signal handlers cannot run), and a rank of this host that ended is named within
+    POLL_SECONDS (gloo does not always fail a pending receive when its sender dies). Returns what call returns."""
+    from worker import POLL_SECONDS
+    outcome: dict = {}
+    finished = threading.Event()
+
+    def target() -> None:
+        try:
+            outcome["value"] = call()
+        except BaseException as error:
+            outcome["error"] = error
+        finally:
+            finished.set()
+    threading.Thread(target=target, daemon=True, name=what).start()
+    while not finished.wait(POLL_SECONDS):
+        check_neighbours(what)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("value")
 
 
 @contextmanager

@@ -41,12 +41,12 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from distributed import GROUPS, Ranks, RanksError, collective, owner
+from distributed import GROUPS, Ranks, RanksError, check_neighbours, collective, interruptibly, owner
 from inference import in_call_order, owned_calls
 from reward import RewardError
 from rollout import Evaluation, Group, IterationDone, rollout_iteration
 from timeline import INFERENCE, TRAINING, Span, Timeline
-from worker import PipelineError
+from worker import POLL_SECONDS, PipelineError
 
 GENERATE, EVALUATE, STOP = 0, 1, 2  # the header's command
 
@@ -160,17 +160,44 @@ class RemoteRollouts:
         yield from in_call_order(self._messages(), self.calls, self.ranks.inference)
 
     def _messages(self):
+        """The messages of one iteration, received by a thread (`_receive_iteration`) while this one waits on a queue:
+        a blocking receive in the main thread could not be interrupted by a stop signal, and gloo does not always
+        fail a receive from any source when the sender dies; this loop looks for a dead rank on this host instead."""
+        inbox: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._receive_iteration, args=(inbox,), daemon=True, name="receiver").start()
         while True:
             start = time.perf_counter()
-            with collective("receiving rollouts from the inference ranks", self.ranks):
-                (kind, payload), sender = recv_object(GROUPS["transport"][self.ranks.rank])
+            while True:
+                try:
+                    kind, payload, sender = inbox.get(timeout=POLL_SECONDS)
+                    break
+                except queue.Empty:  # (a RanksError raised here or below: __exit__ sends no STOP)
+                    check_neighbours("receiving rollouts")
             self.timeline.add(Span("wait for rollouts", TRAINING, start, time.perf_counter(), wait=True))
+            if kind == "failed":  # the receive itself failed (a RanksError naming what)
+                raise payload
             if kind == "error":
                 self.failed = True
                 raise PipelineError(f"{self.ranks.name(sender)} failed: {payload.strip()}")
             if isinstance(payload, Span):
                 payload.lane = sender - self.ranks.size  # its row in the trace
             yield payload
+
+    def _receive_iteration(self, inbox: queue.SimpleQueue) -> None:
+        """The receiver thread: (kind, message, sender) into `inbox` until every inference rank's IterationDone (or
+        an error report, or a failed receive)."""
+        done = 0
+        while done < self.ranks.inference:
+            try:
+                with collective("receiving rollouts from the inference ranks", self.ranks):
+                    (kind, payload), sender = recv_object(GROUPS["transport"][self.ranks.rank])
+            except RanksError as error:
+                inbox.put(("failed", error, None))
+                return
+            inbox.put((kind, payload, sender))
+            if kind == "error":
+                return
+            done += isinstance(payload, IterationDone)
 
     def __enter__(self) -> RemoteRollouts:
         return self
@@ -244,8 +271,8 @@ def serve(cfg, ranks: Ranks, train: list, held_out: list, rewards, load_kwargs: 
     try:
         while True:
             header = torch.zeros(4, dtype=torch.int64, device=device)  # (4,) command, k, final iteration, clock (us)
-            with collective("waiting for trainer rank 0's next command", ranks):
-                dist.broadcast(header, src=0, group=GROUPS["weights"])
+            with collective("waiting for trainer rank 0's next command", ranks):  # (may wait long: interruptibly)
+                interruptibly(lambda: dist.broadcast(header, src=0, group=GROUPS["weights"]), "the command's broadcast")
             command, iteration, final_iteration, clock = header.tolist()
             if command == STOP:
                 break

@@ -191,7 +191,7 @@ def run(cfg: Config, resume_from: Path | None = None, command: list[str] | None 
         def on_sized(sized: Config) -> None:  # the options are final: recorded with the sizes, sent to the trackers
             trackers.start(out, record.write(sized), record.run_id, resumed_at)
         with started(cfg, resume_from, on_sized, ranks) as (rows, policy, tokenizer):
-            return log_and_save(cfg, rows, policy, tokenizer, resumed_at, trackers.log)
+            return log_and_save(cfg, rows, policy, tokenizer, resumed_at, trackers.log, ranks)
 
 
 def save_policy(policy, tokenizer, path: Path) -> None:
@@ -209,7 +209,8 @@ def earlier_rows(metrics_path: Path, before: int) -> list[dict]:
             if not row.get("final") and row.get("iteration", before) < before]
 
 
-def log_and_save(cfg: Config, rows, policy, tokenizer, resumed_at: int = 0, report=lambda row: None) -> dict:
+def log_and_save(cfg: Config, rows, policy, tokenizer, resumed_at: int = 0, report=lambda row: None,
+                 ranks=None) -> dict:
     """A log line and a metrics.jsonl row per iteration (a resumed run's continue the file), then `report(row)`
     (the trackers); the policy is saved as soon as the last optimizer step is done, before the final evaluation
     and the trace, which can still fail without losing it."""
@@ -256,19 +257,20 @@ def log_and_save(cfg: Config, rows, policy, tokenizer, resumed_at: int = 0, repo
           f" -> {row['eval_reward'] if row['eval_reward'] is None else round(row['eval_reward'], 3)}; "
           f"metrics in {metrics_path}" + (f", policy in {policy_path}" if cfg.save else ""), flush=True)
     if phases:
-        print(f"periodic-rl: {device_split(cfg, phases)}", flush=True)
+        print(f"periodic-rl: {device_split(cfg, phases, ranks)}", flush=True)
     return final
 
 
-def device_split(cfg: Config, phases: list[tuple[float, float]]) -> str:
+def device_split(cfg: Config, phases: list[tuple[float, float]], ranks=None) -> str:
     """The split of devices that would balance the two sides (sizing.split_report), from the iterations' busy
-    device-seconds (the first dropped when there are more: it warms up)."""
+    device-seconds (the first dropped when there are more: it warms up); `ranks`: torchrun's (distributed.Ranks)."""
     import sizing
     timed = phases[1:] or phases
     generate_s, train_s = (sum(side) / len(timed) for side in zip(*timed))
-    from distributed import ME
-    inference = ME.inference or cfg.inference_workers * ME.size  # inference ranks, or each trainer rank's workers
-    return sizing.split_report(generate_s, train_s, inference, ME.size)
+    from distributed import Ranks
+    ranks = ranks or Ranks()
+    inference = ranks.inference or cfg.inference_workers * ranks.size  # inference ranks, or the workers of each
+    return sizing.split_report(generate_s, train_s, inference, ranks.size)
 
 
 def serve(cfg: Config, ranks) -> None:
@@ -290,6 +292,8 @@ def rank_prefix() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     Interrupted.received = None
+    if "distributed" in sys.modules:  # an earlier run in this process (tests): its roles are not this run's
+        sys.modules["distributed"].ME = sys.modules["distributed"].Ranks()
     with stopped_by_signals():
         try:
             import numpy  # noqa: F401  before torch, whose C extension imports numpy and clears any error: a Ctrl-C

@@ -65,18 +65,27 @@ def test_a_failing_reward_on_an_inference_rank_is_one_line_on_the_trainer(tiny_m
         done.stderr[-3000:]
 
 
-def test_a_dead_inference_rank_stops_every_process(tiny_model_dir, tmp_path):
-    """Claim (#16 point 7): SIGKILL of an inference rank stops every process of the run within 10 s, none left
-    behind, and the trainer rank names the rank that ended first."""
+@pytest.mark.parametrize("how", ["kill the inference rank", "ctrl-c"])
+def test_a_dead_inference_rank_or_ctrl_c_stops_every_process(tiny_model_dir, tmp_path, how):
+    """Claim (#16 point 7): SIGKILL of an inference rank, or Ctrl-C on the launcher, stops every process of the run
+    within 10 s, none left behind; the trainer rank names the inference rank that ended first, and after Ctrl-C
+    each rank says it was interrupted (no rank waits for a broadcast that will not come)."""
     with faults.Launch(*options(tiny_model_dir, tmp_path, "5 calls", "--iterations", "1000", "--eval-every", "0",
                                 "--inference-ranks", "1"),
                        launcher=(*TORCHRUN[1:], "--standalone", "--nproc-per-node", "2")) as launch:
         launch.wait_for(r"^iter +2 ")
-        killed = next(pid for pid in faults.children(launch.process.pid)
-                      if b"\0RANK=1\0" in b"\0" + Path(f"/proc/{pid}/environ").read_bytes())
-        launch.send(signal.SIGKILL, to=killed)
+        if how == "ctrl-c":
+            launch.send(signal.SIGINT, group=True)
+        else:
+            killed = next(pid for pid in faults.children(launch.process.pid)
+                          if b"\0RANK=1\0" in b"\0" + Path(f"/proc/{pid}/environ").read_bytes())
+            launch.send(signal.SIGKILL, to=killed)
         err = all_stopped(launch)
-        assert f"inference rank 0 of 1 (rank 1) (PID {killed}) ended first" in err, err
+        if how == "ctrl-c":
+            assert "trainer rank 0 of 1: interrupted by SIGINT" in err, err
+            assert "inference rank 0 of 1 (rank 1): interrupted by SIGINT" in err, err
+        else:
+            assert f"inference rank 0 of 1 (rank 1) (PID {killed}) ended first" in err, err
 
 
 def test_roles_routing_and_refusals(tiny_model_dir, capsys):
