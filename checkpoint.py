@@ -41,11 +41,12 @@ CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 HARMLESS = {"iterations", "eval_every", "eval_samples", "trace", "save", "save_every", "keep_checkpoints",
             "save_on_stop", "sizes", "cache_dir", "reward_timeout", "gradient_checkpointing", "attn_implementation",
             "micro_batch_tokens", "rollout_threads", "train_threads", "report_to", "collective_timeout",
-            "inference_workers", "inference_ranks",  # the groups reach the trainer in one worker's order (inference.in_call_order)
+            "inference_workers",  # the groups reach the trainer in one worker's order (inference.in_call_order)
             "mode"}  # async and sync are the same run (bitwise, with equal thread counts: tests/test_pipeline.py)
 # (Not eval_size: for data without a test split the held-out rows are the last eval_size, kept out of training.)
 DEVICES = {"device", "rollout_device", "train_device"}  # given one, all three are this run's (derived together)
-THIS_RUN = {"out", "resume", "overwrite", "config"}  # where the checkpoint was found and how
+THIS_RUN = {"out", "resume", "overwrite", "config",  # where the checkpoint was found and how
+            "inference_ranks"}  # how this launch's torchrun ranks are used, never the saved run's
 
 
 class CheckpointError(UserError):

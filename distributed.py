@@ -110,8 +110,9 @@ def split_roles(ranks: Ranks, inference: int) -> Ranks:
     if inference == 0:
         return ranks
     if inference >= ranks.size:
-        raise RanksError(f"--inference-ranks {inference} leaves no trainer rank among the {ranks.size} ranks torchrun "
-                         f"started: launch more (--nproc-per-node, --nnodes) or give fewer inference ranks")
+        raise RanksError(f"--inference-ranks {inference} leaves no trainer rank among the {ranks.size} rank(s) of this "
+                         f"launch: inference ranks are torchrun ranks of their own, so launch with torchrun and more "
+                         f"ranks (--nproc-per-node, --nnodes) than --inference-ranks")
     return dataclasses.replace(ranks, size=ranks.size - inference, inference=inference)
 
 
@@ -129,7 +130,7 @@ def place(cfg, ranks: Ranks, given: set[str]):
     Devices named by --train-device / --rollout-device, or --device with an index, are kept."""
     if ranks.world == 1:
         return cfg
-    samplers = ranks.inference or ranks.size * cfg.inference_workers
+    samplers = max(ranks.inference, ranks.size) if ranks.inference else ranks.size * cfg.inference_workers
     if "groups_per_chunk" not in given and cfg.groups_per_chunk:
         cfg = dataclasses.replace(cfg, groups_per_chunk=min(cfg.groups_per_chunk,
                                                             max(1, cfg.prompts_per_iteration // samplers)))
@@ -158,15 +159,15 @@ def check(cfg, ranks: Ranks) -> None:
     if ranks.world == 1:
         return
     if not cfg.sized:
-        raise RanksError(f"--sizes probe does not work with trainer ranks ({ranks.size} ranks): every rank must use "
+        raise RanksError(f"--sizes probe does not work with trainer ranks ({ranks.world} ranks): every rank must use "
                          "the same sizes; give --groups-per-chunk, --micro-batch-tokens, --rollout-threads and "
                          "--train-threads, or pass --sizes rule")
-    samplers = ranks.inference or ranks.size * cfg.inference_workers
+    samplers = max(ranks.inference, ranks.size) if ranks.inference else ranks.size * cfg.inference_workers
     if cfg.chunks_per_iteration < samplers:
-        who = (f"{ranks.inference} inference ranks" if ranks.inference else
-               f"{ranks.size} ranks x {cfg.inference_workers} inference workers")
+        who = (f"{ranks.size} trainer ranks and {ranks.inference} inference ranks (each needs calls)" if ranks.inference
+               else f"{ranks.size} ranks x {cfg.inference_workers} inference workers that sample them")
         raise RanksError(f"--groups-per-chunk {cfg.groups_per_chunk} makes {cfg.chunks_per_iteration} generate calls per "
-                         f"iteration, fewer than the {who} that sample them (some would sit idle): give --groups-per-chunk "
+                         f"iteration, fewer than the {who} (some would sit idle): give --groups-per-chunk "
                          f"{max(1, cfg.prompts_per_iteration // samplers)} or less")
 
 
@@ -178,9 +179,12 @@ GROUPS: dict = {}  # with inference ranks (process_group): "trainers", "weights"
 def process_group(cfg, ranks: Ranks) -> Iterator[None]:
     """The ranks' process group for the block (nothing when there is one rank), destroyed however it ends.
     Every collective, the first rendezvous included, gives up after --collective-timeout seconds. With inference
-    ranks, subgroups (GROUPS): the trainer ranks' (gradients), trainer rank 0 with the inference ranks (θ's
-    broadcast, on the devices' backend) and, for each trainer rank r, r with the inference ranks on gloo (the groups
-    sent to r as Python objects: remote.py; one group per destination, so that no send waits behind another's)."""
+    ranks, the world group is gloo (the ranks' device kinds are compared on it first: a mix would never meet) and
+    the subgroups (GROUPS) are: the trainer ranks' (gradients) and trainer rank 0 with the inference ranks (θ's
+    broadcast), both on the devices' backend; rank 0 with the inference ranks on gloo ("commands": a CPU tensor,
+    so that a waiting rank takes signals on every backend); for each trainer rank r, r with the inference ranks on
+    gloo (the groups sent to r as Python objects: remote.py; one group per destination, so that no send waits
+    behind another's)."""
     if ranks.world == 1:
         yield
         return
@@ -188,20 +192,35 @@ def process_group(cfg, ranks: Ranks) -> Iterator[None]:
     kind = device.split(":")[0]
     if kind != "cpu":
         getattr(torch, kind).set_device(device)
-    dist.init_process_group(BACKENDS[kind], timeout=timedelta(seconds=cfg.collective_timeout))
+    timeout = timedelta(seconds=cfg.collective_timeout)
+    dist.init_process_group("gloo" if ranks.inference else BACKENDS[kind], timeout=timeout)
     try:
         check_same_options(cfg, ranks)
         note_neighbours(ranks)
         if ranks.inference:  # every rank creates every group, in the same order (torch.distributed's rule)
+            check_same_device_kind(kind, ranks)
+            inference = list(range(ranks.size, ranks.world))
             with collective("the creation of the ranks' groups", ranks):
-                GROUPS["trainers"] = dist.new_group(list(range(ranks.size)))
-                GROUPS["weights"] = dist.new_group([0, *range(ranks.size, ranks.world)])
-                GROUPS["transport"] = [dist.new_group([r, *range(ranks.size, ranks.world)], backend="gloo")
-                                       for r in range(ranks.size)]
+                GROUPS["trainers"] = dist.new_group(list(range(ranks.size)), timeout, BACKENDS[kind])
+                GROUPS["weights"] = dist.new_group([0, *inference], timeout, BACKENDS[kind])
+                GROUPS["commands"] = dist.new_group([0, *inference], timeout, "gloo")
+                GROUPS["transport"] = [dist.new_group([r, *inference], timeout, "gloo") for r in range(ranks.size)]
         yield
     finally:
         GROUPS.clear()
         dist.destroy_process_group()
+
+
+def check_same_device_kind(kind: str, ranks: Ranks) -> None:
+    """Refuse, on every rank, ranks whose devices are of other kinds (cuda trainers, cpu samplers): the broadcast of
+    θ between them has no common backend."""
+    everyone: list[str | None] = [None] * ranks.world
+    with collective("the comparison of the ranks' devices", ranks):
+        dist.all_gather_object(everyone, kind)
+    if len(set(everyone)) > 1:
+        raise RanksError("the ranks' devices are of different kinds (" + ", ".join(
+            f"{ranks.name(rank)}: {k}" for rank, k in enumerate(everyone)) + "): θ's broadcast needs one kind for all "
+            "(give --device, --train-device or --rollout-device so that they agree)")
 
 
 def check_same_options(cfg, ranks: Ranks) -> None:
@@ -233,27 +252,29 @@ def note_neighbours(ranks: Ranks) -> None:
                        if host == socket.gethostname() and rank != ranks.rank})
 
 
-def gone_neighbours() -> list[str]:
+def gone_neighbours(watched: set[int] | None = None) -> list[str]:
     """'trainer rank r of M (PID n)' (or 'inference rank ...') for each other rank on this host whose process has
     ended (gone from /proc, or a zombie torchrun has not reaped yet); [] off Linux, where /proc cannot tell."""
     from worker import process_state
     if not os.path.isdir("/proc"):
         return []
     return [f"{name} (PID {pid})" for rank, (pid, name) in sorted(NEIGHBOURS.items())
-            if process_state(pid) in (None, "Z", "X")]  # None: no /proc/PID, the process is gone
+            if (watched is None or rank in watched) and process_state(pid) in (None, "Z", "X")]  # None: no /proc/PID, the process is gone
 
 
-def check_neighbours(what: str) -> None:
-    """Raise RanksError naming the ranks of this host that have ended (`gone_neighbours`), if any."""
-    if gone := gone_neighbours():
+def check_neighbours(what: str, watched: set[int] | None = None) -> None:
+    """Raise RanksError naming the ranks of this host that have ended (`gone_neighbours`), if any; only the
+    `watched` ranks if given (others may have ended normally: trainer ranks > 0 end before rank 0 stops the rest)."""
+    if gone := gone_neighbours(watched):
         raise RanksError(f"{what} failed: {', '.join(gone)} ended first (killed, out of memory, or its own error "
                          "line); torchrun's report names the rank")
 
 
-def interruptibly(call, what: str):
+def interruptibly(call, what: str, watched: set[int] | None = None):
     """call() in a thread while this (main) thread waits for it: a stop signal is handled at once (a gloo receive
     blocks in C++, where Python's signal handlers cannot run), and a rank of this host that ended is named within
-    POLL_SECONDS (gloo does not always fail a pending receive when its sender dies). Returns what call returns."""
+    POLL_SECONDS (gloo does not always fail a pending receive when its sender dies): of the `watched` ranks, if
+    given (`check_neighbours`). Returns what call returns."""
     from worker import POLL_SECONDS
     outcome: dict = {}
     finished = threading.Event()
@@ -267,7 +288,7 @@ def interruptibly(call, what: str):
             finished.set()
     threading.Thread(target=target, daemon=True, name=what).start()
     while not finished.wait(POLL_SECONDS):
-        check_neighbours(what)
+        check_neighbours(what, watched)
     if "error" in outcome:
         raise outcome["error"]
     return outcome.get("value")
@@ -278,6 +299,8 @@ def collective(what: str, ranks: Ranks) -> Iterator[None]:
     """A collective's failure (a peer died, or did not join within the timeout) as one line naming this rank."""
     try:
         yield
+    except RanksError:
+        raise  # named already (check_neighbours)
     except (RuntimeError, dist.DistError) as error:  # gloo raises RuntimeError, NCCL/HCCL DistBackendError
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         gone = gone_neighbours()  # a rank on this host that has ended: name it

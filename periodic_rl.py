@@ -173,7 +173,7 @@ def train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs
                                 workers=cfg.inference_workers, share=ranks.share)  # the shares, one after another
         timeline = Timeline()
     learner = Learner(tri, optimizer, cfg, device, timeline, ranks, as_rewards(rewards).names)
-    in_turns = cfg.mode == "async" and takes_turns(cfg)
+    in_turns = cfg.mode == "async" and takes_turns(cfg) and not ranks.inference  # (inference ranks: other hosts)
     logged = first  # iterations whose row is out
     try:  # the iterations, as in the module docstring's figure
         for iteration in range(first, cfg.iterations):

@@ -25,8 +25,12 @@ Clocks: an inference rank's spans (a generate call, an evaluation) are moved ont
 offset measured at each broadcast (rank 0's clock sent in the header, less the inference rank's on receipt: off by
 the broadcast's latency, a millisecond), so the timeline's busy and idle seconds mean the same across hosts.
 
+Process groups (distributed.process_group): θ on the devices' backend ("weights"), the command and the groups on
+gloo ("commands": a CPU tensor, so that a waiting rank takes signals; "transport": one group per trainer rank).
+
 Departures, on purpose: groups travel as pickled Python objects (`send_object`: a few KB per group), θ as one tensor per iteration on the devices' own backend. One sampler per inference rank (give more
-ranks, not --inference-workers). A failing inference rank sends its error to every trainer rank before it exits.
+ranks, not --inference-workers). An inference rank failing in its sampling loop sends its error to every trainer
+rank before it exits (one failing while it loads prints its own line, and torchrun stops the others).
 """
 from __future__ import annotations
 
@@ -142,7 +146,8 @@ class RemoteRollouts:
                     view.copy_(p)  # casts to the inference dtype
 
     def generate(self, iteration: int, final_iteration: int, train_prompts: bool = True) -> None:
-        """Rank 0: send the command and θ_k to every inference rank (blocks until they all have it); others: nothing."""
+        """Rank 0: send the command and θ_k to every inference rank (on gloo, until they have it; on NCCL/HCCL, until
+        it is queued on the device); other trainer ranks: nothing."""
         if self.ranks.is_main:
             with self.timeline.span(f"broadcast θ_{iteration}"):
                 self._broadcast(GENERATE if train_prompts else EVALUATE, iteration, final_iteration)
@@ -151,9 +156,9 @@ class RemoteRollouts:
 
     def _broadcast(self, command: int, iteration: int = 0, final_iteration: int = 0) -> None:
         header = torch.tensor([command, iteration, final_iteration, int(time.perf_counter() * 1e6)],
-                              dtype=torch.int64, device=self.flat.device)  # (4,)
+                              dtype=torch.int64)  # (4,) on the CPU: the "commands" group is gloo
         with collective("the command to the inference ranks", self.ranks):
-            dist.broadcast(header, src=0, group=GROUPS["weights"])
+            dist.broadcast(header, src=0, group=GROUPS["commands"])
 
     def receive(self):
         """The iteration's messages as they arrive, groups in call order (`in_call_order`), up to IterationDone."""
@@ -172,7 +177,7 @@ class RemoteRollouts:
                     kind, payload, sender = inbox.get(timeout=POLL_SECONDS)
                     break
                 except queue.Empty:  # (a RanksError raised here or below: __exit__ sends no STOP)
-                    check_neighbours("receiving rollouts")
+                    check_neighbours("receiving rollouts", set(range(self.ranks.size, self.ranks.world)))
             self.timeline.add(Span("wait for rollouts", TRAINING, start, time.perf_counter(), wait=True))
             if kind == "failed":  # the receive itself failed (a RanksError naming what)
                 raise payload
@@ -203,9 +208,13 @@ class RemoteRollouts:
         return self
 
     def __exit__(self, kind, error, trace) -> None:
-        if kind is not None and issubclass(kind, (KeyboardInterrupt, RanksError)):
+        if kind is None:
+            self.close()
+            return
+        if issubclass(kind, (KeyboardInterrupt, RanksError)):
             self.failed = True  # a stop signal or a lost rank: torchrun stops every rank, a broadcast could hang
-        self.close()
+        with contextlib.suppress(Exception):  # the error on its way out is the one to report
+            self.close()
 
     def close(self) -> None:
         """Rank 0 tells the inference ranks to stop, unless a rank failed or a signal came (torchrun then stops
@@ -270,9 +279,10 @@ def serve(cfg, ranks: Ranks, train: list, held_out: list, rewards, load_kwargs: 
     sender = Sender(ranks)
     try:
         while True:
-            header = torch.zeros(4, dtype=torch.int64, device=device)  # (4,) command, k, final iteration, clock (us)
-            with collective("waiting for trainer rank 0's next command", ranks):  # (may wait long: interruptibly)
-                interruptibly(lambda: dist.broadcast(header, src=0, group=GROUPS["weights"]), "the command's broadcast")
+            header = torch.zeros(4, dtype=torch.int64)  # (4,) command, k, final iteration, clock (us); gloo, CPU
+            with collective("waiting for trainer rank 0's next command", ranks):  # (may wait long: interruptibly;
+                interruptibly(lambda: dist.broadcast(header, src=0, group=GROUPS["commands"]),  # trainer ranks > 0
+                              "waiting for trainer rank 0's next command", watched={0})  # end first, normally
             command, iteration, final_iteration, clock = header.tolist()
             if command == STOP:
                 break

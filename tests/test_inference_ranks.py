@@ -100,7 +100,7 @@ def test_roles_routing_and_refusals(tiny_model_dir, capsys):
     assert destination(group, ranks, 2) == [1]
     assert destination(IterationDone(0), ranks, 2) == [0, 1]
     assert destination(Span("generate", INFERENCE, 0.0, 1.0), ranks, 2) == [0]
-    with pytest.raises(RanksError, match="--inference-ranks 2 leaves no trainer rank among the 2 ranks"):
+    with pytest.raises(RanksError, match=r"--inference-ranks 2 leaves no trainer rank among the 2 rank\(s\)"):
         split_roles(Ranks(0, 2), 2)
     for extra in (["--mode", "sync"], ["--inference-workers", "2"]):
         with pytest.raises(SystemExit):
