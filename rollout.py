@@ -73,6 +73,7 @@ from tasks import Example, prompt_token_ids
 from timeline import INFERENCE, Span
 
 COMPACT_BELOW = 0.5  # a generate call restarts on its live rows once at most this share still decode
+COMPACT_MIN_STEPS = 16  # ... and at least this many decode steps are left (a restart costs ~ a few steps)
 
 
 @dataclass
@@ -191,6 +192,7 @@ class CompletionOrder(BaseStreamer):
         self.running = [num_samples] * num_prompts  # rows of each prompt still decoding
         self.done = [False] * (num_prompts * num_samples)
         self.live = num_prompts * num_samples  # rows still decoding, over all calls
+        self.steps = 0  # decode steps so far, over all calls (every live row has this many tokens)
         self.start_call(list(range(num_prompts * num_samples)))
 
     def start_call(self, rows: list[int]) -> None:
@@ -201,6 +203,7 @@ class CompletionOrder(BaseStreamer):
         if not self.prompt_seen:  # the first call carries the prompt batch (rows, P), not new tokens
             self.prompt_seen = True
             return
+        self.steps += 1
         finished = []
         for row, token in zip(self.rows, value.tolist()):  # (rows,) this step's token of every row of the call
             if self.done[row]:
@@ -227,13 +230,16 @@ class Compaction(StoppingCriteria):
     `generate` keeps computing a stopped row (fed padding) until the call's longest response ends, and on CPU
     a decode step's cost grows with the rows (tiny-chain, one thread: 8.9 ms at 128 rows, 3.3 ms at 32, 2.5 at
     8): with a long tail, a few live rows pay for all. The next call gets the live rows' keys and values (the
-    cache, rows selected), so it costs no prefill, only generate's set-up (~5 ms here)."""
+    cache, rows selected), so it costs no prefill, only generate's set-up (~5 ms here): not worth it with fewer
+    than COMPACT_MIN_STEPS steps left (the toy task's 8 new tokens never compact)."""
 
     def __init__(self, stream: CompletionOrder, share: float):
         self.stream, self.share = stream, share
 
     def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
-        stop = self.stream.live <= self.share * len(self.stream.rows)
+        stream = self.stream
+        stop = (stream.live <= self.share * len(stream.rows)
+                and stream.max_new_tokens - stream.steps >= COMPACT_MIN_STEPS)
         return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
 
 
