@@ -256,7 +256,8 @@ def choose(cfg, tri, tokenizer, train_examples) -> tuple[object, str, float]:
     if split_open:
         full = probe(cfg, tri, tokenizer, train_examples, threads=cores)
         turns_calls, turns_s = in_turns(full, prompts, cap, given)
-        turns_note = f"; in turns at {cores} threads: {turns_s:.3f} s"
+        turns_note = (f"; in turns at {cores} threads: {turns_s:.3f} s, overlapped at {max(1, cores // 2)} per side: "
+                      f"{iteration_s:.3f} s ({calls} call(s), {micro_tokens}-token micro-batches)")
         if not overlaps or turns_s <= iteration_s:
             calls, micro_tokens, overlaps, result = turns_calls, cfg.micro_batch_tokens or cap, False, full
             gen_s = full.generate_seconds[math.ceil(prompts / calls)]
