@@ -16,7 +16,8 @@ then smallest first) of which each size keeps its fastest (`fastest`: noise on a
 adds time); and it times a forward/backward of one group and of all groups:
 
     arrivals_k = [(t_g, g)]   when group g was ready with calls of k prompts (streaming by completion)
-    T_train(n) = d + c·n      a forward/backward of n tokens (prompt + response, plain rows)
+    T_train(n) = d + c·n      a forward/backward of n tokens (rows of prompt + response, padded to the
+                              micro-batch's longest: G·groups·max(P + R_max))
 
 An iteration with n calls (k = ceil(prompts/n)) is then simulated on the measured arrivals: the
 trainer applies the learner's rule (train the waiting groups once they reach the micro-batch's
@@ -68,7 +69,9 @@ class Probe:
     timelines: dict[int, list[tuple[float, int, int]]]
     generate_seconds: dict[int, float]  # k -> seconds until the last call ended
     tokens: dict[int, list[int]]        # k -> each group's training tokens, G·P + ΣR
-    train_seconds: tuple[float, float]  # a forward/backward of n tokens: d + c·n: (d, c)
+    train_seconds: tuple[float, float]  # a forward/backward of n padded tokens: d + c·n: (d, c)
+    widths: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # k -> each group's row, P + max R
+    group_size: int = 0  # G (0: no widths, micro-batches cost their tokens as if unpadded)
 
     @property
     def prompts(self) -> int:
@@ -100,6 +103,14 @@ def fastest(runs: dict[int, list[tuple[float, list]]]) -> tuple[dict[int, float]
     return {k: run[0] for k, run in best.items()}, {k: run[1] for k, run in best.items()}
 
 
+def padded_tokens(probe: Probe, size: int, groups: list[int]) -> int:
+    """Tokens a forward over `groups` (indices) computes as plain rows padded to the longest (attention.py's
+    unpacked layout): G·n·max width; their plain tokens when the probe has no widths."""
+    if not probe.group_size:
+        return sum(probe.tokens[size][g] for g in groups)
+    return probe.group_size * len(groups) * max(probe.widths[size][g] for g in groups)
+
+
 def micro_batch_size(tokens: list[int], max_tokens: int) -> int:
     """How many of the waiting groups (a prefix; their token counts) fit in `max_tokens`; at least one."""
     size, total = 1, tokens[0]
@@ -113,19 +124,19 @@ def predict_seconds(probe: Probe, calls: int, micro_tokens: int) -> tuple[float,
     """(iteration, generation, training) seconds predicted for `calls` generate calls and micro-batches of
     up to `micro_tokens` (async mode): the measured arrivals of that call size, trained by the learner's
     rule (the waiting groups are trained once they reach `micro_tokens`, or once their call has
-    delivered all its groups), d + c·tokens per micro-batch, never before its groups arrived."""
+    delivered all its groups), d + c·padded tokens per micro-batch, never before its groups arrived."""
     d, c = probe.train_seconds
     prompts = probe.prompts
     size = math.ceil(prompts / calls)
     tokens = probe.tokens[size]
-    trainer, training, waiting, arrived = 0.0, 0.0, [], {}
+    trainer, training, waiting, arrived = 0.0, 0.0, [], {}  # waiting: group indices
     for when, g, call in probe.timelines[size]:
-        waiting.append(tokens[g])
+        waiting.append(g)
         arrived[call] = arrived.get(call, 0) + 1
         call_done = arrived[call] == min(size, prompts - call)
-        while waiting and (call_done or sum(waiting) >= micro_tokens):
-            n = micro_batch_size(waiting, micro_tokens)
-            seconds = d + c * sum(waiting[:n])
+        while waiting and (call_done or sum(tokens[w] for w in waiting) >= micro_tokens):
+            n = micro_batch_size([tokens[w] for w in waiting], micro_tokens)
+            seconds = d + c * padded_tokens(probe, size, waiting[:n])
             trainer, training = max(trainer, when) + seconds, training + seconds
             del waiting[:n]
     return trainer, probe.generate_seconds[size], training
@@ -180,7 +191,7 @@ def probe(cfg, tri, tokenizer, train_examples, threads: int) -> Probe:
         with torch.random.fork_rng(devices=[]):
             policy.eval()
             sample_timeline(policy, prompts[:1], cfg.group_size, generation, cfg.seed, 1)  # warm-up: first-call costs
-            runs, tokens, responses = {}, {}, None  # runs: size -> [(seconds, timeline)], one per pass
+            runs, tokens, widths, responses = {}, {}, {}, None  # runs: size -> [(seconds, timeline)], one per pass
             order = sorted(set(candidate_chunks(len(prompts))) | {min(cfg.groups_per_chunk or 1, len(prompts))},
                            reverse=True)
             for turn in range(PASSES):  # biggest calls first, then smallest first, ...
@@ -190,6 +201,7 @@ def probe(cfg, tri, tokenizer, train_examples, threads: int) -> Probe:
                     runs.setdefault(size, []).append((seconds, sorted(timeline)))
                     tokens[size] = [cfg.group_size * len(p) + sum(len(r) for r in group)  # the same in every pass
                                     for p, group in zip(prompts, sampled)]
+                    widths[size] = [len(p) + max(len(r) for r in group) for p, group in zip(prompts, sampled)]
                     responses = sampled if size == len(prompts) else responses  # one call's, for the training
             generate_seconds, timelines = fastest(runs)
             policy.train()
@@ -208,9 +220,13 @@ def probe(cfg, tri, tokenizer, train_examples, threads: int) -> Probe:
     finally:
         torch.set_num_threads(saved_threads)
         policy.train(was_training)
-    forwards = len(cuts) - 1  # all_train_s = forwards·d + c·Σtokens, one_train_s = d + c·tokens[0]
-    c = max(0.0, (all_train_s - forwards * one_train_s) / max(1, sum(whole) - forwards * whole[0]))
-    return Probe(timelines, generate_seconds, tokens, (max(0.0, one_train_s - c * whole[0]), c))
+    # all_train_s = forwards·d + c·Σ padded, one_train_s = d + c·padded[0]: padded, as a forward computes them
+    shape = Probe(timelines, generate_seconds, tokens, (0.0, 0.0), widths, cfg.group_size)
+    padded = [padded_tokens(shape, len(prompts), list(range(i, j))) for i, j in zip(cuts, cuts[1:])]
+    one = padded_tokens(shape, len(prompts), [0])
+    forwards = len(padded)
+    c = max(0.0, (all_train_s - forwards * one_train_s) / max(1, sum(padded) - forwards * one))
+    return dataclasses.replace(shape, train_seconds=(max(0.0, one_train_s - c * one), c))
 
 
 def in_turns(probe: Probe, prompts: int, cap: int, calls: int | None = None) -> tuple[int, float]:
