@@ -20,7 +20,10 @@ on CPU): one `generate` call samples C prompts x G responses, prompts left-padde
 Groups leave the call in completion order: `CompletionOrder`, a `generate` streamer, sees every
 decode step's tokens and scores and sends a prompt's group the step its last response stops, while
 the other rows go on decoding. With long-tailed response lengths the trainer works on the short
-groups while the long ones are still being sampled, without giving up the batched call.
+groups while the long ones are still being sampled, without giving up the batched call. Once half
+the rows have stopped, the call ends and `generate` goes on with the live rows alone, from their
+cache (`Compaction`): stopped rows no longer cost a decode step each (the chain task's iteration,
+one CPU thread: ~0.6 s of sampling instead of ~1.0; docs/benchmarks.md).
 
 Reproducible sampling: each chunk is sampled right after `torch.manual_seed(prompt_seed(seed, k, j))`,
 j its first prompt, a function of (seed, iteration, prompt index) only, never of global RNG history,
@@ -40,14 +43,18 @@ the sampler's bf16 weights and the trainer's float32 masters under autocast give
 by rounding; see tri_model.py.)
 
 Departures, on purpose:
-1. No continuous batching: finished rows keep their slot (generate feeds them padding) until the
-   call ends with its longest response. Inference engines (vLLM, SGLang) refill finished slots;
-   that is orthogonal to the schedule this project is about.
+1. No continuous batching: finished rows keep their slot (generate feeds them padding) until half
+   the call's rows have stopped; then they are dropped (`Compaction`), never refilled with new
+   prompts. Inference engines (vLLM, SGLang) refill finished slots; that is orthogonal to the
+   schedule this project is about. Compaction changes which random numbers a live row draws after
+   it (fewer rows share the stream): rollouts stay reproducible and equal in both modes, but differ
+   from one uncompacted call's.
 2. `top_k`, `repetition_penalty` and the rest of the model's shipped generation_config are
    ignored (see above): only --temperature and --top-p shape sampling.
 """
 from __future__ import annotations
 
+import copy
 import math
 import time
 from contextlib import contextmanager
@@ -56,6 +63,7 @@ from typing import Callable, Union
 
 import torch
 from transformers import GenerationConfig
+from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 import grpo
@@ -64,6 +72,8 @@ from reward import Reward, Rewards, as_rewards, score_group, weighted_total
 from tasks import Example, prompt_token_ids
 from timeline import INFERENCE, Span
 
+COMPACT_BELOW = 0.5  # a generate call restarts on its live rows once at most this share still decode
+COMPACT_MIN_STEPS = 16  # ... and at least this many decode steps are left (a restart costs ~ a few steps)
 
 
 @dataclass
@@ -167,10 +177,11 @@ def trim_response(tokens: list[int], eos_ids: list[int]) -> list[int]:
 class CompletionOrder(BaseStreamer):
     """Watches a batched `generate` step by step and reports each prompt's responses as soon as they are all done.
 
-    `generate` hands a streamer the prompt batch once, then each step's new token of every row (C·G,).
-    A row is done at its first stop id (kept) or at max_new_tokens; a prompt is done when its G rows
-    are. on_done(prompt position, responses) runs right then, inside `generate`, while the other rows
-    go on decoding: short groups reach the trainer while long ones are still being sampled.
+    `generate` hands a streamer the prompt batch once, then each step's new token of every row of the call
+    (`self.rows`, their positions among the C·G rows). A row is done at its first stop id (kept) or at
+    max_new_tokens; a prompt is done when its G rows are. on_done(prompt position, responses) runs right then,
+    inside `generate`, while the other rows go on decoding: short groups reach the trainer while long ones are
+    still being sampled.
     """
 
     def __init__(self, num_prompts: int, num_samples: int, eos_ids: list[int], max_new_tokens: int,
@@ -180,14 +191,21 @@ class CompletionOrder(BaseStreamer):
         self.responses = [[[] for _ in range(num_samples)] for _ in range(num_prompts)]  # [prompt][sample]
         self.running = [num_samples] * num_prompts  # rows of each prompt still decoding
         self.done = [False] * (num_prompts * num_samples)
-        self.prompt_seen = False
+        self.live = num_prompts * num_samples  # rows still decoding, over all calls
+        self.steps = 0  # decode steps so far, over all calls (every live row has this many tokens)
+        self.start_call(list(range(num_prompts * num_samples)))
+
+    def start_call(self, rows: list[int]) -> None:
+        """A `generate` call on `rows` (positions among the C·G rows) begins: its first put is its prompt batch."""
+        self.rows, self.prompt_seen = rows, False
 
     def put(self, value: torch.Tensor) -> None:
-        if not self.prompt_seen:  # the first call carries the prompt batch (C·G, P), not new tokens
+        if not self.prompt_seen:  # the first call carries the prompt batch (rows, P), not new tokens
             self.prompt_seen = True
             return
+        self.steps += 1
         finished = []
-        for row, token in enumerate(value.tolist()):  # (C·G,) this step's token of every row
+        for row, token in zip(self.rows, value.tolist()):  # (rows,) this step's token of every row of the call
             if self.done[row]:
                 continue  # a stopped row: generate feeds it padding
             prompt, sample = divmod(row, self.num_samples)
@@ -195,6 +213,7 @@ class CompletionOrder(BaseStreamer):
             response.append(token)
             if token in self.eos_ids or len(response) == self.max_new_tokens:
                 self.done[row] = True
+                self.live -= 1
                 self.running[prompt] -= 1
                 if self.running[prompt] == 0:
                     finished.append(prompt)
@@ -202,33 +221,69 @@ class CompletionOrder(BaseStreamer):
             self.on_done(prompt, self.responses[prompt])
 
     def end(self) -> None:
-        if not all(self.done):
-            raise RuntimeError("generate stopped before every response reached a stop id or max_new_tokens")
+        pass  # a call may end with rows still live (`Compaction`): sample_responses calls generate again
+
+
+class Compaction(StoppingCriteria):
+    """Ends a `generate` call once at most `share` of its rows still decode, so that it goes on with those alone.
+
+    `generate` keeps computing a stopped row (fed padding) until the call's longest response ends, and on CPU
+    a decode step's cost grows with the rows (tiny-chain, one thread: 8.9 ms at 128 rows, 3.3 ms at 32, 2.5 at
+    8): with a long tail, a few live rows pay for all. The next call gets the live rows' keys and values (the
+    cache, rows selected), so it costs no prefill, only generate's set-up (~5 ms here): not worth it with fewer
+    than COMPACT_MIN_STEPS steps left (the toy task's 8 new tokens never compact)."""
+
+    def __init__(self, stream: CompletionOrder, share: float):
+        self.stream, self.share = stream, share
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        stream = self.stream
+        stop = (stream.live <= self.share * len(stream.rows)
+                and stream.max_new_tokens - stream.steps >= COMPACT_MIN_STEPS)
+        return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
 
 
 @torch.no_grad()
 def sample_responses(model, prompts: list[list[int]], num_samples: int, generation: GenerationConfig,
-                     seed: int, on_done: Callable[[int, list[list[int]]], None] | None = None
-                     ) -> list[list[list[int]]]:
-    """num_samples responses to each prompt, from one `generate` call, reproducible from `seed`.
+                     seed: int, on_done: Callable[[int, list[list[int]]], None] | None = None,
+                     compact_below: float = COMPACT_BELOW) -> list[list[list[int]]]:
+    """num_samples responses to each prompt, from one batched `generate`, reproducible from `seed`.
 
     Prompts are left-padded to the longest, with an attention mask, so every response continues
     its own prompt (generate derives position ids from the mask). Returns responses[prompt][sample],
     each cut after its first stop id; `on_done` gets each prompt's responses the moment they are
-    complete (`CompletionOrder`).
+    complete (`CompletionOrder`). Once at most `compact_below` of the rows still decode, `generate`
+    returns (`Compaction`) and is called again on the live rows alone, with their cache: the same
+    tokens under greedy decoding; sampled, the RNG stream goes on (fewer rows draw from it), so the
+    tokens are reproducible but not those of one uncompacted call. 0: one call, never compacted.
     """
     device = next(model.parameters()).device
     width = max(len(p) for p in prompts)
-    rows = [[generation.pad_token_id] * (width - len(p)) + p for p in prompts for _ in range(num_samples)]
+    padded = [[generation.pad_token_id] * (width - len(p)) + p for p in prompts for _ in range(num_samples)]
     real = [[0] * (width - len(p)) + [1] * len(p) for p in prompts for _ in range(num_samples)]
-    input_ids = torch.tensor(rows, device=device)                 # (C·G, P_max)
+    input_ids = torch.tensor(padded, device=device)               # (C·G, P_max)
     attention_mask = torch.tensor(real, device=device)            # (C·G, P_max)
     eos_ids = generation.eos_token_id if isinstance(generation.eos_token_id, list) else [generation.eos_token_id]
     stream = CompletionOrder(len(prompts), num_samples, eos_ids, generation.max_new_tokens, on_done)
+    stopping = StoppingCriteriaList([Compaction(stream, compact_below)])
+    budget = copy.copy(generation)
+    budget.return_dict_in_generate = True  # the cache comes back, for the next call
+    rows, cache = list(range(len(prompts) * num_samples)), None  # the rows of the call, among the C·G
     torch.manual_seed(seed)
     with own_sampling_only(model):
-        model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation,
-                       streamer=stream)                           # (C·G, P_max + R_max), read through `stream`
+        while rows:
+            stream.start_call(rows)
+            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
+                                 generation_config=budget, streamer=stream, stopping_criteria=stopping)
+            live = [i for i, row in enumerate(rows) if not stream.done[row]]
+            if not live:
+                break
+            keep, new = torch.tensor(live, device=device), out.sequences.shape[1] - input_ids.shape[1]
+            input_ids = out.sequences[keep]                      # (live, P_max + R so far)
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(rows), new)], dim=1)[keep]
+            cache = out.past_key_values
+            cache.batch_select_indices(keep)  # the live rows' keys and values: no second prefill
+            rows, budget.max_new_tokens = [rows[i] for i in live], budget.max_new_tokens - new
     return stream.responses
 
 

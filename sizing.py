@@ -9,13 +9,15 @@ on CPU, how the cores split between the inference and the training process. `pro
 `predict_seconds` models an iteration from the measurements, `choose` picks.
 
 The probe (before iteration 0; it changes nothing: its own RNG state, no optimizer step,
-gradients dropped) samples iteration 0 once for every call size it may choose, k = the whole
-iteration, half of it, a quarter, ..., one prompt, as the inference side would (calls of k prompts
-one after the other, seeded alike), recording when each group stops; and it times a
-forward/backward of one group and of all groups:
+gradients dropped) samples iteration 0 for every call size it may choose, k = the whole iteration,
+half of it, a quarter, ..., one prompt, as the inference side would (calls of k prompts one after
+the other, seeded alike), recording when each group stops, in PASSES passes (biggest calls first,
+then smallest first) of which each size keeps its fastest (`fastest`: noise on a shared machine only
+adds time); and it times a forward/backward of one group and of all groups:
 
     arrivals_k = [(t_g, g)]   when group g was ready with calls of k prompts (streaming by completion)
-    T_train(n) = d + c·n      a forward/backward of n tokens (prompt + response, plain rows)
+    T_train(n) = d + c·n      a forward/backward of n tokens (rows of prompt + response, padded to the
+                              micro-batch's longest: G·groups·max(P + R_max))
 
 An iteration with n calls (k = ceil(prompts/n)) is then simulated on the measured arrivals: the
 trainer applies the learner's rule (train the waiting groups once they reach the micro-batch's
@@ -25,7 +27,8 @@ micro-batch, within 5% of the fastest win (sync mode, whose sides take turns: th
 within 5% of the least generation). On CPU, async mode then splits the cores in proportion
 to the two sides' measured demand, T_gen : T_train (at least one core each), unless a second
 probe at all cores predicts that taking turns (sync's schedule in two processes) is faster. The probe costs about
-one iteration's generation per call size (five for 16 prompts) and one iteration's training.
+PASSES iterations' generation per call size (five sizes for 16 prompts) and PASSES iterations' training; the
+`probe:` line prints its seconds.
 (A first version modelled a call of k prompts as its longest response x a per-step cost measured
 on one call of k prompts; it was optimistic about many small calls, whose per-step cost depends on
 how long their responses run: four calls predicted 1.0-1.1 s per iteration ran 1.4-1.7 s on the
@@ -56,6 +59,7 @@ from tasks import prompt_token_ids
 AS_FAST = 1.05  # fewer calls (then bigger micro-batches) win unless the others are predicted > 5% faster
 MICRO_BATCH_FRACTIONS = (1, 2, 4, 8, 16)  # candidate micro-batches: an iteration's tokens / these, under the cap
 REPEATS = 2  # the one-group forward/backward is timed this often (after a warm-up), the fastest kept
+PASSES = 2  # every call size is sampled this often, in turns (biggest first, then smallest first), the fastest kept
 
 
 @dataclass(frozen=True)
@@ -65,7 +69,9 @@ class Probe:
     timelines: dict[int, list[tuple[float, int, int]]]
     generate_seconds: dict[int, float]  # k -> seconds until the last call ended
     tokens: dict[int, list[int]]        # k -> each group's training tokens, G·P + ΣR
-    train_seconds: tuple[float, float]  # a forward/backward of n tokens: d + c·n: (d, c)
+    train_seconds: tuple[float, float]  # a forward/backward of n padded tokens: d + c·n: (d, c)
+    widths: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # k -> each group's row, P + max R
+    group_size: int = 0  # G (0: no widths, micro-batches cost their tokens as if unpadded)
 
     @property
     def prompts(self) -> int:
@@ -84,6 +90,27 @@ def candidate_chunks(prompts: int) -> list[int]:
     return sizes
 
 
+def fastest(runs: dict[int, list[tuple[float, list]]]) -> tuple[dict[int, float], dict[int, list]]:
+    """(seconds, timeline) of each call size's fastest run, from its runs [(seconds, timeline)]. Timing noise on
+    a shared machine only ever adds time (another process took the core), so the least of several runs is the
+    closest to the cost; the probe interleaves its passes so that a slow minute does not land on one size alone
+    (the same call measured 0.82 s and 1.31 s a minute apart here).
+
+    >>> fastest({16: [(1.31, ["slow"]), (0.82, ["fast"])], 8: [(0.9, ["a"]), (0.95, ["b"])]})
+    ({16: 0.82, 8: 0.9}, {16: ['fast'], 8: ['a']})
+    """
+    best = {k: min(runs[k], key=lambda run: run[0]) for k in runs}
+    return {k: run[0] for k, run in best.items()}, {k: run[1] for k, run in best.items()}
+
+
+def padded_tokens(probe: Probe, size: int, groups: list[int]) -> int:
+    """Tokens a forward over `groups` (indices) computes as plain rows padded to the longest (attention.py's
+    unpacked layout): G·n·max width; their plain tokens when the probe has no widths."""
+    if not probe.group_size:
+        return sum(probe.tokens[size][g] for g in groups)
+    return probe.group_size * len(groups) * max(probe.widths[size][g] for g in groups)
+
+
 def micro_batch_size(tokens: list[int], max_tokens: int) -> int:
     """How many of the waiting groups (a prefix; their token counts) fit in `max_tokens`; at least one."""
     size, total = 1, tokens[0]
@@ -97,19 +124,19 @@ def predict_seconds(probe: Probe, calls: int, micro_tokens: int) -> tuple[float,
     """(iteration, generation, training) seconds predicted for `calls` generate calls and micro-batches of
     up to `micro_tokens` (async mode): the measured arrivals of that call size, trained by the learner's
     rule (the waiting groups are trained once they reach `micro_tokens`, or once their call has
-    delivered all its groups), d + c·tokens per micro-batch, never before its groups arrived."""
+    delivered all its groups), d + c·padded tokens per micro-batch, never before its groups arrived."""
     d, c = probe.train_seconds
     prompts = probe.prompts
     size = math.ceil(prompts / calls)
     tokens = probe.tokens[size]
-    trainer, training, waiting, arrived = 0.0, 0.0, [], {}
+    trainer, training, waiting, arrived = 0.0, 0.0, [], {}  # waiting: group indices
     for when, g, call in probe.timelines[size]:
-        waiting.append(tokens[g])
+        waiting.append(g)
         arrived[call] = arrived.get(call, 0) + 1
         call_done = arrived[call] == min(size, prompts - call)
-        while waiting and (call_done or sum(waiting) >= micro_tokens):
-            n = micro_batch_size(waiting, micro_tokens)
-            seconds = d + c * sum(waiting[:n])
+        while waiting and (call_done or sum(tokens[w] for w in waiting) >= micro_tokens):
+            n = micro_batch_size([tokens[w] for w in waiting], micro_tokens)
+            seconds = d + c * padded_tokens(probe, size, waiting[:n])
             trainer, training = max(trainer, when) + seconds, training + seconds
             del waiting[:n]
     return trainer, probe.generate_seconds[size], training
@@ -164,15 +191,19 @@ def probe(cfg, tri, tokenizer, train_examples, threads: int) -> Probe:
         with torch.random.fork_rng(devices=[]):
             policy.eval()
             sample_timeline(policy, prompts[:1], cfg.group_size, generation, cfg.seed, 1)  # warm-up: first-call costs
-            timelines, generate_seconds, tokens, responses = {}, {}, {}, None
-            sizes = set(candidate_chunks(len(prompts))) | {min(cfg.groups_per_chunk or 1, len(prompts))}
-            for size in sorted(sizes, reverse=True):
-                timeline, seconds, sampled = sample_timeline(policy, prompts, cfg.group_size, generation,
-                                                             cfg.seed, size)
-                timelines[size], generate_seconds[size] = sorted(timeline), seconds
-                tokens[size] = [cfg.group_size * len(p) + sum(len(r) for r in group)
-                                for p, group in zip(prompts, sampled)]
-                responses = responses or sampled  # the one-call sample, for the training measurement
+            runs, tokens, widths, responses = {}, {}, {}, None  # runs: size -> [(seconds, timeline)], one per pass
+            order = sorted(set(candidate_chunks(len(prompts))) | {min(cfg.groups_per_chunk or 1, len(prompts))},
+                           reverse=True)
+            for turn in range(PASSES):  # biggest calls first, then smallest first, ...
+                for size in order if turn % 2 == 0 else order[::-1]:
+                    timeline, seconds, sampled = sample_timeline(policy, prompts, cfg.group_size, generation,
+                                                                 cfg.seed, size)
+                    runs.setdefault(size, []).append((seconds, sorted(timeline)))
+                    tokens[size] = [cfg.group_size * len(p) + sum(len(r) for r in group)  # the same in every pass
+                                    for p, group in zip(prompts, sampled)]
+                    widths[size] = [len(p) + max(len(r) for r in group) for p, group in zip(prompts, sampled)]
+                    responses = sampled if size == len(prompts) else responses  # one call's, for the training
+            generate_seconds, timelines = fastest(runs)
             policy.train()
             device = next(policy.parameters()).device
             batch = [(torch.tensor(p, device=device), [torch.tensor(r, device=device) for r in group])
@@ -183,14 +214,19 @@ def probe(cfg, tri, tokenizer, train_examples, threads: int) -> Probe:
             cap, cuts = cfg.micro_batch_tokens or MICRO_BATCH_TOKENS, [0]
             while cuts[-1] < len(batch):
                 cuts.append(cuts[-1] + micro_batch_size(whole[cuts[-1]:], cap))
-            all_train_s = sum(_timed_backward(tri, batch[i:j]) for i, j in zip(cuts, cuts[1:]))
+            all_train_s = min(sum(_timed_backward(tri, batch[i:j]) for i, j in zip(cuts, cuts[1:]))
+                              for _ in range(PASSES))
             policy.zero_grad(set_to_none=True)
     finally:
         torch.set_num_threads(saved_threads)
         policy.train(was_training)
-    forwards = len(cuts) - 1  # all_train_s = forwards·d + c·Σtokens, one_train_s = d + c·tokens[0]
-    c = max(0.0, (all_train_s - forwards * one_train_s) / max(1, sum(whole) - forwards * whole[0]))
-    return Probe(timelines, generate_seconds, tokens, (max(0.0, one_train_s - c * whole[0]), c))
+    # all_train_s = forwards·d + c·Σ padded, one_train_s = d + c·padded[0]: padded, as a forward computes them
+    shape = Probe(timelines, generate_seconds, tokens, (0.0, 0.0), widths, cfg.group_size)
+    padded = [padded_tokens(shape, len(prompts), list(range(i, j))) for i, j in zip(cuts, cuts[1:])]
+    one = padded_tokens(shape, len(prompts), [0])
+    forwards = len(padded)
+    c = max(0.0, (all_train_s - forwards * one_train_s) / max(1, sum(padded) - forwards * one))
+    return dataclasses.replace(shape, train_seconds=(max(0.0, one_train_s - c * one), c))
 
 
 def in_turns(probe: Probe, prompts: int, cap: int, calls: int | None = None) -> tuple[int, float]:
@@ -216,7 +252,7 @@ def choose(cfg, tri, tokenizer, train_examples) -> tuple[object, str, float]:
     slower than taking turns at two), and keeps the faster prediction."""
     if cfg.sized:
         return cfg, "", 1.0
-    cores, prompts = os.cpu_count() or 1, cfg.prompts_per_iteration
+    started, cores, prompts = time.perf_counter(), os.cpu_count() or 1, cfg.prompts_per_iteration
     cap = cfg.micro_batch_tokens or MICRO_BATCH_TOKENS
     given = math.ceil(prompts / cfg.groups_per_chunk) if cfg.groups_per_chunk else None
     split_open = cfg.mode == "async" and cores > 1 and not (cfg.rollout_threads or cfg.train_threads)
@@ -236,7 +272,8 @@ def choose(cfg, tri, tokenizer, train_examples) -> tuple[object, str, float]:
     if split_open:
         full = probe(cfg, tri, tokenizer, train_examples, threads=cores)
         turns_calls, turns_s = in_turns(full, prompts, cap, given)
-        turns_note = f"; in turns at {cores} threads: {turns_s:.3f} s"
+        turns_note = (f"; in turns at {cores} threads: {turns_s:.3f} s, overlapped at {max(1, cores // 2)} per side: "
+                      f"{iteration_s:.3f} s ({calls} call(s), {micro_tokens}-token micro-batches)")
         if not overlaps or turns_s <= iteration_s:
             calls, micro_tokens, overlaps, result = turns_calls, cfg.micro_batch_tokens or cap, False, full
             gen_s = full.generate_seconds[math.ceil(prompts / calls)]
@@ -252,7 +289,8 @@ def choose(cfg, tri, tokenizer, train_examples) -> tuple[object, str, float]:
     steps = ", ".join(f"{k}: {seconds:.3f}" for k, seconds in sorted(result.generate_seconds.items(), reverse=True))
     note = (f"probe: generate seconds by prompts per call {{{steps}}}, forward/backward {d * 1e3:.1f} ms + "
             f"{c * 1e6:.2f} us/token; predicted {iteration_s:.3f} s per iteration (generate {gen_s:.3f} s, "
-            f"train {train_s:.3f} s, {f'overlapped: {gain:.2f}x taking turns' if overlaps else 'in turns'}{turns_note})")
+            f"train {train_s:.3f} s, {f'overlapped: {gain:.2f}x taking turns' if overlaps else 'in turns'}{turns_note}); "
+            f"probed in {time.perf_counter() - started:.1f} s")
     return chosen, note, gain
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import statistics
 import sys
@@ -49,9 +50,20 @@ def peer_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="FILE", help="write the figures as JSON to FILE")
 
 
-def peer_run(name: str, argv: list[str] | None, args: argparse.Namespace) -> tuple[float, float]:
-    """One fresh process of a contender: its mean seconds per step (optimizer step = 128 samples) and mean
-    response length in tokens, first step dropped."""
+def chosen_sizes(stdout: str) -> str:
+    """The sizes a periodic-rl run chose, from its `sizes:` line ('' if none): what to look at when a run is slow.
+
+    >>> chosen_sizes("periodic-rl: sizes: --groups-per-chunk 8 (2 generate call(s) per iteration) "
+    ...              "--micro-batch-tokens 314 --rollout-threads 1 --train-threads 1 (pass these to fix them)")
+    '2 call(s), --micro-batch-tokens 314 --rollout-threads 1 --train-threads 1'
+    """
+    found = re.search(r"sizes: --groups-per-chunk \d+ \((\d+) generate call\(s\) per iteration\) (.*) \(pass", stdout)
+    return f"{found.group(1)} call(s), {found.group(2)}" if found else ""
+
+
+def peer_run(name: str, argv: list[str] | None, args: argparse.Namespace) -> tuple[float, float, str]:
+    """One fresh process of a contender: its mean seconds per step (optimizer step = 128 samples), mean
+    response length in tokens (first step dropped) and the sizes it chose ('' for TRL)."""
     import subprocess
     import tempfile
     model, default_tokens = PEER_TASKS[args.task]
@@ -62,7 +74,7 @@ def peer_run(name: str, argv: list[str] | None, args: argparse.Namespace) -> tup
         if out.returncode != 0:
             raise SystemExit(f"TRL run failed (is trl==1.16.0 installed in {args.trl_python}?):\n{out.stderr[-2000:]}")
         result = json.loads(out.stdout.strip().splitlines()[-1])
-        return statistics.mean(result["seconds_per_step"]), result["mean_completion_length"]
+        return statistics.mean(result["seconds_per_step"]), result["mean_completion_length"], ""
     with tempfile.TemporaryDirectory() as tmp:
         command = [sys.executable, "trainer.py", *argv, *common, "--iterations", str(args.iterations + 1),
                    "--eval-every", "0", "--no-save", "--out", tmp, *shlex.split(args.trainer_args)]
@@ -72,7 +84,7 @@ def peer_run(name: str, argv: list[str] | None, args: argparse.Namespace) -> tup
         rows = [json.loads(line) for line in open(os.path.join(tmp, "metrics.jsonl"))]
     timed = [row for row in rows if not row.get("final") and row["iteration"] > 0]
     return (statistics.mean(row["iteration_s"] for row in timed),
-            statistics.mean(row["response_length"] for row in timed))
+            statistics.mean(row["response_length"] for row in timed), chosen_sizes(out.stdout))
 
 
 def peer(args: argparse.Namespace) -> bool:
@@ -85,11 +97,11 @@ def peer(args: argparse.Namespace) -> bool:
           "cores), fresh process per run")
     for round_ in range(args.rounds):
         for name, argv in PEER_CONTENDERS.items():
-            seconds, length = peer_run(name, argv, args)
+            seconds, length, sizes = peer_run(name, argv, args)
             times[name].append(seconds)
             lengths[name].append(length)
-            print(f"round {round_}: {name:20s} {128 / seconds:7.0f} samples/s  (mean response {length:.1f} tokens)",
-                  flush=True)
+            print(f"round {round_}: {name:20s} {128 / seconds:7.0f} samples/s  (mean response {length:.1f} tokens)"
+                  + (f"  sizes: {sizes}" if sizes else ""), flush=True)
     trl = [128 / t for t in times["TRL GRPOTrainer"]]
     results = {}
     print(f"{'contender':20s} {'samples/s':>10s} {'vs TRL':>8s} {'per round':>12s}  {'mean response':>13s}")

@@ -89,7 +89,7 @@ def test_groups_stream_in_completion_order_and_match_generate(qwen_shaped_dir):
     prompts = [tokenizer.encode(text, add_special_tokens=False) for text in ("1+2=", "31+45=", "7+7=", "40+2=")]
     generation = sampling_config(Config(max_new_tokens=160, temperature=1.0, top_p=1.0), stops, tokenizer.pad_token_id)
     reported = []  # P(a response stops within 160 steps) = 1 - (1 - 2/260)^160 = 0.71: group lengths vary
-    responses = sample_responses(model, prompts, 2, generation, seed=5,
+    responses = sample_responses(model, prompts, 2, generation, seed=5, compact_below=0,  # one call, as below
                                  on_done=lambda position, group: reported.append((position, [list(r) for r in group])))
     longest = {position: max(map(len, group)) for position, group in reported}
     assert sorted(position for position, _ in reported) == [0, 1, 2, 3]
@@ -104,3 +104,27 @@ def test_groups_stream_in_completion_order_and_match_generate(qwen_shaped_dir):
         with own_sampling_only(model):
             output = model.generate(input_ids=ids, attention_mask=mask.long(), generation_config=generation)
     assert [trim_response(row, stops) for row in output[:, width:].tolist()] == [r for g in responses for r in g]
+
+
+def test_compaction_continues_each_row_exactly(qwen_shaped_dir):
+    """Claim: ending `generate` once half the rows have stopped and going on with the live rows alone, from their
+    cache (`Compaction`), continues every row exactly as one call does: greedy decoding (deterministic; no token
+    repeated within a row, so rows stop at an EOS id at varied steps) gives the same responses, and each group is
+    still reported the step its last row stops, in order of its longest response. Teeth: the rows stop at varied
+    steps and `generate` was called more than once."""
+    model, tokenizer = load_model(str(qwen_shaped_dir))
+    calls, generate = [], model.generate
+    model.generate = lambda *args, **kwargs: calls.append(1) or generate(*args, **kwargs)
+    prompts = [tokenizer.encode(text, add_special_tokens=False)
+               for text in ("1+2=", "31+45=", "7+7=", "40+2=", "9+9=", "12+30=", "5+55=", "8+1=")]
+    greedy = GenerationConfig(do_sample=False, max_new_tokens=200, no_repeat_ngram_size=1,
+                              eos_token_id=stop_token_ids(model, tokenizer), pad_token_id=tokenizer.pad_token_id)
+    one_call = sample_responses(model, prompts, 1, greedy, seed=0, compact_below=0)
+    assert len(calls) == 1
+    reported = []
+    compacted = sample_responses(model, prompts, 1, greedy, seed=0, compact_below=0.5,
+                                 on_done=lambda position, group: reported.append(position))
+    lengths = [len(group[0]) for group in one_call]
+    assert len(set(lengths)) >= 4, "too uniform to tell"
+    assert len(calls) > 2 and compacted == one_call
+    assert reported == sorted(range(len(prompts)), key=lambda p: (lengths[p], p))
