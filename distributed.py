@@ -171,7 +171,6 @@ def check(cfg, ranks: Ranks) -> None:
                          f"{max(1, cfg.prompts_per_iteration // samplers)} or less")
 
 
-ME = Ranks()  # this process's ranks once the options are read (trainer.main): error lines name it
 GROUPS: dict = {}  # with inference ranks (process_group): "trainers", "weights", "transport" (one per trainer rank)
 
 
@@ -258,16 +257,20 @@ def gone_neighbours(watched: set[int] | None = None) -> list[str]:
     from worker import process_state
     if not os.path.isdir("/proc"):
         return []
-    return [f"{name} (PID {pid})" for rank, (pid, name) in sorted(NEIGHBOURS.items())
-            if (watched is None or rank in watched) and process_state(pid) in (None, "Z", "X")]  # None: no /proc/PID, the process is gone
+    return [f"{name} (PID {pid})" for rank, (pid, name) in sorted(NEIGHBOURS.items())  # state None: no /proc/PID
+            if (watched is None or rank in watched) and process_state(pid) in (None, "Z", "X")]
 
 
 def check_neighbours(what: str, watched: set[int] | None = None) -> None:
     """Raise RanksError naming the ranks of this host that have ended (`gone_neighbours`), if any; only the
     `watched` ranks if given (others may have ended normally: trainer ranks > 0 end before rank 0 stops the rest)."""
     if gone := gone_neighbours(watched):
-        raise RanksError(f"{what} failed: {', '.join(gone)} ended first (killed, out of memory, or its own error "
-                         "line); torchrun's report names the rank")
+        raise RanksError(f"{what} failed: {ended_first(gone)}; torchrun's report names the rank")
+
+
+def ended_first(gone: list[str]) -> str:
+    """What a rank says of the ranks of its host that ended before it (`gone_neighbours`)."""
+    return f"{', '.join(gone)} ended first (killed, out of memory, or its own error line)"
 
 
 def interruptibly(call, what: str, watched: set[int] | None = None):
@@ -304,8 +307,7 @@ def collective(what: str, ranks: Ranks) -> Iterator[None]:
     except (RuntimeError, dist.DistError) as error:  # gloo raises RuntimeError, NCCL/HCCL DistBackendError
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         gone = gone_neighbours()  # a rank on this host that has ended: name it
-        who = (f"{', '.join(gone)} ended first (killed, out of memory, or its own error line)" if gone else
-               "another rank died or did not join within --collective-timeout")
+        who = ended_first(gone) if gone else "another rank died or did not join within --collective-timeout"
         raise RanksError(f"{what} failed: {who} ({first_line}); torchrun's report names the rank") from None
 
 

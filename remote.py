@@ -50,6 +50,7 @@ from inference import in_call_order, owned_calls
 from reward import RewardError
 from rollout import Evaluation, Group, IterationDone, rollout_iteration
 from timeline import INFERENCE, TRAINING, Span, Timeline
+from weights import views_of
 from worker import POLL_SECONDS, PipelineError
 
 GENERATE, EVALUATE, STOP = 0, 1, 2  # the header's command
@@ -63,11 +64,7 @@ def flat_like(model: torch.nn.Module, dtype: torch.dtype, device) -> torch.Tenso
 
 def views(flat: torch.Tensor, model: torch.nn.Module) -> list[torch.Tensor]:
     """The slice of `flat` that holds each parameter, shaped as it (parameters in `model.parameters()` order)."""
-    out, start = [], 0
-    for p in model.parameters():
-        out.append(flat[start:start + p.numel()].view(p.shape))
-        start += p.numel()
-    return out
+    return views_of(flat, [p.shape for p in model.parameters()])
 
 
 def alias(model: torch.nn.Module, flat: torch.Tensor) -> None:
@@ -133,7 +130,6 @@ class RemoteRollouts:
     def attach(self, policy, cfg, threads: int) -> None:
         """The sizes (the calls this rank owns) and, on rank 0, θ's flat tensor. `threads`: each inference rank's own
         --rollout-threads (its options are the same)."""
-        self.cfg = cfg
         self.calls = owned_calls(cfg.prompts_per_iteration, cfg.groups_per_chunk, self.ranks.share)
         if self.ranks.is_main:
             self.flat = flat_like(policy, self.dtype, next(policy.parameters()).device)
@@ -172,12 +168,7 @@ class RemoteRollouts:
         threading.Thread(target=self._receive_iteration, args=(inbox,), daemon=True, name="receiver").start()
         while True:
             start = time.perf_counter()
-            while True:
-                try:
-                    kind, payload, sender = inbox.get(timeout=POLL_SECONDS)
-                    break
-                except queue.Empty:  # (a RanksError raised here or below: __exit__ sends no STOP)
-                    check_neighbours("receiving rollouts", set(range(self.ranks.size, self.ranks.world)))
+            kind, payload, sender = self._next(inbox)
             self.timeline.add(Span("wait for rollouts", TRAINING, start, time.perf_counter(), wait=True))
             if kind == "failed":  # the receive itself failed (a RanksError naming what)
                 raise payload
@@ -187,6 +178,15 @@ class RemoteRollouts:
             if isinstance(payload, Span):
                 payload.lane = sender - self.ranks.size  # its row in the trace
             yield payload
+
+    def _next(self, inbox: queue.SimpleQueue) -> tuple:
+        """The receiver thread's next (kind, message, sender); meanwhile, every POLL_SECONDS, a RanksError if an
+        inference rank of this host has ended (a RanksError leaving the `with` block: no STOP is sent)."""
+        while True:
+            try:
+                return inbox.get(timeout=POLL_SECONDS)
+            except queue.Empty:
+                check_neighbours("receiving rollouts", set(range(self.ranks.size, self.ranks.world)))
 
     def _receive_iteration(self, inbox: queue.SimpleQueue) -> None:
         """The receiver thread: (kind, message, sender) into `inbox` until every inference rank's IterationDone (or

@@ -280,20 +280,18 @@ def serve(cfg: Config, ranks) -> None:
     remote.serve(cfg, ranks, train_examples, held_out, rewards, load_kwargs)
 
 
-def rank_prefix() -> str:
-    """'trainer rank r of M: ' (or 'inference rank j of K (rank r): ') under torchrun (every rank reports for
-    itself), else ''."""
-    ranks_module = sys.modules.get("distributed")
-    if ranks_module is not None and ranks_module.ME.world > 1:  # the roles are known (main)
-        return ranks_module.ME.name() + ": "
+def rank_prefix(ranks=None) -> str:
+    """'trainer rank r of M: ' (or 'inference rank j of K (rank r): ', once `ranks` knows the roles) under torchrun
+    (every rank reports for itself), else ''."""
+    if ranks is not None and ranks.world > 1:
+        return ranks.name() + ": "
     rank, size = os.environ.get("RANK"), os.environ.get("WORLD_SIZE", "1")
     return f"trainer rank {rank} of {size}: " if rank is not None and size != "1" else ""
 
 
 def main(argv: list[str] | None = None) -> int:
     Interrupted.received = None
-    if "distributed" in sys.modules:  # an earlier run in this process (tests): its roles are not this run's
-        sys.modules["distributed"].ME = sys.modules["distributed"].Ranks()
+    ranks = None  # this process's ranks (distributed.Ranks) once the options are read: error lines name it
     with stopped_by_signals():
         try:
             import numpy  # noqa: F401  before torch, whose C extension imports numpy and clears any error: a Ctrl-C
@@ -307,7 +305,6 @@ def main(argv: list[str] | None = None) -> int:
             with open(os.devnull, "w") as devnull, redirect_stdout(devnull) if not ranks.is_main else nullcontext():
                 cfg, resume_from = checkpoint.resumption(cfg, given)  # --resume: the checkpoint's options
                 ranks = distributed.split_roles(ranks, cfg.inference_ranks)  # trainer ranks, then inference ranks
-                distributed.ME = ranks
                 cfg = distributed.place(cfg, ranks, given)  # (rank 0 alone logs, above, and writes --out)
                 distributed.check(cfg, ranks)
                 if ranks.world > 1:  # before the process group, whose backend needs it (torch_npu registers hccl)
@@ -322,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         except UserError as error:
             if Interrupted.received is None:
-                sys.stderr.write(f"error: {rank_prefix()}{error}\n")
+                sys.stderr.write(f"error: {rank_prefix(ranks)}{error}\n")
                 return 1
         except BrokenPipeError:  # stdout's reader exited (`| head`): stop, as Unix tools do, and say so on stderr
             if Interrupted.received is None:
@@ -337,15 +334,15 @@ def main(argv: list[str] | None = None) -> int:
                 raise
     signum = Interrupted.received or signal.SIGINT
     with suppress(OSError):  # SIGHUP: the terminal may be gone
-        by_torchrun = rank_prefix() and signum == signal.SIGTERM  # how torchrun stops the others when a rank fails
+        by_torchrun = rank_prefix(ranks) and signum == signal.SIGTERM  # how torchrun stops the others when a rank fails
         ranks_module = sys.modules.get("distributed")  # imported once the run has started (main)
         gone = ranks_module.gone_neighbours() if by_torchrun and ranks_module else []
         if gone:  # a rank on this host ended first: that is why torchrun stopped this one
-            sys.stderr.write(f"error: {rank_prefix()}{', '.join(gone)} ended first (killed, out of memory, or its own "
+            sys.stderr.write(f"error: {rank_prefix(ranks)}{', '.join(gone)} ended first (killed, out of memory, or its own "
                              "error line above; torchrun's report names its exit code or signal), so torchrun stopped "
                              "this rank; nothing is left running\n")
         else:
-            sys.stderr.write(f"{rank_prefix()}interrupted by {signal.Signals(signum).name}: the run was stopped, "
+            sys.stderr.write(f"{rank_prefix(ranks)}interrupted by {signal.Signals(signum).name}: the run was stopped, "
                              "nothing is left running" + (" (torchrun stops every rank once one fails: its report "
                                                           "names the rank and why)" if by_torchrun else "") + "\n")
     return 128 + signum

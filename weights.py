@@ -67,6 +67,15 @@ def shared(tensor: torch.Tensor) -> torch.Tensor:
                             ) from None
 
 
+def views_of(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
+    """Consecutive slices of `flat`, one per shape, shaped as it: the parameters' places in a flat θ."""
+    out, start = [], 0
+    for shape in shapes:
+        out.append(flat[start:start + shape.numel()].view(shape))
+        start += shape.numel()
+    return out
+
+
 class WeightBuffer:
     """θ as one flat tensor in shared memory plus a version counter.
 
@@ -85,17 +94,14 @@ class WeightBuffer:
             raise ValueError(f"WeightBuffer needs one parameter dtype, got {dtypes}")
         dtype = dtype or params[0].dtype
         self.shapes = [p.shape for p in params]
-        self.offsets = [0]
-        for p in params:
-            self.offsets.append(self.offsets[-1] + p.numel())
-        check_shared_memory(self.offsets[-1] * dtype.itemsize)
-        self.flat = shared(torch.empty(self.offsets[-1], dtype=dtype))  # (num_params,)
+        numel = sum(p.numel() for p in params)
+        check_shared_memory(numel * dtype.itemsize)
+        self.flat = shared(torch.empty(numel, dtype=dtype))  # (num_params,)
         self._version = shared(torch.full((1,), -1, dtype=torch.int64))  # (1,) shared too
         self.aliased = False
 
     def views(self) -> list[torch.Tensor]:
-        return [self.flat[start:end].view(shape)
-                for start, end, shape in zip(self.offsets, self.offsets[1:], self.shapes)]
+        return views_of(self.flat, self.shapes)
 
     @torch.no_grad()
     def publish(self, model: torch.nn.Module, version: int) -> None:
