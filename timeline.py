@@ -11,8 +11,18 @@ Per iteration, over its wall time W (from publishing θ_k to the optimizer step 
     overlap  = |busy_inference ∩ busy_training| / min(busy_inference, busy_training)
 
 overlap = 1 means the shorter side was completely hidden behind the longer one (the ideal of the
-pipeline); synchronous mode has overlap 0 by construction. `write_chrome_trace` writes the
-trace-event JSON that chrome://tracing and https://ui.perfetto.dev open: one row per process (per inference worker: its lane).
+pipeline); synchronous mode has overlap 0 by construction. The pipeline's bound at the sizes and
+threads the iteration ran, from its own spans (`bound_s`, a lower bound on W for these phase times):
+
+    bound_s = max(lead + sampling + tail,  fill + busy_training after the fill)
+
+lead: the training side's work before the inference side starts (publishing θ_k); sampling: the
+inference side's busy time until the last micro-batch starts (an evaluation after the last group
+overlaps the tail); tail: the training side's work from the last micro-batch on (it holds the last
+group to arrive; then the optimizer step); fill: until the first micro-batch starts (its groups had to
+arrive). The three parts of each chain are disjoint in time, so bound_s <= W; a perfect pipeline of
+the same spans would hide the rest: bound_s / W is how close the schedule came (`bench.py async`).
+`write_chrome_trace` writes the trace-event JSON that chrome://tracing and https://ui.perfetto.dev open: one row per process (per inference worker: its lane).
 """
 from __future__ import annotations
 
@@ -61,6 +71,25 @@ def intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> 
     return total
 
 
+TRAIN = "train "  # a micro-batch's span name begins so (learner.py: "train group g", "train n groups")
+
+
+def pipeline_bound(start: float, inference: list[tuple[float, float]], training: list[tuple[float, float]],
+                   micro_batches: list[float]) -> float:
+    """The shortest the iteration from `start` could take with these busy intervals (merged, sorted) and
+    micro-batch start times: max(lead + |inference| + tail, fill + |training after the fill|) (module docstring).
+
+    >>> round(pipeline_bound(0.0, [(0.1, 3.0)], [(0.0, 0.1), (1.0, 2.0), (3.2, 4.0)], [1.0, 3.2]), 9)  # 0.1 + 2.9 + 0.8
+    3.8
+    """
+    def within(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
+        return sum(max(0.0, min(e, hi) - max(s, lo)) for s, e in intervals)
+    fill, last, end = min(micro_batches), max(micro_batches), float("inf")
+    lead = within(training, start, inference[0][0]) if inference else 0.0
+    sampling = within(inference, start, last)  # up to the last group (an evaluation after it overlaps the tail)
+    return max(lead + sampling + within(training, last, end), fill - start + within(training, fill, end))
+
+
 class Timeline:
     def __init__(self) -> None:
         self.spans: list[Span] = []
@@ -91,6 +120,8 @@ class Timeline:
 
         inference, training = busy(INFERENCE), busy(TRAINING)
         wall = end - start
+        micro_batches = [s.start for s in self.spans[first:] if s.process == TRAINING and s.name.startswith(TRAIN)
+                         and start <= s.start < end]
         gen, train = length(inference), length(training)
         shorter = min(gen, train)
         lanes = {s.lane for s in self.spans[first:] if s.process == INFERENCE}
@@ -102,6 +133,7 @@ class Timeline:
             "idle_inference_s": wall - gen,
             "idle_training_s": wall - train,
             "overlap": intersection(inference, training) / shorter if shorter > 0 else 0.0,
+            "bound_s": pipeline_bound(start, inference, training, micro_batches) if micro_batches else wall,
         }
 
     def write_chrome_trace(self, path: str) -> None:

@@ -23,8 +23,11 @@ import re
 import shlex
 import statistics
 import sys
+from pathlib import Path
 
 from benchmarks.common import write_json
+
+ROOT = Path(__file__).resolve().parents[1]  # both sides run from the repository's root, wherever bench.py is called
 
 
 PEER_TASKS = {"arithmetic": ("tiny", 8), "chain": ("tiny-chain", 128)}  # --task -> (model, default max new tokens)
@@ -37,8 +40,9 @@ PEER_CONTENDERS = {  # name -> trainer.py options (None: TRL)
 
 
 def peer_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--trl-python", default=".venv-trl/bin/python",
-                        help="a Python with trl==1.16.0 installed (see tools/trl_grpo_run.py)")
+    parser.add_argument("--trl-python", default=str(ROOT / ".venv-trl" / "bin" / "python"),
+                        help="a Python with trl==1.16.0 installed (see tools/trl_grpo_run.py); default: the "
+                             "repository's .venv-trl")
     parser.add_argument("--iterations", type=int, default=10, help="timed steps per run (one more is dropped)")
     parser.add_argument("--rounds", type=int, default=3, help="runs of each contender, interleaved")
     parser.add_argument("--task", choices=PEER_TASKS, default="arithmetic",
@@ -69,8 +73,11 @@ def peer_run(name: str, argv: list[str] | None, args: argparse.Namespace) -> tup
     model, default_tokens = PEER_TASKS[args.task]
     common = ["--model", model, "--max-new-tokens", str(args.max_new_tokens or default_tokens)]
     if argv is None:
+        if not os.access(args.trl_python, os.X_OK):
+            raise SystemExit(f"error: --trl-python {args.trl_python} is not an executable Python: make a virtualenv "
+                             "with trl==1.16.0 (tools/trl_grpo_run.py says how) and pass its python")
         out = subprocess.run([args.trl_python, "tools/trl_grpo_run.py", "--steps", str(args.iterations), *common],
-                             capture_output=True, text=True)
+                             capture_output=True, text=True, cwd=ROOT)
         if out.returncode != 0:
             raise SystemExit(f"TRL run failed (is trl==1.16.0 installed in {args.trl_python}?):\n{out.stderr[-2000:]}")
         result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -78,7 +85,7 @@ def peer_run(name: str, argv: list[str] | None, args: argparse.Namespace) -> tup
     with tempfile.TemporaryDirectory() as tmp:
         command = [sys.executable, "trainer.py", *argv, *common, "--iterations", str(args.iterations + 1),
                    "--eval-every", "0", "--no-save", "--out", tmp, *shlex.split(args.trainer_args)]
-        out = subprocess.run(command, capture_output=True, text=True)
+        out = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
         if out.returncode != 0:
             raise SystemExit(f"{name} failed:\n{out.stderr[-2000:]}")
         rows = [json.loads(line) for line in open(os.path.join(tmp, "metrics.jsonl"))]

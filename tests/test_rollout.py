@@ -111,8 +111,13 @@ def test_compaction_continues_each_row_exactly(qwen_shaped_dir):
     cache (`Compaction`), continues every row exactly as one call does: greedy decoding (deterministic; no token
     repeated within a row, so rows stop at an EOS id at varied steps) gives the same responses, and each group is
     still reported the step its last row stops, in order of its longest response. Teeth: the rows stop at varied
-    steps and `generate` was called more than once."""
+    steps and `generate` was called more than once.
+
+    In float64: a row's logits may differ in the last bits between a batch of 8 rows and one of 3 (CPU BLAS picks
+    kernels by shape), which in float32 (~1e-7 relative) could flip a greedy near-tie; in float64 (~1e-16) a flip
+    would need two logits within ~1e-15 of each other, so equal tokens are what exact continuation predicts."""
     model, tokenizer = load_model(str(qwen_shaped_dir))
+    model = model.to(torch.float64)
     calls, generate = [], model.generate
     model.generate = lambda *args, **kwargs: calls.append(1) or generate(*args, **kwargs)
     prompts = [tokenizer.encode(text, add_special_tokens=False)

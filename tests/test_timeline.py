@@ -22,7 +22,24 @@ def test_summary_busy_idle_overlap():
     pipeline_iteration(timeline, 0.0)
     assert timeline.summary(0.0, 6.0) == pytest.approx({
         "iteration_s": 6.0, "generate_s": 3.0, "generate_device_s": 3.0, "train_s": 3.0, "idle_inference_s": 3.0, "idle_training_s": 3.0,
-        "overlap": 1 / 3})  # both busy during [2, 3] only
+        "overlap": 1 / 3, "bound_s": 5.0})  # both busy during [2, 3] only; bound: fill 2 + training 3
+
+
+def test_bound_is_the_longer_chain_of_work_that_cannot_overlap():
+    """Claim: the pipeline bound is the later of (publish, generation, then the last micro-batch and the step) and
+    (the fill, then all training); the waits and the idle time between micro-batches are what it leaves out."""
+    timeline = Timeline()
+    timeline.add(Span("publish θ_0", TRAINING, 0.0, 0.5))
+    timeline.add(Span("generate groups 0-1", INFERENCE, 0.5, 2.5))
+    timeline.add(Span("generate groups 2-3", INFERENCE, 2.5, 4.5))
+    timeline.add(Span("train 2 groups", TRAINING, 3.0, 5.0))  # started 0.5 s after its groups: dispatch lost
+    timeline.add(Span("train 2 groups", TRAINING, 5.0, 6.0))
+    timeline.add(Span("optimizer step 0", TRAINING, 6.0, 6.5))
+    summary = timeline.summary(0.0, 6.5)
+    # generation chain: 0.5 + 4.0 + (1.0 + 0.5) = 6.0; training chain: fill 3.0 + 3.5 = 6.5
+    assert summary["bound_s"] == pytest.approx(6.5)
+    timeline.spans[3] = Span("train 2 groups", TRAINING, 2.5, 4.5)  # the first micro-batch on arrival
+    assert timeline.summary(0.0, 6.5)["bound_s"] == pytest.approx(6.0)  # now generation is the longer chain
 
 
 def test_summary_from_the_iterations_first_span_is_the_same():
