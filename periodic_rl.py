@@ -45,6 +45,10 @@ Departures, on purpose:
    overlaps the training tail instead of stalling the trainer; except when the sides take turns
    (`takes_turns`: more CPU threads than cores), where overlapping would only slow both.
 2. θ_final (after the last iteration) is published once more, for the final evaluation only.
+3. Elastic threads on CPU (`elastic_threads`): when the probe split the cores between the two sides, the
+   trainer takes every core once the inference side is done with θ_k (every group in, the evaluation too
+   if due), for the micro-batches still left and the step; back to its share at the next iteration.
+   Which micro-batches train on all cores is fixed by arrival order: a rerun is the same run.
 """
 from __future__ import annotations
 
@@ -66,7 +70,7 @@ from inference import AsyncRollouts, PipelineError, SyncRollouts
 from learner import Learner
 from packing import enable_activation_checkpointing, logprobs_fn
 from reward import as_rewards
-from rollout import Evaluation, Group
+from rollout import Evaluation, Group, is_eval_iteration
 from timeline import INFERENCE, Span, Timeline
 from tri_model import TriModel
 from weights import OffPolicyError
@@ -95,6 +99,18 @@ def takes_turns(cfg) -> bool:
     on_cpu = cfg.rollout_device.startswith("cpu") and cfg.train_device.startswith("cpu")
     rollout_threads = max(cfg.rollout_threads, cfg.inference_workers)  # each worker has at least one
     return on_cpu and rollout_threads + cfg.train_threads > (os.cpu_count() or 1)
+
+
+def elastic_threads(open_cfg, cfg, ranks: Ranks) -> int | None:
+    """All cores for the training tail (departure 3), or None: async on CPU with one inference process, whose
+    thread split the probe chose (`open_cfg`: the config before `sizing.choose`, threads not given) and
+    that overlaps the two sides (`cfg`: its threads add up to at most the cores)."""
+    cores = os.cpu_count() or 1
+    on_cpu = cfg.rollout_device.startswith("cpu") and cfg.train_device.startswith("cpu")
+    chosen = open_cfg.rollout_threads is None and open_cfg.train_threads is None
+    single = ranks.size == 1 and not ranks.inference and cfg.inference_workers == 1
+    overlaps = cfg.rollout_threads + cfg.train_threads <= cores and cfg.train_threads < cores
+    return cores if cfg.mode == "async" and on_cpu and chosen and single and overlaps else None
 
 
 def inference_side(cfg, load_kwargs: dict, train_examples, held_out, load: bool = True, ranks: Ranks = Ranks()):
@@ -152,10 +168,13 @@ def train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs
     # sizes left open: measured (--sizes probe) or by rule (sizing.py)
     if rollouts is not None and not cfg.sized:
         rollouts.wait_until_loaded()  # the probe times this machine's cores, not the inference side's loading
+    open_cfg = cfg
     cfg, probed, _ = sizing.choose(cfg, tri, tokenizer, train_examples)  # sizes left open
+    tail_threads = elastic_threads(open_cfg, cfg, ranks)  # all cores once sampling is done (departure 3), or None
     print(f"periodic-rl: sizes: --groups-per-chunk {cfg.groups_per_chunk} ({cfg.chunks_per_iteration} generate "
           f"call(s) per iteration) --micro-batch-tokens {cfg.micro_batch_tokens} --rollout-threads "
           f"{cfg.rollout_threads} --train-threads {cfg.train_threads} (pass these to fix them)"
+          + (f"; the trainer takes all {tail_threads} threads once sampling is done" if tail_threads else "")
           + (f"\nperiodic-rl: {probed}" if probed else ""), flush=True)
     if on_sized is not None:
         on_sized(cfg)
@@ -178,6 +197,9 @@ def train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs
     try:  # the iterations, as in the module docstring's figure
         for iteration in range(first, cfg.iterations):
             start, first_span = time.perf_counter(), len(timeline.spans)
+            evaluating = bool(held_out) and is_eval_iteration(iteration, cfg.eval_every, cfg.iterations)
+            if tail_threads:
+                torch.set_num_threads(cfg.train_threads)          # its share while the inference side samples
             tri.start_iteration()                                 # θ_old := θ_k (when N > 1 updates)
             learner.start(iteration)
             rollouts.publish(policy, iteration)                   # θ_k -> the inference side
@@ -191,7 +213,9 @@ def train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs
                 if isinstance(message, Group):
                     learner.take(message)
                 elif isinstance(message, Evaluation):             # held-out reward of θ_k (if due)
-                    evaluation = held_out_reward(message, iteration)
+                    evaluation, evaluating = held_out_reward(message, iteration), False
+                if tail_threads and learner.all_taken() and not evaluating:
+                    torch.set_num_threads(tail_threads)           # sampling is done: every core trains the tail
                 for micro_batch in learner.ready():               # (with ranks: [] if none is this rank's)
                     learner.accumulate(micro_batch)               # forward, backward: ∇ accumulates
                     if learner.minibatch_done():

@@ -25,8 +25,10 @@ tokens or their call has ended), d + c·tokens per micro-batch, never before the
 The predicted iteration time is when the trainer finishes; the fewest calls, then the biggest
 micro-batch, within 5% of the fastest win (sync mode, whose sides take turns: the fewest calls
 within 5% of the least generation). On CPU, async mode then splits the cores in proportion
-to the two sides' measured demand, T_gen : T_train (at least one core each), unless a second
-probe at all cores predicts that taking turns (sync's schedule in two processes) is faster. The probe costs about
+to the two sides' measured demand, T_gen : T_train (at least one core each), and the micro-batches
+trained once the last group is in are costed at all cores (the trainer takes them then:
+periodic_rl.elastic_threads); unless the second probe, at all cores, predicts that taking turns
+(sync's schedule in two processes) is faster. The probe costs about
 PASSES iterations' generation per call size (five sizes for 16 prompts) and PASSES iterations' training; the
 `probe:` line prints its seconds.
 (A first version modelled a call of k prompts as its longest response x a per-step cost measured
@@ -120,20 +122,23 @@ def micro_batch_size(tokens: list[int], max_tokens: int) -> int:
     return size
 
 
-def predict_seconds(probe: Probe, calls: int, micro_tokens: int) -> tuple[float, float, float]:
+def predict_seconds(probe: Probe, calls: int, micro_tokens: int,
+                    tail: tuple[float, float] | None = None) -> tuple[float, float, float]:
     """(iteration, generation, training) seconds predicted for `calls` generate calls and micro-batches of
     up to `micro_tokens` (async mode): the measured arrivals of that call size, trained by the learner's
     rule (the waiting groups are trained once they reach `micro_tokens`, or once their call has
-    delivered all its groups), d + c·padded tokens per micro-batch, never before its groups arrived."""
-    d, c = probe.train_seconds
+    delivered all its groups), d + c·padded tokens per micro-batch, never before its groups arrived.
+    `tail`: the (d, c) of the micro-batches trained once the last group is in (the trainer then takes
+    every core: periodic_rl.elastic_threads), if they differ."""
     prompts = probe.prompts
     size = math.ceil(prompts / calls)
-    tokens = probe.tokens[size]
+    tokens, timeline = probe.tokens[size], probe.timelines[size]
     trainer, training, waiting, arrived = 0.0, 0.0, [], {}  # waiting: group indices
-    for when, g, call in probe.timelines[size]:
+    for position, (when, g, call) in enumerate(timeline):
         waiting.append(g)
         arrived[call] = arrived.get(call, 0) + 1
         call_done = arrived[call] == min(size, prompts - call)
+        d, c = tail if tail and position == len(timeline) - 1 else probe.train_seconds
         while waiting and (call_done or sum(tokens[w] for w in waiting) >= micro_tokens):
             n = micro_batch_size([tokens[w] for w in waiting], micro_tokens)
             seconds = d + c * padded_tokens(probe, size, waiting[:n])
@@ -142,14 +147,15 @@ def predict_seconds(probe: Probe, calls: int, micro_tokens: int) -> tuple[float,
     return trainer, probe.generate_seconds[size], training
 
 
-def best_sizes(probe: Probe, max_tokens: int) -> tuple[int, int]:
+def best_sizes(probe: Probe, max_tokens: int, tail: tuple[float, float] | None = None) -> tuple[int, int]:
     """(generate calls, micro-batch tokens): the fewest calls, then the biggest micro-batch, whose
-    predicted iteration is within AS_FAST of the fastest; micro-batches never above `max_tokens`."""
+    predicted iteration (`predict_seconds`, with its `tail`) is within AS_FAST of the fastest; micro-batches
+    never above `max_tokens`."""
     prompts = probe.prompts
     total = sum(probe.tokens[prompts])
     calls = sorted({math.ceil(prompts / k) for k in probe.timelines})
     micro = sorted({min(max_tokens, math.ceil(total / f)) for f in MICRO_BATCH_FRACTIONS}, reverse=True)
-    seconds = {(n, m): predict_seconds(probe, n, m)[0] for n in calls for m in micro}
+    seconds = {(n, m): predict_seconds(probe, n, m, tail)[0] for n in calls for m in micro}
     fastest = min(seconds.values())
     fewest_first = sorted(seconds, key=lambda nm: (nm[0], -nm[1]))
     return next(size for size in fewest_first if seconds[size] <= AS_FAST * fastest)
@@ -256,21 +262,23 @@ def choose(cfg, tri, tokenizer, train_examples) -> tuple[object, str, float]:
     cap = cfg.micro_batch_tokens or MICRO_BATCH_TOKENS
     given = math.ceil(prompts / cfg.groups_per_chunk) if cfg.groups_per_chunk else None
     split_open = cfg.mode == "async" and cores > 1 and not (cfg.rollout_threads or cfg.train_threads)
+    tail = None  # the training tail's costs when the trainer takes every core once sampling is done
     if cfg.mode == "sync" or not split_open:
         threads = cfg.train_threads if cfg.mode == "async" else cores
-        result = probe(cfg, tri, tokenizer, train_examples, threads=threads or cores)
+        result = full = probe(cfg, tri, tokenizer, train_examples, threads=threads or cores)
     else:
         result = probe(cfg, tri, tokenizer, train_examples, threads=max(1, cores // 2))
+        full = probe(cfg, tri, tokenizer, train_examples, threads=cores)
+        tail = full.train_seconds if cfg.inference_workers == 1 else None  # (periodic_rl.elastic_threads)
     if cfg.mode == "sync":
         calls, micro_tokens = in_turns(result, prompts, cap, given)[0], cap
     else:
-        calls, micro_tokens = best_sizes(result, cap)
+        calls, micro_tokens = best_sizes(result, cap, tail)
         calls, micro_tokens = given or calls, cfg.micro_batch_tokens or micro_tokens
-    iteration_s, gen_s, train_s = predict_seconds(result, calls, micro_tokens)
+    iteration_s, gen_s, train_s = predict_seconds(result, calls, micro_tokens, tail)
     overlaps = cfg.mode == "async" and iteration_s < (gen_s + train_s) / AS_FAST
-    turns_note, full = "", result
+    turns_note = ""
     if split_open:
-        full = probe(cfg, tri, tokenizer, train_examples, threads=cores)
         turns_calls, turns_s = in_turns(full, prompts, cap, given)
         turns_note = (f"; in turns at {cores} threads: {turns_s:.3f} s, overlapped at {max(1, cores // 2)} per side: "
                       f"{iteration_s:.3f} s ({calls} call(s), {micro_tokens}-token micro-batches)")

@@ -117,6 +117,43 @@ def test_async_in_turns_never_computes_both_sides_at_once(tiny_model_dir, monkey
     assert [r.get("eval_reward") for r in sync_rows] == [r.get("eval_reward") for r in async_rows]
 
 
+def test_the_trainer_takes_every_core_once_sampling_is_done(tiny_model_dir, monkeypatch):
+    """Claim (periodic_rl.elastic_threads): when the probe split the cores (here: made to pick 1 + 1 on 2 cores),
+    every micro-batch trained before the iteration's last group is in runs at the trainer's share (1 thread), every
+    one after it (and the step) at all cores, each iteration again; an evaluation due keeps the share until its
+    result is in. Which micro-batches get all cores follows from arrival order alone, so a rerun is bitwise the same
+    run. Exact: the loop trains between messages, and two calls of two prompts put the first call's micro-batch
+    before the second call's groups are read."""
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    cfg = parse_args(["--model", str(tiny_model_dir), "--data", "arithmetic", "--reward", DIGITS, "--iterations", "3",
+                      "--batch-size", "16", "--group-size", "4", "--max-new-tokens", "6", "--eval-every", "2",
+                      "--eval-size", "4", "--eval-samples", "2", "--lr", "1e-2", "--no-save", "--mode", "async",
+                      "--groups-per-chunk", "2", "--micro-batch-tokens", "40"])  # threads open: the probe's to pick
+    assert cfg.rollout_threads is None and cfg.train_threads is None
+    split, ranks = dataclasses.replace(cfg, rollout_threads=1, train_threads=1), periodic_rl.Ranks()
+    assert periodic_rl.elastic_threads(cfg, split, ranks) == 2
+    assert periodic_rl.elastic_threads(split, split, ranks) is None  # threads given: kept as given
+    assert periodic_rl.elastic_threads(cfg, dataclasses.replace(split, rollout_threads=2, train_threads=2), ranks) is None
+    assert periodic_rl.elastic_threads(cfg, dataclasses.replace(split, mode="sync"), ranks) is None  # in turns, sync
+    monkeypatch.setattr(periodic_rl.sizing, "choose", lambda cfg, *args: (
+        dataclasses.replace(cfg, rollout_threads=1, train_threads=1), "", 1.0))  # as if the probe chose 1 + 1
+    seen, accumulate = [], Learner.accumulate
+
+    def recording(learner, groups):
+        seen.append((learner.iteration, learner.all_taken(), torch.get_num_threads()))
+        return accumulate(learner, groups)
+    monkeypatch.setattr(Learner, "accumulate", recording)
+    policy, rows = run_training(cfg)
+    evaluating = {0, 2}  # --eval-every 2: the evaluation comes after the last group, so its iterations keep the share
+    assert {(taken, threads) for i, taken, threads in seen if i not in evaluating} == {(False, 1), (True, 2)}
+    assert {threads for i, _, threads in seen if i in evaluating} == {1}
+    assert {iteration for iteration, taken, _ in seen if not taken} == {0, 1, 2}  # the share again each iteration
+    again, again_rows = run_training(cfg)
+    for p, q in zip(policy.parameters(), again.parameters()):
+        assert torch.equal(p, q)
+    assert [r.get("loss") for r in rows] == [r.get("loss") for r in again_rows]
+
+
 def test_chunked_sampling_continues_each_prompt(tiny_model_dir):
     """Claim: sampling several prompts of different lengths in one left-padded generate call continues each
     prompt exactly as sampling it alone does (checked with greedy decoding, where both are deterministic)."""
