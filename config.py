@@ -169,6 +169,10 @@ class Config:
                                              "(N workers: T // N each, the first T %% N one more, at least 1 each; "
                                              "default: see --sizes)")
     train_threads: int | None = _opt(None, "CPU threads of the training process (default: see --sizes)")
+    tail_threads: int | None = _opt(None, "CPU threads of the training process once the inference side is done with "
+                                          "the iteration, for the micro-batches left and the step (async, one "
+                                          "inference process; default: every core when the probe splits them, "
+                                          "else --train-threads)")
     sizes: str = _opt("probe", "how the sizes not given are chosen. probe: on CPU, time iteration 0's generation "
                                "and training first and pick the generate calls, the micro-batch and the thread "
                                "split from a model of the pipeline (sizing.py; printed as flags); rule: one call "
@@ -194,7 +198,8 @@ class Config:
     @property
     def sized(self) -> bool:
         """Whether every size is known (after `derive`, and after `sizing.choose` when it probes)."""
-        return bool(self.groups_per_chunk and self.micro_batch_tokens and self.rollout_threads and self.train_threads)
+        return bool(self.groups_per_chunk and self.micro_batch_tokens and self.rollout_threads and self.train_threads
+                    and self.tail_threads)
 
     @property
     def chunks_per_iteration(self) -> int:
@@ -297,6 +302,7 @@ def derive(cfg: Config) -> Config:
     train_threads = cfg.train_threads or (None if probed else cores if take_turns else max(1, cores - rollout_threads))
     if cfg.mode == "sync" and probed:  # one side at a time: all cores; the probe chooses calls and micro-batch
         rollout_threads, train_threads = rollout_threads or cores, train_threads or cores
+    tail_threads = cfg.tail_threads or train_threads  # (None while the probe is to choose the split)
     return dataclasses.replace(
         cfg,
         max_new_tokens=cfg.max_new_tokens or (TINY_MODELS[cfg.model][1] if cfg.is_tiny else 512),
@@ -309,6 +315,7 @@ def derive(cfg: Config) -> Config:
         dtype=pick_dtype(cfg.dtype, train_device),
         rollout_threads=rollout_threads,
         train_threads=train_threads,
+        tail_threads=tail_threads,
     )
 
 
@@ -364,7 +371,7 @@ def validate(cfg: Config) -> list[str]:
     need(cfg.eval_every >= 0 and cfg.eval_size >= 1 and cfg.eval_samples >= 1,
          "--eval-every must be >= 0, --eval-size and --eval-samples >= 1")
     cores = available_cores()
-    for name in ("rollout_threads", "train_threads"):
+    for name in ("rollout_threads", "train_threads", "tail_threads"):
         value = getattr(cfg, name)
         need(value is None or 1 <= value <= cores, f"--{name.replace('_', '-')} must be from 1 to {cores}, the CPU "
                                                    f"cores this process may use (got {value})")

@@ -53,8 +53,8 @@ from config import UserError
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}  # by the training device's kind
 BUCKET_ELEMENTS = 25 * 2**20  # gradient elements per all_reduce (100 MiB of float32; DDP's default is 25 MiB)
 # Options that may differ between ranks (each rank's own devices, threads and outputs); all others must agree
-PER_RANK = {"device", "rollout_device", "train_device", "rollout_threads", "train_threads", "cache_dir", "out",
-            "overwrite", "trace", "save", "save_every", "keep_checkpoints", "save_on_stop", "resume", "config"}
+PER_RANK = {"device", "rollout_device", "train_device", "rollout_threads", "train_threads", "tail_threads", "cache_dir",
+            "out", "overwrite", "trace", "save", "save_every", "keep_checkpoints", "save_on_stop", "resume", "config"}
 
 
 class RanksError(UserError):

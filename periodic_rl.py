@@ -46,9 +46,9 @@ Departures, on purpose:
    (`takes_turns`: more CPU threads than cores), where overlapping would only slow both.
 2. θ_final (after the last iteration) is published once more, for the final evaluation only.
 3. Elastic threads on CPU (`elastic_threads`): when the probe split the cores between the two sides, the
-   trainer takes every core once the inference side is done with θ_k (every group in, the evaluation too
-   if due), for the micro-batches still left and the step; back to its share at the next iteration.
-   Which micro-batches train on all cores is fixed by arrival order: a rerun is the same run.
+   trainer takes every core (--tail-threads) once the inference side is done with θ_k (every group in, the
+   evaluation too if due), for the micro-batches still left and the step; back to its share at the next
+   iteration. Which micro-batches train on all cores is fixed by arrival order: a rerun is the same run.
 """
 from __future__ import annotations
 
@@ -101,16 +101,14 @@ def takes_turns(cfg) -> bool:
     return on_cpu and rollout_threads + cfg.train_threads > (os.cpu_count() or 1)
 
 
-def elastic_threads(open_cfg, cfg, ranks: Ranks) -> int | None:
-    """All cores for the training tail (departure 3), or None: async on CPU with one inference process, whose
-    thread split the probe chose (`open_cfg`: the config before `sizing.choose`, threads not given) and
-    that overlaps the two sides (`cfg`: its threads add up to at most the cores)."""
-    cores = os.cpu_count() or 1
+def elastic_threads(cfg, ranks: Ranks) -> int | None:
+    """--tail-threads, when the trainer switches to it once sampling is done (departure 3), or None: async on
+    CPU with one inference process, and a tail count other than its share (the probe sets every core when it
+    splits them; given, as given; saved with the run, so a resumed run switches alike)."""
     on_cpu = cfg.rollout_device.startswith("cpu") and cfg.train_device.startswith("cpu")
-    chosen = open_cfg.rollout_threads is None and open_cfg.train_threads is None
     single = ranks.size == 1 and not ranks.inference and cfg.inference_workers == 1
-    overlaps = cfg.rollout_threads + cfg.train_threads <= cores and cfg.train_threads < cores
-    return cores if cfg.mode == "async" and on_cpu and chosen and single and overlaps else None
+    switches = cfg.mode == "async" and on_cpu and single and cfg.tail_threads != cfg.train_threads
+    return cfg.tail_threads if switches else None
 
 
 def inference_side(cfg, load_kwargs: dict, train_examples, held_out, load: bool = True, ranks: Ranks = Ranks()):
@@ -168,13 +166,12 @@ def train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs
     # sizes left open: measured (--sizes probe) or by rule (sizing.py)
     if rollouts is not None and not cfg.sized:
         rollouts.wait_until_loaded()  # the probe times this machine's cores, not the inference side's loading
-    open_cfg = cfg
     cfg, probed, _ = sizing.choose(cfg, tri, tokenizer, train_examples)  # sizes left open
-    tail_threads = elastic_threads(open_cfg, cfg, ranks)  # all cores once sampling is done (departure 3), or None
+    tail_threads = elastic_threads(cfg, ranks)  # the trainer's threads once sampling is done (departure 3), or None
     print(f"periodic-rl: sizes: --groups-per-chunk {cfg.groups_per_chunk} ({cfg.chunks_per_iteration} generate "
           f"call(s) per iteration) --micro-batch-tokens {cfg.micro_batch_tokens} --rollout-threads "
-          f"{cfg.rollout_threads} --train-threads {cfg.train_threads} (pass these to fix them)"
-          + (f"; the trainer takes all {tail_threads} threads once sampling is done" if tail_threads else "")
+          f"{cfg.rollout_threads} --train-threads {cfg.train_threads} --tail-threads {cfg.tail_threads} (pass these "
+          f"to fix them)"
           + (f"\nperiodic-rl: {probed}" if probed else ""), flush=True)
     if on_sized is not None:
         on_sized(cfg)

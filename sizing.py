@@ -262,6 +262,7 @@ def choose(cfg, tri, tokenizer, train_examples) -> tuple[object, str, float]:
     cap = cfg.micro_batch_tokens or MICRO_BATCH_TOKENS
     given = math.ceil(prompts / cfg.groups_per_chunk) if cfg.groups_per_chunk else None
     split_open = cfg.mode == "async" and cores > 1 and not (cfg.rollout_threads or cfg.train_threads)
+    elastic = split_open and cfg.inference_workers == 1 and cfg.tail_threads in (None, cores)
     tail = None  # the training tail's costs when the trainer takes every core once sampling is done
     if cfg.mode == "sync" or not split_open:
         threads = cfg.train_threads if cfg.mode == "async" else cores
@@ -269,7 +270,7 @@ def choose(cfg, tri, tokenizer, train_examples) -> tuple[object, str, float]:
     else:
         result = probe(cfg, tri, tokenizer, train_examples, threads=max(1, cores // 2))
         full = probe(cfg, tri, tokenizer, train_examples, threads=cores)
-        tail = full.train_seconds if cfg.inference_workers == 1 else None  # (periodic_rl.elastic_threads)
+        tail = full.train_seconds if elastic else None  # the tail at every core (periodic_rl.elastic_threads)
     if cfg.mode == "sync":
         calls, micro_tokens = in_turns(result, prompts, cap, given)[0], cap
     else:
@@ -289,10 +290,11 @@ def choose(cfg, tri, tokenizer, train_examples) -> tuple[object, str, float]:
     gain = in_turns(full, prompts, micro_tokens, calls)[1] / iteration_s if overlaps else 1.0  # same sizes, in turns
     rollout_threads = cfg.rollout_threads or (
         min(cores - 1, max(1, round(cores * gen_s / (gen_s + train_s)))) if overlaps else cores)
+    train_threads = cfg.train_threads or (cores - rollout_threads if overlaps else cores)
     chosen = dataclasses.replace(
         cfg, groups_per_chunk=cfg.groups_per_chunk or math.ceil(prompts / calls),
-        micro_batch_tokens=micro_tokens, rollout_threads=rollout_threads,
-        train_threads=cfg.train_threads or (cores - rollout_threads if overlaps else cores))
+        micro_batch_tokens=micro_tokens, rollout_threads=rollout_threads, train_threads=train_threads,
+        tail_threads=cfg.tail_threads or (cores if overlaps and elastic else train_threads))
     d, c = result.train_seconds
     steps = ", ".join(f"{k}: {seconds:.3f}" for k, seconds in sorted(result.generate_seconds.items(), reverse=True))
     note = (f"probe: generate seconds by prompts per call {{{steps}}}, forward/backward {d * 1e3:.1f} ms + "

@@ -98,7 +98,8 @@ def probed_sizes(argv: list[str]) -> tuple[list[str], list[str], float | None]:
     tri = periodic_rl.build_tri_model(cfg, policy, tokenizer.pad_token_id)
     chosen, _, gain = sizing.choose(cfg, tri, tokenizer, train_examples)
     return (["--groups-per-chunk", str(chosen.groups_per_chunk), "--micro-batch-tokens", str(chosen.micro_batch_tokens)],
-            ["--rollout-threads", str(chosen.rollout_threads), "--train-threads", str(chosen.train_threads)], gain)
+            ["--rollout-threads", str(chosen.rollout_threads), "--train-threads", str(chosen.train_threads),
+             "--tail-threads", str(chosen.tail_threads)], gain)
 
 
 def async_workload(argv: list[str], iterations: int, rounds: int) -> dict:

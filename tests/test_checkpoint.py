@@ -83,7 +83,7 @@ def test_a_stopped_run_resumed_equals_the_uninterrupted_one(tiny_model_dir, tmp_
 def test_resume_refuses_options_that_change_the_run(tiny_model_dir):
     """Claim: a resumed run takes the checkpoint's options; a result-changing one given with another value is one
     line naming it; harmless ones (iterations, evaluation, threads) are the checkpoint's unless given anew."""
-    saved = parse_args(["--model", str(tiny_model_dir), *RUN, "--seed", "3", "--lr", "0.01"])
+    saved = parse_args(["--model", str(tiny_model_dir), *RUN, "--seed", "3", "--lr", "0.01", "--tail-threads", "2"])
     state = {"iterations_done": 2, "config": dataclasses.asdict(saved), "reference_fingerprint": "x"}
     for argv, option in ((["--seed", "4"], "--seed"), (["--lr", "0.02"], "--lr"), (["--group-size", "8"], "--group-size"),
                          (["--groups-per-chunk", "4"], "--groups-per-chunk"),
@@ -95,6 +95,7 @@ def test_resume_refuses_options_that_change_the_run(tiny_model_dir):
     assert cfg.mode == "sync" != saved.mode
     assert (cfg.seed, cfg.lr, cfg.model, cfg.batch_size, cfg.groups_per_chunk) == (3, 0.01, str(tiny_model_dir), 16, 2)
     assert (cfg.iterations, cfg.eval_every, cfg.out, cfg.train_threads, cfg.rollout_threads) == (9, 2, "elsewhere", 2, 1)
+    assert cfg.tail_threads == 2  # the probe's elastic tail is the saved run's too (periodic_rl.elastic_threads)
 
 
 def test_checkpoints_are_atomic_pruned_and_checked(tiny_model_dir, tmp_path, monkeypatch):

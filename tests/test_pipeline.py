@@ -118,10 +118,10 @@ def test_async_in_turns_never_computes_both_sides_at_once(tiny_model_dir, monkey
 
 
 def test_the_trainer_takes_every_core_once_sampling_is_done(tiny_model_dir, monkeypatch):
-    """Claim (periodic_rl.elastic_threads): when the probe split the cores (here: made to pick 1 + 1 on 2 cores),
-    every micro-batch trained before the iteration's last group is in runs at the trainer's share (1 thread), every
-    one after it (and the step) at all cores, each iteration again; an evaluation due keeps the share until its
-    result is in. Which micro-batches get all cores follows from arrival order alone, so a rerun is bitwise the same
+    """Claim (periodic_rl.elastic_threads): when the probe split the cores (here: made to pick 1 + 1 on 2 cores and
+    --tail-threads 2, as it does when it splits them), every micro-batch trained before the iteration's last group
+    is in runs at the trainer's share (1 thread), every one after it (and the step) at all cores, each iteration
+    again; an evaluation due keeps the share until its result is in. Which micro-batches get all cores follows from arrival order alone, so a rerun is bitwise the same
     run. Exact: the loop trains between messages, and two calls of two prompts put the first call's micro-batch
     before the second call's groups are read."""
     monkeypatch.setattr("os.cpu_count", lambda: 2)
@@ -129,14 +129,13 @@ def test_the_trainer_takes_every_core_once_sampling_is_done(tiny_model_dir, monk
                       "--batch-size", "16", "--group-size", "4", "--max-new-tokens", "6", "--eval-every", "2",
                       "--eval-size", "4", "--eval-samples", "2", "--lr", "1e-2", "--no-save", "--mode", "async",
                       "--groups-per-chunk", "2", "--micro-batch-tokens", "40"])  # threads open: the probe's to pick
-    assert cfg.rollout_threads is None and cfg.train_threads is None
-    split, ranks = dataclasses.replace(cfg, rollout_threads=1, train_threads=1), periodic_rl.Ranks()
-    assert periodic_rl.elastic_threads(cfg, split, ranks) == 2
-    assert periodic_rl.elastic_threads(split, split, ranks) is None  # threads given: kept as given
-    assert periodic_rl.elastic_threads(cfg, dataclasses.replace(split, rollout_threads=2, train_threads=2), ranks) is None
-    assert periodic_rl.elastic_threads(cfg, dataclasses.replace(split, mode="sync"), ranks) is None  # in turns, sync
-    monkeypatch.setattr(periodic_rl.sizing, "choose", lambda cfg, *args: (
-        dataclasses.replace(cfg, rollout_threads=1, train_threads=1), "", 1.0))  # as if the probe chose 1 + 1
+    assert cfg.rollout_threads is None and cfg.train_threads is None and cfg.tail_threads is None
+    split, ranks = dataclasses.replace(cfg, rollout_threads=1, train_threads=1, tail_threads=2), periodic_rl.Ranks()
+    assert periodic_rl.elastic_threads(split, ranks) == 2
+    assert periodic_rl.elastic_threads(dataclasses.replace(split, tail_threads=1), ranks) is None  # as given: no switch
+    assert periodic_rl.elastic_threads(dataclasses.replace(split, mode="sync"), ranks) is None
+    assert periodic_rl.elastic_threads(dataclasses.replace(split, inference_workers=2), ranks) is None
+    monkeypatch.setattr(periodic_rl.sizing, "choose", lambda cfg, *args: (split, "", 1.0))  # as if the probe chose it
     seen, accumulate = [], Learner.accumulate
 
     def recording(learner, groups):
