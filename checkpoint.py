@@ -111,6 +111,7 @@ def read_state(path: Path) -> dict:
         if isinstance(config.get("reward"), str):  # written before --reward was repeatable: its one reward, weight 1
             config["reward"] = [config["reward"]]
             config.setdefault("reward_weights", [1.0])
+        config.setdefault("tail_threads", config.get("train_threads"))  # written before --tail-threads: no switch
         return {"iterations_done": int(state["iterations_done"]), "config": config,
                 "reference_fingerprint": str(state["reference_fingerprint"])}
     except (OSError, ValueError, KeyError, TypeError) as error:

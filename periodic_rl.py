@@ -103,11 +103,11 @@ def takes_turns(cfg) -> bool:
 
 def elastic_threads(cfg, ranks: Ranks) -> int | None:
     """--tail-threads, when the trainer switches to it once sampling is done (departure 3), or None: async on
-    CPU with one inference process, and a tail count other than its share (the probe sets every core when it
+    CPU with one inference process, and more tail threads than its share (the probe sets every core when it
     splits them; given, as given; saved with the run, so a resumed run switches alike)."""
     on_cpu = cfg.rollout_device.startswith("cpu") and cfg.train_device.startswith("cpu")
     single = ranks.size == 1 and not ranks.inference and cfg.inference_workers == 1
-    switches = cfg.mode == "async" and on_cpu and single and cfg.tail_threads != cfg.train_threads
+    switches = cfg.mode == "async" and on_cpu and single and cfg.tail_threads > cfg.train_threads  # never fewer
     return cfg.tail_threads if switches else None
 
 

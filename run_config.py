@@ -47,7 +47,7 @@ NOT_OPTIONS = ("run_id", "versions", "command")  # config.json's keys that are n
 COMMAND_LINE_ONLY = ("resume", "overwrite", "config")
 # Options config.json records as `derive` resolved them from another option: given anew on the command line, that
 # option re-derives them (a tiny run's config.json with --model qwen2.5-0.5b must not keep the tiny lr and lengths).
-SIZES = ("groups_per_chunk", "micro_batch_tokens", "rollout_threads", "train_threads")
+SIZES = ("groups_per_chunk", "micro_batch_tokens", "rollout_threads", "train_threads", "tail_threads")
 DERIVED_FROM = {"model": ("lr", "max_new_tokens", *SIZES), "reward": ("reward_weights",),
                 "device": ("train_device", "rollout_device", "dtype", *SIZES), "mode": ("rollout_device", *SIZES),
                 "batch_size": SIZES, "group_size": SIZES, "inference_workers": ("rollout_device", *SIZES)}

@@ -21,6 +21,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import statistics
 import sys
 from pathlib import Path
@@ -73,10 +74,11 @@ def peer_run(name: str, argv: list[str] | None, args: argparse.Namespace) -> tup
     model, default_tokens = PEER_TASKS[args.task]
     common = ["--model", model, "--max-new-tokens", str(args.max_new_tokens or default_tokens)]
     if argv is None:
-        if not os.access(args.trl_python, os.X_OK):
+        python = shutil.which(args.trl_python)  # a path (relative to where bench.py was called) or a name on PATH
+        if python is None:
             raise SystemExit(f"error: --trl-python {args.trl_python} is not an executable Python: make a virtualenv "
                              "with trl==1.16.0 (tools/trl_grpo_run.py says how) and pass its python")
-        out = subprocess.run([args.trl_python, "tools/trl_grpo_run.py", "--steps", str(args.iterations), *common],
+        out = subprocess.run([os.path.abspath(python), "tools/trl_grpo_run.py", "--steps", str(args.iterations), *common],
                              capture_output=True, text=True, cwd=ROOT)
         if out.returncode != 0:
             raise SystemExit(f"TRL run failed (is trl==1.16.0 installed in {args.trl_python}?):\n{out.stderr[-2000:]}")

@@ -7,9 +7,10 @@ each run's first iteration dropped), the speedup and its range over the rounds, 
 times T_gen and T_train measured in sync mode, and two bounds:
   ideal  (T_gen + T_train) / max(T_gen, T_train), a perfect pipeline
   bound  the pipeline's bound from async's own spans at the sizes and threads it chose (timeline.py's
-         bound_s: publish + generation + the last micro-batch and the step, or the fill + all training,
-         whichever is longer), as a speedup over sync: what a perfect pipeline of the same phase times
-         would reach. Streaming by completion inside one generate call counts (the fill is when the
+         bound_s: publish + generation + the last micro-batch and the step, or the fill + the training
+         after it, whichever is longer), as a speedup over sync: what a perfect pipeline of the same phase
+         times would reach. It judges the pipeline, not the choice of sizes and threads (slower spans
+         lower the bound too): "async never slower than sync" judges that. Streaming by completion inside one generate call counts (the fill is when the
          first micro-batch started). `predicted` is the probe's speedup before the run (`sizing.choose`,
          1.00x when it takes turns): a check of the probe's model, not a target.
 `--chunk-sweep` runs the default workload at several --groups-per-chunk instead: batching vs

@@ -1,7 +1,6 @@
 """checkpoint.py and the long-run options: checkpoints are atomic, a resume is exact, a stop keeps what is exact."""
 import dataclasses
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -96,6 +95,20 @@ def test_resume_refuses_options_that_change_the_run(tiny_model_dir):
     assert (cfg.seed, cfg.lr, cfg.model, cfg.batch_size, cfg.groups_per_chunk) == (3, 0.01, str(tiny_model_dir), 16, 2)
     assert (cfg.iterations, cfg.eval_every, cfg.out, cfg.train_threads, cfg.rollout_threads) == (9, 2, "elsewhere", 2, 1)
     assert cfg.tail_threads == 2  # the probe's elastic tail is the saved run's too (periodic_rl.elastic_threads)
+    argv = ["--tail-threads", "1"]  # harmless given anew (float rounding only)
+    assert checkpoint.resumed_config(parse_args(argv), given_options(argv), state).tail_threads == 1
+
+
+def test_a_checkpoint_from_before_tail_threads_resumes_without_a_switch(tiny_model_dir, tmp_path):
+    """Claim: a checkpoint written before --tail-threads existed resumes with every size fixed (no probe, which
+    would pick other sizes): its tail is its training threads, so the trainer never switches (as it ran)."""
+    saved = dataclasses.asdict(parse_args(["--model", str(tiny_model_dir), *RUN]))
+    del saved["tail_threads"]
+    (tmp_path / "state.json").write_text(json.dumps({"iterations_done": 2, "config": saved,
+                                                     "reference_fingerprint": "x"}))
+    state = checkpoint.read_state(tmp_path)
+    cfg = checkpoint.resumed_config(parse_args([]), set(), state)
+    assert cfg.tail_threads == cfg.train_threads == 1 and cfg.sized
 
 
 def test_checkpoints_are_atomic_pruned_and_checked(tiny_model_dir, tmp_path, monkeypatch):
