@@ -288,9 +288,9 @@ def choose(cfg, tri, tokenizer, train_examples) -> tuple[object, str, float]:
             gen_s = full.generate_seconds[math.ceil(prompts / calls)]
             iteration_s, train_s = turns_s, turns_s - gen_s
     gain = in_turns(full, prompts, micro_tokens, calls)[1] / iteration_s if overlaps else 1.0  # same sizes, in turns
-    rollout_threads = cfg.rollout_threads or (
-        min(cores - 1, max(1, round(cores * gen_s / (gen_s + train_s)))) if overlaps else cores)
-    train_threads = cfg.train_threads or (cores - rollout_threads if overlaps else cores)
+    rollout_threads = cfg.rollout_threads or (  # at least one thread per side (one core: both share it)
+        max(1, min(cores - 1, round(cores * gen_s / (gen_s + train_s)))) if overlaps else cores)
+    train_threads = cfg.train_threads or (max(1, cores - rollout_threads) if overlaps else cores)
     chosen = dataclasses.replace(
         cfg, groups_per_chunk=cfg.groups_per_chunk or math.ceil(prompts / calls),
         micro_batch_tokens=micro_tokens, rollout_threads=rollout_threads, train_threads=train_threads,

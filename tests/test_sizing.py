@@ -1,4 +1,5 @@
 """sizing.py: the pipeline model that picks the generate calls, and the probe that feeds it."""
+import dataclasses
 import math
 
 import torch
@@ -138,6 +139,9 @@ def test_probe_changes_nothing_and_choose_fills_only_open_sizes(tiny_model_dir, 
                           max_new_tokens=6, groups_per_chunk=3))
     kept, _, _ = sizing.choose(fixed, tri, tokenizer, train)
     assert kept.groups_per_chunk == 3 and kept.sized
+    monkeypatch.setattr("os.cpu_count", lambda: 1)  # one core: still one thread per side, whatever is predicted
+    one = sizing.choose(dataclasses.replace(cfg, rollout_threads=None, train_threads=None), tri, tokenizer, train)[0]
+    assert (one.rollout_threads, one.train_threads, one.tail_threads) == (1, 1, 1)
     given = derive(Config(model=str(tiny_model_dir), mode="async", groups_per_chunk=2, micro_batch_tokens=100,
                           rollout_threads=1, train_threads=1))
     assert sizing.choose(given, tri, tokenizer, train) == (given, "", 1.0)
