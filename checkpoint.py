@@ -40,8 +40,8 @@ CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 # checkpoint's, so that by default a resume is bitwise the run that was never interrupted.
 HARMLESS = {"iterations", "eval_every", "eval_samples", "trace", "save", "save_every", "keep_checkpoints",
             "save_on_stop", "sizes", "cache_dir", "reward_timeout", "gradient_checkpointing", "attn_implementation",
-            "micro_batch_tokens", "rollout_threads", "train_threads", "tail_threads", "report_to",
-            "collective_timeout", "inference_workers",  # the groups reach the trainer in one worker's order (inference.in_call_order)
+            "micro_batch_tokens", "rollout_threads", "train_threads", "tail_threads", "report_to", "collective_timeout",
+            "inference_workers",  # the groups reach the trainer in one worker's order (inference.in_call_order)
             "mode"}  # async and sync are the same run (bitwise, with equal thread counts: tests/test_pipeline.py)
 # (Not eval_size: for data without a test split the held-out rows are the last eval_size, kept out of training.)
 DEVICES = {"device", "rollout_device", "train_device"}  # given one, all three are this run's (derived together)

@@ -25,7 +25,7 @@ from distributed import Ranks
 from grpo import grpo_loss, loss_normalizer
 from inference import PipelineError
 from rollout import Group
-from timeline import Timeline
+from timeline import TRAIN, Timeline
 from tri_model import TriModel
 from weights import OffPolicyError
 
@@ -139,7 +139,7 @@ class Learner:
         if not groups:
             return
         self.tri.policy.train()
-        name = f"train group {groups[0].index}" if len(groups) == 1 else f"train {len(groups)} groups"
+        name = f"{TRAIN}group {groups[0].index}" if len(groups) == 1 else f"{TRAIN}{len(groups)} groups"
         with self.timeline.span(name):
             batch = [(torch.tensor(g.prompt_ids, device=self.device),                  # (P,)
                       [torch.tensor(r, device=self.device) for r in g.responses])      # G x (R_i,)

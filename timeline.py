@@ -22,7 +22,8 @@ overlaps the tail); tail: the training side's work from the last micro-batch on 
 group to arrive; then the optimizer step); fill: until the first micro-batch starts (its groups had to
 arrive). The three parts of each chain are disjoint in time, so bound_s <= W; a perfect pipeline of
 the same spans would hide the rest: bound_s / W is how close the schedule came (`bench.py async`).
-`write_chrome_trace` writes the trace-event JSON that chrome://tracing and https://ui.perfetto.dev open: one row per process (per inference worker: its lane).
+`write_chrome_trace` writes the trace-event JSON that chrome://tracing and https://ui.perfetto.dev open:
+one row per process (per inference worker: its lane).
 """
 from __future__ import annotations
 
@@ -82,12 +83,11 @@ def pipeline_bound(start: float, inference: list[tuple[float, float]], training:
     >>> round(pipeline_bound(0.0, [(0.1, 3.0)], [(0.0, 0.1), (1.0, 2.0), (3.2, 4.0)], [1.0, 3.2]), 9)  # 0.1 + 2.9 + 0.8
     3.8
     """
-    def within(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
-        return sum(max(0.0, min(e, hi) - max(s, lo)) for s, e in intervals)
     fill, last, end = min(micro_batches), max(micro_batches), float("inf")
-    lead = within(training, start, inference[0][0]) if inference else 0.0
-    sampling = within(inference, start, last)  # up to the last group (an evaluation after it overlaps the tail)
-    return max(lead + sampling + within(training, last, end), fill - start + within(training, fill, end))
+    lead = intersection(training, [(start, inference[0][0])]) if inference else 0.0
+    sampling = intersection(inference, [(start, last)])  # to the last group (an evaluation after it overlaps the tail)
+    return max(lead + sampling + intersection(training, [(last, end)]),
+               fill - start + intersection(training, [(fill, end)]))
 
 
 class Timeline:

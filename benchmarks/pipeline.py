@@ -9,10 +9,11 @@ times T_gen and T_train measured in sync mode, and two bounds:
   bound  the pipeline's bound from async's own spans at the sizes and threads it chose (timeline.py's
          bound_s: publish + generation + the last micro-batch and the step, or the fill + the training
          after it, whichever is longer), as a speedup over sync: what a perfect pipeline of the same phase
-         times would reach. It judges the pipeline, not the choice of sizes and threads (slower spans
-         lower the bound too): "async never slower than sync" judges that. Streaming by completion inside one generate call counts (the fill is when the
-         first micro-batch started). `predicted` is the probe's speedup before the run (`sizing.choose`,
-         1.00x when it takes turns): a check of the probe's model, not a target.
+         times would reach. Streaming by completion inside one generate call counts (the fill ends when
+         the first micro-batch starts). It judges the pipeline, not the choice of sizes and threads
+         (slower spans lower the bound too): "async never slower than sync" judges that. `predicted` is
+         the probe's speedup before the run (`sizing.choose`, 1.00x when it takes turns): a check of the
+         probe's model, not a target.
 `--chunk-sweep` runs the default workload at several --groups-per-chunk instead: batching vs
 streaming. Both modes run at the sizes async's probe picks (`probed_sizes`, probed once per
 workload: the same generate calls and micro-batch, so the two compare at the same sizes); sync

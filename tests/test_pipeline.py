@@ -121,8 +121,8 @@ def test_the_trainer_takes_every_core_once_sampling_is_done(tiny_model_dir, monk
     """Claim (periodic_rl.elastic_threads): when the probe split the cores (here: made to pick 1 + 1 on 2 cores and
     --tail-threads 2, as it does when it splits them), every micro-batch trained before the iteration's last group
     is in runs at the trainer's share (1 thread), every one after it (and the step) at all cores, each iteration
-    again; an evaluation due keeps the share until its result is in. Which micro-batches get all cores follows from arrival order alone, so a rerun is bitwise the same
-    run. Exact: the loop trains between messages, and two calls of two prompts put the first call's micro-batch
+    again; an evaluation due keeps the share until its result is in. Which micro-batches get all cores follows from
+    arrival order alone, so a rerun is bitwise the same run. Exact: the loop trains between messages, and two calls of two prompts put the first call's micro-batch
     before the second call's groups are read."""
     monkeypatch.setattr("os.cpu_count", lambda: 2)
     cfg = parse_args(["--model", str(tiny_model_dir), "--data", "arithmetic", "--reward", DIGITS, "--iterations", "3",
