@@ -9,7 +9,9 @@ within each of `--rounds` rounds; samples/s = 128 / mean seconds per step (first
 and each contender's ratio to TRL, with each one's mean response length (the two train their own
 policies, so lengths drift apart a little). `--task chain`: the `tiny-chain` model on the chain
 task (worked sums, responses of 5 to ~100 tokens with a long tail, <= 128 new tokens), the
-workload where streaming groups by completion pays.
+workload where streaming groups by completion pays. `--model DIR --data GSM8K --device cuda`: the GPU
+comparison, e.g. on tools/qwen_shaped_random.py's Qwen2.5-0.5B-shaped directory: GSM8K questions in the
+chat template, lr 1e-6, bf16 autocast over float32 weights on both sides.
 
 Targets: both modes at least TRL's samples/s, async at least sync's, and on `--task chain` async
 at least 1.5x TRL's.
@@ -49,9 +51,18 @@ def peer_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--task", choices=PEER_TASKS, default="arithmetic",
                         help="arithmetic: the toy (responses of ~4 tokens); chain: long-tailed responses of 5-100 "
                              "tokens (the tiny-chain model)")
-    parser.add_argument("--max-new-tokens", type=int, default=None, help="default: 8 (arithmetic), 128 (chain)")
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help="default: 8 (arithmetic), 128 (chain), 512 (--model DIR)")
+    parser.add_argument("--model", metavar="DIR", default=None,
+                        help="instead of --task: a local chat-model directory (e.g. tools/qwen_shaped_random.py's), "
+                             "trained on --data")
+    parser.add_argument("--data", default=None, help="with --model DIR: GSM8K-style prompts (train.jsonl/test.jsonl)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where both sides run")
     parser.add_argument("--trainer-args", default="", metavar="ARGS",
                         help="extra trainer.py options for both periodic-rl contenders")
+    parser.add_argument("--trl-args", default="", metavar="ARGS",
+                        help="extra tools/trl_grpo_run.py options, e.g. '--micro-batch 16' (a 0.5B model's 128 "
+                             "completions do not fit one forward on an 80 GB GPU)")
     parser.add_argument("--json", metavar="FILE", help="write the figures as JSON to FILE")
 
 
@@ -66,19 +77,32 @@ def chosen_sizes(stdout: str) -> str:
     return f"{found.group(1)} call(s), {found.group(2)}" if found else ""
 
 
+def workload(args: argparse.Namespace) -> tuple[str, int]:
+    """(model, default max new tokens) of the run: --task's tiny model, or --model DIR."""
+    if args.model is None:
+        return PEER_TASKS[args.task]
+    if args.data is None:
+        raise SystemExit("error: --model DIR needs --data (GSM8K-style prompts)")
+    return os.path.abspath(args.model), 512
+
+
 def peer_run(name: str, argv: list[str] | None, args: argparse.Namespace) -> tuple[float, float, str]:
     """One fresh process of a contender: its mean seconds per step (optimizer step = 128 samples), mean
     response length in tokens (first step dropped) and the sizes it chose ('' for TRL)."""
     import subprocess
     import tempfile
-    model, default_tokens = PEER_TASKS[args.task]
-    common = ["--model", model, "--max-new-tokens", str(args.max_new_tokens or default_tokens)]
+    model, default_tokens = workload(args)
+    common = ["--model", model, "--max-new-tokens", str(args.max_new_tokens or default_tokens), "--device",
+              args.device, "--lr", "1e-4" if args.model is None else "1e-6"]  # periodic-rl's default lr, both sides
+    if args.model is not None:
+        common += ["--data", os.path.abspath(args.data)]
     if argv is None:
         python = shutil.which(args.trl_python)  # a path (relative to where bench.py was called) or a name on PATH
         if python is None:
             raise SystemExit(f"error: --trl-python {args.trl_python} is not an executable Python: make a virtualenv "
                              "with trl==1.16.0 (tools/trl_grpo_run.py says how) and pass its python")
-        out = subprocess.run([os.path.abspath(python), "tools/trl_grpo_run.py", "--steps", str(args.iterations), *common],
+        out = subprocess.run([os.path.abspath(python), "tools/trl_grpo_run.py", "--steps", str(args.iterations), *common,
+                              *shlex.split(args.trl_args)],
                              capture_output=True, text=True, cwd=ROOT)
         if out.returncode != 0:
             raise SystemExit(f"TRL run failed (is trl==1.16.0 installed in {args.trl_python}?):\n{out.stderr[-2000:]}")
@@ -100,10 +124,10 @@ def peer(args: argparse.Namespace) -> bool:
     """Samples/s of TRL's GRPOTrainer and of periodic-rl (sync, async) on the same work, interleaved rounds."""
     times: dict[str, list[float]] = {name: [] for name in PEER_CONTENDERS}
     lengths: dict[str, list[float]] = {name: [] for name in PEER_CONTENDERS}
-    model, default_tokens = PEER_TASKS[args.task]
+    model, default_tokens = workload(args)
     print(f"{args.rounds} rounds x {len(times)} contenders, {args.iterations} timed steps each ({args.task}: {model}, "
           f"16 prompts x 8, <= {args.max_new_tokens or default_tokens} new tokens, beta 0.04, {os.cpu_count()} "
-          "cores), fresh process per run")
+          f"cores, device {args.device}), fresh process per run")
     for round_ in range(args.rounds):
         for name, argv in PEER_CONTENDERS.items():
             seconds, length, sizes = peer_run(name, argv, args)
@@ -122,7 +146,7 @@ def peer(args: argparse.Namespace) -> bool:
                          "mean_response_tokens": statistics.mean(lengths[name])}
         print(f"{name:20s} {results[name]['samples_per_s']:10.0f} {results[name]['vs_trl']:7.2f}x "
               f"{min(ratios):5.2f}-{max(ratios):.2f}x  {results[name]['mean_response_tokens']:6.1f} tokens", flush=True)
-    target = PEER_TARGETS[args.task]
+    target = PEER_TARGETS[args.task] if args.model is None else 1.0
     checks = [(results["periodic-rl async"]["vs_trl"] >= target, f"async (defaults) >= {target}x TRL"),
               (results["periodic-rl sync"]["vs_trl"] >= 1.0, "sync (defaults) >= TRL"),
               (results["periodic-rl async"]["samples_per_s"] >= results["periodic-rl sync"]["samples_per_s"],

@@ -21,17 +21,12 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return path
 
 
-# Qwen2.5-Instruct's chat template without its tool-calling branch (the shape of the real one).
-QWEN_CHAT_TEMPLATE = (
-    "{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
-    "{%- else %}{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant."
-    "<|im_end|>\\n' }}{%- endif %}"
-    "{%- for message in messages %}{%- if not (message.role == 'system' and loop.first) %}"
-    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
-# The sampling defaults Qwen2.5-0.5B-Instruct ships in generation_config.json.
+# Qwen's chat template, chat tokens and shipped generation_config: the same as tools/qwen_shaped_random.py's
+# Qwen2.5-0.5B-shaped directory for GPU runs
+from tools.qwen_shaped_random import (QWEN_CHAT_TEMPLATE, QWEN_SAMPLING,  # noqa: E402,F401 (tests import them)
+                                      qwen_chat_tokenizer, qwen_generation_config)
+
 LOGIT_SCALE = 8.0
-QWEN_SAMPLING = dict(do_sample=True, repetition_penalty=1.1, temperature=0.7, top_p=0.8, top_k=20)
 
 
 def save_qwen_shaped(source: Path, out: Path) -> Path:
@@ -39,11 +34,8 @@ def save_qwen_shaped(source: Path, out: Path) -> Path:
     <|im_end|>, its pad <|endoftext|>; generation_config lists both as EOS ([<|im_end|>, <|endoftext|>]) with
     the sampling defaults Qwen ships."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-    tokenizer = AutoTokenizer.from_pretrained(source)
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    tokenizer.eos_token, tokenizer.pad_token = "<|im_end|>", "<|endoftext|>"
-    tokenizer.chat_template = QWEN_CHAT_TEMPLATE
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tokenizer = qwen_chat_tokenizer(AutoTokenizer.from_pretrained(source))
     model = AutoModelForCausalLM.from_pretrained(source)
     torch.manual_seed(0)  # the two new embedding rows
     model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
@@ -51,9 +43,7 @@ def save_qwen_shaped(source: Path, out: Path) -> Path:
         model.model.norm.weight.mul_(LOGIT_SCALE)
     im_end, endoftext = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     model.config.eos_token_id, model.config.bos_token_id, model.config.pad_token_id = im_end, endoftext, endoftext
-    model.generation_config = GenerationConfig(bos_token_id=endoftext, pad_token_id=endoftext,
-                                               eos_token_id=[im_end, endoftext],
-                                               **QWEN_SAMPLING)
+    model.generation_config = qwen_generation_config(tokenizer)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out

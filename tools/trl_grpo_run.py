@@ -13,7 +13,10 @@ The work (periodic-rl's defaults for `--model tiny`, sync mode): the cached tiny
 directory as the reference; 16 raw-text prompts "a+b=" per step from `tasks.arithmetic_examples("train")`
 (`--model tiny-chain`: the chain-warmed tiny model and `tasks.chain_examples("train")`, "3+8+1+5=")
 (a `datasets.Dataset` in TRL's standard format, columns "prompt" and "answer"; TRL tokenizes them to
-exactly `tasks.prompt_token_ids`, no BOS or other special token: checked at start-up), G = 8 samples
+exactly `tasks.prompt_token_ids`, no BOS or other special token: checked at start-up). With `--model DIR
+--data GSM8K --device cuda` (the GPU comparison, e.g. tools/qwen_shaped_random.py's directory): GSM8K
+questions after tasks.SYSTEM_PROMPT in TRL's conversational format (the same token ids as periodic-rl's,
+checked), the model on the GPU with bf16 autocast over float32 weights (bf16=True). G = 8 samples
 each = 128 completions of at most 8 tokens from HF `generate` (temperature 1, top-p 1, top-k 0 = off,
 no repetition penalty), `tasks.math_reward` as the reward, std-scaled group advantages, the dapo
 loss with beta 0.04 (k3 KL with TRL 1.16's default bias correction), clip 0.2 both sides, one
@@ -48,7 +51,7 @@ kernels/chunked_logprob.py and transformers 5.23's trainer.py; single process, u
    columns (`answer`, repeated per row, `completion_ids`, `trainer_state`, `log_extra`,
    `log_metric`); rewards go through NaN checks and nan-aware group mean/std.
 5. The generated batch is shuffled (a random permutation of the 128 rows, `shuffle_sequence_dict`)
-   and split into `steps_per_generation` (= 1) pieces.
+   and split into `steps_per_generation` pieces (1; `--micro-batch M`: samples / M, accumulated).
 6. Metrics, computed every step whatever the logging settings, each read back with `.item()`:
    completion length mean/min/max, truncated ratio, terminated-length mean/min/max, tokens seen;
    reward mean/std (overall and per function), fraction of zero-std groups; the KL mean, the entropy
@@ -95,9 +98,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=10, help="timed steps (one more runs first and is dropped)")
     parser.add_argument("--prompts-per-step", type=int, default=16)
     parser.add_argument("--group-size", type=int, default=8, help="completions per prompt (G)")
-    parser.add_argument("--model", choices=("tiny", "tiny-chain"), default="tiny",  # config.TINY_MODELS
-                        help="tiny: arithmetic prompts; tiny-chain: chain prompts (long-tailed response lengths)")
+    parser.add_argument("--model", default="tiny",
+                        help="tiny: arithmetic prompts; tiny-chain: chain prompts (long-tailed response lengths); "
+                             "or a local model directory with a chat template (e.g. tools/qwen_shaped_random.py's), "
+                             "with --data")
+    parser.add_argument("--data", default=None,
+                        help="with a model directory: GSM8K-style prompts (a directory of train.jsonl/test.jsonl or "
+                             "a file, read by periodic-rl's data.load_data), in the chat template after "
+                             "tasks.SYSTEM_PROMPT as periodic-rl does")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: the model on the GPU and bf16 autocast with float32 master weights (TRL's "
+                             "bf16=True), as periodic-rl's --dtype auto does there")
     parser.add_argument("--max-new-tokens", type=int, default=8)
+    parser.add_argument("--micro-batch", type=int, default=None,
+                        help="completions per forward/backward (per_device_train_batch_size), the step's others "
+                             "accumulated (gradient_accumulation_steps = steps_per_generation = samples / this: "
+                             "still one generate call and one optimizer step per step); default: all in one. "
+                             "A 0.5B model's 128 x ~580 tokens at once do not fit an 80 GB GPU")
     parser.add_argument("--beta", type=float, default=0.04)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
@@ -107,13 +124,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.steps < 1 or args.prompts_per_step < 1 or args.group_size < 2 or args.max_new_tokens < 1:
         parser.error("need --steps >= 1, --prompts-per-step >= 1, --group-size >= 2, --max-new-tokens >= 1")
+    if (args.model in ("tiny", "tiny-chain")) == (args.data is not None):
+        parser.error("--data goes with a model directory, and a model directory needs --data")
+    if args.micro_batch is not None and (args.micro_batch < 1 or
+                                         (args.prompts_per_step * args.group_size) % args.micro_batch):
+        parser.error("--micro-batch must divide --prompts-per-step x --group-size")
     return args
 
 
 def math_reward(prompts, completions, answer, **kwargs) -> list[float]:
-    """tasks.math_reward in TRL's reward-function shape (one call per batch, columns as keyword lists)."""
+    """tasks.math_reward in TRL's reward-function shape (one call per batch, columns as keyword lists); a
+    conversational completion is [{"role": "assistant", "content": text}]."""
     import tasks
-    return [tasks.math_reward(p, c, a) for p, c, a in zip(prompts, completions, answer, strict=True)]
+    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+    return [tasks.math_reward(str(p), c, a) for p, c, a in zip(prompts, texts, answer, strict=True)]
 
 
 def record_calls(trainer, names, spans: list) -> None:
@@ -148,29 +172,48 @@ def main(argv: list[str] | None = None) -> None:
     if trl.__version__ != TRL_VERSION:
         print(f"warning: this script was written against TRL {TRL_VERSION}, found {trl.__version__}",
               file=sys.stderr)
-    path = str(ensure_tiny_model(args.cache_dir, TINY_RECIPES[args.model]))
+    tiny = args.model in TINY_RECIPES
+    path = str(ensure_tiny_model(args.cache_dir, TINY_RECIPES[args.model])) if tiny else args.model
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
 
-    examples = tasks.load_task(TINY_MODELS[args.model][0])[0]  # the train split of the task it was warmed up on
-    prompts = [e.prompt for e in examples]
-    train_dataset = datasets.Dataset.from_dict({"prompt": prompts, "answer": [e.answer for e in examples]})
-    # TRL tokenizes standard-format prompts with `processing_class(text=prompts)` (GRPOTrainer._tokenize_prompts)
-    trl_ids = tokenizer(text=prompts)["input_ids"]
-    ours = [tasks.prompt_token_ids(tokenizer, e.prompt) for e in examples]
+    if tiny:  # the train split of the task it was warmed up on, raw text
+        examples = tasks.load_task(TINY_MODELS[args.model][0])[0]
+        prompts = [e.prompt for e in examples]
+        # TRL tokenizes standard-format prompts with `processing_class(text=prompts)` (GRPOTrainer._tokenize_prompts)
+        trl_ids = tokenizer(text=prompts)["input_ids"]
+    else:  # as periodic-rl prompts a chat model: system prompt + question, in TRL's conversational format
+        from data import load_data
+        examples = load_data(args.data, None, "train", "question", "answer", 64)[0][:1024]
+        prompts = [[{"role": "system", "content": tasks.SYSTEM_PROMPT}, {"role": "user", "content": e.prompt}]
+                   for e in examples]
+        # TRL tokenizes conversations with one apply_chat_template(tokenize=True) call (_tokenize_prompts)
+        trl_ids = tokenizer.apply_chat_template(prompts[:64], add_generation_prompt=True, tokenize=True,
+                                                return_dict=True)["input_ids"]
+    ours = [tasks.prompt_token_ids(tokenizer, e.prompt) for e in examples[:len(trl_ids)]]
     if trl_ids != ours:
         raise SystemExit("error: TRL's prompt tokenization differs from tasks.prompt_token_ids "
                          f"(e.g. {trl_ids[0]} vs {ours[0]}): the runs would not do the same work")
 
     samples_per_step = args.prompts_per_step * args.group_size
+    micro = args.micro_batch or samples_per_step  # rows per forward/backward; one generate call of all of them
+    accumulation = samples_per_step // micro
     output_dir = tempfile.mkdtemp(prefix="trl-grpo-run-")
     try:
+        # Through a JSON Lines file, not Dataset.from_dict: on Python 3.12, from_dict's fingerprint (a dill pickle of
+        # the Arrow table) fails with datasets 5.2 and pyarrow 26 ("Can't pickle <class 'MonthDayNano'>")
+        rows_path = os.path.join(output_dir, "prompts.jsonl")
+        with open(rows_path, "w") as f:
+            for prompt, example in zip(prompts, examples, strict=True):
+                f.write(json.dumps({"prompt": prompt, "answer": example.answer}) + "\n")
+        train_dataset = datasets.load_dataset("json", data_files=rows_path, split="train", keep_in_memory=True)
         config = GRPOConfig(
-            output_dir=output_dir, use_cpu=True, bf16=False, fp16=False, seed=args.seed,
-            max_steps=args.steps + 1, per_device_train_batch_size=samples_per_step,
-            gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1,
+            output_dir=output_dir, use_cpu=args.device == "cpu", bf16=args.device == "cuda", fp16=False,
+            seed=args.seed,
+            max_steps=args.steps + 1, per_device_train_batch_size=micro,
+            gradient_accumulation_steps=accumulation, steps_per_generation=accumulation, num_iterations=1,
             num_generations=args.group_size, max_completion_length=args.max_new_tokens,
             temperature=1.0, top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0, use_vllm=False,
             beta=args.beta, loss_type="dapo", scale_rewards="group", epsilon=0.2, epsilon_high=0.2,
@@ -181,10 +224,11 @@ def main(argv: list[str] | None = None) -> None:
             disable_tqdm=True, dataloader_num_workers=0, log_completions=False,
         )
         # What the defaults left in place: checked, not assumed
-        assert config.generation_batch_size == samples_per_step and config.steps_per_generation == 1
+        assert config.generation_batch_size == samples_per_step and config.steps_per_generation == accumulation
         assert config.use_bias_correction_kl and config.top_entropy_quantile == 1.0 and config.entropy_coef == 0.0
         assert config.delta is None and config.off_policy_mask_threshold is None
-        assert not config.cast_lm_head_to_fp32 and not config.gradient_checkpointing and not config.bf16
+        assert not config.cast_lm_head_to_fp32 and not config.gradient_checkpointing
+        assert config.bf16 == (args.device == "cuda")
 
         class StepTimes(TrainerCallback):
             def __init__(self):
