@@ -272,7 +272,7 @@ def pick_dtype(dtype: str, train_device: str) -> str:
 
 def derive(cfg: Config) -> Config:
     """Fill the model- and hardware-dependent defaults and the thread split; returns a new Config."""
-    cores = os.cpu_count() or 1
+    cores = available_cores()
     rollout_device, train_device = pick_devices(cfg.device, cfg.mode, cfg.inference_workers)
     rollout_device = cfg.rollout_device or rollout_device
     train_device = cfg.train_device or train_device

@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import time
 from pathlib import Path
 from typing import Iterator
@@ -65,6 +64,7 @@ import checkpoint
 import distributed
 import outputs
 import sizing
+from config import available_cores
 from distributed import Ranks
 from inference import AsyncRollouts, PipelineError, SyncRollouts
 from learner import Learner
@@ -98,7 +98,7 @@ def takes_turns(cfg) -> bool:
     takes the inference side's whole iteration, held-out evaluation included, before it computes."""
     on_cpu = cfg.rollout_device.startswith("cpu") and cfg.train_device.startswith("cpu")
     rollout_threads = max(cfg.rollout_threads, cfg.inference_workers)  # each worker has at least one
-    return on_cpu and rollout_threads + cfg.train_threads > (os.cpu_count() or 1)
+    return on_cpu and rollout_threads + cfg.train_threads > available_cores()
 
 
 def elastic_threads(cfg, ranks: Ranks) -> int | None:

@@ -48,13 +48,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import time
 from dataclasses import dataclass
 
 import torch
 
-from config import MICRO_BATCH_TOKENS
+from config import MICRO_BATCH_TOKENS, available_cores
 from rollout import iteration_prompts, prompt_seed, sample_responses, sampling_config, stop_token_ids
 from tasks import prompt_token_ids
 
@@ -258,7 +257,7 @@ def choose(cfg, tri, tokenizer, train_examples) -> tuple[object, str, float]:
     slower than taking turns at two), and keeps the faster prediction."""
     if cfg.sized:
         return cfg, "", 1.0
-    started, cores, prompts = time.perf_counter(), os.cpu_count() or 1, cfg.prompts_per_iteration
+    started, cores, prompts = time.perf_counter(), available_cores(), cfg.prompts_per_iteration
     cap = cfg.micro_batch_tokens or MICRO_BATCH_TOKENS
     given = math.ceil(prompts / cfg.groups_per_chunk) if cfg.groups_per_chunk else None
     split_open = cfg.mode == "async" and cores > 1 and not (cfg.rollout_threads or cfg.train_threads)

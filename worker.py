@@ -32,7 +32,7 @@ import traceback
 
 import torch
 
-from config import UserError
+from config import UserError, available_cores
 from reward import RewardError
 from rollout import rollout_iteration
 from timeline import INFERENCE, Span
@@ -245,7 +245,7 @@ def inference_process(model_name: str, load_kwargs: dict, connection, heartbeat:
     try:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # started with SIGINT ignored (Worker)
         import transformers
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2))  # while loading; attach sets the run's count
+        torch.set_num_threads(max(1, available_cores() // 2))  # while loading; attach sets the run's count
         transformers.utils.logging.disable_progress_bar()
         from models import load_model  # seconds of imports, while the trainer does its own
         from reward import load_rewards

@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.common import write_json
+from config import available_cores
 
 ROOT = Path(__file__).resolve().parents[1]  # both sides run from the repository's root, wherever bench.py is called
 
@@ -101,8 +102,8 @@ def peer_run(name: str, argv: list[str] | None, args: argparse.Namespace) -> tup
         if python is None:
             raise SystemExit(f"error: --trl-python {args.trl_python} is not an executable Python: make a virtualenv "
                              "with trl==1.16.0 (tools/trl_grpo_run.py says how) and pass its python")
-        out = subprocess.run([os.path.abspath(python), "tools/trl_grpo_run.py", "--steps", str(args.iterations), *common,
-                              *shlex.split(args.trl_args)],
+        out = subprocess.run([os.path.abspath(python), "tools/trl_grpo_run.py", "--steps", str(args.iterations),
+                              *common, *shlex.split(args.trl_args)],
                              capture_output=True, text=True, cwd=ROOT)
         if out.returncode != 0:
             raise SystemExit(f"TRL run failed (is trl==1.16.0 installed in {args.trl_python}?):\n{out.stderr[-2000:]}")
@@ -126,7 +127,7 @@ def peer(args: argparse.Namespace) -> bool:
     lengths: dict[str, list[float]] = {name: [] for name in PEER_CONTENDERS}
     model, default_tokens = workload(args)
     print(f"{args.rounds} rounds x {len(times)} contenders, {args.iterations} timed steps each ({args.task}: {model}, "
-          f"16 prompts x 8, <= {args.max_new_tokens or default_tokens} new tokens, beta 0.04, {os.cpu_count()} "
+          f"16 prompts x 8, <= {args.max_new_tokens or default_tokens} new tokens, beta 0.04, {available_cores()} "
           f"cores, device {args.device}), fresh process per run")
     for round_ in range(args.rounds):
         for name, argv in PEER_CONTENDERS.items():

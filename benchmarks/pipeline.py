@@ -26,11 +26,11 @@ bound_s / 0.9); on every workload async at least as fast as sync.
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import statistics
 
 from benchmarks.common import write_json
+from config import available_cores
 
 
 ASYNC_WORKLOADS = {  # name -> trainer options on top of the tiny defaults (16 prompts x 8, <= 8 new tokens)
@@ -148,7 +148,7 @@ def async_speedup(args: argparse.Namespace) -> bool:
     else:
         workloads = {name: ASYNC_WORKLOADS[name] for name in (["default"] if args.quick else ASYNC_WORKLOADS)}
     print(f"{args.rounds} rounds x (sync run, async run) per workload, {args.iterations} timed iterations each; "
-          f"sync: {os.cpu_count()} threads; async: the cores split between the two processes "
+          f"sync: {available_cores()} threads; async: the cores split between the two processes "
           f"(all to each when an iteration is one chunk)")
     print(f"{'workload':16s} {'sync s/it':>10s} {'async s/it':>10s} {'speedup':>8s} {'per round':>12s} "
           f"{'bound':>6s} {'predicted':>9s} {'ideal':>6s} {'T_gen':>6s} {'T_train':>7s} {'overlap':>8s}")

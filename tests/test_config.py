@@ -69,6 +69,25 @@ def test_thread_counts_are_bounded_by_the_cores(option, capsys, monkeypatch):
     assert exit_info.value.code == 2 and f"{option} must be from 1 to 4, the CPU cores" in err and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_default_threads_follow_the_cores_this_process_may_use(mode, monkeypatch):
+    """Claim: under a CPU-affinity limit (a container's share, `taskset`, a Slurm allocation) the default thread
+    counts come from the cores this process may run on, not the host's count: 2 allowed cores on a 64-core host
+    give at most 2 threads per side, and a run's own printed sizes pass its validation (before, derive and the
+    probe used os.cpu_count(): 32 + 32 threads on 2 cores, which the --rollout-threads check then refused)."""
+    import os
+
+    import periodic_rl
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    cfg = parse_args(["--mode", mode, "--sizes", "rule", "--device", "cpu"])
+    assert 1 <= cfg.rollout_threads <= 2 and 1 <= cfg.train_threads <= 2 and cfg.tail_threads <= 2, cfg
+    again = parse_args(["--mode", mode, "--sizes", "rule", "--device", "cpu", "--rollout-threads",
+                        str(cfg.rollout_threads), "--train-threads", str(cfg.train_threads)])
+    assert (again.rollout_threads, again.train_threads) == (cfg.rollout_threads, cfg.train_threads)
+    assert periodic_rl.takes_turns(cfg) == (cfg.rollout_threads + cfg.train_threads > 2)  # 2 cores, not 64
+
+
 def test_every_accepted_seed_seeds_torch():
     """Claim: every seed --seed accepts (up to 2**64 - 1) seeds torch's generators (the per-prompt seeds are folded
     into 64 bits; unfolded, a seed of 2e7 already overflowed), and the fold changes no seed torch took before: small
@@ -98,7 +117,7 @@ def test_defaults_are_valid_and_derived():
 def test_thread_split(monkeypatch):
     """Claim (--sizes rule): async splits the cores between the two processes, except when an iteration is one chunk
     (the sides then take turns, so each gets all cores); sync uses all of them; explicit counts win."""
-    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
     split = derive(Config(mode="async", sizes="rule"))
     assert (split.rollout_threads, split.train_threads) == (4, 4)
     turns = derive(Config(mode="async", batch_size=64, group_size=8, groups_per_chunk=8, sizes="rule"))
@@ -112,7 +131,7 @@ def test_probed_sizes_are_left_open_on_cpu_only(monkeypatch):
     """Claim: with --sizes probe (the default) on CPU, derive leaves exactly the sizes not given open for the probe
     (sync: only the generate calls; its threads are all cores); on an accelerator the rule fills them."""
     import config
-    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
     monkeypatch.setattr(config, "detect_accelerator", lambda: "cpu")
     probed = derive(Config(mode="async"))
     assert (probed.groups_per_chunk, probed.rollout_threads, probed.train_threads) == (None, None, None)

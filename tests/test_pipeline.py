@@ -103,7 +103,7 @@ def test_async_in_turns_never_computes_both_sides_at_once(tiny_model_dir, monkey
     training span overlaps an inference span. Exact, not timing luck: both processes time their spans on one
     monotonic clock, and the trainer starts computing only after the message sent after the inference side's last
     span. The run is still sync's, bitwise (same thread counts on each side)."""
-    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(2)))
     in_turns = make_cfg(tiny_model_dir, "--mode", "async", "--rollout-threads", "2", "--train-threads", "2")
     assert periodic_rl.takes_turns(in_turns)
     assert not periodic_rl.takes_turns(make_cfg(tiny_model_dir, "--mode", "async", *SAME_THREADS))
@@ -124,7 +124,7 @@ def test_the_trainer_takes_every_core_once_sampling_is_done(tiny_model_dir, monk
     again; an evaluation due keeps the share until its result is in. Which micro-batches get all cores follows from
     arrival order alone, so a rerun is bitwise the same run. Exact: the loop trains between messages, and two calls of two prompts put the first call's micro-batch
     before the second call's groups are read."""
-    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(2)))
     cfg = parse_args(["--model", str(tiny_model_dir), "--data", "arithmetic", "--reward", DIGITS, "--iterations", "3",
                       "--batch-size", "16", "--group-size", "4", "--max-new-tokens", "6", "--eval-every", "2",
                       "--eval-size", "4", "--eval-samples", "2", "--lr", "1e-2", "--no-save", "--mode", "async",

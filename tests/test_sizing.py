@@ -115,7 +115,7 @@ def test_probe_changes_nothing_and_choose_fills_only_open_sizes(tiny_model_dir, 
     """Claim: the probe leaves the RNG state, the weights and the gradients as they were (the run that follows is
     the run that would have happened), measures positive costs, and `choose` fills exactly the sizes left open,
     with at least one thread per side."""
-    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(2)))
     cfg = derive(Config(model=str(tiny_model_dir), data="arithmetic", mode="async", batch_size=32, group_size=4,
                         max_new_tokens=6))
     policy, tokenizer = load_model(cfg.model)
@@ -139,7 +139,7 @@ def test_probe_changes_nothing_and_choose_fills_only_open_sizes(tiny_model_dir, 
                           max_new_tokens=6, groups_per_chunk=3))
     kept, _, _ = sizing.choose(fixed, tri, tokenizer, train)
     assert kept.groups_per_chunk == 3 and kept.sized
-    monkeypatch.setattr("os.cpu_count", lambda: 1)  # one core: still one thread per side, whatever is predicted
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})  # one core: one thread per side, whatever is predicted
     one = sizing.choose(dataclasses.replace(cfg, rollout_threads=None, train_threads=None), tri, tokenizer, train)[0]
     assert (one.rollout_threads, one.train_threads, one.tail_threads) == (1, 1, 1)
     given = derive(Config(model=str(tiny_model_dir), mode="async", groups_per_chunk=2, micro_batch_tokens=100,

@@ -117,7 +117,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "A 0.5B model's 128 x ~580 tokens at once do not fit an 80 GB GPU")
     parser.add_argument("--beta", type=float, default=0.04)
     parser.add_argument("--lr", type=float, default=1e-4)
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads (default: the cores this process may use, as periodic-rl's default)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cache-dir", default=None,
                         help="tiny-model cache (default: $PERIODIC_RL_CACHE or ~/.cache/periodic-rl)")
@@ -157,6 +158,9 @@ def record_calls(trainer, names, spans: list) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     import torch
+
+    from config import available_cores
+    args.threads = args.threads or available_cores()
     torch.set_num_threads(args.threads)
 
     import datasets
