@@ -46,6 +46,20 @@ def mean_std(values: list[float]) -> tuple[float | None, float | None]:
     return scored.mean().item() if len(scored) else None, scored.std().item() if len(scored) > 1 else None
 
 
+def forward_backward(tri: TriModel, batch: list, advantages: list[float], cfg) -> tuple[torch.Tensor, dict]:
+    """One micro-batch: the tri-model's log-probs of `batch` [(prompt ids, [response ids] x G)], the GRPO loss
+    with these advantages (one per response) as a partial sum (divided by D at the step), and its backward
+    (∇ accumulates in .grad). What the learner runs per micro-batch, and what the probe times (sizing.py)."""
+    logp, old_logp, ref_logp, mask = tri(batch)  # (n·G, T) each, groups in order
+    advantages = torch.tensor(advantages, device=logp.device, dtype=logp.dtype)  # (n·G,)
+    loss, stats = grpo_loss(logp, old_logp, ref_logp, advantages, mask, beta=cfg.beta,
+                            epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high,
+                            loss_type=cfg.loss_type, max_new_tokens=cfg.max_new_tokens,
+                            kl_bias_correction=cfg.kl_bias_correction, normalizer=1.0)
+    loss.backward()
+    return loss, stats
+
+
 class Learner:
     """Consumes one iteration's groups in arrival order: forward/backward in micro-batches, an optimizer
     step per mini-batch.
@@ -144,15 +158,7 @@ class Learner:
             batch = [(torch.tensor(g.prompt_ids, device=self.device),                  # (P,)
                       [torch.tensor(r, device=self.device) for r in g.responses])      # G x (R_i,)
                      for g in groups]
-            logp, old_logp, ref_logp, mask = self.tri(batch)  # (n·G, T) each, groups in order
-            advantages = torch.tensor([a for g in groups for a in g.advantages], device=self.device,
-                                      dtype=logp.dtype)  # (n·G,)
-            loss, stats = grpo_loss(logp, old_logp, ref_logp, advantages, mask, beta=self.cfg.beta,
-                                    epsilon_low=self.cfg.epsilon_low, epsilon_high=self.cfg.epsilon_high,
-                                    loss_type=self.cfg.loss_type, max_new_tokens=self.cfg.max_new_tokens,
-                                    kl_bias_correction=self.cfg.kl_bias_correction,
-                                    normalizer=1.0)  # a partial sum; divided by D at the step
-            loss.backward()
+            loss, stats = forward_backward(self.tri, batch, [a for g in groups for a in g.advantages], self.cfg)
         self.minibatch_loss += loss.detach()
         self.clipped_tokens += stats["clipped_tokens"]
         self.kl_sum += stats["kl_sum"]

@@ -13,7 +13,10 @@ gradients dropped) samples iteration 0 for every call size it may choose, k = th
 half of it, a quarter, ..., one prompt, as the inference side would (calls of k prompts one after
 the other, seeded alike), recording when each group stops, in PASSES passes (biggest calls first,
 then smallest first) of which each size keeps its fastest (`fastest`: noise on a shared machine only
-adds time); and it times a forward/backward of one group and of all groups:
+adds time); each finished group is handed over as the sampler hands it over, inside `generate` (decoded,
+its advantages, a Group message pickled for the queue in async mode: `hand_over_work`), the reward call
+aside. And it times the learner's own forward/backward (`learner.forward_backward`: the tri-model, the
+GRPO loss, its backward) of one group and of all groups:
 
     arrivals_k = [(t_g, g)]   when group g was ready with calls of k prompts (streaming by completion)
     T_train(n) = d + c·n      a forward/backward of n tokens (rows of prompt + response, padded to the
@@ -160,23 +163,48 @@ def best_sizes(probe: Probe, max_tokens: int, tail: tuple[float, float] | None =
     return next(size for size in fewest_first if seconds[size] <= AS_FAST * fastest)
 
 
-def sample_timeline(model, prompts, group_size, generation, seed, size):
+def sample_timeline(model, prompts, group_size, generation, seed, size, hand_over=None):
     """Iteration 0 sampled in calls of `size` prompts (seeded as rollout.rollout_iteration seeds them):
     (when each group was ready, its index, its call's first prompt) in arrival order, the seconds until
-    the last call ended, and the responses."""
+    the last call ended, and the responses. `hand_over(index, responses)` runs where the inference side
+    scores and sends each group (inside `generate`, which waits for it), and is timed with the sampling."""
     timeline, responses, start = [], [], time.perf_counter()
     for first in range(0, len(prompts), size):
         def ready(offset, group, first=first):
+            if hand_over is not None:
+                hand_over(first + offset, group)
             timeline.append((time.perf_counter() - start, first + offset, first))
         responses += sample_responses(model, prompts[first:first + size], group_size, generation,
                                       prompt_seed(seed, 0, first), on_done=ready)
     return timeline, time.perf_counter() - start, responses
 
 
-def _timed_backward(tri, batch) -> float:
+def hand_over_work(cfg, tokenizer, prompts):
+    """What a group costs the sampler between its last token and the trainer, the reward call aside (the trainer
+    process may not hold the rewards, and a probe must not spend an API judge's calls): decoding its G responses,
+    its advantages, a Group message; async mode also pickles it and the trainer unpickles it (the queue)."""
+    import pickle
+
+    import grpo
+    from rollout import Group
+
+    def hand_over(index: int, responses: list[list[int]]) -> None:
+        tokenizer.batch_decode(responses, skip_special_tokens=True)
+        zeros = [0.0] * len(responses)
+        advantages = grpo.group_advantages(torch.tensor(zeros), cfg.group_size, cfg.scale_rewards).tolist()
+        group = Group(0, index, 0, prompts[index], responses, zeros, advantages, chunk=(0, len(prompts)),
+                      rewards_per_function=[zeros])
+        if cfg.mode == "async":
+            pickle.loads(pickle.dumps(group))
+    return hand_over
+
+
+def _timed_backward(tri, batch, cfg) -> float:
+    """Seconds of one micro-batch's forward/backward as the learner runs it (learner.forward_backward: the
+    tri-model, the GRPO loss, its backward; advantages 0, which cost the same as any)."""
+    from learner import forward_backward  # (learner imports this module)
     start = time.perf_counter()
-    logp, old_logp, ref_logp, mask = tri(batch)  # (rows, T) each
-    (logp * mask).sum().backward()
+    forward_backward(tri, batch, [0.0] * sum(len(responses) for _, responses in batch), cfg)
     return time.perf_counter() - start
 
 
@@ -195,14 +223,15 @@ def probe(cfg, tri, tokenizer, train_examples, threads: int) -> Probe:
     try:
         with torch.random.fork_rng(devices=[]):
             policy.eval()
-            sample_timeline(policy, prompts[:1], cfg.group_size, generation, cfg.seed, 1)  # warm-up: first-call costs
+            hand_over = hand_over_work(cfg, tokenizer, prompts)
+            sample_timeline(policy, prompts[:1], cfg.group_size, generation, cfg.seed, 1, hand_over)  # warm-up
             runs, tokens, widths, responses = {}, {}, {}, None  # runs: size -> [(seconds, timeline)], one per pass
             order = sorted(set(candidate_chunks(len(prompts))) | {min(cfg.groups_per_chunk or 1, len(prompts))},
                            reverse=True)
             for turn in range(PASSES):  # biggest calls first, then smallest first, ...
                 for size in order if turn % 2 == 0 else order[::-1]:
                     timeline, seconds, sampled = sample_timeline(policy, prompts, cfg.group_size, generation,
-                                                                 cfg.seed, size)
+                                                                 cfg.seed, size, hand_over)
                     runs.setdefault(size, []).append((seconds, sorted(timeline)))
                     tokens[size] = [cfg.group_size * len(p) + sum(len(r) for r in group)  # the same in every pass
                                     for p, group in zip(prompts, sampled)]
@@ -215,11 +244,11 @@ def probe(cfg, tri, tokenizer, train_examples, threads: int) -> Probe:
                      for p, group in zip(prompts, responses)]
             whole = tokens[len(prompts)]
             tri.start_iteration()
-            one_train_s = min(_timed_backward(tri, batch[:1]) for _ in range(REPEATS + 1))  # the first: warm-up
+            one_train_s = min(_timed_backward(tri, batch[:1], cfg) for _ in range(REPEATS + 1))  # the first: warm-up
             cap, cuts = cfg.micro_batch_tokens or MICRO_BATCH_TOKENS, [0]
             while cuts[-1] < len(batch):
                 cuts.append(cuts[-1] + micro_batch_size(whole[cuts[-1]:], cap))
-            all_train_s = min(sum(_timed_backward(tri, batch[i:j]) for i, j in zip(cuts, cuts[1:]))
+            all_train_s = min(sum(_timed_backward(tri, batch[i:j], cfg) for i, j in zip(cuts, cuts[1:]))
                               for _ in range(PASSES))
             policy.zero_grad(set_to_none=True)
     finally:
