@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_leaves
 import attention
 import packing
 from benchmarks.common import qwen_05b_shaped, write_json
+from config import available_cores
 
 
 MEMORY_VARIANTS = ("chunked", "checkpointed", "whole-logits")  # default; + --gradient-checkpointing; unchunked
@@ -73,7 +74,7 @@ def memory_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="compute dtype (bf16 matrix products are ~80x slower than float32 on a CPU without "
                              "native bf16)")
-    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--threads", type=int, default=available_cores())
     parser.add_argument("--json", metavar="FILE", help="write the rows as JSON to FILE")
 
 

@@ -81,6 +81,8 @@ def chosen_sizes(stdout: str) -> str:
 def workload(args: argparse.Namespace) -> tuple[str, int]:
     """(model, default max new tokens) of the run: --task's tiny model, or --model DIR."""
     if args.model is None:
+        if args.data is not None:
+            raise SystemExit("error: --data goes with --model DIR (the tasks bring their own prompts)")
         return PEER_TASKS[args.task]
     if args.data is None:
         raise SystemExit("error: --model DIR needs --data (GSM8K-style prompts)")
@@ -126,7 +128,8 @@ def peer(args: argparse.Namespace) -> bool:
     times: dict[str, list[float]] = {name: [] for name in PEER_CONTENDERS}
     lengths: dict[str, list[float]] = {name: [] for name in PEER_CONTENDERS}
     model, default_tokens = workload(args)
-    print(f"{args.rounds} rounds x {len(times)} contenders, {args.iterations} timed steps each ({args.task}: {model}, "
+    print(f"{args.rounds} rounds x {len(times)} contenders, {args.iterations} timed steps each "
+          f"({args.task if args.model is None else args.data}: {model}, "
           f"16 prompts x 8, <= {args.max_new_tokens or default_tokens} new tokens, beta 0.04, {available_cores()} "
           f"cores, device {args.device}), fresh process per run")
     for round_ in range(args.rounds):
@@ -154,5 +157,9 @@ def peer(args: argparse.Namespace) -> bool:
                "async >= sync")]
     for ok, line in checks:
         print(("PASS " if ok else "FAIL ") + line)
-    write_json(args.json, results)
+    write_json(args.json, {"workload": {"model": model, "task": args.task if args.model is None else None,
+                                        "data": args.data, "device": args.device,
+                                        "max_new_tokens": args.max_new_tokens or default_tokens,
+                                        "trl_args": args.trl_args, "trainer_args": args.trainer_args},
+                           **results})
     return all(ok for ok, _ in checks)

@@ -10,7 +10,7 @@ What is Qwen's and what is not:
   (`QWEN_SAMPLING`; periodic-rl and TRL both override them with their own settings);
 - the tokenizer: NOT Qwen's (151,643 BPE merges, unreachable offline) but the tiny model's byte-level one with
   Qwen's chat tokens and chat template (`QWEN_CHAT_TEMPLATE`). A prompt is about one token per byte, so a
-  GSM8K question in the chat template is ~400 tokens (~130 with Qwen's tokenizer). Sampled ids above the
+  GSM8K question in the chat template is ~450 tokens (~130 with Qwen's tokenizer). Sampled ids above the
   tokenizer's 260 decode to nothing, on both sides alike.
 
 Random weights put ~1/151,936 of the probability on each EOS id, so nearly every response runs to the token

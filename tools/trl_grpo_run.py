@@ -123,6 +123,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cache-dir", default=None,
                         help="tiny-model cache (default: $PERIODIC_RL_CACHE or ~/.cache/periodic-rl)")
     args = parser.parse_args(argv)
+    if args.threads is not None and args.threads < 1:
+        parser.error("--threads must be at least 1")
     if args.steps < 1 or args.prompts_per_step < 1 or args.group_size < 2 or args.max_new_tokens < 1:
         parser.error("need --steps >= 1, --prompts-per-step >= 1, --group-size >= 2, --max-new-tokens >= 1")
     if (args.model in ("tiny", "tiny-chain")) == (args.data is not None):
@@ -160,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     from config import available_cores
-    args.threads = args.threads or available_cores()
+    args.threads = args.threads if args.threads is not None else available_cores()
     torch.set_num_threads(args.threads)
 
     import datasets
@@ -190,7 +192,9 @@ def main(argv: list[str] | None = None) -> None:
         trl_ids = tokenizer(text=prompts)["input_ids"]
     else:  # as periodic-rl prompts a chat model: system prompt + question, in TRL's conversational format
         from data import load_data
-        examples = load_data(args.data, None, "train", "question", "answer", 64)[0][:1024]
+        if not getattr(tokenizer, "chat_template", None):
+            raise SystemExit(f"error: {args.model} has no chat template; the GSM8K prompts are chat messages")
+        examples = load_data(args.data, None, "train", "question", "answer", 64)[0]  # periodic-rl's train split
         prompts = [[{"role": "system", "content": tasks.SYSTEM_PROMPT}, {"role": "user", "content": e.prompt}]
                    for e in examples]
         # TRL tokenizes conversations with one apply_chat_template(tokenize=True) call (_tokenize_prompts)
