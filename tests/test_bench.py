@@ -1,5 +1,6 @@
 """The benchmarks' pieces (benchmarks/) run and compute what they say (the timings themselves are never asserted)."""
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -92,3 +93,29 @@ def test_live_tensor_bytes_counts_what_is_alive():
         z = torch.zeros(2 * 2**20) * 2  # 8 MiB operand and 8 MiB product; the operand is freed after the line
     assert tracker.live == x.nbytes + z.nbytes
     assert tracker.peak == x.nbytes + 2 * z.nbytes
+
+
+def test_peer_workload_and_its_errors(tmp_path):
+    """Claim (bench.py peer): a task names its tiny model and token limit; --model DIR goes with --data and is
+    passed as an absolute path (both sides run from the repository root); --data alone is refused in one line."""
+    import argparse
+
+    from benchmarks.peer import PEER_TASKS, workload
+    args = argparse.Namespace(task="chain", model=None, data=None)
+    assert workload(args) == PEER_TASKS["chain"] == ("tiny-chain", 128)
+    assert workload(argparse.Namespace(task="arithmetic", model="m", data="d")) == (str(Path("m").resolve()), 512)
+    for bad, says in [(dict(model="m", data=None), "needs --data"), (dict(model=None, data="d"), "goes with --model")]:
+        with pytest.raises(SystemExit, match=says):
+            workload(argparse.Namespace(task="arithmetic", **bad))
+
+
+def test_trl_script_micro_batch_divides_the_step(monkeypatch):
+    """Claim (tools/trl_grpo_run.py): --micro-batch must divide the step's completions (it sets gradient accumulation
+    = steps per generation = completions / micro-batch); --data goes with a model directory and only with one."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # what the script sets on import: restored after this test
+    from tools.trl_grpo_run import parse_args
+    assert parse_args(["--micro-batch", "16"]).micro_batch == 16
+    for argv in (["--micro-batch", "48"], ["--micro-batch", "0"], ["--data", "d"], ["--model", "some/dir"],
+                 ["--threads", "0"]):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
