@@ -39,7 +39,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
-import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -48,6 +47,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+import liveness
 from config import UserError
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}  # by the training device's kind
@@ -237,64 +237,15 @@ def check_same_options(cfg, ranks: Ranks) -> None:
                                          for key in keys) for rank, keys in differ.items() if keys))
 
 
-NEIGHBOURS: dict[int, tuple[int, str]] = {}  # the other ranks on this host: rank -> (PID, name) (note_neighbours)
-
-
 def note_neighbours(ranks: Ranks) -> None:
     """Remember the PIDs of the other ranks on this host, so that a rank stopped by torchrun can say which of them
-    is gone (`gone_neighbours`)."""
+    is gone (`liveness.gone_neighbours`)."""
     everyone: list[tuple | None] = [None] * ranks.world
     with collective("the exchange of the ranks' hosts", ranks):
         dist.all_gather_object(everyone, (socket.gethostname(), os.getpid()))
-    NEIGHBOURS.clear()
-    NEIGHBOURS.update({rank: (pid, ranks.name(rank)) for rank, (host, pid) in enumerate(everyone)
+    liveness.NEIGHBOURS.clear()
+    liveness.NEIGHBOURS.update({rank: (pid, ranks.name(rank)) for rank, (host, pid) in enumerate(everyone)
                        if host == socket.gethostname() and rank != ranks.rank})
-
-
-def gone_neighbours(watched: set[int] | None = None) -> list[str]:
-    """'trainer rank r of M (PID n)' (or 'inference rank ...') for each other rank on this host whose process has
-    ended (gone from /proc, or a zombie torchrun has not reaped yet); [] off Linux, where /proc cannot tell."""
-    from worker import process_state
-    if not os.path.isdir("/proc"):
-        return []
-    return [f"{name} (PID {pid})" for rank, (pid, name) in sorted(NEIGHBOURS.items())  # state None: no /proc/PID
-            if (watched is None or rank in watched) and process_state(pid) in (None, "Z", "X")]
-
-
-def check_neighbours(what: str, watched: set[int] | None = None) -> None:
-    """Raise RanksError naming the ranks of this host that have ended (`gone_neighbours`), if any; only the
-    `watched` ranks if given (others may have ended normally: trainer ranks > 0 end before rank 0 stops the rest)."""
-    if gone := gone_neighbours(watched):
-        raise RanksError(f"{what} failed: {ended_first(gone)}; torchrun's report names the rank")
-
-
-def ended_first(gone: list[str]) -> str:
-    """What a rank says of the ranks of its host that ended before it (`gone_neighbours`)."""
-    return f"{', '.join(gone)} ended first (killed, out of memory, or its own error line)"
-
-
-def interruptibly(call, what: str, watched: set[int] | None = None):
-    """call() in a thread while this (main) thread waits for it: a stop signal is handled at once (a gloo receive
-    blocks in C++, where Python's signal handlers cannot run), and a rank of this host that ended is named within
-    POLL_SECONDS (gloo does not always fail a pending receive when its sender dies): of the `watched` ranks, if
-    given (`check_neighbours`). Returns what call returns."""
-    from worker import POLL_SECONDS
-    outcome: dict = {}
-    finished = threading.Event()
-
-    def target() -> None:
-        try:
-            outcome["value"] = call()
-        except BaseException as error:
-            outcome["error"] = error
-        finally:
-            finished.set()
-    threading.Thread(target=target, daemon=True, name=what).start()
-    while not finished.wait(POLL_SECONDS):
-        check_neighbours(what, watched)
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome.get("value")
 
 
 @contextmanager
@@ -303,11 +254,11 @@ def collective(what: str, ranks: Ranks) -> Iterator[None]:
     try:
         yield
     except RanksError:
-        raise  # named already (check_neighbours)
+        raise  # named already (liveness.check_neighbours)
     except (RuntimeError, dist.DistError) as error:  # gloo raises RuntimeError, NCCL/HCCL DistBackendError
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        gone = gone_neighbours()  # a rank on this host that has ended: name it
-        who = ended_first(gone) if gone else "another rank died or did not join within --collective-timeout"
+        gone = liveness.gone_neighbours()  # a rank on this host that has ended: name it
+        who = liveness.ended_first(gone) if gone else "another rank died or did not join within --collective-timeout"
         raise RanksError(f"{what} failed: {who} ({first_line}); torchrun's report names the rank") from None
 
 

@@ -45,7 +45,8 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from distributed import GROUPS, Ranks, RanksError, check_neighbours, collective, interruptibly, owner
+from distributed import GROUPS, Ranks, RanksError, collective, owner
+from liveness import check_neighbours, interruptibly
 from inference import in_call_order, owned_calls
 from reward import RewardError
 from rollout import Evaluation, Group, IterationDone, rollout_iteration

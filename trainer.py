@@ -335,8 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     signum = Interrupted.received or signal.SIGINT
     with suppress(OSError):  # SIGHUP: the terminal may be gone
         by_torchrun = rank_prefix(ranks) and signum == signal.SIGTERM  # how torchrun stops the others when a rank fails
-        ranks_module = sys.modules.get("distributed")  # imported once the run has started (main)
-        gone = ranks_module.gone_neighbours() if by_torchrun and ranks_module else []
+        liveness = sys.modules.get("liveness")  # imported with distributed.py, once the run has started (main)
+        gone = liveness.gone_neighbours() if by_torchrun and liveness else []
         if gone:  # a rank on this host ended first: that is why torchrun stopped this one
             sys.stderr.write(f"error: {rank_prefix(ranks)}{', '.join(gone)} ended first (killed, out of memory, or its own "
                              "error line above; torchrun's report names its exit code or signal), so torchrun stopped "
