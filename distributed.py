@@ -245,7 +245,7 @@ def note_neighbours(ranks: Ranks) -> None:
         dist.all_gather_object(everyone, (socket.gethostname(), os.getpid()))
     liveness.NEIGHBOURS.clear()
     liveness.NEIGHBOURS.update({rank: (pid, ranks.name(rank)) for rank, (host, pid) in enumerate(everyone)
-                       if host == socket.gethostname() and rank != ranks.rank})
+                                if host == socket.gethostname() and rank != ranks.rank})
 
 
 @contextmanager

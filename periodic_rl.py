@@ -92,22 +92,26 @@ def build_tri_model(cfg, policy, pad_id: int) -> TriModel:
                     compute_dtype=getattr(torch, cfg.dtype))
 
 
+def both_on_cpu(cfg) -> bool:
+    """Whether sampling and training both run on CPU cores (the threads then compete)."""
+    return cfg.rollout_device.startswith("cpu") and cfg.train_device.startswith("cpu")
+
+
 def takes_turns(cfg) -> bool:
     """Whether the two sides must not compute at once: async on CPU with more threads than cores (the probe's
     "in turns", sync's schedule in two processes). Oversubscribed cores slow both sides, so the trainer then
     takes the inference side's whole iteration, held-out evaluation included, before it computes."""
-    on_cpu = cfg.rollout_device.startswith("cpu") and cfg.train_device.startswith("cpu")
     rollout_threads = max(cfg.rollout_threads, cfg.inference_workers)  # each worker has at least one
-    return on_cpu and rollout_threads + cfg.train_threads > available_cores()
+    return both_on_cpu(cfg) and rollout_threads + cfg.train_threads > available_cores()
 
 
 def elastic_threads(cfg, ranks: Ranks) -> int | None:
     """--tail-threads, when the trainer switches to it once sampling is done (departure 3), or None: async on
     CPU with one inference process, and more tail threads than its share (the probe sets every core when it
     splits them; given, as given; saved with the run, so a resumed run switches alike)."""
-    on_cpu = cfg.rollout_device.startswith("cpu") and cfg.train_device.startswith("cpu")
     single = ranks.size == 1 and not ranks.inference and cfg.inference_workers == 1
-    switches = cfg.mode == "async" and on_cpu and single and cfg.tail_threads > cfg.train_threads  # never fewer
+    switches = (cfg.mode == "async" and both_on_cpu(cfg) and single
+                and cfg.tail_threads > cfg.train_threads)  # never fewer
     return cfg.tail_threads if switches else None
 
 

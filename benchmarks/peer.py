@@ -11,7 +11,8 @@ policies, so lengths drift apart a little). `--task chain`: the `tiny-chain` mod
 task (worked sums, responses of 5 to ~100 tokens with a long tail, <= 128 new tokens), the
 workload where streaming groups by completion pays. `--model DIR --data GSM8K --device cuda`: the GPU
 comparison, e.g. on tools/qwen_shaped_random.py's Qwen2.5-0.5B-shaped directory: GSM8K questions in the
-chat template, lr 1e-6, bf16 autocast over float32 weights on both sides.
+chat template, lr 1e-6, training in bf16 autocast over float32 weights on both sides (periodic-rl samples
+from a bf16 copy of the weights, TRL from its float32 model).
 
 Targets: both modes at least TRL's samples/s, async at least sync's, and on `--task chain` async
 at least 1.5x TRL's.

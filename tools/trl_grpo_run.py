@@ -108,7 +108,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "tasks.SYSTEM_PROMPT as periodic-rl does")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: the model on the GPU and bf16 autocast with float32 master weights (TRL's "
-                             "bf16=True), as periodic-rl's --dtype auto does there")
+                             "bf16=True), as periodic-rl's --dtype auto trains there (it samples from a bf16 copy)")
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--micro-batch", type=int, default=None,
                         help="completions per forward/backward (per_device_train_batch_size), the step's others "
