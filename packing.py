@@ -36,6 +36,12 @@ Deliberate choices and departures:
    structured kernel raises if it ever receives one.
 4. The cost model's one constant (`ATTENTION_BREAK_EVEN_LEN`) is fitted, not derived, on a small
    model on one CPU core; `python bench.py shared-prompt` prints the fit for the machine it runs on.
+5. The structured kernel runs on CPU only. On an accelerator packed rows take the dense mask through
+   the model's own SDPA: its fused kernel visits all L^2 pairs, but the structured kernel's Python
+   loop over rows (~25 small ops per row and layer, forward and backward) costs more in launches than
+   the pairs it skips. One H100, Qwen2.5-0.5B shape, 3 groups of P=450, G=8, R=128, bf16 autocast,
+   forward + backward of policy and reference (`tools/train_step_layouts.py`, best of 3): structured
+   320 ms, dense 170 ms, plain rows 287 ms. `packing_cost_ratio(..., dense=True)` prices the dense mask.
 """
 from __future__ import annotations
 
@@ -204,8 +210,8 @@ PACKED_ROW_OVERHEAD_TOKENS = 64
 
 
 def packing_cost_ratio(prompt_len: int, response_lens: list[int],
-                       break_even_len: float = ATTENTION_BREAK_EVEN_LEN) -> float:
-    """Predicted time of one packed row over that of G plain rows (forward + backward), sdpa models.
+                       break_even_len: float = ATTENTION_BREAK_EVEN_LEN, dense: bool = False) -> float:
+    """Predicted time of one packed row over that of G plain rows (forward + backward).
 
     Cost in units of one token's per-token work (projections, MLP), attention counted in score pairs
     at 1 / break_even_len each; L = P + Σ R_i, R = max R_i, L_u = P + R:
@@ -214,28 +220,36 @@ def packing_cost_ratio(prompt_len: int, response_lens: list[int],
                    + PACKED_ROW_OVERHEAD_TOKENS                    against the prompt and its own
                                                                    (R, R) block (`shared_prompt_attention`),
                                                                    plus the kernel's per-row overhead
+        packed   = L + L^2 / break_even_len                        dense=True: the dense mask (eager
+                                                                   models, accelerators, departures 1, 5),
+                                                                   whose kernels visit every pair
         unpacked = G · (L_u + L_u^2 / (2 · break_even_len))           G causal rows, padded to R
     Packing saves (G-1)·P tokens and (G-1)·P^2/2 prompt pairs, but computes each own-response block
     whole (R^2, not R^2/2), so it wins unless the prompt is short next to long responses. The balance
     depends on the model and the kernel, so the one constant is fitted, not derived: `bench.py
-    shared-prompt` prints the fit for the machine it runs on. Ties go to the simple path. Eager
-    models take the dense mask (departure 1) and pay more attention than this predicts when packed.
+    shared-prompt` prints the fit for the machine it runs on. Ties go to the simple path. The CPU fit
+    prices attention high for an accelerator, so there the rule errs toward plain rows, the safe side.
 
     >>> round(packing_cost_ratio(512, [32] * 8), 2), round(packing_cost_ratio(32, [256] * 8), 2)
     (0.21, 1.16)
+    >>> round(packing_cost_ratio(450, [128] * 8, dense=True), 2), round(packing_cost_ratio(512, [32] * 8, dense=True), 2)
+    (0.87, 0.31)
     """
     L = prompt_len + sum(response_lens)
     R = max(response_lens)
     L_u = prompt_len + R
-    packed = (L + (prompt_len ** 2 / 2 + len(response_lens) * R * (prompt_len + R)) / break_even_len
-              + PACKED_ROW_OVERHEAD_TOKENS)
+    if dense:
+        packed = L + L * L / break_even_len
+    else:
+        packed = (L + (prompt_len ** 2 / 2 + len(response_lens) * R * (prompt_len + R)) / break_even_len
+                  + PACKED_ROW_OVERHEAD_TOKENS)
     unpacked = len(response_lens) * (L_u + L_u * L_u / (2 * break_even_len))
     return packed / unpacked
 
 
-def packing_pays(prompt_len: int, response_lens: list[int]) -> bool:
+def packing_pays(prompt_len: int, response_lens: list[int], dense: bool = False) -> bool:
     """The auto rule: pack a group when `packing_cost_ratio` predicts it strictly faster."""
-    return packing_cost_ratio(prompt_len, response_lens) < 1.0
+    return packing_cost_ratio(prompt_len, response_lens, dense=dense) < 1.0
 
 
 def packing_unsupported(model: torch.nn.Module) -> str | None:
@@ -257,14 +271,20 @@ def packing_unsupported(model: torch.nn.Module) -> str | None:
 
 # --- per group: packed or plain rows ---
 
+def structured_kernel(model: torch.nn.Module, dense_mask: bool = False) -> bool:
+    """Whether packed rows of this model go through `shared_prompt_attention`: sdpa models on CPU that do not
+    recompute attention in backward (departures 1 and 5), unless dense_mask asks for the dense mask."""
+    return (model.config._attn_implementation == "sdpa" and not dense_mask and not recomputes_attention(model)
+            and next(model.parameters()).device.type == "cpu")
+
+
 def _packed_batch(model: torch.nn.Module, groups: Sequence[Group], temperature: float = 1.0,
                  pad_id: int = 0, dense_mask: bool = False) -> tuple[Tensor, Tensor]:
     """(logp, mask), (N, T), with one shared-prompt row per group, in one forward.
 
-    The structured kernel on sdpa models, else (or with dense_mask=True) the dense (B, 1, L, L) mask.
+    The structured kernel where `structured_kernel` says so, else the dense (B, 1, L, L) mask.
     """
-    structured = model.config._attn_implementation == "sdpa" and not dense_mask
-    if not structured or recomputes_attention(model):
+    if not structured_kernel(model, dense_mask):
         return packed_batch_logprobs(model, groups, temperature, pad_id)
     layout = pack(groups, pad_id)
     with _attention_kernel(model):  # departure 1
@@ -287,7 +307,9 @@ def batch_logprobs(model: torch.nn.Module, groups: list[tuple[Tensor, list[Tenso
     if unsupported and mode == "packed":
         raise ValueError(f"cannot pack groups for this model: it uses {unsupported}, which the shared-prompt layout "
                          "does not express (departure 3); use mode='auto' or 'unpacked' (plain rows, exact)")
-    packed = [not unsupported and (mode == "packed" or (mode == "auto" and packing_pays(len(p), [len(r) for r in rs])))
+    dense = not structured_kernel(model, dense_mask)
+    packed = [not unsupported and (mode == "packed" or (mode == "auto" and packing_pays(len(p), [len(r) for r in rs],
+                                                                                      dense)))
               for p, rs in groups]
     if all(packed):
         return _packed_batch(model, groups, temperature, pad_id, dense_mask)

@@ -41,7 +41,6 @@ from typing import Callable
 
 import torch
 
-import attention
 import packing
 from benchmarks.common import saved_for_backward_bytes, write_json
 
@@ -64,7 +63,7 @@ def shared_prompt_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"), help="attention implementation")
     parser.add_argument("--mask", default="structured", choices=("structured", "dense"),
                         help="packed rows under sdpa: the structured kernel, or the dense (1, 1, L, L) mask "
-                             "(what the structured kernel saves; eager always takes the dense mask)")
+                             "(what the structured kernel saves; eager models and accelerators always take the dense mask)")
 
 
 def bench_model(attn_implementation: str, device: str) -> torch.nn.Module:
@@ -164,17 +163,18 @@ def shared_prompt_cell(model: torch.nn.Module, P: int, R: int, G: int, repeats: 
                 times[mode].append(seconds)
     best = {mode: min(times[mode]) for mode in MODES}  # noise only ever adds time: the minimum is the cost
     L = P + G * R
+    dense = not packing.structured_kernel(model, dense_mask)  # packed rows under the dense mask (departures 1, 5)
     # the structured kernel takes no mask; else a dense (1, 1, L, L) mask: additive floats (eager), bool (sdpa)
     if model.config._attn_implementation == "sdpa":
-        dense_mask_bytes = L * L if dense_mask else 0
+        dense_mask_bytes = L * L if dense else 0
     else:
         dense_mask_bytes = L * L * model.dtype.itemsize
     return {
-        "P": P, "R": R, "G": G, "packed_len": L, "token_ratio": G * (P + R) / L,
+        "P": P, "R": R, "G": G, "dense": dense, "packed_len": L, "token_ratio": G * (P + R) / L,
         "mac_ceiling": mac_ceiling(model.config, P, R, G),
         "packed_s": best["packed"], "unpacked_s": best["unpacked"], "auto_s": best["auto"],
-        "auto_choice": "packed" if packing.packing_pays(P, [R] * G) else "unpacked",
-        "predicted_packed_over_unpacked": packing.packing_cost_ratio(P, [R] * G),
+        "auto_choice": "packed" if packing.packing_pays(P, [R] * G, dense) else "unpacked",
+        "predicted_packed_over_unpacked": packing.packing_cost_ratio(P, [R] * G, dense=dense),
         "speedup_packed": best["unpacked"] / best["packed"], "speedup_auto": best["unpacked"] / best["auto"],
         "memory_packed_bytes": peak_bytes(model, steps["packed"], device),
         "memory_unpacked_bytes": peak_bytes(model, steps["unpacked"], device),
@@ -185,7 +185,7 @@ def shared_prompt_cell(model: torch.nn.Module, P: int, R: int, G: int, repeats: 
 def fit_break_even_len(rows: list[dict]) -> int:
     """The `break_even_len` whose `packing_cost_ratio` best matches the measured packed/unpacked (log least squares)."""
     def error(length: float) -> float:
-        return sum((math.log(packing.packing_cost_ratio(row["P"], [row["R"]] * row["G"], length))
+        return sum((math.log(packing.packing_cost_ratio(row["P"], [row["R"]] * row["G"], length, row["dense"]))
                     - math.log(row["packed_s"] / row["unpacked_s"])) ** 2 for row in rows)
     candidates = [round(100 * 1.05 ** i) for i in range(100)]  # 100 .. ~12000
     return min(candidates, key=error)
@@ -201,7 +201,7 @@ def shared_prompt(args: argparse.Namespace) -> bool:
     cells = SHARED_PROMPT_QUICK if args.quick else SHARED_PROMPT_GRID
     memory_measure = ("peak CUDA bytes allocated during the step" if device == "cuda" else
                       "bytes of distinct non-parameter tensors saved for backward")
-    packed_path = "dense mask" if dense_mask or args.attn == "eager" else "structured kernel"
+    packed_path = "structured kernel" if packing.structured_kernel(model, dense_mask) else "dense mask"
     c = model.config
     print(f"shared-prompt: Qwen2-shaped, {c.num_hidden_layers} layers, hidden {c.hidden_size}, heads "
           f"{c.num_attention_heads}/{c.num_key_value_heads}, vocab {c.vocab_size}, {model.dtype}, {args.attn}, "

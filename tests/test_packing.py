@@ -100,6 +100,18 @@ def test_dense_mask_switch_skips_the_structured_kernel_with_the_same_result(monk
     torch.testing.assert_close(dense[mask], structured[mask], rtol=0, atol=1e-5)
 
 
+def test_structured_kernel_only_for_sdpa_models_on_cpu():
+    """The structured kernel is a Python loop over rows: CPU sdpa models only; eager models, dense_mask=True and
+    models on any other device (here `meta`, standing in for a GPU or NPU) take the dense mask (departure 5)."""
+    model = tiny_model("qwen2", "sdpa")
+    assert packing.structured_kernel(model)
+    assert not packing.structured_kernel(model, dense_mask=True)
+    assert not packing.structured_kernel(tiny_model("qwen2", "eager"))
+    with torch.device("meta"):
+        elsewhere = Qwen2ForCausalLM._from_config(model.config, attn_implementation="sdpa")
+    assert not packing.structured_kernel(elsewhere)
+
+
 # --- equivalence ---
 
 @pytest.mark.parametrize("case", CASES)
@@ -158,6 +170,15 @@ def test_packing_pays_long_prompt_short_responses_only():
     assert not packing_pays(32, [256] * 8)
     assert not packing_pays(16, [512] * 4)
     assert not packing_pays(100, [50])  # G = 1: nothing shared, nothing saved
+
+
+def test_packing_pays_under_the_dense_mask_prices_every_pair():
+    """The dense mask's kernels visit all L^2 pairs, so it packs fewer groups than the structured kernel: a
+    prompt of 64 with 8 responses of 64 packs structured but not dense; long prompts still pack either way."""
+    assert packing_pays(64, [64] * 8) and not packing_pays(64, [64] * 8, dense=True)
+    assert packing_pays(450, [128] * 8, dense=True)  # the GPU benchmark's groups (docs/benchmarks.md)
+    assert packing_pays(512, [32] * 8, dense=True)
+    assert not packing_pays(32, [256] * 8, dense=True)
     assert packing.ATTENTION_BREAK_EVEN_LEN > 0
 
 
