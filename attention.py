@@ -45,7 +45,7 @@ rotary embeddings (applied before attention) are already right, and the dense ma
 `attention_mask` (B, 1, L, L), which transformers passes to the kernel untouched
 (`masking_utils._preprocess_mask_arguments`); see departures 1 and 2. That is all exact
 shared-prompt log-probs need (`packed_batch_logprobs`, eager or sdpa models; this file imports
-only torch). packing.py adds what makes packing fast and when to use it: for sdpa models a
+only torch). packing.py adds what makes packing fast and when to use it: for sdpa models on CPU a
 structured kernel that never builds the mask, and the choice per group between packed and plain
 rows (`packing.batch_logprobs`, what the trainer calls).
 
@@ -291,7 +291,7 @@ def packed_batch_logprobs(model: torch.nn.Module, groups: Sequence[Group], tempe
                           pad_id: int = 0) -> tuple[Tensor, Tensor]:
     """(logp, mask), (N, T), with one shared-prompt row per group, in one forward, under the dense mask.
 
-    Any sdpa or eager model; `packing.batch_logprobs` sends sdpa models through its structured kernel instead.
+    Any sdpa or eager model; `packing.batch_logprobs` sends sdpa models on CPU through its structured kernel instead.
     """
     layout = pack(groups, pad_id)
     allowed = shared_prompt_mask(layout.segment_ids)  # (B, 1, L, L)

@@ -3,7 +3,7 @@
 attention.py holds the idea: the packed row [p | r_1 | ... | r_G], its shared-prompt mask and
 positions, and log-probs through the model under the dense (B, 1, L, L) mask. This file adds:
 
-- `shared_prompt_attention`, a structured kernel for sdpa models that computes only the blocks
+- `shared_prompt_attention`, a structured kernel for sdpa models on CPU that computes only the blocks
   the mask allows and never builds it. Per row: the prompt through causal SDPA, then all G
   responses at once, each against [prompt | own response] with a causal (R, R) block,
 
@@ -17,8 +17,8 @@ positions, and log-probs through the model under the dense (B, 1, L, L) mask. Th
 - `packing_cost_ratio` / `packing_pays`: a cost model in tokens plus attention score pairs that
   predicts where one packed row beats G plain rows (long prompts, short responses).
 - `batch_logprobs`, what the trainer calls: mode "packed", "unpacked", or "auto" (per group,
-  `packing_pays`); sdpa models pack through the kernel, eager ones (and activation checkpointing)
-  through attention.py's dense mask.
+  `packing_pays`); sdpa models on CPU pack through the kernel, eager ones, activation checkpointing
+  and any model off CPU through attention.py's dense mask (`structured_kernel`).
 
 Deliberate choices and departures:
 1. The structured kernel replaces the model's own only during the forward; backward reuses the
@@ -57,7 +57,7 @@ from attention import (Group, Layout, layout_logprobs, pack, packed_batch_logpro
 MODES = ("packed", "unpacked", "auto")
 
 
-# --- structured kernel (sdpa models) ---
+# --- structured kernel (sdpa models on CPU) ---
 
 # Arguments transformers passes to attention functions that change the result and that the structured
 # kernel does not implement: sliding windows (Mistral, Gemma), logit soft-capping (Gemma 2), sinks (gpt-oss).
@@ -221,8 +221,9 @@ def packing_cost_ratio(prompt_len: int, response_lens: list[int],
                                                                    (R, R) block (`shared_prompt_attention`),
                                                                    plus the kernel's per-row overhead
         packed   = L + L^2 / break_even_len                        dense=True: the dense mask (eager
-                                                                   models, accelerators, departures 1, 5),
-                                                                   whose kernels visit every pair
+                                                                   models, activation checkpointing,
+                                                                   accelerators: departures 1, 5), whose
+                                                                   kernels visit every pair
         unpacked = G · (L_u + L_u^2 / (2 · break_even_len))           G causal rows, padded to R
     Packing saves (G-1)·P tokens and (G-1)·P^2/2 prompt pairs, but computes each own-response block
     whole (R^2, not R^2/2), so it wins unless the prompt is short next to long responses. The balance
@@ -232,8 +233,8 @@ def packing_cost_ratio(prompt_len: int, response_lens: list[int],
 
     >>> round(packing_cost_ratio(512, [32] * 8), 2), round(packing_cost_ratio(32, [256] * 8), 2)
     (0.21, 1.16)
-    >>> round(packing_cost_ratio(450, [128] * 8, dense=True), 2), round(packing_cost_ratio(512, [32] * 8, dense=True), 2)
-    (0.87, 0.31)
+    >>> round(packing_cost_ratio(450, [128] * 8, dense=True), 2), round(packing_cost_ratio(64, [64] * 8, dense=True), 2)
+    (0.87, 1.18)
     """
     L = prompt_len + sum(response_lens)
     R = max(response_lens)
@@ -286,6 +287,12 @@ def _packed_batch(model: torch.nn.Module, groups: Sequence[Group], temperature: 
     """
     if not structured_kernel(model, dense_mask):
         return packed_batch_logprobs(model, groups, temperature, pad_id)
+    return structured_batch_logprobs(model, groups, temperature, pad_id)
+
+
+def structured_batch_logprobs(model: torch.nn.Module, groups: Sequence[Group], temperature: float = 1.0,
+                              pad_id: int = 0) -> tuple[Tensor, Tensor]:
+    """`packed_batch_logprobs` through `shared_prompt_attention` (an sdpa model, on any device), no dense mask."""
     layout = pack(groups, pad_id)
     with _attention_kernel(model):  # departure 1
         return layout_logprobs(model, layout, None, temperature, shared_prompt_rows=packed_rows(layout))
@@ -334,8 +341,9 @@ def batch_logprobs(model: torch.nn.Module, groups: list[tuple[Tensor, list[Tenso
 def logprobs_fn(policy: torch.nn.Module, mode: str = "auto", temperature: float = 1.0,
                 pad_id: int = 0) -> Callable[[torch.nn.Module, Sequence[Group]], tuple[Tensor, Tensor]]:
     """The tri-model's scorer (tri_model.TriModel's `logprobs_fn`): `batch_logprobs` with the run's settings, the
-    same kernels for all three copies: when the policy's layers recompute in backward, packed rows take the dense
-    mask (departure 1), and so do the frozen copies', so that at θ = θ_0 policy and reference agree exactly."""
+    same kernels for all three copies: the policy's `structured_kernel` decides for the frozen copies too (they
+    run in eval mode, where checkpointing does not recompute: departure 1), so that at θ = θ_0 policy and
+    reference agree exactly."""
     def logprobs(model: torch.nn.Module, groups: Sequence[Group]) -> tuple[Tensor, Tensor]:
-        return batch_logprobs(model, groups, mode, temperature, pad_id, dense_mask=recomputes_attention(policy))
+        return batch_logprobs(model, groups, mode, temperature, pad_id, dense_mask=not structured_kernel(policy))
     return logprobs

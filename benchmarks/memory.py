@@ -104,7 +104,8 @@ def grpo_step_peak(variant: str, dtype: torch.dtype, layers: int, P: int, R: int
     finally:
         attention.LOGITS_CHUNK_BYTES = chunk_bytes
     return {"variant": variant, "dtype": str(dtype).removeprefix("torch."), "layers": layers,
-            "layout": "packed" if packing.packing_pays(P, [R] * G, not packing.structured_kernel(policy)) else "plain rows",
+            "layout": ("packed" if packing.packing_pays(P, [R] * G, dense=not packing.structured_kernel(policy))
+                       else "plain rows"),
             "parameters": sum(p.numel() for p in policy.parameters()),
             "weight_bytes": sum(w.untyped_storage().nbytes() for w in weights),
             "backward_peak_bytes": backward_peak, "peak_bytes": tracker.peak, "step_s": time.perf_counter() - start}

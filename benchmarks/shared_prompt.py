@@ -3,7 +3,7 @@
 One GRPO training step (forward + backward of -(A · logp · mask).sum() / mask.sum()) on a
 random-weight 6-layer Qwen2-shaped model, over a grid of prompt length P and response length R
 with G = 8 responses per prompt, in three modes of `packing.batch_logprobs`:
-  packed    one row [p | r_1 | ... | r_G]: under sdpa the structured kernel
+  packed    one row [p | r_1 | ... | r_G]: under sdpa on CPU the structured kernel
             `packing.shared_prompt_attention` (causal prompt, each response against the
             prompt and itself), under eager the dense shared-prompt mask
   unpacked  G rows [p | r_i] with an ordinary causal mask (the baseline)
@@ -22,8 +22,9 @@ bench also prints the break-even length its own timings fit, to re-tune
 
 Memory: on CPU, the bytes of distinct non-parameter tensors autograd saved for backward (a
 deterministic stand-in for peak activation memory); on CUDA, peak allocated bytes during the
-step. `mask MB` is the dense (B, 1, L, L) mask handed to the model: 0 under sdpa, whose kernel
-takes the layout as a few index tensors instead.
+step. `mask MB` is the dense (B, 1, L, L) mask handed to the model: 0 where the structured kernel
+runs (it takes the layout as a few index tensors instead), L^2 bytes or more otherwise. On CUDA packed
+rows always take the dense mask (packing.py departure 5): `--mask` changes nothing there.
 
 Timings on a shared machine drift: modes are interleaved within each repeat so drift hits them
 alike, and each mode reports its fastest repeat (the work is deterministic, so noise from other
@@ -62,8 +63,9 @@ def shared_prompt_args(parser: argparse.ArgumentParser) -> None:
                              "thread waiting on a busy core made every op ~10x slower, swamping the comparison")
     parser.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"), help="attention implementation")
     parser.add_argument("--mask", default="structured", choices=("structured", "dense"),
-                        help="packed rows under sdpa: the structured kernel, or the dense (1, 1, L, L) mask "
-                             "(what the structured kernel saves; eager models and accelerators always take the dense mask)")
+                        help="packed rows under sdpa on CPU: the structured kernel, or the dense (1, 1, L, L) "
+                             "mask (what the structured kernel saves; eager models and CUDA always take the dense "
+                             "mask)")
 
 
 def bench_model(attn_implementation: str, device: str) -> torch.nn.Module:
@@ -173,7 +175,7 @@ def shared_prompt_cell(model: torch.nn.Module, P: int, R: int, G: int, repeats: 
         "P": P, "R": R, "G": G, "dense": dense, "packed_len": L, "token_ratio": G * (P + R) / L,
         "mac_ceiling": mac_ceiling(model.config, P, R, G),
         "packed_s": best["packed"], "unpacked_s": best["unpacked"], "auto_s": best["auto"],
-        "auto_choice": "packed" if packing.packing_pays(P, [R] * G, dense) else "unpacked",
+        "auto_choice": "packed" if packing.packing_pays(P, [R] * G, dense=dense) else "unpacked",
         "predicted_packed_over_unpacked": packing.packing_cost_ratio(P, [R] * G, dense=dense),
         "speedup_packed": best["unpacked"] / best["packed"], "speedup_auto": best["unpacked"] / best["auto"],
         "memory_packed_bytes": peak_bytes(model, steps["packed"], device),

@@ -123,18 +123,18 @@ def test_trl_script_micro_batch_divides_the_step(monkeypatch):
 
 def test_train_step_layouts_compute_the_same_step():
     """Claim (tools/train_step_layouts.py): its three layouts (the structured kernel forced, the dense mask, plain
-    rows) compute the same micro-batch, so their timings compare like with like: the same loss and gradient norm on
-    the 2-layer toy in float32, up to the order of float32 sums (eps 6e-8 over sums of at most ~100 terms: within
-    1e-5 relative)."""
+    rows) compute the same micro-batch, so their timings compare like with like. In float32 on CPU each layout's
+    gradient is within 1e-5 of plain rows' (relative norm), the bound test_packing.py holds for every parameter;
+    a layout that dropped or misplaced a token would be off by far more."""
     import re
     import subprocess
     import sys
     root = Path(__file__).resolve().parents[1]
-    out = subprocess.run([sys.executable, "tools/train_step_layouts.py", "--small", "--groups", "2", "--prompt", "12",
-                          "--response", "6", "--repeats", "1"], cwd=root, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "tools/train_step_layouts.py", "--small", "--device", "cpu", "--groups", "2",
+                          "--prompt", "12", "--response", "6", "--repeats", "1"],
+                         cwd=root, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    rows = re.findall(r"repeat 0 (\w+) .* loss (\S+)  \|grad\| (\S+)", out.stdout)
-    assert [layout for layout, _, _ in rows] == ["structured", "dense", "unpacked"]
-    for column in (1, 2):
-        values = [abs(float(row[column])) for row in rows]
-        assert max(values) - min(values) <= 1e-5 * max(values), rows
+    rows = re.findall(r"repeat 0 (\w+) .* grad vs unpacked (\S+)", out.stdout)
+    assert [layout for layout, _ in rows] == ["structured", "dense", "unpacked"]
+    assert all(float(off) <= 1e-5 for _, off in rows), rows
+    assert float(rows[2][1]) == 0.0  # plain rows against themselves: the same computation, bit for bit

@@ -172,6 +172,22 @@ def test_packing_pays_long_prompt_short_responses_only():
     assert not packing_pays(100, [50])  # G = 1: nothing shared, nothing saved
 
 
+def test_auto_prices_the_layout_the_model_will_take(monkeypatch):
+    """batch_logprobs' auto rule uses the dense-mask price where packed rows would take the dense mask: a group that
+    packs through the structured kernel (P=64, 8 x 64) goes to plain rows once the model is off CPU."""
+    model = tiny_model("qwen2", "sdpa")
+    group = random_group(64, [64] * 8, torch.Generator().manual_seed(10))
+    packed_calls = []
+    real = packing._packed_batch
+    monkeypatch.setattr(packing, "_packed_batch",
+                        lambda *args, **kwargs: packed_calls.append(1) or real(*args, **kwargs))
+    batch_logprobs(model, [group], mode="auto")
+    assert packed_calls == [1]  # on CPU: the structured kernel, and packing pays
+    monkeypatch.setattr(packing, "structured_kernel", lambda model, dense_mask=False: False)  # as off CPU
+    batch_logprobs(model, [group], mode="auto")
+    assert packed_calls == [1]  # the dense mask's L^2 pairs: plain rows
+
+
 def test_packing_pays_under_the_dense_mask_prices_every_pair():
     """The dense mask's kernels visit all L^2 pairs, so it packs fewer groups than the structured kernel: a
     prompt of 64 with 8 responses of 64 packs structured but not dense; long prompts still pack either way."""

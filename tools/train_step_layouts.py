@@ -1,7 +1,7 @@
 """Time one training micro-batch in each layout packing.py can use: what decided departure 5 (dense mask off CPU).
 
     python tools/train_step_layouts.py [--groups 3] [--prompt 450] [--response 128] [--repeats 3] [--small]
-                                       [--profile LAYOUT]
+                                       [--device cuda|cpu] [--profile LAYOUT]
 
 One micro-batch is `learner.forward_backward`, as the trainer runs it: the tri-model's policy forward with the
 reference forward (beta 0.04), the GRPO loss, its backward; bf16 autocast over float32 weights on CUDA, float32
@@ -13,8 +13,9 @@ CPU); `--groups` groups of G = 8 responses of `--response` tokens (minus 0-2) to
     unpacked    one plain row per response
 
 Layouts are interleaved within each repeat after one warm-up each; each prints every repeat, its best, its peak
-CUDA memory, and the loss and gradient norm (equal up to bf16 rounding: the layouts compute the same thing).
-`--profile LAYOUT` adds a torch.profiler table of one more micro-batch in that layout.
+CUDA memory, and how far its gradient is from plain rows' (`|g - g_unpacked| / |g_unpacked|`: rounding only, the
+layouts compute the same thing; about 1e-3 in bf16, 1e-7 in float32). `--profile LAYOUT` adds a torch.profiler
+table of one more micro-batch in that layout.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -36,19 +38,13 @@ from tri_model import TriModel  # noqa: E402
 LAYOUTS = ("structured", "dense", "unpacked")
 
 
-def layout_scorer(layout: str):
-    """The tri-model's logprobs_fn for a layout (the structured kernel forced where packing.py would not use it)."""
-    def scorer(model, groups):
-        if layout == "unpacked":
-            return packing.batch_logprobs(model, groups, "unpacked")
-        if layout == "dense":
-            return packing.batch_logprobs(model, groups, "packed", dense_mask=True)
-        forced, packing.structured_kernel = packing.structured_kernel, lambda model, dense_mask=False: True
-        try:
-            return packing.batch_logprobs(model, groups, "packed")
-        finally:
-            packing.structured_kernel = forced
-    return scorer
+def layout_scorer(layout: str) -> Callable[[torch.nn.Module, list], tuple[torch.Tensor, torch.Tensor]]:
+    """The tri-model's logprobs_fn for a layout (the structured kernel on any device, where packing.py would not)."""
+    if layout == "structured":
+        return packing.structured_batch_logprobs
+    if layout == "dense":
+        return lambda model, groups: packing.batch_logprobs(model, groups, "packed", dense_mask=True)
+    return lambda model, groups: packing.batch_logprobs(model, groups, "unpacked")
 
 
 def main() -> None:
@@ -59,13 +55,16 @@ def main() -> None:
     parser.add_argument("--response", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--small", action="store_true", help="a 2-layer toy of the same shape (CPU check)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="default: cuda where there is one (bf16 autocast there, float32 on CPU)")
     parser.add_argument("--profile", choices=LAYOUTS, default=None)
     args = parser.parse_args()
     from transformers import Qwen2Config, Qwen2ForCausalLM
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = args.device
     shape = dict(QWEN_05B)
     if args.small:
-        shape.update(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4)
+        shape.update(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                     num_attention_heads=4)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM._from_config(Qwen2Config(**shape), attn_implementation="sdpa").to(device).train()
     generator = torch.Generator().manual_seed(1)
@@ -75,35 +74,36 @@ def main() -> None:
                for i in range(G)])                                                                        # G x (R_i,)
              for _ in range(args.groups)]
     advantages = torch.randn(args.groups * G, generator=generator).tolist()
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # as the trainer's --dtype auto
     tris = {layout: TriModel(model, layout_scorer(layout), use_reference=False, use_old=False, compute_dtype=dtype)
             for layout in LAYOUTS}
     reference = TriModel(model, None, use_reference=True, use_old=False).reference  # one frozen θ_0 for all
     for tri in tris.values():
         tri.reference = reference
 
-    def step(layout: str) -> tuple[float, float, float, float]:
+    def step(layout: str) -> tuple[float, torch.Tensor, float]:
         model.zero_grad(set_to_none=True)
         if device == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
-        loss, _ = learner.forward_backward(tris[layout], batch, advantages, Config())
+        learner.forward_backward(tris[layout], batch, advantages, Config())  # ∇ in .grad
         if device == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
-        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+        grad = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).float()  # (params,)
         peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
-        return seconds, loss.item(), grad_norm.item(), peak
+        return seconds, grad, peak
 
-    for layout in LAYOUTS:
-        step(layout)  # warm-up
+    grads = {layout: step(layout)[1] for layout in LAYOUTS}  # warm-up
+    reference_grad = grads["unpacked"]
     best = {layout: float("inf") for layout in LAYOUTS}
     for repeat in range(args.repeats):
         for layout in LAYOUTS:
-            seconds, loss, grad_norm, peak = step(layout)
+            seconds, grad, peak = step(layout)
             best[layout] = min(best[layout], seconds)
-            print(f"repeat {repeat} {layout:10s} {seconds * 1000:8.1f} ms  loss {loss:+.6f}  |grad| {grad_norm:.6e}  "
+            off = ((grad - reference_grad).norm() / reference_grad.norm()).item()
+            print(f"repeat {repeat} {layout:10s} {seconds * 1000:8.1f} ms  grad vs unpacked {off:.1e}  "
                   f"peak {peak:.1f} GiB", flush=True)
     print(f"{args.groups} groups, P={args.prompt}, R<={args.response}, G={G}, {device}, {dtype}: best of "
           f"{args.repeats}: " + ", ".join(f"{layout} {best[layout] * 1000:.0f} ms" for layout in LAYOUTS))
