@@ -66,8 +66,9 @@ class LiveTensorBytes(TorchDispatchMode):
 
 
 def memory_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--layers", default="2,4,24", help="decoder layer counts, comma-separated (Qwen2.5-0.5B has "
-                                                           "24); variants that do not fit in RAM at a count are skipped")
+    parser.add_argument("--layers", default="2,4,24",
+                        help="decoder layer counts, comma-separated (Qwen2.5-0.5B has 24); variants that do not fit in "
+                             "RAM at a count are skipped")
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--response-len", type=int, default=512)
     parser.add_argument("--group-size", type=int, default=8)

@@ -146,8 +146,9 @@ def peer(args: argparse.Namespace) -> bool:
     for name, seconds in times.items():
         rates = [128 / t for t in seconds]
         ratios = [r / q for r, q in zip(rates, trl)]
-        results[name] = {"samples_per_s": statistics.mean(rates), "vs_trl": statistics.mean(rates) / statistics.mean(trl),
-                         "vs_trl_per_round": ratios, "seconds_per_step": seconds,
+        results[name] = {"samples_per_s": statistics.mean(rates),
+                         "vs_trl": statistics.mean(rates) / statistics.mean(trl), "vs_trl_per_round": ratios,
+                         "seconds_per_step": seconds,
                          "mean_response_tokens": statistics.mean(lengths[name])}
         print(f"{name:20s} {results[name]['samples_per_s']:10.0f} {results[name]['vs_trl']:7.2f}x "
               f"{min(ratios):5.2f}-{max(ratios):.2f}x  {results[name]['mean_response_tokens']:6.1f} tokens", flush=True)

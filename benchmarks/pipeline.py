@@ -41,8 +41,8 @@ ASYNC_WORKLOADS = {  # name -> trainer options on top of the tiny defaults (16 p
     "chunks of 4": ["--groups-per-chunk", "4"],
     "4 updates/iter": ["--updates-per-iteration", "4"],
 }
-PHASE_KEYS = ("iteration_s", "generate_s", "generate_device_s", "train_s", "idle_inference_s", "idle_training_s", "overlap",
-              "bound_s")
+PHASE_KEYS = ("iteration_s", "generate_s", "generate_device_s", "train_s", "idle_inference_s", "idle_training_s",
+              "overlap", "bound_s")
 
 
 def time_schedule(argv: list[str], iterations: int) -> list[dict[str, float]]:
@@ -99,7 +99,8 @@ def probed_sizes(argv: list[str]) -> tuple[list[str], list[str], float | None]:
     policy, tokenizer = trainer.load_policy(cfg, load_kwargs)  # the policy only, no inference process
     tri = periodic_rl.build_tri_model(cfg, policy, tokenizer.pad_token_id)
     chosen, _, gain = sizing.choose(cfg, tri, tokenizer, train_examples)
-    return (["--groups-per-chunk", str(chosen.groups_per_chunk), "--micro-batch-tokens", str(chosen.micro_batch_tokens)],
+    return (["--groups-per-chunk", str(chosen.groups_per_chunk),
+             "--micro-batch-tokens", str(chosen.micro_batch_tokens)],
             ["--rollout-threads", str(chosen.rollout_threads), "--train-threads", str(chosen.train_threads),
              "--tail-threads", str(chosen.tail_threads)], gain)
 

@@ -77,8 +77,10 @@ def test_forward_macs_counts_tokens_and_the_masks_pairs():
     packed_pairs = int(attention.shared_prompt_mask(attention.pack([(torch.arange(P), [torch.arange(R)] * G)])
                                                     .segment_ids).sum())
     unpacked_pairs = G * (P + R) * (P + R + 1) // 2  # G causal rows
-    assert forward_macs(config, P, R, G, packed=True) == 2 * ((P + G * R) * per_token + packed_pairs * per_pair) + lm_head
-    assert forward_macs(config, P, R, G, packed=False) == 2 * (G * (P + R) * per_token + unpacked_pairs * per_pair) + lm_head
+    assert forward_macs(config, P, R, G, packed=True) == (2 * ((P + G * R) * per_token + packed_pairs * per_pair)
+                                                          + lm_head)
+    assert forward_macs(config, P, R, G, packed=False) == (2 * (G * (P + R) * per_token + unpacked_pairs * per_pair)
+                                                           + lm_head)
     assert 1 < mac_ceiling(config, P, R, G) < G * (P + R) / (P + G * R)  # attention and lm head shrink less
 
 
