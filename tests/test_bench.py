@@ -123,20 +123,22 @@ def test_trl_script_micro_batch_divides_the_step(monkeypatch):
             parse_args(argv)
 
 
-def test_train_step_layouts_compute_the_same_step():
+@pytest.mark.parametrize("lengths", [[], ["--vary-lengths"]])
+def test_train_step_layouts_compute_the_same_step(lengths):
     """Claim (tools/train_step_layouts.py): its three layouts (the structured kernel forced, the dense mask, plain
     rows) compute the same micro-batch, so their timings compare like with like. In float32 on CPU each layout's
     gradient is within 1e-5 of plain rows' (relative norm), the bound test_packing.py holds for every parameter;
-    a layout that dropped or misplaced a token would be off by far more."""
+    a layout that dropped or misplaced a token would be off by far more. With --vary-lengths every repeat draws
+    another batch and each layout is compared on it."""
     import re
     import subprocess
     import sys
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "tools/train_step_layouts.py", "--small", "--device", "cpu", "--groups", "2",
-                          "--prompt", "12", "--response", "6", "--repeats", "1"],
+                          "--prompt", "12", "--response", "6", "--repeats", "2", *lengths],
                          cwd=root, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    rows = re.findall(r"repeat 0 (\w+) .* grad vs unpacked (\S+)", out.stdout)
+    rows = re.findall(r"repeat 1 (\w+) .* grad vs unpacked (\S+)", out.stdout)
     assert [layout for layout, _ in rows] == ["structured", "dense", "unpacked"]
     assert all(float(off) <= 1e-5 for _, off in rows), rows
     assert float(rows[2][1]) == 0.0  # plain rows against themselves: the same computation, bit for bit

@@ -1,7 +1,7 @@
 """Time one training micro-batch in each layout packing.py can use: what decided departure 5 (dense mask off CPU).
 
     python tools/train_step_layouts.py [--groups 3] [--prompt 450] [--response 128] [--repeats 3] [--small]
-                                       [--device cuda|cpu] [--profile LAYOUT]
+                                       [--device cuda|cpu] [--vary-lengths] [--profile LAYOUT]
 
 One micro-batch is `learner.forward_backward`, as the trainer runs it: the tri-model's policy forward with the
 reference forward (beta 0.04), the GRPO loss, its backward; bf16 autocast over float32 weights on CUDA, float32
@@ -15,7 +15,9 @@ CPU); `--groups` groups of G = 8 responses of `--response` tokens (minus 0-2) to
 Layouts are interleaved within each repeat after one warm-up each; each prints every repeat, its best, its peak
 CUDA memory, and how far its gradient is from plain rows' (`|g - g_unpacked| / |g_unpacked|`: rounding only, the
 layouts compute the same thing; about 1e-3 in bf16, 1e-7 in float32). `--profile LAYOUT` adds a torch.profiler
-table of one more micro-batch in that layout.
+table of one more micro-batch in that layout. `--vary-lengths`: a new batch for every repeat, prompts of P/2 to P
+tokens and responses of R/2 to R, so that no shape repeats (as in a run, where every micro-batch has its own
+lengths); each layout's gradient is then compared with plain rows' on the same batch.
 """
 from __future__ import annotations
 
@@ -57,6 +59,7 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="a 2-layer toy of the same shape (CPU check)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu",
                         help="default: cuda where there is one (bf16 autocast there, float32 on CPU)")
+    parser.add_argument("--vary-lengths", action="store_true", help="a new batch of other lengths every repeat")
     parser.add_argument("--profile", choices=LAYOUTS, default=None)
     args = parser.parse_args()
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -69,10 +72,16 @@ def main() -> None:
     model = Qwen2ForCausalLM._from_config(Qwen2Config(**shape), attn_implementation="sdpa").to(device).train()
     generator = torch.Generator().manual_seed(1)
     G = 8
-    batch = [(torch.randint(0, shape["vocab_size"], (args.prompt,), generator=generator).to(device),   # (P,)
-              [torch.randint(0, shape["vocab_size"], (args.response - i % 3,), generator=generator).to(device)
-               for i in range(G)])                                                                        # G x (R_i,)
-             for _ in range(args.groups)]
+
+    def draw_batch(vary: bool) -> list:
+        def length(most: int, fixed: int) -> int:
+            return int(torch.randint(most // 2, most + 1, (1,), generator=generator)) if vary else fixed
+        return [(torch.randint(0, shape["vocab_size"], (length(args.prompt, args.prompt),),
+                               generator=generator).to(device),                                        # (P,)
+                 [torch.randint(0, shape["vocab_size"], (length(args.response, args.response - i % 3),),
+                                generator=generator).to(device) for i in range(G)])                    # G x (R_i,)
+                for _ in range(args.groups)]
+    batch = draw_batch(vary=False)
     advantages = torch.randn(args.groups * G, generator=generator).tolist()
     dtype = torch.bfloat16 if device == "cuda" else torch.float32  # as the trainer's --dtype auto
     tris = {layout: TriModel(model, layout_scorer(layout), use_reference=False, use_old=False, compute_dtype=dtype)
@@ -81,7 +90,7 @@ def main() -> None:
     for tri in tris.values():
         tri.reference = reference
 
-    def step(layout: str) -> tuple[float, torch.Tensor, float]:
+    def step(layout: str, batch: list) -> tuple[float, torch.Tensor, float]:
         model.zero_grad(set_to_none=True)
         if device == "cuda":
             torch.cuda.synchronize()
@@ -95,23 +104,27 @@ def main() -> None:
         peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
         return seconds, grad, peak
 
-    grads = {layout: step(layout)[1] for layout in LAYOUTS}  # warm-up
-    reference_grad = grads["unpacked"]
+    reference_grad = {layout: step(layout, batch)[1] for layout in LAYOUTS}["unpacked"]  # warm-up
     best = {layout: float("inf") for layout in LAYOUTS}
     for repeat in range(args.repeats):
-        for layout in LAYOUTS:
-            seconds, grad, peak = step(layout)
+        if args.vary_lengths:
+            batch = draw_batch(vary=True)
+        results = {layout: step(layout, batch) for layout in LAYOUTS}
+        if args.vary_lengths:
+            reference_grad = results["unpacked"][1]  # plain rows on this batch (0 against itself)
+        for layout, (seconds, grad, peak) in results.items():
             best[layout] = min(best[layout], seconds)
             off = ((grad - reference_grad).norm() / reference_grad.norm()).item()
             print(f"repeat {repeat} {layout:10s} {seconds * 1000:8.1f} ms  grad vs unpacked {off:.1e}  "
                   f"peak {peak:.1f} GiB", flush=True)
-    print(f"{args.groups} groups, P={args.prompt}, R<={args.response}, G={G}, {device}, {dtype}: best of "
+    lengths = "varied lengths up to " if args.vary_lengths else ""
+    print(f"{args.groups} groups, {lengths}P={args.prompt}, R<={args.response}, G={G}, {device}, {dtype}: best of "
           f"{args.repeats}: " + ", ".join(f"{layout} {best[layout] * 1000:.0f} ms" for layout in LAYOUTS))
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
         with profile(activities=activities) as profiled:
-            step(args.profile)
+            step(args.profile, batch)
         key = "cuda_time_total" if device == "cuda" else "cpu_time_total"
         print(profiled.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=50))
 
