@@ -279,15 +279,13 @@ def structured_kernel(model: torch.nn.Module, dense_mask: bool = False) -> bool:
             and next(model.parameters()).device.type == "cpu")
 
 
-def _packed_batch(model: torch.nn.Module, groups: Sequence[Group], temperature: float = 1.0,
-                 pad_id: int = 0, dense_mask: bool = False) -> tuple[Tensor, Tensor]:
-    """(logp, mask), (N, T), with one shared-prompt row per group, in one forward.
-
-    The structured kernel where `structured_kernel` says so, else the dense (B, 1, L, L) mask.
-    """
-    if not structured_kernel(model, dense_mask):
-        return packed_batch_logprobs(model, groups, temperature, pad_id)
-    return structured_batch_logprobs(model, groups, temperature, pad_id)
+def _packed_batch(model: torch.nn.Module, groups: Sequence[Group], temperature: float, pad_id: int,
+                  structured: bool) -> tuple[Tensor, Tensor]:
+    """(logp, mask), (N, T), with one shared-prompt row per group, in one forward: through the structured kernel
+    (`structured`, what `structured_kernel` says), else under the dense (B, 1, L, L) mask."""
+    if structured:
+        return structured_batch_logprobs(model, groups, temperature, pad_id)
+    return packed_batch_logprobs(model, groups, temperature, pad_id)
 
 
 def structured_batch_logprobs(model: torch.nn.Module, groups: Sequence[Group], temperature: float = 1.0,
@@ -314,16 +312,16 @@ def batch_logprobs(model: torch.nn.Module, groups: list[tuple[Tensor, list[Tenso
     if unsupported and mode == "packed":
         raise ValueError(f"cannot pack groups for this model: it uses {unsupported}, which the shared-prompt layout "
                          "does not express (departure 3); use mode='auto' or 'unpacked' (plain rows, exact)")
-    dense = not structured_kernel(model, dense_mask)
-    packed = [not unsupported and (mode == "packed" or (mode == "auto" and packing_pays(len(p), [len(r) for r in rs],
-                                                                                      dense)))
+    structured = structured_kernel(model, dense_mask)
+    packed = [not unsupported and (mode == "packed" or (mode == "auto" and packing_pays(
+                  len(p), [len(r) for r in rs], dense=not structured)))
               for p, rs in groups]
     if all(packed):
-        return _packed_batch(model, groups, temperature, pad_id, dense_mask)
+        return _packed_batch(model, groups, temperature, pad_id, structured)
     if not any(packed):
         return unpacked_batch_logprobs(model, groups, temperature, pad_id)
     # mixed (auto only): one forward per layout, then responses back in group order
-    results = {True: _packed_batch(model, [g for g, p in zip(groups, packed) if p], temperature, pad_id, dense_mask),
+    results = {True: _packed_batch(model, [g for g, p in zip(groups, packed) if p], temperature, pad_id, structured),
                False: unpacked_batch_logprobs(model, [g for g, p in zip(groups, packed) if not p], temperature, pad_id)}
     T = max(len(r) for _, rs in groups for r in rs)
     taken = {True: 0, False: 0}  # responses consumed from each result so far

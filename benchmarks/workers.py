@@ -67,8 +67,7 @@ def workers(args: argparse.Namespace) -> bool:
     calls = parse_args(argv).chunks_per_iteration
     t_gen, t_train = mean(1, "generate_s"), mean(1, "train_s")
     print(f"model {parse_args(argv).model}, {calls} generate calls per iteration, {args.rounds} interleaved runs "
-          f"per N, "
-          f"{args.iterations} timed iterations each; N = 1 phase times: T_gen {t_gen:.3f} s, "
+          f"per N, {args.iterations} timed iterations each; N = 1 phase times: T_gen {t_gen:.3f} s, "
           f"T_train {t_train:.3f} s")
     print(f"{'workers':>7s} {'s/iter':>7s} {'per round':>13s} {'predicted':>9s} {'gen dev-s':>9s} {'T_train':>7s} "
           f"{'overlap':>7s}")

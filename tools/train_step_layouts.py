@@ -35,7 +35,7 @@ import learner  # noqa: E402
 import packing  # noqa: E402
 from config import Config  # noqa: E402
 from tools.qwen_shaped_random import QWEN_05B  # noqa: E402
-from tri_model import TriModel  # noqa: E402
+from tri_model import TriModel, frozen_copy  # noqa: E402
 
 LAYOUTS = ("structured", "dense", "unpacked")
 
@@ -86,7 +86,7 @@ def main() -> None:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32  # as the trainer's --dtype auto
     tris = {layout: TriModel(model, layout_scorer(layout), use_reference=False, use_old=False, compute_dtype=dtype)
             for layout in LAYOUTS}
-    reference = TriModel(model, None, use_reference=True, use_old=False).reference  # one frozen θ_0 for all
+    reference = frozen_copy(model)  # one frozen θ_0 for all layouts
     for tri in tris.values():
         tri.reference = reference
 
