@@ -23,7 +23,10 @@ from __future__ import annotations
 import argparse
 from typing import Callable
 
-from benchmarks import memory, peer, pipeline, publish, shared_prompt, tri_model_copies, workers
+import trainer
+
+trainer.shorten_openmp_spinning()  # before the benchmarks import torch: as trainer.py runs
+from benchmarks import memory, peer, pipeline, publish, shared_prompt, tri_model_copies, workers  # noqa: E402
 
 BENCHMARKS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], bool]]] = {
     "shared-prompt": (shared_prompt.shared_prompt_args, shared_prompt.shared_prompt),

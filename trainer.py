@@ -289,11 +289,23 @@ def rank_prefix(ranks=None) -> str:
     return f"trainer rank {rank} of {size}: " if rank is not None and size != "1" else ""
 
 
+def shorten_openmp_spinning(environ=os.environ) -> None:
+    """Idle OpenMP threads spin 300,000 times before they sleep (libgomp's default; libgomp is the OpenMP runtime of
+    torch's wheels): ~7 ms on this project's CPU. The trainer and the inference process take turns on the same cores,
+    so the side that has just finished spins through the other's first milliseconds (on the toy, sampling took 8 ms
+    longer after every publish: docs/benchmarks.md). 30,000 spins still outlast the gap between two ops of one process
+    (sync mode runs as fast). Call before torch is imported (libgomp reads it once, when torch loads it); the inference
+    processes inherit it. A user's own GOMP_SPINCOUNT or OMP_WAIT_POLICY wins."""
+    if "GOMP_SPINCOUNT" not in environ and "OMP_WAIT_POLICY" not in environ:
+        environ["GOMP_SPINCOUNT"] = "30000"
+
+
 def main(argv: list[str] | None = None) -> int:
     Interrupted.received = None
     ranks = None  # this process's ranks (distributed.Ranks) once the options are read: error lines name it
     with stopped_by_signals():
         try:
+            shorten_openmp_spinning()  # before torch is imported
             import numpy  # noqa: F401  before torch, whose C extension imports numpy and clears any error: a Ctrl-C
             # there was swallowed and left numpy half-imported (the run went on, then crashed at save)
             argv = sys.argv[1:] if argv is None else argv

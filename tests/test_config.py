@@ -1,5 +1,6 @@
 """The command line: --help documents every Config field; bad values fail at start-up with one line, exit 2."""
 import dataclasses
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -149,6 +150,25 @@ def test_trainer_cli_bad_value_exits_2_without_traceback():
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr and result.stderr.strip().count("\n") == 0
+
+
+@pytest.mark.parametrize("given, expected", [({}, "30000"), ({"GOMP_SPINCOUNT": "5"}, "5"),
+                                             ({"OMP_WAIT_POLICY": "ACTIVE"}, None)])
+def test_trainer_shortens_openmp_spinning_before_torch_loads(given, expected, tmp_path):
+    """The entry point sets GOMP_SPINCOUNT before torch (and its libgomp, which reads it once) is imported, so the
+    inference processes inherit it too; a user's own GOMP_SPINCOUNT or OMP_WAIT_POLICY is left as it is."""
+    probe = ("import os, sys, trainer\n"
+             "assert 'torch' not in sys.modules\n"
+             "real_import = __builtins__.__import__\n"
+             "def spy(name, *args, **kwargs):\n"
+             "    if name == 'torch' and 'torch' not in sys.modules:\n"
+             "        print('at torch import:', os.environ.get('GOMP_SPINCOUNT'))\n"
+             "    return real_import(name, *args, **kwargs)\n"
+             "__builtins__.__import__ = spy\n"
+             f"trainer.main(['--model', '/nonexistent/model', '--out', {str(tmp_path)!r}])\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")} | given
+    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert result.stdout.splitlines()[0] == f"at torch import: {expected}", result.stdout + result.stderr
 
 
 def test_device_auto_picks_the_hardware(monkeypatch):
