@@ -39,10 +39,12 @@ MICRO_BATCH_TOKENS = 16384
 
 
 def _dtype_name(name: str) -> str:
-    """--dtype's argparse type: float16 is refused with the reason (argparse's own message would only list the choices)."""
+    """--dtype's argparse type: float16 is refused with the reason (argparse's own message would only list the
+    choices)."""
     if name == "float16":
         raise argparse.ArgumentTypeError(f"{name} is not supported: training in float16 needs loss scaling, which "
-                                         "this trainer does not do; use bfloat16 (same memory, float32's range) or float32")
+                                         "this trainer does not do; use bfloat16 (same memory, float32's range) or "
+                                         "float32")
     return name
 
 

@@ -64,7 +64,8 @@ class RanksError(UserError):
 @dataclass(frozen=True)
 class Ranks:
     """This process's place among the ranks (torchrun's environment); one rank when not launched by it. The first
-    `size` ranks train (trainer ranks 0..M-1); the `inference` ranks after them sample (remote.py, --inference-ranks)."""
+    `size` ranks train (trainer ranks 0..M-1); the `inference` ranks after them sample (remote.py,
+    --inference-ranks)."""
     rank: int = 0
     size: int = 1  # M, the trainer ranks
     local_rank: int = 0
@@ -166,8 +167,8 @@ def check(cfg, ranks: Ranks) -> None:
     if cfg.chunks_per_iteration < samplers:
         who = (f"{ranks.size} trainer ranks and {ranks.inference} inference ranks (each needs calls)" if ranks.inference
                else f"{ranks.size} ranks x {cfg.inference_workers} inference workers that sample them")
-        raise RanksError(f"--groups-per-chunk {cfg.groups_per_chunk} makes {cfg.chunks_per_iteration} generate calls per "
-                         f"iteration, fewer than the {who} (some would sit idle): give --groups-per-chunk "
+        raise RanksError(f"--groups-per-chunk {cfg.groups_per_chunk} makes {cfg.chunks_per_iteration} generate calls "
+                         f"per iteration, fewer than the {who} (some would sit idle): give --groups-per-chunk "
                          f"{max(1, cfg.prompts_per_iteration // samplers)} or less")
 
 

@@ -134,7 +134,8 @@ class Learner:
 
     def minibatch_done(self) -> bool:
         """Every group of the current mini-batch has arrived and been trained: time for its optimizer step."""
-        return self.minibatch < self.cfg.updates_per_iteration and self._all_arrived() and not self.waiting[self.minibatch]
+        return (self.minibatch < self.cfg.updates_per_iteration and self._all_arrived()
+                and not self.waiting[self.minibatch])
 
     def all_taken(self) -> bool:
         """Every group of the iteration (this rank's) has arrived: the inference side is done sampling θ_k."""

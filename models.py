@@ -106,7 +106,8 @@ def _from_pretrained(source: str, device: str, dtype: torch.dtype, attn_implemen
     except SafetensorError as error:
         raise ModelError(f"the weights of model {source} cannot be read ({_one_line(error)}): the file is "
                          "truncated or corrupt; download or save the model again") from None
-    fix = "put the model's tokenizer files there (tokenizer.json, tokenizer_config.json, ...: tokenizer.save_pretrained)"
+    fix = ("put the model's tokenizer files there (tokenizer.json, tokenizer_config.json, ...: "
+           "tokenizer.save_pretrained)")
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_files_only)
     except (TypeError, ImportError) as error:  # transformers 4.x without tokenizer files: a slow tokenizer's missing

@@ -64,7 +64,8 @@ def make_directory(path: Path, what: str) -> Path:
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as error:
-        raise OutputError(f"{what} {path} cannot be created ({error.strerror}): name a directory you can write") from None
+        raise OutputError(f"{what} {path} cannot be created ({error.strerror}): name a directory you can "
+                          "write") from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise OutputError(f"{what} {path} is not writable (permission denied): name a directory you can write")
     return path
@@ -109,7 +110,8 @@ def claimed(cfg: Config) -> Iterator[Path]:
         found = previous_run(out)
         if found and not (cfg.overwrite or cfg.resume):
             raise OutputError(f"--out {out} holds a previous run ({', '.join(found[:3])}{', ...' if found[3:] else ''}"
-                              "): pass --resume auto to continue it, --overwrite to replace it, or choose another --out")
+                              "): pass --resume auto to continue it, --overwrite to replace it, or choose another "
+                              "--out")
         for name in [*found, *RECORDS] if cfg.overwrite else []:
             remove(out / name)
         for stale in out.glob(".*.saving-*"):  # a save killed half-way (rule 4); the lock says it is not running

@@ -204,7 +204,7 @@ def train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs
             tri.start_iteration()                                 # θ_old := θ_k (when N > 1 updates)
             learner.start(iteration)
             rollouts.publish(policy, iteration)                   # θ_k -> the inference side
-            rollouts.generate(iteration, final_iteration=cfg.iterations)  # sample iteration k with θ_k (async: returns at once)
+            rollouts.generate(iteration, final_iteration=cfg.iterations)  # sample k with θ_k (async: returns at once)
             messages = rollouts.receive()                         # groups in completion order, then IterationDone
             if in_turns:  # the inference side's whole iteration first, then training: each side on every core
                 messages = list(messages)

@@ -28,8 +28,9 @@ the broadcast's latency, a millisecond), so the timeline's busy and idle seconds
 Process groups (distributed.process_group): θ on the devices' backend ("weights"), the command and the groups on
 gloo ("commands": a CPU tensor, so that a waiting rank takes signals; "transport": one group per trainer rank).
 
-Departures, on purpose: groups travel as pickled Python objects (`send_object`: a few KB per group), θ as one tensor per iteration on the devices' own backend. One sampler per inference rank (give more
-ranks, not --inference-workers). An inference rank failing in its sampling loop sends its error to every trainer
+Departures, on purpose: groups travel as pickled Python objects (`send_object`: a few KB per group), θ as one
+tensor per iteration on the devices' own backend. One sampler per inference rank (give more ranks, not
+--inference-workers). An inference rank failing in its sampling loop sends its error to every trainer
 rank before it exits (one failing while it loads prints its own line, and torchrun stops the others).
 """
 from __future__ import annotations

@@ -8,8 +8,9 @@
 It is written atomically twice: at start-up, before a model loads (a run that fails still says what it was),
 and again once the sizes are known (on CPU `sizing.choose` probes them before iteration 0), so it holds the
 sizes the run used: `python trainer.py --config <out>/config.json --out other` reruns it with the same
-options, the sizes included (which prompts share a generate call, hence the rollouts). A resumed run rewrites it with the options it goes on with and keeps its
-`run_id` (the name under which wandb and trackio continue the run; tracking.py).
+options, the sizes included (which prompts share a generate call, hence the rollouts). A resumed run
+rewrites it with the options it goes on with and keeps its `run_id` (the name under which wandb and
+trackio continue the run; tracking.py).
 
 `--config FILE`: a JSON file (`.json`) or YAML (anything else; PyYAML, which transformers requires) holding
 a mapping from option names (Config's field names: `max_new_tokens` for --max-new-tokens) to values; the

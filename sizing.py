@@ -327,7 +327,8 @@ def choose(cfg, tri, tokenizer, train_examples) -> tuple[object, str, float]:
     steps = ", ".join(f"{k}: {seconds:.3f}" for k, seconds in sorted(result.generate_seconds.items(), reverse=True))
     note = (f"probe: generate seconds by prompts per call {{{steps}}}, forward/backward {d * 1e3:.1f} ms + "
             f"{c * 1e6:.2f} us/token; predicted {iteration_s:.3f} s per iteration (generate {gen_s:.3f} s, "
-            f"train {train_s:.3f} s, {f'overlapped: {gain:.2f}x taking turns' if overlaps else 'in turns'}{turns_note}); "
+            f"train {train_s:.3f} s, {f'overlapped: {gain:.2f}x taking turns' if overlaps else 'in turns'}"
+            f"{turns_note}); "
             f"probed in {time.perf_counter() - started:.1f} s")
     return chosen, note, gain
 

@@ -45,10 +45,10 @@ def check_shared_memory(nbytes: int, path: str = "/dev/shm") -> None:
     free = shutil.disk_usage(path).free
     if nbytes + SHM_SLACK_BYTES > free:
         need_gib = math.ceil((1.25 * nbytes + SHM_SLACK_BYTES) / 2**30)  # with room to spare
-        raise SharedMemoryError(f"the shared-memory weight buffer needs {nbytes / 2**20:,.0f} MiB (+{SHM_SLACK_BYTES // 2**20} "
-                                f"MiB to spare) but {path} has {free / 2**20:,.0f} MiB free: give the container more "
-                            f"(docker run --shm-size={need_gib}g, or Kubernetes: an emptyDir with medium Memory on "
-                            f"/dev/shm), free some, or use --mode sync")
+        raise SharedMemoryError(f"the shared-memory weight buffer needs {nbytes / 2**20:,.0f} MiB "
+                                f"(+{SHM_SLACK_BYTES // 2**20} MiB to spare) but {path} has {free / 2**20:,.0f} MiB "
+                                f"free: give the container more (docker run --shm-size={need_gib}g, or Kubernetes: an "
+                                f"emptyDir with medium Memory on /dev/shm), free some, or use --mode sync")
 
 
 def shared(tensor: torch.Tensor) -> torch.Tensor:

@@ -167,7 +167,8 @@ def test_trainer_shortens_openmp_spinning_before_torch_loads(given, expected, tm
              "__builtins__.__import__ = spy\n"
              f"trainer.main(['--model', '/nonexistent/model', '--out', {str(tmp_path)!r}])\n")
     env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")} | given
-    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=60)
     assert result.stdout.splitlines()[0] == f"at torch import: {expected}", result.stdout + result.stderr
 
 

@@ -32,8 +32,8 @@ def main() -> None:
         path = checkpoint.save(out, 1, policy, tiny_tokenizer(), optimizer, parse_args([]), theta_0)
         save_s = time.perf_counter() - start
         size = int(subprocess.run(["du", "-sb", str(path)], capture_output=True, text=True).stdout.split()[0])
-        print(f"parameters {sum(p.numel() for p in policy.parameters()) / 1e6:.1f} M; fingerprint {fingerprint_s:.1f} s; "
-              f"save {save_s:.1f} s; checkpoint {size / 1e9:.2f} GB")
+        print(f"parameters {sum(p.numel() for p in policy.parameters()) / 1e6:.1f} M; "
+              f"fingerprint {fingerprint_s:.1f} s; save {save_s:.1f} s; checkpoint {size / 1e9:.2f} GB")
     finally:
         shutil.rmtree(out)
 
