@@ -350,9 +350,8 @@ def main(argv: list[str] | None = None) -> int:
         liveness = sys.modules.get("liveness")  # imported with distributed.py, once the run has started (main)
         gone = liveness.gone_neighbours() if by_torchrun and liveness else []
         if gone:  # a rank on this host ended first: that is why torchrun stopped this one
-            sys.stderr.write(f"error: {rank_prefix(ranks)}{', '.join(gone)} ended first (killed, out of memory, or "
-                             "its own error line above; torchrun's report names its exit code or signal), so torchrun "
-                             "stopped this rank; nothing is left running\n")
+            sys.stderr.write(f"error: {rank_prefix(ranks)}{liveness.ended_first(gone)}, so torchrun stopped this rank "
+                             "(torchrun's report names its exit code or signal); nothing is left running\n")
         else:
             sys.stderr.write(f"{rank_prefix(ranks)}interrupted by {signal.Signals(signum).name}: the run was stopped, "
                              "nothing is left running" + (" (torchrun stops every rank once one fails: its report "
