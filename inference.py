@@ -272,7 +272,7 @@ class AsyncRollouts:
         """Stop the workers: politely, all at once, then by force (at once if one failed: the others may be in the
         middle of an iteration). Never leaves one running. Idempotent."""
         failed = any(worker.failed for worker in self.workers)
-        polite = self.weights is not None and not failed  # before attach a worker may still be loading
+        polite = (self.weights is not None or self.loaded) and not failed  # before it loaded, it may be importing
         if polite:
             for worker in self.workers:
                 worker.ask_to_stop()

@@ -49,6 +49,9 @@ Departures, on purpose:
    trainer takes every core (--tail-threads) once the inference side is done with θ_k (every group in, the
    evaluation too if due), for the micro-batches still left and the step; back to its share at the next
    iteration. Which micro-batches train on all cores is fixed by arrival order: a rerun is the same run.
+4. Colocated when taking turns (`colocated`): async on CPU whose sides would take turns (more threads than
+   cores, one inference process: the toy's probe picks it on 2 cores) samples in the trainer's process, which is
+   sync's schedule; a second process would overlap nothing and only add the hand-over.
 """
 from __future__ import annotations
 
@@ -105,6 +108,16 @@ def takes_turns(cfg) -> bool:
     return both_on_cpu(cfg) and rollout_threads + cfg.train_threads > available_cores()
 
 
+def colocated(cfg, ranks: Ranks = Ranks()) -> bool:
+    """Whether async mode samples in the trainer's own process: when the sides take turns (`takes_turns`) with
+    one local inference process (departure 4). Taking turns, the trainer waits for the inference side's whole
+    iteration before it computes, so a second process overlaps nothing; it only adds the hand-over (publishing
+    θ_k, a message per group through the pipe, one side's idle threads spinning into the other's turn), measured
+    at 0.97-0.99x sync's speed on the toy (docs/benchmarks.md). In one process the iteration is sync's schedule
+    exactly: the same calls, groups and bits. Needs the thread counts (after sizing)."""
+    return cfg.mode == "async" and cfg.inference_workers == 1 and not ranks.inference and takes_turns(cfg)
+
+
 def elastic_threads(cfg, ranks: Ranks) -> int | None:
     """--tail-threads, when the trainer switches to it once sampling is done (departure 3), or None: async on
     CPU with one inference process, and more tail threads than its share (the probe sets every core when it
@@ -119,7 +132,7 @@ def inference_side(cfg, load_kwargs: dict, train_examples, held_out, load: bool 
     """A `with` block owning the inference process from spawn to stop (async mode; it loads its model at once
     unless load=False; it samples this rank's generate calls), or, with inference ranks, the handle on them
     (remote.py); in sync mode there is none (None)."""
-    if cfg.mode != "async":
+    if cfg.mode != "async" or (cfg.sized and colocated(cfg, ranks)):  # (open sizes: the probe needs it loaded)
         return contextlib.nullcontext()
     if ranks.inference:  # samplers of their own, over torch.distributed
         from remote import RemoteRollouts
@@ -151,7 +164,7 @@ def train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs
     `on_sized(cfg)`: told the config with its sizes once they are chosen, before iteration k (trainer.py records it).
     `ranks`: this process's trainer rank (distributed.py): it samples and trains only its generate calls.
     """
-    if cfg.mode == "async" and rollouts is None:
+    if cfg.mode == "async" and rollouts is None and not (cfg.sized and colocated(cfg, ranks)):
         raise ValueError("async mode samples in the inference process: pass `rollouts` (see inference_side)")
     # the policy as trained (θ, with θ_old and π_ref when needed) and AdamW
     device = next(policy.parameters()).device
@@ -179,8 +192,15 @@ def train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs
           + (f"\nperiodic-rl: {probed}" if probed else ""), flush=True)
     if on_sized is not None:
         on_sized(cfg)
-    # the sampling side: the inference process (async) or a sampler here (sync)
+    # the sampling side: the inference process (async) or a sampler here (sync, and async taking turns)
     torch.set_num_threads(cfg.train_threads)
+    if colocated(cfg, ranks):
+        if rollouts is not None:  # started for the probe, which chose to take turns: nothing left for it to do
+            rollouts.close()
+        rollouts = None
+        print("periodic-rl: async at these sizes takes turns (more threads than cores): sampling in this process, "
+              "sync's schedule, no inference process (--rollout-threads and --train-threads within the cores "
+              "overlap the two sides)", flush=True)
     if rollouts is not None:
         rollouts.attach(policy, cfg, cfg.rollout_threads)  # θ's buffer, the config, its threads
         timeline = rollouts.timeline  # both processes' spans on one timeline
@@ -193,7 +213,7 @@ def train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs
                                 workers=cfg.inference_workers, share=ranks.share)  # the shares, one after another
         timeline = Timeline()
     learner = Learner(tri, optimizer, cfg, device, timeline, ranks, as_rewards(rewards).names)
-    in_turns = cfg.mode == "async" and takes_turns(cfg) and not ranks.inference  # (inference ranks: other hosts)
+    in_turns = cfg.mode == "async" and takes_turns(cfg) and not ranks.inference  # N workers (inference ranks: hosts)
     logged = first  # iterations whose row is out
     try:  # the iterations, as in the module docstring's figure
         for iteration in range(first, cfg.iterations):

@@ -1,8 +1,9 @@
-"""Helpers more than one benchmark uses: bytes saved for backward, a median timer, a Qwen2.5-0.5B-shaped model,
-the --json output."""
+"""Helpers more than one benchmark uses: bytes saved for backward, a median timer, a ratio's confidence interval,
+a Qwen2.5-0.5B-shaped model, the --json output."""
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 from typing import Callable
@@ -34,6 +35,30 @@ def median_seconds(fn: Callable[[], object], repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+T_975 = (12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23)  # Student's t, 97.5% quantile, 1-10 df
+
+
+def ratio_interval(ratios: list[float]) -> tuple[float, float, float]:
+    """(geometric mean, low, high): a 95% confidence interval of per-round speed ratios (A's speed / B's, one per
+    round of interleaved runs), from Student's t on their logarithms (a ratio's noise is multiplicative):
+    exp(m ± t·s/√n), m and s the logs' mean and standard deviation over n rounds; beyond 10 degrees of freedom
+    t ≈ 1.96 + 2.4/df (within 0.01). One round: no interval (0, inf).
+
+    "A is not slower than B" then fails only when the whole interval lies below 1: two runs of the same schedule
+    differ by the machine's noise alone (±10% per round here), and a bare mean >= 1 would be a coin flip.
+
+    >>> [round(x, 3) for x in ratio_interval([1.1, 0.9, 1.0])]
+    [0.997, 0.777, 1.279]
+    """
+    logs = [math.log(r) for r in ratios]
+    mean = statistics.mean(logs)
+    if len(logs) < 2:
+        return math.exp(mean), 0.0, math.inf
+    df = len(logs) - 1
+    half = (T_975[df - 1] if df <= len(T_975) else 1.96 + 2.4 / df) * statistics.stdev(logs) / math.sqrt(len(logs))
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
 
 def qwen_05b_shaped(tiny: bool, layers: int = 24) -> torch.nn.Module:

@@ -14,6 +14,12 @@ ROOT = Path(__file__).resolve().parents[1]
 GSM8K = GSM8K_DIR / "train.jsonl"
 
 
+def split_threads(mode: str) -> list[str]:
+    """Async with one thread per side: an inference process samples (at the defaults on 2 cores the probe may have
+    the sides take turns, and async then samples in the trainer's process: periodic_rl.colocated)."""
+    return ["--rollout-threads", "1", "--train-threads", "1"] if mode == "async" else []
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_two_iterations_of_trainer_py(tiny_model_dir, tmp_path, mode):
     """Claim: `python trainer.py` runs 2 iterations in either mode, prints one line per iteration, writes the
@@ -22,7 +28,7 @@ def test_two_iterations_of_trainer_py(tiny_model_dir, tmp_path, mode):
         [sys.executable, "trainer.py", "--model", str(tiny_model_dir), "--data", "arithmetic", "--mode", mode,
          "--iterations", "2", "--batch-size", "16", "--group-size", "4", "--max-new-tokens", "4",
          "--eval-every", "1", "--eval-size", "4", "--out", str(tmp_path), "--trace", str(tmp_path / "trace.json"),
-         "--groups-per-chunk", "2"],
+         "--groups-per-chunk", "2", *split_threads(mode)],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("\niter ") == 2 and "final  held-out reward" in result.stdout
@@ -50,7 +56,7 @@ def test_gsm8k_file_with_a_qwen_instruct_shaped_directory(qwen_shaped_dir, tmp_p
     result = subprocess.run(
         [sys.executable, "trainer.py", "--model", str(qwen_shaped_dir), "--data", str(GSM8K), "--mode", mode,
          "--iterations", "1", "--batch-size", "8", "--group-size", "4", "--max-new-tokens", "8",
-         "--eval-every", "0", "--no-save", "--out", str(tmp_path)],
+         "--eval-every", "0", "--no-save", "--out", str(tmp_path), *split_threads(mode)],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "7473 train" in result.stdout

@@ -98,23 +98,61 @@ def test_async_matches_sync_across_thread_counts(tiny_model_dir):
 
 
 def test_async_in_turns_never_computes_both_sides_at_once(tiny_model_dir, monkeypatch):
-    """Claim: when the two sides' threads oversubscribe the cores (the probe's "in turns": 2 + 2 threads on 2 cores),
-    the trainer takes the inference side's whole iteration, held-out evaluation included, before it computes: no
-    training span overlaps an inference span. Exact, not timing luck: both processes time their spans on one
-    monotonic clock, and the trainer starts computing only after the message sent after the inference side's last
-    span. The run is still sync's, bitwise (same thread counts on each side)."""
+    """Claim: when the two sides' threads oversubscribe the cores (here 2 + 2 threads on 2 cores, two inference
+    workers), the trainer takes the inference side's whole iteration, held-out evaluation included, before it
+    computes: no training span overlaps an inference span. Exact, not timing luck: both processes time their spans
+    on one monotonic clock, and the trainer starts computing only after the message sent after the inference
+    side's last span. The run is still sync's, bitwise (the same workers' shares, the same thread counts)."""
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(2)))
-    in_turns = make_cfg(tiny_model_dir, "--mode", "async", "--rollout-threads", "2", "--train-threads", "2")
-    assert periodic_rl.takes_turns(in_turns)
+    turns = ("--rollout-threads", "2", "--train-threads", "2", "--inference-workers", "2")
+    in_turns = make_cfg(tiny_model_dir, "--mode", "async", *turns)
+    assert periodic_rl.takes_turns(in_turns) and not periodic_rl.colocated(in_turns)  # two workers: processes
     assert not periodic_rl.takes_turns(make_cfg(tiny_model_dir, "--mode", "async", *SAME_THREADS))
     async_policy, async_rows = run_training(in_turns)
     assert any(r["eval_reward"] is not None for r in async_rows[:-1])  # an evaluation fell inside an iteration
     assert all(r["overlap"] == 0.0 for r in async_rows[:-1])
-    sync_policy, sync_rows = run_training(make_cfg(tiny_model_dir, "--mode", "sync", "--rollout-threads", "2",
-                                                   "--train-threads", "2"))
+    sync_policy, sync_rows = run_training(make_cfg(tiny_model_dir, "--mode", "sync", *turns))
     for p, q in zip(sync_policy.parameters(), async_policy.parameters()):
         assert torch.equal(p, q)
     assert [r.get("eval_reward") for r in sync_rows] == [r.get("eval_reward") for r in async_rows]
+
+
+def test_async_taking_turns_in_one_process_is_sync(tiny_model_dir, monkeypatch, capsys):
+    """Claim (periodic_rl.colocated): async whose sides would take turns with one inference process samples in the
+    trainer's process, sync's schedule: with the sizes given, no inference process is started; with them open, the
+    one started for the probe is stopped once the probe chose to take turns (here: made to choose it, as it does on
+    the toy on 2 cores), before iteration 0. Either way the run is sync's bit for bit (torch.equal: the same calls,
+    groups and thread counts in the same process), and the output says so."""
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(2)))
+    given = make_cfg(tiny_model_dir, "--mode", "async", "--rollout-threads", "2", "--train-threads", "2")
+    assert periodic_rl.colocated(given) and given.sized
+    assert not periodic_rl.colocated(make_cfg(tiny_model_dir, "--mode", "async", *SAME_THREADS))
+    assert not periodic_rl.colocated(dataclasses.replace(given, mode="sync"))
+    with periodic_rl.inference_side(given, {}, [], []) as rollouts:
+        assert rollouts is None  # nothing spawned
+    sync_policy, sync_rows = run_training(make_cfg(tiny_model_dir, "--mode", "sync", "--rollout-threads", "2",
+                                                   "--train-threads", "2"))
+    given_policy, given_rows = run_training(given)
+
+    open_sizes = dataclasses.replace(given, rollout_threads=None, train_threads=None, tail_threads=None)
+    assert not open_sizes.sized
+    monkeypatch.setattr(periodic_rl.sizing, "choose", lambda cfg, *args: (given, "", 1.0))  # as if probed
+    policy, tokenizer = load_model(given.model, device="cpu")
+    train, held_out = load_task(given.data, eval_size=given.eval_size)
+    load_kwargs = dict(device="cpu", dtype=torch.float32, attn_implementation="sdpa")
+    with periodic_rl.inference_side(open_sizes, load_kwargs, train, held_out) as rollouts:
+        assert isinstance(rollouts, inference.AsyncRollouts)  # for the probe
+        rows = periodic_rl.train(open_sizes, policy, tokenizer, train, held_out, load_rewards(given.reward),
+                                 load_kwargs, rollouts)
+        probed_rows = [next(rows)]
+        assert not any(worker.process.is_alive() for worker in rollouts.workers)  # stopped before iteration 0
+        probed_rows += list(rows)
+    assert "sampling in this process, sync's schedule, no inference process" in capsys.readouterr().out
+    for run_policy in (given_policy, policy):
+        assert all(torch.equal(p, q) for p, q in zip(sync_policy.parameters(), run_policy.parameters()))
+    keys = ("reward_mean", "eval_reward", "loss", "grad_norm", "kl")
+    for run_rows in (given_rows, probed_rows):
+        assert [[r.get(k) for k in keys] for r in run_rows] == [[r.get(k) for k in keys] for r in sync_rows]
 
 
 def test_the_trainer_takes_every_core_once_sampling_is_done(tiny_model_dir, monkeypatch):
@@ -365,12 +403,15 @@ def wait_for_iteration(process, metrics: Path, deadline: float = 120) -> None:
 
 @pytest.mark.parametrize("how", ["kill-child", "ctrl-c"])
 def test_trainer_stops_cleanly(tiny_model_dir, tmp_path, how):
-    """Claim: a killed inference process stops the trainer within 10 s (exit != 0, clear message);
-    Ctrl-C stops both processes within 5 s. No child process and no shared-memory file is left behind."""
+    """Claim: a killed inference process stops the trainer within 10 s (exit != 0, clear message; threads within
+    the cores, so that there is one: periodic_rl.colocated); Ctrl-C at the defaults (the probe's inference process
+    stopped once it chose, or kept) stops the run within 5 s. No child process and no shared-memory file is left
+    behind."""
     shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    split = ["--rollout-threads", "1", "--train-threads", "1"] if how == "kill-child" else []
     process = subprocess.Popen(
         [sys.executable, "trainer.py", "--model", str(tiny_model_dir), "--data", "arithmetic", "--reward", DIGITS,
-         "--iterations", "1000", "--max-new-tokens", "4", "--eval-every", "0", "--out", str(tmp_path)],
+         "--iterations", "1000", "--max-new-tokens", "4", "--eval-every", "0", "--out", str(tmp_path), *split],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         wait_for_iteration(process, tmp_path / "metrics.jsonl")
