@@ -17,8 +17,9 @@ positions, and log-probs through the model under the dense (B, 1, L, L) mask. Th
 - `packing_cost_ratio` / `packing_pays`: a cost model in tokens plus attention score pairs that
   predicts where one packed row beats G plain rows (long prompts, short responses).
 - `batch_logprobs`, what the trainer calls: mode "packed", "unpacked", or "auto" (per group,
-  `packing_pays`); sdpa models on CPU pack through the kernel, eager ones, activation checkpointing
-  and any model off CPU through attention.py's dense mask (`structured_kernel`).
+  `packing_pays`); sdpa models on CPU pack through the kernel (in "auto" where it is predicted cheaper,
+  `structured_pays`), eager ones, activation checkpointing and any model off CPU through attention.py's
+  dense mask (`structured_kernel`).
 
 Deliberate choices and departures:
 1. The structured kernel replaces the model's own only during the forward; backward reuses the
@@ -42,6 +43,7 @@ Deliberate choices and departures:
    the pairs it skips. One H100, Qwen2.5-0.5B shape, 3 groups of P=450, G=8, R=128, bf16 autocast,
    forward + backward of policy and reference (`tools/train_step_layouts.py`, best of 3): structured
    320 ms, dense 170 ms, plain rows 287 ms. `packing_cost_ratio(..., dense=True)` prices the dense mask.
+   On CPU "auto" prices both and takes the cheaper (`structured_pays`): short rows take the dense mask.
 """
 from __future__ import annotations
 
@@ -236,6 +238,13 @@ def packing_cost_ratio(prompt_len: int, response_lens: list[int],
     >>> round(packing_cost_ratio(450, [128] * 8, dense=True), 2), round(packing_cost_ratio(64, [64] * 8, dense=True), 2)
     (0.87, 1.18)
     """
+    packed, unpacked = packing_costs(prompt_len, response_lens, break_even_len, dense)
+    return packed / unpacked
+
+
+def packing_costs(prompt_len: int, response_lens: list[int], break_even_len: float = ATTENTION_BREAK_EVEN_LEN,
+                  dense: bool = False) -> tuple[float, float]:
+    """(packed, unpacked): `packing_cost_ratio`'s two costs of one group, in token units."""
     L = prompt_len + sum(response_lens)
     R = max(response_lens)
     L_u = prompt_len + R
@@ -245,7 +254,21 @@ def packing_cost_ratio(prompt_len: int, response_lens: list[int],
         packed = (L + (prompt_len ** 2 / 2 + len(response_lens) * R * (prompt_len + R)) / break_even_len
                   + PACKED_ROW_OVERHEAD_TOKENS)
     unpacked = len(response_lens) * (L_u + L_u * L_u / (2 * break_even_len))
-    return packed / unpacked
+    return packed, unpacked
+
+
+def structured_pays(lengths: list[tuple[int, list[int]]]) -> bool:
+    """Auto's kernel for packed rows where both apply (sdpa models on CPU): the structured kernel when
+    `packing_costs` prices it below the dense mask over these groups ((prompt length, response lengths) each),
+    else the dense mask. On short rows the kernel's per-row overhead outweighs the L^2 pairs the dense mask
+    visits: the toy's groups (P ~ 8, R ~ 5, G = 8), 16 to a micro-batch, train in 39 ms under the dense mask
+    against 92 ms structured and 64 ms as plain rows; long prompts keep the kernel (docs/benchmarks.md).
+
+    >>> structured_pays([(8, [5] * 8)] * 16), structured_pays([(512, [32] * 8)])
+    (False, True)
+    """
+    structured = sum(packing_costs(prompt, responses)[0] for prompt, responses in lengths)
+    return structured < sum(packing_costs(prompt, responses, dense=True)[0] for prompt, responses in lengths)
 
 
 def packing_pays(prompt_len: int, response_lens: list[int], dense: bool = False) -> bool:
@@ -301,7 +324,7 @@ def batch_logprobs(model: torch.nn.Module, groups: list[tuple[Tensor, list[Tenso
     """Per-token log-probs of every response of every group, for the GRPO loss.
 
     mode: "packed" (one shared-prompt row per group), "unpacked" (one row per response) or "auto"
-    (per group, `packing_pays`). Returns (logp, mask), both (N, T): N responses in group order
+    (per group, `packing_pays`; on CPU the packed rows' kernel too, `structured_pays`). Returns (logp, mask), both (N, T): N responses in group order
     (group 0's first), T the longest response; mask is bool, True on real response tokens, and
     logp is 0 where it is False. Differentiable w.r.t. the model's parameters. dense_mask=True sends
     packed rows through the dense mask even where the structured kernel applies (to compare the two).
@@ -313,6 +336,8 @@ def batch_logprobs(model: torch.nn.Module, groups: list[tuple[Tensor, list[Tenso
         raise ValueError(f"cannot pack groups for this model: it uses {unsupported}, which the shared-prompt layout "
                          "does not express (departure 3); use mode='auto' or 'unpacked' (plain rows, exact)")
     structured = structured_kernel(model, dense_mask)
+    if structured and mode == "auto":  # and where it pays (short rows: the dense mask)
+        structured = structured_pays([(len(p), [len(r) for r in rs]) for p, rs in groups])
     packed = [not unsupported and (mode == "packed" or (mode == "auto" and packing_pays(
                   len(p), [len(r) for r in rs], dense=not structured)))
               for p, rs in groups]

@@ -188,6 +188,35 @@ def test_auto_prices_the_layout_the_model_will_take(monkeypatch):
     assert packed_calls == [1]  # the dense mask's L^2 pairs: plain rows
 
 
+def test_auto_takes_the_dense_mask_for_short_rows_on_cpu(monkeypatch):
+    """On CPU, auto packs short rows (the toy's: P=8, 8 responses of 5, 16 groups) under the dense mask, where the
+    structured kernel's per-row overhead costs more than the pairs it skips (`structured_pays`), with log-probs
+    and gradients those of plain rows (<= 1e-5, as every packed layout above); a long prompt (P=128, 8 x 16) keeps
+    the structured kernel; mode "packed" keeps the model's kernel whatever the lengths."""
+    model = tiny_model("qwen2", "sdpa")
+    generator = torch.Generator().manual_seed(11)
+    short = [random_group(8, [5, 4, 5, 3, 5, 5, 2, 5], generator) for _ in range(16)]
+    assert not packing.structured_pays([(8, [5] * 8)] * 16) and packing.structured_pays([(128, [16] * 8)])
+    calls = []
+    monkeypatch.setattr(packing, "shared_prompt_attention",
+                        lambda *args, **kwargs: calls.append(1) or shared_prompt_attention(*args, **kwargs))
+    packed_calls, real = [], packing._packed_batch
+    monkeypatch.setattr(packing, "_packed_batch",
+                        lambda *args, **kwargs: packed_calls.append(args[-1]) or real(*args, **kwargs))
+    advantages = torch.randn(16 * 8, generator=generator)
+    logp_a, _, grads_a = grpo_like_grads(model, short, advantages, "auto", 1.0)
+    assert packed_calls == [False] and calls == []  # packed, under the dense mask
+    logp_u, _, grads_u = grpo_like_grads(model, short, advantages, "unpacked", 1.0)
+    torch.testing.assert_close(logp_a, logp_u, rtol=0, atol=1e-5)
+    for g_a, g_u in zip(grads_a, grads_u):
+        assert (g_a - g_u).norm() <= 1e-5 * g_u.norm() + 1e-9
+    batch_logprobs(model, short, mode="packed")
+    assert packed_calls == [False, True] and calls  # "packed": the structured kernel, as before
+    calls.clear()
+    batch_logprobs(model, [random_group(128, [16] * 8, generator)], mode="auto")
+    assert packed_calls == [False, True, True] and calls  # a long prompt: the structured kernel pays
+
+
 def test_packing_pays_under_the_dense_mask_prices_every_pair():
     """The dense mask's kernels visit all L^2 pairs, so it packs fewer groups than the structured kernel: a
     prompt of 64 with 8 responses of 64 packs structured but not dense; long prompts still pack either way."""
