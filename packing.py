@@ -324,11 +324,11 @@ def batch_logprobs(model: torch.nn.Module, groups: list[tuple[Tensor, list[Tenso
     """Per-token log-probs of every response of every group, for the GRPO loss.
 
     mode: "packed" (one shared-prompt row per group), "unpacked" (one row per response) or "auto"
-    (per group, `packing_pays`; on CPU the packed rows' kernel too, `structured_pays`). Returns (logp, mask), both (N, T): N responses in group order
-    (group 0's first), T the longest response; mask is bool, True on real response tokens, and
-    logp is 0 where it is False. Differentiable w.r.t. the model's parameters. dense_mask=True sends
-    packed rows through the dense mask even where the structured kernel applies (to compare the two).
-    """
+    (per group, `packing_pays`; on CPU the packed rows' kernel too, `structured_pays`). Returns (logp, mask),
+    both (N, T): N responses in group order (group 0's first), T the longest response; mask is bool, True on
+    real response tokens, and logp is 0 where it is False. Differentiable w.r.t. the model's parameters.
+    dense_mask=True sends packed rows through the dense mask even where the structured kernel applies (to
+    compare the two)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     unsupported = packing_unsupported(model) if mode != "unpacked" else None
