@@ -1,7 +1,7 @@
 """Time one training micro-batch in each layout packing.py can use: what decided departure 5 (dense mask off CPU).
 
     python tools/train_step_layouts.py [--groups 3] [--prompt 450] [--response 128] [--repeats 3] [--small]
-                                       [--device cuda|cpu] [--vary-lengths] [--profile LAYOUT]
+                                       [--vocab N] [--device cuda|cpu] [--vary-lengths] [--profile LAYOUT]
 
 One micro-batch is `learner.forward_backward`, as the trainer runs it: the tri-model's policy forward with the
 reference forward (beta 0.04), the GRPO loss, its backward; bf16 autocast over float32 weights on CUDA, float32
@@ -57,6 +57,8 @@ def main() -> None:
     parser.add_argument("--response", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--small", action="store_true", help="a 2-layer toy of the same shape (CPU check)")
+    parser.add_argument("--vocab", type=int, default=None,
+                        help="vocabulary size (with --small and 258: the shape of trainer.py's tiny model)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu",
                         help="default: cuda where there is one (bf16 autocast there, float32 on CPU)")
     parser.add_argument("--vary-lengths", action="store_true", help="a new batch of other lengths every repeat")
@@ -68,6 +70,8 @@ def main() -> None:
     if args.small:
         shape.update(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                      num_attention_heads=4)
+    if args.vocab:
+        shape.update(vocab_size=args.vocab)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM._from_config(Qwen2Config(**shape), attn_implementation="sdpa").to(device).train()
     generator = torch.Generator().manual_seed(1)
