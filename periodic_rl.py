@@ -198,9 +198,10 @@ def train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs
         if rollouts is not None:  # started for the probe, which chose to take turns: nothing left for it to do
             rollouts.close()
         rollouts = None
+        half = max(1, available_cores() // 2)
         print("periodic-rl: async at these sizes takes turns (more threads than cores): sampling in this process, "
-              "sync's schedule, no inference process (--rollout-threads and --train-threads within the cores "
-              "overlap the two sides)", flush=True)
+              f"sync's schedule, no inference process (--rollout-threads {half} --train-threads "
+              f"{max(1, available_cores() - half)} would run the two sides at once, in two processes)", flush=True)
     if rollouts is not None:
         rollouts.attach(policy, cfg, cfg.rollout_threads)  # θ's buffer, the config, its threads
         timeline = rollouts.timeline  # both processes' spans on one timeline
