@@ -291,7 +291,8 @@ def packed_batch_logprobs(model: torch.nn.Module, groups: Sequence[Group], tempe
                           pad_id: int = 0) -> tuple[Tensor, Tensor]:
     """(logp, mask), (N, T), with one shared-prompt row per group, in one forward, under the dense mask.
 
-    Any sdpa or eager model; `packing.batch_logprobs` sends sdpa models on CPU through its structured kernel instead.
+    Any sdpa or eager model; `packing.batch_logprobs` sends sdpa models on CPU through its structured kernel instead,
+    unless their rows are short (`packing.structured_pays`).
     """
     layout = pack(groups, pad_id)
     allowed = shared_prompt_mask(layout.segment_ids)  # (B, 1, L, L)

@@ -207,7 +207,7 @@ ATTENTION_BREAK_EVEN_LEN = 400
 # Fixed cost of one packed row in the same units: the structured kernel loops over rows in Python (per layer,
 # forward and backward). Measured on the tiny model, 2 CPU threads: a toy group (P=6, R=5, G=8) costs 5.3 ms
 # packed against 4.1 ms as plain rows, i.e. ~115 units where the model above says ~47 (docs/benchmarks.md).
-# Negligible for real groups (hundreds of tokens); it keeps tiny groups on plain rows.
+# Negligible for real groups (hundreds of tokens); tiny groups take the dense mask instead (`structured_pays`).
 PACKED_ROW_OVERHEAD_TOKENS = 64
 
 
@@ -259,16 +259,18 @@ def packing_costs(prompt_len: int, response_lens: list[int], break_even_len: flo
 
 def structured_pays(lengths: list[tuple[int, list[int]]]) -> bool:
     """Auto's kernel for packed rows where both apply (sdpa models on CPU): the structured kernel when
-    `packing_costs` prices it below the dense mask over these groups ((prompt length, response lengths) each),
-    else the dense mask. On short rows the kernel's per-row overhead outweighs the L^2 pairs the dense mask
-    visits: the toy's groups (P ~ 8, R ~ 5, G = 8), 16 to a micro-batch, train in 39 ms under the dense mask
-    against 92 ms structured and 64 ms as plain rows; long prompts keep the kernel (docs/benchmarks.md).
+    `packing_costs` prices it below the dense mask over these groups ((prompt length, response lengths) each;
+    the dense mask's rows padded to the longest), else the dense mask. On short rows the kernel's per-row
+    overhead outweighs the L^2 pairs the dense mask visits: the toy's groups (P ~ 8, R ~ 5, G = 8), 16 to a
+    micro-batch, train in 39 ms under the dense mask against 92 ms structured and 64 ms as plain rows; long
+    prompts keep the kernel (docs/benchmarks.md).
 
     >>> structured_pays([(8, [5] * 8)] * 16), structured_pays([(512, [32] * 8)])
     (False, True)
     """
     structured = sum(packing_costs(prompt, responses)[0] for prompt, responses in lengths)
-    return structured < sum(packing_costs(prompt, responses, dense=True)[0] for prompt, responses in lengths)
+    longest = max(prompt + sum(responses) for prompt, responses in lengths)  # the dense mask pads every row to it
+    return structured < len(lengths) * (longest + longest * longest / ATTENTION_BREAK_EVEN_LEN)
 
 
 def packing_pays(prompt_len: int, response_lens: list[int], dense: bool = False) -> bool:

@@ -102,20 +102,23 @@ def both_on_cpu(cfg) -> bool:
 
 def takes_turns(cfg) -> bool:
     """Whether the two sides must not compute at once: async on CPU with more threads than cores (the probe's
-    "in turns", sync's schedule in two processes). Oversubscribed cores slow both sides, so the trainer then
-    takes the inference side's whole iteration, held-out evaluation included, before it computes."""
+    "in turns", sync's schedule: in one process when `colocated`). Oversubscribed cores slow both sides, so the
+    trainer then takes the inference side's whole iteration, held-out evaluation included, before it computes."""
     rollout_threads = max(cfg.rollout_threads, cfg.inference_workers)  # each worker has at least one
     return both_on_cpu(cfg) and rollout_threads + cfg.train_threads > available_cores()
 
 
 def colocated(cfg, ranks: Ranks = Ranks()) -> bool:
     """Whether async mode samples in the trainer's own process: when the sides take turns (`takes_turns`) with
-    one local inference process (departure 4). Taking turns, the trainer waits for the inference side's whole
-    iteration before it computes, so a second process overlaps nothing; it only adds the hand-over (publishing
-    θ_k, a message per group through the pipe, one side's idle threads spinning into the other's turn), measured
-    at 0.97-0.99x sync's speed on the toy (docs/benchmarks.md). In one process the iteration is sync's schedule
-    exactly: the same calls, groups and bits. Needs the thread counts (after sizing)."""
-    return cfg.mode == "async" and cfg.inference_workers == 1 and not ranks.inference and takes_turns(cfg)
+    one local inference process and one thread count for sampling, training and the tail, as the probe's "in
+    turns" sets them (departure 4). Taking turns, the trainer waits for the inference side's whole iteration
+    before it computes, so a second process overlaps nothing; it only adds the hand-over (publishing θ_k, a
+    message per group through the pipe, one side's idle threads spinning into the other's turn), measured at
+    0.97-1.01x sync's speed on the toy (docs/benchmarks.md). In one process the iteration is sync's schedule
+    exactly: the same calls, groups, threads and bits. Needs the thread counts (after sizing)."""
+    one_count = cfg.rollout_threads == cfg.train_threads == cfg.tail_threads  # else sampling would change threads
+    return (cfg.mode == "async" and cfg.inference_workers == 1 and not ranks.inference and one_count
+            and takes_turns(cfg))
 
 
 def elastic_threads(cfg, ranks: Ranks) -> int | None:
@@ -198,10 +201,11 @@ def train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs
         if rollouts is not None:  # started for the probe, which chose to take turns: nothing left for it to do
             rollouts.close()
         rollouts = None
-        half = max(1, available_cores() // 2)
+        cores = available_cores()
+        hint = (f" (--rollout-threads {cores // 2} --train-threads {cores - cores // 2} would run the two sides at "
+                "once, in two processes)") if cores > 1 else ""
         print("periodic-rl: async at these sizes takes turns (more threads than cores): sampling in this process, "
-              f"sync's schedule, no inference process (--rollout-threads {half} --train-threads "
-              f"{max(1, available_cores() - half)} would run the two sides at once, in two processes)", flush=True)
+              f"sync's schedule, no inference process{hint}", flush=True)
     if rollouts is not None:
         rollouts.attach(policy, cfg, cfg.rollout_threads)  # θ's buffer, the config, its threads
         timeline = rollouts.timeline  # both processes' spans on one timeline

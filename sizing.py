@@ -31,7 +31,7 @@ within 5% of the least generation). On CPU, async mode then splits the cores in 
 to the two sides' measured demand, T_gen : T_train (at least one core each), and the micro-batches
 trained once the last group is in are costed at all cores (the trainer takes them then:
 periodic_rl.elastic_threads); unless the second probe, at all cores, predicts that taking turns
-(sync's schedule in two processes) is faster. The probe costs about
+(sync's schedule, in one process: periodic_rl.colocated) is faster. The probe costs about
 PASSES iterations' generation per call size (five sizes for 16 prompts) and PASSES iterations' training; the
 `probe:` line prints its seconds.
 (A first version modelled a call of k prompts as its longest response x a per-step cost measured

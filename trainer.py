@@ -291,7 +291,7 @@ def rank_prefix(ranks=None) -> str:
 
 def shorten_openmp_spinning(environ=os.environ) -> None:
     """Idle OpenMP threads spin 300,000 times before they sleep (libgomp's default; libgomp is the OpenMP runtime of
-    torch's wheels): ~7 ms on this project's CPU. The trainer and the inference process take turns on the same cores,
+    torch's wheels): ~7 ms on this project's CPU. When the trainer and inference processes take turns on the same cores,
     so the side that has just finished spins through the other's first milliseconds (on the toy, sampling took 8 ms
     longer after every publish: docs/benchmarks.md). 30,000 spins still outlast the gap between two ops of one process
     (sync mode runs as fast). Call before torch is imported (libgomp reads it once, when torch loads it); the inference

@@ -22,9 +22,9 @@ responses, big groups, few groups, 4 prompts per generate call, several updates 
 
 Targets, on the default workload: async at least 90% of its `bound` (its seconds per iteration at most
 bound_s / 0.9); on every workload async not slower than sync: the 95% interval of the per-round speedups
-(`benchmarks.common.ratio_interval`) reaches 1x. Where async takes turns (the toy's default on 2 cores) it runs
-sync's schedule in one process (`periodic_rl.colocated`): the two differ by the machine's noise alone, and a bare
-mean >= 1x would be a coin flip.
+reaches 1x and their mean is at least 0.97x (`benchmarks.common.not_slower`). Where async takes turns (the
+toy's default on 2 cores) it runs sync's schedule in one process (`periodic_rl.colocated`): the two differ by the
+machine's noise alone, and a bare mean >= 1x would be a coin flip.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ import argparse
 import shlex
 import statistics
 
-from benchmarks.common import ratio_interval, write_json
+from benchmarks.common import SLOWER_FLOOR, not_slower, ratio_interval, write_json
 from config import available_cores
 
 
@@ -152,8 +152,8 @@ def async_speedup(args: argparse.Namespace) -> bool:
     else:
         workloads = {name: ASYNC_WORKLOADS[name] for name in (["default"] if args.quick else ASYNC_WORKLOADS)}
     print(f"{args.rounds} rounds x (sync run, async run) per workload, {args.iterations} timed iterations each; "
-          f"sync: {available_cores()} threads; async: the cores split between the two processes "
-          f"(all to each when an iteration is one chunk)")
+          f"sync: {available_cores()} threads; async: the cores split between the two processes, or all of them "
+          f"in one process when the sides take turns")
     print(f"{'workload':16s} {'sync s/it':>10s} {'async s/it':>10s} {'speedup':>8s} {'per round':>12s} "
           f"{'bound':>6s} {'predicted':>9s} {'ideal':>6s} {'T_gen':>6s} {'T_train':>7s} {'overlap':>8s}")
     for name, argv in workloads.items():
@@ -177,8 +177,9 @@ def async_speedup(args: argparse.Namespace) -> bool:
     checks = [(default["efficiency"] >= 0.9,
                f"async >= 90% of its pipeline bound on the default workload: {default['speedup']:.2f}x of "
                f"{default['bound']:.2f}x ({default['efficiency']:.0%})"),
-              (all(high >= 1.0 for _, _, high in intervals.values()),
-               "async never slower than sync (95% interval of the per-round speedups reaching 1x): worst "
+              (all(not_slower(r["speedup_per_round"]) for r in results.values()),
+               f"async never slower than sync (95% interval of the per-round speedups reaching 1x, mean >= "
+               f"{SLOWER_FLOOR}x): worst "
                f"{worst}, {intervals[worst][0]:.2f}x ({intervals[worst][1]:.2f}-{intervals[worst][2]:.2f}x)")]
     for ok, line in checks:
         print(("PASS " if ok else "FAIL ") + line)

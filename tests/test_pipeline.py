@@ -118,16 +118,19 @@ def test_async_in_turns_never_computes_both_sides_at_once(tiny_model_dir, monkey
 
 
 def test_async_taking_turns_in_one_process_is_sync(tiny_model_dir, monkeypatch, capsys):
-    """Claim (periodic_rl.colocated): async whose sides would take turns with one inference process samples in the
-    trainer's process, sync's schedule: with the sizes given, no inference process is started; with them open, the
-    one started for the probe is stopped once the probe chose to take turns (here: made to choose it, as it does on
-    the toy on 2 cores), before iteration 0. Either way the run is sync's bit for bit (torch.equal: the same calls,
+    """Claim (periodic_rl.colocated): async whose sides would take turns with one inference process and one thread
+    count samples in the trainer's process, sync's schedule: with the sizes given, no inference process is started;
+    with them open, the one started for the probe is stopped once the probe chose to take turns (here: made to
+    choose it, as it does on the toy on 2 cores), before iteration 0. Either way the run is sync's bit for bit (torch.equal: the same calls,
     groups and thread counts in the same process), and the output says so."""
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(2)))
     given = make_cfg(tiny_model_dir, "--mode", "async", "--rollout-threads", "2", "--train-threads", "2")
     assert periodic_rl.colocated(given) and given.sized
     assert not periodic_rl.colocated(make_cfg(tiny_model_dir, "--mode", "async", *SAME_THREADS))
     assert not periodic_rl.colocated(dataclasses.replace(given, mode="sync"))
+    uneven = dataclasses.replace(given, train_threads=1, tail_threads=1)  # 2 + 1 on 2 cores: in turns, two counts
+    assert periodic_rl.takes_turns(uneven) and not periodic_rl.colocated(uneven)  # sampling keeps its 2 threads
+    assert not periodic_rl.colocated(dataclasses.replace(given, inference_workers=2))
     with periodic_rl.inference_side(given, {}, [], []) as rollouts:
         assert rollouts is None  # nothing spawned
     sync_policy, sync_rows = run_training(make_cfg(tiny_model_dir, "--mode", "sync", "--rollout-threads", "2",
