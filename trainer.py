@@ -252,10 +252,11 @@ def log_and_save(cfg: Config, rows, policy, tokenizer, resumed_at: int = 0, repo
         raise
     progress.close()
     final = {**row, "start_eval_reward": first_eval}
-    print(f"done in {row['elapsed_s']:.1f}s: held-out reward "
-          f"{first_eval if first_eval is None else round(first_eval, 3)}"
-          f" -> {row['eval_reward'] if row['eval_reward'] is None else round(row['eval_reward'], 3)}; "
-          f"metrics in {metrics_path}" + (f", policy in {policy_path}" if cfg.save else ""), flush=True)
+    evaluated = ("no held-out evaluation ran" if first_eval is None and row["eval_reward"] is None else
+                 f"held-out reward {first_eval if first_eval is None else round(first_eval, 3)}"
+                 f" -> {row['eval_reward'] if row['eval_reward'] is None else round(row['eval_reward'], 3)}")
+    print(f"done in {row['elapsed_s']:.1f}s: {evaluated}; metrics in {metrics_path}"
+          + (f", policy in {policy_path}" if cfg.save else ""), flush=True)
     if phases:
         print(f"periodic-rl: {device_split(cfg, phases, ranks)}", flush=True)
     return final

@@ -60,3 +60,4 @@ def test_gsm8k_file_with_a_qwen_instruct_shaped_directory(qwen_shaped_dir, tmp_p
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "7473 train" in result.stdout
+    assert "no held-out evaluation ran" in result.stdout and "None -> None" not in result.stdout  # --eval-every 0
