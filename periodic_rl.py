@@ -121,6 +121,12 @@ def colocated(cfg, ranks: Ranks = Ranks()) -> bool:
             and takes_turns(cfg))
 
 
+def samples_elsewhere(cfg, ranks: Ranks = Ranks()) -> bool:
+    """Whether the run needs an inference side outside this process: async mode, unless it is known (the sizes
+    given) to take turns in one process (`colocated`); with sizes open, the probe decides after the start."""
+    return cfg.mode == "async" and not (cfg.sized and colocated(cfg, ranks))
+
+
 def elastic_threads(cfg, ranks: Ranks) -> int | None:
     """--tail-threads, when the trainer switches to it once sampling is done (departure 3), or None: async on
     CPU with one inference process, and more tail threads than its share (the probe sets every core when it
@@ -135,7 +141,7 @@ def inference_side(cfg, load_kwargs: dict, train_examples, held_out, load: bool 
     """A `with` block owning the inference process from spawn to stop (async mode; it loads its model at once
     unless load=False; it samples this rank's generate calls), or, with inference ranks, the handle on them
     (remote.py); in sync mode there is none (None)."""
-    if cfg.mode != "async" or (cfg.sized and colocated(cfg, ranks)):  # (open sizes: the probe needs it loaded)
+    if not samples_elsewhere(cfg, ranks):
         return contextlib.nullcontext()
     if ranks.inference:  # samplers of their own, over torch.distributed
         from remote import RemoteRollouts
@@ -167,7 +173,7 @@ def train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs
     `on_sized(cfg)`: told the config with its sizes once they are chosen, before iteration k (trainer.py records it).
     `ranks`: this process's trainer rank (distributed.py): it samples and trains only its generate calls.
     """
-    if cfg.mode == "async" and rollouts is None and not (cfg.sized and colocated(cfg, ranks)):
+    if rollouts is None and samples_elsewhere(cfg, ranks):
         raise ValueError("async mode samples in the inference process: pass `rollouts` (see inference_side)")
     # the policy as trained (θ, with θ_old and π_ref when needed) and AdamW
     device = next(policy.parameters()).device

@@ -121,8 +121,8 @@ def test_async_taking_turns_in_one_process_is_sync(tiny_model_dir, monkeypatch, 
     """Claim (periodic_rl.colocated): async whose sides would take turns with one inference process and one thread
     count samples in the trainer's process, sync's schedule: with the sizes given, no inference process is started;
     with them open, the one started for the probe is stopped once the probe chose to take turns (here: made to
-    choose it, as it does on the toy on 2 cores), before iteration 0. Either way the run is sync's bit for bit (torch.equal: the same calls,
-    groups and thread counts in the same process), and the output says so."""
+    choose it, as it does on the toy on 2 cores), before iteration 0. Either way the run is sync's bit for bit
+    (torch.equal: the same calls, groups and thread counts in the same process), and the output says so."""
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(2)))
     given = make_cfg(tiny_model_dir, "--mode", "async", "--rollout-threads", "2", "--train-threads", "2")
     assert periodic_rl.colocated(given) and given.sized
