@@ -10,7 +10,7 @@ Why the order of arrival does not change the update: mini-batch membership is fi
 (`minibatch_of`), D is known only once the mini-batch is whole (so each partial sum is divided once, at the
 step), and micro-batches are cut by arrival order, which is completion order, a function of the sampled
 tokens alone (periodic_rl.py's docstring). With trainer ranks each rank takes only its own calls' groups and
-`step` sums ∇ and D over the ranks first (distributed.py).
+`step` sums ∇ and D over the ranks first (infra/distributed.py).
 """
 from __future__ import annotations
 
@@ -19,13 +19,12 @@ from typing import Iterator
 
 import torch
 
-import distributed
-import sizing
-from distributed import Ranks
 from grpo import grpo_loss, loss_normalizer
 from inference import PipelineError
+from infra import distributed
+from infra.distributed import Ranks
+from infra.timeline import TRAIN, Timeline
 from rollout import Group
-from timeline import TRAIN, Timeline
 from tri_model import TriModel
 from weights import OffPolicyError
 
@@ -38,6 +37,15 @@ def minibatch_of(prompt_index: int, prompts_per_iteration: int, updates_per_iter
 def group_tokens(groups: list[Group]) -> int:
     """Tokens a micro-batch's forward processes, counted as plain rows: G·P + Σ R_i per group."""
     return sum(len(g.responses) * len(g.prompt_ids) + sum(len(r) for r in g.responses) for g in groups)
+
+
+def micro_batch_size(tokens: list[int], max_tokens: int) -> int:
+    """How many of the waiting groups (a prefix; their token counts) fit in `max_tokens`; at least one."""
+    size, total = 1, tokens[0]
+    while size < len(tokens) and total + tokens[size] <= max_tokens:
+        total += tokens[size]
+        size += 1
+    return size
 
 
 def mean_std(values: list[float]) -> tuple[float | None, float | None]:
@@ -127,7 +135,7 @@ class Learner:
             if not waiting or not (self._all_arrived() or self._calls_done(waiting)
                                    or group_tokens(waiting) >= self.cfg.micro_batch_tokens):
                 return
-            size = sizing.micro_batch_size([group_tokens([g]) for g in waiting], self.cfg.micro_batch_tokens)
+            size = micro_batch_size([group_tokens([g]) for g in waiting], self.cfg.micro_batch_tokens)
             micro_batch = waiting[:size]
             del waiting[:size]
             yield micro_batch

@@ -53,8 +53,7 @@ from typing import Callable, Iterator, NamedTuple, Sequence
 import torch
 from torch import Tensor
 
-from attention import (Group, Layout, layout_logprobs, pack, packed_batch_logprobs, text_config,
-                       unpacked_batch_logprobs)
+from attention import Group, Layout, layout_logprobs, pack, packed_batch_logprobs, text_config, unpacked_batch_logprobs
 
 MODES = ("packed", "unpacked", "auto")
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from outputs import read_metrics
+from infra.outputs import read_metrics
 
 TITLES = ("reward", "KL to the reference", "response length (tokens)", "seconds per iteration: busy and idle")
 

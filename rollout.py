@@ -68,9 +68,9 @@ from transformers.generation.streamers import BaseStreamer
 
 import grpo
 from config import Config
-from reward import Reward, Rewards, as_rewards, score_group, weighted_total
-from tasks import Example, prompt_token_ids
-from timeline import INFERENCE, Span
+from infra.reward import Reward, Rewards, as_rewards, score_group, weighted_total
+from infra.tasks import Example, prompt_token_ids
+from infra.timeline import INFERENCE, Span
 
 COMPACT_BELOW = 0.5  # a generate call restarts on its live rows once at most this share still decode
 COMPACT_MIN_STEPS = 16  # ... and at least this many decode steps are left (a restart costs ~ a few steps)

@@ -25,8 +25,10 @@ import time
 from contextlib import closing, contextmanager, nullcontext, redirect_stdout, suppress
 from pathlib import Path
 
-import outputs
-from config import Config, UserError, given_options, parse_args
+from config import Config
+from infra import outputs
+from infra.errors import UserError
+from infra.options import given_options, parse_args
 
 
 class DeviceError(UserError):
@@ -113,8 +115,8 @@ def prepare(cfg: Config) -> tuple[list, list, object, dict]:
     held-out examples, reward functions and weights, how a model is loaded)."""
     import torch
 
-    from reward import load_rewards
-    from tasks import load_task
+    from infra.data import load_task
+    from infra.reward import load_rewards
     for option in ("rollout_device", "train_device"):
         for device in getattr(cfg, option).split(","):  # --rollout-device: one per inference worker
             check_device(device, "--device" if device == cfg.device else "--" + option.replace("_", "-"))
@@ -132,7 +134,7 @@ def load_policy(cfg: Config, load_kwargs: dict, rollouts=None):
     import torch
     import transformers
 
-    from models import TINY_RECIPES, ensure_tiny_model, load_model
+    from infra.models import TINY_RECIPES, ensure_tiny_model, load_model
     transformers.utils.logging.disable_progress_bar()  # our own progress bar and log lines only
     if rollouts is not None:
         if cfg.is_tiny:  # load_model would build it too, but the inference process must not race the build
@@ -151,13 +153,13 @@ def started(cfg: Config, resume_from: Path | None = None, on_sized=None, ranks=N
     loads its own copy, so the two processes' imports and loads overlap; the `with` block owns it until
     it is stopped, however the block is left.
     """
-    import periodic_rl
-    from tasks import check_prompt_lengths
+    from infra.tasks import check_prompt_lengths
+    from launch import setup
     train_examples, held_out, rewards, load_kwargs = prepare(cfg)
     Interrupted.check()  # a Ctrl-C that a C extension swallowed while torch was imported stops the run here
-    from distributed import Ranks
+    from infra.distributed import Ranks
     ranks = ranks or Ranks()
-    with periodic_rl.inference_side(cfg, load_kwargs, train_examples, held_out, load=not cfg.is_tiny,
+    with setup.inference_side(cfg, load_kwargs, train_examples, held_out, load=not cfg.is_tiny,
                                     ranks=ranks) as rollouts:
         policy, tokenizer = load_policy(cfg, load_kwargs, rollouts)
         Interrupted.check()  # and one swallowed while transformers' models were imported
@@ -166,7 +168,7 @@ def started(cfg: Config, resume_from: Path | None = None, on_sized=None, ranks=N
         print(f"periodic-rl: {cfg.mode} | model {cfg.model} | {len(train_examples)} train / {len(held_out)} held-out "
               f"prompts | {cfg.iterations} iterations x {cfg.prompts_per_iteration} prompts x {cfg.group_size} | "
               f"out {cfg.out}", flush=True)
-        rows = periodic_rl.train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs, rollouts,
+        rows = setup.train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs, rollouts,
                                  resume_from, on_sized, ranks)
         with closing(rows):  # however the block ends, the schedule's own clean-up (the trace) runs here
             yield rows, policy, tokenizer
@@ -176,9 +178,9 @@ def run(cfg: Config, resume_from: Path | None = None, command: list[str] | None 
     """Train as configured (on from a checkpoint); returns the final row (with the start and end held-out rewards).
     `command`: the command line, as config.json records it. A trainer rank other than 0 (`ranks`) takes part in
     every step but neither claims --out nor writes there (nor reports to trackers)."""
-    import checkpoint
-    from run_config import RunRecord
-    from tracking import Trackers
+    from infra import checkpoint
+    from infra.records import RunRecord
+    from infra.tracking import Trackers
     resumed_at = checkpoint.read_state(resume_from)["iterations_done"] if resume_from else 0
     if ranks is not None and not ranks.is_main:
         with started(cfg, resume_from, ranks=ranks) as (rows, policy, tokenizer):
@@ -265,10 +267,10 @@ def log_and_save(cfg: Config, rows, policy, tokenizer, resumed_at: int = 0, repo
 def device_split(cfg: Config, phases: list[tuple[float, float]], ranks=None) -> str:
     """The split of devices that would balance the two sides (sizing.split_report), from the iterations' busy
     device-seconds (the first dropped when there are more: it warms up); `ranks`: torchrun's (distributed.Ranks)."""
-    import sizing
+    from launch import sizing
     timed = phases[1:] or phases
     generate_s, train_s = (sum(side) / len(timed) for side in zip(*timed))
-    from distributed import Ranks
+    from infra.distributed import Ranks
     ranks = ranks or Ranks()
     inference = ranks.inference or cfg.inference_workers * ranks.size  # inference ranks, or the workers of each
     return sizing.split_report(generate_s, train_s, inference, ranks.size)
@@ -276,7 +278,7 @@ def device_split(cfg: Config, phases: list[tuple[float, float]], ranks=None) -> 
 
 def serve(cfg: Config, ranks) -> None:
     """An inference rank (--inference-ranks): the task and rewards as a trainer loads them, then remote.serve."""
-    import remote
+    from launch import remote
     train_examples, held_out, rewards, load_kwargs = prepare(cfg)
     remote.serve(cfg, ranks, train_examples, held_out, rewards, load_kwargs)
 
@@ -312,8 +314,7 @@ def main(argv: list[str] | None = None) -> int:
             argv = sys.argv[1:] if argv is None else argv
             cfg = parse_args(argv)
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # two processes, each with its own threads
-            import checkpoint
-            import distributed
+            from infra import checkpoint, distributed
             given, ranks = given_options(argv), distributed.from_environment()  # torchrun's ranks; else one
             with open(os.devnull, "w") as devnull, redirect_stdout(devnull) if not ranks.is_main else nullcontext():
                 cfg, resume_from = checkpoint.resumption(cfg, given)  # --resume: the checkpoint's options
@@ -348,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     signum = Interrupted.received or signal.SIGINT
     with suppress(OSError):  # SIGHUP: the terminal may be gone
         by_torchrun = rank_prefix(ranks) and signum == signal.SIGTERM  # how torchrun stops the others when a rank fails
-        liveness = sys.modules.get("liveness")  # imported with distributed.py, once the run has started (main)
+        liveness = sys.modules.get("infra.liveness")  # imported with distributed.py, once the run has started (main)
         gone = liveness.gone_neighbours() if by_torchrun and liveness else []
         if gone:  # a rank on this host ended first: that is why torchrun stopped this one
             sys.stderr.write(f"error: {rank_prefix(ranks)}{liveness.ended_first(gone)}, so torchrun stopped this rank "

@@ -24,7 +24,7 @@ import shutil
 
 import torch
 
-from config import UserError
+from infra.errors import UserError
 
 
 class SharedMemoryError(UserError):

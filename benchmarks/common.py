@@ -76,7 +76,7 @@ def qwen_05b_shaped(tiny: bool, layers: int = 24) -> torch.nn.Module:
     """Random weights in Qwen2.5-0.5B's shape (494M parameters), or the tiny model's."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
     if tiny:
-        from models import load_model
+        from infra.models import load_model
         return load_model("tiny")[0]
     config = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=layers,
                          num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,

@@ -24,8 +24,7 @@ from torch.utils._pytree import tree_leaves
 import attention
 import packing
 from benchmarks.common import qwen_05b_shaped, write_json
-from config import available_cores
-
+from infra.options import available_cores
 
 MEMORY_VARIANTS = ("chunked", "checkpointed", "whole-logits")  # default; + --gradient-checkpointing; unchunked
 

@@ -32,7 +32,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.common import SLOWER_FLOOR, not_slower, ratio_interval, write_json
-from config import available_cores
+from infra.options import available_cores
 
 ROOT = Path(__file__).resolve().parents[1]  # both sides run from the repository's root, wherever bench.py is called
 

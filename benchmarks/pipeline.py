@@ -23,7 +23,7 @@ responses, big groups, few groups, 4 prompts per generate call, several updates 
 Targets, on the default workload: async at least 90% of its `bound` (its seconds per iteration at most
 bound_s / 0.9); on every workload async not slower than sync: the 95% interval of the per-round speedups
 reaches 1x and their mean is at least 0.97x (`benchmarks.common.not_slower`). Where async takes turns (the
-toy's default on 2 cores) it runs sync's schedule in one process (`periodic_rl.colocated`): the two differ by the
+toy's default on 2 cores) it runs sync's schedule in one process (`setup.colocated`): the two differ by the
 machine's noise alone, and a bare mean >= 1x would be a coin flip.
 """
 from __future__ import annotations
@@ -33,8 +33,7 @@ import shlex
 import statistics
 
 from benchmarks.common import SLOWER_FLOOR, not_slower, ratio_interval, write_json
-from config import available_cores
-
+from infra.options import available_cores
 
 ASYNC_WORKLOADS = {  # name -> trainer options on top of the tiny defaults (16 prompts x 8, <= 8 new tokens)
     "default": [],
@@ -51,7 +50,7 @@ PHASE_KEYS = ("iteration_s", "generate_s", "generate_device_s", "train_s", "idle
 def time_schedule(argv: list[str], iterations: int) -> list[dict[str, float]]:
     """Run trainer.py's schedule in this process; the per-iteration figures, first iteration dropped."""
     import trainer
-    from config import parse_args
+    from infra.options import parse_args
 
     cfg = parse_args([*argv, "--iterations", str(iterations + 1), "--eval-every", "0", "--no-save"])
     with trainer.started(cfg) as (schedule, _, _):  # the trainer's own start: devices, task, inference process, policy
@@ -90,17 +89,17 @@ def probed_sizes(argv: list[str]) -> tuple[list[str], list[str], float | None]:
     """The options async mode's probe picks for `argv` (probed once, here): (the generate calls and the
     micro-batch, which both modes then use, so that they compare at the same sizes; the thread split,
     async's only; the probe's predicted speedup over taking turns at these sizes, None if nothing was probed)."""
-    import periodic_rl
-    import sizing
+    from launch import setup
     import trainer
-    from config import parse_args
+    from infra.options import parse_args
+    from launch import sizing
 
     cfg = parse_args([*argv, "--mode", "async"])
     if cfg.sized:
         return [], [], None
     train_examples, _, _, load_kwargs = trainer.prepare(cfg)
     policy, tokenizer = trainer.load_policy(cfg, load_kwargs)  # the policy only, no inference process
-    tri = periodic_rl.build_tri_model(cfg, policy, tokenizer.pad_token_id)
+    tri = setup.build_tri_model(cfg, policy, tokenizer.pad_token_id)
     chosen, _, gain = sizing.choose(cfg, tri, tokenizer, train_examples)
     return (["--groups-per-chunk", str(chosen.groups_per_chunk),
              "--micro-batch-tokens", str(chosen.micro_batch_tokens)],
@@ -115,7 +114,7 @@ def async_workload(argv: list[str], iterations: int, rounds: int) -> dict:
     Seconds per iteration are means over all timed iterations of all rounds (what a long run would
     see); the speedup is their ratio, and each round's own ratio shows the spread.
     """
-    from config import parse_args
+    from infra.options import parse_args
     calls, threads, predicted = probed_sizes(argv)
     argv = [*argv, *calls]
     runs: dict[str, list[list[dict]]] = {"sync": [], "async": []}

@@ -34,6 +34,7 @@ def publish_args(parser: argparse.ArgumentParser) -> None:
 def publish(args: argparse.Namespace) -> bool:
     """Cost of publishing θ through the shared-memory buffer vs memcpy vs a pickled state_dict on a queue."""
     import torch.multiprocessing as mp
+
     from weights import WeightBuffer
     results = {}
     print(f"{'model':22s} {'MB':>7s} {'publish':>8s} {'load(view)':>10s} {'load(copy)':>10s} {'memcpy':>8s} "

@@ -45,7 +45,6 @@ import torch
 import packing
 from benchmarks.common import saved_for_backward_bytes, write_json
 
-
 SHARED_PROMPT_GRID = [(P, R) for P in (32, 128, 512, 1024) for R in (16, 64, 256)] + [(512, 32)]
 SHARED_PROMPT_QUICK = [(512, 32), (32, 256)]
 TARGET_CELL = (512, 32)

@@ -23,9 +23,9 @@ def tri_model_args(parser: argparse.ArgumentParser) -> None:
 def tri_model(args: argparse.Namespace) -> bool:
     """Memory and step time of the tri-model with the reference on/off and 1 or 4 updates per iteration."""
     from grpo import grpo_loss
+    from infra.models import load_model
     from packing import logprobs_fn
     from tri_model import TriModel
-    from models import load_model
     results = {}
     policy_template, tokenizer = load_model(args.tri_model)
     torch.manual_seed(0)

@@ -9,7 +9,7 @@ the prediction for N workers, each on its own device (`predicted_seconds`), and 
 would balance the two sides (sizing.balanced_split).
 
 What to expect on a CPU machine: the workers share its cores, so N = 2 is no faster (and its threads,
-one per worker plus the trainer's, oversubscribe 2 cores, so the sides take turns: periodic_rl.takes_turns);
+one per worker plus the trainer's, oversubscribe 2 cores, so the sides take turns: setup.takes_turns);
 the prediction is what separate devices would give. No targets: a figure to read.
 """
 from __future__ import annotations
@@ -51,8 +51,8 @@ def workers_args(parser: argparse.ArgumentParser) -> None:
 
 def workers(args: argparse.Namespace) -> bool:
     """Seconds per iteration with 1 and 2 inference workers per trainer, against the prediction."""
-    import sizing
-    from config import parse_args
+    from infra.options import parse_args
+    from launch import sizing
     argv = [*WORKLOAD, *THREADS, *shlex.split(args.trainer_args)]
     counts = (1, 2)
     runs: dict[int, list[list[dict]]] = {n: [] for n in counts}

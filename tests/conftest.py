@@ -15,7 +15,7 @@ GSM8K_DIR = Path(os.environ.get("PERIODIC_RL_GSM8K", ROOT.parent / "shared" / "d
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """An untrained tiny Qwen2 model + tokenizer in a directory, loaded through from_pretrained like any model."""
-    from models import build_tiny_model
+    from infra.models import build_tiny_model
     path = tmp_path_factory.mktemp("tiny-model")
     build_tiny_model(path, seed=0)
     return path
@@ -23,8 +23,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 # Qwen's chat template, chat tokens and shipped generation_config: the same as tools/qwen_shaped_random.py's
 # Qwen2.5-0.5B-shaped directory for GPU runs
-from tools.qwen_shaped_random import (QWEN_CHAT_TEMPLATE, QWEN_SAMPLING,  # noqa: E402,F401 (tests import them)
-                                      qwen_chat_tokenizer, qwen_generation_config)
+from tools.qwen_shaped_random import QWEN_CHAT_TEMPLATE, QWEN_SAMPLING, qwen_chat_tokenizer, qwen_generation_config  # noqa: E402,F401 (tests import them)
 
 LOGIT_SCALE = 8.0
 

@@ -6,8 +6,14 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import attention
-from attention import (pack, shared_prompt_logprobs, shared_prompt_mask, to_model_mask, unpacked_layout,
-                       unpacked_logprobs)
+from attention import (
+    pack,
+    shared_prompt_logprobs,
+    shared_prompt_mask,
+    to_model_mask,
+    unpacked_layout,
+    unpacked_logprobs,
+)
 
 VOCAB, EOS = 100, 2
 ARCHS = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}

@@ -83,8 +83,9 @@ def test_shared_prompt_cell_measures_all_modes():
 def test_forward_macs_counts_tokens_and_the_masks_pairs():
     """Claim: the MAC ceiling's count uses G(P+R) vs P+GR tokens and exactly the score pairs the two masks
     allow (checked against attention.shared_prompt_mask), with the lm head on the same G·R positions."""
-    import torch
     from types import SimpleNamespace
+
+    import torch
 
     import attention
     config = SimpleNamespace(hidden_size=8, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,

@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import checkpoint
-from config import given_options, parse_args
-from models import load_model
+from infra import checkpoint
+from infra.models import load_model
+from infra.options import given_options, parse_args
 
 ROOT = Path(__file__).resolve().parents[1]
 # Sizes fixed, so that the probe's timing cannot pick other ones for the two runs compared.
@@ -94,7 +94,7 @@ def test_resume_refuses_options_that_change_the_run(tiny_model_dir):
     assert cfg.mode == "sync" != saved.mode
     assert (cfg.seed, cfg.lr, cfg.model, cfg.batch_size, cfg.groups_per_chunk) == (3, 0.01, str(tiny_model_dir), 16, 2)
     assert (cfg.iterations, cfg.eval_every, cfg.out, cfg.train_threads, cfg.rollout_threads) == (9, 2, "elsewhere", 2, 1)
-    assert cfg.tail_threads == 2  # the probe's elastic tail is the saved run's too (periodic_rl.elastic_threads)
+    assert cfg.tail_threads == 2  # the probe's elastic tail is the saved run's too (setup.elastic_threads)
     argv = ["--tail-threads", "1"]  # harmless given anew (float rounding only)
     assert checkpoint.resumed_config(parse_args(argv), given_options(argv), state).tail_threads == 1
 
@@ -165,13 +165,13 @@ def test_a_stop_writes_a_checkpoint_of_the_iterations_done(tiny_model_dir, tmp_p
     """Claim: with --save-on-stop, a stop (the KeyboardInterrupt trainer.py raises for SIGINT, SIGTERM and SIGHUP)
     arriving while iteration 1's row is being logged writes checkpoint-1 (θ_1, AdamW after one step), and that
     checkpoint restores the weights the run had."""
-    import periodic_rl
-    from reward import load_rewards
-    from tasks import load_task
+    from launch import setup
+    from infra.data import load_task
+    from infra.reward import load_rewards
     cfg = parse_args(["--model", str(tiny_model_dir), *RUN, "--mode", "sync", "--save-on-stop", "--out", str(tmp_path)])
     policy, tokenizer = load_model(cfg.model)
     train, held_out = load_task(cfg.data, eval_size=cfg.eval_size)
-    rows = periodic_rl.train(cfg, policy, tokenizer, train, held_out, load_rewards(cfg.reward), {})
+    rows = setup.train(cfg, policy, tokenizer, train, held_out, load_rewards(cfg.reward), {})
     assert next(rows)["iteration"] == 0
     with pytest.raises(KeyboardInterrupt):
         rows.throw(KeyboardInterrupt())
@@ -184,9 +184,9 @@ def test_a_stop_writes_a_checkpoint_of_the_iterations_done(tiny_model_dir, tmp_p
 
 KILLED_WHILE_SAVING = """
 import sys, time, torch
-import checkpoint
-from config import parse_args
-from models import load_model
+from infra import checkpoint
+from infra.options import parse_args
+from infra.models import load_model
 out, model = sys.argv[1], sys.argv[2]
 policy, tokenizer = load_model(model)
 optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)

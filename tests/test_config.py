@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from config import Config, build_parser, derive, parse_args, validate
+from config import Config
+from infra.options import build_parser, derive, parse_args, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,8 +62,8 @@ def test_invalid_values_fail_with_one_line_and_exit_2(argv, fragment, capsys):
 def test_thread_counts_are_bounded_by_the_cores(option, capsys, monkeypatch):
     """Claim: a thread count above the cores this process may use fails at start-up naming that number (10000
     threads once made a 2-core machine unusable for minutes), while every count up to it is accepted."""
-    import config
-    monkeypatch.setattr(config, "available_cores", lambda: 4)
+    from infra import options
+    monkeypatch.setattr(options, "available_cores", lambda: 4)
     assert getattr(parse_args([option, "4"]), option[2:].replace("-", "_")) == 4
     with pytest.raises(SystemExit) as exit_info:
         parse_args([option, "10000"])
@@ -78,7 +79,7 @@ def test_default_threads_follow_the_cores_this_process_may_use(mode, monkeypatch
     probe used os.cpu_count(): 32 + 32 threads on 2 cores, which the --rollout-threads check then refused)."""
     import os
 
-    import periodic_rl
+    from launch import setup
     monkeypatch.setattr(os, "cpu_count", lambda: 64)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     cfg = parse_args(["--mode", mode, "--sizes", "rule", "--device", "cpu"])
@@ -86,7 +87,7 @@ def test_default_threads_follow_the_cores_this_process_may_use(mode, monkeypatch
     again = parse_args(["--mode", mode, "--sizes", "rule", "--device", "cpu", "--rollout-threads",
                         str(cfg.rollout_threads), "--train-threads", str(cfg.train_threads)])
     assert (again.rollout_threads, again.train_threads) == (cfg.rollout_threads, cfg.train_threads)
-    assert periodic_rl.takes_turns(cfg) == (cfg.rollout_threads + cfg.train_threads > 2)  # 2 cores, not 64
+    assert setup.takes_turns(cfg) == (cfg.rollout_threads + cfg.train_threads > 2)  # 2 cores, not 64
 
 
 def test_every_accepted_seed_seeds_torch():
@@ -131,16 +132,16 @@ def test_thread_split(monkeypatch):
 def test_probed_sizes_are_left_open_on_cpu_only(monkeypatch):
     """Claim: with --sizes probe (the default) on CPU, derive leaves exactly the sizes not given open for the probe
     (sync: only the generate calls; its threads are all cores); on an accelerator the rule fills them."""
-    import config
+    from infra import options
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
-    monkeypatch.setattr(config, "detect_accelerator", lambda: "cpu")
+    monkeypatch.setattr(options, "detect_accelerator", lambda: "cpu")
     probed = derive(Config(mode="async"))
     assert (probed.groups_per_chunk, probed.rollout_threads, probed.train_threads) == (None, None, None)
     assert not probed.sized and derive(Config(mode="async", groups_per_chunk=4, rollout_threads=2)).train_threads is None
     sync = derive(Config(mode="sync"))
     assert (sync.groups_per_chunk, sync.rollout_threads, sync.train_threads) == (None, 8, 8)
-    monkeypatch.setattr(config, "detect_accelerator", lambda: "cuda")
-    monkeypatch.setattr(config, "accelerator_count", lambda _: 1)
+    monkeypatch.setattr(options, "detect_accelerator", lambda: "cuda")
+    monkeypatch.setattr(options, "accelerator_count", lambda _: 1)
     assert derive(Config(mode="async")).sized
 
 
@@ -177,21 +178,21 @@ def test_device_auto_picks_the_hardware(monkeypatch):
     with one, NPUs the same way, else the CPU; sync mode (one process) uses the first device; --dtype auto is
     bf16 on accelerators that support it and float32 on CPU; an iteration is one generate call on accelerators,
     two on CPU."""
-    import config
-    monkeypatch.setattr(config, "detect_accelerator", lambda: "cpu")  # whatever this machine has
-    assert config.pick_devices("auto", "async") == ("cpu", "cpu") and derive(Config()).dtype == "float32"
+    from infra import options
+    monkeypatch.setattr(options, "detect_accelerator", lambda: "cpu")  # whatever this machine has
+    assert options.pick_devices("auto", "async") == ("cpu", "cpu") and derive(Config()).dtype == "float32"
     for kind, count, expected in [("cuda", 4, ("cuda:0", "cuda:1")), ("cuda", 1, ("cuda:0", "cuda:0")),
                                   ("npu", 2, ("npu:0", "npu:1"))]:
-        monkeypatch.setattr(config, "detect_accelerator", lambda: kind)
-        monkeypatch.setattr(config, "accelerator_count", lambda _: count)
-        assert config.pick_devices("auto", "async") == expected
-        assert config.pick_devices("auto", "sync") == (expected[0], expected[0])
-    assert derive(Config(device="auto")).chunks_per_iteration == config.GENERATE_CALLS["accelerator"] == 1
+        monkeypatch.setattr(options, "detect_accelerator", lambda: kind)
+        monkeypatch.setattr(options, "accelerator_count", lambda _: count)
+        assert options.pick_devices("auto", "async") == expected
+        assert options.pick_devices("auto", "sync") == (expected[0], expected[0])
+    assert derive(Config(device="auto")).chunks_per_iteration == options.GENERATE_CALLS["accelerator"] == 1
     assert derive(Config(device="auto", groups_per_chunk=2)).groups_per_chunk == 2
     assert derive(Config(device="auto", rollout_device="npu:3")).rollout_device == "npu:3"
-    assert config.pick_dtype("auto", "npu:1") == "bfloat16" and config.pick_dtype("float32", "npu:1") == "float32"
-    assert config.pick_dtype("auto", "cpu") == "float32"
-    assert derive(Config(device="cpu", sizes="rule")).chunks_per_iteration == config.GENERATE_CALLS["cpu"] == 2
+    assert options.pick_dtype("auto", "npu:1") == "bfloat16" and options.pick_dtype("float32", "npu:1") == "float32"
+    assert options.pick_dtype("auto", "cpu") == "float32"
+    assert derive(Config(device="cpu", sizes="rule")).chunks_per_iteration == options.GENERATE_CALLS["cpu"] == 2
 
 
 def test_missing_device_is_one_line(monkeypatch):

@@ -8,13 +8,11 @@ from pathlib import Path
 
 import datasets
 import pytest
+from conftest import GSM8K_DIR, QWEN_CHAT_TEMPLATE
 from huggingface_hub import constants as hub_constants
 
-import data
-import tasks
-from tasks import Example, TaskError
-
-from conftest import GSM8K_DIR, QWEN_CHAT_TEMPLATE
+from infra import data, tasks
+from infra.tasks import Example, TaskError
 
 
 @pytest.fixture(autouse=True)
@@ -113,7 +111,7 @@ def test_a_conversational_prompt_column_goes_through_the_chat_template(tmp_path)
     """Claim: TRL's 'prompt' column of chat messages is used when the data has no 'question' column; each prompt is
     rendered with the model's chat template (Qwen2.5-Instruct's) as it is: its own system message, no SYSTEM_PROMPT
     added, ending with the assistant's turn; a plain-text prompt still gets SYSTEM_PROMPT."""
-    from models import tiny_tokenizer
+    from infra.models import tiny_tokenizer
     rows = [{"prompt": conversation(i), "solution": str(i + 1)} for i in range(12)]
     train, held_out = tasks.load_task(str(write_jsonl(tmp_path / "chat.jsonl", rows)), eval_size=2,
                                       answer_column="solution")
@@ -131,7 +129,7 @@ def test_a_conversational_prompt_column_goes_through_the_chat_template(tmp_path)
 def test_conversations_need_a_chat_template_and_fit_the_context():
     """Claim: conversations with a model that has no chat template are refused at start-up in one line (even when the
     context is unknown); with a template, a conversation too long for the context is found and its length named."""
-    from models import tiny_tokenizer
+    from infra.models import tiny_tokenizer
     tokenizer = tiny_tokenizer()  # one token per byte, no chat template
     chats = [Example(conversation(i), str(i + 1)) for i in range(3)]
     with pytest.raises(TaskError, match="no chat template") as error:
@@ -230,7 +228,8 @@ def test_offline_gsm8k_loads_from_the_datasets_cache(tmp_path, datasets_cache, m
 def test_the_command_line_takes_every_form_of_data(tmp_path):
     """Claim: --data with a hub id or an existing directory parses (a hub id is checked when loaded), a path that does
     not exist is refused at parse time in one line, and the column and split options reach the Config."""
-    from config import Config, parse_args, validate
+    from config import Config
+    from infra.options import parse_args, validate
     for given in ("openai/gsm8k", "gsm8k", "chain", str(tmp_path)):
         assert validate(Config(data=given)) == []
     for missing in (str(tmp_path / "absent.jsonl"), "no/such/dir", "./nowhere"):

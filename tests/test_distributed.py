@@ -32,13 +32,13 @@ import sys
 from pathlib import Path
 from typing import Iterator
 
+import faults
 import pytest
 import torch
 from safetensors.torch import load_file
 
-import faults
 import trainer
-from distributed import Ranks, from_environment
+from infra.distributed import Ranks, from_environment
 from learner import Learner
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -177,7 +177,7 @@ def test_two_nodes_equal_the_single_process(tiny_model_dir, single_process, tmp_
 def test_learner_expects_only_its_ranks_groups(tiny_model_dir):
     """Claim: rank r expects the groups of the calls c % M == r in each mini-batch, and together the ranks expect
     every group once (4 prompts, calls of 2, two mini-batches: each rank owns one mini-batch whole)."""
-    from config import parse_args
+    from infra.options import parse_args
     cfg = parse_args(["--model", str(tiny_model_dir), "--batch-size", "16", "--group-size", "4",
                       "--groups-per-chunk", "2", "--updates-per-iteration", "2", "--sizes", "rule"])
     expected = [Learner(None, None, cfg, torch.device("cpu"), None, Ranks(rank, 2)).groups_per_minibatch
@@ -192,8 +192,8 @@ def test_learner_expects_only_its_ranks_groups(tiny_model_dir):
 def test_each_rank_gets_its_devices_and_only_rank_0_writes(monkeypatch):
     """Claim: on a node with 8 GPUs and 4 ranks, local rank l trains on cuda:l and samples on cuda:4+l (with 4 GPUs
     both on cuda:l); devices given by option stay as given; ranks other than 0 save nothing and write no trace."""
-    from config import parse_args
-    from distributed import place
+    from infra.distributed import place
+    from infra.options import parse_args
     cfg = dataclasses.replace(parse_args(["--sizes", "rule", "--trace", "t.json"]), device="auto",
                               train_device="cuda:1", rollout_device="cuda:0")  # as derive picks with >= 2 GPUs
     for gpus, expected in ((8, ("cuda:2", "cuda:6")), (4, ("cuda:2", "cuda:2"))):
@@ -211,8 +211,9 @@ def test_every_worker_of_every_rank_gets_calls_and_a_device(monkeypatch):
     one call per iteration on a GPU would leave every rank but rank 0 idle), on a node with L·(1+N) GPUs each worker
     of local rank l samples on its own cuda:L+l·N+w, and sizes given by option that leave a worker idle are refused
     in one line."""
-    from config import parse_args
-    from distributed import RanksError, check, place
+    from infra.distributed import check, place
+    from infra.liveness import RanksError
+    from infra.options import parse_args
     cfg = dataclasses.replace(parse_args(["--sizes", "rule", "--inference-workers", "3"]), device="auto",
                               train_device="cuda:1", rollout_device="cuda:0", groups_per_chunk=16)  # the GPU rule
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)

@@ -6,9 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
 from conftest import GSM8K_DIR
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 GSM8K = GSM8K_DIR / "train.jsonl"

@@ -13,12 +13,12 @@ import sys
 import time
 from pathlib import Path
 
+import faults
 import numpy as np
 import pytest
 import torch
 
-import faults
-from reward import RewardError, score
+from infra.reward import RewardError, score
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,15 +11,16 @@ import sys
 import time
 from pathlib import Path
 
+import faults
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import faults
-import outputs
 import trainer
-from config import Config, derive, validate
-from models import ensure_tiny_model
+from config import Config
+from infra import outputs
+from infra.models import ensure_tiny_model
+from infra.options import derive, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXED_SIZES = ["--groups-per-chunk", "2", "--micro-batch-tokens", "1000", "--rollout-threads", "1",

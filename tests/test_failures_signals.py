@@ -4,7 +4,6 @@ import os
 import signal
 
 import pytest
-
 from faults import Launch
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds processes through Linux's /proc")
@@ -73,11 +72,10 @@ def test_inference_process_without_heartbeat_is_reported_as_hung(tiny_model_dir,
     import time
 
     import inference
-    import worker
-    from config import parse_args
-    from models import load_model
-    from tasks import load_task
-    monkeypatch.setattr(worker, "FROZEN_SECONDS", 3.0)
+    from infra.data import load_task
+    from infra.models import load_model
+    from infra.options import parse_args
+    monkeypatch.setattr(inference, "FROZEN_SECONDS", 3.0)
     cfg = dataclasses.replace(parse_args(["--model", str(tiny_model_dir), *ENDLESS]), max_new_tokens=2)
     policy, _ = load_model(cfg.model)
     train, held_out = load_task("arithmetic", eval_size=4)
@@ -117,7 +115,7 @@ def test_a_killed_builds_folder_is_swept_by_the_next_build(tmp_path):
     import socket
     import subprocess
 
-    from models import sweep_stale_builds
+    from infra.models import sweep_stale_builds
     gone = subprocess.Popen(["true"])
     gone.wait()
     host = socket.gethostname()

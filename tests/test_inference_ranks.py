@@ -12,17 +12,27 @@ import signal
 import subprocess
 from pathlib import Path
 
+import faults
 import pytest
 import torch
+from test_distributed import (
+    ROOT,
+    TORCHRUN,
+    all_stopped,
+    assert_same_run,
+    initial_weights,
+    options,
+    result,
+    run,
+    single_process,  # noqa: F401  (the fixture)
+    two_nodes,
+)
 
-import faults
-from distributed import Ranks, RanksError, split_roles
-from remote import destination
+from infra.distributed import Ranks, split_roles
+from infra.liveness import RanksError
+from infra.timeline import INFERENCE, Span
+from launch.remote import destination
 from rollout import Group, IterationDone
-from test_distributed import single_process  # noqa: F401  (the fixture)
-from test_distributed import (ROOT, TORCHRUN, all_stopped, assert_same_run, initial_weights, options, result, run,
-                              two_nodes)
-from timeline import INFERENCE, Span
 
 
 def test_one_trainer_rank_and_one_inference_rank_are_the_single_process_bitwise(tiny_model_dir, single_process,
@@ -92,7 +102,7 @@ def test_roles_routing_and_refusals(tiny_model_dir, capsys):
     """Claim: K inference ranks are the last K of torchrun's ranks; a group goes to the trainer rank that owns its
     call, IterationDone to every trainer rank, spans to rank 0; K that leaves no trainer, sync mode or several
     inference workers per rank are refused in one line."""
-    from config import parse_args
+    from infra.options import parse_args
     ranks = split_roles(Ranks(5, 6, 1, 2), 4)
     assert (ranks.size, ranks.inference, ranks.is_inference, ranks.name()) == (2, 4, True, "inference rank 3 of 4 (rank 5)")
     assert split_roles(Ranks(1, 6, 1, 2), 4).name() == "trainer rank 1 of 2"

@@ -4,12 +4,12 @@ import json
 import threading
 
 import pytest
-
 from conftest import GSM8K_DIR
-from math_verify_reward import math_verify_reward
-from reward import Rewards, load_reward, score_group
-from data import dataset_examples, load_splits
-from tasks import math_reward
+
+from infra.data import dataset_examples, load_splits
+from infra.math_verify_reward import math_verify_reward
+from infra.reward import Rewards, load_reward, score_group
+from infra.tasks import math_reward
 
 
 @pytest.mark.parametrize("gold, completion, expected", [

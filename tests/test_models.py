@@ -7,9 +7,9 @@ import torch
 from huggingface_hub import constants as hub_constants
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import models
-from models import ModelNotFoundError, TinyRecipe
-from tasks import arithmetic_examples, math_reward
+from infra import models
+from infra.models import ModelNotFoundError, TinyRecipe
+from infra.tasks import arithmetic_examples, math_reward
 
 QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
             "How many clips did Natalia sell altogether in April and May?")

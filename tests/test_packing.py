@@ -2,12 +2,12 @@
 (log-probs and gradients), auto picks per group, and models packing cannot express stay on plain rows."""
 import pytest
 import torch
+from test_attention import ARCHS, VOCAB, random_group, tiny_model
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import packing
 from attention import pack, shared_prompt_mask
 from packing import batch_logprobs, packed_rows, packing_pays, shared_prompt_attention
-from test_attention import ARCHS, VOCAB, random_group, tiny_model
 
 CASES = {  # name -> [(prompt_len, response_lens), ...], one entry per group in the micro-batch
     "one_response": [(7, [5])],

@@ -7,21 +7,24 @@ import sys
 import time
 from pathlib import Path
 
+import faults
 import pytest
 import torch
 
-import faults
 import inference
 import periodic_rl
+from infra.distributed import Ranks
+from launch import setup
+from tri_model import TriModel
 import weights
-from config import parse_args
+from infra.data import load_task
+from infra.models import load_model
+from infra.options import parse_args
+from infra.reward import load_reward, load_rewards
+from infra.timeline import Timeline
 from learner import Learner
-from models import load_model
 from packing import logprobs_fn
 from rollout import Evaluation, Group, IterationDone, rollout_iteration
-from reward import load_reward, load_rewards
-from tasks import load_task
-from timeline import Timeline
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = "tests/rewards.py:digit_fraction"
@@ -38,8 +41,8 @@ def run_training(cfg):
     policy, tokenizer = load_model(cfg.model, device="cpu")
     train, held_out = load_task(cfg.data, eval_size=cfg.eval_size)
     load_kwargs = dict(device="cpu", dtype=torch.float32, attn_implementation="sdpa")
-    with periodic_rl.inference_side(cfg, load_kwargs, train, held_out) as rollouts:
-        rows = list(periodic_rl.train(cfg, policy, tokenizer, train, held_out, load_rewards(cfg.reward), load_kwargs,
+    with setup.inference_side(cfg, load_kwargs, train, held_out) as rollouts:
+        rows = list(setup.train(cfg, policy, tokenizer, train, held_out, load_rewards(cfg.reward), load_kwargs,
                                       rollouts))
     return policy, rows
 
@@ -106,8 +109,8 @@ def test_async_in_turns_never_computes_both_sides_at_once(tiny_model_dir, monkey
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(2)))
     turns = ("--rollout-threads", "2", "--train-threads", "2", "--inference-workers", "2")
     in_turns = make_cfg(tiny_model_dir, "--mode", "async", *turns)
-    assert periodic_rl.takes_turns(in_turns) and not periodic_rl.colocated(in_turns)  # two workers: processes
-    assert not periodic_rl.takes_turns(make_cfg(tiny_model_dir, "--mode", "async", *SAME_THREADS))
+    assert setup.takes_turns(in_turns) and not setup.colocated(in_turns)  # two workers: processes
+    assert not setup.takes_turns(make_cfg(tiny_model_dir, "--mode", "async", *SAME_THREADS))
     async_policy, async_rows = run_training(in_turns)
     assert any(r["eval_reward"] is not None for r in async_rows[:-1])  # an evaluation fell inside an iteration
     assert all(r["overlap"] == 0.0 for r in async_rows[:-1])
@@ -118,20 +121,20 @@ def test_async_in_turns_never_computes_both_sides_at_once(tiny_model_dir, monkey
 
 
 def test_async_taking_turns_in_one_process_is_sync(tiny_model_dir, monkeypatch, capsys):
-    """Claim (periodic_rl.colocated): async whose sides would take turns with one inference process and one thread
+    """Claim (setup.colocated): async whose sides would take turns with one inference process and one thread
     count samples in the trainer's process, sync's schedule: with the sizes given, no inference process is started;
     with them open, the one started for the probe is stopped once the probe chose to take turns (here: made to
     choose it, as it does on the toy on 2 cores), before iteration 0. Either way the run is sync's bit for bit
     (torch.equal: the same calls, groups and thread counts in the same process), and the output says so."""
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(2)))
     given = make_cfg(tiny_model_dir, "--mode", "async", "--rollout-threads", "2", "--train-threads", "2")
-    assert periodic_rl.colocated(given) and given.sized
-    assert not periodic_rl.colocated(make_cfg(tiny_model_dir, "--mode", "async", *SAME_THREADS))
-    assert not periodic_rl.colocated(dataclasses.replace(given, mode="sync"))
+    assert setup.colocated(given) and given.sized
+    assert not setup.colocated(make_cfg(tiny_model_dir, "--mode", "async", *SAME_THREADS))
+    assert not setup.colocated(dataclasses.replace(given, mode="sync"))
     uneven = dataclasses.replace(given, train_threads=1, tail_threads=1)  # 2 + 1 on 2 cores: in turns, two counts
-    assert periodic_rl.takes_turns(uneven) and not periodic_rl.colocated(uneven)  # sampling keeps its 2 threads
-    assert not periodic_rl.colocated(dataclasses.replace(given, inference_workers=2))
-    with periodic_rl.inference_side(given, {}, [], []) as rollouts:
+    assert setup.takes_turns(uneven) and not setup.colocated(uneven)  # sampling keeps its 2 threads
+    assert not setup.colocated(dataclasses.replace(given, inference_workers=2))
+    with setup.inference_side(given, {}, [], []) as rollouts:
         assert rollouts is None  # nothing spawned
     sync_policy, sync_rows = run_training(make_cfg(tiny_model_dir, "--mode", "sync", "--rollout-threads", "2",
                                                    "--train-threads", "2"))
@@ -139,13 +142,13 @@ def test_async_taking_turns_in_one_process_is_sync(tiny_model_dir, monkeypatch, 
 
     open_sizes = dataclasses.replace(given, rollout_threads=None, train_threads=None, tail_threads=None)
     assert not open_sizes.sized
-    monkeypatch.setattr(periodic_rl.sizing, "choose", lambda cfg, *args: (given, "", 1.0))  # as if probed
+    monkeypatch.setattr(setup.sizing, "choose", lambda cfg, *args: (given, "", 1.0))  # as if probed
     policy, tokenizer = load_model(given.model, device="cpu")
     train, held_out = load_task(given.data, eval_size=given.eval_size)
     load_kwargs = dict(device="cpu", dtype=torch.float32, attn_implementation="sdpa")
-    with periodic_rl.inference_side(open_sizes, load_kwargs, train, held_out) as rollouts:
+    with setup.inference_side(open_sizes, load_kwargs, train, held_out) as rollouts:
         assert isinstance(rollouts, inference.AsyncRollouts)  # for the probe
-        rows = periodic_rl.train(open_sizes, policy, tokenizer, train, held_out, load_rewards(given.reward),
+        rows = setup.train(open_sizes, policy, tokenizer, train, held_out, load_rewards(given.reward),
                                  load_kwargs, rollouts)
         probed_rows = [next(rows)]
         assert not any(worker.process.is_alive() for worker in rollouts.workers)  # stopped before iteration 0
@@ -159,7 +162,7 @@ def test_async_taking_turns_in_one_process_is_sync(tiny_model_dir, monkeypatch, 
 
 
 def test_the_trainer_takes_every_core_once_sampling_is_done(tiny_model_dir, monkeypatch):
-    """Claim (periodic_rl.elastic_threads): when the probe split the cores (here: made to pick 1 + 1 on 2 cores and
+    """Claim (setup.elastic_threads): when the probe split the cores (here: made to pick 1 + 1 on 2 cores and
     --tail-threads 2, as it does when it splits them), every micro-batch trained before the iteration's last group
     is in runs at the trainer's share (1 thread), every one after it (and the step) at all cores, each iteration
     again; an evaluation due keeps the share until its result is in. Which micro-batches get all cores follows from
@@ -171,12 +174,12 @@ def test_the_trainer_takes_every_core_once_sampling_is_done(tiny_model_dir, monk
                       "--eval-size", "4", "--eval-samples", "2", "--lr", "1e-2", "--no-save", "--mode", "async",
                       "--groups-per-chunk", "2", "--micro-batch-tokens", "40"])  # threads open: the probe's to pick
     assert cfg.rollout_threads is None and cfg.train_threads is None and cfg.tail_threads is None
-    split, ranks = dataclasses.replace(cfg, rollout_threads=1, train_threads=1, tail_threads=2), periodic_rl.Ranks()
-    assert periodic_rl.elastic_threads(split, ranks) == 2
-    assert periodic_rl.elastic_threads(dataclasses.replace(split, tail_threads=1), ranks) is None  # as given: no switch
-    assert periodic_rl.elastic_threads(dataclasses.replace(split, mode="sync"), ranks) is None
-    assert periodic_rl.elastic_threads(dataclasses.replace(split, inference_workers=2), ranks) is None
-    monkeypatch.setattr(periodic_rl.sizing, "choose", lambda cfg, *args: (split, "", 1.0))  # as if the probe chose it
+    split, ranks = dataclasses.replace(cfg, rollout_threads=1, train_threads=1, tail_threads=2), Ranks()
+    assert setup.elastic_threads(split, ranks) == 2
+    assert setup.elastic_threads(dataclasses.replace(split, tail_threads=1), ranks) is None  # as given: no switch
+    assert setup.elastic_threads(dataclasses.replace(split, mode="sync"), ranks) is None
+    assert setup.elastic_threads(dataclasses.replace(split, inference_workers=2), ranks) is None
+    monkeypatch.setattr(setup.sizing, "choose", lambda cfg, *args: (split, "", 1.0))  # as if the probe chose it
     seen, accumulate = [], Learner.accumulate
 
     def recording(learner, groups):
@@ -198,6 +201,7 @@ def test_chunked_sampling_continues_each_prompt(tiny_model_dir):
     """Claim: sampling several prompts of different lengths in one left-padded generate call continues each
     prompt exactly as sampling it alone does (checked with greedy decoding, where both are deterministic)."""
     from transformers import GenerationConfig
+
     from rollout import sample_responses
     model, tokenizer = load_model(str(tiny_model_dir))
     prompts = [tokenizer.encode(text, add_special_tokens=False) for text in ("1+2=", "31+45=", "100+2000=")]
@@ -242,7 +246,7 @@ def test_learner_refuses_off_policy_group(tiny_model_dir):
     """A group sampled by another weight version is rejected, not silently trained on."""
     cfg = make_cfg(tiny_model_dir)
     policy, _ = load_model(cfg.model)
-    tri = periodic_rl.TriModel(policy, logprobs_fn(policy), use_reference=False, use_old=False)
+    tri = TriModel(policy, logprobs_fn(policy), use_reference=False, use_old=False)
     learner = Learner(tri, torch.optim.SGD(policy.parameters(), lr=0.1), cfg, torch.device("cpu"),
                                   Timeline())
     learner.start(3)
@@ -280,7 +284,7 @@ def test_a_publish_while_sampling_is_caught(tiny_model_dir):
 
     groups = sample_iteration_0(publishes_early)
     assert len(groups) == cfg.prompts_per_iteration and all(g.policy_version != 0 for g in groups)
-    learner = Learner(periodic_rl.TriModel(policy, logprobs_fn(policy), use_reference=False, use_old=False),
+    learner = Learner(TriModel(policy, logprobs_fn(policy), use_reference=False, use_old=False),
                                   torch.optim.SGD(policy.parameters(), lr=0.1), cfg, torch.device("cpu"), Timeline())
     learner.start(0)
     with pytest.raises(weights.OffPolicyError, match="off-policy"):
@@ -306,7 +310,7 @@ def test_batched_training_forward_gives_the_same_update(tiny_model_dir):
     for cap in (1, 10_000):
         cfg = make_cfg(tiny_model_dir, "--groups-per-chunk", "4", "--micro-batch-tokens", cap)
         policy, _ = load_model(cfg.model)
-        tri = periodic_rl.TriModel(policy, logprobs_fn(policy), use_reference=True, use_old=False)
+        tri = TriModel(policy, logprobs_fn(policy), use_reference=True, use_old=False)
         learner = Learner(tri, torch.optim.SGD(policy.parameters(), lr=1.0), cfg, torch.device("cpu"),
                                       Timeline())
         learner.start(0)
@@ -407,7 +411,7 @@ def wait_for_iteration(process, metrics: Path, deadline: float = 120) -> None:
 @pytest.mark.parametrize("how", ["kill-child", "ctrl-c"])
 def test_trainer_stops_cleanly(tiny_model_dir, tmp_path, how):
     """Claim: a killed inference process stops the trainer within 10 s (exit != 0, clear message; threads within
-    the cores, so that there is one: periodic_rl.colocated); Ctrl-C at the defaults (the probe's inference process
+    the cores, so that there is one: setup.colocated); Ctrl-C at the defaults (the probe's inference process
     stopped once it chose, or kept) stops the run within 5 s. No child process and no shared-memory file is left
     behind."""
     shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()

@@ -1,14 +1,14 @@
 """Mixed precision: bf16 compute over float32 master weights applies small updates, and async == sync still holds."""
 import pytest
 import torch
-
-import periodic_rl
-from models import load_model
-from packing import enable_activation_checkpointing, logprobs_fn, recomputes_attention
-from reward import load_rewards
-from tasks import load_task
-from tri_model import TriModel
 from test_pipeline import SAME_THREADS, make_cfg, run_training
+
+from launch import setup
+from infra.data import load_task
+from infra.models import load_model
+from infra.reward import load_rewards
+from packing import enable_activation_checkpointing, logprobs_fn, recomputes_attention
+from tri_model import TriModel
 
 LR = 1e-6
 
@@ -45,8 +45,8 @@ def test_bf16_async_equals_sync_and_publishes_bf16(tiny_model_dir):
     async_policy, tokenizer = load_model(cfg.model)
     train, held_out = load_task(cfg.data, eval_size=cfg.eval_size)
     load_kwargs = dict(device="cpu", dtype=torch.bfloat16, attn_implementation="sdpa")
-    with periodic_rl.inference_side(cfg, load_kwargs, train, held_out) as rollouts:
-        async_rows = list(periodic_rl.train(cfg, async_policy, tokenizer, train, held_out, load_rewards(cfg.reward),
+    with setup.inference_side(cfg, load_kwargs, train, held_out) as rollouts:
+        async_rows = list(setup.train(cfg, async_policy, tokenizer, train, held_out, load_rewards(cfg.reward),
                                             load_kwargs, rollouts))
     assert rollouts.weights.flat.dtype == torch.bfloat16  # what was published, for the inference process to read
     assert all(p.dtype == torch.float32 for p in async_policy.parameters())

@@ -10,13 +10,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import outputs
 import plot
 import trainer
-from checkpoint import CheckpointError, resumption
-from config import Config, given_options, parse_args
-from run_config import RunRecord, git_commit
-from tracking import TensorBoard, TrackingError, Trackers, tracker_names
+from config import Config
+from infra import outputs
+from infra.checkpoint import CheckpointError, resumption
+from infra.options import given_options, parse_args
+from infra.records import RunRecord, git_commit
+from infra.tracking import TensorBoard, Trackers, TrackingError, tracker_names
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ["--mode", "sync", "--iterations", "3", "--batch-size", "16", "--group-size", "4", "--max-new-tokens", "4",
@@ -241,7 +242,7 @@ def test_options_derived_from_one_given_anew_are_derived_again(tmp_path, monkeyp
     assert (cfg.lr, cfg.max_new_tokens, cfg.reward_weights) == (1e-6, 512, [1.0, 1.0])
     assert (parse_args(["--config", str(path)]).lr, parse_args(["--config", str(path), "--lr", "3e-4"]).lr) == \
         (1e-4, 3e-4)
-    from run_config import with_config_file
+    from infra.options import with_config_file
     assert "--train-device=cpu" in with_config_file(["--config", str(path)])
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert not any("device" in flag for flag in with_config_file(["--config", str(path)]))

@@ -1,15 +1,14 @@
 """reward.py: a reward named by --reward is loaded, or its problem is one line naming the file, module or function."""
 import pytest
 
-import reward
-import tasks
-from reward import RewardError
+from infra import reward, tasks
+from infra.reward import RewardError
 
 
 def test_load_reward_builtin_module_and_file(tmp_path, monkeypatch):
     """Claim: 'math' and 'math-verify' are the built-in rewards; 'module:function' imports a module;
     'file.py:function' loads a file."""
-    import math_verify_reward
+    from infra import math_verify_reward
     assert reward.load_reward("math") is tasks.math_reward
     assert reward.load_reward("math-verify") is math_verify_reward.math_verify_reward
     (tmp_path / "my_rewards.py").write_text("def length(prompt, completion, answer):\n    return len(completion)\n")

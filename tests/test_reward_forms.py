@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-import checkpoint
 import grpo
-from config import parse_args
+from infra import checkpoint
+from infra.options import parse_args
+from infra.reward import RewardError, Rewards, is_batched, score_group, weighted_total
 from learner import mean_std
-from reward import RewardError, Rewards, is_batched, score_group, weighted_total
 
 ROOT = Path(__file__).resolve().parents[1]
 

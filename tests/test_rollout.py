@@ -1,13 +1,12 @@
 """Sampling on a Qwen2.5-Instruct-shaped model: exactly the distribution the trainer scores, stopped by every EOS."""
 import torch
+from conftest import LOGIT_SCALE
 from transformers import GenerationConfig
 
-from conftest import LOGIT_SCALE
-from models import load_model
 from config import Config
-from rollout import (Group, own_sampling_only, rollout_iteration, sample_responses, sampling_config,
-                     stop_token_ids)
-from tasks import Example, prompt_token_ids
+from infra.models import load_model
+from infra.tasks import Example, prompt_token_ids
+from rollout import Group, own_sampling_only, rollout_iteration, sample_responses, sampling_config, stop_token_ids
 
 SETTINGS = Config(seed=0, group_size=4, batch_size=12, max_new_tokens=24, temperature=1.0, top_p=1.0, eval_every=0,
                   eval_samples=2, scale_rewards=True, groups_per_chunk=1)

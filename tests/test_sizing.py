@@ -4,11 +4,12 @@ import math
 
 import torch
 
-import sizing
-from config import Config, derive
-from models import load_model
+from config import Config
+from infra.data import load_task
+from infra.models import load_model
+from infra.options import derive
+from launch import sizing
 from packing import logprobs_fn
-from tasks import load_task
 from tri_model import TriModel
 
 

@@ -3,8 +3,8 @@
 Loading --data through Hugging Face datasets: tests/test_data.py."""
 import pytest
 
-import tasks
-from tasks import Example, TaskError
+from infra import tasks
+from infra.tasks import Example, TaskError
 
 
 # --- answers ---
@@ -79,7 +79,7 @@ def test_load_task_builtin_arithmetic():
 def test_prompt_token_ids_raw_text_or_chat_template():
     """Claim: a tokenizer without a chat template gets the raw question; with one, the template wraps the
     question with the system instruction and ends with the assistant's generation prompt."""
-    from models import tiny_tokenizer
+    from infra.models import tiny_tokenizer
     tokenizer = tiny_tokenizer()
     assert tasks.prompt_token_ids(tokenizer, "37+45=") == tokenizer.encode("37+45=", add_special_tokens=False)
     tokenizer.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"

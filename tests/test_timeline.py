@@ -1,7 +1,7 @@
 """timeline.py: busy, idle and overlap per iteration, from spans of both processes."""
 import pytest
 
-from timeline import INFERENCE, TRAINING, Span, Timeline
+from infra.timeline import INFERENCE, TRAINING, Span, Timeline
 
 
 def pipeline_iteration(timeline: Timeline, t0: float) -> None:

@@ -4,7 +4,7 @@ import copy
 import torch
 
 from grpo import grpo_loss
-from models import load_model
+from infra.models import load_model
 from packing import batch_logprobs, logprobs_fn
 from tri_model import TriModel
 

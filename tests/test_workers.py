@@ -6,17 +6,17 @@ import signal
 
 import pytest
 import torch
+from faults import Launch
 
 import inference
-import periodic_rl
-import sizing
-from config import parse_args
-from faults import Launch
-from models import load_model
-from reward import load_reward, load_rewards
+from launch import setup
+from infra.data import load_task
+from infra.models import load_model
+from infra.options import parse_args
+from infra.reward import load_reward, load_rewards
+from infra.timeline import Timeline
+from launch import sizing
 from rollout import Evaluation, Group, IterationDone
-from tasks import load_task
-from timeline import Timeline
 
 DIGITS = "tests/rewards.py:digit_fraction"
 # 8 prompts per iteration, one per generate call: worker 0 of 2 samples the even calls, worker 1 the odd ones.
@@ -41,8 +41,8 @@ def train(cfg):
     policy, tokenizer = load_model(cfg.model, device="cpu")
     examples, held_out = load_task(cfg.data, eval_size=cfg.eval_size)
     load_kwargs = dict(device="cpu", dtype=torch.float32, attn_implementation="sdpa")
-    with periodic_rl.inference_side(cfg, load_kwargs, examples, held_out) as rollouts:
-        rows = list(periodic_rl.train(cfg, policy, tokenizer, examples, held_out, load_rewards(cfg.reward, cfg.reward_weights),
+    with setup.inference_side(cfg, load_kwargs, examples, held_out) as rollouts:
+        rows = list(setup.train(cfg, policy, tokenizer, examples, held_out, load_rewards(cfg.reward, cfg.reward_weights),
                                       load_kwargs, rollouts))
     return policy, rows
 
@@ -85,13 +85,13 @@ def test_bad_worker_options_are_one_line(capsys, options, message):
 def test_auto_places_each_worker_on_its_own_device(monkeypatch):
     """Claim: --device auto with N workers and more than N accelerators puts worker w on :w and the trainer on :N;
     with fewer, everything on :0; sync mode (one process) on the first device."""
-    import config
-    monkeypatch.setattr(config, "detect_accelerator", lambda: "cuda")
-    monkeypatch.setattr(config, "accelerator_count", lambda kind: 3)
-    assert config.pick_devices("auto", "async", 2) == ("cuda:0,cuda:1", "cuda:2")
-    assert config.pick_devices("auto", "sync", 2) == ("cuda:0", "cuda:0")
-    assert config.pick_devices("auto", "async", 3) == ("cuda:0", "cuda:0")
-    assert config.pick_devices("auto", "async", 1) == ("cuda:0", "cuda:1")
+    from infra import options
+    monkeypatch.setattr(options, "detect_accelerator", lambda: "cuda")
+    monkeypatch.setattr(options, "accelerator_count", lambda kind: 3)
+    assert options.pick_devices("auto", "async", 2) == ("cuda:0,cuda:1", "cuda:2")
+    assert options.pick_devices("auto", "sync", 2) == ("cuda:0", "cuda:0")
+    assert options.pick_devices("auto", "async", 3) == ("cuda:0", "cuda:0")
+    assert options.pick_devices("auto", "async", 1) == ("cuda:0", "cuda:1")
 
 
 def test_more_workers_get_a_call_each_by_default():

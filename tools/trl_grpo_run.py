@@ -138,7 +138,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def math_reward(prompts, completions, answer, **kwargs) -> list[float]:
     """tasks.math_reward in TRL's reward-function shape (one call per batch, columns as keyword lists); a
     conversational completion is [{"role": "assistant", "content": text}]."""
-    import tasks
+    from infra import tasks
     texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
     return [tasks.math_reward(str(p), c, a) for p, c, a in zip(prompts, texts, answer, strict=True)]
 
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     import torch
 
-    from config import available_cores
+    from infra.options import available_cores
     args.threads = args.threads if args.threads is not None else available_cores()
     torch.set_num_threads(args.threads)
 
@@ -171,9 +171,9 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    import tasks
     from config import TINY_MODELS
-    from models import TINY_RECIPES, ensure_tiny_model
+    from infra import tasks
+    from infra.models import TINY_RECIPES, ensure_tiny_model
 
     if trl.__version__ != TRL_VERSION:
         print(f"warning: this script was written against TRL {TRL_VERSION}, found {trl.__version__}",
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
         # TRL tokenizes standard-format prompts with `processing_class(text=prompts)` (GRPOTrainer._tokenize_prompts)
         trl_ids = tokenizer(text=prompts)["input_ids"]
     else:  # as periodic-rl prompts a chat model: system prompt + question, in TRL's conversational format
-        from data import load_data
+        from infra.data import load_data
         if not getattr(tokenizer, "chat_template", None):
             raise SystemExit(f"error: {args.model} has no chat template; the GSM8K prompts are chat messages")
         examples = load_data(args.data, None, "train", "question", "answer", 64)[0]  # periodic-rl's train split

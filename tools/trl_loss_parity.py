@@ -23,11 +23,11 @@ import torch
 
 torch.set_num_threads(1)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from grpo import grpo_loss  # noqa: E402
-
 import trl  # noqa: E402
 from trl import GRPOConfig  # noqa: E402
 from trl.trainer.grpo_trainer import GRPOTrainer  # noqa: E402
+
+from grpo import grpo_loss  # noqa: E402
 
 assert trl.__version__ == "1.16.0", trl.__version__
 B, T, MAXLEN = 6, 7, 7  # MAXLEN = max_completion_length (= T, as TRL pads completions to <= that)

@@ -39,7 +39,7 @@ import zlib
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 
-from config import UserError
+from infra.errors import UserError
 
 ARITHMETIC_OPERANDS = range(50)  # two-digit sums: learnable by a 2-layer model in well under a minute
 ARITHMETIC_EVAL_BUCKETS = 10  # 1 in 10 operand pairs is held out
@@ -194,27 +194,6 @@ def hub_unreachable_reason(repo_id: str, filename: str, repo_type: str = "model"
     """None if the hub has the file now, else why it cannot be downloaded (no network, offline mode, 401/404)."""
     error = hub_error(repo_id, filename, repo_type)
     return None if error is None else one_line(error)
-
-
-# --- choosing a task ---
-def load_task(data: str | None, default: str = "gsm8k", eval_size: int = 64, data_config: str | None = None,
-              split: str = "train", prompt_column: str = "question",
-              answer_column: str = "answer") -> tuple[list[Example], list[Example]]:
-    """(train, held-out) examples for `--data`; the held-out list has at most `eval_size` examples.
-
-    None -> `default` (the task a tiny model was warmed up on) or GSM8K; 'arithmetic'; 'chain'; 'gsm8k' (the hub's
-    openai/gsm8k, config main); anything else through Hugging Face datasets (data.py: a hub id, a directory or a
-    file, its prompt and answer columns, held out: its 'test' split or the last `eval_size` rows).
-    """
-    data = data or default
-    if data == "arithmetic":
-        return arithmetic_examples("train"), arithmetic_examples("eval")[:eval_size]
-    if data == "chain":
-        return chain_examples("train"), chain_examples("eval")[:eval_size]
-    if data == "gsm8k":
-        data, data_config = GSM8K_HUB[0], data_config or GSM8K_HUB[1]
-    from data import load_data  # imports datasets: only for data that needs it
-    return load_data(data, data_config, split, prompt_column, answer_column, eval_size)
 
 
 # --- prompts ---

@@ -47,18 +47,14 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-import liveness
-from config import UserError
+from infra import liveness
+from infra.liveness import RanksError
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}  # by the training device's kind
 BUCKET_ELEMENTS = 25 * 2**20  # gradient elements per all_reduce (100 MiB of float32; DDP's default is 25 MiB)
 # Options that may differ between ranks (each rank's own devices, threads and outputs); all others must agree
 PER_RANK = {"device", "rollout_device", "train_device", "rollout_threads", "train_threads", "tail_threads", "cache_dir",
             "out", "overwrite", "trace", "save", "save_every", "keep_checkpoints", "save_on_stop", "resume", "config"}
-
-
-class RanksError(UserError):
-    """Options that do not work with trainer ranks, or a collective that failed (a rank died or timed out)."""
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ gone. So every rank remembers the PIDs of the other ranks on its host once the p
 (`distributed.note_neighbours` fills NEIGHBOURS) and, when a wait fails or is cut short, reads /proc to say
 which of them ended first (`gone_neighbours`, `ended_first`, `check_neighbours`). A wait that blocks in C++,
 where Python's signal handlers cannot run, runs in a thread while the main thread polls (`interruptibly`):
-a stop signal is handled at once and a dead neighbour is named within worker.POLL_SECONDS.
+a stop signal is handled at once and a dead neighbour is named within processes.POLL_SECONDS.
 
 Used by distributed.py (a collective's failure), remote.py (inference ranks' waits) and trainer.py (the line
 printed when torchrun stops a rank).
@@ -16,13 +16,20 @@ from __future__ import annotations
 import os
 import threading
 
+from infra.errors import UserError
+from infra.processes import POLL_SECONDS, process_state
+
+
+class RanksError(UserError):
+    """Options that do not work with trainer ranks, or a collective that failed (a rank died or timed out)."""
+
+
 NEIGHBOURS: dict[int, tuple[int, str]] = {}  # the other ranks on this host: rank -> (PID, name)
 
 
 def gone_neighbours(watched: set[int] | None = None) -> list[str]:
     """'trainer rank r of M (PID n)' (or 'inference rank ...') for each other rank on this host whose process has
     ended (gone from /proc, or a zombie torchrun has not reaped yet); [] off Linux, where /proc cannot tell."""
-    from worker import process_state
     if not os.path.isdir("/proc"):
         return []
     return [f"{name} (PID {pid})" for rank, (pid, name) in sorted(NEIGHBOURS.items())  # state None: no /proc/PID
@@ -32,7 +39,6 @@ def gone_neighbours(watched: set[int] | None = None) -> list[str]:
 def check_neighbours(what: str, watched: set[int] | None = None) -> None:
     """Raise RanksError naming the ranks of this host that have ended (`gone_neighbours`), if any; only the
     `watched` ranks if given (others may have ended normally: trainer ranks > 0 end before rank 0 stops the rest)."""
-    from distributed import RanksError  # (distributed imports this module)
     if gone := gone_neighbours(watched):
         raise RanksError(f"{what} failed: {ended_first(gone)}; torchrun's report names the rank")
 
@@ -47,7 +53,6 @@ def interruptibly(call, what: str, watched: set[int] | None = None):
     blocks in C++, where Python's signal handlers cannot run), and a rank of this host that ended is named within
     POLL_SECONDS (gloo does not always fail a pending receive when its sender dies): of the `watched` ranks, if
     given (`check_neighbours`). Returns what call returns."""
-    from worker import POLL_SECONDS
     outcome: dict = {}
     finished = threading.Event()
 

@@ -31,8 +31,10 @@ from pathlib import Path
 
 import torch
 
-from config import Config, UserError, validate
-from outputs import save_atomically
+from config import Config
+from infra.errors import UserError
+from infra.options import validate
+from infra.outputs import save_atomically
 
 CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 # Options a resumed run may give anew: they decide how long, where, on what and how often to report, or change

@@ -56,9 +56,10 @@ from dataclasses import dataclass
 
 import torch
 
-from config import MICRO_BATCH_TOKENS, available_cores
+from infra.options import MICRO_BATCH_TOKENS, available_cores
+from infra.tasks import prompt_token_ids
+from learner import forward_backward, micro_batch_size
 from rollout import iteration_prompts, prompt_seed, sample_responses, sampling_config, stop_token_ids
-from tasks import prompt_token_ids
 
 AS_FAST = 1.05  # fewer calls (then bigger micro-batches) win unless the others are predicted > 5% faster
 MICRO_BATCH_FRACTIONS = (1, 2, 4, 8, 16)  # candidate micro-batches: an iteration's tokens / these, under the cap
@@ -113,15 +114,6 @@ def padded_tokens(probe: Probe, size: int, groups: list[int]) -> int:
     if not probe.group_size:
         return sum(probe.tokens[size][g] for g in groups)
     return probe.group_size * len(groups) * max(probe.widths[size][g] for g in groups)
-
-
-def micro_batch_size(tokens: list[int], max_tokens: int) -> int:
-    """How many of the waiting groups (a prefix; their token counts) fit in `max_tokens`; at least one."""
-    size, total = 1, tokens[0]
-    while size < len(tokens) and total + tokens[size] <= max_tokens:
-        total += tokens[size]
-        size += 1
-    return size
 
 
 def predict_seconds(probe: Probe, calls: int, micro_tokens: int,
@@ -202,7 +194,6 @@ def hand_over_work(cfg, tokenizer, prompts):
 def _timed_backward(tri, batch, cfg) -> float:
     """Seconds of one micro-batch's forward/backward as the learner runs it (learner.forward_backward: the
     tri-model, the GRPO loss, its backward; advantages 0, which cost the same as any)."""
-    from learner import forward_backward  # (learner imports this module)
     start = time.perf_counter()
     forward_backward(tri, batch, [0.0] * sum(len(responses) for _, responses in batch), cfg)
     return time.perf_counter() - start

@@ -20,7 +20,16 @@ from __future__ import annotations
 from contextlib import contextmanager
 from pathlib import Path
 
-from tasks import Example, TaskError, canonical_number, hub_error, one_line
+from infra.tasks import (
+    GSM8K_HUB,
+    Example,
+    TaskError,
+    arithmetic_examples,
+    canonical_number,
+    chain_examples,
+    hub_error,
+    one_line,
+)
 
 DATA_FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}  # datasets' builders
 
@@ -178,3 +187,23 @@ def load_data(data: str, data_config: str | None, split: str, prompt_column: str
                         "and still train. Use more data, a smaller --eval-size, or a test split (e.g. a test.jsonl "
                         "next to a train.jsonl).")
     return examples[:-eval_size], examples[-eval_size:]
+
+
+# --- choosing a task ---
+def load_task(data: str | None, default: str = "gsm8k", eval_size: int = 64, data_config: str | None = None,
+              split: str = "train", prompt_column: str = "question",
+              answer_column: str = "answer") -> tuple[list[Example], list[Example]]:
+    """(train, held-out) examples for `--data`; the held-out list has at most `eval_size` examples.
+
+    None -> `default` (the task a tiny model was warmed up on) or GSM8K; 'arithmetic'; 'chain'; 'gsm8k' (the hub's
+    openai/gsm8k, config main); anything else through Hugging Face datasets (`load_data`: a hub id, a directory or a
+    file, its prompt and answer columns, held out: its 'test' split or the last `eval_size` rows).
+    """
+    data = data or default
+    if data == "arithmetic":
+        return arithmetic_examples("train"), arithmetic_examples("eval")[:eval_size]
+    if data == "chain":
+        return chain_examples("train"), chain_examples("eval")[:eval_size]
+    if data == "gsm8k":
+        data, data_config = GSM8K_HUB[0], data_config or GSM8K_HUB[1]
+    return load_data(data, data_config, split, prompt_column, answer_column, eval_size)

@@ -50,14 +50,23 @@ from huggingface_hub import constants as hub_constants
 from huggingface_hub.errors import HfHubHTTPError
 from safetensors import SafetensorError
 from safetensors.torch import load_file
-from tokenizers import Tokenizer, decoders, models as tokenizer_models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers
+from tokenizers import models as tokenizer_models
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 from transformers import __version__ as transformers_version
-from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase,
-                          PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM)
 
-from config import UserError
-from outputs import make_directory
-from tasks import chain_working, hub_unreachable_reason, load_task
+from infra.data import load_task
+from infra.errors import UserError
+from infra.outputs import make_directory
+from infra.tasks import chain_working, hub_unreachable_reason
 
 TINY = "tiny"
 MODEL_ALIASES = {f"qwen2.5-{size}": f"Qwen/Qwen2.5-{size.upper()}-Instruct"

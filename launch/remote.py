@@ -46,14 +46,14 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from distributed import GROUPS, Ranks, RanksError, collective, owner
-from liveness import check_neighbours, interruptibly
-from inference import in_call_order, owned_calls
-from reward import RewardError
+from inference import PipelineError, in_call_order, owned_calls
+from infra.distributed import GROUPS, Ranks, collective, owner
+from infra.liveness import RanksError, check_neighbours, interruptibly
+from infra.processes import POLL_SECONDS
+from infra.reward import RewardError
+from infra.timeline import INFERENCE, TRAINING, Span, Timeline
 from rollout import Evaluation, Group, IterationDone, rollout_iteration
-from timeline import INFERENCE, TRAINING, Span, Timeline
 from weights import views_of
-from worker import POLL_SECONDS, PipelineError
 
 GENERATE, EVALUATE, STOP = 0, 1, 2  # the header's command
 
@@ -268,7 +268,7 @@ def serve(cfg, ranks: Ranks, train: list, held_out: list, rewards, load_kwargs: 
     iteration k (or only the evaluation) and send every message where `destination` says; STOP ends it."""
     import transformers
 
-    from models import load_model
+    from infra.models import load_model
     transformers.utils.logging.disable_progress_bar()  # the log is rank 0's
     dtype = getattr(torch, cfg.dtype)
     model, tokenizer = load_model(cfg.model, **{**load_kwargs, "device": cfg.rollout_device, "dtype": dtype})

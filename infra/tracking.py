@@ -41,7 +41,7 @@ import json
 import os
 from pathlib import Path
 
-from config import UserError
+from infra.errors import UserError
 
 TENSORBOARD_DIR = "runs"  # <out>/runs: `tensorboard --logdir <out>/runs`
 PROJECT = os.environ.get("WANDB_PROJECT", "periodic-rl")  # the wandb / trackio project

@@ -37,7 +37,8 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Callable, Iterator
 
-from config import Config, UserError
+from config import Config
+from infra.errors import UserError
 
 LOCK_FILE = ".lock"
 RUN_FILES = ("metrics.jsonl", "policy")  # what a run leaves in --out besides checkpoint-* (--overwrite deletes them)

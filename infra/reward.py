@@ -54,8 +54,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from config import UserError
-from tasks import math_reward
+from infra.errors import UserError
+from infra.tasks import math_reward
 
 Reward = Callable[..., object]  # plain: (prompt, completion, answer) -> float; batched: (prompts, completions, **kw)
 
@@ -82,7 +82,7 @@ def load_reward(spec: str) -> Reward:
         return math_reward
     if spec == "math-verify":
         try:
-            from math_verify_reward import math_verify_reward
+            from infra.math_verify_reward import math_verify_reward
         except ImportError as error:
             raise RewardError(f"--reward math-verify needs Hugging Face's math-verify ({error}): "
                               "pip install 'math-verify[antlr4_13_2]'") from None

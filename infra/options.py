@@ -1,0 +1,385 @@
+"""The options' machinery: the command line of `config.Config`, its --config files, the defaults derived
+from the model and the hardware, and the validation of every field.
+
+`--config FILE`: a JSON file (`.json`) or YAML (anything else; PyYAML, which transformers requires) holding
+a mapping from option names (Config's field names: `max_new_tokens` for --max-new-tokens) to values; the
+shape of config.json is accepted (its run_id, versions and command are skipped). The file's options become
+command-line flags placed before the command line's own (`with_config_file`), so argparse checks them as it
+checks typed ones and the command line wins (argparse keeps an option's last value; a list option given
+on the command line, such as --reward, replaces the file's instead of adding to it, and an option the file
+holds as derived from one given anew is derived again: `DERIVED_FROM`; under torchrun each rank places its
+own devices); they count as given:
+with --resume a result-changing one that differs from the checkpoint's is refused, like a typed flag.
+
+Departure, on purpose: `resume`, `overwrite` and `config` in a file are skipped; they act on what --out
+already holds, so they are read from the command line only (a rerun of a config.json that was written with
+--overwrite must not delete a run by itself).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import typing
+from pathlib import Path
+
+from config import TINY_MODELS, Config
+
+GENERATE_CALLS = {"cpu": 2, "accelerator": 1}  # default generate calls per iteration (see derive)
+# Default training micro-batch: 16 toy groups (~1.5 k tokens) in one forward; 2-3 groups of 8 x (256 + 512) tokens
+# (Qwen2.5-0.5B with --gradient-checkpointing: 6.5 GiB for one such group in float32, docs/benchmarks.md).
+MICRO_BATCH_TOKENS = 16384
+NOT_OPTIONS = ("run_id", "versions", "command")  # config.json's keys that are not options
+COMMAND_LINE_ONLY = ("resume", "overwrite", "config")
+# Options config.json records as `derive` resolved them from another option: given anew on the command line, that
+# option re-derives them (a tiny run's config.json with --model qwen2.5-0.5b must not keep the tiny lr and lengths).
+SIZES = ("groups_per_chunk", "micro_batch_tokens", "rollout_threads", "train_threads", "tail_threads")
+DERIVED_FROM = {"model": ("lr", "max_new_tokens", *SIZES), "reward": ("reward_weights",),
+                "device": ("train_device", "rollout_device", "dtype", *SIZES), "mode": ("rollout_device", *SIZES),
+                "batch_size": SIZES, "group_size": SIZES, "inference_workers": ("rollout_device", *SIZES)}
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity: a container's or `taskset`'s share, not the host's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def detect_accelerator() -> str:
+    """'cuda' if torch sees a CUDA GPU, else 'npu' if torch_npu is installed and sees an NPU, else 'cpu'.
+
+    torch_npu is imported only here, and only on machines without CUDA.
+    """
+    import torch
+    if torch.cuda.is_available():
+        return "cuda"
+    try:
+        import torch_npu  # noqa: F401  (registers the 'npu' device with torch)
+    except Exception:  # not installed, or installed without its runtime: no NPU
+        return "cpu"
+    return "npu" if torch.npu.is_available() else "cpu"
+
+
+def accelerator_count(kind: str) -> int:
+    import torch
+    return 0 if kind == "cpu" else getattr(torch, kind).device_count()
+
+
+def pick_devices(device: str, mode: str, workers: int = 1) -> tuple[str, str]:
+    """(inference device(s), training device) for --device.
+
+    auto: the accelerator this machine has (`detect_accelerator`); with N inference workers and at least N + 1
+    devices, worker w on :w and training on :N (one worker, two devices: inference on :0, training on :1), else
+    all on :0. Sync mode runs both sides in one process: both on the first device.
+    """
+    if device == "auto":
+        kind = detect_accelerator()
+        if kind == "cpu":
+            return "cpu", "cpu"
+        count = accelerator_count(kind)
+        if count > workers:
+            rollout, train = ",".join(f"{kind}:{w}" for w in range(workers)), f"{kind}:{workers}"
+        else:
+            rollout = train = f"{kind}:0"
+    else:
+        rollout = train = device
+    return (rollout.split(",")[0],) * 2 if mode == "sync" else (rollout, train)
+
+
+def pick_dtype(dtype: str, train_device: str) -> str:
+    """auto -> bfloat16 where the training device computes in bf16 natively (recent GPUs, NPUs), else float32."""
+    if dtype != "auto":
+        return dtype
+    kind = train_device.split(":")[0]
+    if kind == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            return "float32"  # trainer.check_device reports the missing GPU in one line
+        with torch.cuda.device(train_device):  # native bf16 (Ampere and newer), not the emulation on V100/T4
+            return "bfloat16" if torch.cuda.is_bf16_supported(including_emulation=False) else "float32"
+    return "bfloat16" if kind == "npu" else "float32"
+
+
+def derive(cfg: Config) -> Config:
+    """Fill the model- and hardware-dependent defaults and the thread split; returns a new Config."""
+    cores = available_cores()
+    rollout_device, train_device = pick_devices(cfg.device, cfg.mode, cfg.inference_workers)
+    rollout_device = cfg.rollout_device or rollout_device
+    train_device = cfg.train_device or train_device
+    on_accelerator = rollout_device.split(":")[0] != "cpu"
+    # Groups stream to the trainer in completion order from inside each generate call, so a big call no
+    # longer delays the pipeline by its longest response. On an accelerator a decode step costs about the
+    # same for 8 rows as for 512 (memory-bound: every step reads all weights once): one call per iteration.
+    # On CPU a call has a fixed cost (~30 ms for the tiny model: 9 decode steps of generate's bookkeeping)
+    # and responses of a toy task end together, so two calls: the second's decoding overlaps the first's
+    # training (docs/benchmarks.md, `bench.py peer`). Same in both modes: a seed's rollouts do not depend
+    # on --mode.
+    # With --sizes probe on CPU, the sizes not given stay None here: `sizing.choose` measures and fills them.
+    probed = cfg.sizes == "probe" and not on_accelerator
+    calls = GENERATE_CALLS["accelerator" if on_accelerator else "cpu"]
+    if cfg.inference_workers > 1:  # at least one call per worker, whatever the probe would pick (it models one)
+        calls, probed_calls = max(calls, cfg.inference_workers), False
+    else:
+        probed_calls = probed
+    groups_per_chunk = cfg.groups_per_chunk or (None if probed_calls else math.ceil(cfg.prompts_per_iteration / calls))
+    chunks = math.ceil(cfg.prompts_per_iteration / (groups_per_chunk or 1))  # generate calls per iteration
+    # Sync mode runs one side at a time: all cores. So does async when an iteration is a single chunk
+    # (nothing to overlap: the two sides take turns); otherwise they run at once and split the cores,
+    # since oversubscribed cores slow both (2 + 2 threads on 2 cores, 2 chunks: async 0.72x of sync, against
+    # 1.0x split; `bench.py async --quick --trainer-args "--groups-per-chunk 8 --rollout-threads 2 --train-threads 2"`).
+    take_turns = cfg.mode == "sync" or chunks == 1
+    rollout_threads = cfg.rollout_threads or (None if probed else cores if take_turns else max(1, cores // 2))
+    train_threads = cfg.train_threads or (None if probed else cores if take_turns else max(1, cores - rollout_threads))
+    if cfg.mode == "sync" and probed:  # one side at a time: all cores; the probe chooses calls and micro-batch
+        rollout_threads, train_threads = rollout_threads or cores, train_threads or cores
+    tail_threads = cfg.tail_threads or train_threads  # (None while the probe is to choose the split)
+    return dataclasses.replace(
+        cfg,
+        max_new_tokens=cfg.max_new_tokens or (TINY_MODELS[cfg.model][1] if cfg.is_tiny else 512),
+        lr=cfg.lr if cfg.lr is not None else (1e-4 if cfg.is_tiny else 1e-6),
+        reward_weights=cfg.reward_weights or [1.0] * len(cfg.reward),
+        groups_per_chunk=groups_per_chunk,
+        micro_batch_tokens=cfg.micro_batch_tokens or (None if probed else MICRO_BATCH_TOKENS),
+        rollout_device=rollout_device,
+        train_device=train_device,
+        dtype=pick_dtype(cfg.dtype, train_device),
+        rollout_threads=rollout_threads,
+        train_threads=train_threads,
+        tail_threads=tail_threads,
+    )
+
+
+def _is_device_name(name: str) -> bool:
+    kind, _, index = name.partition(":")
+    return kind in ("cpu", "cuda", "npu") and (index == "" or index.isdigit() and kind != "cpu")
+
+
+def validate(cfg: Config) -> list[str]:
+    """Every problem with `cfg`, one line each (empty when valid)."""
+    problems = []
+
+    def need(ok: bool, message: str) -> None:
+        if not ok:
+            problems.append(message)
+
+    need(cfg.group_size >= 2, f"--group-size must be at least 2 (got {cfg.group_size}): "
+                              "group-relative advantages need two responses to compare")
+    whole_groups = cfg.batch_size > 0 and cfg.batch_size % max(cfg.group_size, 1) == 0
+    need(whole_groups,
+         f"--batch-size must be a positive multiple of --group-size (got {cfg.batch_size} and {cfg.group_size})")
+    need(cfg.iterations >= 1, f"--iterations must be at least 1 (got {cfg.iterations})")
+    need(cfg.updates_per_iteration >= 1,
+         f"--updates-per-iteration must be at least 1 (got {cfg.updates_per_iteration})")
+    if whole_groups and cfg.group_size >= 1 and cfg.updates_per_iteration >= 1:
+        need(cfg.prompts_per_iteration % cfg.updates_per_iteration == 0,
+             f"--updates-per-iteration ({cfg.updates_per_iteration}) must divide the prompts per iteration "
+             f"({cfg.prompts_per_iteration} = batch-size / group-size): mini-batches are whole groups")
+    need(cfg.groups_per_chunk is None or cfg.groups_per_chunk >= 1,
+         f"--groups-per-chunk must be at least 1 (got {cfg.groups_per_chunk})")
+    need(cfg.micro_batch_tokens is None or cfg.micro_batch_tokens >= 1,
+         f"--micro-batch-tokens must be at least 1 (got {cfg.micro_batch_tokens})")
+    for f in dataclasses.fields(cfg):  # inf and nan parse as floats; no option means them
+        value = getattr(cfg, f.name)
+        need(not isinstance(value, float) or math.isfinite(value),
+             f"--{f.name.replace('_', '-')} must be a finite number (got {value})")
+    need(0 <= cfg.seed < 2**64, f"--seed must be from 0 to 2**64 - 1, a 64-bit seed (got {cfg.seed})")
+    need(cfg.lr is None or cfg.lr > 0, f"--lr must be positive (got {cfg.lr})")
+    need(cfg.weight_decay >= 0, f"--weight-decay must be >= 0 (got {cfg.weight_decay})")
+    weights = cfg.reward_weights
+    need(weights is None or len(weights) == len(cfg.reward),
+         f"--reward-weights has {len(weights or [])} number(s) but --reward names {len(cfg.reward)} function(s) "
+         f"({' '.join(cfg.reward)}): give one weight per reward, in the same order")
+    need(all(math.isfinite(w) for w in weights or []), f"--reward-weights must be finite numbers (got {weights})")
+    need(cfg.reward_timeout >= 0, f"--reward-timeout must be >= 0 seconds, 0 for no limit (got {cfg.reward_timeout})")
+    need(cfg.beta >= 0, f"--beta must be >= 0 (got {cfg.beta})")
+    need(cfg.epsilon_low >= 0 and cfg.epsilon_high >= 0, "--epsilon-low and --epsilon-high must be >= 0")
+    need(cfg.temperature > 0, f"--temperature must be positive (got {cfg.temperature})")
+    need(0 < cfg.top_p <= 1, f"--top-p must be in (0, 1] (got {cfg.top_p})")
+    need(cfg.max_new_tokens is None or cfg.max_new_tokens >= 1,
+         f"--max-new-tokens must be at least 1 (got {cfg.max_new_tokens})")
+    need(cfg.max_grad_norm >= 0, f"--max-grad-norm must be >= 0 (got {cfg.max_grad_norm})")
+    need(cfg.eval_every >= 0 and cfg.eval_size >= 1 and cfg.eval_samples >= 1,
+         "--eval-every must be >= 0, --eval-size and --eval-samples >= 1")
+    cores = available_cores()
+    for name in ("rollout_threads", "train_threads", "tail_threads"):
+        value = getattr(cfg, name)
+        need(value is None or 1 <= value <= cores, f"--{name.replace('_', '-')} must be from 1 to {cores}, the CPU "
+                                                   f"cores this process may use (got {value})")
+    for name in ("device", "rollout_device", "train_device"):
+        value = getattr(cfg, name)
+        names = value.split(",") if name == "rollout_device" and value else [value]
+        need(value is None or value == "auto" and name == "device" or all(map(_is_device_name, names)),
+             f"--{name.replace('_', '-')} must be {'auto, ' if name == 'device' else ''}cpu, cuda[:N] or npu[:N] "
+             f"{'(or a comma-separated list, one per inference worker) ' if name == 'rollout_device' else ''}"
+             f"(got {value!r})")
+    need(cfg.inference_workers >= 1, f"--inference-workers must be at least 1 (got {cfg.inference_workers})")
+    whole_prompts = whole_groups and cfg.group_size >= 1  # prompts per iteration is defined
+    if whole_prompts:
+        need(cfg.prompts_per_iteration >= cfg.inference_workers,
+             f"--inference-workers {cfg.inference_workers} is more than the {cfg.prompts_per_iteration} prompts per "
+             "iteration (batch-size / group-size): a worker would have no generate call to sample")
+    if cfg.rollout_device and cfg.inference_workers >= 1:
+        listed = len(cfg.rollout_device.split(","))
+        need(listed in (1, cfg.inference_workers),
+             f"--rollout-device lists {listed} devices for {cfg.inference_workers} --inference-workers: give one "
+             "device for all of them or one per worker")
+    if cfg.groups_per_chunk and cfg.groups_per_chunk >= 1 and whole_prompts and cfg.inference_workers >= 1:
+        calls = math.ceil(cfg.prompts_per_iteration / cfg.groups_per_chunk)
+        need(calls >= cfg.inference_workers,
+             f"--inference-workers {cfg.inference_workers} needs at least as many generate calls per iteration, but "
+             f"--groups-per-chunk {cfg.groups_per_chunk} makes {calls} of the {cfg.prompts_per_iteration} prompts: "
+             "lower --groups-per-chunk")
+    need(cfg.inference_ranks >= 0, f"--inference-ranks must be >= 0 (got {cfg.inference_ranks})")
+    need(cfg.inference_ranks == 0 or cfg.mode == "async" and cfg.inference_workers == 1,
+         "--inference-ranks samples on ranks of their own: it needs --mode async and one --inference-workers (the "
+         "inference ranks are the workers)")
+    need(cfg.collective_timeout > 0, f"--collective-timeout must be positive (got {cfg.collective_timeout})")
+    need(cfg.save_every >= 0 and cfg.keep_checkpoints >= 0, "--save-every and --keep-checkpoints must be >= 0")
+    need(cfg.resume is None or cfg.resume.strip() != "", "--resume must name a checkpoint directory or 'auto'")
+    need(cfg.out.strip() != "", f"--out must name a directory (got {cfg.out!r})")
+    need(cfg.trace is None or cfg.trace.strip() != "", f"--trace must name a file (got {cfg.trace!r})")
+    need("none" not in cfg.report_to or len(set(cfg.report_to)) == 1,
+         f"--report-to none cannot be combined with a tracker (got {' '.join(cfg.report_to)})")
+    if cfg.data is not None:
+        from infra.data import looks_like_path  # a hub id is checked when loaded
+        path = os.path.expanduser(cfg.data)
+        need(not looks_like_path(cfg.data) or os.path.isfile(path) or os.path.isdir(path),
+             f"--data {cfg.data!r} is neither 'arithmetic', 'chain', 'gsm8k', a hub dataset id nor an existing file or "
+             "directory")
+    return problems
+
+
+# --- command line ---
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr and exit code 2."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _argument_type(annotation: str):
+    """The scalar type of a field annotation such as 'int | None' or 'list[float] | None' (annotations are strings
+    here), and whether it is a list."""
+    names = {"int": int, "float": float, "str": str, "bool": bool}
+    part = [part.strip() for part in annotation.split("|") if part.strip() != "None"][0]
+    is_list = part.startswith("list[")
+    return names[part[5:-1] if is_list else part], is_list
+
+
+def build_parser(prog: str = "trainer.py", defaults: bool = True) -> argparse.ArgumentParser:
+    """The command line of Config; defaults=False leaves out every option not given (see `given_options`)."""
+    parser = _OneLineParser(prog=prog, description="GRPO with periodic asynchrony (arXiv 2511.18871).",
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for f in dataclasses.fields(Config):
+        flag = "--" + f.name.replace("_", "-")
+        kind, is_list = _argument_type(f.type)
+        default = f.default if defaults else argparse.SUPPRESS
+        if is_list:  # `--reward a --reward b` or `--reward a b`; not given: the field's default (argparse would
+            # extend a default list instead of replacing it)
+            parser.add_argument(flag, type=kind, nargs="+", action="extend", default=argparse.SUPPRESS,
+                                help=f.metadata["help"], choices=f.metadata.get("choices"),
+                                metavar=f.metadata.get("metavar", f.name.upper().removesuffix("S")))
+        elif kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                                help=f.metadata["help"])
+        else:
+            parser.add_argument(flag, type=f.metadata.get("type", kind), default=default, help=f.metadata["help"],
+                                choices=f.metadata.get("choices"),
+                                metavar=f.metadata.get("metavar", None if "choices" in f.metadata else f.name.upper()))
+    return parser
+
+
+def given_options(argv: list[str] | None = None) -> set[str]:
+    """The fields named on the command line, not left at their defaults (a resumed run tells them apart); the
+    options of a --config file count as named."""
+    return set(vars(build_parser(defaults=False).parse_args(with_config_file(argv))))
+
+
+def parse_args(argv: list[str] | None = None, prog: str = "trainer.py") -> Config:
+    """Parse (a --config file's options first, the command line's after them), validate and derive; on invalid
+    input print one line and exit with code 2."""
+    args = build_parser(prog).parse_args(with_config_file(argv, prog))
+    cfg = Config(**vars(args))
+    problems = validate(cfg)
+    if problems:
+        sys.stderr.write(f"{prog}: error: {problems[0]}\n")
+        raise SystemExit(2)
+    return derive(cfg)
+
+
+# --- --config FILE ---
+def config_file(argv: list[str]) -> str | None:
+    """The --config path on the command line (its last one, as argparse takes it), or None."""
+    finder = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    finder.add_argument("--config")
+    try:
+        return finder.parse_known_args(argv)[0].config
+    except argparse.ArgumentError:  # `--config` without a path: trainer.py's own parser says so
+        return None
+
+
+def file_arguments(path: str, skip: set[str] = frozenset()) -> list[str]:
+    """The options in the JSON or YAML file `path` as command-line flags, but those in `skip`; ValueError with the
+    reason if it cannot be read, is not a mapping, or names an unknown option.
+
+    Example: {"max_new_tokens": 8, "lr": 1e-4, "save": false, "report_to": ["tensorboard"], "trace": null}
+             -> ["--max-new-tokens=8", "--lr=0.0001", "--no-save", "--report-to", "tensorboard"]
+    """
+    try:
+        text = Path(path).read_text()
+    except OSError as error:
+        raise ValueError(f"cannot be read ({error.strerror or error})") from None
+    try:
+        if path.endswith(".json"):
+            values = json.loads(text)
+        else:
+            import yaml
+            values = yaml.safe_load(text)
+    except Exception as error:  # json.JSONDecodeError, yaml.YAMLError: the parser's message names the line
+        raise ValueError(f"is not valid {'JSON' if path.endswith('.json') else 'YAML'} ({error})".replace("\n", " "))
+    if not isinstance(values, dict):
+        raise ValueError("must hold a mapping from option names to values, e.g. {\"iterations\": 20}")
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    unknown = sorted(str(name) for name in values if name not in fields and name not in NOT_OPTIONS)
+    if unknown:
+        raise ValueError(f"unknown option(s) {', '.join(unknown)}: the keys are trainer.py's options with _ for -, "
+                         "e.g. max_new_tokens (see --help)")
+    flags = []
+    for name, value in values.items():
+        if name in NOT_OPTIONS or name in COMMAND_LINE_ONLY or name in skip:
+            continue
+        flag, kind = "--" + name.replace("_", "-"), fields[name].type
+        if value is None:  # an option left open: its default, which is None for every option that may be None
+            if fields[name].default is not None:
+                raise ValueError(f"{name}: null is not a value of {flag}")
+        elif kind == "bool":
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be true or false (got {value!r})")
+            flags.append(flag if value else "--no-" + flag[2:])
+        elif kind.startswith("list["):
+            flags += [flag, *map(str, value if isinstance(value, list) else [value])]
+        elif isinstance(value, (list, dict)):
+            raise ValueError(f"{name} takes one value (got {value!r})")
+        else:
+            flags.append(f"{flag}={value}")  # `=`: a value that starts with '-' stays a value
+    return flags
+
+
+def with_config_file(argv: list[str] | None = None, prog: str = "trainer.py") -> list[str]:
+    """argv (default: sys.argv[1:]) with its --config file's options put before it; on a bad file one line on
+    stderr and exit code 2, as for a bad flag."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    path = config_file(argv)
+    if path is None:
+        return argv
+    given = set(vars(build_parser(prog, defaults=False).parse_args(argv)))  # a list option given on the command line
+    skip = given | {derived for option in given for derived in DERIVED_FROM.get(option, ())}  # replaces the file's
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun each rank places its own devices (distributed.py)
+        skip |= {"train_device", "rollout_device"}
+    try:
+        return file_arguments(path, skip=skip) + argv
+    except ValueError as error:
+        sys.stderr.write(f"{prog}: error: --config {path} {error}\n")
+        raise SystemExit(2) from None

@@ -1,0 +1,101 @@
+"""Process plumbing of the inference side: a child that dies with its parent, a heartbeat the parent can watch, a
+pipe that never blocks the sender, and SIGINT held off while a child starts (used by inference.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import multiprocessing
+import multiprocessing.connection
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+
+POLL_SECONDS = 0.2  # how often a waiting trainer checks that its workers are alive
+HEARTBEAT_SECONDS = 1.0  # the worker's heartbeat thread counts once per second, whatever it computes
+STOPPED_SECONDS = 5.0  # no heartbeat for this long and state T (SIGSTOP, Ctrl-Z of that process alone): reported
+FROZEN_SECONDS = 60.0  # no heartbeat for this long in any state: hung (a native call holding the GIL, a dead disk)
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+@contextlib.contextmanager
+def sigint_ignored():
+    """SIGINT ignored inside the block (in the main thread; elsewhere handlers cannot change and nothing does)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def process_state(pid: int) -> str | None:
+    """A process's state letter from /proc/PID/stat (R running, S sleeping, T stopped, ...); None off Linux."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+def die_with_parent() -> None:
+    """End this process when the trainer ends, however it ends (SIGKILL included): else it would sample forever.
+
+    On Linux the kernel sends SIGKILL when the thread that spawned us exits (prctl PR_SET_PDEATHSIG); a
+    trainer that died before the prctl is caught by comparing the parent PID. Elsewhere, a thread waits
+    on multiprocessing's parent sentinel.
+    """
+    parent = multiprocessing.parent_process()
+    if sys.platform == "linux":
+        if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0:
+            if os.getppid() != parent.pid:  # orphaned already: re-parented before the prctl
+                os._exit(1)
+            return
+    threading.Thread(target=lambda: (multiprocessing.connection.wait([parent.sentinel]), os._exit(1)),
+                     daemon=True).start()
+
+
+def beat(heartbeat) -> None:
+    """The heartbeat thread: counts once a second, also while the main thread is inside `generate` (torch releases
+    the GIL), so only a stopped or truly hung process falls silent."""
+    while True:
+        heartbeat.add_(1)
+        time.sleep(HEARTBEAT_SECONDS)
+
+
+class Outbox:
+    """Messages to the trainer, sent by a thread, so that `put` never blocks: sampling goes on while the trainer
+    trains instead of reading (what a multiprocessing.Queue's feeder thread does)."""
+
+    def __init__(self, connection):
+        self.pending: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._send_all, args=(connection,), daemon=True)
+        self.thread.start()
+
+    def put(self, message) -> None:
+        self.pending.put(message)
+
+    def _send_all(self, connection) -> None:
+        while (message := self.pending.get()) is not None:
+            try:
+                connection.send(message)
+            except OSError:  # the trainer is gone
+                return
+
+    def flush(self) -> None:
+        """Send everything put so far (an error report must reach the trainer before this process exits)."""
+        self.pending.put(None)
+        self.thread.join()
+
+
+def next_command(connection) -> tuple:
+    """The trainer's next command; ("stop",) once it has closed its end of the pipe."""
+    try:
+        return connection.recv()
+    except EOFError:
+        return ("stop",)

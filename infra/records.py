@@ -1,0 +1,80 @@
+"""A run's record: every run writes <out>/config.json with the options it ran with; `--config FILE` reads one
+back (infra/options.py).
+
+    <out>/config.json   {every Config field as resolved, "run_id": ..., "versions": {...}, "command": [...]}
+
+    "versions": {"python": "3.11.9", "torch": "2.13.0", "transformers": ..., "datasets": ... (null when not
+                 installed), "periodic_rl": {"commit": "<sha>", "dirty": false} (null when not a git checkout)}
+
+It is written atomically twice: at start-up, before a model loads (a run that fails still says what it was),
+and again once the sizes are known (on CPU `sizing.choose` probes them before iteration 0), so it holds the
+sizes the run used: `python trainer.py --config <out>/config.json --out other` reruns it with the same
+options, the sizes included (which prompts share a generate call, hence the rollouts). A resumed run
+rewrites it with the options it goes on with and keeps its `run_id` (the name under which wandb and
+trackio continue the run; tracking.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import json
+import platform
+import re
+import secrets
+import subprocess
+from pathlib import Path
+
+from config import Config
+from infra import outputs
+
+RECORD = "config.json"
+
+
+# --- <out>/config.json ---
+def git_commit(directory: Path) -> dict | None:
+    """{"commit": HEAD's sha, "dirty": whether tracked files differ from it} when `directory` is the top of a git
+    checkout (not a folder inside another project's repository), else None; also None without git."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(directory), *args], capture_output=True, text=True, timeout=30,
+                              check=True).stdout
+    try:
+        top, commit = git("rev-parse", "--show-toplevel", "HEAD").split()
+        if Path(top).resolve() != directory.resolve():
+            return None
+        return {"commit": commit, "dirty": bool(git("status", "--porcelain", "--untracked-files=no").strip())}
+    except (OSError, ValueError, subprocess.SubprocessError):  # no git, not a checkout, no commit yet
+        return None
+
+
+def versions() -> dict:
+    """What the run ran on: Python, torch, transformers, datasets (None when not installed), this code's commit."""
+    found = {"python": platform.python_version()}
+    for package in ("torch", "transformers", "datasets"):
+        try:
+            found[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            found[package] = None
+    found["periodic_rl"] = git_commit(Path(__file__).resolve().parent.parent)  # the checkout (this file is in infra/)
+    return found
+
+
+class RunRecord:
+    """<out>/config.json of one run: `write(cfg)` (again) whenever the run's options are final or change."""
+
+    def __init__(self, out: Path, command: list[str], resumed: bool):
+        self.path, self.command, self.versions = Path(out) / RECORD, command, versions()
+        previous = self.read_run_id() if resumed else None
+        slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", Path(out).resolve().name).strip("-.") or "run"
+        self.run_id = previous or f"{slug}-{secrets.token_hex(4)}"
+
+    def read_run_id(self) -> str | None:
+        try:
+            return str(json.loads(self.path.read_text())["run_id"])
+        except (OSError, ValueError, KeyError, TypeError):  # none yet, or from before run ids
+            return None
+
+    def write(self, cfg: Config) -> dict:
+        record = {**dataclasses.asdict(cfg), "run_id": self.run_id, "versions": self.versions, "command": self.command}
+        with outputs.writing("the run's options to", self.path):
+            outputs.write_atomically(self.path, json.dumps(record, indent=1) + "\n")
+        return record

@@ -1,0 +1,196 @@
+"""Everything between the options and the loop: what `periodic_rl.train` stands on, and what runs around it.
+
+    options, policy (θ_0), tokenizer, task, rewards       (trainer.py)
+      -> the tri-model and AdamW                           `build_tri_model`
+      -> θ_k and AdamW's state from a checkpoint           (infra/checkpoint.py, --resume)
+      -> the sizes left open, measured on this machine     (launch/sizing.py, --sizes probe)
+      -> where sampling runs and on which threads          `colocated`, `elastic_threads`, `inference_side`
+      -> periodic_rl.train, one metrics row per iteration  checkpoints every --save-every, the trace at the end
+
+The thread policy on CPU, where the two sides share the cores:
+- `takes_turns`: more threads than cores. Oversubscribed cores slow both sides, so the trainer takes the
+  inference side's whole iteration, held-out evaluation included, before it computes.
+- `colocated`: async that takes turns with one inference process and one thread count samples in the
+  trainer's own process, which is sync's schedule exactly (the same calls, groups, threads and bits): a
+  second process would overlap nothing and only add the hand-over (publishing θ_k, a message per group,
+  one side's idle threads spinning into the other's turn; docs/benchmarks.md).
+- `elastic_threads`: when the probe split the cores, the trainer takes every core (--tail-threads) once the
+  inference side is done with θ_k (periodic_rl.py, departure 3).
+"""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+import periodic_rl
+from inference import AsyncRollouts, SyncRollouts
+from infra import checkpoint, outputs
+from infra.distributed import Ranks
+from infra.options import available_cores
+from infra.reward import as_rewards
+from infra.timeline import Timeline
+from launch import sizing
+from learner import Learner
+from packing import enable_activation_checkpointing, logprobs_fn
+from tri_model import TriModel
+
+
+# --- the training side's pieces ---
+def build_tri_model(cfg, policy, pad_id: int) -> TriModel:
+    """θ as trained, with θ_old and π_ref when the run needs them, scored by packing.py's shared-prompt rows."""
+    logprobs = logprobs_fn(policy, "auto" if cfg.shared_prompt else "unpacked", cfg.temperature, pad_id)
+    return TriModel(policy, logprobs, use_reference=cfg.beta > 0, use_old=cfg.updates_per_iteration > 1,
+                    compute_dtype=getattr(torch, cfg.dtype))
+
+
+# --- where sampling runs, on which threads ---
+def both_on_cpu(cfg) -> bool:
+    """Whether sampling and training both run on CPU cores (the threads then compete)."""
+    return cfg.rollout_device.startswith("cpu") and cfg.train_device.startswith("cpu")
+
+
+def takes_turns(cfg) -> bool:
+    """Whether the two sides must not compute at once: async on CPU with more threads than cores (the probe's
+    "in turns", sync's schedule: in one process when `colocated`)."""
+    rollout_threads = max(cfg.rollout_threads, cfg.inference_workers)  # each worker has at least one
+    return both_on_cpu(cfg) and rollout_threads + cfg.train_threads > available_cores()
+
+
+def colocated(cfg, ranks: Ranks = Ranks()) -> bool:
+    """Whether async mode samples in the trainer's own process: when the sides take turns (`takes_turns`) with
+    one local inference process and one thread count for sampling, training and the tail, as the probe's "in
+    turns" sets them (else sampling would change threads). Needs the thread counts (after sizing)."""
+    one_count = cfg.rollout_threads == cfg.train_threads == cfg.tail_threads
+    return (cfg.mode == "async" and cfg.inference_workers == 1 and not ranks.inference and one_count
+            and takes_turns(cfg))
+
+
+def samples_elsewhere(cfg, ranks: Ranks = Ranks()) -> bool:
+    """Whether the run needs an inference side outside this process: async mode, unless it is known (the sizes
+    given) to take turns in one process (`colocated`); with sizes open, the probe decides after the start."""
+    return cfg.mode == "async" and not (cfg.sized and colocated(cfg, ranks))
+
+
+def elastic_threads(cfg, ranks: Ranks) -> int | None:
+    """--tail-threads, when the trainer switches to it once sampling is done, or None: async on CPU with one
+    inference process, and more tail threads than its share (the probe sets every core when it splits them;
+    given, as given; saved with the run, so a resumed run switches alike)."""
+    single = ranks.size == 1 and not ranks.inference and cfg.inference_workers == 1
+    switches = (cfg.mode == "async" and both_on_cpu(cfg) and single
+                and cfg.tail_threads > cfg.train_threads)  # never fewer
+    return cfg.tail_threads if switches else None
+
+
+def inference_side(cfg, load_kwargs: dict, train_examples, held_out, load: bool = True, ranks: Ranks = Ranks()):
+    """A `with` block owning the inference process from spawn to stop (async mode; it loads its model at once
+    unless load=False; it samples this rank's generate calls), or, with inference ranks, the handle on them
+    (launch/remote.py); in sync mode there is none (None)."""
+    if not samples_elsewhere(cfg, ranks):
+        return contextlib.nullcontext()
+    if ranks.inference:  # samplers of their own, over torch.distributed
+        from launch.remote import RemoteRollouts
+        return RemoteRollouts(ranks, getattr(torch, cfg.dtype))
+    load_kwargs = {**load_kwargs, "dtype": getattr(torch, cfg.dtype)}  # its weights: the compute dtype
+    return AsyncRollouts(cfg.model, load_kwargs, train_examples, held_out, cfg.reward, load=load,
+                         workers=cfg.inference_workers, share=ranks.share, reward_weights=cfg.reward_weights)
+
+
+def sampler_here(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs: dict, compute_dtype,
+                 ranks: Ranks) -> SyncRollouts:
+    """Sampling in the trainer's process (sync, and async taking turns): from the policy itself, or from a copy in
+    the compute dtype if it differs (as the inference process samples from bf16 weights)."""
+    sampler = None
+    if compute_dtype != policy.dtype:
+        from infra.models import load_model
+        device = str(next(policy.parameters()).device)
+        sampler, _ = load_model(cfg.model, **{**load_kwargs, "dtype": compute_dtype, "device": device})
+    return SyncRollouts(policy, tokenizer, train_examples, held_out, rewards, cfg, sampler,
+                        workers=cfg.inference_workers, share=ranks.share)  # the shares, one after another
+
+
+# --- the run ---
+def train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs: dict,
+          rollouts: AsyncRollouts | None = None, resume_from: Path | None = None, on_sized=None,
+          ranks: Ranks = Ranks()) -> Iterator[dict]:
+    """`periodic_rl.train` with everything it stands on: one metrics dict per iteration, then the final evaluation.
+
+    `policy` is already on cfg.train_device, at θ_0. Async mode samples in `rollouts`, the inference
+    process (`inference_side`; the caller owns it, and loads the rewards there); sync mode samples here, scored by
+    `rewards` (reward.load_rewards; their names label the metrics in both modes), with a copy of the policy in
+    the compute dtype if it differs (`load_kwargs` says how to load it). `resume_from`: a checkpoint whose θ_k
+    and optimizer state replace θ_0's after the reference is taken; the run goes on at iteration k.
+    `on_sized(cfg)`: told the config with its sizes once they are chosen, before iteration k (trainer.py records it).
+    `ranks`: this process's trainer rank (infra/distributed.py): it samples and trains only its generate calls.
+    A stop signal (KeyboardInterrupt) between iterations keeps a checkpoint of the iterations done when
+    --save-every or --save-on-stop asks for one.
+    """
+    if rollouts is None and samples_elsewhere(cfg, ranks):
+        raise ValueError("async mode samples in the inference process: pass `rollouts` (see inference_side)")
+    # the policy as trained (θ, with θ_old and π_ref when needed) and AdamW
+    device = next(policy.parameters()).device
+    if cfg.gradient_checkpointing:  # the policy's layers recompute activations in backward (training mode only)
+        enable_activation_checkpointing(policy)
+    tri = build_tri_model(cfg, policy, tokenizer.pad_token_id)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    # a long run's checkpoints: θ_k and AdamW's state, tied to θ_0 (the reference) by its fingerprint
+    keeps_checkpoints = bool(cfg.save_every or cfg.save_on_stop or resume_from)
+    theta_0 = checkpoint.fingerprint(policy) if keeps_checkpoints else ""
+    first = checkpoint.restore(resume_from, policy, optimizer, theta_0) if resume_from else 0
+    # sizes left open: measured (--sizes probe) or by rule (launch/sizing.py)
+    if rollouts is not None and not cfg.sized:
+        rollouts.wait_until_loaded()  # the probe times this machine's cores, not the inference side's loading
+    cfg, probed, _ = sizing.choose(cfg, tri, tokenizer, train_examples)
+    print(f"periodic-rl: sizes: --groups-per-chunk {cfg.groups_per_chunk} ({cfg.chunks_per_iteration} generate "
+          f"call(s) per iteration) --micro-batch-tokens {cfg.micro_batch_tokens} --rollout-threads "
+          f"{cfg.rollout_threads} --train-threads {cfg.train_threads} --tail-threads {cfg.tail_threads} (pass these "
+          f"to fix them)"
+          + (f"\nperiodic-rl: {probed}" if probed else ""), flush=True)
+    if on_sized is not None:
+        on_sized(cfg)
+    # the sampling side: the inference process (async) or a sampler here (sync, and async taking turns)
+    torch.set_num_threads(cfg.train_threads)
+    if colocated(cfg, ranks):
+        if rollouts is not None:  # started for the probe, which chose to take turns: nothing left for it to do
+            rollouts.close()
+        rollouts = None
+        cores = available_cores()
+        hint = (f" (--rollout-threads {cores // 2} --train-threads {cores - cores // 2} would run the two sides at "
+                "once, in two processes)") if cores > 1 else ""
+        print("periodic-rl: async at these sizes takes turns (more threads than cores): sampling in this process, "
+              f"sync's schedule, no inference process{hint}", flush=True)
+    if rollouts is not None:
+        rollouts.attach(policy, cfg, cfg.rollout_threads)  # θ's buffer, the config, its threads
+        timeline = rollouts.timeline  # both processes' spans on one timeline
+    else:
+        rollouts = sampler_here(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs,
+                                tri.compute_dtype, ranks)
+        timeline = Timeline()
+    learner = Learner(tri, optimizer, cfg, device, timeline, ranks, as_rewards(rewards).names)
+    in_turns = cfg.mode == "async" and takes_turns(cfg) and not ranks.inference  # N workers (inference ranks: hosts)
+    rows = periodic_rl.train(cfg, policy, rollouts, learner, timeline, first, bool(held_out),
+                             elastic_threads(cfg, ranks), in_turns, ranks)
+
+    def save_checkpoint(iterations_done: int) -> None:
+        with timeline.span(f"checkpoint {iterations_done}"):
+            checkpoint.save(cfg.out, iterations_done, policy, tokenizer, optimizer, cfg, theta_0, cfg.keep_checkpoints)
+    logged = first  # iterations whose row is out
+    try:
+        for row in rows:
+            if not row.get("final"):
+                logged = row["iteration"] + 1
+            yield row
+            if not row.get("final") and cfg.save_every and logged % cfg.save_every == 0:
+                save_checkpoint(logged)  # an exact resume point (after the row is out)
+    except KeyboardInterrupt:  # a stop signal (trainer.py): keep the iterations done, if that state is exact
+        done = learner.iterations_done()  # None half-way through an iteration's steps: not an exact state
+        if (cfg.save_every or cfg.save_on_stop) and done == logged != first:  # and each iteration's row is out
+            save_checkpoint(done)
+        raise
+    finally:
+        rows.close()
+        if cfg.trace:
+            with outputs.writing("the trace", cfg.trace):
+                timeline.write_chrome_trace(cfg.trace)
