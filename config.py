@@ -1,11 +1,11 @@
-"""The run's configuration: one dataclass, its command line, and its validation.
+"""The run's configuration: one dataclass, a help line per field.
 
-Every option of `python trainer.py` is a field of `Config` below; its help line is the field's
-`help` metadata and `--help` prints it with the default. Fields left at `None` are derived right
-after parsing (`derive`), e.g. the learning rate and the response length depend on the model:
-the offline `tiny` model wants a large step and 8 new tokens, a real LLM a small step and 512.
-All checks live in `validate`, which names the option, the value and the fix in one line; the
-command line turns a failed check into that line on stderr and exit code 2.
+Every option of `python trainer.py` is a field of `Config` below, grouped as --help shows them: the
+method, model and data, the run, scale. Fields left at `None` are derived right after parsing
+(infra/options.py: `derive`), e.g. the learning rate and the response length depend on the model: the
+offline `tiny` model wants a large step and 8 new tokens, a real LLM a small step and 512. The command
+line, --config files and every check (`validate`, one line naming the option, the value and the fix)
+live in infra/options.py too.
 
 Sizes: one iteration samples `batch_size` responses = `batch_size / group_size` prompts x
 `group_size` responses each (GRPO's group), and takes `updates_per_iteration` optimizer steps.
@@ -19,10 +19,14 @@ from dataclasses import dataclass, field
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo")  # grpo.LOSS_TYPES, repeated so that parsing options needs no torch (tested)
 MODES = ("async", "sync")
 SIZES = ("probe", "rule")
-TRACKERS = ("none", "tensorboard", "wandb", "trackio")  # --report-to (tracking.py)
+TRACKERS = ("none", "tensorboard", "wandb", "trackio")  # --report-to (infra/tracking.py)
 DTYPES = ("auto", "float32", "bfloat16")
 # The offline models (models.TINY_RECIPES): name -> (the task it was warmed up on, its default --max-new-tokens)
 TINY_MODELS = {"tiny": ("arithmetic", 8), "tiny-chain": ("chain", 128)}
+
+
+# --help groups the options under these titles: (title, the section's first field), in field order
+SECTIONS = (("the method", "mode"), ("model and data", "model"), ("the run", "out"), ("scale", "device"))
 
 
 def _dtype_name(name: str) -> str:
@@ -44,37 +48,7 @@ def _opt(default, help: str, **extra):
 
 @dataclass
 class Config:
-    # --- what to train ---
-    model: str = _opt("tiny", "Hugging Face id, local model directory, or alias: tiny (offline, default), "
-                              "tiny-chain (offline, long responses), qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b, ...")
-    data: str | None = _opt(None, "training prompts: 'arithmetic' or 'chain' (built-in, offline), 'gsm8k' (the hub's "
-                                  "openai/gsm8k), a hub dataset id, or a local directory or .jsonl/.json/.parquet/.csv "
-                                  "file, loaded with Hugging Face datasets (data.py); held out: its 'test' split, else "
-                                  "the last --eval-size rows; default: the tiny model's task, else gsm8k")
-    data_config: str | None = _opt(None, "the dataset's configuration (load_dataset's name), e.g. 'main' of "
-                                         "openai/gsm8k (the default for --data gsm8k)")
-    split: str = _opt("train", "the split of --data to train on")
-    prompt_column: str = _opt("question", "the column of prompts: text, or a list of chat messages "
-                                          "([{'role', 'content'}], TRL's conversational format, rendered with the "
-                                          "model's chat template as it is); data without a 'question' column but with "
-                                          "TRL's 'prompt' column uses that")
-    answer_column: str = _opt("answer", "the column of gold answers: the number N of GSM8K's '... #### N', else the "
-                                        "text as it is")
-    reward: list[str] = _opt(["math"], "reward function(s), repeatable: 'math' (GSM8K final-number match), "
-                                       "'math-verify' (Hugging Face math-verify: \\boxed{}, fractions, LaTeX), or "
-                                       "'module:function' / 'path/to/file.py:function': f(prompt, completion, "
-                                       "answer) -> float, or TRL's f(prompts, completions, **kwargs) -> list "
-                                       "(reward.py; default: math)")
-    reward_weights: list[float] | None = _opt(None, "one weight per --reward; the reward trained on is the weighted "
-                                                    "sum, each reward is also logged alone (default: all 1.0)")
-    reward_timeout: float = _opt(10.0, "seconds one reward call may take (a TRL-style reward: one call per group); a "
-                                       "call that runs longer stops the run with an error naming the function "
-                                       "(0 = no limit)")
-    out: str = _opt("runs/latest", "output directory: metrics.jsonl and the final policy/ model (one run at a time)")
-    overwrite: bool = _opt(False, "replace the previous run in --out (its metrics.jsonl and policy/ are deleted "
-                                  "first); without it a directory holding a run is refused")
-    seed: int = _opt(0, "seed for prompt order and for each prompt's sampling (0 to 2**64 - 1)")
-    # --- schedule ---
+    # --- the method: GRPO with periodic asynchrony ---
     mode: str = _opt("async", "async: periodic asynchrony (separate inference process); sync: generate, then train",
                      choices=MODES)
     iterations: int = _opt(60, "number of iterations (one weight version each)")
@@ -82,19 +56,10 @@ class Config:
     group_size: int = _opt(8, "responses per prompt (GRPO's G)")
     updates_per_iteration: int = _opt(1, "optimizer steps per iteration: the batch is split into this many "
                                          "mini-batches; >1 activates the PPO ratio against the old policy")
-    # --- sampling ---
     max_new_tokens: int | None = _opt(None, "longest response in tokens (default: 8 for tiny, 128 for tiny-chain, "
                                             "512 otherwise)")
     temperature: float = _opt(1.0, "sampling temperature (log-probs are computed at the same temperature)")
     top_p: float = _opt(1.0, "nucleus sampling threshold (1.0 = sample from the full distribution)")
-    groups_per_chunk: int | None = _opt(None, "prompts sampled per generate call (x group-size responses); each "
-                                              "group is sent to the trainer the moment its last response stops "
-                                              "(default: see --sizes)")
-    micro_batch_tokens: int | None = _opt(None, "most tokens (prompt + response, as plain rows) per training "
-                                                "forward/backward: finished groups wait until this many have arrived "
-                                                "(or their generate call has ended), then train together; lower it if "
-                                                "the trainer runs out of memory (default: see --sizes; at most 16384)")
-    # --- loss and optimizer ---
     lr: float | None = _opt(None, "AdamW learning rate (default: 1e-4 for tiny, 1e-6 otherwise)")
     beta: float = _opt(0.04, "weight of the k3 KL penalty to the reference model (0 = no reference forward)")
     kl_bias_correction: bool = _opt(True, "multiply the per-token k3 KL by the importance ratio, so its gradient is "
@@ -109,20 +74,59 @@ class Config:
     weight_decay: float = _opt(0.0, "AdamW weight decay")
     shared_prompt: bool = _opt(True, "pack each group as one row [prompt | r1 | ... | rG] with the shared-prompt "
                                      "mask where that pays (see packing.packing_pays); off: one padded row each")
-    # --- evaluation and output ---
+    # --- model and data ---
+    model: str = _opt("tiny", "Hugging Face id, local model directory, or alias: tiny (offline, default), "
+                              "tiny-chain (offline, long responses), qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b, ...")
+    data: str | None = _opt(None, "training prompts: 'arithmetic' or 'chain' (built-in, offline), 'gsm8k' (the hub's "
+                                  "openai/gsm8k), a hub dataset id, or a local directory or .jsonl/.json/.parquet/.csv "
+                                  "file, loaded with Hugging Face datasets (infra/data.py); held out: its 'test' split, else "
+                                  "the last --eval-size rows; default: the tiny model's task, else gsm8k")
+    data_config: str | None = _opt(None, "the dataset's configuration (load_dataset's name), e.g. 'main' of "
+                                         "openai/gsm8k (the default for --data gsm8k)")
+    split: str = _opt("train", "the split of --data to train on")
+    prompt_column: str = _opt("question", "the column of prompts: text, or a list of chat messages "
+                                          "([{'role', 'content'}], TRL's conversational format, rendered with the "
+                                          "model's chat template as it is); data without a 'question' column but with "
+                                          "TRL's 'prompt' column uses that")
+    answer_column: str = _opt("answer", "the column of gold answers: the number N of GSM8K's '... #### N', else the "
+                                        "text as it is")
+    reward: list[str] = _opt(["math"], "reward function(s), repeatable: 'math' (GSM8K final-number match), "
+                                       "'math-verify' (Hugging Face math-verify: \\boxed{}, fractions, LaTeX), or "
+                                       "'module:function' / 'path/to/file.py:function': f(prompt, completion, "
+                                       "answer) -> float, or TRL's f(prompts, completions, **kwargs) -> list "
+                                       "(infra/reward.py; default: math)")
+    reward_weights: list[float] | None = _opt(None, "one weight per --reward; the reward trained on is the weighted "
+                                                    "sum, each reward is also logged alone (default: all 1.0)")
+    reward_timeout: float = _opt(10.0, "seconds one reward call may take (a TRL-style reward: one call per group); a "
+                                       "call that runs longer stops the run with an error naming the function "
+                                       "(0 = no limit)")
+    dtype: str = _opt("auto", "compute dtype. bfloat16: the trainer keeps float32 master weights and optimizer state "
+                              "and computes in bf16 (autocast); the inference side holds bf16 weights (half the "
+                              "bytes to publish). auto: bfloat16 on GPUs/NPUs that support it, float32 on CPU. "
+                              "(float16 is not offered: it would need loss scaling)",
+                      choices=DTYPES, type=_dtype_name)
+    attn_implementation: str = _opt("sdpa", "attention kernel of the Hugging Face model", choices=("sdpa", "eager"))
+    gradient_checkpointing: bool = _opt(False, "recompute each layer's activations in backward (real models: trades "
+                                               "~30%% more training compute for far less activation memory)")
+    cache_dir: str | None = _opt(None, "where the warmed-up tiny model is cached "
+                                       "(default: $PERIODIC_RL_CACHE or ~/.cache/periodic-rl)")
+    # --- the run: outputs, evaluation, long runs ---
+    out: str = _opt("runs/latest", "output directory: metrics.jsonl and the final policy/ model (one run at a time)")
+    overwrite: bool = _opt(False, "replace the previous run in --out (its metrics.jsonl and policy/ are deleted "
+                                  "first); without it a directory holding a run is refused")
+    seed: int = _opt(0, "seed for prompt order and for each prompt's sampling (0 to 2**64 - 1)")
     eval_every: int = _opt(10, "evaluate held-out reward every N iterations (and at the start and end; 0 = never)")
     eval_size: int = _opt(64, "held-out prompts per evaluation")
     eval_samples: int = _opt(4, "sampled responses per held-out prompt")
     trace: str | None = _opt(None, "write a Chrome trace-event JSON timeline of both processes to this path")
     save: bool = _opt(True, "save the final policy as a Hugging Face model directory in <out>/policy")
     report_to: list[str] = _opt(["none"], "also send each metrics row to these trackers, named as TRL's (train/reward, "
-                                          "eval/reward, ...; tracking.py): tensorboard (<out>/runs), wandb, trackio; "
+                                          "eval/reward, ...; infra/tracking.py): tensorboard (<out>/runs), wandb, trackio; "
                                           "several may be given", choices=TRACKERS, metavar="TRACKER")
     config: str | None = _opt(None, "read options from this JSON or YAML file, e.g. a run's <out>/config.json (keys: "
                                     "the option names, max_new_tokens for --max-new-tokens); options given on the "
                                     "command line override it; resume and overwrite are read from the command "
                                     "line only")
-    # --- long runs (checkpoint.py) ---
     save_every: int = _opt(0, "every N iterations write <out>/checkpoint-<k>: policy, optimizer state and config, "
                               "everything an exact resume needs, atomically (0 = never)")
     keep_checkpoints: int = _opt(2, "keep the newest K checkpoints, delete older ones (0 = keep all)")
@@ -131,9 +135,7 @@ class Config:
                                     "evaluation, outputs, devices, threads, micro-batch) may be given anew")
     save_on_stop: bool = _opt(False, "on SIGTERM, SIGINT or SIGHUP write a checkpoint of the iterations done before "
                                      "stopping (always done when --save-every is set)")
-    gradient_checkpointing: bool = _opt(False, "recompute each layer's activations in backward (real models: trades "
-                                               "~30%% more training compute for far less activation memory)")
-    # --- devices ---
+    # --- scale: devices, processes, sizes and threads ---
     device: str = _opt("auto", "default device for both sides: auto (CUDA, else NPU, else CPU), cpu, cuda, cuda:N, "
                                "npu, npu:N; auto with two or more GPUs samples on :0 and trains on :1")
     inference_workers: int = _opt(1, "inference processes per trainer (async mode); each samples a share of every "
@@ -144,11 +146,18 @@ class Config:
     inference_ranks: int = _opt(0, "under torchrun: the last K ranks sample instead of training (inference ranks, "
                                    "e.g. whole inference-only nodes); trainer rank 0 broadcasts θ_k to them and each "
                                    "sends its groups to the trainer rank that owns them, over torch.distributed "
-                                   "(async mode, one inference worker each; see remote.py)")
+                                   "(async mode, one inference worker each; see launch/remote.py)")
     rollout_device: str | None = _opt(None, "device of the inference side (default: from --device); with several "
                                             "--inference-workers one for all or a comma-separated list, one per "
                                             "worker: cuda:0,cuda:1")
     train_device: str | None = _opt(None, "device of the training process (default: from --device)")
+    groups_per_chunk: int | None = _opt(None, "prompts sampled per generate call (x group-size responses); each "
+                                              "group is sent to the trainer the moment its last response stops "
+                                              "(default: see --sizes)")
+    micro_batch_tokens: int | None = _opt(None, "most tokens (prompt + response, as plain rows) per training "
+                                                "forward/backward: finished groups wait until this many have arrived "
+                                                "(or their generate call has ended), then train together; lower it if "
+                                                "the trainer runs out of memory (default: see --sizes; at most 16384)")
     rollout_threads: int | None = _opt(None, "CPU threads of the inference side, split among --inference-workers "
                                              "(N workers: T // N each, the first T %% N one more, at least 1 each; "
                                              "default: see --sizes)")
@@ -159,20 +168,12 @@ class Config:
                                           "else --train-threads)")
     sizes: str = _opt("probe", "how the sizes not given are chosen. probe: on CPU, time iteration 0's generation "
                                "and training first and pick the generate calls, the micro-batch and the thread "
-                               "split from a model of the pipeline (sizing.py; printed as flags); rule: one call "
+                               "split from a model of the pipeline (launch/sizing.py; printed as flags); rule: one call "
                                "per iteration on a GPU/NPU, two on CPU, 16384-token micro-batches, cores in half",
                       choices=SIZES)
-    dtype: str = _opt("auto", "compute dtype. bfloat16: the trainer keeps float32 master weights and optimizer state "
-                              "and computes in bf16 (autocast); the inference side holds bf16 weights (half the "
-                              "bytes to publish). auto: bfloat16 on GPUs/NPUs that support it, float32 on CPU. "
-                              "(float16 is not offered: it would need loss scaling)",
-                      choices=DTYPES, type=_dtype_name)
-    attn_implementation: str = _opt("sdpa", "attention kernel of the Hugging Face model", choices=("sdpa", "eager"))
     collective_timeout: float = _opt(600.0, "seconds a trainer rank waits in a collective (gradient all-reduce, "
                                             "rendezvous) for the other ranks before it gives up with an error "
-                                            "(torchrun launches only; see distributed.py)")
-    cache_dir: str | None = _opt(None, "where the warmed-up tiny model is cached "
-                                       "(default: $PERIODIC_RL_CACHE or ~/.cache/periodic-rl)")
+                                            "(torchrun launches only; see infra/distributed.py)")
 
     # --- derived (not options) ---
     @property

@@ -10,7 +10,7 @@ responses o_1..o_G to one prompt with rewards r_1..r_G:
 std is the *sample* std (Bessel-corrected, torch's default) over the group, exactly as TRL, so the
 numbers compare line by line; eps = 1e-4 keeps an all-equal group (std 0) at A = 0 instead of NaN.
 `scale=False` drops the division (Dr. GRPO, arXiv 2503.20783: the std favours easy/hard prompts).
-A reward of NaN marks a response no reward function scored (TRL's None, reward.py): it is left out of its
+A reward of NaN marks a response no reward function scored (TRL's None, infra/reward.py): it is left out of its
 group's mean and std, and its advantage is 0 (TRL since #5902).
 
 Per-token loss (TRL 1.16 `GRPOTrainer._compute_loss`, its defaults), with the ratio against the old

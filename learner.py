@@ -57,7 +57,7 @@ def mean_std(values: list[float]) -> tuple[float | None, float | None]:
 def forward_backward(tri: TriModel, batch: list, advantages: list[float], cfg) -> tuple[torch.Tensor, dict]:
     """One micro-batch: the tri-model's log-probs of `batch` [(prompt ids, [response ids] x G)], the GRPO loss
     with these advantages (one per response) as a partial sum (divided by D at the step), and its backward
-    (∇ accumulates in .grad). What the learner runs per micro-batch, and what the probe times (sizing.py)."""
+    (∇ accumulates in .grad). What the learner runs per micro-batch, and what the probe times (launch/sizing.py)."""
     logp, old_logp, ref_logp, mask = tri(batch)  # (n·G, T) each, groups in order
     advantages = torch.tensor(advantages, device=logp.device, dtype=logp.dtype)  # (n·G,)
     loss, stats = grpo_loss(logp, old_logp, ref_logp, advantages, mask, beta=cfg.beta,
@@ -79,7 +79,7 @@ class Learner:
     (and hence the float rounding of the accumulated gradient) are the same in both modes and in
     every rerun. Statistics stay on the device until `metrics`: no host synchronisation per group.
 
-    With trainer ranks (distributed.py) it takes only its rank's groups, so a mini-batch may hold none
+    With trainer ranks (infra/distributed.py) it takes only its rank's groups, so a mini-batch may hold none
     of them: `ready` then yields an empty micro-batch, and the rank still joins the step's all-reduce.
     `reward_names` label each reward's own statistics (`rewards/<name>/mean`, TRL's names).
     """
@@ -180,7 +180,7 @@ class Learner:
 
     def step(self) -> None:
         """The current mini-batch's optimizer step: ∇ /= D, clip, AdamW. With ranks, ∇, D's counts and the loss
-        are first summed over the ranks (distributed.py): the same step on every rank."""
+        are first summed over the ranks (infra/distributed.py): the same step on every rank."""
         self.stepping = True
         with self.timeline.span(f"optimizer step {self.minibatch}"):
             sequences, tokens, minibatch_loss = self.minibatch_sequences, self.minibatch_tokens, self.minibatch_loss

@@ -24,9 +24,8 @@ positions, and log-probs through the model under the dense (B, 1, L, L) mask. Th
 Deliberate choices and departures:
 1. The structured kernel replaces the model's own only during the forward; backward reuses the
    saved graph. Activation checkpointing re-runs attention in backward, after the switch is undone,
-   so it gets the dense mask instead. On one CPU core at P=512, R=32, G=8 it cut a layer's attention
-   (forward + backward) from ~22 to ~17 ms, not to the 45% its pair count suggests: CPU kernels skip
-   little of a causal block. Tried and dropped: SDPA with a boolean (R, P+R) mask for the responses
+   so it gets the dense mask instead. It saves less than its pair count suggests (CPU kernels skip
+   little of a causal block; docs/benchmarks.md). Tried and dropped: SDPA with a boolean (R, P+R) mask for the responses
    (slower backward), chunking the prompt into causal pieces (no faster). Responses are padded to
    the longest in the row; their (R, R) blocks are computed whole.
 2. The kernel's softmax is float32 whatever the compute dtype, as SDPA's; it gives padding zeros
@@ -40,9 +39,8 @@ Deliberate choices and departures:
 5. The structured kernel runs on CPU only. On an accelerator packed rows take the dense mask through
    the model's own SDPA: its fused kernel visits all L^2 pairs, but the structured kernel's Python
    loop over rows (~25 small ops per row and layer, forward and backward) costs more in launches than
-   the pairs it skips. One H100, Qwen2.5-0.5B shape, 3 groups of P=450, G=8, R=128, bf16 autocast,
-   forward + backward of policy and reference (`tools/train_step_layouts.py`, best of 3): structured
-   320 ms, dense 170 ms, plain rows 287 ms. `packing_cost_ratio(..., dense=True)` prices the dense mask.
+   the pairs it skips (measured on one H100: docs/benchmarks.md). `packing_cost_ratio(..., dense=True)`
+   prices the dense mask.
    On CPU "auto" prices both and takes the cheaper (`structured_pays`): short rows take the dense mask.
 """
 from __future__ import annotations
@@ -204,8 +202,7 @@ def recomputes_attention(model: torch.nn.Module) -> bool:
 # this small-model one errs toward not packing, the safe side.
 ATTENTION_BREAK_EVEN_LEN = 400
 # Fixed cost of one packed row in the same units: the structured kernel loops over rows in Python (per layer,
-# forward and backward). Measured on the tiny model, 2 CPU threads: a toy group (P=6, R=5, G=8) costs 5.3 ms
-# packed against 4.1 ms as plain rows, i.e. ~115 units where the model above says ~47 (docs/benchmarks.md).
+# forward and backward), fitted on the tiny model's toy groups (docs/benchmarks.md).
 # Negligible for real groups (hundreds of tokens); tiny groups take the dense mask instead (`structured_pays`).
 PACKED_ROW_OVERHEAD_TOKENS = 64
 
@@ -260,8 +257,7 @@ def structured_pays(lengths: list[tuple[int, list[int]]]) -> bool:
     """Auto's kernel for packed rows where both apply (sdpa models on CPU): the structured kernel when
     `packing_costs` prices it below the dense mask over these groups ((prompt length, response lengths) each;
     the dense mask's rows padded to the longest), else the dense mask. On short rows the kernel's per-row
-    overhead outweighs the L^2 pairs the dense mask visits: the toy's groups (P ~ 8, R ~ 5, G = 8), 16 to a
-    micro-batch, train in 39 ms under the dense mask against 92 ms structured and 64 ms as plain rows; long
+    overhead outweighs the L^2 pairs the dense mask visits (the toy's groups, P ~ 8, R ~ 5, G = 8); long
     prompts keep the kernel (docs/benchmarks.md).
 
     >>> structured_pays([(8, [5] * 8)] * 16), structured_pays([(512, [32] * 8)])

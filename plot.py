@@ -7,7 +7,7 @@ Four panels, one x axis (the iteration k, the version of the weights that sample
 3. response length (mean tokens per sampled response);
 4. each process's seconds per iteration, busy and idle: a bar per side, busy at the bottom (inference:
    generate_s, training: train_s), idle stacked on it (idle_inference_s, idle_training_s); both bars are
-   the iteration's wall time, so the idle part is what the other side made it wait (timeline.py).
+   the iteration's wall time, so the idle part is what the other side made it wait (infra/timeline.py).
 
 Drawn on matplotlib's Figure directly (no pyplot, no display: the PNG is written by the Agg canvas).
 """

@@ -5,7 +5,7 @@ One iteration k of rollouts, with the policy weights θ_k:
     for each chunk of C prompts x_j of iteration k, in index order:
         o_j1..o_jG ~ π_θk(· | x_j), all j at once Hugging Face `generate`, KV cache, seeded per chunk
         as soon as all G responses of a prompt x_j have stopped (inside generate):
-            r_i = Σ_k w_k reward_k(x_j, o_ji, answer_j)   the --reward functions, checked (reward.py)
+            r_i = Σ_k w_k reward_k(x_j, o_ji, answer_j)   the --reward functions, checked (infra/reward.py)
             A_i = group_advantages(r)             grpo.py
             send(Group(...))                      -> the trainer, at once
     every `eval_every` iterations: held-out reward of θ_k
@@ -22,8 +22,7 @@ decode step's tokens and scores and sends a prompt's group the step its last res
 the other rows go on decoding. With long-tailed response lengths the trainer works on the short
 groups while the long ones are still being sampled, without giving up the batched call. Once half
 the rows have stopped, the call ends and `generate` goes on with the live rows alone, from their
-cache (`Compaction`): stopped rows no longer cost a decode step each (the chain task's iteration,
-one CPU thread: ~0.6 s of sampling instead of ~1.0; docs/benchmarks.md).
+cache (`Compaction`): stopped rows no longer cost a decode step each (docs/benchmarks.md).
 
 Reproducible sampling: each chunk is sampled right after `torch.manual_seed(prompt_seed(seed, k, j))`,
 j its first prompt, a function of (seed, iteration, prompt index) only, never of global RNG history,
@@ -228,10 +227,10 @@ class Compaction(StoppingCriteria):
     """Ends a `generate` call once at most `share` of its rows still decode, so that it goes on with those alone.
 
     `generate` keeps computing a stopped row (fed padding) until the call's longest response ends, and on CPU
-    a decode step's cost grows with the rows (tiny-chain, one thread: 8.9 ms at 128 rows, 3.3 ms at 32, 2.5 at
-    8): with a long tail, a few live rows pay for all. The next call gets the live rows' keys and values (the
-    cache, rows selected), so it costs no prefill, only generate's set-up (~5 ms here): not worth it with fewer
-    than COMPACT_MIN_STEPS steps left (the toy task's 8 new tokens never compact)."""
+    a decode step's cost grows with the rows: with a long tail, a few live rows pay for all. The next call gets
+    the live rows' keys and values (the cache, rows selected), so it costs no prefill, only generate's set-up (a
+    few decode steps' worth): not worth it with fewer than COMPACT_MIN_STEPS steps left (the toy task's 8 new
+    tokens never compact)."""
 
     def __init__(self, stream: CompletionOrder, share: float):
         self.stream, self.share = stream, share

@@ -1,8 +1,8 @@
 """Entry point: `python trainer.py [--model qwen2.5-0.5b] [--mode async|sync] ...` (see --help).
 
-Reads the config, claims the output directory (outputs.py: checked, locked, no previous run mixed in),
-imports the trackers --report-to names (tracking.py), records the options in <out>/config.json
-(run_config.py), loads the policy and the task, runs the schedule of periodic_rl.py, prints one line per
+Reads the config, claims the output directory (infra/outputs.py: checked, locked, no previous run mixed in),
+imports the trackers --report-to names (infra/tracking.py), records the options in <out>/config.json
+(infra/records.py), loads the policy and the task, runs the schedule of periodic_rl.py, prints one line per
 iteration (and appends it as JSON to <out>/metrics.jsonl, then sends it to the trackers), and saves
 θ_final, as soon as the last optimizer step is done, as a Hugging Face model directory <out>/policy
 that `AutoModelForCausalLM.from_pretrained` loads.
@@ -12,7 +12,7 @@ inference process) ends with one `error:` paragraph on stderr and a non-zero exi
 A stop signal (Ctrl-C, SIGTERM, SIGHUP), at any moment, ends with one `interrupted by SIG...` line
 and exit code 128 + signal, after both processes have stopped.
 
-Launched by torchrun, each process is one trainer rank (distributed.py, docs/distributed.md): rank 0
+Launched by torchrun, each process is one trainer rank (infra/distributed.py, docs/distributed.md): rank 0
 logs and writes --out; the others print nothing on stdout and never touch --out.
 """
 from __future__ import annotations
@@ -147,7 +147,7 @@ def load_policy(cfg: Config, load_kwargs: dict, rollouts=None):
 def started(cfg: Config, resume_from: Path | None = None, on_sized=None, ranks=None):
     """The run as configured, ready to iterate: (rows, policy, tokenizer), rows being `periodic_rl.train`'s
     (from the checkpoint `resume_from`, if given; `on_sized(cfg)` once its sizes are known; as trainer rank
-    `ranks`, if given: distributed.py).
+    `ranks`, if given: infra/distributed.py).
 
     The inference process (async mode) is spawned before the trainer imports transformers' models and
     loads its own copy, so the two processes' imports and loads overlap; the `with` block owns it until
@@ -294,11 +294,11 @@ def rank_prefix(ranks=None) -> str:
 
 def shorten_openmp_spinning(environ=os.environ) -> None:
     """Idle OpenMP threads spin 300,000 times before they sleep (libgomp's default; libgomp is the OpenMP runtime of
-    torch's wheels): ~7 ms on this project's CPU. When the trainer and inference processes take turns on the same cores,
-    so the side that has just finished spins through the other's first milliseconds (on the toy, sampling took 8 ms
-    longer after every publish: docs/benchmarks.md). 30,000 spins still outlast the gap between two ops of one process
-    (sync mode runs as fast). Call before torch is imported (libgomp reads it once, when torch loads it); the inference
-    processes inherit it. A user's own GOMP_SPINCOUNT or OMP_WAIT_POLICY wins."""
+    torch's wheels), milliseconds of a core. When the trainer and inference processes take turns on the same
+    cores, the side that has just finished spins through the other's first milliseconds (docs/benchmarks.md).
+    30,000 spins still outlast the gap between two ops of one process (sync mode runs as fast). Call before torch
+    is imported (libgomp reads it once, when torch loads it); the inference processes inherit it. A user's own
+    GOMP_SPINCOUNT or OMP_WAIT_POLICY wins."""
     if "GOMP_SPINCOUNT" not in environ and "OMP_WAIT_POLICY" not in environ:
         environ["GOMP_SPINCOUNT"] = "30000"
 
@@ -349,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     signum = Interrupted.received or signal.SIGINT
     with suppress(OSError):  # SIGHUP: the terminal may be gone
         by_torchrun = rank_prefix(ranks) and signum == signal.SIGTERM  # how torchrun stops the others when a rank fails
-        liveness = sys.modules.get("infra.liveness")  # imported with distributed.py, once the run has started (main)
+        liveness = sys.modules.get("infra.liveness")  # imported with infra/distributed.py, once the run has started (main)
         gone = liveness.gone_neighbours() if by_torchrun and liveness else []
         if gone:  # a rank on this host ended first: that is why torchrun stopped this one
             sys.stderr.write(f"error: {rank_prefix(ranks)}{liveness.ended_first(gone)}, so torchrun stopped this rank "

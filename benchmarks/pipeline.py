@@ -6,7 +6,7 @@ machine load hits both alike: seconds per iteration of each (mean over all timed
 each run's first iteration dropped), the speedup and its range over the rounds, the phase
 times T_gen and T_train measured in sync mode, and two bounds:
   ideal  (T_gen + T_train) / max(T_gen, T_train), a perfect pipeline
-  bound  the pipeline's bound from async's own spans at the sizes and threads it chose (timeline.py's
+  bound  the pipeline's bound from async's own spans at the sizes and threads it chose (infra/timeline.py's
          bound_s: publish + generation + the last micro-batch and the step, or the fill + the training
          after it, whichever is longer), as a speedup over sync: what a perfect pipeline of the same phase
          times would reach. Streaming by completion inside one generate call counts (the fill ends when
@@ -135,7 +135,7 @@ def async_workload(argv: list[str], iterations: int, rounds: int) -> dict:
             "ideal_speedup": (t_gen + t_train) / max(t_gen, t_train),
             "pipeline_bound": pipeline_bound(t_gen, t_train, chunks), "chunks_per_iteration": chunks,
             "predicted_speedup": predicted,  # the probe's, before the run: streaming counted, at async's threads
-            "bound": mean("sync", "iteration_s") / mean("async", "bound_s"),  # async's own spans (timeline.py)
+            "bound": mean("sync", "iteration_s") / mean("async", "bound_s"),  # async's own spans (infra/timeline.py)
             "efficiency": mean("async", "bound_s") / mean("async", "iteration_s"),
             "sync_generate_s": t_gen,
             "sync_train_s": t_train, "async_generate_s": mean("async", "generate_s"),

@@ -18,7 +18,7 @@ all-reduce leaves the same bits on every rank, and every rank runs the same clip
 state, so θ stays bitwise identical on all ranks: each rank publishes θ_{k+1} to its own inference
 process through the shared-memory buffer (weights.py) and no weights cross ranks or nodes.
 
-Inference ranks (--inference-ranks K): the last K ranks sample instead (remote.py); the M = W - K trainer ranks
+Inference ranks (--inference-ranks K): the last K ranks sample instead (launch/remote.py); the M = W - K trainer ranks
 are the ranks above, with their collectives on a group of their own (GROUPS["trainers"]).
 
 Departures, on purpose:
@@ -60,7 +60,7 @@ PER_RANK = {"device", "rollout_device", "train_device", "rollout_threads", "trai
 @dataclass(frozen=True)
 class Ranks:
     """This process's place among the ranks (torchrun's environment); one rank when not launched by it. The first
-    `size` ranks train (trainer ranks 0..M-1); the `inference` ranks after them sample (remote.py,
+    `size` ranks train (trainer ranks 0..M-1); the `inference` ranks after them sample (launch/remote.py,
     --inference-ranks)."""
     rank: int = 0
     size: int = 1  # M, the trainer ranks
@@ -179,7 +179,7 @@ def process_group(cfg, ranks: Ranks) -> Iterator[None]:
     the subgroups (GROUPS) are: the trainer ranks' (gradients) and trainer rank 0 with the inference ranks (θ's
     broadcast), both on the devices' backend; rank 0 with the inference ranks on gloo ("commands": a CPU tensor,
     so that a waiting rank takes signals on every backend); for each trainer rank r, r with the inference ranks on
-    gloo (the groups sent to r as Python objects: remote.py; one group per destination, so that no send waits
+    gloo (the groups sent to r as Python objects: launch/remote.py; one group per destination, so that no send waits
     behind another's)."""
     if ranks.world == 1:
         yield

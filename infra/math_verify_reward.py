@@ -4,7 +4,7 @@
 
 math-verify parses both sides into SymPy (\\boxed{}, \\frac, \\sqrt, sets, intervals, plain numbers) and compares
 them numerically and symbolically: `\\boxed{\\frac{1}{2}}` earns the reward for the gold 0.5, `\\boxed{\\sqrt{8}}`
-for `2\\sqrt{2}`. It is TRL's `trl.rewards.accuracy_reward` (a batched reward, reward.py), changed for GSM8K:
+for `2\\sqrt{2}`. It is TRL's `trl.rewards.accuracy_reward` (a batched reward, infra/reward.py), changed for GSM8K:
 
 1. The gold is the text after GSM8K's '####' when there is one; bare LaTeX ('2\\sqrt{2}': no $, \\( or \\boxed)
    is read as if between $...$ (math-verify reads the bare text '2\\sqrt{2}' as 2).

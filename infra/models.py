@@ -12,7 +12,7 @@ path. A name is resolved in this order:
 
 The tiny model is a 2-layer Qwen2 (hidden 128, 4 heads, 2 KV heads, 0.33 M parameters) with a
 byte-level tokenizer (one token per character for ASCII). It is warmed up with supervised learning
-on the arithmetic train split (tasks.py) whose targets *hedge*: with probability
+on the arithmetic train split (infra/tasks.py) whose targets *hedge*: with probability
 `commit_probability` (0.3) the target is the sum alone, "37+45=82<eos>", otherwise the sum followed
 by a second, wrong guess, "37+45=82 83<eos>". The model learns the arithmetic, and learns to hedge
 70% of the time. The reward reads the *final* number, so a hedge scores 0: sampled held-out reward

@@ -26,7 +26,7 @@ import sys
 import typing
 from pathlib import Path
 
-from config import TINY_MODELS, Config
+from config import SECTIONS, TINY_MODELS, Config
 
 GENERATE_CALLS = {"cpu": 2, "accelerator": 1}  # default generate calls per iteration (see derive)
 # Default training micro-batch: 16 toy groups (~1.5 k tokens) in one forward; 2-3 groups of 8 x (256 + 512) tokens
@@ -268,26 +268,39 @@ def _argument_type(annotation: str):
     return names[part[5:-1] if is_list else part], is_list
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help with each default once: appended only where the help line does not already state it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if "default" in (action.help or "") or action.default in (None, argparse.SUPPRESS):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser(prog: str = "trainer.py", defaults: bool = True) -> argparse.ArgumentParser:
-    """The command line of Config; defaults=False leaves out every option not given (see `given_options`)."""
-    parser = _OneLineParser(prog=prog, description="GRPO with periodic asynchrony (arXiv 2511.18871).",
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    """The command line of Config, its options grouped as config.SECTIONS; defaults=False leaves out every option
+    not given (see `given_options`)."""
+    parser = _OneLineParser(prog=prog, usage="%(prog)s [options]", description="GRPO with periodic asynchrony "
+                            "(arXiv 2511.18871). Every option, by group:",
+                            formatter_class=_HelpFormatter)
+    starts, group = dict((first, title) for title, first in SECTIONS), parser
     for f in dataclasses.fields(Config):
+        if f.name in starts:
+            group = parser.add_argument_group(starts[f.name])
         flag = "--" + f.name.replace("_", "-")
         kind, is_list = _argument_type(f.type)
         default = f.default if defaults else argparse.SUPPRESS
         if is_list:  # `--reward a --reward b` or `--reward a b`; not given: the field's default (argparse would
             # extend a default list instead of replacing it)
-            parser.add_argument(flag, type=kind, nargs="+", action="extend", default=argparse.SUPPRESS,
-                                help=f.metadata["help"], choices=f.metadata.get("choices"),
-                                metavar=f.metadata.get("metavar", f.name.upper().removesuffix("S")))
+            group.add_argument(flag, type=kind, nargs="+", action="extend", default=argparse.SUPPRESS,
+                               help=f.metadata["help"], choices=f.metadata.get("choices"),
+                               metavar=f.metadata.get("metavar", f.name.upper().removesuffix("S")))
         elif kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
-                                help=f.metadata["help"])
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=f.metadata["help"])
         else:
-            parser.add_argument(flag, type=f.metadata.get("type", kind), default=default, help=f.metadata["help"],
-                                choices=f.metadata.get("choices"),
-                                metavar=f.metadata.get("metavar", None if "choices" in f.metadata else f.name.upper()))
+            group.add_argument(flag, type=f.metadata.get("type", kind), default=default, help=f.metadata["help"],
+                               choices=f.metadata.get("choices"),
+                               metavar=f.metadata.get("metavar", None if "choices" in f.metadata else f.name.upper()))
     return parser
 
 
@@ -376,7 +389,7 @@ def with_config_file(argv: list[str] | None = None, prog: str = "trainer.py") ->
         return argv
     given = set(vars(build_parser(prog, defaults=False).parse_args(argv)))  # a list option given on the command line
     skip = given | {derived for option in given for derived in DERIVED_FROM.get(option, ())}  # replaces the file's
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun each rank places its own devices (distributed.py)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun each rank places its own devices (infra/distributed.py)
         skip |= {"train_device", "rollout_device"}
     try:
         return file_arguments(path, skip=skip) + argv

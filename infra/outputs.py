@@ -4,8 +4,8 @@
         .lock           held (fcntl.flock) while a run writes here; holds that run's PID
         metrics.jsonl   one JSON row per iteration, appended as they come
         policy/         θ_final as a Hugging Face model directory, saved once the last step is done
-        config.json     every option as resolved, the versions, the command (run_config.py)
-        runs/, wandb/   --report-to tensorboard's event files, wandb's local files (tracking.py)
+        config.json     every option as resolved, the versions, the command (infra/records.py)
+        runs/, wandb/   --report-to tensorboard's event files, wandb's local files (infra/tracking.py)
 
 Rules (each a one-line `OutputError` when broken; trainer.py prints it and exits 1):
 1. Every path the run writes (`--out`, the `--trace` file's folder) is created and checked at start-up,

@@ -11,7 +11,7 @@ and again once the sizes are known (on CPU `sizing.choose` probes them before it
 sizes the run used: `python trainer.py --config <out>/config.json --out other` reruns it with the same
 options, the sizes included (which prompts share a generate call, hence the rollouts). A resumed run
 rewrites it with the options it goes on with and keeps its `run_id` (the name under which wandb and
-trackio continue the run; tracking.py).
+trackio continue the run; infra/tracking.py).
 """
 from __future__ import annotations
 

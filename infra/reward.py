@@ -22,7 +22,7 @@ NaN: it is left out of its group's mean and std and its advantage is 0 (TRL sinc
 logged means. Each reward is logged alone as `rewards/<name>/mean` and `/std` (TRL's names; <name> the
 function's __name__, numbered when two share it); the held-out evaluation reports the weighted total.
 
-Built in: `math` (tasks.math_reward, GSM8K's final number) and `math-verify` (math_verify_reward.py,
+Built in: `math` (tasks.math_reward, GSM8K's final number) and `math-verify` (infra/math_verify_reward.py,
 Hugging Face's math-verify: \\boxed{}, fractions, LaTeX). Others are named `package.module:function` or
 `path/to/file.py:function`. Each call goes through `score` (plain) or `score_batch`, which turn every way a
 user's function can fail into one `RewardError` line naming the function and the sample: it raised

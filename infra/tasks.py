@@ -6,12 +6,12 @@ template) or a conversation (TRL's format: a list of {"role", "content"} message
 
     reward(prompt, completion, answer) -> float        # 1.0 correct, 0.0 wrong for `math_reward`
 
-so a user can swap in their own with `--reward my_rewards.py:score` (reward.py loads and calls it).
-Two tasks are built in, and anything `datasets` loads can be used (data.py):
+so a user can swap in their own with `--reward my_rewards.py:score` (infra/reward.py loads and calls it).
+Two tasks are built in, and anything `datasets` loads can be used (infra/data.py):
 
 - `arithmetic` (offline): `"37+45="` -> `"82"` with operands in [0, 50). A fixed CRC32 of the operand
   pair puts ~10% of the pairs in a held-out `eval` split, so held-out accuracy measures addition, not
-  memorisation. It is what the offline `tiny` model is warmed up on (models.py).
+  memorisation. It is what the offline `tiny` model is warmed up on (infra/models.py).
 - `chain` (offline): `"3+8+1+5="` -> `"17"`, k single-digit terms, worked step by step
   (`"3+8=11 11+1=12 12+5=17"`, what `tiny-chain` is warmed up on). k follows a power law,
   P(k) ∝ k^-1.5 on 2..13, so responses run from 5 to ~100 tokens with a long tail, as an LLM's

@@ -27,7 +27,7 @@ iteration without evaluation) is left out, as TRL leaves out a metric it did not
 Life of the trackers (trainer.run): `with Trackers(cfg.report_to)` imports their packages at start-up, before a
 model loads (a missing one fails in one line naming the pip command); `start` opens them once the run's options
 are final (they get config.json's content); `log` sends a row; leaving the block closes them, however the run
-ends (an error, Ctrl-C). Only the trainer process logs. A resumed run (checkpoint.py) logs from its iteration k
+ends (an error, Ctrl-C). Only the trainer process logs. A resumed run (infra/checkpoint.py) logs from its iteration k
 on: TensorBoard writes into the same <out>/runs with `purge_step=k`, so its reader drops the stopped run's
 events from step k on; wandb and trackio resume the run named by config.json's run_id (wandb keeps the
 values it already has for a step: those the stopped run logged after its last checkpoint stay, not the resumed

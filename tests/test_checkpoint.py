@@ -1,4 +1,4 @@
-"""checkpoint.py and the long-run options: checkpoints are atomic, a resume is exact, a stop keeps what is exact."""
+"""infra/checkpoint.py and the long-run options: checkpoints are atomic, a resume is exact, a stop keeps what is exact."""
 import dataclasses
 import json
 import signal

@@ -1,4 +1,4 @@
-"""Data through Hugging Face datasets (data.py): every form of --data loads, with its columns, its held-out split and
+"""Data through Hugging Face datasets (infra/data.py): every form of --data loads, with its columns, its held-out split and
 TRL's conversational prompts, offline from the cache; bad data is one line naming the row or the columns there are."""
 import json
 import re

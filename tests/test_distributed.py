@@ -1,4 +1,4 @@
-"""Trainer ranks (distributed.py): torchrun with M = 2 ranks on CPU (gloo) is the single-process run, and fails cleanly.
+"""Trainer ranks (infra/distributed.py): torchrun with M = 2 ranks on CPU (gloo) is the single-process run, and fails cleanly.
 
 Tolerances, from the arithmetic (the ranks change only the order of float sums: each rank sums its own groups'
 gradients, then the all-reduce adds the ranks' sums):

@@ -235,7 +235,7 @@ def test_inference_process_dying_in_the_final_evaluation_keeps_the_policy(tiny_m
     """Claim: the inference process killed during the final evaluation ends the run with one `error:` line that
     says the policy was saved; policy/ is complete and loadable, nothing is left running or in /dev/shm; with
     --overwrite nothing of the previous run in --out survives beside the new one."""
-    reward = tmp_path / "reward.py"  # 2 iterations x 16 responses + the first evaluation's 4 x 4: then the final one
+    reward = tmp_path / "infra/reward.py"  # 2 iterations x 16 responses + the first evaluation's 4 x 4: then the final one
     reward.write_text("import os, signal\ncalls = 0\n"
                       "def reward(prompt, completion, answer):\n"
                       "    global calls\n    calls += 1\n"

@@ -1,4 +1,4 @@
-"""Inference ranks (remote.py, --inference-ranks K): samplers on ranks of their own, θ_k broadcast to them and their
+"""Inference ranks (launch/remote.py, --inference-ranks K): samplers on ranks of their own, θ_k broadcast to them and their
 groups sent back over torch.distributed, are the single-process run, and fail cleanly.
 
 Tolerances: one trainer rank with one inference rank computes exactly what the single process computes (the same

@@ -1,4 +1,4 @@
-"""Models (models.py): the tiny model loads like a real one, names resolve, failures are fast and clear,
+"""Models (infra/models.py): the tiny model loads like a real one, names resolve, failures are fast and clear,
 and the warmed-up tiny model is built once and starts weak but knowledgeable."""
 import time
 

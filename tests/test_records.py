@@ -1,4 +1,4 @@
-"""What a run records about itself: trackers (tracking.py), <out>/config.json and --config (run_config.py), plot.py."""
+"""What a run records about itself: trackers (infra/tracking.py), <out>/config.json and --config (infra/records.py), plot.py."""
 import contextlib
 import dataclasses
 import json

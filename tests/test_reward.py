@@ -1,4 +1,4 @@
-"""reward.py: a reward named by --reward is loaded, or its problem is one line naming the file, module or function."""
+"""infra/reward.py: a reward named by --reward is loaded, or its problem is one line naming the file, module or function."""
 import pytest
 
 from infra import reward, tasks

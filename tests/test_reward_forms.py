@@ -1,4 +1,4 @@
-"""reward.py's two forms and several weighted rewards (issue #15, point 2): a TRL-style batched reward gets TRL's
+"""infra/reward.py's two forms and several weighted rewards (issue #15, point 2): a TRL-style batched reward gets TRL's
 keyword lists, its failures are one line each, None is 'not scored', and weighted rewards add up and are logged
 each on its own, in both modes."""
 import functools

@@ -1,4 +1,4 @@
-"""sizing.py: the pipeline model that picks the generate calls, and the probe that feeds it."""
+"""launch/sizing.py: the pipeline model that picks the generate calls, and the probe that feeds it."""
 import dataclasses
 import math
 

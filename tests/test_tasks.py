@@ -1,4 +1,4 @@
-"""Tasks (tasks.py): answers are extracted and rewarded robustly; the built-in tasks; prompts in the chat template.
+"""Tasks (infra/tasks.py): answers are extracted and rewarded robustly; the built-in tasks; prompts in the chat template.
 
 Loading --data through Hugging Face datasets: tests/test_data.py."""
 import pytest

@@ -1,4 +1,4 @@
-"""timeline.py: busy, idle and overlap per iteration, from spans of both processes."""
+"""infra/timeline.py: busy, idle and overlap per iteration, from spans of both processes."""
 import pytest
 
 from infra.timeline import INFERENCE, TRAINING, Span, Timeline

@@ -1,5 +1,5 @@
-"""N inference workers per trainer (inference.py, worker.py; issue #16): the rollouts and the update do not depend
-on N, a dead worker stops the run naming it, and the device split that balances the sides (sizing.py)."""
+"""N inference workers per trainer (inference.py, inference.py; issue #16): the rollouts and the update do not depend
+on N, a dead worker stops the run naming it, and the device split that balances the sides (launch/sizing.py)."""
 import os
 import re
 import signal
