@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from infra import moved
 from infra.errors import UserError
 from infra.tasks import math_reward
 
@@ -98,6 +99,7 @@ def load_reward(spec: str) -> Reward:
         if not path.is_file():
             raise RewardError(f"--reward {spec!r}: the file {path} does not exist (relative paths are resolved "
                               f"from {Path.cwd()}). Pass an existing .py file, or a module importable from here.")
+    moved.install()  # a reward file written before the re-layout may still `import tasks`
     try:
         if module_name.endswith(".py"):
             module_spec = importlib.util.spec_from_file_location(path.stem, path)

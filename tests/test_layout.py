@@ -133,7 +133,8 @@ def test_infra_imports_only_config_from_above():
     """Claim: infra/ imports nothing from the top level but config.py, and nothing from launch/: the machinery
     never reaches up into the method or the launcher."""
     infra = [name for name in IMPORTS if name.partition(".")[0] == "infra"]
-    assert not violations(infra, lambda target: target == "config" or target.partition(".")[0] == "infra")
+    problems = violations(infra, lambda target: target == "config" or target.partition(".")[0] == "infra")
+    assert not problems, problems
 
 
 @pytest.mark.parametrize("name", [*COPYABLE, "config"])
@@ -142,14 +143,16 @@ def test_copyable_files_and_config_import_nothing_of_the_project(name):
     (the dataclass everything reads) stands on nothing: none imports any project module."""
     if name not in IMPORTS:
         pytest.skip(f"{name}.py does not exist yet")
-    assert not violations([name], lambda target: False)
+    problems = violations([name], lambda target: False)
+    assert not problems, problems
 
 
 def test_method_files_import_nothing_from_launch():
     """Claim: the top-level method files (all but trainer.py, bench.py and plot.py) import nothing from launch/:
     launch builds on the method, not the other way round."""
     method = [name for name in IMPORTS if top_level(name) and name not in SCRIPTS]
-    assert not violations(method, lambda target: target.partition(".")[0] != "launch")
+    problems = violations(method, lambda target: target.partition(".")[0] != "launch")
+    assert not problems, problems
 
 
 def test_the_schedule_and_the_top_level_stay_small():
