@@ -354,14 +354,14 @@ class SyncRollouts:
 
 
 class AsyncRollouts:
-    """The inference workers (worker.Worker: process, pipe, heartbeat) and the shared weight buffer, seen from
+    """The inference workers (`Worker`: process, pipe, heartbeat) and the shared weight buffer, seen from
     the trainer.
 
     Start it as early as possible: the workers import their libraries while the trainer imports its own,
     and load their models while the trainer loads the policy. `load=False` makes them wait after their
     imports until `load()` (for a model the trainer must build first); `attach(policy)` hands over the
     weight buffer and waits until every worker is ready. Create it in the main thread: the workers die
-    with the thread that started them (`worker.die_with_parent`).
+    with the thread that started them (`processes.die_with_parent`).
 
     `workers` = N processes, placed by load_kwargs["device"]: one device for all, or a comma-separated
     list with one per worker (`worker_devices`); `share` = (r, M), this trainer's share of the

@@ -50,7 +50,7 @@ def test_a_local_file_with_its_own_column_names(tmp_path, suffix):
     last eval_size rows are held out of training."""
     path = tmp_path / f"sums.{suffix}"
     getattr(datasets.Dataset.from_list(sum_rows(20)), f"to_{suffix if suffix != 'jsonl' else 'json'}")(str(path))
-    train, held_out = tasks.load_task(str(path), eval_size=5, prompt_column="problem", answer_column="solution")
+    train, held_out = data.load_task(str(path), eval_size=5, prompt_column="problem", answer_column="solution")
     assert [e.prompt for e in train] == [f"{i}+{i}=" for i in range(15)]
     assert [e.answer for e in held_out] == [str(2 * i) for i in range(15, 20)]
     assert train[3].columns == {"solution": 6, "level": 0}
@@ -61,7 +61,7 @@ def test_a_directory_holds_out_its_test_split(tmp_path):
     every train row, evaluated on the test split's first eval_size rows."""
     datasets.Dataset.from_list(gsm8k_rows(20)).to_parquet(str(tmp_path / "train.parquet"))
     datasets.Dataset.from_list(gsm8k_rows(8, start=1000)).to_parquet(str(tmp_path / "test.parquet"))
-    train, held_out = tasks.load_task(str(tmp_path), eval_size=5)
+    train, held_out = data.load_task(str(tmp_path), eval_size=5)
     assert len(train) == 20 and [e.answer for e in held_out] == ["1001", "1002", "1003", "1004", "1005"]
     assert train[0] == Example("What is 0 + 1?", "1") and train[0].columns == {"answer": "0 + 1 = 1\n#### 1"}
 
@@ -71,13 +71,13 @@ def test_a_train_file_uses_its_sibling_test_file(tmp_path):
     name keeps its last eval_size lines out of training instead, and refuses data too small to do both."""
     write_jsonl(tmp_path / "train.jsonl", gsm8k_rows(20))
     write_jsonl(tmp_path / "test.jsonl", gsm8k_rows(8, start=100))
-    train, held_out = tasks.load_task(str(tmp_path / "train.jsonl"), eval_size=5)
+    train, held_out = data.load_task(str(tmp_path / "train.jsonl"), eval_size=5)
     assert len(train) == 20 and [e.answer for e in held_out] == ["101", "102", "103", "104", "105"]
     mine = write_jsonl(tmp_path / "mine.jsonl", gsm8k_rows(20))
-    train, held_out = tasks.load_task(str(mine), eval_size=5)
+    train, held_out = data.load_task(str(mine), eval_size=5)
     assert len(train) == 15 and [e.answer for e in held_out] == ["16", "17", "18", "19", "20"]
     with pytest.raises(TaskError, match="too few"):
-        tasks.load_task(str(mine), eval_size=20)
+        data.load_task(str(mine), eval_size=20)
 
 
 def test_the_real_gsm8k_files():
@@ -85,9 +85,9 @@ def test_the_real_gsm8k_files():
     and the gold answer of every test line is the '#### N' of its solution, which earns reward 1."""
     if not (GSM8K_DIR / "train.jsonl").is_file():
         pytest.skip(f"GSM8K is not at {GSM8K_DIR}")
-    train, held_out = tasks.load_task(str(GSM8K_DIR), eval_size=64)
+    train, held_out = data.load_task(str(GSM8K_DIR), eval_size=64)
     assert len(train) == 7473 and len(held_out) == 64 and held_out[0].answer == "18"
-    assert tasks.load_task(str(GSM8K_DIR / "train.jsonl"), eval_size=64) == (train, held_out)
+    assert data.load_task(str(GSM8K_DIR / "train.jsonl"), eval_size=64) == (train, held_out)
     test = data.dataset_examples(data.load_splits(str(GSM8K_DIR))["test"], "question", "answer", "test")
     solutions = [json.loads(line)["answer"] for line in (GSM8K_DIR / "test.jsonl").read_text().splitlines()]
     assert len(test) == len(solutions) == 1319
@@ -113,7 +113,7 @@ def test_a_conversational_prompt_column_goes_through_the_chat_template(tmp_path)
     added, ending with the assistant's turn; a plain-text prompt still gets SYSTEM_PROMPT."""
     from infra.models import tiny_tokenizer
     rows = [{"prompt": conversation(i), "solution": str(i + 1)} for i in range(12)]
-    train, held_out = tasks.load_task(str(write_jsonl(tmp_path / "chat.jsonl", rows)), eval_size=2,
+    train, held_out = data.load_task(str(write_jsonl(tmp_path / "chat.jsonl", rows)), eval_size=2,
                                       answer_column="solution")
     assert train[4].prompt == conversation(4) and train[4].answer == "5" and train[4].columns == {"solution": "5"}
     tokenizer = tiny_tokenizer()  # the tokenizer of conftest's Qwen-shaped model, without building the model
@@ -161,7 +161,7 @@ def test_bad_rows_are_one_line(tmp_path, rows, said):
     nor chat messages, is one TaskError line naming the file (and the row, 1-based, where it is a row's fault)."""
     path = write_jsonl(tmp_path / "bad.jsonl", rows)
     with pytest.raises(TaskError) as error:
-        tasks.load_task(str(path), eval_size=1)
+        data.load_task(str(path), eval_size=1)
     assert str(path) in str(error.value) and re.search(said, str(error.value)) and "\n" not in str(error.value)
 
 
@@ -170,9 +170,9 @@ def test_a_missing_column_lists_the_columns_there_are(tmp_path):
     path = write_jsonl(tmp_path / "sums.jsonl", sum_rows(10))
     with pytest.raises(TaskError, match=r"has no column 'question'; its columns are 'problem', 'solution', 'level'. "
                                         r"Pick one with --prompt-column"):
-        tasks.load_task(str(path), eval_size=2)
+        data.load_task(str(path), eval_size=2)
     with pytest.raises(TaskError, match=r"has no column 'answer'; .* --answer-column"):
-        tasks.load_task(str(path), eval_size=2, prompt_column="problem")
+        data.load_task(str(path), eval_size=2, prompt_column="problem")
 
 
 @pytest.mark.parametrize("name, said", [("absent.jsonl", "nor an existing file or directory"),
@@ -183,7 +183,7 @@ def test_paths_that_cannot_be_data(tmp_path, name, said):
     (tmp_path / "notes.txt").write_text("hello\n")
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(TaskError, match=said):
-        tasks.load_task(str(tmp_path / name))
+        data.load_task(str(tmp_path / name))
 
 
 def test_a_missing_split_names_the_splits_there_are(tmp_path):
@@ -191,7 +191,7 @@ def test_a_missing_split_names_the_splits_there_are(tmp_path):
     path = write_jsonl(tmp_path / "train.jsonl", gsm8k_rows(10))
     write_jsonl(tmp_path / "test.jsonl", gsm8k_rows(3))
     with pytest.raises(TaskError, match=r"has the splits 'train', 'test', not 'validation': pick one with --split"):
-        tasks.load_task(str(path), split="validation")
+        data.load_task(str(path), split="validation")
 
 
 # --- offline ---
@@ -214,12 +214,12 @@ def test_offline_gsm8k_loads_from_the_datasets_cache(tmp_path, datasets_cache, m
     monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)  # what an unreachable hub looks like to the probe
     start = time.perf_counter()
     with pytest.raises(TaskError, match="cannot reach the Hugging Face hub for 'openai/gsm8k'") as error:
-        tasks.load_task("gsm8k")
+        data.load_task("gsm8k")
     assert "--data path/to/dir-or-file" in str(error.value) and "\n" not in str(error.value)
     write_jsonl(tmp_path / "train.jsonl", gsm8k_rows(30))
     write_jsonl(tmp_path / "test.jsonl", gsm8k_rows(10, start=500))
     cache_as_if_downloaded(datasets_cache, tmp_path, "openai/gsm8k", "main")
-    train, held_out = tasks.load_task("gsm8k", eval_size=4)
+    train, held_out = data.load_task("gsm8k", eval_size=4)
     assert len(train) == 30 and [e.answer for e in held_out] == ["501", "502", "503", "504"]
     assert time.perf_counter() - start < 10
     assert hub_constants.HF_HUB_OFFLINE and datasets.config.HF_HUB_OFFLINE == datasets_offline  # switched back

@@ -3,7 +3,7 @@
 Loading --data through Hugging Face datasets: tests/test_data.py."""
 import pytest
 
-from infra import tasks
+from infra import data, tasks
 from infra.tasks import Example, TaskError
 
 
@@ -70,9 +70,9 @@ def test_arithmetic_splits_are_disjoint_complete_and_deterministic():
 # --- choosing a task ---
 def test_load_task_builtin_arithmetic():
     """Claim: the tiny model's default task is arithmetic, with the held-out split cut to eval_size."""
-    train, held_out = tasks.load_task(None, default="arithmetic", eval_size=10)
+    train, held_out = data.load_task(None, default="arithmetic", eval_size=10)
     assert train == tasks.arithmetic_examples("train") and held_out == tasks.arithmetic_examples("eval")[:10]
-    assert tasks.load_task("arithmetic", eval_size=10) == (train, held_out)
+    assert data.load_task("arithmetic", eval_size=10) == (train, held_out)
 
 
 # --- prompts ---
@@ -100,7 +100,7 @@ def test_chain_task_has_a_long_tail_of_worked_answers():
     answer (math_reward scores it 1, and 0 once one step is wrong); the target lengths run from 5 to ~100
     characters (= tokens for the byte-level tiny model) with a long tail: the median under 20, one in ten
     over 55."""
-    train, held_out = tasks.load_task("chain", eval_size=64)
+    train, held_out = data.load_task("chain", eval_size=64)
     assert train == tasks.chain_examples("train") and len(held_out) == 64
     assert not {e.prompt for e in train} & {e.prompt for e in tasks.chain_examples("eval")}
     for example in train[:200]:
