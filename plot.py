@@ -9,19 +9,81 @@ Four panels, one x axis (the iteration k, the version of the weights that sample
    generate_s, training: train_s), idle stacked on it (idle_inference_s, idle_training_s); both bars are
    the iteration's wall time, so the idle part is what the other side made it wait (infra/timeline.py).
 
-Drawn on matplotlib's Figure directly (no pyplot, no display: the PNG is written by the Agg canvas).
+Drawn on matplotlib's Figure directly (no pyplot, no display: the PNG is written by the Agg canvas). A metrics
+file that is not one (not UTF-8, not JSON objects, no iteration, text where a number is drawn) and an output format
+matplotlib cannot write are one `error:` line and exit 1.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from infra.outputs import read_metrics
-
 TITLES = ("reward", "KL to the reference", "response length (tokens)", "seconds per iteration: busy and idle")
+DRAWN = ("reward_mean", "reward_std", "eval_reward", "kl", "response_length", "generate_s", "idle_inference_s",
+         "train_s", "idle_training_s")  # the keys `figure` draws: numbers, or null where not measured
+JSON_TYPES = {list: "an array", str: "a string", bool: "true or false", type(None): "null", int: "a number",
+              float: "a number"}
+
+
+class PlotError(Exception):
+    """What plot.py cannot draw (metrics.jsonl is not what trainer.py writes) or write: one line, naming it."""
+
+
+def is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def read_rows(path: Path) -> list[dict]:
+    """metrics.jsonl's rows, checked: each line a JSON object with an integer "iteration" and a number or null under
+    each key the figure draws. A last line torn by a kill is skipped; a row written twice (a stop in the instant
+    after it was written: trainer.log_and_save) is drawn once."""
+    try:
+        lines = path.read_bytes().splitlines()
+    except OSError as error:
+        raise PlotError(f"cannot read {path}: {error.strerror or error}") from None
+    rows = {}
+    for number, line in enumerate(lines, 1):
+        where = f"{path}, line {number},"
+        try:
+            text = line.decode()
+        except UnicodeDecodeError as error:
+            raise PlotError(f"{where} is not UTF-8 text (byte {line[error.start]:#04x} at column {error.start + 1}): "
+                               "name the --out directory of a trainer.py run") from None
+        if not text.strip():
+            continue
+        try:
+            row = json.loads(text)
+        except ValueError as error:
+            if number == len(lines):  # the row a kill tore
+                continue
+            raise PlotError(f"{where} is not JSON ({error})") from None
+        if not isinstance(row, dict):
+            raise PlotError(f"{where} is {JSON_TYPES.get(type(row), type(row).__name__)}, not a row of metrics "
+                               "(a JSON object)")
+        if not isinstance(row.get("iteration"), int) or isinstance(row["iteration"], bool):
+            raise PlotError(f"{where} has no iteration number (\"iteration\": {json.dumps(row.get('iteration'))})")
+        for key in DRAWN:
+            if row.get(key) is not None and not is_number(row[key]):
+                raise PlotError(f"{where} has {JSON_TYPES.get(type(row[key]), type(row[key]).__name__)} "
+                                   f"{json.dumps(row[key])[:40]} under {key!r}, not a number")
+        rows[row["iteration"], bool(row.get("final"))] = row
+    return list(rows.values())
+
+
+def output_path(output: str) -> Path:
+    """The file `-o` names, as matplotlib writes it (its format from the suffix; none: .png, appended)."""
+    path = Path(output)
+    if not path.suffix:
+        path = path.with_name(path.name + ".png")
+    formats = Figure().canvas.get_supported_filetypes()
+    if path.suffix[1:].lower() not in formats:
+        raise PlotError(f"-o {output}: matplotlib cannot write {path.suffix} files; name a file ending in "
+                           + ", ".join(f".{suffix}" for suffix in sorted(formats)))
+    return path
 
 
 def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -75,16 +137,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-o", "--output", help="PNG file to write (default: RUN_DIR/metrics.png)")
     args = parser.parse_args(argv)
     metrics = Path(args.run_dir) / "metrics.jsonl"
-    rows = read_metrics(metrics)
-    if not rows:
-        sys.stderr.write(f"error: {metrics} {'has no rows' if metrics.is_file() else 'does not exist'}: nothing to "
-                         "draw; name the --out directory of a run that has done an iteration\n")
-        return 1
-    output = Path(args.output or Path(args.run_dir) / "metrics.png")
     try:
-        figure(rows, title=str(args.run_dir)).savefig(output, dpi=100)
-    except OSError as error:
-        sys.stderr.write(f"error: could not write {output}: {error.strerror or error}\n")
+        output = output_path(args.output or str(Path(args.run_dir) / "metrics.png"))
+        rows = read_rows(metrics) if metrics.is_file() else []
+        if not rows:
+            raise PlotError(f"{metrics} {'has no rows' if metrics.is_file() else 'does not exist'}: nothing to "
+                               "draw; name the --out directory of a run that has done an iteration")
+        try:
+            figure(rows, title=str(args.run_dir)).savefig(output, dpi=100)
+        except OSError as error:
+            raise PlotError(f"could not write {output}: {error.strerror or error}") from None
+    except PlotError as error:
+        sys.stderr.write(f"error: {error}\n")
         return 1
     print(f"wrote {output}")
     return 0

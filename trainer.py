@@ -21,6 +21,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from contextlib import closing, contextmanager, nullcontext, redirect_stdout, suppress
 from pathlib import Path
@@ -192,8 +193,9 @@ def run(cfg: Config, resume_from: Path | None = None, command: list[str] | None 
 
         def on_sized(sized: Config) -> None:  # the options are final: recorded with the sizes, sent to the trackers
             trackers.start(out, record.write(sized), record.run_id, resumed_at)
+        history = resume_from.parent / "metrics.jsonl" if resume_from else None  # the run it continues
         with started(cfg, resume_from, on_sized, ranks) as (rows, policy, tokenizer):
-            return log_and_save(cfg, rows, policy, tokenizer, resumed_at, trackers.log, ranks)
+            return log_and_save(cfg, rows, policy, tokenizer, resumed_at, trackers.log, ranks, history)
 
 
 def save_policy(policy, tokenizer, path: Path) -> None:
@@ -206,61 +208,104 @@ def save_policy(policy, tokenizer, path: Path) -> None:
 
 
 def earlier_rows(metrics_path: Path, before: int) -> list[dict]:
-    """A resumed run's metrics so far: the rows of iterations before `before` (a row torn by a kill is dropped)."""
-    return [row for row in outputs.read_metrics(metrics_path)
-            if not row.get("final") and row.get("iteration", before) < before]
+    """A resumed run's metrics so far: the rows of iterations before `before`, each once (a row torn by a kill is
+    dropped; one written again by a stop in the instant after it was written counts once)."""
+    rows = {row["iteration"]: row for row in outputs.read_metrics(metrics_path)
+            if isinstance(row, dict) and not row.get("final") and isinstance(row.get("iteration"), int)
+            and row["iteration"] < before}
+    return [rows[k] for k in sorted(rows)]
+
+
+STDOUT_CLOSED = ("standard output was closed inside the run (sys.stdout.close() in a reward function, or in a library "
+                 "it calls): the log cannot be written; leave sys.stdout open")
+
+
+def say(line: str) -> None:
+    """One line of the log on stdout (through tqdm, above its progress bar)."""
+    from tqdm import tqdm
+    try:
+        tqdm.write(line, file=sys.stdout)
+        sys.stdout.flush()
+    except ValueError:  # "I/O operation on closed file"
+        if not sys.stdout.closed:
+            raise
+        raise outputs.OutputError(STDOUT_CLOSED) from None
 
 
 def log_and_save(cfg: Config, rows, policy, tokenizer, resumed_at: int = 0, report=lambda row: None,
-                 ranks=None) -> dict:
-    """A log line and a metrics.jsonl row per iteration (a resumed run's continue the file), then `report(row)`
-    (the trackers); the policy is saved as soon as the last optimizer step is done, before the final evaluation
-    and the trace, which can still fail without losing it."""
+                 ranks=None, history: Path | None = None) -> dict:
+    """A log line and a metrics.jsonl row per iteration (a resumed run's continue the rows before `resumed_at` of
+    `history`, the metrics.jsonl of the run it continues), then `report(row)` (the trackers); the policy is saved as
+    soon as the last optimizer step is done, before the final evaluation and the trace, which can still fail
+    without losing it.
+
+    Nothing is lost on the way: metrics.jsonl is rewritten (atomically) only when the first row is in hand, so a
+    resume that fails before leaves it as it was; a row in hand when a stop or a failure comes is written first, so
+    a stop checkpoint (launch/setup.py) never holds an iteration whose row is missing."""
     from tqdm import tqdm
 
     out = Path(cfg.out)
     metrics_path, policy_path = out / "metrics.jsonl", out / "policy"
-    kept = earlier_rows(metrics_path, resumed_at) if resumed_at else []
-    with outputs.writing("metrics to", metrics_path):
-        metrics_path.write_text("".join(json.dumps(row) + "\n" for row in kept))
+    kept = earlier_rows(history, resumed_at) if history and resumed_at else []
     first_eval = next((row["eval_reward"] for row in kept if row.get("eval_reward") is not None), None)
     start, trained, saved, phases = time.perf_counter(), False, False, []
+    pending, continued = None, not resumed_at  # the row in hand, not yet written; whether the file is this run's
+
+    def write(row: dict) -> None:
+        nonlocal continued
+        with outputs.writing("metrics to", metrics_path):
+            if not continued:  # the rows this run continues first, in place of the file's (atomically)
+                outputs.write_atomically(metrics_path, "".join(json.dumps(r) + "\n" for r in kept))
+                continued = True
+            with metrics_path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    def keep_pending() -> None:  # an iteration's row in hand when the run stops or fails: written if it can be
+        if pending is not None and not pending.get("final"):
+            with suppress(UserError):
+                write(pending)
+
     progress = tqdm(total=cfg.iterations, desc="iterations", disable=not sys.stderr.isatty(), leave=False)
     try:
         for row in rows:
+            pending = row
             Interrupted.check()
             if first_eval is None and row.get("eval_reward") is not None:
                 first_eval = row["eval_reward"]
             row["elapsed_s"] = time.perf_counter() - start
-            tqdm.write(format_row(row), file=sys.stdout)
-            sys.stdout.flush()
+            say(format_row(row))
             progress.update(0 if row.get("final") else 1)
-            trained = trained or row["iteration"] == cfg.iterations - 1  # the last optimizer step is done
+            trained = trained or row["iteration"] >= cfg.iterations - 1  # the last step is done (maybe before a resume)
             if "generate_device_s" in row:  # an iteration's row (not the final evaluation's): both sides' busy time
                 phases.append((row["generate_device_s"], row["train_s"]))
             if cfg.save and trained and not saved:  # before anything else can fail: the evaluation, the trace
                 save_policy(policy, tokenizer, policy_path)
                 saved = True
-            with outputs.writing("metrics to", metrics_path), metrics_path.open("a") as f:
-                f.write(json.dumps(row) + "\n")
+            write(row)
+            pending = None
             report(row)
     except KeyboardInterrupt as stop:  # a stop signal while a row is handled here: the schedule may still keep
-        rows.throw(stop)               # a checkpoint of the iterations done (periodic_rl.train), then stops
+        keep_pending()                 # a checkpoint of the iterations done (launch/setup.py), then stops
+        rows.throw(stop)
     except UserError as error:  # say what became of the trained policy (a failed save says so itself)
+        keep_pending()
+        if Interrupted.received is not None:  # the stop checkpoint failed (trainer.main says so)
+            raise
         if saved:
             error.args = (f"{error} (the trained policy was saved in {policy_path} first)",)
         elif cfg.save and not trained:
-            error.args = (f"{error} (the run stopped before training ended: no policy was saved)",)
+            kept_policy = f"{policy_path} is still the policy saved before" if policy_path.exists() else None
+            error.args = (f"{error} (the run stopped before training ended: {kept_policy or 'no policy was saved'})",)
         raise
     progress.close()
     final = {**row, "start_eval_reward": first_eval}
     evaluated = ("no held-out evaluation ran" if first_eval is None and row["eval_reward"] is None else
                  f"held-out reward {first_eval if first_eval is None else round(first_eval, 3)}"
                  f" -> {row['eval_reward'] if row['eval_reward'] is None else round(row['eval_reward'], 3)}")
-    print(f"done in {row['elapsed_s']:.1f}s: {evaluated}; metrics in {metrics_path}"
-          + (f", policy in {policy_path}" if cfg.save else ""), flush=True)
+    say(f"done in {row['elapsed_s']:.1f}s: {evaluated}; metrics in {metrics_path}"
+        + (f", policy in {policy_path}" if saved else ""))
     if phases:
-        print(f"periodic-rl: {device_split(cfg, phases, ranks)}", flush=True)
+        say(f"periodic-rl: {device_split(cfg, phases, ranks)}")
     return final
 
 
@@ -305,7 +350,9 @@ def shorten_openmp_spinning(environ=os.environ) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     Interrupted.received = None
+    launcher = os.getppid()  # torchrun's agent, for a rank (distributed.die_with_launcher), read before anything loads
     ranks = None  # this process's ranks (distributed.Ranks) once the options are read: error lines name it
+    cfg, failed_save = None, None  # the options once read; an output a stop could not write (its checkpoint)
     with stopped_by_signals():
         try:
             shorten_openmp_spinning()  # before torch is imported
@@ -316,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # two processes, each with its own threads
             from infra import checkpoint, distributed
             given, ranks = given_options(argv), distributed.from_environment()  # torchrun's ranks; else one
+            distributed.die_with_launcher(launcher)
             with open(os.devnull, "w") as devnull, redirect_stdout(devnull) if not ranks.is_main else nullcontext():
                 cfg, resume_from = checkpoint.resumption(cfg, given)  # --resume: the checkpoint's options
                 ranks = distributed.split_roles(ranks, cfg.inference_ranks)  # trainer ranks, then inference ranks
@@ -334,6 +382,13 @@ def main(argv: list[str] | None = None) -> int:
         except UserError as error:
             if Interrupted.received is None:
                 sys.stderr.write(f"error: {rank_prefix(ranks)}{error}\n")
+                return 1
+            failed_save = error if isinstance(error, outputs.OutputError) else None  # not the signal's doing
+        except ValueError:  # "I/O operation on closed file": something in the run closed sys.stdout
+            if Interrupted.received is None:
+                if not sys.stdout.closed:
+                    raise
+                sys.stderr.write(f"error: {rank_prefix(ranks)}{STDOUT_CLOSED}\n")
                 return 1
         except BrokenPipeError:  # stdout's reader exited (`| head`): stop, as Unix tools do, and say so on stderr
             if Interrupted.received is None:
@@ -357,9 +412,53 @@ def main(argv: list[str] | None = None) -> int:
         else:
             sys.stderr.write(f"{rank_prefix(ranks)}interrupted by {signal.Signals(signum).name}: the run was stopped, "
                              "nothing is left running" + (" (torchrun stops every rank once one fails: its report "
-                                                          "names the rank and why)" if by_torchrun else "") + "\n")
+                                                          "names the rank and why)" if by_torchrun else "")
+                             + kept_on_stop(cfg, ranks, failed_save) + "\n")
     return 128 + signum
 
 
+def kept_on_stop(cfg: Config | None, ranks, failed_save: Exception | None) -> str:
+    """With --save-every or --save-on-stop, what a stop kept, for the end of its line: the checkpoint --resume auto
+    continues from against the iterations done (metrics.jsonl's rows), or why the stop checkpoint is missing; '' on
+    the ranks that do not write --out, and before the options are read."""
+    checkpoint = sys.modules.get("infra.checkpoint")  # imported once the options are read
+    if cfg is None or not (cfg.save_every or cfg.save_on_stop) or checkpoint is None or ranks and not ranks.is_main:
+        return ""
+    done = len(earlier_rows(Path(cfg.out) / "metrics.jsonl", cfg.iterations))
+    found = checkpoint.checkpoints(cfg.out)
+    newest = found[-1] if found else None
+    k = checkpoint.read_state(newest)["iterations_done"] if newest else 0
+    if failed_save is not None:
+        lost = f"the stop checkpoint could not be written ({failed_save})"
+    elif k < done:
+        lost = f"no checkpoint holds iterations {k} to {done - 1}"  # a stop inside a step writes none (setup.train)
+    elif newest is None:
+        return "; no iteration was done, so no checkpoint was written"
+    else:
+        return f"; {newest} holds the {k} iterations done: --resume auto continues from there"
+    return f"; {lost}: " + (f"--resume auto continues from {newest} ({k} of the {done} iterations done)" if newest
+                            else "there is no checkpoint to resume from")
+
+
+def exit_without_lingering(code: int, grace: float = 5.0) -> None:
+    """sys.exit(code), but without waiting more than `grace` seconds for threads that are not daemons and do not end
+    (a reward function's client library may start one): Python waits for them forever after "done". Ctrl-C in that
+    time ends the process at once (no traceback from threading's shutdown)."""
+    def leave() -> None:
+        time.sleep(grace)
+        names = [t.name for t in threading.enumerate() if not t.daemon and t is not threading.main_thread()]
+        with suppress(OSError, ValueError):
+            sys.stderr.write(f"periodic-rl: exiting without waiting for thread(s) {', '.join(names)} (not daemon "
+                             f"threads, started by a reward function or a library it uses): still running {grace:g} s "
+                             "after the run ended\n")
+            sys.stderr.flush()
+            sys.stdout.flush()
+        os._exit(code)
+    if any(not t.daemon and t is not threading.main_thread() for t in threading.enumerate()):
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        threading.Thread(target=leave, name="exit-without-lingering", daemon=True).start()
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_lingering(main())

@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import re
 import shutil
 from pathlib import Path
 
@@ -34,9 +33,8 @@ import torch
 from config import Config
 from infra.errors import UserError
 from infra.options import validate
-from infra.outputs import save_atomically
+from infra.outputs import CHECKPOINT, save_atomically, writing
 
-CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 # Options a resumed run may give anew: they decide how long, where, on what and how often to report, or change
 # float rounding only (sums in another order, other kernels), not what is computed. Not given, they stay the
 # checkpoint's, so that by default a resume is bitwise the run that was never interrupted.
@@ -67,7 +65,8 @@ def fingerprint(model: torch.nn.Module) -> str:
 
 def save(out: str | Path, iterations_done: int, policy, tokenizer, optimizer: torch.optim.Optimizer, cfg: Config,
          reference_fingerprint: str, keep: int = 0) -> Path:
-    """Write <out>/checkpoint-<iterations_done> atomically; then keep only the newest `keep` (0: all)."""
+    """Write <out>/checkpoint-<iterations_done> atomically; then keep only the newest `keep` (0: all). A full disk is
+    one OutputError naming the checkpoint (the previous ones stay)."""
     target = Path(out) / f"checkpoint-{iterations_done}"
 
     def write(directory: Path) -> None:
@@ -78,7 +77,8 @@ def save(out: str | Path, iterations_done: int, policy, tokenizer, optimizer: to
                  "reference_fingerprint": reference_fingerprint}
         (directory / "state.json").write_text(json.dumps(state, indent=1))
 
-    save_atomically(target, write)
+    with writing("the checkpoint", target):
+        save_atomically(target, write)
     if keep:
         for old in checkpoints(out)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
@@ -149,11 +149,14 @@ def resumption(cfg: Config, given: set[str]) -> tuple[Config, Path | None]:
     if cfg.resume != "auto" and "out" not in given:
         cfg = dataclasses.replace(cfg, out=str(path.parent))
     cfg = resumed_config(cfg, given, state)
+    done = state["iterations_done"]
+    if cfg.iterations < done:  # its θ_k would be saved as the policy of fewer iterations
+        raise CheckpointError(f"--iterations {cfg.iterations} is fewer than the {done} iterations checkpoint {path} "
+                              f"has done: give --iterations {done} or more, or resume from an earlier checkpoint")
     problems = validate(cfg)
     if problems:
         raise CheckpointError(f"the checkpoint's options do not fit this machine: {problems[0]}")
-    print(f"periodic-rl: resuming from {path} at iteration {state['iterations_done']} of {cfg.iterations}",
-          flush=True)
+    print(f"periodic-rl: resuming from {path} at iteration {done} of {cfg.iterations}", flush=True)
     return cfg, path
 
 

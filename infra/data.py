@@ -197,8 +197,12 @@ def load_task(data: str | None, default: str = "gsm8k", eval_size: int = 64, dat
 
     None -> `default` (the task a tiny model was warmed up on) or GSM8K; 'arithmetic'; 'chain'; 'gsm8k' (the hub's
     openai/gsm8k, config main); anything else through Hugging Face datasets (`load_data`: a hub id, a directory or a
-    file, its prompt and answer columns, held out: its 'test' split or the last `eval_size` rows).
+    file, its prompt and answer columns, held out: its 'test' split or the last `eval_size` rows). A blank --data
+    (`--data "$DATA"` with DATA unset) is refused: it names nothing, and the default would train on another task.
     """
+    if data is not None and not data.strip():
+        raise TaskError(f"--data {data!r} names no data (an unset shell variable?): give 'arithmetic', 'chain', "
+                        "'gsm8k', a hub dataset id, a file or a directory, or leave --data out for the model's default")
     data = data or default
     if data == "arithmetic":
         return arithmetic_examples("train"), arithmetic_examples("eval")[:eval_size]

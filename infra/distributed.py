@@ -36,9 +36,12 @@ Departures, on purpose:
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import os
+import signal
 import socket
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -49,6 +52,7 @@ import torch.distributed as dist
 
 from infra import liveness
 from infra.liveness import RanksError
+from infra.processes import PR_SET_PDEATHSIG
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}  # by the training device's kind
 BUCKET_ELEMENTS = 25 * 2**20  # gradient elements per all_reduce (100 MiB of float32; DDP's default is 25 MiB)
@@ -100,6 +104,20 @@ def from_environment(environ=os.environ) -> Ranks:
         return Ranks()
     return Ranks(int(environ["RANK"]), int(environ["WORLD_SIZE"]), int(environ.get("LOCAL_RANK", 0)),
                  int(environ.get("LOCAL_WORLD_SIZE", 1)))
+
+
+def die_with_launcher(launcher: int, environ=os.environ) -> None:
+    """Under torchrun, end this rank when torchrun ends, however it ends (SIGKILL included): torchrun starts each rank
+    in a session of its own, out of reach of the signals to its own group, and a rank left behind trains on and
+    writes --out. As for the inference processes (processes.die_with_parent): the kernel sends SIGKILL when the
+    parent thread exits (prctl PR_SET_PDEATHSIG; torchrun's elastic agent starts the ranks from its main thread),
+    and a launcher that died before the prctl is caught by comparing the parent PID with `launcher`, the one read
+    at start-up. The rank's inference processes then die with it, by their own parent-death signal."""
+    if "TORCHELASTIC_RUN_ID" not in environ or sys.platform != "linux":  # not a rank of torchrun's elastic agent
+        return
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0 \
+            and os.getppid() != launcher:
+        os._exit(1)  # orphaned already
 
 
 def split_roles(ranks: Ranks, inference: int) -> Ranks:

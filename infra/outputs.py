@@ -15,10 +15,15 @@ Rules (each a one-line `OutputError` when broken; trainer.py prints it and exits
 2. One run per directory: a second run on a busy `--out` is refused and told the other run's PID. The
    kernel drops the lock when its process ends, however it ends, so a killed run never blocks the next.
 3. A directory that holds a previous run (metrics.jsonl with rows, policy/, checkpoints) is refused unless
-   `--resume` continues it or `--overwrite` deletes those first (and its records: config.json, the
-   trackers' files): a new run's files are never mixed with an old run's, and an old run is never lost
-   unless the user asked. The records alone, like an empty metrics.jsonl, are no run: they are left by
-   a run that failed before its first iteration ended, and a new run replaces them.
+   `--resume` continues that run or `--overwrite` deletes it first: a new run's files are never mixed with
+   an old run's, and an old run is never lost unless the user asked. `--overwrite` deletes only what this
+   trainer wrote there (`run_files`): metrics.jsonl, policy/, checkpoint-<k>/, config.json, TensorBoard's
+   event files in runs/ and wandb's folders of that run's id; never another run's folder below --out (`--out .`
+   beside runs/latest deletes nothing of runs/latest). A path with one of those names that this trainer did
+   not write (another tool's config.json or checkpoint-500/, a policy/ package) is refused, with or without
+   --overwrite: the run would replace it. The records alone (config.json, an empty metrics.jsonl) are no run:
+   they are left by a run that failed before its first iteration ended, and a new run replaces them.
+   `--resume CHECKPOINT --out B` continues that checkpoint's run in B only if B holds no other run.
 4. `save_atomically` writes a directory beside its target, syncs it to disk and renames it into place
    (`write_atomically`, the same for one file): a kill or a full disk at any moment leaves the previous
    directory or the new one, never a torn one.
@@ -29,9 +34,11 @@ previous copy, complete, as `.policy.old-*` beside the missing target.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
+import re
 import shutil
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -39,10 +46,11 @@ from typing import Callable, Iterator
 
 from config import Config
 from infra.errors import UserError
+from infra.tracking import TENSORBOARD_DIR
 
 LOCK_FILE = ".lock"
-RUN_FILES = ("metrics.jsonl", "policy")  # what a run leaves in --out besides checkpoint-* (--overwrite deletes them)
-RECORDS = ("config.json", "runs", "wandb")  # what it says about itself: no run alone, deleted with it by --overwrite
+CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")  # <out>/checkpoint-<k> (infra/checkpoint.py)
+WANDB_DIR = "wandb"  # wandb.init(dir=<out>) writes <out>/wandb/run-<time>-<run id>/ (infra/tracking.py)
 
 
 class OutputError(UserError):
@@ -51,11 +59,44 @@ class OutputError(UserError):
 
 @contextmanager
 def writing(what: str, path: Path | str) -> Iterator[None]:
-    """Turn an OSError while writing `what` (full disk, read-only file system, ...) into one line naming it."""
+    """Turn an OSError while writing `what` (full disk, read-only file system, ...) into one line naming it; so too
+    a writer's own exception that stands for one (`os_error`)."""
     try:
         yield
-    except OSError as error:
-        raise OutputError(f"could not write {what} {path}: {error.strerror or error}") from None
+    except Exception as error:
+        cause = os_error(error)
+        if cause is None:
+            raise
+        raise OutputError(f"could not write {what} {path}: {cause.strerror or cause}") from None
+
+
+def is_writer_error(error: BaseException) -> bool:
+    """An exception of a tensor writer rather than an OSError: safetensors' SafetensorError (a Rust error), torch.save's
+    RuntimeError from its zip stream writer ("[enforce fail at inline_container.cc:...]")."""
+    return type(error).__name__ == "SafetensorError" or isinstance(error, RuntimeError) and any(
+        mark in str(error) for mark in ("inline_container", "PytorchStreamWriter"))
+
+
+def os_error(error: BaseException) -> OSError | None:
+    """The OSError behind `error`: itself, or the one a writer's exception names ("... (os error 28)", safetensors).
+    torch.save's names none: save_atomically raises ENOSPC for it where it finds the disk full."""
+    if isinstance(error, OSError):
+        return error
+    named = re.search(r"\(os error (\d+)\)", str(error)) if is_writer_error(error) else None
+    return OSError(int(named.group(1)), os.strerror(int(named.group(1)))) if named else None
+
+
+FULL_BYTES = 2**20  # a file system with less room than this left after a failed write was full
+
+
+def is_full(folder: Path) -> bool:
+    """Whether the file system holding `folder` has (almost) no room left for this user (root may use the blocks
+    reserved for it)."""
+    try:
+        usage = os.statvfs(folder)
+    except OSError:
+        return False
+    return (usage.f_bfree if os.geteuid() == 0 else usage.f_bavail) * usage.f_frsize < FULL_BYTES
 
 
 def make_directory(path: Path, what: str) -> Path:
@@ -83,16 +124,84 @@ def check_paths(cfg: Config) -> None:
                               "name a file you can write")
 
 
-def previous_run(out: Path) -> list[str]:
-    """The files of an earlier run in `out`, its checkpoints included (an empty metrics.jsonl, from a run that
-    failed early, is none)."""
-    paths = [out / name for name in RUN_FILES] + sorted(out.glob("checkpoint-*"))
-    return [path.name for path in paths if path.is_dir() or path.is_file() and path.stat().st_size > 0]
+def is_metrics(path: Path) -> bool:
+    """A metrics.jsonl of this trainer: its first row has an "iteration" (an empty one holds nothing to lose)."""
+    try:
+        with path.open(errors="replace") as f:
+            first = f.readline()
+        return not first.strip() or isinstance(row := json.loads(first), dict) and "iteration" in row
+    except (OSError, ValueError):
+        return False
+
+
+def is_record(path: Path) -> bool:
+    """A config.json of this trainer (infra/records.py): a JSON object with its run_id and versions."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and {"run_id", "versions"} <= record.keys()
+
+
+def is_model_directory(path: Path) -> bool:
+    """A policy/ of this trainer: a Hugging Face model directory (config.json and safetensors), or empty."""
+    if not path.is_dir():
+        return False
+    names = {p.name for p in path.iterdir()}
+    return not names or "config.json" in names and any(name.endswith(".safetensors") for name in names)
+
+
+def is_checkpoint(path: Path) -> bool:
+    """A checkpoint-<k>/ of this trainer (it has state.json; a torn one never has the name), or empty."""
+    return path.is_dir() and (not any(path.iterdir()) or (path / "state.json").is_file())
+
+
+def run_files(out: Path) -> tuple[list[Path], list[Path]]:
+    """(what a run of this trainer left in `out`, paths with the names it writes that it did not write there)."""
+    checks = {out / "metrics.jsonl": is_metrics, out / "policy": is_model_directory, out / "config.json": is_record}
+    checks.update({path: is_checkpoint for path in sorted(out.iterdir(), key=lambda p: p.name)
+                   if CHECKPOINT.match(path.name)})
+    ours, foreign = [], []
+    for path, check in checks.items():
+        if path.exists() or path.is_symlink():
+            (ours if check(path) else foreign).append(path)
+    return ours, foreign
+
+
+def is_run(path: Path) -> bool:
+    """Whether one of `run_files` makes a run (the records alone, config.json and an empty metrics.jsonl, do not)."""
+    return path.name != "config.json" and (path.is_dir() or path.stat().st_size > 0)
+
+
+def tracker_files(out: Path) -> list[Path]:
+    """The trackers' files of the run whose config.json is in `out`: TensorBoard's event files directly in <out>/runs
+    (its log_dir: infra/tracking.py), wandb's folders named with that run's id in <out>/wandb and its latest-run
+    link to one of them. Another run's folder under runs/ or wandb/ is never among them."""
+    found = sorted((out / TENSORBOARD_DIR).glob("events.out.tfevents.*"))
+    record = out / "config.json"
+    run_id = json.loads(record.read_text())["run_id"] if is_record(record) else None
+    wandb = out / WANDB_DIR
+    if run_id and wandb.is_dir():
+        folders = [p for p in wandb.glob(f"*run-*-{run_id}") if p.is_dir() and not p.is_symlink()]
+        latest = wandb / "latest-run"
+        found += folders + ([latest] if latest.is_symlink() and latest.resolve() in
+                            {folder.resolve() for folder in folders} else [])
+    return found
+
+
+def listed(paths: list[Path]) -> str:
+    names = [path.name + ("/" if path.is_dir() else "") for path in paths]
+    return ", ".join(names[:3]) + (", ..." if names[3:] else "")
+
+
+def continues_here(cfg: Config, out: Path) -> bool:
+    """Whether --resume continues the run in `out` (auto, or a checkpoint there), not one of another folder."""
+    return cfg.resume == "auto" or Path(cfg.resume).resolve().parent == out.resolve()
 
 
 @contextmanager
 def claimed(cfg: Config) -> Iterator[Path]:
-    """`--out`, checked, locked for the run (rule 2) and free of any previous run's files (rule 3)."""
+    """`--out`, checked, locked for the run (rule 2) and free of any other run's files (rule 3)."""
     check_paths(cfg)
     out = Path(cfg.out)
     with writing("the lock file", out / LOCK_FILE):
@@ -108,13 +217,29 @@ def claimed(cfg: Config) -> Iterator[Path]:
         lock.truncate(0)
         lock.write(f"{os.getpid()}\n")
         lock.flush()
-        found = previous_run(out)
-        if found and not (cfg.overwrite or cfg.resume):
-            raise OutputError(f"--out {out} holds a previous run ({', '.join(found[:3])}{', ...' if found[3:] else ''}"
-                              "): pass --resume auto to continue it, --overwrite to replace it, or choose another "
-                              "--out")
-        for name in [*found, *RECORDS] if cfg.overwrite else []:
-            remove(out / name)
+        ours, foreign = run_files(out)
+        if foreign:
+            raise OutputError(f"--out {out} holds {listed(foreign)}, not written by this trainer: a run writes there "
+                              "and would replace it; move it away, or choose another --out")
+        found = [path for path in ours if is_run(path)]
+        if found and not cfg.overwrite and (cfg.resume is None or not continues_here(cfg, out)):
+            if cfg.resume is None:
+                raise OutputError(f"--out {out} holds a previous run ({listed(found)}): pass --resume auto to "
+                                  "continue it, --overwrite to replace it, or choose another --out")
+            raise OutputError(f"--out {out} holds another run ({listed(found)}) than the one --resume {cfg.resume} "
+                              "continues, and the two would mix: choose another --out, or pass --overwrite to "
+                              "replace it")
+        if cfg.overwrite and cfg.resume is not None and continues_here(cfg, out):
+            raise OutputError(f"--overwrite would delete the run in --out {out} that --resume {cfg.resume} continues, "
+                              "its checkpoints included: drop --overwrite")
+        for path in [*tracker_files(out), *ours] if cfg.overwrite else []:  # (config.json names the trackers' files)
+            remove(path)
+        for folder in (out / TENSORBOARD_DIR, out / WANDB_DIR) if cfg.overwrite else ():
+            for link in folder.iterdir() if folder.is_dir() else ():
+                if link.is_symlink() and not link.exists():  # wandb's debug.log links into a deleted run
+                    link.unlink()
+            with suppress(OSError):
+                folder.rmdir()  # if nothing else is left in it
         for stale in out.glob(".*.saving-*"):  # a save killed half-way (rule 4); the lock says it is not running
             with suppress(OSError):
                 remove(stale)
@@ -154,7 +279,8 @@ def save_atomically(target: Path, write: Callable[[Path], None]) -> None:
 
     Example: save_atomically(out / "policy", lambda d: (model.save_pretrained(d), tokenizer.save_pretrained(d)))
     Whatever stops it (an exception, a signal, SIGKILL, a full disk), `target` is either the previous
-    directory or the new one, complete; on an exception the temporary folder is removed.
+    directory or the new one, complete; on an exception the temporary folder is removed. A full disk is an
+    OSError (ENOSPC), whatever the writer raised.
     """
     target = Path(target)
     staging, aside = (target.with_name(f".{target.name}.{state}-{os.getpid()}") for state in ("saving", "old"))
@@ -169,10 +295,13 @@ def save_atomically(target: Path, write: Callable[[Path], None]) -> None:
             target.rename(aside)
         staging.rename(target)
         fsync(target.parent)  # the renames themselves
-    except BaseException:
+    except BaseException as error:
+        full = is_writer_error(error) and os_error(error) is None and is_full(target.parent)  # before the clean-up
         if aside.exists() and not target.exists():  # stopped between the two renames: the previous one back
             aside.rename(target)
         shutil.rmtree(staging, ignore_errors=True)
+        if full:  # torch.save's writer says only "unexpected pos"
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(target)) from error
         raise
     shutil.rmtree(aside, ignore_errors=True)
 

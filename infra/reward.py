@@ -184,19 +184,29 @@ class RewardTimeout(BaseException):
 class RewardClock:
     """The time limit on reward calls (`RewardClock.limit(seconds)` around each call, in the main thread).
 
-    A watchdog thread sends the main thread SIGUSR1 while a call is overdue, and the handler raises
-    RewardTimeout there: between two bytecodes, or out of a blocking system call (a sleep, a socket).
-    The reward itself stays in the main thread, where reward libraries may rely on signals (math-verify
-    times its own calls with SIGALRM, which is why the clock does not use that signal). One limit it
-    cannot enforce: C code that holds the GIL (a catastrophically backtracking regex) runs on until it returns.
+    Two alarms raise RewardTimeout in the main thread once a call is overdue, through one signal handler, between
+    two bytecodes or out of a blocking system call:
+    - a watchdog thread sends SIGUSR1 while the call is overdue: for a call that waits (a sleep, a socket);
+    - a kernel timer on the process's CPU time (setitimer ITIMER_PROF) sends SIGPROF once the call has used half
+      its limit in CPU seconds, then every POLL_SECONDS of CPU: for C code that holds the GIL, which the watchdog
+      then cannot run to send its signal (a catastrophically backtracking regex: the re module looks for signals
+      as it backtracks). A short call gets no signal; one that burns a core is stopped within POLL_SECONDS of its
+      limit as long as the process gets half a core or more.
+    The reward itself stays in the main thread, where reward libraries may rely on signals (math-verify times its
+    own calls with SIGALRM, the wall-clock timer, which is why the clock uses neither). A profiler that samples
+    with SIGPROF loses its signal during reward calls. What it cannot stop: C code that holds the GIL and never
+    looks for signals (then, in async mode, the inference process's heartbeat check reports it after 60 s).
     """
     POLL_SECONDS = 0.1
     SIGNAL = getattr(signal, "SIGUSR1", None)  # POSIX only: elsewhere, no limit
-    _clock: RewardClock | None = None  # one per process: the signal handler is process-wide
+    TIMER = getattr(signal, "ITIMER_PROF", None)
+    _clock: RewardClock | None = None  # one per process: the signal handlers are process-wide
 
     def __init__(self):
         self.deadline: float | None = None  # time.monotonic() by which the running call must return
         signal.signal(self.SIGNAL, self._interrupt)
+        if self.TIMER is not None:
+            signal.signal(signal.SIGPROF, self._interrupt)
         threading.Thread(target=self._watch, name="reward-clock", daemon=True).start()
 
     def _interrupt(self, signum, frame) -> None:
@@ -222,9 +232,13 @@ class RewardClock:
         if cls._clock is None:
             cls._clock = cls()
         cls._clock.deadline = time.monotonic() + seconds
+        if cls.TIMER is not None:
+            signal.setitimer(cls.TIMER, seconds / 2, cls.POLL_SECONDS)
         try:
             yield
         finally:
+            if cls.TIMER is not None:
+                signal.setitimer(cls.TIMER, 0)
             cls._clock.deadline = None
 
 

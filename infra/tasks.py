@@ -197,20 +197,39 @@ def hub_unreachable_reason(repo_id: str, filename: str, repo_type: str = "model"
 
 
 # --- prompts ---
-def prompt_token_ids(tokenizer, prompt: str | list[dict]) -> list[int]:
-    """The prompt's token ids. Text: in the chat template after SYSTEM_PROMPT (instruct models), or raw (the tiny
-    model). A conversation (TRL's format): the chat template as-is, ending with the assistant's generation prompt."""
+def prompt_text(tokenizer, prompt: str | list[dict]) -> str:
+    """The text whose tokens are the prompt's (`prompt_token_ids`): raw, or rendered by the chat template."""
     if isinstance(prompt, str):
         if not getattr(tokenizer, "chat_template", None):
-            return tokenizer.encode(prompt, add_special_tokens=False)
+            return prompt
         prompt = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": prompt}]
     elif not getattr(tokenizer, "chat_template", None):
         raise TaskError("the prompts are conversations (lists of chat messages), but the model's tokenizer has no "
                         "chat template to turn them into text: use a chat model, or plain-text prompts "
                         "(--prompt-column).")
     # tokenize=False then encode: the template's return type differs across transformers versions
-    text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+
+
+def prompt_token_ids(tokenizer, prompt: str | list[dict]) -> list[int]:
+    """The prompt's token ids. Text: in the chat template after SYSTEM_PROMPT (instruct models), or raw (the tiny
+    model). A conversation (TRL's format): the chat template as-is, ending with the assistant's generation prompt."""
+    return tokenizer.encode(prompt_text(tokenizer, prompt), add_special_tokens=False)
+
+
+def count_tokens(tokenizer, prompt: str | list[dict], limit: int) -> tuple[int, int | None]:
+    """(the prompt's tokens, None), or, for a text so long that its start alone has more than `limit` tokens, (the
+    tokens of that start, its characters): a 10 MB prompt is refused after encoding kilobytes, not gigabytes of
+    tokenizer state for all of it. The start is read in pieces of 4 (limit + 1), 16 (limit + 1), ... characters; a
+    text has at least the tokens of its start (but for the few of the word cut in two)."""
+    text = prompt_text(tokenizer, prompt)
+    size = 4 * (max(limit, 0) + 1)
+    while size < len(text):
+        tokens = len(tokenizer.encode(text[:size], add_special_tokens=False))
+        if tokens > limit:
+            return tokens, size
+        size *= 4
+    return len(tokenizer.encode(text, add_special_tokens=False)), None
 
 
 def _roles(prompt: str | list[dict]) -> tuple[str, ...] | None:
@@ -246,11 +265,19 @@ def check_prompt_lengths(tokenizer, examples: list[Example], context: int | None
         return
     limit = context - max_new_tokens
     candidates = [e for e in examples if wrapper[_roles(e.prompt)] + _text_bytes(e.prompt) > limit]
-    length, longest = max(((len(prompt_token_ids(tokenizer, e.prompt)), e) for e in candidates),
-                          key=lambda pair: pair[0], default=(0, None))
+    length, longest, start = 0, None, None
+    for example in candidates:
+        tokens, start = count_tokens(tokenizer, example.prompt, limit)
+        if tokens > length or start is not None:
+            length, longest = tokens, example
+        if start is not None:  # too long, how much longer is not counted
+            break
     if length > limit:
-        raise TaskError(f"the longest prompt is {length} tokens ({_preview(longest.prompt)[:50]!r}...): with "
-                        f"--max-new-tokens {max_new_tokens} that exceeds the model's context of {context} tokens "
-                        f"(max_position_embeddings). Remove the prompts longer than {max(limit, 0)} tokens from the "
-                        "data" + (f", or lower --max-new-tokens to {context - length} or less." if length < context
-                                  else "."))
+        preview = f"({_preview(longest.prompt)[:50]!r}...)"
+        found = (f"the longest prompt is {length} tokens {preview}" if start is None else
+                 f"a prompt of {_text_bytes(longest.prompt)} bytes {preview} has {length} tokens in its first {start} "
+                 "characters alone")
+        lower = f", or lower --max-new-tokens to {context - length} or less." if length < context else "."
+        raise TaskError(f"{found}: with --max-new-tokens {max_new_tokens} that exceeds the model's context of "
+                        f"{context} tokens (max_position_embeddings). Remove the prompts longer than {max(limit, 0)} "
+                        f"tokens from the data{lower}")

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import suppress
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,9 +119,11 @@ def mapped_elsewhere(entries: set[str], run: set[int]) -> set[str]:
 class Launch:
     """`python [LAUNCHER] trainer.py ARGS` in a session of its own (its process group reaches nothing else), stdout
     and stderr read by threads, line by line. As a `with` block it kills whatever is left, by PID, on the way out.
-    `launcher`: e.g. ("-m", "torch.distributed.run", "--nproc-per-node", "2") for trainer ranks."""
+    `launcher`: e.g. ("-m", "torch.distributed.run", "--nproc-per-node", "2") for trainer ranks. `wrapper`: a command
+    that runs `python ...` as its child and exits with its code (e.g. `small_disk`): signals then go to that child."""
 
-    def __init__(self, *args, cwd: Path = ROOT, env: dict | None = None, launcher: tuple[str, ...] = ()):
+    def __init__(self, *args, cwd: Path = ROOT, env: dict | None = None, launcher: tuple[str, ...] = (),
+                 wrapper: tuple[str, ...] = ()):
         become_subreaper()
         self.shm_before = shm_entries()
         self.children_before = children(os.getpid())
@@ -129,7 +132,8 @@ class Launch:
         self.line_arrived = threading.Condition()
         self.signalled_at: float | None = None
         self.tree: dict[int, int] = {}  # the run's processes when last looked at: PID -> start time
-        self.process = subprocess.Popen([sys.executable, *launcher, "trainer.py", *map(str, args)], cwd=cwd,
+        self.wrapped = bool(wrapper)
+        self.process = subprocess.Popen([*wrapper, sys.executable, *launcher, "trainer.py", *map(str, args)], cwd=cwd,
                                         env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, text=True, errors="replace",
                                         start_new_session=True)
@@ -175,6 +179,17 @@ class Launch:
             raise AssertionError(f"no inference process among the children of {self.process.pid}")
         return [pid for _, pid in spawned]
 
+    def trainer_pid(self) -> int:
+        """The process that runs `python ... trainer.py` (the launched one, or the wrapper's child)."""
+        if not self.wrapped:
+            return self.process.pid
+        for pid in descendants(self.process.pid):
+            with suppress(OSError):
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                if argv[0] == sys.executable.encode() and b"trainer.py" in argv[1:]:
+                    return pid
+        raise AssertionError(f"no trainer.py process below {self.process.pid}")
+
     def send(self, signum: int, to: int | None = None, group: bool = False) -> None:
         """Send `signum` to the trainer (or to PID `to`, or to the trainer's whole process group); the
         stop time is measured from here."""
@@ -182,7 +197,7 @@ class Launch:
         if group:
             os.killpg(self.process.pid, signum)
         else:
-            os.kill(to or self.process.pid, signum)
+            os.kill(to or self.trainer_pid(), signum)
         self.signalled_at = time.monotonic()
 
     def finish(self, timeout: float) -> float:
@@ -259,6 +274,28 @@ class Launch:
                 os.kill(p, signal.SIGKILL)
         time.sleep(0.1)
         reap(self.tree)
+
+
+SMALL_DISK = """
+size=$1 disk=$2 keep=$3; shift 3
+mount -t tmpfs -o size="$size" tmpfs "$disk" || exit 99
+"$@"; code=$?
+cp -a "$disk/." "$keep/"
+exit $code
+"""
+
+
+def small_disk(size: str, disk: Path, keep: Path) -> tuple[str, ...]:
+    """A `wrapper` for Launch: the trainer runs in a mount namespace of its own where the folder `disk` is a tmpfs of
+    `size` ("200k", "3m"): a disk that fills up. When the trainer ends, what it left there is copied to `keep` (the
+    tmpfs ends with the namespace). Skips the test where unshare cannot make one (user and mount namespaces)."""
+    import pytest
+    import shutil
+    if not shutil.which("unshare") or subprocess.run(["unshare", "--map-root-user", "--mount", "true"]).returncode:
+        pytest.skip("needs unshare with user and mount namespaces (a small tmpfs of its own)")
+    disk.mkdir(parents=True, exist_ok=True)
+    keep.mkdir(parents=True, exist_ok=True)
+    return "unshare", "--map-root-user", "--mount", "sh", "-c", SMALL_DISK, "sh", size, str(disk), str(keep)
 
 
 def frozen_reward(prompt: str, completion: str, answer: str) -> float:

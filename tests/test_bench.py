@@ -49,6 +49,7 @@ def test_workers_prediction():
     assert predicted_seconds(4.0, 1.0, 4, 2) < predicted_seconds(4.0, 1.0, 4, 1)
 
 
+@pytest.mark.slow
 def test_async_workload_reports_the_promised_figures(tiny_model_dir):
     """Claim: one sync/async round on a local model yields the JSON keys the issue asks for, consistent
     with each other, at the sizes async's probe picked (both modes at its generate calls)."""
@@ -143,6 +144,7 @@ def test_trl_script_micro_batch_divides_the_step(monkeypatch):
             parse_args(argv)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lengths", [[], ["--vary-lengths"]])
 def test_train_step_layouts_compute_the_same_step(lengths):
     """Claim (tools/train_step_layouts.py): its three layouts (the structured kernel forced, the dense mask, plain

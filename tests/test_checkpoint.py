@@ -1,6 +1,8 @@
 """infra/checkpoint.py and the long-run options: checkpoints are atomic, a resume is exact, a stop keeps what is exact."""
 import dataclasses
 import json
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,7 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import faults
 from infra import checkpoint
+from infra.outputs import OutputError
 from infra.models import load_model
 from infra.options import given_options, parse_args
 
@@ -41,6 +45,7 @@ def assert_same_run(a: Path, b: Path) -> None:
     assert weights_a.keys() == weights_b.keys() and all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode, updates, stop", [("sync", "2", signal.SIGKILL), ("async", "2", signal.SIGKILL),
                                                  ("async", "1", signal.SIGTERM)])
 def test_a_stopped_run_resumed_equals_the_uninterrupted_one(tiny_model_dir, tmp_path, mode, updates, stop):
@@ -71,6 +76,9 @@ def test_a_stopped_run_resumed_equals_the_uninterrupted_one(tiny_model_dir, tmp_
             process.wait()
     assert process.returncode == (-signal.SIGKILL if stop == signal.SIGKILL else 128 + signal.SIGTERM), err
     assert checkpoint.checkpoints(out), "no checkpoint was written"
+    if stop == signal.SIGTERM:  # the stop line says what was kept
+        assert re.search(r"^interrupted by SIGTERM: .*; (.*checkpoint-(\d) holds the \2 iterations done|no checkpoint "
+                         r"holds iterations \d to \d): --resume auto continues from", err.splitlines()[-1]), err
     assert not (out / "policy").exists()
     resumed = subprocess.run(trainer("--resume", "auto", "--out", out, "--model", tiny_model_dir), cwd=ROOT,
                              capture_output=True, text=True, timeout=300)
@@ -128,7 +136,8 @@ def test_checkpoints_are_atomic_pruned_and_checked(tiny_model_dir, tmp_path, mon
         raise OSError(28, "No space left on device")
     with monkeypatch.context() as patch:
         patch.setattr(torch, "save", torn)
-        with pytest.raises(OSError):
+        with pytest.raises(OutputError, match=r"^could not write the checkpoint .*checkpoint-4: No space left on "
+                                              r"device$"):
             checkpoint.save(tmp_path, 4, policy, tokenizer, optimizer, cfg, theta_0, keep=2)
     assert checkpoint.find("auto", tmp_path).name == "checkpoint-3"
     assert not (tmp_path / "checkpoint-4").exists()
@@ -185,6 +194,7 @@ def test_a_stop_writes_a_checkpoint_of_the_iterations_done(tiny_model_dir, tmp_p
 KILLED_WHILE_SAVING = """
 import sys, time, torch
 from infra import checkpoint
+from infra.outputs import OutputError
 from infra.options import parse_args
 from infra.models import load_model
 out, model = sys.argv[1], sys.argv[2]
@@ -202,6 +212,7 @@ checkpoint.save(out, 2, policy, tokenizer, optimizer, cfg, "θ0")
 """
 
 
+@pytest.mark.slow
 def test_a_kill_while_a_checkpoint_is_written_leaves_the_previous_one(tiny_model_dir, tmp_path):
     """Claim: SIGKILL in the middle of writing checkpoint-2 leaves no checkpoint-2 and checkpoint-1 complete;
     `--resume auto` (checkpoint.find) picks checkpoint-1 and it restores."""
@@ -217,3 +228,146 @@ def test_a_kill_while_a_checkpoint_is_written_leaves_the_previous_one(tiny_model
     assert checkpoint.find("auto", tmp_path).name == "checkpoint-1" and not (tmp_path / "checkpoint-2").exists()
     policy, _ = load_model(str(tiny_model_dir))
     assert checkpoint.restore(tmp_path / "checkpoint-1", policy, torch.optim.AdamW(policy.parameters()), "θ0") == 1
+
+
+# --- resuming: nothing lost, nothing mixed (issue #33) ---
+FINISHED = ["--data", "arithmetic", "--iterations", "2", "--batch-size", "16", "--group-size", "4", "--max-new-tokens",
+            "4", "--eval-every", "1", "--eval-size", "4", "--eval-samples", "2", "--groups-per-chunk", "2",
+            "--micro-batch-tokens", "64", "--rollout-threads", "1", "--train-threads", "1", "--mode", "sync"]
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    """Every file below `folder` (its run's metrics, policy, checkpoints), by relative path: to check it untouched."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()
+            and p.name != ".lock"}
+
+
+def metrics_iterations(out: Path) -> list:
+    return [row.get("final") and "final" or row["iteration"]
+            for row in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tiny_model_dir, tmp_path_factory) -> Path:
+    """A finished run of 2 iterations with --save-every 2: metrics rows 0, 1 and the final one, policy/, and
+    checkpoint-2, taken at the last iteration. Tests copy it before they touch it."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    done = subprocess.run(trainer("--model", tiny_model_dir, *FINISHED, "--save-every", "2", "--seed", "1", "--out",
+                                  out), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert metrics_iterations(out) == [0, 1, "final"] and (out / "checkpoint-2").is_dir()
+    return out
+
+
+def copy_of(run: Path, to: Path) -> Path:
+    shutil.copytree(run, to, ignore=shutil.ignore_patterns(".lock"))
+    return to
+
+
+def assert_one_error_line(result: subprocess.CompletedProcess, pattern: str) -> None:
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and re.search(pattern, lines[0]), result.stderr
+
+
+@pytest.mark.slow
+def test_resuming_a_checkpoint_of_the_last_iteration_writes_its_policy(finished_run, tiny_model_dir, tmp_path):
+    """Claim (#33 point 3): resuming a checkpoint taken at the last iteration (its policy/ lost) runs the final
+    evaluation and writes policy/, the checkpoint's θ, before saying where it is (it said so and wrote nothing);
+    metrics.jsonl keeps rows 0 and 1 and gets the final row. An --iterations below the checkpoint's iterations is
+    one line, and nothing on disk changes (θ_2 would have been saved as θ_1)."""
+    out = copy_of(finished_run, tmp_path / "run")
+    shutil.rmtree(out / "policy")
+    before = snapshot(out)
+    fewer = subprocess.run(trainer("--resume", "auto", "--out", out, "--iterations", "1"), cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+    assert_one_error_line(fewer, r"^error: --iterations 1 is fewer than the 2 iterations checkpoint .*checkpoint-2 "
+                                 r"has done: give --iterations 2 or more")
+    assert snapshot(out) == before
+    resumed = subprocess.run(trainer("--resume", "auto", "--out", out, "--model", tiny_model_dir), cwd=ROOT,
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"policy in {out / 'policy'}" in resumed.stdout
+    saved, kept = (load_file(out / folder / "model.safetensors") for folder in ("policy", "checkpoint-2/policy"))
+    assert saved.keys() == kept.keys() and all(torch.equal(saved[k], kept[k]) for k in saved)
+    assert metrics_iterations(out) == [0, 1, "final"]
+
+
+SLOW_FINAL_SAVE = """
+import runpy, sys, time
+import transformers
+save = transformers.PreTrainedModel.save_pretrained
+def slow(self, folder, **kwargs):  # the final policy's save takes a minute: a stop comes in the middle of it
+    save(self, folder, **kwargs)
+    if "checkpoint-" not in str(folder):
+        print("saving the policy", flush=True)
+        time.sleep(60)
+transformers.PreTrainedModel.save_pretrained = slow
+sys.argv = sys.argv[1:]
+runpy.run_path("trainer.py", run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_a_stop_during_the_final_save_keeps_the_last_row_and_the_policy(tiny_model_dir, tmp_path):
+    """Claim (#33 point 3): SIGTERM while the finished policy is being saved, with --save-on-stop, loses nothing: the
+    last iteration's row is written, the stop checkpoint holds θ_2 and the stop line says so; `--resume auto` then
+    writes the policy (it was lost for good, and the row with it)."""
+    out = tmp_path / "run"
+    with faults.Launch("--model", tiny_model_dir, *FINISHED, "--save-on-stop", "--out", out,
+                       launcher=("-c", SLOW_FINAL_SAVE)) as run:
+        run.wait_for("^saving the policy")
+        run.send(signal.SIGTERM)
+        run.assert_stopped(143, r"^interrupted by SIGTERM: the run was stopped, nothing is left running; "
+                                r".*checkpoint-2 holds the 2 iterations done: --resume auto continues from there$")
+    assert metrics_iterations(out) == [0, 1] and not (out / "policy").exists()
+    resumed = subprocess.run(trainer("--resume", "auto", "--out", out, "--model", tiny_model_dir), cwd=ROOT,
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert metrics_iterations(out) == [0, 1, "final"] and (out / "policy" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_resuming_into_another_runs_folder_is_refused(finished_run, tiny_model_dir, tmp_path):
+    """Claim (#33 point 2): `--resume A/checkpoint-2 --out B`, B holding another run, is one line and leaves both
+    runs as they were (B's metrics got A's rows after its own, its policy A's); with --overwrite, B's run is replaced
+    by A's continued: A's rows before the checkpoint, then this run's, nothing of B's."""
+    a = copy_of(finished_run, tmp_path / "a")
+    b = tmp_path / "b"
+    b.mkdir()
+    (b / "metrics.jsonl").write_text('{"iteration": 0, "reward_mean": 0.25}\n{"iteration": 1, "reward_mean": 0.5}\n')
+    before = snapshot(a), snapshot(b)
+    args = ["--resume", a / "checkpoint-2", "--out", b, "--model", tiny_model_dir, "--iterations", "3"]
+    refused = subprocess.run(trainer(*args), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    checkpoint_2 = re.escape(str(a / "checkpoint-2"))
+    assert_one_error_line(refused, rf"^error: --out {re.escape(str(b))} holds another run \(metrics.jsonl\) than the "
+                                   rf"one --resume {checkpoint_2} continues, and the two would mix")
+    assert (snapshot(a), snapshot(b)) == before
+    replaced = subprocess.run(trainer(*args, "--overwrite"), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert replaced.returncode == 0, replaced.stderr
+    rows = [json.loads(line) for line in (b / "metrics.jsonl").read_text().splitlines()]
+    assert rows[:2] == [json.loads(line) for line in (a / "metrics.jsonl").read_text().splitlines()[:2]]
+    assert [row.get("final") and "final" or row["iteration"] for row in rows] == [0, 1, 2, "final"]
+    assert snapshot(a) == before[0]
+    overwrite_own = subprocess.run(trainer("--resume", "auto", "--out", a, "--overwrite"), cwd=ROOT,
+                                   capture_output=True, text=True, timeout=120)
+    assert_one_error_line(overwrite_own, r"--overwrite would delete the run in --out .* that --resume auto continues")
+    assert snapshot(a) == before[0]
+
+
+@pytest.mark.slow
+def test_a_resume_that_fails_leaves_the_metrics_and_says_the_policy_is_there(finished_run, tiny_model_dir, tmp_path):
+    """Claim (#33 point 14): a resume that fails once started (a truncated optimizer.pt) has not rewritten
+    metrics.jsonl (it dropped the rows from the checkpoint on, the final held-out one included) and says that the
+    policy saved before is still there, not that no policy was saved."""
+    out = copy_of(finished_run, tmp_path / "run")
+    optimizer = out / "checkpoint-2" / "optimizer.pt"
+    optimizer.write_bytes(optimizer.read_bytes()[:1000])
+    before = snapshot(out)
+    result = subprocess.run(trainer("--resume", "auto", "--out", out, "--model", tiny_model_dir, "--iterations", "3"),
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert_one_error_line(result, rf"^error: checkpoint .*checkpoint-2 is damaged .*\(the run stopped before training "
+                                  rf"ended: {re.escape(str(out / 'policy'))} is still the policy saved before\)$")
+    after = snapshot(out)
+    assert {k: v for k, v in after.items() if k != "config.json"} == {k: v for k, v in before.items()
+                                                                      if k != "config.json"}

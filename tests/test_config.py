@@ -153,6 +153,7 @@ def test_trainer_cli_bad_value_exits_2_without_traceback():
     assert "Traceback" not in result.stderr and result.stderr.strip().count("\n") == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("given, expected", [({}, "30000"), ({"GOMP_SPINCOUNT": "5"}, "5"),
                                              ({"OMP_WAIT_POLICY": "ACTIVE"}, None)])
 def test_trainer_shortens_openmp_spinning_before_torch_loads(given, expected, tmp_path):

@@ -41,6 +41,8 @@ import trainer
 from infra.distributed import Ranks, from_environment
 from learner import Learner
 
+pytestmark = pytest.mark.slow  # process-level: `python -m pytest -m slow` (CI runs both tiers)
+
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
 EXACT = ("reward_mean", "reward_std", "response_length", "eval_reward")

@@ -9,13 +9,15 @@ import torch
 from conftest import GSM8K_DIR
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+pytestmark = pytest.mark.slow  # process-level: `python -m pytest -m slow` (CI runs both tiers)
+
 ROOT = Path(__file__).resolve().parents[1]
 GSM8K = GSM8K_DIR / "train.jsonl"
 
 
 def split_threads(mode: str) -> list[str]:
     """Async with one thread per side: an inference process samples (at the defaults on 2 cores the probe may have
-    the sides take turns, and async then samples in the trainer's process: periodic_rl.colocated)."""
+    the sides take turns, and async then samples in the trainer's process: launch.setup.colocated)."""
     return ["--rollout-threads", "1", "--train-threads", "1"] if mode == "async" else []
 
 

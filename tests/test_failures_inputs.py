@@ -102,6 +102,7 @@ def trainer_args(model_dir, out, *extra) -> list[str]:
             "--train-threads", "1", "--out", str(out), *map(str, extra)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_hanging_reward_ends_the_run_within_its_limit(tiny_model_dir, tmp_path, mode):
     """Claim: a reward call that never returns ends the run, in either mode, within --reward-timeout plus a few
@@ -134,6 +135,7 @@ def test_a_hanging_reward_ends_the_run_within_its_limit(tiny_model_dir, tmp_path
     assert not (tmp_path / "out" / "policy").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_reward_that_calls_sys_exit_is_an_error(tiny_model_dir, tmp_path, mode):
     """Claim: a reward that calls sys.exit(0) fails the run in either mode: exit 1, one line naming the function and
@@ -147,6 +149,7 @@ def test_a_reward_that_calls_sys_exit_is_an_error(tiny_model_dir, tmp_path, mode
     assert not (tmp_path / "policy").exists()
 
 
+@pytest.mark.slow
 def test_a_prompt_longer_than_the_context_is_refused_at_start_up(tiny_model_dir, tmp_path):
     """Claim: a --data file with a prompt that leaves no room for --max-new-tokens in the model's context
     (max_position_embeddings: 4096 for the tiny model) is refused before training, naming the prompt's length."""
@@ -161,3 +164,86 @@ def test_a_prompt_longer_than_the_context_is_refused_at_start_up(tiny_model_dir,
     assert result.returncode == 1, result.stderr
     assert "the longest prompt is 4202 tokens" in result.stderr and "context of 4096 tokens" in result.stderr
     assert "iter " not in result.stdout and "Traceback" not in result.stderr
+
+
+# --- issue #33: rewards that misbehave in other ways, data that is not there or too big ---
+LINGERING = """import threading, time
+def reward(prompt, completion, answer):
+    if not any(t.name == "flusher" for t in threading.enumerate()):  # a client library's background flusher
+        threading.Thread(target=lambda: time.sleep(10**9), name="flusher").start()
+    return 1.0
+"""
+CLOSES_STDOUT = """import sys
+def reward(prompt, completion, answer):
+    sys.stdout.close()
+    return 1.0
+"""
+
+
+@pytest.mark.slow
+def test_a_reward_thread_that_never_ends_does_not_hang_the_run(tiny_model_dir, tmp_path):
+    """Claim (#33 point 8): a reward that starts a thread that is not a daemon and never ends (a client library's
+    flusher) does not hang the run after "done" (it hung forever; Ctrl-C then printed a traceback of threading's
+    shutdown and exit 0): the run exits 0 a few seconds after, with one line naming the thread, nothing left."""
+    (tmp_path / "lingering.py").write_text(LINGERING)
+    with faults.Launch(*trainer_args(tiny_model_dir, tmp_path / "out", "--mode", "sync", "--reward",
+                                     f"{tmp_path / 'lingering.py'}:reward")[2:]) as run:
+        run.wait_for(r"^done in ", timeout=300)
+        run.signalled_at = time.monotonic()  # the time to exit is counted from "done"
+        run.assert_stopped(0, r"^periodic-rl: exiting without waiting for thread\(s\) flusher \(not daemon threads")
+    assert (tmp_path / "out" / "policy" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_a_reward_that_closes_stdout_is_one_line(tiny_model_dir, tmp_path):
+    """Claim (#33 point 15): a reward that closes sys.stdout ends the run with one line saying so, exit 1, no
+    traceback (it was "ValueError: I/O operation on closed file")."""
+    (tmp_path / "closes.py").write_text(CLOSES_STDOUT)
+    with faults.Launch(*trainer_args(tiny_model_dir, tmp_path / "out", "--mode", "sync", "--reward",
+                                     f"{tmp_path / 'closes.py'}:reward")[2:]) as run:
+        run.assert_stopped(1, r"^error: standard output was closed inside the run \(sys.stdout.close\(\) in a reward "
+                              r"function, or in a library it calls\).* \(the run stopped before training ended: no "
+                              r"policy was saved\)$", within=300)
+
+
+@pytest.mark.slow
+def test_a_reward_stuck_in_c_code_holding_the_gil_times_out_in_sync_mode(tiny_model_dir, tmp_path):
+    """Claim (#33 point 9): a reward stuck in C code that holds the GIL (a catastrophically backtracking regex) is
+    stopped by --reward-timeout in sync mode too (the watchdog thread could not run to send its signal: it never
+    fired); a timer on the process's CPU time does. One line, exit 1, within the limit and a few seconds."""
+    with faults.Launch(*trainer_args(tiny_model_dir, tmp_path / "out", "--mode", "sync", "--reward",
+                                     "tests/faults.py:frozen_reward", "--reward-timeout", "2")[2:]) as run:
+        run.wait_for(r"^periodic-rl: sizes")
+        run.signalled_at = time.monotonic()  # the first reward call is moments away
+        run.assert_stopped(1, r"^error: .*reward function 'frozen_reward' did not return within 2 s \(--reward-timeout",
+                           within=30)
+
+
+@pytest.mark.slow
+def test_a_huge_prompt_is_refused_before_it_is_tokenized(tiny_model_dir, tmp_path):
+    """Claim (#33 point 10): a 10 MB prompt is refused in one line after encoding only its start (it took 4.5 GB and
+    22 s; 50 MB aborted the process): the refusal comes within seconds of the start and names its size."""
+    import json
+    rows = [{"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"} for i in range(80)]
+    rows[3]["question"] = "1+" * 5_000_000 + "1?"
+    data = tmp_path / "huge.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    args = trainer_args(tiny_model_dir, tmp_path / "out", "--mode", "sync", "--eval-size", "8")
+    args[args.index("arithmetic")] = str(data)
+    with faults.Launch(*args[2:]) as run:
+        run.assert_stopped(1, r"^error: a prompt of 10000002 bytes \('1\+1\+.*\) has \d+ tokens in its first \d+ "
+                              r"characters alone: with --max-new-tokens 4 that exceeds the model's context of 4096 "
+                              r"tokens", within=60)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("data", ["", "  "])
+def test_a_blank_data_option_is_refused(tiny_model_dir, tmp_path, data):
+    """Claim (#33 point 13): `--data ''` (`--data "$DATA"` with DATA unset) is one line, exit 1, before any model
+    loads: it trained on the built-in task and exited 0."""
+    result = subprocess.run(trainer_args(tmp_path / "no-such-model", tmp_path / "out", "--data", data), cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines() == [f"error: --data {data!r} names no data (an unset shell variable?): "
+                                                  "give 'arithmetic', 'chain', 'gsm8k', a hub dataset id, a file or a "
+                                                  "directory, or leave --data out for the model's default"]

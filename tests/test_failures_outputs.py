@@ -99,6 +99,7 @@ def test_read_only_paths_are_one_line(tmp_path):
 WITHOUT_OVERRIDE = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--inh-caps=-all"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="for root only (others run it directly)")
 def test_read_only_paths_are_one_line_for_root_too():
     """Claim: as root (CI's user here), the read-only test above runs too: in a subprocess that has dropped the
@@ -131,7 +132,8 @@ def test_a_previous_run_is_refused_unless_overwrite(tmp_path):
     (tmp_path / "checkpoint-2").mkdir()
     (tmp_path / "notes.txt").write_text("the user's own file")
     (tmp_path / ".policy.saving-123").mkdir()
-    with pytest.raises(outputs.OutputError, match=r"holds a previous run \(metrics.jsonl, policy, checkpoint-2\): pass --resume auto"):
+    with pytest.raises(outputs.OutputError, match=r"holds a previous run \(metrics.jsonl, policy/, checkpoint-2/\): "
+                                                  r"pass --resume auto"):
         with outputs.claimed(Config(out=str(tmp_path))):
             pass
     assert (tmp_path / "metrics.jsonl").read_text() and (tmp_path / "policy").is_dir()
@@ -140,6 +142,61 @@ def test_a_previous_run_is_refused_unless_overwrite(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("")
     with outputs.claimed(Config(out=str(tmp_path))):
         pass
+
+
+def fake_run(out: Path, run_id: str = "run-0") -> Path:
+    """A folder holding what a run of trainer.py leaves (its files' shapes: infra/outputs.run_files), with
+    TensorBoard's events and a wandb folder of its run id."""
+    (out / "policy").mkdir(parents=True)
+    (out / "policy" / "config.json").write_text("{}")
+    (out / "policy" / "model.safetensors").write_bytes(b"weights")
+    (out / "checkpoint-2").mkdir()
+    (out / "checkpoint-2" / "state.json").write_text("{}")
+    (out / "metrics.jsonl").write_text('{"iteration": 0}\n')
+    (out / "config.json").write_text(json.dumps({"run_id": run_id, "versions": {}, "command": ["trainer.py"]}))
+    (out / "runs").mkdir()
+    (out / "runs" / "events.out.tfevents.1.host.2.0").write_bytes(b"events")
+    (out / "wandb" / f"run-20260101_000000-{run_id}").mkdir(parents=True)
+    (out / "wandb" / "latest-run").symlink_to(f"run-20260101_000000-{run_id}")
+    (out / "wandb" / "debug.log").symlink_to(f"run-20260101_000000-{run_id}/debug.log")
+    (out / "wandb" / f"run-20260101_000000-{run_id}" / "debug.log").write_text("log")
+    return out
+
+
+def files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.slow
+def test_overwrite_deletes_only_the_run_in_out(tmp_path):
+    """Claim (#33 point 1): --overwrite deletes the run in --out, its metrics.jsonl, policy/, checkpoints, config.json,
+    TensorBoard's events and its wandb folder, and nothing else: `--out . --overwrite` beside runs/latest and
+    runs/exp2 (other runs, under the TensorBoard folder's name) and another run's wandb folder leaves them byte for
+    byte (they were deleted). A path with a run's name that trainer.py did not write (another tool's config.json,
+    a Hugging Face Trainer's checkpoint-500/, a policy/ without weights) is refused, with or without --overwrite."""
+    fake_run(tmp_path)
+    fake_run(tmp_path / "runs" / "latest", "latest-1")
+    fake_run(tmp_path / "runs" / "exp2", "exp2-1")
+    (tmp_path / "wandb" / "run-20250101_000000-other").mkdir()
+    (tmp_path / "wandb" / "run-20250101_000000-other" / "files").write_text("another run's")
+    (tmp_path / "notes.txt").write_text("the user's own file")
+    others = {name: content for name, content in files(tmp_path).items()
+              if name.startswith(("runs/latest/", "runs/exp2/", "wandb/run-20250101")) or name == "notes.txt"}
+    with outputs.claimed(Config(out=str(tmp_path), overwrite=True)):
+        assert files(tmp_path) == {**others, ".lock": files(tmp_path)[".lock"]}
+    assert sorted(p.name for p in (tmp_path / "wandb").iterdir()) == ["run-20250101_000000-other"]
+    for name, make in [("config.json", lambda p: p.write_text('{"model": "bert"}')),
+                       ("checkpoint-500", lambda p: (p.mkdir(), (p / "trainer_state.json").write_text("{}"))),
+                       ("policy", lambda p: (p.mkdir(), (p / "__init__.py").write_text("")))]:
+        make(tmp_path / name)
+        before = files(tmp_path)
+        for overwrite in (False, True):
+            with pytest.raises(outputs.OutputError, match=rf"^--out .* holds {name}/?, not written by this trainer: a "
+                                                          "run writes there and would replace it; move it away"):
+                with outputs.claimed(Config(out=str(tmp_path), overwrite=overwrite)):
+                    pass
+        assert files(tmp_path) == before
+        outputs.remove(tmp_path / name)
 
 
 # --- the policy: saved first, saved atomically ---
@@ -170,7 +227,8 @@ def test_a_save_killed_half_way_leaves_the_previous_policy(tiny_model_dir, tmp_p
     target = tmp_path / "policy"
     shutil.copytree(tiny_model_dir, target)
     before = {p.name: p.read_bytes() for p in target.iterdir()}
-    script = (f"import sys, time; from pathlib import Path; sys.path.insert(0, {str(ROOT)!r}); import outputs\n"
+    script = (f"import sys, time; from pathlib import Path; sys.path.insert(0, {str(ROOT)!r})\n"
+              "from infra import outputs\n"
               "def write(folder):\n"
               "    (folder / 'config.json').write_text('{}')\n"
               "    print('writing', flush=True)\n"
@@ -201,7 +259,8 @@ def test_metrics_on_a_full_disk_is_one_line_saying_what_became_of_the_policy(tin
 
     def disk_full_at(iteration):
         def fake_open(path, mode="r", *args, **kwargs):
-            if path.name == "metrics.jsonl" and mode == "a" and len(path.read_text().splitlines()) == iteration:
+            if path.name == "metrics.jsonl" and mode == "a" and (  # (the file is created with the first row)
+                    len(path.read_text().splitlines()) if path.exists() else 0) == iteration:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
             return open_path(path, mode, *args, **kwargs)
         return fake_open
@@ -235,16 +294,15 @@ def test_inference_process_dying_in_the_final_evaluation_keeps_the_policy(tiny_m
     """Claim: the inference process killed during the final evaluation ends the run with one `error:` line that
     says the policy was saved; policy/ is complete and loadable, nothing is left running or in /dev/shm; with
     --overwrite nothing of the previous run in --out survives beside the new one."""
-    reward = tmp_path / "infra/reward.py"  # 2 iterations x 16 responses + the first evaluation's 4 x 4: then the final one
+    reward = tmp_path / "reward.py"  # 2 iterations x 16 responses + the first evaluation's 4 x 4: then the final one
     reward.write_text("import os, signal\ncalls = 0\n"
                       "def reward(prompt, completion, answer):\n"
                       "    global calls\n    calls += 1\n"
                       "    if calls > 48:\n        os.kill(os.getpid(), signal.SIGKILL)\n"
                       "    return 1.0\n")
     out = tmp_path / "run"
-    (out / "policy").mkdir(parents=True)
-    (out / "policy" / "stale.bin").write_text("the previous run's weights")
-    (out / "metrics.jsonl").write_text('{"iteration": 99}\n')
+    fake_run(out)  # a previous run, its policy/ included
+    (out / "policy" / "stale.bin").write_text("the previous run's file")
     run = faults.Launch("--model", tiny_model_dir, *small_run(out, "--eval-every", "2", "--eval-size", "4",
                                                               "--eval-samples", "4", "--reward", f"{reward}:reward",
                                                               "--overwrite"))
@@ -256,6 +314,7 @@ def test_inference_process_dying_in_the_final_evaluation_keeps_the_policy(tiny_m
     assert_loadable(out / "policy")
 
 
+@pytest.mark.slow
 def test_closed_stdout_stops_the_run_without_a_traceback(tiny_model_dir, tmp_path):
     """Claim: `python trainer.py | head -n 1` prints that line, then the trainer stops (exit 1) with one `error:`
     line on stderr, no traceback, and leaves no process behind."""
@@ -273,3 +332,45 @@ def test_closed_stdout_stops_the_run_without_a_traceback(tiny_model_dir, tmp_pat
     faults.reap(left)
     assert not [p for p, s in left.items() if faults.alive(p, s)], left
     assert faults.shm_entries() <= shm_before
+
+
+# --- a full disk while saving (issue #33 points 5 to 7): one line naming the path, nothing torn ---
+def rows_of(out: Path) -> list[int]:
+    return [json.loads(line)["iteration"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("size, extra, message, rows", [
+    ("200k", [], r"^error: could not write the trained policy to .*/policy: No space left on device$", [0, 1]),
+    ("3m", ["--save-every", "1"], r"^error: could not write the checkpoint .*/checkpoint-1: No space left on device "
+                                  r"\(the run stopped before training ended: no policy was saved\)$", [0]),
+], ids=["final-policy", "checkpoint"])
+@pytest.mark.slow
+def test_a_full_disk_while_saving_is_one_line(tiny_model_dir, tmp_path, size, extra, message, rows):
+    """Claim: a disk that fills up while the final policy is saved (safetensors' SafetensorError) or while a
+    checkpoint is written (torch.save's RuntimeError, "unexpected pos": it names no cause) ends the run with one line
+    naming the path and "No space left on device", exit 1, no traceback, nothing left running; no torn policy/ or
+    checkpoint, no half-written folder, and metrics.jsonl holds every iteration done. Here --out is a tmpfs of
+    `size` (the tiny policy: 1.3 MB, a checkpoint 3.9 MB)."""
+    disk, keep = tmp_path / "disk", tmp_path / "left"
+    with faults.Launch("--model", tiny_model_dir, *small_run(disk / "run", *extra),
+                       wrapper=faults.small_disk(size, disk, keep)) as run:
+        run.assert_stopped(1, message, within=300)
+    left = keep / "run"
+    assert rows_of(left) == rows
+    assert sorted(p.name for p in left.iterdir()) == [".lock", "config.json", "metrics.jsonl"]
+
+
+@pytest.mark.slow
+def test_a_full_disk_on_the_stop_checkpoint_says_so(tiny_model_dir, tmp_path):
+    """Claim: with --save-on-stop, a stop checkpoint that does not fit on the disk is named in the stop line (it
+    said only "stopped"): exit 143, no traceback, no torn checkpoint, nothing left running."""
+    disk, keep = tmp_path / "disk", tmp_path / "left"
+    with faults.Launch("--model", tiny_model_dir, *small_run(disk / "run", "--iterations", "1000", "--save-on-stop",
+                                                             "--no-save"),
+                       wrapper=faults.small_disk("3m", disk, keep)) as run:
+        run.wait_for(r"^iter ")
+        run.send(signal.SIGTERM)
+        run.assert_stopped(143, r"^interrupted by SIGTERM: the run was stopped, nothing is left running; the stop "
+                                r"checkpoint could not be written \(could not write the checkpoint .*/checkpoint-\d+: "
+                                r"No space left on device\): there is no checkpoint to resume from$")
+    assert not [p.name for p in (keep / "run").iterdir() if "checkpoint" in p.name]

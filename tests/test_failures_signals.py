@@ -2,6 +2,7 @@
 leaving no process and nothing in /dev/shm behind (`faults.Launch.assert_stopped` checks all of that)."""
 import os
 import signal
+import time
 
 import pytest
 from faults import Launch
@@ -128,6 +129,8 @@ def test_a_killed_builds_folder_is_swept_by_the_next_build(tmp_path):
 
 FULL_SHM = """
 import torch, weights
+
+pytestmark = pytest.mark.slow  # process-level: `python -m pytest -m slow` (CI runs both tiers)
 weights.check_shared_memory = lambda nbytes: None  # as if /dev/shm filled up after the check
 try:
     weights.WeightBuffer(torch.nn.Linear(2000, 2000))  # 15 MiB
@@ -155,3 +158,19 @@ def test_a_full_dev_shm_leaves_no_torch_segment(tmp_path):
     lines = result.stdout.splitlines()
     assert result.returncode == 0 and len(lines) == 1, result.stdout + result.stderr
     assert lines[0].startswith("error: could not allocate 15.3 MiB of shared memory") and "--shm-size" in lines[0]
+
+
+def test_killed_torchrun_takes_its_ranks_along(tiny_model_dir, tmp_path):
+    """Claim (#33 point 4): SIGKILL to torchrun (which starts each rank in a session of its own) leaves nothing
+    running: each rank dies with its launcher (parent-death signal, distributed.die_with_launcher), its inference
+    process with it, the resource trackers after them; metrics.jsonl stops growing (ranks went on training and
+    writing --out 15 s later)."""
+    torchrun = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
+    with Launch("--model", tiny_model_dir, *ENDLESS, "--out", tmp_path, launcher=torchrun) as run:
+        run.wait_for(r"^iter +1 ")
+        assert len(run.tree) >= 6, run.tree  # 2 ranks, their inference processes and resource trackers
+        run.send(signal.SIGKILL)
+        run.assert_stopped(-signal.SIGKILL, None)
+        rows = (tmp_path / "metrics.jsonl").read_text()
+        time.sleep(2)
+        assert (tmp_path / "metrics.jsonl").read_text() == rows

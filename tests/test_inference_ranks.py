@@ -34,6 +34,8 @@ from infra.timeline import INFERENCE, Span
 from launch.remote import destination
 from rollout import Group, IterationDone
 
+pytestmark = pytest.mark.slow  # process-level: `python -m pytest -m slow` (CI runs both tiers)
+
 
 def test_one_trainer_rank_and_one_inference_rank_are_the_single_process_bitwise(tiny_model_dir, single_process,
                                                                                 tmp_path):

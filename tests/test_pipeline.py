@@ -79,6 +79,7 @@ def test_async_equals_sync(tiny_model_dir, extra):
         assert max(r["clip_fraction"] for r in sync_rows[:-1]) > 0, "N > 1 updates should activate clipping"
 
 
+@pytest.mark.slow
 def test_async_matches_sync_across_thread_counts(tiny_model_dir):
     """Claim: with the default thread split (sync: 2 threads, async: 1 + 1 on a 2-core machine) the runs differ only
     by float summation order. Tolerances, from the arithmetic:
@@ -100,6 +101,7 @@ def test_async_matches_sync_across_thread_counts(tiny_model_dir):
         assert async_rows[0][key] == pytest.approx(sync_rows[0][key], rel=1e-4, abs=1e-7), key
 
 
+@pytest.mark.slow
 def test_async_in_turns_never_computes_both_sides_at_once(tiny_model_dir, monkeypatch):
     """Claim: when the two sides' threads oversubscribe the cores (here 2 + 2 threads on 2 cores, two inference
     workers), the trainer takes the inference side's whole iteration, held-out evaluation included, before it
@@ -120,6 +122,7 @@ def test_async_in_turns_never_computes_both_sides_at_once(tiny_model_dir, monkey
     assert [r.get("eval_reward") for r in sync_rows] == [r.get("eval_reward") for r in async_rows]
 
 
+@pytest.mark.slow
 def test_async_taking_turns_in_one_process_is_sync(tiny_model_dir, monkeypatch, capsys):
     """Claim (setup.colocated): async whose sides would take turns with one inference process and one thread
     count samples in the trainer's process, sync's schedule: with the sizes given, no inference process is started;
@@ -161,6 +164,7 @@ def test_async_taking_turns_in_one_process_is_sync(tiny_model_dir, monkeypatch, 
         assert [[r.get(k) for k in keys] for r in run_rows] == [[r.get(k) for k in keys] for r in sync_rows]
 
 
+@pytest.mark.slow
 def test_the_trainer_takes_every_core_once_sampling_is_done(tiny_model_dir, monkeypatch):
     """Claim (setup.elastic_threads): when the probe split the cores (here: made to pick 1 + 1 on 2 cores and
     --tail-threads 2, as it does when it splits them), every micro-batch trained before the iteration's last group
@@ -328,6 +332,7 @@ def test_batched_training_forward_gives_the_same_update(tiny_model_dir):
         assert (p - q).abs().max().item() <= 1e-6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("when", ["while loading", "while generating"])
 def test_killed_inference_process_is_noticed_within_seconds(tiny_model_dir, when):
     """Claim: if the inference process dies, whether still loading its model or already serving, the trainer
@@ -351,6 +356,7 @@ def test_killed_inference_process_is_noticed_within_seconds(tiny_model_dir, when
     assert not remote.workers[0].process.is_alive()
 
 
+@pytest.mark.slow
 def test_deferred_load_waits_for_the_trainer(tiny_model_dir, tmp_path):
     """Claim: with load=False the inference process imports, then waits: it loads the model only once told
     (trainer.py builds the tiny model first), so a model directory that appears only after the spawn is
@@ -379,6 +385,7 @@ def run_trainer(*args, timeout=240):
                           text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reward, fragment", [("tests/rewards.py:raising_reward", "broken on purpose"),
                                               ("tests/rewards.py:nan_reward", "not a finite number")])
 def test_bad_reward_stops_trainer_with_clear_message(tiny_model_dir, tmp_path, reward, fragment):
@@ -408,6 +415,7 @@ def wait_for_iteration(process, metrics: Path, deadline: float = 120) -> None:
         time.sleep(0.2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["kill-child", "ctrl-c"])
 def test_trainer_stops_cleanly(tiny_model_dir, tmp_path, how):
     """Claim: a killed inference process stops the trainer within 10 s (exit != 0, clear message; threads within

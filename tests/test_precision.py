@@ -57,6 +57,7 @@ def test_bf16_async_equals_sync_and_publishes_bf16(tiny_model_dir):
             assert s.get(key) == a.get(key), key
 
 
+@pytest.mark.slow
 def test_bf16_run_learns(tmp_path):
     """Claim: `python trainer.py --dtype bfloat16` (the warmed-up tiny model, sync mode) learns: held-out reward
     rises by well over the noise in 16 iterations (measured: 0.301 -> 0.469 at 10 iterations, 0.688 at 20; the

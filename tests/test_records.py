@@ -2,6 +2,7 @@
 import contextlib
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 import types
@@ -131,6 +132,7 @@ def scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(event.step, event.value) for event in reader.Scalars(tag)] for tag in reader.Tags()["scalars"]}
 
 
+@pytest.mark.slow
 def test_tensorboard_events_equal_metrics_jsonl(run_dir):
     """Claim: --report-to tensorboard writes <out>/runs, whose events, read back by TensorBoard's reader, are
     metrics.jsonl's rows under tracker_names at step = iteration: every figure, every row, the final held-out
@@ -301,7 +303,7 @@ def test_config_file_with_resume_is_checked_like_typed_flags(tmp_path):
 def test_records_alone_are_no_previous_run_and_overwrite_deletes_them(tmp_path):
     """Claim: config.json and the trackers' folders left by a run that failed before its first row do not make
     --out a previous run (as an empty metrics.jsonl does not); --overwrite deletes them with the run's files."""
-    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "config.json").write_text('{"run_id": "run-1", "versions": {}}')
     (tmp_path / "runs").mkdir()
     (tmp_path / "metrics.jsonl").write_text("")
     with outputs.claimed(Config(out=str(tmp_path))):
@@ -334,3 +336,40 @@ def test_plot_without_metrics_says_so_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "metrics.jsonl has no rows: nothing to draw" in err and err.count("\n") == 1
     assert plot.main([str(tmp_path / "none")]) == 1 and "does not exist" in capsys.readouterr().err
+
+
+ROW = '{"iteration": 0, "reward_mean": 0.5, "reward_std": 0.1, "eval_reward": null, "kl": 0.01, "response_length": 3}\n'
+
+
+@pytest.mark.parametrize("text, said", [
+    (ROW + "[1, 2]\n", r"line 2, is an array, not a row of metrics"),
+    (ROW + '{"reward_mean": 1.0}\n', r'line 2, has no iteration number \("iteration": null\)'),
+    (ROW + '{"iteration": 1, "kl": "0.1"}\n', r"""line 2, has a string "0.1" under 'kl', not a number"""),
+    (ROW.encode() + b'{"iteration": 1, "note": "\xff"}\n', r"line 2, is not UTF-8 text \(byte 0xff at column 27\)"),
+    (ROW + "{not json\n" + ROW, r"line 2, is not JSON"),
+], ids=["not-an-object", "no-iteration", "not-a-number", "not-utf8", "not-json"])
+def test_plot_of_a_file_that_is_not_metrics_is_one_line(tmp_path, text, said):
+    """Claim (#33 point 12): plot.py on a metrics.jsonl that trainer.py did not write (a line that is JSON but not an
+    object, a row without iteration, text where a number is drawn, a byte that is not UTF-8, a line that is not
+    JSON) is one `error:` line naming the file and line, exit 1, no traceback; a last line torn by a kill is
+    skipped."""
+    (tmp_path / "metrics.jsonl").write_bytes(text if isinstance(text, bytes) else text.encode())
+    result = subprocess.run([sys.executable, "plot.py", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and re.search(rf"^error: {re.escape(str(tmp_path))}/metrics.jsonl, {said}", lines[0]), lines
+    (tmp_path / "metrics.jsonl").write_text(ROW + '{"iteration": 1, "rew')
+    assert plot.main([str(tmp_path)]) == 0 and (tmp_path / "metrics.png").is_file()
+
+
+def test_plot_writes_the_file_it_names_or_refuses_the_format(tmp_path, capsys):
+    """Claim (#33 point 12): `-o /tmp/out` says the file it wrote, out.png (it said "wrote /tmp/out"); `-o x.foo`, a
+    format matplotlib cannot write, is one line listing those it can, before anything is drawn."""
+    (tmp_path / "metrics.jsonl").write_text(ROW)
+    assert plot.main([str(tmp_path), "-o", str(tmp_path / "out")]) == 0
+    assert capsys.readouterr().out == f"wrote {tmp_path / 'out.png'}\n" and (tmp_path / "out.png").is_file()
+    assert plot.main([str(tmp_path), "-o", str(tmp_path / "x.foo")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: -o {tmp_path / 'x.foo'}: matplotlib cannot write .foo files; name a file ending in ")
+    assert ".png" in err and err.count("\n") == 1 and not (tmp_path / "x.foo").exists()

@@ -169,6 +169,7 @@ def test_a_checkpoint_with_the_old_single_reward_resumes(tmp_path):
             checkpoint.resumed_config(parse_args(argv), {option[2:].replace("-", "_")}, state)
 
 
+@pytest.mark.slow
 def test_weighted_rewards_are_logged_each_on_its_own_in_both_modes(tiny_model_dir, tmp_path):
     """Claim: a run with a plain reward, a TRL-style batched one and math-verify, weights 1 0.5 0.25, logs each
     reward's mean and std (TRL's `rewards/<name>/mean`) and trains on their weighted sum: reward_mean = Σ w_k mean_k

@@ -2,6 +2,7 @@
 import dataclasses
 import math
 
+import pytest
 import torch
 
 from config import Config
@@ -112,6 +113,7 @@ def test_in_turns_takes_the_least_generation_and_the_whole_training():
     assert sizing.in_turns(probe, 16, 16384, calls=4)[0] == 4
 
 
+@pytest.mark.slow
 def test_probe_changes_nothing_and_choose_fills_only_open_sizes(tiny_model_dir, monkeypatch):
     """Claim: the probe leaves the RNG state, the weights and the gradients as they were (the run that follows is
     the run that would have happened), measures positive costs, and `choose` fills exactly the sizes left open,

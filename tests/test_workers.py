@@ -119,6 +119,7 @@ def test_groups_reach_the_trainer_in_one_workers_order():
     assert [g.index for g in released] == [1, 0, 3]  # call 1's group goes through once call 0 is complete
 
 
+@pytest.mark.slow
 def test_rollouts_do_not_depend_on_the_number_of_workers(tiny_model_dir):
     """Claim: two inference workers sample exactly the groups one does (prompts, responses, rewards, advantages,
     versions: equality), over two iterations with different weights, and the trainer receives them in the same
@@ -147,6 +148,7 @@ def test_rollouts_do_not_depend_on_the_number_of_workers(tiny_model_dir):
     assert not any(w.process.is_alive() for w in two.workers)
 
 
+@pytest.mark.slow
 def test_training_does_not_depend_on_the_number_of_workers(tiny_model_dir):
     """Claim: a run with two inference workers is bitwise the run with one: the same metrics and, after three
     iterations of two optimizer steps each, the same weights (torch.equal), although worker 0 is made slow (its
@@ -173,6 +175,7 @@ ENDLESS = ("--data", "arithmetic", "--iterations", "1000", "--batch-size", "16",
            "--rollout-threads", "2", "--train-threads", "1", "--inference-workers", "2", "--no-save")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds processes through Linux's /proc")
 @pytest.mark.parametrize("how", ["kill-worker", "ctrl-c"])
 def test_a_dead_worker_or_ctrl_c_stops_every_process(tiny_model_dir, tmp_path, how):
