@@ -7,7 +7,8 @@ import time
 import pytest
 from faults import Launch
 
-pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds processes through Linux's /proc")
+pytestmark = [pytest.mark.slow,  # process-level: `python -m pytest -m slow` (CI runs both tiers)
+              pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds processes through Linux's /proc")]
 
 # Small, fixed sizes (no probe): a run of 1000 iterations that only a signal ends.
 ENDLESS = ("--data", "arithmetic", "--iterations", "1000", "--batch-size", "16", "--group-size", "4",
@@ -129,8 +130,6 @@ def test_a_killed_builds_folder_is_swept_by_the_next_build(tmp_path):
 
 FULL_SHM = """
 import torch, weights
-
-pytestmark = pytest.mark.slow  # process-level: `python -m pytest -m slow` (CI runs both tiers)
 weights.check_shared_memory = lambda nbytes: None  # as if /dev/shm filled up after the check
 try:
     weights.WeightBuffer(torch.nn.Linear(2000, 2000))  # 15 MiB
