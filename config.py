@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo")  # grpo.LOSS_TYPES, repeated so that parsing options needs no torch (tested)
 MODES = ("async", "sync")
+ENGINES = ("auto", "hf")
 SIZES = ("probe", "rule")
 TRACKERS = ("none", "tensorboard", "wandb", "trackio")  # --report-to (infra/tracking.py)
 DTYPES = ("auto", "float32", "bfloat16")
@@ -60,6 +61,11 @@ class Config:
                                             "512 otherwise)")
     temperature: float = _opt(1.0, "sampling temperature (log-probs are computed at the same temperature)")
     top_p: float = _opt(1.0, "nucleus sampling threshold (1.0 = sample from the full distribution)")
+    engine: str = _opt("auto", "how rollouts are sampled. auto: engine.py (each prompt prefilled once, a static KV "
+                               "cache, one uniform per row and step from (seed, iteration, prompt, sample, step): the "
+                               "tokens do not depend on the sizes, workers or ranks) wherever it is exact for the "
+                               "model, else Hugging Face generate with a line saying why; hf: generate always (the "
+                               "reference)", choices=ENGINES)
     lr: float | None = _opt(None, "AdamW learning rate (default: 1e-4 for tiny, 1e-6 otherwise)")
     beta: float = _opt(0.04, "weight of the k3 KL penalty to the reference model (0 = no reference forward)")
     kl_bias_correction: bool = _opt(True, "multiply the per-token k3 KL by the importance ratio, so its gradient is "
@@ -112,8 +118,10 @@ class Config:
                                        "(default: $PERIODIC_RL_CACHE or ~/.cache/periodic-rl)")
     # --- the run: outputs, evaluation, long runs ---
     out: str = _opt("runs/latest", "output directory: metrics.jsonl and the final policy/ model (one run at a time)")
-    overwrite: bool = _opt(False, "replace the previous run in --out (its metrics.jsonl and policy/ are deleted "
-                                  "first); without it a directory holding a run is refused")
+    overwrite: bool = _opt(False, "replace the run in --out: delete what an earlier run of trainer.py wrote there "
+                                  "(metrics.jsonl, policy/, checkpoint-<k>/, config.json, its TensorBoard events in "
+                                  "<out>/runs and its wandb folders) and nothing else (other runs' folders below --out "
+                                  "stay); without it a directory holding a run is refused")
     seed: int = _opt(0, "seed for prompt order and for each prompt's sampling (0 to 2**64 - 1)")
     eval_every: int = _opt(10, "evaluate held-out reward every N iterations (and at the start and end; 0 = never)")
     eval_size: int = _opt(64, "held-out prompts per evaluation")

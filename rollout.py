@@ -11,7 +11,7 @@ One iteration k of rollouts, with the policy weights θ_k:
     every `eval_every` iterations: held-out reward of θ_k
 
 `rollout_iteration` is that loop, handing each message to `send`. Synchronous mode collects them in
-the trainer's own process; asynchronous mode runs the very same function in `worker.inference_process`,
+the trainer's own process; asynchronous mode runs the very same function in `inference.inference_process`,
 whose `send` writes each message to a pipe. Same code, same seeds, so the same rollouts, in the same
 order.
 
@@ -65,6 +65,7 @@ from transformers import GenerationConfig
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
+import engine
 import grpo
 from config import Config
 from infra.reward import Reward, Rewards, as_rewards, score_group, weighted_total
@@ -272,8 +273,9 @@ def sample_responses(model, prompts: list[list[int]], num_samples: int, generati
     with own_sampling_only(model):
         while rows:
             stream.start_call(rows)
-            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
-                                 generation_config=budget, streamer=stream, stopping_criteria=stopping)
+            resumed = {} if cache is None else {"past_key_values": cache}  # (a compacted call's live rows)
+            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=budget,
+                                 streamer=stream, stopping_criteria=stopping, **resumed)
             live = [i for i, row in enumerate(rows) if not stream.done[row]]
             if not live:
                 break
@@ -284,6 +286,27 @@ def sample_responses(model, prompts: list[list[int]], num_samples: int, generati
             cache.batch_select_indices(keep)  # the live rows' keys and values: no second prefill
             rows, budget.max_new_tokens = [rows[i] for i in live], budget.max_new_tokens - new
     return stream.responses
+
+
+def engine_reason(model, cfg: Config) -> str | None:
+    """Why rollouts are not sampled by engine.py for this model and config (None: they are)."""
+    return "--engine hf" if cfg.engine == "hf" else engine.unsupported_reason(model)
+
+
+def sample_prompts(model, prompts: list[list[int]], num_samples: int, generation: GenerationConfig, cfg: Config,
+                   iteration: int, first: int, on_done: Callable[[int, list[list[int]]], None] | None = None
+                   ) -> list[list[list[int]]]:
+    """num_samples responses to each of `prompts`, the prompts first, first + 1, ... of iteration k (-1: the held-out
+    evaluation): engine.py where it is exact for the model (row i of prompt j draws from (seed, k, j, i, step)
+    alone), else `generate` seeded per call (`sample_responses`). responses[prompt][sample]; `on_done` as there."""
+    if engine_reason(model, cfg) is None:
+        eos_ids = generation.eos_token_id if isinstance(generation.eos_token_id, list) else [generation.eos_token_id]
+        return engine.sample_groups(model, prompts, num_samples, max_new_tokens=generation.max_new_tokens,
+                                    temperature=cfg.temperature, top_p=cfg.top_p, stop_ids=eos_ids,
+                                    keys=[(cfg.seed, iteration, first + j) for j in range(len(prompts))],
+                                    on_done=on_done)
+    return sample_responses(model, prompts, num_samples, generation, prompt_seed(cfg.seed, iteration, first),
+                            on_done=on_done)
 
 
 def chunks(examples: list[Example], size: int) -> list[tuple[int, list[Example]]]:
@@ -308,8 +331,7 @@ def evaluate(model, tokenizer, examples: list[Example], rewards: Rewards | Rewar
     totals = []
     for first, chunk in chunks(examples, cfg.groups_per_chunk):
         prompts = [prompt_token_ids(tokenizer, example.prompt) for example in chunk]
-        responses = sample_responses(model, prompts, cfg.eval_samples, generation,
-                                     prompt_seed(cfg.seed, -1, first))
+        responses = sample_prompts(model, prompts, cfg.eval_samples, generation, cfg, -1, first)
         for example, samples in zip(chunk, responses):
             totals += score_responses(rewards, tokenizer, example, samples, cfg)[0]
     scored = [total for total in totals if not math.isnan(total)]
@@ -354,8 +376,7 @@ def rollout_iteration(model, tokenizer, train: list[Example], held_out: list[Exa
                 send(Group(iteration, first + offset, tag, prompts[offset], responses, totals, advantages.tolist(),
                            start, time.perf_counter(), chunk=(first, len(chunk)), rewards_per_function=per_function))
 
-            sample_responses(model, prompts, cfg.group_size, generation,
-                             prompt_seed(cfg.seed, iteration, first), on_done=score_and_send)
+            sample_prompts(model, prompts, cfg.group_size, generation, cfg, iteration, first, on_done=score_and_send)
             last = first + len(chunk) - 1
             send(Span(f"generate group {first}" if last == first else f"generate groups {first}-{last}", INFERENCE,
                       start, time.perf_counter()))

@@ -35,6 +35,7 @@ from infra.timeline import Timeline
 from launch import sizing
 from learner import Learner
 from packing import enable_activation_checkpointing, logprobs_fn
+from rollout import engine_reason
 from tri_model import TriModel
 
 
@@ -139,6 +140,9 @@ def train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs
     keeps_checkpoints = bool(cfg.save_every or cfg.save_on_stop or resume_from)
     theta_0 = checkpoint.fingerprint(policy) if keeps_checkpoints else ""
     first = checkpoint.restore(resume_from, policy, optimizer, theta_0) if resume_from else 0
+    reason = engine_reason(policy, cfg)
+    if reason and cfg.engine == "auto":  # (--engine hf asked for it)
+        print(f"periodic-rl: sampling with Hugging Face generate, not engine.py: {reason}", flush=True)
     # sizes left open: measured (--sizes probe) or by rule (launch/sizing.py)
     if rollouts is not None and not cfg.sized:
         rollouts.wait_until_loaded()  # the probe times this machine's cores, not the inference side's loading

@@ -30,8 +30,8 @@ micro-batch, within 5% of the fastest win (sync mode, whose sides take turns: th
 within 5% of the least generation). On CPU, async mode then splits the cores in proportion
 to the two sides' measured demand, T_gen : T_train (at least one core each), and the micro-batches
 trained once the last group is in are costed at all cores (the trainer takes them then:
-periodic_rl.elastic_threads); unless the second probe, at all cores, predicts that taking turns
-(sync's schedule, in one process: periodic_rl.colocated) is faster. The probe costs about
+launch.setup.elastic_threads); unless the second probe, at all cores, predicts that taking turns
+(sync's schedule, in one process: launch.setup.colocated) is faster. The probe costs about
 PASSES iterations' generation per call size (five sizes for 16 prompts) and PASSES iterations' training; the
 `probe:` line prints its seconds.
 (A first version modelled a call of k prompts as its longest response x a per-step cost measured
@@ -59,7 +59,7 @@ import torch
 from infra.options import MICRO_BATCH_TOKENS, available_cores
 from infra.tasks import prompt_token_ids
 from learner import forward_backward, micro_batch_size
-from rollout import iteration_prompts, prompt_seed, sample_responses, sampling_config, stop_token_ids
+from rollout import iteration_prompts, sample_prompts, sampling_config, stop_token_ids
 
 AS_FAST = 1.05  # fewer calls (then bigger micro-batches) win unless the others are predicted > 5% faster
 MICRO_BATCH_FRACTIONS = (1, 2, 4, 8, 16)  # candidate micro-batches: an iteration's tokens / these, under the cap
@@ -123,7 +123,7 @@ def predict_seconds(probe: Probe, calls: int, micro_tokens: int,
     rule (the waiting groups are trained once they reach `micro_tokens`, or once their call has
     delivered all its groups), d + c·padded tokens per micro-batch, never before its groups arrived.
     `tail`: the (d, c) of the micro-batches trained once the last group is in (the trainer then takes
-    every core: periodic_rl.elastic_threads), if they differ."""
+    every core: launch.setup.elastic_threads), if they differ."""
     prompts = probe.prompts
     size = math.ceil(prompts / calls)
     tokens, timeline = probe.tokens[size], probe.timelines[size]
@@ -155,7 +155,7 @@ def best_sizes(probe: Probe, max_tokens: int, tail: tuple[float, float] | None =
     return next(size for size in fewest_first if seconds[size] <= AS_FAST * fastest)
 
 
-def sample_timeline(model, prompts, group_size, generation, seed, size, hand_over=None):
+def sample_timeline(model, prompts, group_size, generation, cfg, size, hand_over=None):
     """Iteration 0 sampled in calls of `size` prompts (seeded as rollout.rollout_iteration seeds them):
     (when each group was ready, its index, its call's first prompt) in arrival order, the seconds until
     the last call ended, and the responses. `hand_over(index, responses)` runs where the inference side
@@ -166,8 +166,8 @@ def sample_timeline(model, prompts, group_size, generation, seed, size, hand_ove
             if hand_over is not None:
                 hand_over(first + offset, group)
             timeline.append((time.perf_counter() - start, first + offset, first))
-        responses += sample_responses(model, prompts[first:first + size], group_size, generation,
-                                      prompt_seed(seed, 0, first), on_done=ready)
+        responses += sample_prompts(model, prompts[first:first + size], group_size, generation, cfg, 0, first,
+                                    on_done=ready)
     return timeline, time.perf_counter() - start, responses
 
 
@@ -215,14 +215,14 @@ def probe(cfg, tri, tokenizer, train_examples, threads: int) -> Probe:
         with torch.random.fork_rng(devices=[]):
             policy.eval()
             hand_over = hand_over_work(cfg, tokenizer, prompts)
-            sample_timeline(policy, prompts[:1], cfg.group_size, generation, cfg.seed, 1, hand_over)  # warm-up
+            sample_timeline(policy, prompts[:1], cfg.group_size, generation, cfg, 1, hand_over)  # warm-up
             runs, tokens, widths, responses = {}, {}, {}, None  # runs: size -> [(seconds, timeline)], one per pass
             order = sorted(set(candidate_chunks(len(prompts))) | {min(cfg.groups_per_chunk or 1, len(prompts))},
                            reverse=True)
             for turn in range(PASSES):  # biggest calls first, then smallest first, ...
                 for size in order if turn % 2 == 0 else order[::-1]:
                     timeline, seconds, sampled = sample_timeline(policy, prompts, cfg.group_size, generation,
-                                                                 cfg.seed, size, hand_over)
+                                                                 cfg, size, hand_over)
                     runs.setdefault(size, []).append((seconds, sorted(timeline)))
                     tokens[size] = [cfg.group_size * len(p) + sum(len(r) for r in group)  # the same in every pass
                                     for p, group in zip(prompts, sampled)]
@@ -289,7 +289,7 @@ def choose(cfg, tri, tokenizer, train_examples) -> tuple[object, str, float]:
     else:
         result = probe(cfg, tri, tokenizer, train_examples, threads=max(1, cores // 2))
         full = probe(cfg, tri, tokenizer, train_examples, threads=cores)
-        tail = full.train_seconds if elastic else None  # the tail at every core (periodic_rl.elastic_threads)
+        tail = full.train_seconds if elastic else None  # the tail at every core (launch.setup.elastic_threads)
     if cfg.mode == "sync":
         calls, micro_tokens = in_turns(result, prompts, cap, given)[0], cap
     else:

@@ -1,0 +1,159 @@
+"""Sampling seconds per iteration on CPU: the rollout engine (engine.py) against today's Hugging Face `generate` path
+(rollout.sample_responses with rollout.sampling_config), side by side in one process, interleaved.
+
+    python benchmarks/engine_cpu.py [--layers 2] [--prompts 4] [--group-size 8] [--max-new-tokens 48] [--rounds 3]
+
+Model: Qwen2.5-0.5B's width (hidden 896, 14 query / 2 key-value heads, MLP 4864, vocabulary 151,936, tied
+embeddings) with --layers layers, random weights, float32. Prompts: the first --prompts GSM8K questions, one token
+per UTF-8 byte (the length the project's offline tokenizer gives; with random weights which ids does not matter).
+Random weights almost never draw an EOS id, so every response runs to --max-new-tokens on both sides.
+
+Each round samples one iteration with each side (which goes first alternates) and prints both times; then the
+median per side and the ratio hf / engine (target: 1.6x or more). A last, untimed iteration of each side splits
+the time: the engine's prefill, decode forwards and draws; `generate`'s prefill and decode forwards (the rest:
+its sampling and bookkeeping).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+
+import engine  # noqa: E402
+import rollout  # noqa: E402
+
+
+
+def eos_ids(vocab: int) -> list[int]:
+    """Qwen2.5-Instruct's <|im_end|> and <|endoftext|> (also the pad id); the last two ids of a smaller vocabulary."""
+    return [151645, 151643] if vocab > 151645 else [vocab - 1, vocab - 2]
+
+
+def qwen_wide_model(layers: int, vocab: int, seed: int = 0) -> Qwen2ForCausalLM:
+    stops = eos_ids(vocab)
+    config = Qwen2Config(vocab_size=vocab, hidden_size=896, intermediate_size=4864, num_hidden_layers=layers,
+                         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                         rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True, eos_token_id=stops[0],
+                         pad_token_id=stops[1])
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(config).eval()
+
+
+def gsm8k_prompts(path: Path, count: int) -> list[list[int]]:
+    """The first `count` questions, one id per UTF-8 byte (shifted past 0..2)."""
+    with open(path) as lines:
+        questions = [json.loads(line)["question"] for line, _ in zip(lines, range(count))]
+    return [[byte + 3 for byte in question.encode()] for question in questions]
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+class Stopwatch:
+    """Seconds spent in chosen functions, by label: wraps them while active."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    def wrap(self, owner, name: str, label) -> None:
+        original = getattr(owner, name)
+
+        @functools.wraps(original)  # keeps the signature: generate passes logits_to_keep only to a forward naming it
+        def timed_call(*args, **kwargs):
+            start = time.perf_counter()
+            result = original(*args, **kwargs)
+            key = label(*args, **kwargs) if callable(label) else label
+            self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - start
+            return result
+        setattr(owner, name, timed_call)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl",
+                        help="GSM8K train.jsonl (the questions are the prompts)")
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers of the Qwen2.5-0.5B-wide model")
+    parser.add_argument("--vocab", type=int, default=151936, help="vocabulary size (Qwen2.5's by default)")
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per iteration")
+    parser.add_argument("--group-size", type=int, default=8, help="samples per prompt (G)")
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--rounds", type=int, default=3, help="timed iterations per side")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--no-split", action="store_true", help="skip the untimed iteration that splits the time")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    model = qwen_wide_model(args.layers, args.vocab)
+    prompts = gsm8k_prompts(args.data, args.prompts)
+    settings = SimpleNamespace(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens)
+    stops = eos_ids(args.vocab)
+    generation = rollout.sampling_config(settings, stops, stops[1])
+
+    def run_engine():
+        return engine.sample_groups(model, prompts, args.group_size, max_new_tokens=args.max_new_tokens,
+                                    temperature=args.temperature, top_p=args.top_p, stop_ids=stops,
+                                    keys=[(0, 0, j) for j in range(len(prompts))])
+
+    def run_hf():
+        return rollout.sample_responses(model, prompts, args.group_size, generation, seed=0)
+
+    print(f"engine_cpu: Qwen2.5-0.5B-wide, {args.layers} layers, vocabulary {args.vocab}, float32, "
+          f"{torch.get_num_threads()} threads | {len(prompts)} GSM8K prompts ({min(map(len, prompts))}-"
+          f"{max(map(len, prompts))} tokens) x {args.group_size} samples x {args.max_new_tokens} new tokens")
+    sides = {"engine": run_engine, "hf": run_hf}
+    seconds: dict[str, list[float]] = {"engine": [], "hf": []}
+    with torch.no_grad():
+        run_engine()  # warm-up: first-call allocations, lazy imports
+        for round_ in range(args.rounds):
+            order = ["engine", "hf"] if round_ % 2 == 0 else ["hf", "engine"]
+            for side in order:
+                seconds[side].append(timed(sides[side]))
+            print(f"round {round_}: engine {seconds['engine'][-1]:.2f} s  hf {seconds['hf'][-1]:.2f} s", flush=True)
+    engine_s, hf_s = statistics.median(seconds["engine"]), statistics.median(seconds["hf"])
+    print(f"sampling seconds per iteration (median of {args.rounds}): engine {engine_s:.2f}  hf {hf_s:.2f}  "
+          f"ratio hf/engine {hf_s / engine_s:.2f}x (target >= 1.6x)")
+    if not args.no_split:
+        split(model, run_engine, run_hf)
+
+
+def split(model, run_engine, run_hf) -> None:
+    """Where each side's time goes, from one more (untimed) iteration each."""
+    watch = Stopwatch()
+    watch.wrap(engine.Rollouts, "prefill", "engine prefill")
+    watch.wrap(engine.Rollouts, "decode", "engine decode")
+    watch.wrap(engine.Rollouts, "draw", lambda self, logits, rows, lengths: "engine draws")
+    total = timed(run_engine)
+    s = watch.seconds
+    print(f"engine split: total {total:.2f} s = prefill {s['engine prefill']:.2f} (draw of the first tokens "
+          f"included) + decode steps {s['engine decode']:.2f} (of which draws {s['engine draws']:.2f}, all steps) + "
+          f"host {total - s['engine prefill'] - s['engine decode']:.2f}")
+    watch = Stopwatch()
+    watch.wrap(model, "forward",
+               lambda *args, **kwargs: "hf prefill" if kwargs["input_ids"].shape[1] > 1 else "hf decode")
+    total = timed(run_hf)
+    del model.forward  # back to the class's
+    s = watch.seconds
+    print(f"hf split: total {total:.2f} s = prefill forwards {s.get('hf prefill', 0):.2f} + decode forwards "
+          f"{s.get('hf decode', 0):.2f} + sampling and generate's bookkeeping "
+          f"{total - s.get('hf prefill', 0) - s.get('hf decode', 0):.2f}")
+
+
+if __name__ == "__main__":
+    main()

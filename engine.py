@@ -1,0 +1,431 @@
+"""One iteration's rollouts: each prompt prefilled once, a preallocated cache, a fixed-shape decode step, and
+random draws decided by the seed alone.
+
+    responses = sample_groups(model, prompts, group_size=G, max_new_tokens=M, temperature=T, top_p=p,
+                              stop_ids=eos_ids, keys=[(seed, iteration, j) for j in prompt_indices])
+
+returns responses[j][i], sample i of prompt j, cut after its first stop id (kept), and calls
+on_done(j, responses[j]) the moment prompt j's G responses have all stopped: the completion order that
+rollout.py's `generate` path streams groups in. Only torch and transformers are imported: copy it alone.
+
+One call, on the Hugging Face model's own layers:
+  1. Prefill: prompt j alone, unpadded, one forward of shape (1, P_j), whose keys and values are written
+     straight into the cache rows of its G samples: the paper's shared-prompt idea on the sampling side
+     (`generate` computes every prompt G times, padded to the longest). Its last logits give each sample's
+     first token.
+  2. Decode: one forward of shape (n, 1) per step over the first n cache rows. Row r feeds its last token at
+     position P_r + t - 1 (explicit position ids), writes that token's keys and values at the cache slot of
+     the same number and attends to slots 0 .. P_r + t - 1 (an additive (n, 1, 1, L) mask over the whole
+     preallocated cache). Drawing, the stop test and the bookkeeping (tokens, lengths, the step at which
+     each row stopped) stay on the device.
+  3. Every `check_every` steps (1 on CPU, where reading the device costs nothing; else 8) the host reads
+     which rows stopped and at which step. Groups whose G rows have all stopped go to on_done ordered by
+     the step their last row stopped, then by prompt: the exact completion order, however late it looks.
+  4. Stopped rows are compacted away (the live rows' cache moves to the front, n shrinks), and the room
+     this frees is refilled with whole prompts not yet started, up to `max_rows` rows in flight.
+
+The draw, and why chunk sizes never change a token. Row (j, i) at response step t, with logits z ∈ R^V:
+    u     = U(key_j, i, t) ∈ [0, 1)   output t of a SplitMix64 stream seeded by a hash of (key_j..., i)
+    p     = softmax(z / T)             what the trainer scores: its log-probs are log_softmax(z / T)
+    S     = the tokens s such that the tokens ranked above s (descending p, ties by id) hold < top_p
+            of the mass: transformers' TopPLogitsWarper, the smallest top set with mass >= top_p (never
+            empty; all of V when top_p = 1)
+    token = the s ∈ S with F(s⁻) <= u·F(S) < F(s), F the running sum of p over S
+            (in vocabulary order when top_p = 1, else in descending order: any fixed order draws p|S)
+so P(token = s) = p_s / Σ_S p: the scored distribution truncated by top-p, and nothing else. u is a
+function of (key, sample, step) alone, so which prompts share a call, the batch size, compaction, refill,
+workers and ranks never decide a token. (Logits can still differ in their last bits between batch shapes
+where a BLAS kernel blocks by size; a token then flips only if u·F(S) falls within that rounding of a
+boundary of F.) greedy=True takes argmax z instead; the tests compare it with `generate`.
+
+Stopped rows: compaction, with the freed room refilled by whole new prompts. On CPU a decode step costs
+a fixed overhead plus a share per row, so a stopped row left in the batch (refill in place, the fixed
+shape a CUDA graph likes) pays for nothing until a new prompt takes its slot, and in the iteration's last
+steps none will: with every row in flight at once (max_rows None, the default) there is nothing to refill
+with at all. Compaction decodes only live rows; admitting whole prompts into the room it frees keeps the
+batch full when max_rows bounds it, where compaction alone would wait for the whole batch (waves).
+
+Departures, on purpose:
+1. Another random stream than `generate`'s torch.multinomial: sampled tokens differ from the hf path's
+   (greedy ones are equal), and are reproducible from the keys alone.
+2. Only temperature and top-p shape the distribution (as in rollout.py): no top-k, no repetition penalty.
+3. The inverse CDF runs in two levels (which block of BLOCK tokens, then which token in it): a float32
+   running sum over 151,936 tokens would blur the small probabilities (each step of it rounds to ~1e-7 of
+   the whole), and a float64 pass over all of them costs as much as the rest of the draw on CPU.
+4. The output layer is applied as W·hᵀ, (V, H)·(H, n): the same product as nn.Linear's h·Wᵀ, which MKL
+   runs markedly slower for a few rows on this project's (AMD) CPU.
+5. The decode step attends over the whole preallocated cache, masked: its shape never depends on the step.
+6. On CUDA the decode step is captured as a CUDA graph per row-count bucket (powers of two up to
+   max_rows) and replayed; graphs read the parameters where they are, so weights copied into them in
+   place (param.copy_) need no recapture. Captured once per call, not yet kept across calls, and not run
+   here: this project's machine has no GPU (cuda_graphs=False turns it off).
+7. Checked models: Qwen2 and Llama shapes with full causal attention, sdpa or eager attention
+   (`unsupported_reason` says why not otherwise).
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Callable
+
+import torch
+
+CHECKED_TYPES = ("qwen2", "llama")
+RUNNING = 2**62  # the stop step of a row still decoding
+BLOCK = 1024  # tokens per block of the two-level inverse CDF
+
+
+def unsupported_reason(model) -> str | None:
+    """Why the engine would not sample exactly what `model` scores (one line), or None when it would."""
+    config = model.config
+    kind = getattr(config, "model_type", None)
+    if kind not in CHECKED_TYPES:
+        return f"model type {kind!r} is not one the engine is checked on ({', '.join(CHECKED_TYPES)})"
+    layer_types = getattr(config, "layer_types", None) or []
+    if getattr(config, "use_sliding_window", False) or any(layer != "full_attention" for layer in layer_types):
+        return "sliding-window attention is active (the engine's mask is full causal attention)"
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(config, name, None):
+            return f"{name} is set (the engine does not cap logits)"
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if rope.get("rope_type", rope.get("type")) in ("dynamic", "longrope"):
+        return f"rope scaling {rope.get('rope_type', rope.get('type'))!r} depends on which rows share a step"
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation not in ("sdpa", "eager"):
+        return f"attention implementation {implementation!r} (the engine's 4-D mask needs 'sdpa' or 'eager')"
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear) or head.bias is not None:
+        return "the output layer is not a bias-free nn.Linear"
+    return None
+
+
+# --- the random draws: SplitMix64, on Python ints (the seeds) and on int64 tensors (the steps) ---
+MASK64 = (1 << 64) - 1
+GOLDEN, MIX1, MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+
+def mix64(z: int) -> int:
+    """SplitMix64's output function, mod 2^64."""
+    z = ((z ^ (z >> 30)) * MIX1) & MASK64
+    z = ((z ^ (z >> 27)) * MIX2) & MASK64
+    return z ^ (z >> 31)
+
+
+def as_int64(x: int) -> int:
+    """The int64 with the same 64 bits as x in [0, 2^64)."""
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def row_seed(key: tuple[int, ...], sample: int) -> int:
+    """The seed of one row's stream: each of (key..., sample) folded in by one SplitMix64 step, as int64.
+
+    >>> row_seed((0, 0, 0), 0) != row_seed((0, 0, 0), 1) != row_seed((0, 0, 1), 0)
+    True
+    """
+    state = 0
+    for part in (*key, sample):
+        state = mix64(((state ^ (part & MASK64)) + GOLDEN) & MASK64)
+    return as_int64(state)
+
+
+def shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 bits: torch's >> is arithmetic (a negative z would shift in ones)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def uniforms(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """u ∈ [0, 1): output `step` of the SplitMix64 stream `seed`, its top 32 bits; (n,), (n,) int64 -> (n,) float64.
+
+    int64 additions and products wrap like uint64 ones (two's complement), so these are the mod-2^64 formulas
+    of `mix64` (tests/test_engine.py checks it against them)."""
+    z = seeds + (steps + 1) * as_int64(GOLDEN)                   # (n,) the stream's state after step + 1 increments
+    z = (z ^ shift_right(z, 30)) * as_int64(MIX1)
+    z = (z ^ shift_right(z, 27)) * as_int64(MIX2)
+    z = z ^ shift_right(z, 31)
+    return shift_right(z, 32).double() * 2.0**-32                # (n,) multiples of 2^-32, at most 1 - 2^-32
+
+
+# --- one token per row from its logits and its uniform ---
+def top_p_order(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probabilities in descending order, zero outside the top-p set; their token ids): TopPLogitsWarper's rule."""
+    probs, order = probs.sort(dim=-1, descending=True, stable=True)  # (n, V) ties: lower id first
+    above = probs.cumsum(dim=-1) - probs                             # (n, V) mass ranked above each token
+    return probs.masked_fill(above >= top_p, 0.0), order             # the first token always stays (above = 0)
+
+
+def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The index s with F(s⁻) <= u·F(V) < F(s), F the running sum of `weights` (n, V) >= 0; u (n,) in [0, 1).
+
+    Two levels: the block of BLOCK weights holding u·F(V), then the weight inside it; each block summed in
+    float32 (vectorised; ~1e-7 of the block's mass, the rounding the probabilities carry anyway), the running
+    sums over blocks and inside the chosen block in float64. The chosen weight is positive: u <= 1 - 2^-32
+    keeps u·F(V) below F(V), and a rounding that would step past the block's last positive weight is clamped
+    to it."""
+    vocab = weights.shape[-1]
+    whole = vocab - vocab % BLOCK
+    block_sums = weights[:, :whole].unflatten(1, (-1, BLOCK)).sum(dim=-1)    # (n, B) the last block may be partial
+    if whole < vocab:
+        block_sums = torch.cat([block_sums, weights[:, whole:].sum(dim=-1, keepdim=True)], dim=-1)
+    block_cdf = block_sums.double().cumsum(dim=-1)                            # (n, B)
+    target = u.unsqueeze(-1) * block_cdf[:, -1:]                             # (n, 1) in [0, F(V))
+    block = torch.searchsorted(block_cdf, target, right=True)                # (n, 1) first block ending above it
+    before = torch.where(block > 0, block_cdf.gather(-1, (block - 1).clamp(min=0)), 0.0)  # (n, 1) F before it
+    ids = block * BLOCK + torch.arange(BLOCK, device=weights.device)          # (n, BLOCK) its token ids
+    inside = weights.gather(-1, ids.clamp(max=vocab - 1)).masked_fill(ids >= vocab, 0.0)  # (n, BLOCK)
+    offset = torch.searchsorted(inside.cumsum(dim=-1, dtype=torch.float64), target - before, right=True)  # (n, 1)
+    last_positive = BLOCK - 1 - (inside > 0).flip(-1).to(torch.uint8).argmax(dim=-1, keepdim=True)  # (n, 1)
+    return (block * BLOCK + torch.minimum(offset, last_positive)).squeeze(-1)  # (n,)
+
+
+def draw_tokens(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """Tokens drawn by inverse CDF from softmax(logits / T) truncated by top-p; logits (n, V), u (n,) -> (n,)."""
+    logits = logits.float() if temperature == 1.0 else logits.float() / temperature
+    probs = torch.softmax(logits, dim=-1)                          # (n, V)
+    if top_p >= 1.0:
+        return inverse_cdf(probs, u)
+    probs, order = top_p_order(probs, top_p)                       # (n, V), (n, V)
+    return order.gather(-1, inverse_cdf(probs, u).unsqueeze(-1)).squeeze(-1)
+
+
+# --- the cache ---
+class RowCache:
+    """Every row's keys and values, preallocated: (layers, rows, kv_heads, L, head_dim) each, L = P_max + M.
+
+    Hugging Face's attention layers call update(key, value, layer) with the new tokens' keys and values and
+    attend over what it returns. Set before each forward:
+      prefill_slots (G,): key (1, kv, P, D) of one prompt is written into slots 0..P-1 of those G rows and
+                          returned as it is (the prompt attends to itself);
+      positions (n,):     key (n, kv, 1, D), row r's written at slot positions[r]; the first n rows' whole
+                          cache is returned (the mask hides the slots not yet written)."""
+
+    def __init__(self, model, rows: int, length: int):
+        config = model.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        weight = model.get_output_embeddings().weight
+        shape = (config.num_hidden_layers, rows, config.num_key_value_heads, length, head_dim)
+        self.keys = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
+        self.values = torch.zeros_like(self.keys)
+        self.row_index = torch.arange(rows, device=weight.device)
+        self.prefill_slots: torch.Tensor | None = None
+        self.positions: torch.Tensor | None = None
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer: int, *args, **kwargs):
+        if self.positions is None:
+            self.keys[layer, self.prefill_slots, :, :key.shape[2]] = key[0]  # (G, kv, P, D) <- (kv, P, D)
+            self.values[layer, self.prefill_slots, :, :key.shape[2]] = value[0]
+            return key, value
+        n = self.positions.shape[0]
+        keys, values = self.keys[layer, :n], self.values[layer, :n]  # (n, kv, L, D) views
+        rows = self.row_index[:n]
+        keys[rows, :, self.positions] = key[:, :, 0]  # (n, kv, D) one slot per row
+        values[rows, :, self.positions] = value[:, :, 0]
+        return keys, values
+
+    def get_seq_length(self, layer: int = 0) -> int:
+        """transformers < 5 asks this to number the new tokens when no positions are given; ours are given."""
+        return 0
+
+    def compact(self, keep: torch.Tensor) -> None:
+        """Move rows `keep` (m,) to the front, in order."""
+        self.keys[:, :len(keep)] = self.keys[:, keep]
+        self.values[:, :len(keep)] = self.values[:, keep]
+
+
+def cache_argument(module) -> str:
+    """The keyword a Hugging Face model takes its cache by: 'cache' (transformers >= 5.x) or 'past_key_values'."""
+    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
+
+
+# --- one call's rows: prefill, decode, compaction, on the device ---
+class Rollouts:
+    """The state of one call on the device. Rows are numbered j·G + i (sample i of prompt j); row C·G is a
+    stand-in that is always stopped, for slots with no row (fixed shapes). Slots are cache rows: slot k holds
+    row slot_rows[k], and only the first n slots are decoded."""
+
+    def __init__(self, model, prompts: list[list[int]], group_size: int, max_new_tokens: int, temperature: float,
+                 top_p: float, stop_ids: list[int], keys: list[tuple[int, ...]], slots: int, greedy: bool):
+        weight = model.get_output_embeddings().weight
+        self.decoder, self.head, self.cache_argument = model.base_model, weight, cache_argument(model.base_model)
+        self.device, self.dtype = weight.device, weight.dtype
+        self.prompts, self.group_size, self.max_new_tokens = prompts, group_size, max_new_tokens
+        self.temperature, self.top_p, self.greedy = temperature, top_p, greedy
+        self.length = max(len(prompt) for prompt in prompts) + max_new_tokens  # a stopped row writes one slot more
+        self.cache = RowCache(model, slots, self.length)
+        rows = len(prompts) * group_size
+        self.stand_in = rows
+
+        def tensor(values, dtype=torch.long):
+            return torch.tensor(values, dtype=dtype, device=self.device)
+        self.seeds = tensor([row_seed(keys[j], i) for j in range(len(prompts)) for i in range(group_size)] + [0])
+        # the stand-in's one token sits at the cache's last slot, which no running row reads
+        self.prompt_lengths = tensor([len(prompt) for prompt in prompts for _ in range(group_size)] + [self.length])
+        self.tokens = torch.zeros(rows + 1, max_new_tokens, dtype=torch.long, device=self.device)  # (C·G + 1, M)
+        self.lengths = torch.zeros(rows + 1, dtype=torch.long, device=self.device)  # tokens drawn so far
+        self.stop_step = torch.full((rows + 1,), RUNNING, dtype=torch.long, device=self.device)
+        self.stop_step[self.stand_in] = -1
+        self.slot_rows = torch.full((slots,), self.stand_in, dtype=torch.long, device=self.device)
+        self.last_token = torch.zeros(slots, dtype=torch.long, device=self.device)  # each slot's next input
+        self.stop_ids = tensor(stop_ids)
+        self.step = torch.zeros((), dtype=torch.long, device=self.device)  # decode steps so far (0-dim: graph-safe)
+        self.cache_slots = torch.arange(self.length, device=self.device)
+        self.min = torch.finfo(self.dtype).min
+
+    def logits(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Last position's logits, (rows, V), of one forward of the model's layers on our cache and mask."""
+        hidden = self.decoder(input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=True,
+                              **{self.cache_argument: self.cache}).last_hidden_state[:, -1]  # (rows, H)
+        return torch.mm(self.head, hidden.t()).t()  # (rows, V) = ((V, H)·(H, rows))ᵀ, departure 4
+
+    def draw(self, logits: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        if self.greedy:
+            return logits.argmax(dim=-1)
+        return draw_tokens(logits, uniforms(self.seeds[rows], lengths), self.temperature, self.top_p)
+
+    def record(self, rows: torch.Tensor, lengths: torch.Tensor, running: torch.Tensor, new: torch.Tensor) -> None:
+        """Token `lengths[r]` of each running row is `new[r]`; a row stops at a stop id or at max_new_tokens."""
+        column = lengths.clamp(max=self.max_new_tokens - 1)                            # (n,)
+        self.tokens[rows, column] = torch.where(running, new, self.tokens[rows, column])
+        stops = running & ((new.unsqueeze(-1) == self.stop_ids).any(-1) | (lengths + 1 == self.max_new_tokens))
+        self.stop_step[rows] = torch.where(stops, self.step, self.stop_step[rows])
+        self.lengths[rows] = lengths + running.long()
+
+    def prefill(self, prompt: int, slots: torch.Tensor) -> None:
+        """Prompt `prompt` once, into the cache of its G rows at `slots` (G,), and its rows' first tokens."""
+        ids = torch.tensor([self.prompts[prompt]], device=self.device)                  # (1, P)
+        length = ids.shape[1]
+        causal = torch.full((length, length), self.min, dtype=self.dtype, device=self.device).triu(1)  # (P, P)
+        self.cache.prefill_slots, self.cache.positions = slots, None
+        logits = self.logits(ids, self.cache_slots[None, :length], causal[None, None])  # (1, V)
+        rows = prompt * self.group_size + torch.arange(self.group_size, device=self.device)  # (G,)
+        first = torch.zeros_like(rows)
+        new = self.draw(logits.expand(self.group_size, -1), rows, first)                 # (G,)
+        self.record(rows, first, torch.ones_like(rows, dtype=torch.bool), new)
+        self.slot_rows[slots], self.last_token[slots] = rows, new
+
+    def decode(self, n: int) -> None:
+        """One step of the first n slots: every running row draws one token (fixed shapes, no host sync)."""
+        self.step += 1  # before recording: a prompt prefilled at step s and stopped at once ranks before step s + 1
+        rows = self.slot_rows[:n]                                                          # (n,)
+        lengths = self.lengths[rows]                                                       # (n,)
+        running = self.stop_step[rows] == RUNNING                                          # (n,)
+        positions = self.prompt_lengths[rows] + lengths - 1                                # (n,) last token's slot
+        unseen = self.cache_slots > positions.unsqueeze(-1)                                # (n, L)
+        mask = torch.zeros(unseen.shape, dtype=self.dtype, device=self.device).masked_fill_(unseen, self.min)
+        self.cache.positions = positions
+        logits = self.logits(self.last_token[:n, None], positions[:, None], mask[:, None, None, :])  # (n, V)
+        new = self.draw(logits, rows, lengths)                                             # (n,)
+        self.record(rows, lengths, running, new)
+        self.last_token[:n] = new
+
+    def compact(self, keep: list[int], n: int) -> None:
+        """Slots `keep` (their rows still run) to the front, in order; slots len(keep)..n-1 get the stand-in."""
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        self.cache.compact(index)
+        self.slot_rows[:len(keep)], self.last_token[:len(keep)] = self.slot_rows[index], self.last_token[index]
+        self.slot_rows[len(keep):n] = self.stand_in
+
+
+class DecodeGraphs:
+    """CUDA graphs of `Rollouts.decode`, one per row count, captured the first time it is needed.
+
+    Warm-up and capture run with every slot pointing at the stand-in row (always stopped: nothing is
+    recorded, its key/value go to the cache's last slot, which no running row reads), and the slots, last
+    tokens and step counter are put back afterwards: capturing never moves a real row."""
+
+    def __init__(self, rollouts: Rollouts):
+        self.rollouts, self.graphs = rollouts, {}
+
+    def decode(self, n: int) -> None:
+        if n not in self.graphs:
+            self.graphs[n] = self.capture(n)
+        self.graphs[n].replay()
+
+    def capture(self, n: int) -> torch.cuda.CUDAGraph:
+        rollouts = self.rollouts
+        saved = rollouts.slot_rows[:n].clone(), rollouts.last_token[:n].clone(), rollouts.step.clone()
+        rollouts.slot_rows[:n] = rollouts.stand_in
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the capture (lazy initialisations, cuBLAS workspaces)
+            for _ in range(2):
+                rollouts.decode(n)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            rollouts.decode(n)
+        rollouts.slot_rows[:n].copy_(saved[0])  # in place: the graph reads these addresses
+        rollouts.last_token[:n].copy_(saved[1])
+        rollouts.step.copy_(saved[2])
+        return graph
+
+
+def bucket(rows: int, capacity: int, fixed_shapes: bool) -> int:
+    """The row count a step runs at: `rows` itself, or with fixed shapes the next power of two (at most capacity).
+
+    >>> bucket(5, 24, True), bucket(17, 24, True), bucket(5, 24, False)
+    (8, 24, 5)
+    """
+    if not fixed_shapes or rows == 0:
+        return rows
+    return min(capacity, 1 << (rows - 1).bit_length())
+
+
+@torch.no_grad()
+def sample_groups(model, prompts: list[list[int]], group_size: int, *, max_new_tokens: int, temperature: float = 1.0,
+                  top_p: float = 1.0, stop_ids: list[int], keys: list[tuple[int, ...]],
+                  on_done: Callable[[int, list[list[int]]], None] | None = None, max_rows: int | None = None,
+                  greedy: bool = False, check_every: int | None = None, fixed_shapes: bool | None = None,
+                  cuda_graphs: bool = True) -> list[list[list[int]]]:
+    """group_size responses to each prompt: responses[j][i], cut after its first stop id (kept).
+
+    keys[j]: prompt j's key, e.g. (seed, iteration, prompt index): with the sample index and the step it
+    alone decides the row's random draws (module docstring). on_done(j, responses[j]) runs the moment
+    prompt j's responses have all stopped, in completion order. max_rows bounds the rows decoded at once
+    (at least group_size; None: all); prompts start in index order as room frees. greedy: argmax instead
+    of sampling. check_every: decode steps between the host's looks (default 1 on CPU, 8 elsewhere).
+    fixed_shapes: run steps at power-of-two row counts (default: on CUDA), captured as CUDA graphs there
+    unless cuda_graphs=False.
+    """
+    reason = unsupported_reason(model)
+    if reason is not None:
+        raise ValueError(f"engine: {reason}")
+    if len(keys) != len(prompts) or not all(prompts) or group_size < 1 or max_new_tokens < 1:
+        raise ValueError("engine: one key per prompt, non-empty prompts, group_size and max_new_tokens >= 1")
+    if not greedy and not (temperature > 0 and 0 < top_p <= 1):
+        raise ValueError(f"engine: temperature must be > 0 and top_p in (0, 1], not {temperature}, {top_p}")
+    count = len(prompts)
+    capacity = count * group_size if max_rows is None else max(group_size, min(max_rows, count * group_size))
+    rollouts = Rollouts(model, prompts, group_size, max_new_tokens, temperature, top_p, stop_ids, keys, capacity,
+                        greedy)
+    on_cuda = rollouts.device.type == "cuda"
+    check_every = check_every or (8 if rollouts.device.type != "cpu" else 1)
+    fixed_shapes = on_cuda if fixed_shapes is None else fixed_shapes
+    decode = DecodeGraphs(rollouts).decode if on_cuda and fixed_shapes and cuda_graphs else rollouts.decode
+    responses: list[list[list[int]]] = [[] for _ in range(count)]
+    started, reported, n = 0, 0, 0  # prompts prefilled, groups handed over, slots decoded per step
+    keep: list[int] = []  # the slots whose rows still run
+    while reported < count:
+        refill = started < count and len(keep) + group_size <= capacity
+        if refill or bucket(len(keep), capacity, fixed_shapes) < n:  # compact
+            if keep != list(range(len(keep))):
+                rollouts.compact(keep, n)
+            keep, n = list(range(len(keep))), bucket(len(keep), capacity, fixed_shapes)
+        while started < count and len(keep) + group_size <= capacity:  # refill the room with whole prompts
+            rollouts.prefill(started, torch.arange(len(keep), len(keep) + group_size, device=rollouts.device))
+            started, keep = started + 1, keep + list(range(len(keep), len(keep) + group_size))
+        n = max(n, bucket(len(keep), capacity, fixed_shapes))
+        for _ in range(check_every if keep else 0):
+            decode(n)
+        # the host looks: the groups now done, in completion order; the slots still running
+        stop_step = rollouts.stop_step[:count * group_size].view(count, group_size).tolist()
+        done = sorted((max(steps), j) for j, steps in enumerate(stop_step)
+                      if not responses[j] and max(steps) != RUNNING)
+        if done:
+            lengths, tokens = rollouts.lengths.tolist(), rollouts.tokens.tolist()
+            for _, j in done:
+                responses[j] = [tokens[row][:lengths[row]] for row in range(j * group_size, (j + 1) * group_size)]
+                if on_done is not None:
+                    on_done(j, responses[j])
+            reported += len(done)
+        running = (rollouts.stop_step[rollouts.slot_rows[:n]] == RUNNING).tolist()
+        keep = [slot for slot, runs in enumerate(running) if runs]
+    return responses
