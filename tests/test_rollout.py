@@ -1,4 +1,5 @@
 """Sampling on a Qwen2.5-Instruct-shaped model: exactly the distribution the trainer scores, stopped by every EOS."""
+import pytest
 import torch
 from conftest import LOGIT_SCALE
 from transformers import GenerationConfig
@@ -6,7 +7,14 @@ from transformers import GenerationConfig
 from config import Config
 from infra.models import load_model
 from infra.tasks import Example, prompt_token_ids
-from rollout import Group, own_sampling_only, rollout_iteration, sample_responses, sampling_config, stop_token_ids
+from rollout import (
+    Group,
+    own_sampling_only,
+    rollout_iteration,
+    sample_responses,
+    sampling_config,
+    stop_token_ids,
+)
 
 SETTINGS = Config(seed=0, group_size=4, batch_size=12, max_new_tokens=24, temperature=1.0, top_p=1.0, eval_every=0,
                   eval_samples=2, scale_rewards=True, groups_per_chunk=1)
@@ -132,3 +140,28 @@ def test_compaction_continues_each_row_exactly(qwen_shaped_dir):
     assert len(set(lengths)) >= 4, "too uniform to tell"
     assert len(calls) > 2 and compacted == one_call
     assert reported == sorted(range(len(prompts)), key=lambda p: (lengths[p], p))
+
+
+@pytest.mark.parametrize("engine", ["auto", "hf"])
+def test_rollouts_do_not_depend_on_the_call_sizes_with_the_engine(qwen_shaped_dir, engine):
+    """Claim (issue 31): with the engine (--engine auto), the rollouts of an iteration are decided by --seed alone:
+    --groups-per-chunk 1, 4 and 16 sample exactly the same tokens for every prompt (each row's draws are a function of
+    (seed, iteration, prompt, sample, step); the same thread count, so the logits are computed alike). And the test
+    has teeth: with --engine hf (`generate`, seeded per call), the same call sizes sample other tokens."""
+    import dataclasses
+
+    model, tokenizer = load_model(str(qwen_shaped_dir))
+    examples = [Example(f"{a}+{b}=", str(a + b)) for a, b in zip(range(16), range(5, 21))]
+    sampled = {}
+    for chunk in (1, 4, 16):
+        cfg = dataclasses.replace(SETTINGS, batch_size=16 * 4, groups_per_chunk=chunk, engine=engine)
+        messages = []
+        rollout_iteration(model, tokenizer, examples, [], length_reward, cfg, iteration=3, weights_version=lambda: 0,
+                          final_iteration=5, send=messages.append)
+        groups = sorted((m for m in messages if isinstance(m, Group)), key=lambda g: g.index)
+        assert [g.index for g in groups] == list(range(16))
+        sampled[chunk] = [g.responses for g in groups]
+    if engine == "auto":
+        assert sampled[1] == sampled[4] == sampled[16]
+    else:
+        assert sampled[1] != sampled[16]
