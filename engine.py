@@ -173,7 +173,8 @@ def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     inside = weights.gather(-1, ids.clamp(max=vocab - 1)).masked_fill(ids >= vocab, 0.0)  # (n, BLOCK)
     offset = torch.searchsorted(inside.cumsum(dim=-1, dtype=torch.float64), target - before, right=True)  # (n, 1)
     last_positive = BLOCK - 1 - (inside > 0).flip(-1).to(torch.uint8).argmax(dim=-1, keepdim=True)  # (n, 1)
-    return (block * BLOCK + torch.minimum(offset, last_positive)).squeeze(-1)  # (n,)
+    token = block * BLOCK + torch.minimum(offset, last_positive)             # (n, 1)
+    return token.clamp(0, vocab - 1).squeeze(-1)  # (n,) (non-finite weights: any id, and `nonfinite` says so)
 
 
 def draw_tokens(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
@@ -268,6 +269,7 @@ class Rollouts:
         self.step = torch.zeros((), dtype=torch.long, device=self.device)  # decode steps so far (0-dim: graph-safe)
         self.cache_slots = torch.arange(self.length, device=self.device)
         self.min = torch.finfo(self.dtype).min
+        self.nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)  # any logit NaN or inf so far
 
     def logits(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Last position's logits, (rows, V), of one forward of the model's layers on our cache and mask."""
@@ -276,6 +278,7 @@ class Rollouts:
         return torch.mm(self.head, hidden.t()).t()  # (rows, V) = ((V, H)·(H, rows))ᵀ, departure 4
 
     def draw(self, logits: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        self.nonfinite.logical_or_(~torch.isfinite(logits).all())  # read by the host when it looks (no sync here)
         if self.greedy:
             return logits.argmax(dim=-1)
         return draw_tokens(logits, uniforms(self.seeds[rows], lengths), self.temperature, self.top_p)
@@ -415,7 +418,10 @@ def sample_groups(model, prompts: list[list[int]], group_size: int, *, max_new_t
         n = max(n, bucket(len(keep), capacity, fixed_shapes))
         for _ in range(check_every if keep else 0):
             decode(n)
-        # the host looks: the groups now done, in completion order; the slots still running
+        # the host looks: the logits were finite; the groups now done, in completion order; the slots still running
+        if rollouts.nonfinite.item():
+            raise FloatingPointError("engine: the model's logits are not finite (NaN or inf): its weights have "
+                                     "diverged")
         stop_step = rollouts.stop_step[:count * group_size].view(count, group_size).tolist()
         done = sorted((max(steps), j) for j, steps in enumerate(stop_step)
                       if not responses[j] and max(steps) != RUNNING)

@@ -85,7 +85,6 @@ from infra.processes import (
     process_state,
     sigint_ignored,
 )
-from infra.reward import RewardError
 from infra.timeline import INFERENCE, TRAINING, Span, Timeline
 from rollout import Group, IterationDone, Message, rollout_iteration
 from weights import WeightBuffer, check_shared_memory, shared
@@ -120,7 +119,9 @@ def inference_process(model_name: str, load_kwargs: dict, connection, heartbeat:
         import transformers
         torch.set_num_threads(max(1, available_cores() // 2))  # while loading; attach sets the run's count
         transformers.utils.logging.disable_progress_bar()
-        from infra.models import load_model  # seconds of imports, while the trainer does its own
+        from infra.models import (
+            load_model,  # seconds of imports, while the trainer does its own
+        )
         from infra.reward import load_rewards
         if next_command(connection)[0] == "stop":  # else ("load",)
             return
@@ -149,7 +150,7 @@ def inference_process(model_name: str, load_kwargs: dict, connection, heartbeat:
     except KeyboardInterrupt:  # Ctrl-C reaches the whole process group; the trainer stops too and reads no more
         sys.exit(130)  # so nothing is flushed: the sender thread is a daemon
     except BaseException as error:  # report, then die: the trainer turns this into a clear message
-        summary = f"{type(error).__name__}: {error}" if isinstance(error, RewardError) else traceback.format_exc()
+        summary = f"{type(error).__name__}: {error}" if isinstance(error, UserError) else traceback.format_exc()
         results.put(("error", summary))
         results.flush()
         sys.exit(1)

@@ -62,12 +62,16 @@ from typing import Callable, Union
 
 import torch
 from transformers import GenerationConfig
-from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
+from transformers.generation.stopping_criteria import (
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 from transformers.generation.streamers import BaseStreamer
 
 import engine
 import grpo
 from config import Config
+from infra.errors import UserError
 from infra.reward import Reward, Rewards, as_rewards, score_group, weighted_total
 from infra.tasks import Example, prompt_token_ids
 from infra.timeline import INFERENCE, Span
@@ -288,6 +292,20 @@ def sample_responses(model, prompts: list[list[int]], num_samples: int, generati
     return stream.responses
 
 
+class DivergedError(UserError):
+    """The policy samples from non-finite logits: training diverged."""
+
+
+@contextmanager
+def diverged_is_one_line(iteration: int, cfg: Config):
+    """engine.py's FloatingPointError (NaN or inf logits) as one line naming the likely fix."""
+    try:
+        yield
+    except FloatingPointError as error:
+        what = "the held-out evaluation" if iteration < 0 else f"iteration {iteration}"
+        raise DivergedError(f"sampling {what}: {error}; lower --lr (got {cfg.lr}) or --max-grad-norm") from None
+
+
 def engine_reason(model, cfg: Config) -> str | None:
     """Why rollouts are not sampled by engine.py for this model and config (None: they are)."""
     return "--engine hf" if cfg.engine == "hf" else engine.unsupported_reason(model)
@@ -301,10 +319,11 @@ def sample_prompts(model, prompts: list[list[int]], num_samples: int, generation
     alone), else `generate` seeded per call (`sample_responses`). responses[prompt][sample]; `on_done` as there."""
     if engine_reason(model, cfg) is None:
         eos_ids = generation.eos_token_id if isinstance(generation.eos_token_id, list) else [generation.eos_token_id]
-        return engine.sample_groups(model, prompts, num_samples, max_new_tokens=generation.max_new_tokens,
-                                    temperature=cfg.temperature, top_p=cfg.top_p, stop_ids=eos_ids,
-                                    keys=[(cfg.seed, iteration, first + j) for j in range(len(prompts))],
-                                    on_done=on_done)
+        with diverged_is_one_line(iteration, cfg):
+            return engine.sample_groups(model, prompts, num_samples, max_new_tokens=generation.max_new_tokens,
+                                        temperature=cfg.temperature, top_p=cfg.top_p, stop_ids=eos_ids,
+                                        keys=[(cfg.seed, iteration, first + j) for j in range(len(prompts))],
+                                        on_done=on_done)
     return sample_responses(model, prompts, num_samples, generation, prompt_seed(cfg.seed, iteration, first),
                             on_done=on_done)
 

@@ -165,3 +165,19 @@ def test_rollouts_do_not_depend_on_the_call_sizes_with_the_engine(qwen_shaped_di
         assert sampled[1] == sampled[4] == sampled[16]
     else:
         assert sampled[1] != sampled[16]
+
+
+def test_a_diverged_policy_is_one_line(qwen_shaped_dir):
+    """Claim (issue 33, item 11): sampling from a policy whose weights diverged (NaN logits, as after --lr 1e10) ends
+    in a UserError naming the fix, the one line trainer.py prints, instead of an index error from deep inside."""
+    import dataclasses
+
+    from rollout import DivergedError
+
+    model, tokenizer = load_model(str(qwen_shaped_dir))
+    with torch.no_grad():
+        model.get_output_embeddings().weight.fill_(float("nan"))
+    cfg = dataclasses.replace(SETTINGS, lr=1e10)
+    with pytest.raises(DivergedError, match="iteration 0: engine: the model's logits are not finite.*lower --lr"):
+        rollout_iteration(model, tokenizer, EXAMPLES, [], length_reward, cfg, iteration=0, weights_version=lambda: 0,
+                          final_iteration=1, send=lambda message: None)
