@@ -41,7 +41,6 @@ import trainer
 from infra.distributed import Ranks, from_environment
 from learner import Learner
 
-pytestmark = pytest.mark.slow  # process-level: `python -m pytest -m slow` (CI runs both tiers)
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
@@ -106,6 +105,7 @@ def initial_weights(model_dir) -> torch.Tensor:
     return torch.cat([weights[name].reshape(-1).double() for name in sorted(weights)])
 
 
+@pytest.mark.slow  # process-level: torchrun
 def test_two_ranks_equal_the_single_process(tiny_model_dir, single_process, tmp_path):
     """Claim (#16 point 4): `torchrun --nproc-per-node 2` gives the single-process run's rollouts exactly and its
     update up to float summation order (tolerances: module docstring), with 2 updates per iteration where each
@@ -128,6 +128,7 @@ def test_two_ranks_equal_the_single_process(tiny_model_dir, single_process, tmp_
     assert all(last[key] == ranks[0][2][key] for key in (*EXACT, *SUMS)), (last, ranks[0][2])
 
 
+@pytest.mark.slow  # process-level: torchrun
 def test_two_ranks_of_two_inference_workers_equal_the_single_process(tiny_model_dir, single_process, tmp_path):
     """Claim (#16 point 4, M = 2 x N = 2): two trainer ranks, each with two inference workers (async), give the
     single process's rollouts exactly and its update up to float summation order (module docstring). With 5 calls
@@ -164,6 +165,7 @@ def two_nodes(rdzv_id: str, node_options: list[list], nproc_per_node: int = 1) -
             launch.wait()
 
 
+@pytest.mark.slow  # process-level: torchrun
 def test_two_nodes_equal_the_single_process(tiny_model_dir, single_process, tmp_path):
     """Claim (#16 point 5): two torchrun launches of one rank each, as two "nodes" meeting at one c10d rendezvous
     on localhost, are the same run as the single process; here with one update per iteration and 5 calls, 3 on one
@@ -266,6 +268,7 @@ def all_stopped(launch: faults.Launch) -> str:
     return "\n".join(launch.stderr)
 
 
+@pytest.mark.slow  # process-level: torchrun
 @pytest.mark.parametrize("how", ["kill rank 1", "ctrl-c"])
 def test_a_dead_rank_or_ctrl_c_stops_every_process(tiny_model_dir, tmp_path, how):
     """Claim (#16 point 7): SIGKILL of one trainer rank, or Ctrl-C (SIGINT to the launcher's process group), stops
@@ -288,6 +291,7 @@ def test_a_dead_rank_or_ctrl_c_stops_every_process(tiny_model_dir, tmp_path, how
             assert all(f"trainer rank {rank} of 2: interrupted by SIGINT" in err for rank in (0, 1)), err
 
 
+@pytest.mark.slow  # process-level: torchrun
 def test_ranks_launched_with_other_options_are_refused(tiny_model_dir, tmp_path):
     """Claim: two "nodes" launched with different options (here --seed) both stop at once, naming the rank and the
     option, instead of training two runs at once or waiting for each other until the timeout."""

@@ -34,9 +34,8 @@ from infra.timeline import INFERENCE, Span
 from launch.remote import destination
 from rollout import Group, IterationDone
 
-pytestmark = pytest.mark.slow  # process-level: `python -m pytest -m slow` (CI runs both tiers)
 
-
+@pytest.mark.slow  # process-level: torchrun
 def test_one_trainer_rank_and_one_inference_rank_are_the_single_process_bitwise(tiny_model_dir, single_process,
                                                                                 tmp_path):
     """Claim (#16 point 3): `torchrun --nproc-per-node 2 ... --inference-ranks 1` (rank 0 trains, rank 1 samples:
@@ -52,6 +51,7 @@ def test_one_trainer_rank_and_one_inference_rank_are_the_single_process_bitwise(
     assert [[row.get(key) for key in keys] for row in rows] == [[row.get(key) for key in keys] for row in single_rows]
 
 
+@pytest.mark.slow  # process-level: torchrun
 def test_two_nodes_of_which_one_only_samples_are_the_single_process(tiny_model_dir, single_process, tmp_path):
     """Claim (#16 point 5): two torchrun launches of two ranks each, as two "nodes" meeting at one c10d rendezvous
     on localhost, with --inference-ranks 2: one node's two ranks train (calls c % 2), the other node's two ranks
@@ -65,6 +65,7 @@ def test_two_nodes_of_which_one_only_samples_are_the_single_process(tiny_model_d
     assert_same_run(single_process("5 calls"), result(tmp_path), initial_weights(tiny_model_dir))
 
 
+@pytest.mark.slow  # process-level: torchrun
 def test_a_failing_reward_on_an_inference_rank_is_one_line_on_the_trainer(tiny_model_dir, tmp_path):
     """Claim: an inference rank whose reward raises sends the error to every trainer rank before it exits; the
     trainer rank says which inference rank failed and why in one line, and the run ends non-zero."""
@@ -77,6 +78,7 @@ def test_a_failing_reward_on_an_inference_rank_is_one_line_on_the_trainer(tiny_m
         done.stderr[-3000:]
 
 
+@pytest.mark.slow  # process-level: torchrun
 @pytest.mark.parametrize("how", ["kill the inference rank", "ctrl-c"])
 def test_a_dead_inference_rank_or_ctrl_c_stops_every_process(tiny_model_dir, tmp_path, how):
     """Claim (#16 point 7): SIGKILL of an inference rank, or Ctrl-C on the launcher, stops every process of the run
