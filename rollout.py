@@ -277,7 +277,7 @@ def sample_responses(model, prompts: list[list[int]], num_samples: int, generati
     with own_sampling_only(model):
         while rows:
             stream.start_call(rows)
-            resumed = {} if cache is None else {"past_key_values": cache}  # (a compacted call's live rows)
+            resumed = {} if cache is None else {engine.cache_argument(model): cache}  # a compacted call's live rows
             out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=budget,
                                  streamer=stream, stopping_criteria=stopping, **resumed)
             live = [i for i, row in enumerate(rows) if not stream.done[row]]
