@@ -85,8 +85,8 @@ class Config:
                               "tiny-chain (offline, long responses), qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b, ...")
     data: str | None = _opt(None, "training prompts: 'arithmetic' or 'chain' (built-in, offline), 'gsm8k' (the hub's "
                                   "openai/gsm8k), a hub dataset id, or a local directory or .jsonl/.json/.parquet/.csv "
-                                  "file, loaded with Hugging Face datasets (infra/data.py); held out: its 'test' split, else "
-                                  "the last --eval-size rows; default: the tiny model's task, else gsm8k")
+                                  "file, loaded with Hugging Face datasets (infra/data.py); held out: its 'test' "
+                                  "split, else the last --eval-size rows; default: the tiny model's task, else gsm8k")
     data_config: str | None = _opt(None, "the dataset's configuration (load_dataset's name), e.g. 'main' of "
                                          "openai/gsm8k (the default for --data gsm8k)")
     split: str = _opt("train", "the split of --data to train on")
@@ -129,8 +129,8 @@ class Config:
     trace: str | None = _opt(None, "write a Chrome trace-event JSON timeline of both processes to this path")
     save: bool = _opt(True, "save the final policy as a Hugging Face model directory in <out>/policy")
     report_to: list[str] = _opt(["none"], "also send each metrics row to these trackers, named as TRL's (train/reward, "
-                                          "eval/reward, ...; infra/tracking.py): tensorboard (<out>/runs), wandb, trackio; "
-                                          "several may be given", choices=TRACKERS, metavar="TRACKER")
+                                          "eval/reward, ...; infra/tracking.py): tensorboard (<out>/runs), wandb, "
+                                          "trackio; several may be given", choices=TRACKERS, metavar="TRACKER")
     config: str | None = _opt(None, "read options from this JSON or YAML file, e.g. a run's <out>/config.json (keys: "
                                     "the option names, max_new_tokens for --max-new-tokens); options given on the "
                                     "command line override it; resume and overwrite are read from the command "
@@ -176,8 +176,8 @@ class Config:
                                           "else --train-threads)")
     sizes: str = _opt("probe", "how the sizes not given are chosen. probe: on CPU, time iteration 0's generation "
                                "and training first and pick the generate calls, the micro-batch and the thread "
-                               "split from a model of the pipeline (launch/sizing.py; printed as flags); rule: one call "
-                               "per iteration on a GPU/NPU, two on CPU, 16384-token micro-batches, cores in half",
+                               "split from a model of the pipeline (launch/sizing.py; printed as flags); rule: one "
+                               "call per iteration on a GPU/NPU, two on CPU, 16384-token micro-batches, cores in half",
                       choices=SIZES)
     collective_timeout: float = _opt(600.0, "seconds a trainer rank waits in a collective (gradient all-reduce, "
                                             "rendezvous) for the other ranks before it gives up with an error "

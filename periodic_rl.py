@@ -88,7 +88,8 @@ def train(cfg, policy, rollouts, learner: Learner, timeline: Timeline, first: in
     `rollouts`: the inference side (inference.AsyncRollouts, launch.remote.RemoteRollouts) or a sampler in this
     process (inference.SyncRollouts); all have publish, generate, receive. `learner`: the training side, holding
     the tri-model and AdamW. `first`: the iteration to start at (a resumed run's). `held_out`: whether
-    there are held-out prompts to evaluate on. `tail_threads`: the trainer's threads once sampling is done (departure 3), or None.
+    there are held-out prompts to evaluate on. `tail_threads`: the trainer's threads once sampling is done
+    (departure 3), or None.
     `in_turns`: take the inference side's whole iteration before computing (its threads and ours would overlap
     on too few cores). The last yielded dict has `"final": True` and only the evaluation of θ_final.
     """

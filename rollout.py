@@ -155,6 +155,12 @@ def sampling_config(cfg: Config, eos_ids: list[int], pad_id: int) -> GenerationC
                             pad_token_id=pad_id)
 
 
+def stop_ids_of(generation: GenerationConfig) -> list[int]:
+    """The config's EOS ids as a list (it holds one id or a list)."""
+    eos = generation.eos_token_id
+    return eos if isinstance(eos, list) else [eos]
+
+
 @contextmanager
 def own_sampling_only(model):
     """Run `generate` with a bare `model.generation_config`, so no shipped default fills our config's gaps."""
@@ -267,7 +273,7 @@ def sample_responses(model, prompts: list[list[int]], num_samples: int, generati
     real = [[0] * (width - len(p)) + [1] * len(p) for p in prompts for _ in range(num_samples)]
     input_ids = torch.tensor(padded, device=device)               # (C·G, P_max)
     attention_mask = torch.tensor(real, device=device)            # (C·G, P_max)
-    eos_ids = generation.eos_token_id if isinstance(generation.eos_token_id, list) else [generation.eos_token_id]
+    eos_ids = stop_ids_of(generation)
     stream = CompletionOrder(len(prompts), num_samples, eos_ids, generation.max_new_tokens, on_done)
     stopping = StoppingCriteriaList([Compaction(stream, compact_below)])
     budget = copy.copy(generation)
@@ -318,7 +324,7 @@ def sample_prompts(model, prompts: list[list[int]], num_samples: int, generation
     evaluation): engine.py where it is exact for the model (row i of prompt j draws from (seed, k, j, i, step)
     alone), else `generate` seeded per call (`sample_responses`). responses[prompt][sample]; `on_done` as there."""
     if engine_reason(model, cfg) is None:
-        eos_ids = generation.eos_token_id if isinstance(generation.eos_token_id, list) else [generation.eos_token_id]
+        eos_ids = stop_ids_of(generation)
         with diverged_is_one_line(iteration, cfg):
             return engine.sample_groups(model, prompts, num_samples, max_new_tokens=generation.max_new_tokens,
                                         temperature=cfg.temperature, top_p=cfg.top_p, stop_ids=eos_ids,

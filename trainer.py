@@ -404,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     signum = Interrupted.received or signal.SIGINT
     with suppress(OSError):  # SIGHUP: the terminal may be gone
         by_torchrun = rank_prefix(ranks) and signum == signal.SIGTERM  # how torchrun stops the others when a rank fails
-        liveness = sys.modules.get("infra.liveness")  # imported with infra/distributed.py, once the run has started (main)
+        liveness = sys.modules.get("infra.liveness")  # imported with infra/distributed.py once the run has started
         gone = liveness.gone_neighbours() if by_torchrun and liveness else []
         if gone:  # a rank on this host ended first: that is why torchrun stopped this one
             sys.stderr.write(f"error: {rank_prefix(ranks)}{liveness.ended_first(gone)}, so torchrun stopped this rank "

@@ -36,12 +36,9 @@ Departures, on purpose:
 """
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import os
-import signal
 import socket
-import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -52,7 +49,7 @@ import torch.distributed as dist
 
 from infra import liveness
 from infra.liveness import RanksError
-from infra.processes import PR_SET_PDEATHSIG
+from infra.processes import killed_with_parent
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}  # by the training device's kind
 BUCKET_ELEMENTS = 25 * 2**20  # gradient elements per all_reduce (100 MiB of float32; DDP's default is 25 MiB)
@@ -113,11 +110,8 @@ def die_with_launcher(launcher: int, environ=os.environ) -> None:
     parent thread exits (prctl PR_SET_PDEATHSIG; torchrun's elastic agent starts the ranks from its main thread),
     and a launcher that died before the prctl is caught by comparing the parent PID with `launcher`, the one read
     at start-up. The rank's inference processes then die with it, by their own parent-death signal."""
-    if "TORCHELASTIC_RUN_ID" not in environ or sys.platform != "linux":  # not a rank of torchrun's elastic agent
-        return
-    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0 \
-            and os.getppid() != launcher:
-        os._exit(1)  # orphaned already
+    if "TORCHELASTIC_RUN_ID" in environ:  # a rank of torchrun's elastic agent
+        killed_with_parent(launcher)
 
 
 def split_roles(ranks: Ranks, inference: int) -> Ranks:

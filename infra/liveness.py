@@ -8,8 +8,8 @@ which of them ended first (`gone_neighbours`, `ended_first`, `check_neighbours`)
 where Python's signal handlers cannot run, runs in a thread while the main thread polls (`interruptibly`):
 a stop signal is handled at once and a dead neighbour is named within processes.POLL_SECONDS.
 
-Used by infra/distributed.py (a collective's failure), launch/remote.py (inference ranks' waits) and trainer.py (the line
-printed when torchrun stops a rank).
+Used by infra/distributed.py (a collective's failure), launch/remote.py (inference ranks' waits) and trainer.py
+(the line printed when torchrun stops a rank).
 """
 from __future__ import annotations
 

@@ -389,7 +389,7 @@ def with_config_file(argv: list[str] | None = None, prog: str = "trainer.py") ->
         return argv
     given = set(vars(build_parser(prog, defaults=False).parse_args(argv)))  # a list option given on the command line
     skip = given | {derived for option in given for derived in DERIVED_FROM.get(option, ())}  # replaces the file's
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun each rank places its own devices (infra/distributed.py)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun each rank places its own devices (distributed.py)
         skip |= {"train_device", "rollout_device"}
     try:
         return file_arguments(path, skip=skip) + argv

@@ -43,6 +43,16 @@ def process_state(pid: int) -> str | None:
         return None
 
 
+def killed_with_parent(parent: int) -> bool:
+    """Ask Linux to SIGKILL this process when the thread that started it exits (prctl PR_SET_PDEATHSIG); exit now if
+    that parent (PID `parent`, read before) is gone already, re-parented before the prctl. False off Linux."""
+    if sys.platform != "linux" or ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0):
+        return False
+    if os.getppid() != parent:  # orphaned already
+        os._exit(1)
+    return True
+
+
 def die_with_parent() -> None:
     """End this process when the trainer ends, however it ends (SIGKILL included): else it would sample forever.
 
@@ -51,11 +61,8 @@ def die_with_parent() -> None:
     on multiprocessing's parent sentinel.
     """
     parent = multiprocessing.parent_process()
-    if sys.platform == "linux":
-        if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0:
-            if os.getppid() != parent.pid:  # orphaned already: re-parented before the prctl
-                os._exit(1)
-            return
+    if killed_with_parent(parent.pid):
+        return
     threading.Thread(target=lambda: (multiprocessing.connection.wait([parent.sentinel]), os._exit(1)),
                      daemon=True).start()
 
