@@ -9,10 +9,11 @@ on_done(j, responses[j]) the moment prompt j's G responses have all stopped: the
 rollout.py's `generate` path streams groups in. Only torch and transformers are imported: copy it alone.
 
 One call, on the Hugging Face model's own layers:
-  1. Prefill: prompt j alone, unpadded, one forward of shape (1, P_j), whose keys and values are written
-     straight into the cache rows of its G samples: the paper's shared-prompt idea on the sampling side
-     (`generate` computes every prompt G times, padded to the longest). Its last logits give each sample's
-     first token.
+  1. Prefill: each prompt once, unpadded, its keys and values written straight into the cache rows of its
+     G samples: the paper's shared-prompt idea on the sampling side (`generate` computes every prompt G
+     times, padded to the longest). Short prompts are packed: one forward of shape (1, P_a + P_b + ...)
+     with a block-diagonal causal mask and position ids restarting at 0 per prompt, so each prompt sees
+     only itself. Each prompt's last logits give its samples' first tokens.
   2. Decode: one forward of shape (n, 1) per step over the first n cache rows. Row r feeds its last token at
      position P_r + t - 1 (explicit position ids), writes that token's keys and values at the cache slot of
      the same number and attends to slots 0 .. P_r + t - 1 (an additive (n, 1, 1, L) mask over the whole
@@ -72,6 +73,7 @@ import torch
 CHECKED_TYPES = ("qwen2", "llama")
 RUNNING = 2**62  # the stop step of a row still decoding
 BLOCK = 1024  # tokens per block of the two-level inverse CDF
+PREFILL_TOKENS = 512  # most tokens in one packed prefill row (docs/benchmarks.md: the engine on short prompts)
 
 
 def unsupported_reason(model) -> str | None:
@@ -193,8 +195,10 @@ class RowCache:
 
     Hugging Face's attention layers call update(key, value, layer) with the new tokens' keys and values and
     attend over what it returns. Set before each forward:
-      prefill_slots (G,): key (1, kv, P, D) of one prompt is written into slots 0..P-1 of those G rows and
-                          returned as it is (the prompt attends to itself);
+      prefill_slots:      (rows, slots, sources), (N,) each: key (1, kv, T, D) of a packed row of prompts,
+                          its position sources[k] written at slot slots[k] of cache row rows[k] (each
+                          prompt's tokens into slots 0..P-1 of its G rows), and returned as it is (the
+                          packed prompts attend to themselves through the block-diagonal mask);
       positions (n,):     key (n, kv, 1, D), row r's written at slot positions[r]; the first n rows' whole
                           cache is returned (the mask hides the slots not yet written)."""
 
@@ -211,8 +215,9 @@ class RowCache:
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer: int, *args, **kwargs):
         if self.positions is None:
-            self.keys[layer, self.prefill_slots, :, :key.shape[2]] = key[0]  # (G, kv, P, D) <- (kv, P, D)
-            self.values[layer, self.prefill_slots, :, :key.shape[2]] = value[0]
+            rows, slots, sources = self.prefill_slots  # (N,) each: cache row, its slot, the packed position
+            self.keys[layer, rows, :, slots] = key[0, :, sources].transpose(0, 1)  # (N, kv, D) <- (kv, N, D)
+            self.values[layer, rows, :, slots] = value[0, :, sources].transpose(0, 1)
             return key, value
         n = self.positions.shape[0]
         keys, values = self.keys[layer, :n], self.values[layer, :n]  # (n, kv, L, D) views
@@ -271,10 +276,13 @@ class Rollouts:
         self.min = torch.finfo(self.dtype).min
         self.nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)  # any logit NaN or inf so far
 
-    def logits(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Last position's logits, (rows, V), of one forward of the model's layers on our cache and mask."""
+    def logits(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+               packed_ends: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of each row's last position, (rows, V), of one forward of the model's layers on our cache and
+        mask; a packed prefill row (1, T) gives those of the positions `packed_ends` (k,) instead, (k, V)."""
         hidden = self.decoder(input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=True,
-                              **{self.cache_argument: self.cache}).last_hidden_state[:, -1]  # (rows, H)
+                              **{self.cache_argument: self.cache}).last_hidden_state  # (rows, T, H)
+        hidden = hidden[:, -1] if packed_ends is None else hidden[0, packed_ends]  # (rows, H) or (k, H)
         return torch.mm(self.head, hidden.t()).t()  # (rows, V) = ((V, H)·(H, rows))ᵀ, departure 4
 
     def draw(self, logits: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -291,18 +299,31 @@ class Rollouts:
         self.stop_step[rows] = torch.where(stops, self.step, self.stop_step[rows])
         self.lengths[rows] = lengths + running.long()
 
-    def prefill(self, prompt: int, slots: torch.Tensor) -> None:
-        """Prompt `prompt` once, into the cache of its G rows at `slots` (G,), and its rows' first tokens."""
-        ids = torch.tensor([self.prompts[prompt]], device=self.device)                  # (1, P)
-        length = ids.shape[1]
-        causal = torch.full((length, length), self.min, dtype=self.dtype, device=self.device).triu(1)  # (P, P)
-        self.cache.prefill_slots, self.cache.positions = slots, None
-        logits = self.logits(ids, self.cache_slots[None, :length], causal[None, None])  # (1, V)
-        rows = prompt * self.group_size + torch.arange(self.group_size, device=self.device)  # (G,)
+    def prefill(self, prompts: list[int], slots: list[torch.Tensor]) -> None:
+        """Prompts `prompts`, packed in one row, each into the cache of its G rows at slots[q] (G,); their rows'
+        first tokens. Prompt q sits at positions o_q .. o_q + P_q - 1 of the row, numbered 0 .. P_q - 1 (its
+        own position ids), and attends causally to itself alone (a block-diagonal mask): what it would compute
+        alone, in one forward for them all."""
+        lengths = [len(self.prompts[q]) for q in prompts]
+        ids = torch.tensor([[token for q in prompts for token in self.prompts[q]]], device=self.device)  # (1, T)
+        positions = torch.cat([self.cache_slots[:length] for length in lengths])                       # (T,)
+        owner = torch.repeat_interleave(torch.arange(len(prompts), device=self.device),
+                                        torch.tensor(lengths, device=self.device))                     # (T,)
+        visible = (owner[:, None] == owner[None, :]) & (positions[:, None] >= positions[None, :])      # (T, T)
+        mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, self.min)
+        group = self.group_size
+        sources = torch.arange(ids.shape[1], device=self.device)                                       # (T,)
+        self.cache.prefill_slots = (torch.cat([slots[q].repeat(length) for q, length in enumerate(lengths)]),
+                                    positions.repeat_interleave(group), sources.repeat_interleave(group))
+        self.cache.positions = None
+        ends = torch.tensor(lengths, device=self.device).cumsum(0) - 1                                 # (k,)
+        logits = self.logits(ids, positions[None], mask[None, None], ends)                             # (k, V)
+        rows = torch.cat([q * group + torch.arange(group, device=self.device) for q in prompts])      # (k·G,)
         first = torch.zeros_like(rows)
-        new = self.draw(logits.expand(self.group_size, -1), rows, first)                 # (G,)
+        new = self.draw(logits.repeat_interleave(group, dim=0), rows, first)                          # (k·G,)
         self.record(rows, first, torch.ones_like(rows, dtype=torch.bool), new)
-        self.slot_rows[slots], self.last_token[slots] = rows, new
+        every_slot = torch.cat(slots)
+        self.slot_rows[every_slot], self.last_token[every_slot] = rows, new
 
     def decode(self, n: int) -> None:
         """One step of the first n slots: every running row draws one token (fixed shapes, no host sync)."""
@@ -361,6 +382,23 @@ class DecodeGraphs:
         return graph
 
 
+def packs(lengths: list[int], budget: int) -> list[list[int]]:
+    """Consecutive prompts grouped into prefill rows of at most `budget` tokens (a longer prompt alone).
+
+    >>> packs([8, 8, 8, 300, 8], 256)
+    [[0, 1, 2], [3], [4]]
+    """
+    grouped: list[list[int]] = []
+    total = budget + 1
+    for index, length in enumerate(lengths):
+        if total + length > budget:
+            grouped.append([])
+            total = 0
+        grouped[-1].append(index)
+        total += length
+    return grouped
+
+
 def bucket(rows: int, capacity: int, fixed_shapes: bool) -> int:
     """The row count a step runs at: `rows` itself, or with fixed shapes the next power of two (at most capacity).
 
@@ -377,7 +415,7 @@ def sample_groups(model, prompts: list[list[int]], group_size: int, *, max_new_t
                   top_p: float = 1.0, stop_ids: list[int], keys: list[tuple[int, ...]],
                   on_done: Callable[[int, list[list[int]]], None] | None = None, max_rows: int | None = None,
                   greedy: bool = False, check_every: int | None = None, fixed_shapes: bool | None = None,
-                  cuda_graphs: bool = True) -> list[list[list[int]]]:
+                  cuda_graphs: bool = True, prefill_tokens: int = PREFILL_TOKENS) -> list[list[list[int]]]:
     """group_size responses to each prompt: responses[j][i], cut after its first stop id (kept).
 
     keys[j]: prompt j's key, e.g. (seed, iteration, prompt index): with the sample index and the step it
@@ -386,7 +424,9 @@ def sample_groups(model, prompts: list[list[int]], group_size: int, *, max_new_t
     (at least group_size; None: all); prompts start in index order as room frees. greedy: argmax instead
     of sampling. check_every: decode steps between the host's looks (default 1 on CPU, 8 elsewhere).
     fixed_shapes: run steps at power-of-two row counts (default: on CUDA), captured as CUDA graphs there
-    unless cuda_graphs=False.
+    unless cuda_graphs=False. prefill_tokens: prompts admitted together are prefilled packed in rows of at
+    most this many tokens (one forward each instead of one per prompt; a pack's attention costs its length
+    squared, so long prompts gain nothing from packing and go alone).
     """
     reason = unsupported_reason(model)
     if reason is not None:
@@ -412,9 +452,12 @@ def sample_groups(model, prompts: list[list[int]], group_size: int, *, max_new_t
             if keep != list(range(len(keep))):
                 rollouts.compact(keep, n)
             keep, n = list(range(len(keep))), bucket(len(keep), capacity, fixed_shapes)
-        while started < count and len(keep) + group_size <= capacity:  # refill the room with whole prompts
-            rollouts.prefill(started, torch.arange(len(keep), len(keep) + group_size, device=rollouts.device))
+        admitted: list[tuple[int, torch.Tensor]] = []  # refill the room with whole prompts, prefilled in packs
+        while started < count and len(keep) + group_size <= capacity:
+            admitted.append((started, torch.arange(len(keep), len(keep) + group_size, device=rollouts.device)))
             started, keep = started + 1, keep + list(range(len(keep), len(keep) + group_size))
+        for pack in packs([len(prompts[j]) for j, _ in admitted], prefill_tokens):
+            rollouts.prefill([admitted[q][0] for q in pack], [admitted[q][1] for q in pack])
         n = max(n, bucket(len(keep), capacity, fixed_shapes))
         for _ in range(check_every if keep else 0):
             decode(n)

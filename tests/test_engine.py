@@ -118,7 +118,8 @@ def test_greedy_tokens_equal_generate(kind, request):
     on a random Qwen2 (sdpa and eager attention), a random Llama and the Qwen2.5-Instruct-shaped fixture (chat
     tokens, two EOS ids, Qwen's shipped sampling defaults, which neither side may apply), for prompts of mixed
     lengths, with rows that stop at varied steps: all rows at once (compaction as they stop), at most 2G rows
-    (whole prompts refill the room) and fixed power-of-two shapes (stand-in rows fill the bucket). Teeth: at
+    (whole prompts refill the room), fixed power-of-two shapes (stand-in rows fill the bucket), and the prompts
+    prefilled packed in one row (the default here: 75 tokens) or one by one (prefill_tokens=1). Teeth: at
     least three distinct response lengths, some cut short by a stop id, some at max_new_tokens.
 
     Stop ids: the EOS ids and tokens picked from the engine's own unstopped greedy continuations (`varied_stops`: an
@@ -151,7 +152,7 @@ def test_greedy_tokens_equal_generate(kind, request):
     expected = generate_greedy(model, prompts, max_new, stops, pad, batched=not kind.endswith("eager"))
     lengths = [len(row) for row in expected]
     assert len(set(lengths)) >= 3 and min(lengths) < max_new == max(lengths), lengths
-    for options in ({}, {"max_rows": 2 * group_size}, {"fixed_shapes": True}):
+    for options in ({}, {"max_rows": 2 * group_size}, {"fixed_shapes": True}, {"prefill_tokens": 1}):
         groups = engine.sample_groups(model, prompts, group_size, max_new_tokens=max_new, stop_ids=stops,
                                       keys=keys(len(prompts)), greedy=True, **options)
         assert groups == [[row] * group_size for row in expected], options
@@ -304,7 +305,7 @@ def test_steps_on_the_stand_in_move_no_row():
     prompts = random_prompts([3, 17, 8], 64)
     rollouts = engine.Rollouts(model, prompts, 2, 8, 1.0, 1.0, [1], keys(3), 6, greedy=False)
     for j in range(3):
-        rollouts.prefill(j, torch.arange(2 * j, 2 * j + 2))
+        rollouts.prefill([j], [torch.arange(2 * j, 2 * j + 2)])
     rollouts.decode(6)
     state = [t.clone() for t in (rollouts.tokens, rollouts.lengths, rollouts.stop_step, rollouts.slot_rows,
                                  rollouts.last_token, rollouts.step, rollouts.cache.keys[..., :-1, :],
