@@ -61,6 +61,9 @@ class Config:
                                             "512 otherwise)")
     temperature: float = _opt(1.0, "sampling temperature (log-probs are computed at the same temperature)")
     top_p: float = _opt(1.0, "nucleus sampling threshold (1.0 = sample from the full distribution)")
+    top_k: int = _opt(0, "keep only the k most likely tokens when sampling (0 = off; TRL's top_k)")
+    min_p: float | None = _opt(None, "drop tokens less likely than min_p times the most likely one (TRL's min_p; "
+                                     "typical 0.01-0.2)")
     engine: str = _opt("auto", "how rollouts are sampled. auto: engine.py (each prompt prefilled once, a static KV "
                                "cache, one uniform per row and step from (seed, iteration, prompt, sample, step): the "
                                "tokens do not depend on the sizes, workers or ranks) wherever it is exact for the "

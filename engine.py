@@ -28,12 +28,12 @@ One call, on the Hugging Face model's own layers:
 The draw, and why chunk sizes never change a token. Row (j, i) at response step t, with logits z ∈ R^V:
     u     = U(key_j, i, t) ∈ [0, 1)   output t of a SplitMix64 stream seeded by a hash of (key_j..., i)
     p     = softmax(z / T)             what the trainer scores: its log-probs are log_softmax(z / T)
-    S     = the tokens s such that the tokens ranked above s (descending p, ties by id) hold < top_p
-            of the mass: transformers' TopPLogitsWarper, the smallest top set with mass >= top_p (never
-            empty; all of V when top_p = 1)
+    S     = the tokens transformers' warpers keep, in generate's order: the top_k most likely (ties with
+            the k-th kept; all when top_k = 0), of those the smallest top set holding top_p of their mass
+            (TopPLogitsWarper), of those the ones with p >= min_p · max p (MinPLogitsWarper); never empty
     token = the s ∈ S with F(s⁻) <= u·F(S) < F(s), F the running sum of p over S
-            (in vocabulary order when top_p = 1, else in descending order: any fixed order draws p|S)
-so P(token = s) = p_s / Σ_S p: the scored distribution truncated by top-p, and nothing else. u is a
+            (in vocabulary order when S is all of V, else in descending order: any fixed order draws p|S)
+so P(token = s) = p_s / Σ_S p: the scored distribution truncated as asked, and nothing else. u is a
 function of (key, sample, step) alone, so which prompts share a call, the batch size, compaction, refill,
 workers and ranks never decide a token. (Logits can still differ in their last bits between batch shapes
 where a BLAS kernel blocks by size; a token then flips only if u·F(S) falls within that rounding of a
@@ -49,7 +49,7 @@ batch full when max_rows bounds it, where compaction alone would wait for the wh
 Departures, on purpose:
 1. Another random stream than `generate`'s torch.multinomial: sampled tokens differ from the hf path's
    (greedy ones are equal), and are reproducible from the keys alone.
-2. Only temperature and top-p shape the distribution (as in rollout.py): no top-k, no repetition penalty.
+2. Only temperature, top-k, top-p and min-p shape the distribution (as in rollout.py): no repetition penalty.
 3. The inverse CDF runs in two levels (which block of BLOCK tokens, then which token in it): a float32
    running sum over 151,936 tokens would blur the small probabilities (each step of it rounds to ~1e-7 of
    the whole), and a float64 pass over all of them costs as much as the rest of the draw on CPU.
@@ -147,11 +147,22 @@ def uniforms(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
 
 
 # --- one token per row from its logits and its uniform ---
-def top_p_order(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(probabilities in descending order, zero outside the top-p set; their token ids): TopPLogitsWarper's rule."""
-    probs, order = probs.sort(dim=-1, descending=True, stable=True)  # (n, V) ties: lower id first
-    above = probs.cumsum(dim=-1) - probs                             # (n, V) mass ranked above each token
-    return probs.masked_fill(above >= top_p, 0.0), order             # the first token always stays (above = 0)
+def truncated_order(probs: torch.Tensor, top_k: int, top_p: float, min_p: float | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probabilities in descending order, zero outside the kept set; their token ids): the set transformers'
+    TopKLogitsWarper, TopPLogitsWarper and MinPLogitsWarper keep, in generate's order: the k most likely (ties
+    with the k-th kept), then the smallest top set holding top_p of what is left, then those at least min_p
+    times the most likely. The first token always stays."""
+    probs, order = probs.sort(dim=-1, descending=True, stable=True)   # (n, V) ties: lower id first
+    if top_k:
+        probs = probs.masked_fill(probs < probs[:, min(top_k, probs.shape[-1]) - 1:][:, :1], 0.0)
+    if top_p < 1.0:
+        kept = probs.sum(dim=-1, keepdim=True) if top_k else 1.0      # top-p's mass is of what top-k left
+        above = probs.cumsum(dim=-1) - probs                          # (n, V) mass ranked above each token
+        probs = probs.masked_fill(above >= top_p * kept, 0.0)
+    if min_p is not None:
+        probs = probs.masked_fill(probs < min_p * probs[:, :1], 0.0)
+    return probs, order
 
 
 def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -179,13 +190,15 @@ def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return token.clamp(0, vocab - 1).squeeze(-1)  # (n,) (non-finite weights: any id, and `nonfinite` says so)
 
 
-def draw_tokens(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """Tokens drawn by inverse CDF from softmax(logits / T) truncated by top-p; logits (n, V), u (n,) -> (n,)."""
+def draw_tokens(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0,
+                min_p: float | None = None) -> torch.Tensor:
+    """Tokens drawn by inverse CDF from softmax(logits / T) truncated by top-k, top-p and min-p; logits (n, V),
+    u (n,) -> (n,)."""
     logits = logits.float() if temperature == 1.0 else logits.float() / temperature
     probs = torch.softmax(logits, dim=-1)                          # (n, V)
-    if top_p >= 1.0:
+    if top_p >= 1.0 and not top_k and min_p is None:
         return inverse_cdf(probs, u)
-    probs, order = top_p_order(probs, top_p)                       # (n, V), (n, V)
+    probs, order = truncated_order(probs, top_k, top_p, min_p)     # (n, V), (n, V)
     return order.gather(-1, inverse_cdf(probs, u).unsqueeze(-1)).squeeze(-1)
 
 
@@ -248,12 +261,14 @@ class Rollouts:
     row slot_rows[k], and only the first n slots are decoded."""
 
     def __init__(self, model, prompts: list[list[int]], group_size: int, max_new_tokens: int, temperature: float,
-                 top_p: float, stop_ids: list[int], keys: list[tuple[int, ...]], slots: int, greedy: bool):
+                 top_p: float, stop_ids: list[int], keys: list[tuple[int, ...]], slots: int, greedy: bool,
+                 top_k: int = 0, min_p: float | None = None):
         weight = model.get_output_embeddings().weight
-        self.decoder, self.head, self.cache_argument = model.base_model, weight, cache_argument(model.base_model)
+        decoder = model.get_decoder()  # the layers below the head (`base_model` would be peft's LoraModel, --use-peft)
+        self.decoder, self.head, self.cache_argument = decoder, weight, cache_argument(decoder)
         self.device, self.dtype = weight.device, weight.dtype
         self.prompts, self.group_size, self.max_new_tokens = prompts, group_size, max_new_tokens
-        self.temperature, self.top_p, self.greedy = temperature, top_p, greedy
+        self.temperature, self.top_p, self.top_k, self.min_p, self.greedy = temperature, top_p, top_k, min_p, greedy
         self.length = max(len(prompt) for prompt in prompts) + max_new_tokens  # a stopped row writes one slot more
         self.cache = RowCache(model, slots, self.length)
         rows = len(prompts) * group_size
@@ -289,7 +304,8 @@ class Rollouts:
         self.nonfinite.logical_or_(~torch.isfinite(logits).all())  # read by the host when it looks (no sync here)
         if self.greedy:
             return logits.argmax(dim=-1)
-        return draw_tokens(logits, uniforms(self.seeds[rows], lengths), self.temperature, self.top_p)
+        return draw_tokens(logits, uniforms(self.seeds[rows], lengths), self.temperature, self.top_p, self.top_k,
+                           self.min_p)
 
     def record(self, rows: torch.Tensor, lengths: torch.Tensor, running: torch.Tensor, new: torch.Tensor) -> None:
         """Token `lengths[r]` of each running row is `new[r]`; a row stops at a stop id or at max_new_tokens."""
@@ -412,7 +428,8 @@ def bucket(rows: int, capacity: int, fixed_shapes: bool) -> int:
 
 @torch.no_grad()
 def sample_groups(model, prompts: list[list[int]], group_size: int, *, max_new_tokens: int, temperature: float = 1.0,
-                  top_p: float = 1.0, stop_ids: list[int], keys: list[tuple[int, ...]],
+                  top_p: float = 1.0, top_k: int = 0, min_p: float | None = None, stop_ids: list[int],
+                  keys: list[tuple[int, ...]],
                   on_done: Callable[[int, list[list[int]]], None] | None = None, max_rows: int | None = None,
                   greedy: bool = False, check_every: int | None = None, fixed_shapes: bool | None = None,
                   cuda_graphs: bool = True, prefill_tokens: int = PREFILL_TOKENS) -> list[list[list[int]]]:
@@ -433,12 +450,13 @@ def sample_groups(model, prompts: list[list[int]], group_size: int, *, max_new_t
         raise ValueError(f"engine: {reason}")
     if len(keys) != len(prompts) or not all(prompts) or group_size < 1 or max_new_tokens < 1:
         raise ValueError("engine: one key per prompt, non-empty prompts, group_size and max_new_tokens >= 1")
-    if not greedy and not (temperature > 0 and 0 < top_p <= 1):
-        raise ValueError(f"engine: temperature must be > 0 and top_p in (0, 1], not {temperature}, {top_p}")
+    if not greedy and not (temperature > 0 and 0 < top_p <= 1 and top_k >= 0 and (min_p is None or 0 <= min_p <= 1)):
+        raise ValueError(f"engine: temperature must be > 0, top_p in (0, 1], top_k >= 0 and min_p in [0, 1], not "
+                         f"{temperature}, {top_p}, {top_k}, {min_p}")
     count = len(prompts)
     capacity = count * group_size if max_rows is None else max(group_size, min(max_rows, count * group_size))
     rollouts = Rollouts(model, prompts, group_size, max_new_tokens, temperature, top_p, stop_ids, keys, capacity,
-                        greedy)
+                        greedy, top_k, min_p)
     on_cuda = rollouts.device.type == "cuda"
     check_every = check_every or (8 if rollouts.device.type != "cpu" else 1)
     fixed_shapes = on_cuda if fixed_shapes is None else fixed_shapes

@@ -30,7 +30,8 @@ so a separate process (or a rerun) draws exactly the same tokens from the same w
 samples do depend on C (its neighbours share the RNG stream), so compare runs at equal C.
 
 Sampling is the distribution the trainer scores. The trainer's log-probs are those of
-softmax(logits / T) (top-p only truncates what can be drawn), so `generate` must apply nothing else.
+softmax(logits / T) (top-k, top-p and min-p only truncate what can be drawn, as in TRL), so `generate`
+must apply nothing else.
 But `generate` fills every field its `GenerationConfig` leaves unset from `model.generation_config`,
 and real models ship sampling settings there (Qwen2.5-Instruct: top_k 20, top_p 0.8, temperature 0.7,
 repetition_penalty 1.05-1.1): silently honoured, they would sample another distribution than the
@@ -146,9 +147,9 @@ def stop_token_ids(model, tokenizer) -> list[int]:
 
 
 def sampling_config(cfg: Config, eos_ids: list[int], pad_id: int) -> GenerationConfig:
-    """Sampling from softmax(logits / T), truncated by top-p and by nothing else."""
-    return GenerationConfig(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=0,
-                            min_p=None, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0, repetition_penalty=1.0,
+    """Sampling from softmax(logits / T), truncated by top-k, top-p and min-p as asked and by nothing else."""
+    return GenerationConfig(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                            min_p=cfg.min_p, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0, repetition_penalty=1.0,
                             no_repeat_ngram_size=0, min_length=0, bad_words_ids=None,
                             suppress_tokens=None, begin_suppress_tokens=None, forced_bos_token_id=None,
                             forced_eos_token_id=None, max_new_tokens=cfg.max_new_tokens, eos_token_id=eos_ids,
@@ -327,7 +328,8 @@ def sample_prompts(model, prompts: list[list[int]], num_samples: int, generation
         eos_ids = stop_ids_of(generation)
         with diverged_is_one_line(iteration, cfg):
             return engine.sample_groups(model, prompts, num_samples, max_new_tokens=generation.max_new_tokens,
-                                        temperature=cfg.temperature, top_p=cfg.top_p, stop_ids=eos_ids,
+                                        temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                                        min_p=cfg.min_p, stop_ids=eos_ids,
                                         keys=[(cfg.seed, iteration, first + j) for j in range(len(prompts))],
                                         on_done=on_done)
     return sample_responses(model, prompts, num_samples, generation, prompt_seed(cfg.seed, iteration, first),

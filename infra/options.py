@@ -197,6 +197,8 @@ def validate(cfg: Config) -> list[str]:
     need(cfg.epsilon_low >= 0 and cfg.epsilon_high >= 0, "--epsilon-low and --epsilon-high must be >= 0")
     need(cfg.temperature > 0, f"--temperature must be positive (got {cfg.temperature})")
     need(0 < cfg.top_p <= 1, f"--top-p must be in (0, 1] (got {cfg.top_p})")
+    need(cfg.top_k >= 0, f"--top-k must be 0 (off) or a positive number of tokens (got {cfg.top_k})")
+    need(cfg.min_p is None or 0 <= cfg.min_p <= 1, f"--min-p must be in [0, 1] (got {cfg.min_p})")
     need(cfg.max_new_tokens is None or cfg.max_new_tokens >= 1,
          f"--max-new-tokens must be at least 1 (got {cfg.max_new_tokens})")
     need(cfg.max_grad_norm >= 0, f"--max-grad-norm must be >= 0 (got {cfg.max_grad_norm})")

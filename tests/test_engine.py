@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import LOGIT_SCALE
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, Qwen2Config
-from transformers.generation.logits_process import TopPLogitsWarper
+from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 import engine
 
@@ -167,38 +167,56 @@ def binomial_bound(expected_count: float, draws: int) -> float:
     return 5 * math.sqrt(draws * q * (1 - q)) + 3
 
 
-def top_p_distribution(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """softmax(logits / T) restricted to HF TopPLogitsWarper's kept set and renormalised; (V,) -> (V,) float64."""
-    kept = torch.isfinite(TopPLogitsWarper(top_p)(None, logits[None].float() / temperature))[0]
+def warped(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float | None = None) -> torch.Tensor:
+    """transformers' warpers in generate's order (top-k, top-p, min-p) on logits (n, V); the tokens they drop -inf."""
+    if top_k:
+        logits = TopKLogitsWarper(top_k)(None, logits)
+    if top_p < 1.0:
+        logits = TopPLogitsWarper(top_p)(None, logits)
+    return logits if min_p is None else MinPLogitsWarper(min_p)(None, logits)
+
+
+def truncated_distribution(logits: torch.Tensor, temperature: float, top_p: float, top_k: int = 0,
+                           min_p: float | None = None) -> torch.Tensor:
+    """softmax(logits / T) restricted to the set HF's warpers keep and renormalised; (V,) -> (V,) float64."""
+    kept = torch.isfinite(warped(logits[None].float() / temperature, top_k, top_p, min_p))[0]
     probs = torch.softmax(logits.double() / temperature, dim=-1) * kept
     return probs / probs.sum()
 
 
-def test_top_p_keeps_what_transformers_keeps():
-    """Claim: the engine's top-p set is transformers' TopPLogitsWarper's (the smallest set of most likely tokens holding
-    at least top_p of the mass, at least one token), on random logits over several top_p values; exact."""
+@pytest.mark.parametrize("top_k, min_p", [(0, None), (7, None), (0, 0.05), (40, 0.02), (300, None)])
+def test_truncation_keeps_what_transformers_keeps(top_k, min_p):
+    """Claim: the engine's kept set is transformers' TopKLogitsWarper -> TopPLogitsWarper -> MinPLogitsWarper's (the
+    order generate applies them: top-p's mass is that of what top-k left), on random logits over several top_p
+    values, top-k with ties at the k-th (logits rounded to 0.25 with top_p = 1: top-k keeps every tie; which tied
+    token a top-p cut keeps is arbitrary, HF's sort and ours break ties differently) and top_k = V. Compared exactly: the two sides sum
+    the top-p mass in float32 in different orders, so a set could differ only where a running sum lies within
+    ~1e-7 of top_p times the mass; for 320 rows of random logits per case the chance of one is ~1e-4."""
     generator = torch.Generator().manual_seed(0)
-    logits = torch.randn(64, 300, generator=generator) * 3                                    # (n, V)
-    for top_p in (0.05, 0.5, 0.9, 0.99):
-        probs, order = engine.top_p_order(torch.softmax(logits, dim=-1), top_p)
+    distinct = torch.randn(64, 300, generator=generator) * 3                                 # (n, V)
+    for top_p in (0.05, 0.5, 0.9, 0.99, 1.0):
+        logits = distinct if top_p < 1.0 else (distinct * 4).round() / 4  # ties: where top-p cuts them is arbitrary
+        probs, order = engine.truncated_order(torch.softmax(logits, dim=-1), top_k, top_p, min_p)
         ours = torch.zeros_like(logits, dtype=torch.bool).scatter(1, order, probs > 0)       # (n, V) kept
-        theirs = torch.isfinite(TopPLogitsWarper(top_p)(None, logits.clone()))
+        theirs = torch.isfinite(warped(logits.clone(), top_k, top_p, min_p))
         assert torch.equal(ours, theirs), top_p
+        assert ours.any(dim=-1).all()
 
 
-@pytest.mark.parametrize("top_p", [1.0, 0.8])
-def test_draws_follow_the_scored_distribution(top_p):
-    """Claim: `draw_tokens` with the engine's uniforms draws from softmax(z / T) truncated by top-p: over 20,000 draws
+@pytest.mark.parametrize("top_p, top_k, min_p", [(1.0, 0, None), (0.8, 0, None), (0.9, 50, 0.01)])
+def test_draws_follow_the_scored_distribution(top_p, top_k, min_p):
+    """Claim: `draw_tokens` with the engine's uniforms draws from softmax(z / T) truncated by top-k, top-p and min-p
+    (the third case all three at once): over 20,000 draws
     on fixed logits of 2,500 tokens (three blocks of the two-level inverse CDF, the last one partial), the count
     in each of 20 bins of ~equal probability (tokens in descending probability) is within `binomial_bound` of N·Q_b,
     the 10 likeliest tokens each too, and tokens outside the top-p set are never drawn."""
     vocab, draws, temperature = 2500, 20000, 0.8
     generator = torch.Generator().manual_seed(1)
     logits = torch.randn(vocab, generator=generator) * 2                                     # (V,)
-    expected = top_p_distribution(logits, temperature, top_p)                                # (V,)
+    expected = truncated_distribution(logits, temperature, top_p, top_k, min_p)             # (V,)
     seeds = torch.tensor([engine.row_seed((11, 0, j), 0) for j in range(draws)])
     tokens = torch.cat([engine.draw_tokens(logits.expand(2000, vocab), engine.uniforms(chunk, torch.zeros_like(chunk)),
-                                           temperature, top_p) for chunk in seeds.split(2000)])  # (N,)
+                                           temperature, top_p, top_k, min_p) for chunk in seeds.split(2000)])  # (N,)
     counts = torch.bincount(tokens, minlength=vocab).double()                               # (V,)
     assert counts[expected == 0].sum() == 0
     ranked = expected.argsort(descending=True)
@@ -226,12 +244,12 @@ def test_sample_groups_first_and_second_tokens_follow_the_model(top_p):
     first = torch.tensor([row[0] for row in groups[0]])
     with torch.no_grad():
         z0 = model(torch.tensor([prompt])).logits[0, -1]
-    expected = top_p_distribution(z0, temperature, top_p)
+    expected = truncated_distribution(z0, temperature, top_p)
     likeliest = int(expected.argmax())
     with torch.no_grad():
         z1 = model(torch.tensor([prompt + [likeliest]])).logits[0, -1]
     second = torch.tensor([row[1] for row in groups[0] if row[0] == likeliest])
-    for tokens, probs in ((first, expected), (second, top_p_distribution(z1, temperature, top_p))):
+    for tokens, probs in ((first, expected), (second, truncated_distribution(z1, temperature, top_p))):
         assert len(tokens) > 500
         counts = torch.bincount(tokens, minlength=12).double()
         assert counts[probs == 0].sum() == 0

@@ -181,3 +181,26 @@ def test_a_diverged_policy_is_one_line(qwen_shaped_dir):
     with pytest.raises(DivergedError, match="iteration 0: engine: the model's logits are not finite.*lower --lr"):
         rollout_iteration(model, tokenizer, EXAMPLES, [], length_reward, cfg, iteration=0, weights_version=lambda: 0,
                           final_iteration=1, send=lambda message: None)
+
+
+def test_top_k_reaches_both_samplers(qwen_shaped_dir):
+    """Claim: --top-k (and --min-p) shape what both samplers draw: with top_k = 1 only the likeliest token may be
+    drawn, so the engine and `generate` (--engine hf), two different random streams, give the same tokens, the
+    greedy ones (float64 model: no near-ties between the two sides' logits, see tests/test_engine.py); with
+    min_p = 1 the same (only tokens as likely as the likeliest survive). Teeth: without truncation they differ."""
+    import dataclasses
+
+    model, tokenizer = load_model(str(qwen_shaped_dir), dtype=torch.float64)
+    examples = [Example(f"{a}+{b}=", str(a + b)) for a, b in ((12, 7), (3, 30), (48, 1), (5, 5))]
+
+    def sampled(**options) -> list[list[list[int]]]:
+        messages = []
+        cfg = dataclasses.replace(SETTINGS, batch_size=4 * 4, groups_per_chunk=4, **options)
+        rollout_iteration(model, tokenizer, examples, [], length_reward, cfg, iteration=0, weights_version=lambda: 0,
+                          final_iteration=1, send=messages.append)
+        return [g.responses for g in sorted((m for m in messages if isinstance(m, Group)), key=lambda g: g.index)]
+
+    assert sampled(engine="auto") != sampled(engine="hf")
+    greedy = sampled(engine="auto", top_k=1)
+    assert greedy == sampled(engine="hf", top_k=1) == sampled(engine="auto", min_p=1.0)
+    assert all(len(set(map(tuple, group))) == 1 for group in greedy)  # one answer per prompt: no randomness left
