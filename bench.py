@@ -13,6 +13,8 @@ memory         peak training memory of one GRPO step on the Qwen2.5-0.5B configu
                (benchmarks/memory.py)
 workers        seconds per iteration with 1 and 2 inference workers per trainer, against the prediction
                (benchmarks/workers.py)
+gpu            the GPU table in one command: decode ms per step (engine with CUDA graphs, eager, generate),
+               prefill and decode tokens/s, bandwidth; sync vs async; end to end against TRL (benchmarks/gpu.py)
 
 Each module's docstring says what it measures, how to read its output and its targets. To add a
 benchmark: write `<name>_args(parser)` and `<name>(args) -> bool` (True = all targets met) in a
@@ -26,7 +28,7 @@ from typing import Callable
 import trainer
 
 trainer.shorten_openmp_spinning()  # before the benchmarks import torch: as trainer.py runs
-from benchmarks import memory, peer, pipeline, publish, shared_prompt, tri_model_copies, workers  # noqa: E402
+from benchmarks import gpu, memory, peer, pipeline, publish, shared_prompt, tri_model_copies, workers  # noqa: E402
 
 BENCHMARKS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], bool]]] = {
     "shared-prompt": (shared_prompt.shared_prompt_args, shared_prompt.shared_prompt),
@@ -36,6 +38,7 @@ BENCHMARKS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[
     "memory": (memory.memory_args, memory.memory),
     "peer": (peer.peer_args, peer.peer),
     "workers": (workers.workers_args, workers.workers),
+    "gpu": (gpu.gpu_args, gpu.gpu),
 }
 
 

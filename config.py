@@ -16,7 +16,11 @@ import argparse
 import math
 from dataclasses import dataclass, field
 
-LOSS_TYPES = ("dapo", "grpo", "dr_grpo")  # grpo.LOSS_TYPES, repeated so that parsing options needs no torch (tested)
+LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")  # grpo.LOSS_TYPES, repeated so that parsing options needs no torch
+SCALE_REWARDS = ("group", "batch", "none")  # grpo.SCALE_REWARDS (tested, as LOSS_TYPES)
+# transformers.get_scheduler's schedules that need no argument beyond warmup and length (tests/test_trl_options.py)
+LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+                 "inverse_sqrt")
 MODES = ("async", "sync")
 ENGINES = ("auto", "hf")
 SIZES = ("probe", "rule")
@@ -40,6 +44,26 @@ def _dtype_name(name: str) -> str:
     return name
 
 
+def _scale_rewards_name(name: str) -> str:
+    """--scale-rewards' argparse type: TRL's booleans as its names (True -> group, False -> none)."""
+    return {"true": "group", "false": "none"}.get(name.lower(), name)
+
+
+def _fraction(text: str) -> float:
+    """--warmup-ratio's argparse type: a number from 0 to 1."""
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be from 0 to 1 (got {text})")
+    return value
+
+
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 (got {text})")
+    return value
+
+
 def _opt(default, help: str, **extra):
     """A dataclass field with a help line (and optional argparse `choices`); a list default is copied per Config."""
     if isinstance(default, list):
@@ -57,6 +81,10 @@ class Config:
     group_size: int = _opt(8, "responses per prompt (GRPO's G)")
     updates_per_iteration: int = _opt(1, "optimizer steps per iteration: the batch is split into this many "
                                          "mini-batches; >1 activates the PPO ratio against the old policy")
+    num_iterations: int = _opt(1, "passes over each iteration's batch (TRL's num_iterations, μ): the first trains "
+                                  "the groups as they arrive, the others the stored batch again, mini-batch by "
+                                  "mini-batch, with the ratio against θ_k; optimizer steps per iteration = "
+                                  "updates-per-iteration x num-iterations", type=_at_least_one)
     max_new_tokens: int | None = _opt(None, "longest response in tokens (default: 8 for tiny, 128 for tiny-chain, "
                                             "512 otherwise)")
     temperature: float = _opt(1.0, "sampling temperature (log-probs are computed at the same temperature)")
@@ -70,15 +98,28 @@ class Config:
                                "model, else Hugging Face generate with a line saying why; hf: generate always (the "
                                "reference)", choices=ENGINES)
     lr: float | None = _opt(None, "AdamW learning rate (default: 1e-4 for tiny, 1e-6 otherwise)")
+    lr_scheduler_type: str = _opt("linear", "learning-rate schedule over the run's optimizer steps (iterations x "
+                                            "updates-per-iteration x num-iterations): transformers' get_scheduler, "
+                                            "as TRL's lr_scheduler_type; linear decays to 0", choices=LR_SCHEDULERS)
+    warmup_ratio: float = _opt(0.0, "fraction of the optimizer steps over which the rate rises linearly from 0 "
+                                    "(TRL's warmup_ratio; transformers 5's warmup_steps below 1)", type=_fraction)
     beta: float = _opt(0.04, "weight of the k3 KL penalty to the reference model (0 = no reference forward)")
     kl_bias_correction: bool = _opt(True, "multiply the per-token k3 KL by the importance ratio, so its gradient is "
                                           "that of KL(policy || reference) (TRL 1.16 default; see grpo.py)")
-    epsilon_low: float = _opt(0.2, "PPO clip range below 1: ratio clipped at 1 - epsilon_low")
+    epsilon_low: float = _opt(0.2, "PPO clip range below 1: ratio clipped at 1 - epsilon_low (TRL's --epsilon sets "
+                                   "both ranges, unless --epsilon-high is given)")
     epsilon_high: float = _opt(0.2, "PPO clip range above 1: ratio clipped at 1 + epsilon_high (0.28 = DAPO)")
-    loss_type: str = _opt("dapo", "loss normalisation: dapo (token mean over the iteration), grpo (per-sequence "
-                                  "mean, then mean), dr_grpo (sum / (sequences * max_new_tokens))",
-                          choices=LOSS_TYPES)
-    scale_rewards: bool = _opt(True, "divide advantages by the group's reward std (off = Dr. GRPO)")
+    loss_type: str = _opt("dapo", "loss normalisation: dapo (token mean over the mini-batch), grpo (per-sequence "
+                                  "mean, then mean), dr_grpo (sum / (sequences * max_new_tokens)), bnpo (token mean "
+                                  "per micro-batch, then mean: depends on --micro-batch-tokens, as TRL's on "
+                                  "per_device_train_batch_size; see grpo.py)", choices=LOSS_TYPES)
+    scale_rewards: str = _opt("group", "divide advantages by the reward std of the group, of the whole batch (batch), "
+                                       "or not at all (none = Dr. GRPO); TRL's scale_rewards (true = group, false = "
+                                       "none)", choices=SCALE_REWARDS, type=_scale_rewards_name)
+    mask_truncated_completions: bool = _opt(False, "leave responses that reached --max-new-tokens without EOS out of "
+                                                   "the loss (TRL's option; DAPO)")
+    disable_dropout: bool = _opt(True, "set the policy's dropout to 0, so that a forward is a function of the "
+                                       "weights and the bitwise claims hold (TRL's option, which is off by default)")
     max_grad_norm: float = _opt(1.0, "clip the gradient norm before each optimizer step (0 = off)")
     weight_decay: float = _opt(0.0, "AdamW weight decay")
     shared_prompt: bool = _opt(True, "pack each group as one row [prompt | r1 | ... | rG] with the shared-prompt "
@@ -93,16 +134,24 @@ class Config:
     data_config: str | None = _opt(None, "the dataset's configuration (load_dataset's name), e.g. 'main' of "
                                          "openai/gsm8k (the default for --data gsm8k)")
     split: str = _opt("train", "the split of --data to train on")
-    prompt_column: str = _opt("question", "the column of prompts: text, or a list of chat messages "
-                                          "([{'role', 'content'}], TRL's conversational format, rendered with the "
-                                          "model's chat template as it is); data without a 'question' column but with "
-                                          "TRL's 'prompt' column uses that")
+    prompt_column: str = _opt("question", "the column of prompts: text (the user's message in the model's chat "
+                                          "template, raw without one), or a list of chat messages ([{'role', "
+                                          "'content'}], TRL's conversational format, rendered with the chat template "
+                                          "as it is); data without a 'question' column but with TRL's 'prompt' "
+                                          "column uses that")
     answer_column: str = _opt("answer", "the column of gold answers: the number N of GSM8K's '... #### N', else the "
-                                        "text as it is")
-    reward: list[str] = _opt(["math"], "reward function(s), repeatable: 'math' (GSM8K final-number match), "
+                                        "text as it is; data without it (prompt-only) loads when no reward needs "
+                                        "an answer (math, math-verify and f(prompt, completion, answer) do)")
+    system_prompt: str | None = _opt(None, "a system message put in front of every prompt (text prompts become "
+                                           "[system, user] conversations; needs a chat template): its text, or "
+                                           "'math' for GSM8K's (reason step by step, end with '#### <number>'); "
+                                           "default: none")
+    reward: list[str] = _opt(["math"], "reward function(s), repeatable: 'math' (GSM8K final-number match: "
+                                       "\\boxed{N}, else '#### N', 'the answer is N', the last number), "
                                        "'math-verify' (Hugging Face math-verify: \\boxed{}, fractions, LaTeX), or "
                                        "'module:function' / 'path/to/file.py:function': f(prompt, completion, "
-                                       "answer) -> float, or TRL's f(prompts, completions, **kwargs) -> list "
+                                       "answer) -> float, or TRL's f(prompts, completions, **kwargs) -> list, async "
+                                       "def too, given every dataset column and trainer_state by keyword "
                                        "(infra/reward.py; default: math)")
     reward_weights: list[float] | None = _opt(None, "one weight per --reward; the reward trained on is the weighted "
                                                     "sum, each reward is also logged alone (default: all 1.0)")
@@ -117,10 +166,24 @@ class Config:
     attn_implementation: str = _opt("sdpa", "attention kernel of the Hugging Face model", choices=("sdpa", "eager"))
     gradient_checkpointing: bool = _opt(False, "recompute each layer's activations in backward (real models: trades "
                                                "~30%% more training compute for far less activation memory)")
+    use_peft: bool = _opt(False, "train a LoRA adapter (peft, pip install peft) instead of every weight (TRL's "
+                                 "use_peft): the reference is the base with the adapter off, no copy; only the adapter "
+                                 "is published each iteration, checkpointed and saved in policy/ (peft's format)")
+    lora_r: int = _opt(16, "LoRA rank r (TRL's lora_r)")
+    lora_alpha: int = _opt(32, "LoRA alpha: the adapter's output is scaled by alpha / r (TRL's lora_alpha)")
+    lora_dropout: float = _opt(0.0, "dropout on the adapter's input in training (TRL's lora_dropout, whose default is "
+                                    "0.05): 0 keeps resume and async == sync bitwise, since a checkpoint does not "
+                                    "hold the random state its masks come from")
+    lora_target_modules: list[str] | None = _opt(None, "modules that get an adapter (TRL's lora_target_modules): "
+                                                       "names (q_proj v_proj ...) or all-linear (every linear layer "
+                                                       "but the output layer); default: peft's for the architecture "
+                                                       "(q_proj v_proj for Qwen2 and Llama)")
     cache_dir: str | None = _opt(None, "where the warmed-up tiny model is cached "
                                        "(default: $PERIODIC_RL_CACHE or ~/.cache/periodic-rl)")
     # --- the run: outputs, evaluation, long runs ---
-    out: str = _opt("runs/latest", "output directory: metrics.jsonl and the final policy/ model (one run at a time)")
+    out: str | None = _opt(None, "output directory: metrics.jsonl, config.json and the final policy/ model (one run "
+                                 "at a time; default: a new runs/<model>-<date>-<time>, linked from runs/latest, or "
+                                 "with --resume the run it continues: infra/outputs.py)")
     overwrite: bool = _opt(False, "replace the run in --out: delete what an earlier run of trainer.py wrote there "
                                   "(metrics.jsonl, policy/, checkpoint-<k>/, config.json, its TensorBoard events in "
                                   "<out>/runs and its wandb folders) and nothing else (other runs' folders below --out "
@@ -134,6 +197,11 @@ class Config:
     report_to: list[str] = _opt(["none"], "also send each metrics row to these trackers, named as TRL's (train/reward, "
                                           "eval/reward, ...; infra/tracking.py): tensorboard (<out>/runs), wandb, "
                                           "trackio; several may be given", choices=TRACKERS, metavar="TRACKER")
+    log_completions: bool = _opt(False, "write every sampled completion to <out>/completions.jsonl (its prompt, "
+                                        "text, each reward, advantage) and send each iteration's as a table to the "
+                                        "--report-to trackers (TRL's log_completions; infra/completions.py)")
+    num_completions_to_print: int = _opt(0, "with --log-completions, also print the first N completions of each "
+                                            "iteration (TRL's option, which prints N at random, all by default)")
     config: str | None = _opt(None, "read options from this JSON or YAML file, e.g. a run's <out>/config.json (keys: "
                                     "the option names, max_new_tokens for --max-new-tokens); options given on the "
                                     "command line override it; resume and overwrite are read from the command "
@@ -209,3 +277,9 @@ class Config:
     @property
     def default_data(self) -> str:
         return TINY_MODELS[self.model][0] if self.is_tiny else "gsm8k"
+
+    @property
+    def lora(self) -> dict | None:
+        """The LoRA adapter's settings (infra/models.with_lora) with --use-peft, else None."""
+        return dict(r=self.lora_r, alpha=self.lora_alpha, dropout=self.lora_dropout,
+                    target_modules=self.lora_target_modules, seed=self.seed) if self.use_peft else None

@@ -9,7 +9,11 @@ responses o_1..o_G to one prompt with rewards r_1..r_G:
 
 std is the *sample* std (Bessel-corrected, torch's default) over the group, exactly as TRL, so the
 numbers compare line by line; eps = 1e-4 keeps an all-equal group (std 0) at A = 0 instead of NaN.
-`scale=False` drops the division (Dr. GRPO, arXiv 2503.20783: the std favours easy/hard prompts).
+`scale` is TRL's `scale_rewards`: "group" (True) as above; "none" (False) drops the division (Dr. GRPO,
+arXiv 2503.20783: the std favours easy/hard prompts); "batch" divides by the std of every reward of the
+batch instead (PPO Lite, arXiv 2508.08221), A_i = (r_i - mean(r_group)) / (std(r_batch) + eps), which is
+known only once the last group is in: `group_advantages` then returns the centred rewards and
+`batch_std` gives the divisor (see "scale_rewards='batch' while streaming" below).
 A reward of NaN marks a response no reward function scored (TRL's None, infra/reward.py): it is left out of its
 group's mean and std, and its advantage is 0 (TRL since #5902).
 
@@ -35,40 +39,69 @@ plain term (TRL's `use_bias_correction_kl=False`, the default of older TRL, e.g.
 
 Aggregation over a batch of N responses with m_{i,t} ∈ {0, 1} marking real response tokens:
 
-    dapo     L = Σ_i Σ_t m l / Σ_i Σ_t m             token mean over the whole batch (default)
+    dapo     L = Σ_i Σ_t m l / Σ_i Σ_t m             token mean over the whole batch (default, TRL's too)
     grpo     L = (1/N) Σ_i (Σ_t m l / Σ_t m)          per-sequence mean, then mean (the paper's eq.)
     dr_grpo  L = Σ_i Σ_t m l / (N · max_new_tokens)   constant denominator (Dr. GRPO)
+    bnpo     L = (1/M) Σ_b (Σ_{i∈b} Σ_t m l / Σ_{i∈b} Σ_t m)   token mean per micro-batch b, mean over the M
 
-Every variant is a weighted *sum* over tokens divided by one batch-level normaliser D. That is what
-makes the update independent of how the batch is cut into micro-batches and of the order they
-arrive in, which the asynchronous pipeline relies on: each micro-batch backpropagates its partial
+When an iteration's batch is split into S optimizer steps (mini-batches), grpo and dr_grpo take N as the
+mini-batch's sequences, and dapo divides each step's sum by the *batch's* tokens / S, as TRL 1.16 does
+(`num_items_in_batch`, the generation batch's tokens, x accumulation steps / steps_per_generation): every
+token weighs the same whichever step it lands in, but the first step needs the last group's length.
+
+dapo, grpo and dr_grpo are a weighted *sum* over tokens divided by one batch-level normaliser D. That
+is what makes the update independent of how the batch is cut into micro-batches and of the order
+they arrive in, which the asynchronous pipeline relies on: each micro-batch backpropagates its partial
 sum (`normalizer=1`), and the accumulated gradient is divided by D (`loss_normalizer`) once, at the
-optimizer step, when D is known. Averaging per micro-batch instead (TRL's `bnpo` under gradient
-accumulation) weights tokens by the size of the micro-batch they happened to land in.
+optimizer step, when D is known. bnpo is TRL's per-device token mean under gradient accumulation
+(`(per_token_loss * mask).sum() / mask.sum()`, then / accumulation steps), with the micro-batch in the
+role of TRL's local batch: each micro-batch divides by its own tokens (`micro_batch_normalizer`), the
+step by M. It weights tokens by the size of the micro-batch they happened to land in, so it depends on
+--micro-batch-tokens (TRL's: on per_device_train_batch_size); still a function of the sampled tokens
+alone, since micro-batches are cut by completion order (learner.py).
+
+A truncated response (no EOS within max_new_tokens) is left out of the loss when TRL's
+`mask_truncated_completions` asks: its mask row is 0, so it adds no token to any sum or to dapo's and
+bnpo's D; grpo and dr_grpo still count it in N, as TRL does (its row's mean is 0, not dropped).
+
+scale_rewards='batch' while streaming. The policy term is positively homogeneous in A: for c > 0,
+
+    -min(ρ cA, clip(ρ) cA) = c · (-min(ρ A, clip(ρ) A))        and the clipped tokens are the same,
+
+and every normaliser above is independent of A, so with β = 0 the loss of advantages A/s is the loss of
+the centred A, divided by s = std(r_batch) + eps. A learner can stream with the centred advantages and
+divide the accumulated gradient by s at the step (learner.py); only the step waits for s. The KL term
+β ρ k3 does not scale with A: with β > 0 that split fails, and the forward/backward passes wait until
+s is known, then use A/s.
 
 Departures from TRL, on purpose:
-1. No `bnpo` loss: it is not micro-batch invariant (see above).
+1. bnpo's local batch is the micro-batch (sized by tokens), not a fixed number of sequences.
 2. The normaliser is passed in rather than taken from the batch, so a caller can stream.
-3. The logged KL is the mean of k3 itself (ρ is 1 on-policy; TRL logs ρ·k3, the same value then).
 """
 from __future__ import annotations
 
 import torch
 
-LOSS_TYPES = ("dapo", "grpo", "dr_grpo")
+LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")
+SCALE_REWARDS = ("group", "batch", "none")
+ADVANTAGE_EPS = 1e-4  # A = (r - mean) / (std + eps): an all-equal group gets 0, not NaN
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True, eps: float = 1e-4) -> torch.Tensor:
-    """Group-relative advantages for rewards laid out group after group.
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: str | bool = "group",
+                     eps: float = ADVANTAGE_EPS) -> torch.Tensor:
+    """Group-relative advantages for rewards laid out group after group; scale: "group" (True) divides by each
+    group's std, "none" (False) and "batch" return the centred rewards (for "batch", divide by `batch_std` + eps
+    once the batch is whole).
 
     >>> group_advantages(torch.tensor([1., 0., 0., 0.]), group_size=2)
     tensor([ 0.7070, -0.7070,  0.0000,  0.0000])
     """
+    by_group = scale in ("group", True)
     grouped = rewards.view(-1, group_size)  # (num_prompts, G)
     if grouped.isnan().any():
-        return _advantages_of_scored(grouped, scale, eps)
+        return _advantages_of_scored(grouped, by_group, eps)
     advantages = grouped - grouped.mean(dim=1, keepdim=True)  # (num_prompts, G)
-    if scale:
+    if by_group:
         advantages = advantages / (grouped.std(dim=1, keepdim=True) + eps)
     return advantages.reshape(-1)  # (num_prompts * G,)
 
@@ -87,10 +120,21 @@ def _advantages_of_scored(grouped: torch.Tensor, scale: bool, eps: float) -> tor
     return advantages.nan_to_num(0.0).reshape(-1)  # (num_prompts * G,)
 
 
+def batch_std(rewards: torch.Tensor) -> torch.Tensor:
+    """Sample std over every scored (non-NaN) reward of the batch, 0-d; NaN with fewer than two (TRL's `nanstd`).
+    scale_rewards="batch" divides the centred rewards by it + eps.
+
+    >>> batch_std(torch.tensor([1., 0., float("nan"), 1.]))
+    tensor(0.5774)
+    """
+    scored = rewards[~rewards.isnan()]  # (n,)
+    return scored.std() if len(scored) > 1 else torch.tensor(float("nan"))
+
+
 def sequence_weights(mask: torch.Tensor, loss_type: str, max_new_tokens: int | None = None) -> torch.Tensor:
-    """Per-token weights w with L = Σ w·l / D: 1 (dapo), 1/|o_i| (grpo), 1/max_new_tokens (dr_grpo)."""
+    """Per-token weights w with L = Σ w·l / D: 1 (dapo, bnpo), 1/|o_i| (grpo), 1/max_new_tokens (dr_grpo)."""
     mask = mask if mask.is_floating_point() else mask.float()  # (N, T)
-    if loss_type == "dapo":
+    if loss_type in ("dapo", "bnpo"):
         return mask
     if loss_type == "grpo":
         return mask / mask.sum(dim=1, keepdim=True).clamp(min=1.0)  # (N, T)
@@ -101,11 +145,18 @@ def sequence_weights(mask: torch.Tensor, loss_type: str, max_new_tokens: int | N
     raise ValueError(f"unknown loss_type {loss_type!r}; choose one of {LOSS_TYPES}")
 
 
-def loss_normalizer(loss_type: str, num_sequences: int, num_tokens: int) -> float:
-    """The batch-level denominator D: tokens for dapo, sequences for grpo and dr_grpo."""
+def micro_batch_normalizer(loss_type: str, num_tokens: int) -> float:
+    """What one micro-batch's weighted sum is divided by before its backward: its own tokens for bnpo, else 1."""
+    return float(max(num_tokens, 1)) if loss_type == "bnpo" else 1.0
+
+
+def loss_normalizer(loss_type: str, num_sequences: int, num_tokens: float, num_micro_batches: int = 1) -> float:
+    """The step's denominator D: tokens for dapo (with S steps per batch: the batch's tokens / S), the mini-batch's
+    sequences for grpo and dr_grpo, its micro-batches for bnpo."""
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"unknown loss_type {loss_type!r}; choose one of {LOSS_TYPES}")
-    return float(max(num_tokens, 1) if loss_type == "dapo" else max(num_sequences, 1))
+    count = {"dapo": num_tokens, "bnpo": num_micro_batches}.get(loss_type, num_sequences)
+    return float(max(count, 1))
 
 
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -132,11 +183,13 @@ def grpo_loss(
     """The GRPO objective of one batch of responses; returns (loss, sums for logging).
 
     logp, old_logp, ref_logp, mask: (N, T) per response token; advantages: (N,).
-    normalizer: D in L = Σ w·l / D; None = this batch's own D (`loss_normalizer`). Pass 1.0 to
-    get the plain weighted sum when accumulating micro-batches and divide the gradient later.
+    normalizer: what L = Σ w·l is divided by; None = this batch alone (`micro_batch_normalizer` x
+    `loss_normalizer`). Pass 1.0 (bnpo: `micro_batch_normalizer`) to get the partial sum of one
+    micro-batch when accumulating, and divide the gradient by D later.
     kl_bias_correction: multiply k3 by ρ (the module docstring says why); False = the plain k3 term.
-    The returned stats are sums (tokens, clipped tokens, KL) so they add up across micro-batches, as 0-d
-    tensors (no host synchronisation).
+    The returned stats are sums over the masked tokens, so they add up across micro-batches, as 0-d tensors (no
+    host synchronisation): tokens, clipped tokens (low: ρ < 1 - ε_low with A < 0, high: ρ > 1 + ε_high with
+    A > 0, as TRL counts them) and the KL term as TRL logs it (ρ·k3 with the correction, else k3).
     """
     mask = mask.to(logp.dtype)  # (N, T)
     ratio = torch.exp(logp - old_logp)  # (N, T)
@@ -145,22 +198,28 @@ def grpo_loss(
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * adv  # (N, T)
     per_token = -torch.min(unclipped, clipped)  # (N, T)
     kl = kl_k3(logp, ref_logp) if ref_logp is not None else None  # (N, T)
+    if kl is not None and kl_bias_correction:
+        kl = kl * ratio
     if beta != 0.0:
         if kl is None:
             raise ValueError("beta > 0 needs ref_logp")
-        per_token = per_token + beta * (kl * ratio if kl_bias_correction else kl)
+        per_token = per_token + beta * kl
 
     weights = sequence_weights(mask, loss_type, max_new_tokens)  # (N, T)
     if normalizer is None:
-        normalizer = loss_normalizer(loss_type, mask.shape[0], int(mask.sum().item()))
+        tokens = int(mask.sum().item())
+        normalizer = micro_batch_normalizer(loss_type, tokens) * loss_normalizer(loss_type, mask.shape[0], tokens)
     loss = (per_token * weights).sum() / normalizer
 
     with torch.no_grad():
         # A token is "clipped" when the clip is the active branch of the min (as TRL counts it).
-        is_clipped = ((ratio < 1 - epsilon_low) & (adv < 0)) | ((ratio > 1 + epsilon_high) & (adv > 0))
+        low = ((ratio < 1 - epsilon_low) & (adv < 0)).to(mask.dtype) * mask  # (N, T)
+        high = ((ratio > 1 + epsilon_high) & (adv > 0)).to(mask.dtype) * mask  # (N, T)
         stats = {  # 0-d tensors on logp's device: reading them would make the host wait for the device
             "tokens": mask.sum(),
-            "clipped_tokens": (is_clipped.to(mask.dtype) * mask).sum(),
+            "clipped_tokens": (low + high).sum(),  # TRL's region: the two are disjoint (A < 0, A > 0)
+            "clipped_low": low.sum(),
+            "clipped_high": high.sum(),
             "kl_sum": (kl * mask).sum() if kl is not None else torch.full((), float("nan"), device=logp.device),
         }
     return loss, stats

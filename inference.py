@@ -87,7 +87,7 @@ from infra.processes import (
 )
 from infra.timeline import INFERENCE, TRAINING, Span, Timeline
 from rollout import Group, IterationDone, Message, rollout_iteration
-from weights import WeightBuffer, check_shared_memory, shared
+from weights import WeightBuffer, check_shared_memory, published, shared
 
 __all__ = ["AsyncRollouts", "PipelineError", "SyncRollouts", "in_call_order", "split_threads", "worker_devices",
            "worker_shares"]
@@ -322,9 +322,10 @@ class SyncRollouts:
     """Generate the whole iteration in this process, then hand the messages over.
 
     `sampler` is the model that generates: the policy itself when it computes in its own dtype, else a
-    copy in the compute dtype that `publish` refreshes, as the workers' weights are in async mode (so that
-    both modes sample from the same bf16 weights). With `workers` = N it samples the N workers' shares one
-    after another, and hands the groups over in the same order as `AsyncRollouts` does (`in_call_order`).
+    copy in the compute dtype that `publish` refreshes (what training changes: weights.published), as the
+    workers' weights are in async mode (so that both modes sample from the same bf16 weights). With `workers` = N
+    it samples the N workers' shares one after another, and hands the groups over in the same order as
+    `AsyncRollouts` does (`in_call_order`).
     """
 
     def __init__(self, policy, tokenizer, train, held_out, rewards, cfg, sampler=None, workers: int = 1,
@@ -337,8 +338,8 @@ class SyncRollouts:
     @torch.no_grad()
     def publish(self, policy, version: int) -> None:
         if self.sampler is not policy:
-            for target, source in zip(self.sampler.parameters(), policy.parameters(), strict=True):
-                target.copy_(source)  # casts to the sampler's dtype
+            for target, source in zip(published(self.sampler), published(policy), strict=True):
+                target.copy_(source)  # casts to the sampler's dtype (with LoRA: the adapter; the base never moves)
         self.version = version
 
     def generate(self, iteration: int, final_iteration: int, train_prompts: bool = True) -> None:

@@ -2,24 +2,38 @@
 mini-batch (the consumer of periodic_rl.py's pipeline).
 
     for each group as it arrives:    take(g)                       refused unless θ_k sampled it
-        for each micro-batch ready:  accumulate(groups)            ∇ += Σ_g ∇S_g(θ_k)     (S_g: grpo.py, a sum)
-        once a mini-batch is whole:  step()                        ∇ /= D, clip, AdamW    (D: its tokens or
-                                                                                           sequences, all ranks')
+        for each micro-batch ready:  accumulate(groups)            ∇ += Σ_g ∇S_g(θ)       (S_g: grpo.py, a sum)
+        once a mini-batch is whole:  step()                        ∇ /= D, clip, AdamW,   (D: its tokens or
+                                                                   the rate's schedule     sequences, all ranks')
+    passes 2..μ (num_iterations):    the first pass's micro-batches again, mini-batch by mini-batch, each step
+                                     with the ratio against θ_k (the tri-model's old copy)
 
 Why the order of arrival does not change the update: mini-batch membership is fixed by prompt index
 (`minibatch_of`), D is known only once the mini-batch is whole (so each partial sum is divided once, at the
 step), and micro-batches are cut by arrival order, which is completion order, a function of the sampled
-tokens alone (periodic_rl.py's docstring). With trainer ranks each rank takes only its own calls' groups and
-`step` sums ∇ and D over the ranks first (infra/distributed.py).
+tokens alone (periodic_rl.py's docstring). Later passes replay the first pass's micro-batches, so they sum in
+the same order too. With trainer ranks each rank takes only its own calls' groups and `step` sums ∇ and D over
+the ranks first (infra/distributed.py).
+
+What waits for the whole batch (grpo.py says why): with dapo, D is the batch's tokens / steps, and with
+scale_rewards="batch" the advantages are divided by the batch's reward std; the forward/backward passes still
+stream, and only the first step waits for the last group. With scale_rewards="batch" and β > 0 the passes wait
+too (the KL term does not scale with the advantages).
+
+Metrics, per iteration, as TRL 1.16 logs them (infra/tracking.py has the names): the clipped fractions (low,
+high, region) and the KL term (ρ·k3 with the bias correction) over every pass's loss tokens; the mean per-token
+entropy of the policy, measured where the logits exist (`entropy_sums`); the learning rate of the last step;
+frac_reward_zero_std; the response lengths (mean, min, max, of the terminated ones) and the truncated fraction.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Iterator
 
 import torch
 
-from grpo import grpo_loss, loss_normalizer
+from grpo import ADVANTAGE_EPS, batch_std, grpo_loss, loss_normalizer, micro_batch_normalizer
 from inference import PipelineError
 from infra import distributed
 from infra.distributed import Ranks
@@ -27,6 +41,8 @@ from infra.timeline import TRAIN, Timeline
 from rollout import Group
 from tri_model import TriModel
 from weights import OffPolicyError
+
+SUMS = ("loss", "clipped_low", "clipped_high", "kl", "entropy", "grad_norm")  # kept on the device until `metrics`
 
 
 def minibatch_of(prompt_index: int, prompts_per_iteration: int, updates_per_iteration: int) -> int:
@@ -48,29 +64,85 @@ def micro_batch_size(tokens: list[int], max_tokens: int) -> int:
     return size
 
 
+def is_truncated(response: list[int], max_new_tokens: int, stop_ids: set[int]) -> bool:
+    """A response cut at max_new_tokens, not ended by a stop id (TRL: its last token is no EOS)."""
+    return len(response) >= max_new_tokens and response[-1] not in stop_ids
+
+
 def mean_std(values: list[float]) -> tuple[float | None, float | None]:
     """Mean and sample std of the values that are not NaN (a response no reward scored); None where undefined."""
     scored = torch.tensor([value for value in values if not math.isnan(value)])  # (n,)
     return scored.mean().item() if len(scored) else None, scored.std().item() if len(scored) > 1 else None
 
 
-def forward_backward(tri: TriModel, batch: list, advantages: list[float], cfg) -> tuple[torch.Tensor, dict]:
+def zero_std_fraction(groups: list[list[float]], scale_rewards: str) -> float:
+    """TRL's frac_reward_zero_std: the fraction of responses whose reward std (their group's; with
+    scale_rewards="batch" the batch's) is 0 (TRL's isclose: <= 1e-8; NaN, fewer than two scored, is not)."""
+    if scale_rewards == "batch":
+        return float(batch_std(torch.tensor([r for rewards in groups for r in rewards])) <= 1e-8)
+    zero = sum(len(rewards) for rewards in groups if batch_std(torch.tensor(rewards)) <= 1e-8)
+    return zero / sum(len(rewards) for rewards in groups)
+
+
+@contextlib.contextmanager
+def entropy_sums(policy: torch.nn.Module, temperature: float) -> Iterator[list]:
+    """Inside the block, each call of the policy's output layer that carries gradients (the policy's own forward:
+    the frozen copies score without) appends (Σ_rows H, rows): H = the entropy of softmax(logits / T) of each row,
+    in float32 as attention.token_logprobs scores them, without gradient. The logits never exist whole (they are
+    chunked), so they are measured as they pass. A call whose output is not one row per token ((B, L, V): a model
+    whose logits are transformed after its output layer) appends None: not measured."""
+    head = policy.get_output_embeddings() if hasattr(policy, "get_output_embeddings") else None
+    found: list = []
+
+    def measure(module, inputs, logits: torch.Tensor) -> None:
+        if not logits.requires_grad:
+            return
+        if logits.dim() != 2:
+            found.append(None)
+            return
+        with torch.no_grad():
+            z = logits.detach().to(torch.promote_types(logits.dtype, torch.float32)) / temperature  # (n, V)
+            entropy = z.logsumexp(dim=-1) - torch.linalg.vecdot(z.softmax(dim=-1), z)  # (n,) H = log Σe^z - E_p[z]
+            found.append((entropy.sum(), len(z)))
+
+    handle = head.register_forward_hook(measure) if head is not None else None
+    try:
+        yield found
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
+def forward_backward(tri: TriModel, batch: list, advantages: list[float], cfg,
+                     kept: list[bool] | None = None) -> tuple[torch.Tensor, dict]:
     """One micro-batch: the tri-model's log-probs of `batch` [(prompt ids, [response ids] x G)], the GRPO loss
-    with these advantages (one per response) as a partial sum (divided by D at the step), and its backward
-    (∇ accumulates in .grad). What the learner runs per micro-batch, and what the probe times (launch/sizing.py)."""
-    logp, old_logp, ref_logp, mask = tri(batch)  # (n·G, T) each, groups in order
+    with these advantages (one per response) as a partial sum (divided by D at the step; bnpo: by its own tokens
+    first), and its backward (∇ accumulates in .grad). `kept`: per response, whether it enters the loss (False: a
+    truncated one under --mask-truncated-completions). Stats: grpo_loss's, with the policy's entropy summed over
+    every response token (NaN where not measured). What the learner runs per micro-batch, and what the probe
+    times (launch/sizing.py)."""
+    with entropy_sums(tri.policy, cfg.temperature) as found:
+        logp, old_logp, ref_logp, mask = tri(batch)  # (n·G, T) each, groups in order
+    rows = sum(len(r) for _, responses in batch for r in responses)
+    measured = bool(found) and None not in found and sum(n for _, n in found) == rows
+    entropy = torch.stack([h for h, _ in found]).sum() if measured else torch.tensor(float("nan"))
+    tokens = rows
+    if kept is not None:
+        mask = mask & torch.tensor(kept, device=mask.device)[:, None]  # (n·G, T) a left-out response: no token
+        tokens = sum(len(r) for r, keep in zip((r for _, rs in batch for r in rs), kept) if keep)
     advantages = torch.tensor(advantages, device=logp.device, dtype=logp.dtype)  # (n·G,)
     loss, stats = grpo_loss(logp, old_logp, ref_logp, advantages, mask, beta=cfg.beta,
                             epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high,
                             loss_type=cfg.loss_type, max_new_tokens=cfg.max_new_tokens,
-                            kl_bias_correction=cfg.kl_bias_correction, normalizer=1.0)
+                            kl_bias_correction=cfg.kl_bias_correction,
+                            normalizer=micro_batch_normalizer(cfg.loss_type, tokens))
     loss.backward()
-    return loss, stats
+    return loss, {**stats, "entropy_sum": entropy.to(logp.device)}
 
 
 class Learner:
     """Consumes one iteration's groups in arrival order: forward/backward in micro-batches, an optimizer
-    step per mini-batch.
+    step per mini-batch, μ passes.
 
     A micro-batch is the waiting groups of the current mini-batch, in arrival order, up to
     `micro_batch_tokens`. Groups wait until that many tokens are there, or until nothing more will
@@ -81,33 +153,44 @@ class Learner:
 
     With trainer ranks (infra/distributed.py) it takes only its rank's groups, so a mini-batch may hold none
     of them: `ready` then yields an empty micro-batch, and the rank still joins the step's all-reduce.
-    `reward_names` label each reward's own statistics (`rewards/<name>/mean`, TRL's names).
+    `reward_names` label each reward's own statistics (`rewards/<name>/mean`, TRL's names). `scheduler`: the
+    learning-rate schedule (launch/setup.py), stepped after each optimizer step. `stop_ids`: the ids that end a
+    response (a response without one at max_new_tokens is truncated).
     """
 
     def __init__(self, tri_model: TriModel, optimizer: torch.optim.Optimizer, cfg, device: torch.device,
-                 timeline: Timeline, ranks: Ranks = Ranks(), reward_names: list[str] = ()):
+                 timeline: Timeline, ranks: Ranks = Ranks(), reward_names: list[str] = (), scheduler=None,
+                 stop_ids: list[int] = ()):
         self.tri, self.optimizer, self.cfg, self.device, self.timeline = tri_model, optimizer, cfg, device, timeline
         self.ranks, self.reward_names = ranks, list(reward_names)
+        self.scheduler, self.stop_ids = scheduler, set(stop_ids)
         prompts, updates = cfg.prompts_per_iteration, cfg.updates_per_iteration
         self.groups_per_minibatch = [0] * updates  # this rank's groups in each mini-batch
         for index in range(prompts):
             if distributed.owner(index // cfg.groups_per_chunk, ranks.size) == ranks.rank:
                 self.groups_per_minibatch[minibatch_of(index, prompts, updates)] += 1
-        self.iteration, self.minibatch, self.stepping = None, 0, False
+        self.steps = updates * cfg.num_iterations  # optimizer steps per iteration
+        self.first_step_waits = cfg.scale_rewards == "batch" or cfg.loss_type == "dapo"  # its D or std needs the batch
+        self.passes_wait = cfg.scale_rewards == "batch" and cfg.beta != 0  # A / std before any forward
+        self.iteration, self.steps_done, self.stepping = None, 0, False
 
     def start(self, iteration: int) -> None:
-        self.iteration, self.minibatch = iteration, 0
+        self.iteration, self.steps_done = iteration, 0
         updates = self.cfg.updates_per_iteration
         self.waiting: list[list[Group]] = [[] for _ in range(updates)]  # per mini-batch, in arrival order
         self.arrived = [0] * updates  # groups received, per mini-batch
         self.chunk_arrivals: dict[tuple[int, int], int] = {}
-        self.loss_sum, self.clipped_tokens, self.kl_sum, self.grad_norm_sum = (  # running sums, kept on the
-            torch.zeros((), device=self.device) for _ in range(4))           # device until `metrics`
-        self.tokens = 0  # response tokens of the iteration (known on the host from the lengths)
-        self.minibatch_tokens = self.minibatch_sequences = 0
+        self.trained: list[list[list[Group]]] = [[] for _ in range(updates)]  # the first pass's micro-batches
+        self.replayed = 0  # micro-batches of the current mini-batch trained again in this pass (passes 2..μ)
+        self.sums = {name: torch.zeros((), device=self.device) for name in SUMS}
+        self.tokens = self.loss_tokens = 0  # response tokens of the iteration, and those in the loss (host counts)
+        self.metric_tokens = self.entropy_tokens = 0  # tokens the statistics are summed over, every pass
+        self.minibatch_sequences = self.minibatch_micro_batches = 0
         self.minibatch_loss = torch.zeros((), device=self.device)  # partial sum, divided by its D at the step
-        self.rewards: dict[int, tuple] = {}  # by group index: (weighted sums, [reward k][response]); metrics in
-        # index order, whatever the arrival
+        self.divisor, self.learning_rate = None, None  # std(r_batch) + eps (scale_rewards="batch"), the last step's
+        self.rewards: dict[int, tuple] = {}  # by group index: (weighted sums, [reward k][response], lengths,
+        # truncated); metrics in index order, whatever the arrival
+        self.taken: dict[int, Group] = {}  # this rank's groups of the iteration, by index (kept for --log-completions)
 
     def take(self, group: Group) -> None:
         """Take one group, refused unless θ_k sampled it (nothing is trained here: see `ready`)."""
@@ -121,87 +204,144 @@ class Learner:
         self.waiting[block].append(group)
         self.arrived[block] += 1
         self.chunk_arrivals[group.chunk] = self.chunk_arrivals.get(group.chunk, 0) + 1
+        self.taken[group.index] = group
+        lengths = [len(r) for r in group.responses]
+        truncated = [is_truncated(r, self.cfg.max_new_tokens, self.stop_ids) for r in group.responses]
+        self.tokens += sum(lengths)
+        self.loss_tokens += sum(n for n, keep in zip(lengths, self._kept(group)) if keep)
+        self.rewards[group.index] = (group.rewards, group.rewards_per_function, lengths, truncated)
+
+    def _kept(self, group: Group) -> list[bool]:
+        """Per response, whether it enters the loss: not when truncated, under --mask-truncated-completions."""
+        return [not (self.cfg.mask_truncated_completions and is_truncated(r, self.cfg.max_new_tokens, self.stop_ids))
+                for r in group.responses]
 
     def ready(self) -> Iterator[list[Group]]:
-        """The micro-batches that can train now: the current mini-batch's waiting groups, in arrival order,
-        once they reach `micro_batch_tokens` or nothing more will come soon (their generate calls have
-        ended, or the mini-batch is complete). Call `step` inside the loop as soon as `minibatch_done()`:
-        the next mini-batch's waiting groups follow only after it (with N > 1 updates per iteration)."""
-        while self.minibatch < self.cfg.updates_per_iteration:
-            waiting = self.waiting[self.minibatch]
-            if self.groups_per_minibatch[self.minibatch] == 0:  # none of this rank's groups: an empty micro-batch,
-                yield []                                         # and the caller steps (the all-reduce) at once
+        """The micro-batches that can train now. First pass: the current mini-batch's waiting groups, in arrival
+        order, once they reach `micro_batch_tokens` or nothing more will come soon (their generate calls have
+        ended, or the mini-batch is complete). Passes 2..μ: the first pass's micro-batches of the current
+        mini-batch, in its order. Call `step` inside the loop as soon as `minibatch_done()`: the next mini-batch
+        follows only after it. A mini-batch with nothing left to train whose step is due (none of its groups
+        are this rank's, or the step waited for the whole batch) yields an empty micro-batch, for the step."""
+        if self.passes_wait and not self.all_taken():
+            return  # scale_rewards="batch" with β > 0: A / std(r_batch) before any forward (grpo.py)
+        while self.steps_done < self.steps:
+            if self._step_due():
+                before = self.steps_done
+                yield []
+                if self.steps_done == before:  # the caller did not step: nothing else can train
+                    return
                 continue
-            if not waiting or not (self._all_arrived() or self._calls_done(waiting)
+            block = self.steps_done % self.cfg.updates_per_iteration
+            if self.steps_done >= self.cfg.updates_per_iteration:  # a later pass over the stored batch
+                self.replayed += 1
+                yield self.trained[block][self.replayed - 1]
+                continue
+            waiting = self.waiting[block]
+            if not waiting or not (self._all_arrived(block) or self._calls_done(waiting)
                                    or group_tokens(waiting) >= self.cfg.micro_batch_tokens):
                 return
             size = micro_batch_size([group_tokens([g]) for g in waiting], self.cfg.micro_batch_tokens)
             micro_batch = waiting[:size]
             del waiting[:size]
+            self.trained[block].append(micro_batch)
             yield micro_batch
 
     def minibatch_done(self) -> bool:
-        """Every group of the current mini-batch has arrived and been trained: time for its optimizer step."""
-        return (self.minibatch < self.cfg.updates_per_iteration and self._all_arrived()
-                and not self.waiting[self.minibatch])
+        """The current mini-batch is trained (every group arrived, in this pass) and its step may be taken."""
+        return self.steps_done < self.steps and self._step_due()
+
+    def _step_due(self) -> bool:
+        block = self.steps_done % self.cfg.updates_per_iteration
+        if self.steps_done >= self.cfg.updates_per_iteration:
+            return self.replayed == len(self.trained[block])
+        return (self._all_arrived(block) and not self.waiting[block]
+                and (not self.first_step_waits or self.all_taken()))
 
     def all_taken(self) -> bool:
         """Every group of the iteration (this rank's) has arrived: the inference side is done sampling θ_k."""
         return sum(self.arrived) == sum(self.groups_per_minibatch)
 
-    def _all_arrived(self) -> bool:
-        return self.arrived[self.minibatch] == self.groups_per_minibatch[self.minibatch]
+    def _all_arrived(self, block: int) -> bool:
+        return self.arrived[block] == self.groups_per_minibatch[block]
 
     def _calls_done(self, groups: list[Group]) -> bool:
         """Whether the generate calls that sampled `groups` have sent all their groups (none is coming soon)."""
         return all(self.chunk_arrivals[g.chunk] == g.chunk[1] for g in groups)  # chunk: (first prompt, prompts)
 
+    def _batch_divisor(self) -> torch.Tensor:
+        """std(r_batch) + eps over every rank's rewards, in group order (scale_rewards="batch"); computed once, when
+        every group is in (with ranks, a collective: every rank reaches it at the same point of its schedule)."""
+        if self.divisor is None:
+            by_group = self.rewards if self.ranks.size == 1 else distributed.gather_dicts(self.rewards, self.ranks)
+            rewards = torch.tensor([r for index in sorted(by_group) for r in by_group[index][0]])  # (B,) float32
+            self.divisor = batch_std(rewards) + ADVANTAGE_EPS
+        return self.divisor
+
     def accumulate(self, groups: list[Group]) -> None:
         """One forward/backward over a micro-batch of the current mini-batch: ∇ += Σ_g ∇S_g (divided by D
-        at the step). An empty micro-batch (another rank's groups only) computes nothing."""
+        at the step). An empty micro-batch (another rank's groups only, or a step due) computes nothing."""
         if not groups:
             return
         self.tri.policy.train()
+        advantages = [a for g in groups for a in g.advantages]
+        if self.passes_wait:  # the centred advantages / (std(r_batch) + eps), TRL's; 0 where the std is undefined
+            advantages = (torch.tensor(advantages) / self._batch_divisor()).nan_to_num(0.0).tolist()
+        kept = [keep for g in groups for keep in self._kept(g)]
         name = f"{TRAIN}group {groups[0].index}" if len(groups) == 1 else f"{TRAIN}{len(groups)} groups"
         with self.timeline.span(name):
             batch = [(torch.tensor(g.prompt_ids, device=self.device),                  # (P,)
                       [torch.tensor(r, device=self.device) for r in g.responses])      # G x (R_i,)
                      for g in groups]
-            loss, stats = forward_backward(self.tri, batch, [a for g in groups for a in g.advantages], self.cfg)
+            loss, stats = forward_backward(self.tri, batch, advantages, self.cfg,
+                                           kept if self.cfg.mask_truncated_completions else None)
         self.minibatch_loss += loss.detach()
-        self.clipped_tokens += stats["clipped_tokens"]
-        self.kl_sum += stats["kl_sum"]
-        tokens = sum(len(r) for g in groups for r in g.responses)
-        self.minibatch_tokens += tokens
-        self.tokens += tokens
-        for g in groups:
-            self.minibatch_sequences += len(g.responses)
-            self.rewards[g.index] = (g.rewards, g.rewards_per_function)
+        for total, key in (("clipped_low", "clipped_low"), ("clipped_high", "clipped_high"), ("kl", "kl_sum"),
+                           ("entropy", "entropy_sum")):
+            self.sums[total] += stats[key]
+        responses = [r for g in groups for r in g.responses]
+        self.metric_tokens += sum(len(r) for r, keep in zip(responses, kept) if keep)
+        self.entropy_tokens += sum(len(r) for r in responses)
+        self.minibatch_sequences += len(responses)
+        self.minibatch_micro_batches += 1
 
     def step(self) -> None:
-        """The current mini-batch's optimizer step: ∇ /= D, clip, AdamW. With ranks, ∇, D's counts and the loss
-        are first summed over the ranks (infra/distributed.py): the same step on every rank."""
+        """The current mini-batch's optimizer step: ∇ /= D, clip, AdamW, then the schedule's next rate. With ranks,
+        ∇, D's counts and the loss are first summed over the ranks (infra/distributed.py): the same step on every
+        rank."""
         self.stepping = True
-        with self.timeline.span(f"optimizer step {self.minibatch}"):
-            sequences, tokens, minibatch_loss = self.minibatch_sequences, self.minibatch_tokens, self.minibatch_loss
+        with self.timeline.span(f"optimizer step {self.steps_done}"):
+            counts = [self.minibatch_sequences, self.loss_tokens, self.minibatch_micro_batches]
+            minibatch_loss = self.minibatch_loss
             if self.ranks.size > 1:
                 params = distributed.sum_gradients(  # ∇ = Σ_r ∇_r
                     [p for p in self.tri.policy.parameters() if p.requires_grad], self.ranks)
-                sequences, tokens, minibatch_loss = distributed.sum_values(
-                    [sequences, tokens, minibatch_loss], self.ranks, self.device)
+                *counts, minibatch_loss = distributed.sum_values([*counts, minibatch_loss], self.ranks, self.device)
             else:
                 params = [p for p in self.tri.policy.parameters() if p.grad is not None]
-            normalizer = loss_normalizer(self.cfg.loss_type, int(sequences), int(tokens))
+            sequences, tokens, micro_batches = counts  # tokens: the batch's, in the loss (dapo: / steps, grpo.py)
+            normalizer = loss_normalizer(self.cfg.loss_type, int(sequences),
+                                         tokens / self.cfg.updates_per_iteration, int(micro_batches))
             for p in params:
                 p.grad.div_(normalizer)  # = each micro-batch's loss / D (nanoGPT: loss / accumulation steps), but D
                 # (the mini-batch's tokens or sequences) is known only once all its groups have arrived
+            if self.cfg.scale_rewards == "batch" and not self.passes_wait:  # β = 0: trained on the centred A, so
+                divisor = self._batch_divisor()                              # ∇ / (std(r_batch) + eps) (grpo.py)
+                if not divisor.isfinite():  # fewer than two scored rewards: every advantage is 0 (TRL)
+                    divisor = torch.tensor(math.inf)
+                for p in params:
+                    p.grad.div_(divisor)
+                minibatch_loss = minibatch_loss / divisor
             if self.cfg.max_grad_norm > 0:
-                self.grad_norm_sum += torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm)
+                self.sums["grad_norm"] += torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm)
+            self.learning_rate = self.optimizer.param_groups[0]["lr"]  # this step's (what transformers logs)
             self.optimizer.step()
+            if self.scheduler is not None:
+                self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
-        self.loss_sum += minibatch_loss / normalizer  # this mini-batch's loss, as optimised
-        self.minibatch += 1
-        self.minibatch_tokens = self.minibatch_sequences = 0
+        self.sums["loss"] += minibatch_loss / normalizer  # this mini-batch's loss, as optimised
+        self.steps_done += 1
+        self.replayed = self.minibatch_sequences = self.minibatch_micro_batches = 0
         self.minibatch_loss = torch.zeros((), device=self.device)
         self.stepping = False
 
@@ -210,35 +350,48 @@ class Learner:
         iteration's steps (or inside one): what a checkpoint written now can claim."""
         if self.iteration is None or self.stepping:
             return None
-        if self.minibatch == 0:
+        if self.steps_done == 0:
             return self.iteration
-        return self.iteration + 1 if self.minibatch == self.cfg.updates_per_iteration else None
+        return self.iteration + 1 if self.steps_done == self.steps else None
 
     def metrics(self) -> dict[str, float]:
-        if self.minibatch != self.cfg.updates_per_iteration:
-            raise PipelineError(f"iteration {self.iteration} ended after {self.minibatch} of "
-                                f"{self.cfg.updates_per_iteration} optimizer steps: groups are missing")
-        loss, clipped, kl_sum, grad_norm = torch.stack(  # the iteration's one host synchronisation
-            [self.loss_sum, self.clipped_tokens, self.kl_sum, self.grad_norm_sum]).tolist()
-        all_tokens, by_group = self.tokens, self.rewards
+        if self.steps_done != self.steps:
+            raise PipelineError(f"iteration {self.iteration} ended after {self.steps_done} of "
+                                f"{self.steps} optimizer steps: groups are missing")
+        loss, low, high, kl_sum, entropy, grad_norm = torch.stack(  # the iteration's one host synchronisation
+            [self.sums[name] for name in SUMS]).tolist()
+        counted, measured, all_tokens, by_group = self.metric_tokens, self.entropy_tokens, self.tokens, self.rewards
         if self.ranks.size > 1:  # the whole iteration's (loss and grad_norm are already every rank's, from `step`)
-            clipped, kl_sum, all_tokens = distributed.sum_values([clipped, kl_sum, all_tokens], self.ranks, self.device)
+            low, high, kl_sum, entropy, counted, measured, all_tokens = distributed.sum_values(
+                [low, high, kl_sum, entropy, counted, measured, all_tokens], self.ranks, self.device)
             by_group = distributed.gather_dicts(self.rewards, self.ranks)
-        ordered = [by_group[index] for index in sorted(by_group)]  # (weighted sums, per reward) of each group
-        reward_mean, reward_std = mean_std([r for total, _ in ordered for r in total])
+        ordered = [by_group[index] for index in sorted(by_group)]  # (weighted sums, per reward, lengths, truncated)
+        reward_mean, reward_std = mean_std([r for total, *_ in ordered for r in total])
         per_function = {}
         for k, name in enumerate(self.reward_names):
             per_function[f"rewards/{name}/mean"], per_function[f"rewards/{name}/std"] = mean_std(
-                [r for _, parts in ordered for r in parts[k]])
+                [r for _, parts, *_ in ordered for r in parts[k]])
+        lengths = [n for *_, group_lengths, _ in ordered for n in group_lengths]
+        truncated = [t for *_, flags in ordered for t in flags]
+        terminated = [n for n, cut in zip(lengths, truncated) if not cut]
         self.all_tokens = all_tokens  # response tokens of the iteration, every rank's
-        tokens = max(all_tokens, 1)
+        tokens = max(counted, 1)
         return {
             "reward_mean": reward_mean,  # of the weighted sum
             "reward_std": reward_std,
             **per_function,
-            "loss": loss / self.cfg.updates_per_iteration,  # mean over the mini-batches
-            "kl": kl_sum / tokens if self.cfg.beta > 0 else None,
-            "clip_fraction": clipped / tokens,
-            "grad_norm": grad_norm / self.cfg.updates_per_iteration,
-            "response_length": all_tokens / sum(len(total) for total, _ in ordered),
+            "frac_reward_zero_std": zero_std_fraction([total for total, *_ in ordered], self.cfg.scale_rewards),
+            "loss": loss / self.steps,  # mean over the optimizer steps
+            "kl": kl_sum / tokens if self.cfg.beta > 0 else None,  # TRL's term: ρ·k3 (with the bias correction)
+            "entropy": entropy / max(measured, 1) if math.isfinite(entropy) else None,
+            "clip_fraction": (low + high) / tokens,  # TRL's clip_ratio/region_mean
+            "clip_fraction_low": low / tokens,
+            "clip_fraction_high": high / tokens,
+            "grad_norm": grad_norm / self.steps if self.cfg.max_grad_norm > 0 else None,  # before clipping
+            "learning_rate": self.learning_rate,  # the last step's
+            "response_length": all_tokens / len(lengths),
+            "response_length_min": min(lengths),
+            "response_length_max": max(lengths),
+            "terminated_length": sum(terminated) / len(terminated) if terminated else 0.0,  # TRL: 0 if none
+            "truncated_fraction": sum(truncated) / len(truncated),
         }

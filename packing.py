@@ -188,8 +188,8 @@ def recomputes_attention(model: torch.nn.Module) -> bool:
     transformers 5 calls the flag `is_activation_checkpointing` (with a deprecated alias), 4.x
     `is_gradient_checkpointing`; it acts only in training mode.
     """
-    name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") \
-        else "is_gradient_checkpointing"
+    name = "is_activation_checkpointing" if hasattr(model, "is_activation_checkpointing") \
+        else "is_gradient_checkpointing"  # the instance: a peft wrapper forwards the attribute, its class has none
     return bool(getattr(model, name, False)) and model.training
 
 

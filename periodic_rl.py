@@ -30,7 +30,8 @@ With N > 1 optimizer steps per iteration the same holds per mini-batch, because 
 membership is fixed by prompt index (`learner.minibatch_of`), never by arrival order. Micro-batches
 (which groups share a forward) are cut by arrival order, but arrival order is completion order, a
 function of the sampled tokens alone: the two modes, and any rerun, batch the same groups together,
-so with equal thread counts they are bitwise the same run (tests/test_pipeline.py).
+so with equal thread counts they are bitwise the same run (tests/test_pipeline.py). With μ passes over the
+batch (TRL's num_iterations), passes 2..μ replay the first pass's micro-batches once all groups are in.
 
 The trainer's column is `learner.Learner` (take, accumulate, step); the inference side's is
 `inference.inference_process`; this file is the loop between them. Synchronous mode runs the same
@@ -98,7 +99,7 @@ def train(cfg, policy, rollouts, learner: Learner, timeline: Timeline, first: in
         evaluating = held_out and is_eval_iteration(iteration, cfg.eval_every, cfg.iterations)
         if tail_threads:
             torch.set_num_threads(cfg.train_threads)          # its share while the inference side samples
-        learner.tri.start_iteration()                         # θ_old := θ_k (when N > 1 updates)
+        learner.tri.start_iteration()                         # θ_old := θ_k (when N·μ > 1 steps)
         learner.start(iteration)
         rollouts.publish(policy, iteration)                   # θ_k -> the inference side
         rollouts.generate(iteration, final_iteration=cfg.iterations)  # sample k with θ_k (async: returns at once)
@@ -114,10 +115,10 @@ def train(cfg, policy, rollouts, learner: Learner, timeline: Timeline, first: in
                 evaluation, evaluating = held_out_reward(message, iteration), False
             if tail_threads and learner.all_taken() and not evaluating:
                 torch.set_num_threads(tail_threads)           # sampling is done: every core trains the tail
-            for micro_batch in learner.ready():               # (with ranks: [] if none is this rank's)
+            for micro_batch in learner.ready():               # (then passes 2..μ over the stored batch)
                 learner.accumulate(micro_batch)               # forward, backward: ∇ accumulates
                 if learner.minibatch_done():
-                    learner.step()                            # optimizer step, one per mini-batch
+                    learner.step()                            # optimizer step, one per mini-batch and pass
         timing = timeline.summary(start, time.perf_counter(), first_span)
         row = {"iteration": iteration, "policy_version": iteration, "eval_reward": evaluation, **learner.metrics(),
                **timing, "tokens_per_s": learner.all_tokens / timing["iteration_s"]}

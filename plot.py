@@ -1,11 +1,15 @@
-"""Draw a run: `python plot.py RUN_DIR [-o file.png]` reads RUN_DIR/metrics.jsonl, writes RUN_DIR/metrics.png.
+"""Draw a run: `python plot.py [RUN_DIR] [-o file.png]` reads RUN_DIR/metrics.jsonl (default runs/latest), writes
+RUN_DIR/metrics.png.
 
-Four panels, one x axis (the iteration k, the version of the weights that sampled it):
+Panels, one x axis (the iteration k, the version of the weights that sampled it), top to bottom:
 1. reward: the training reward's mean over the iteration's samples, with a band of ± its std, and the
    held-out reward of θ_k where it was evaluated (the last point is θ_final, the row marked "final");
-2. KL to the reference (mean k3 per token; absent with --beta 0);
-3. response length (mean tokens per sampled response);
-4. each process's seconds per iteration, busy and idle: a bar per side, busy at the bottom (inference:
+2. with several --reward functions, each one alone (rewards/<name>/mean ± its std, unweighted);
+3. KL to the reference (mean k3 per token; absent with --beta 0);
+4. response length (mean tokens per sampled response; with TRL's completions/<x>_length where the rows hold them);
+5. what else the rows hold, each panel only where some row has a value (`CURVES`): the loss, the gradient norm
+   (before clipping), the learning rate, the entropy, the fraction of clipped tokens (TRL's clip ratios);
+6. each process's seconds per iteration, busy and idle: a bar per side, busy at the bottom (inference:
    generate_s, training: train_s), idle stacked on it (idle_inference_s, idle_training_s); both bars are
    the iteration's wall time, so the idle part is what the other side made it wait (infra/timeline.py).
 
@@ -16,15 +20,26 @@ matplotlib cannot write are one `error:` line and exit 1.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
+import re
 import sys
 from pathlib import Path
 
 from matplotlib.figure import Figure
 
-TITLES = ("reward", "KL to the reference", "response length (tokens)", "seconds per iteration: busy and idle")
-DRAWN = ("reward_mean", "reward_std", "eval_reward", "kl", "response_length", "generate_s", "idle_inference_s",
-         "train_s", "idle_training_s")  # the keys `figure` draws: numbers, or null where not measured
+REWARD, SECONDS = "reward", "seconds per iteration: busy and idle"
+REWARD_OF = re.compile(r"^rewards/(.+)/(mean|std)$")  # one reward's statistics (learner.py: TRL's names)
+# (title, the keys drawn, a name or an fnmatch pattern; whether the panel is drawn when no row has a value)
+CURVES = (("KL to the reference", ("kl",), True),
+          ("response length (tokens)", ("response_length", "completions/*_length"), True),
+          ("loss", ("loss",), False),
+          ("grad norm (before clipping)", ("grad_norm",), False),
+          ("learning rate", ("learning_rate", "lr"), False),
+          ("entropy (mean per token)", ("entropy",), False),
+          ("clipped tokens (fraction)", ("clip_fraction", "clip_ratio/*"), False))
+DRAWN = ("reward_mean", "reward_std", "eval_reward", "generate_s", "idle_inference_s", "train_s",
+         "idle_training_s")  # with CURVES' and REWARD_OF's, the keys `figure` draws: numbers, or null if not measured
 JSON_TYPES = {list: "an array", str: "a string", bool: "true or false", type(None): "null", int: "a number",
               float: "a number"}
 
@@ -66,12 +81,21 @@ def read_rows(path: Path) -> list[dict]:
                                "(a JSON object)")
         if not isinstance(row.get("iteration"), int) or isinstance(row["iteration"], bool):
             raise PlotError(f"{where} has no iteration number (\"iteration\": {json.dumps(row.get('iteration'))})")
-        for key in DRAWN:
-            if row.get(key) is not None and not is_number(row[key]):
-                raise PlotError(f"{where} has {JSON_TYPES.get(type(row[key]), type(row[key]).__name__)} "
-                                   f"{json.dumps(row[key])[:40]} under {key!r}, not a number")
+        for key, value in row.items():
+            if value is not None and not is_number(value) and is_drawn(key):
+                raise PlotError(f"{where} has {JSON_TYPES.get(type(value), type(value).__name__)} "
+                                   f"{json.dumps(value)[:40]} under {key!r}, not a number")
         rows[row["iteration"], bool(row.get("final"))] = row
     return list(rows.values())
+
+
+def matches(key: str, patterns: tuple[str, ...]) -> bool:
+    return any(fnmatch.fnmatchcase(key, pattern) for pattern in patterns)
+
+
+def is_drawn(key: str) -> bool:
+    """Whether `figure` draws `key` (its value must then be a number or null)."""
+    return key in DRAWN or bool(REWARD_OF.match(key)) or any(matches(key, keys) for _, keys, _ in CURVES)
 
 
 def output_path(output: str) -> Path:
@@ -92,30 +116,46 @@ def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     return [k for k, _ in points], [v for _, v in points]
 
 
+def with_band(axes, steps: list[dict], mean_key: str, std_key: str, label: str, color: str) -> None:
+    """The curve of `mean_key` and a band of ± `std_key` around it (where every point has its std)."""
+    k, mean = series(steps, mean_key)
+    _, std = series(steps, std_key)
+    axes.plot(k, mean, label=label, color=color)
+    if std and len(std) == len(mean):
+        axes.fill_between(k, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
+                          color=color, alpha=0.15, label="± std")
+
+
 def figure(rows: list[dict], title: str = "") -> Figure:
-    """The run's four panels (TITLES, top to bottom) from its metrics rows."""
+    """The run's panels (the module docstring's list, top to bottom) from its metrics rows."""
     steps = [row for row in rows if not row.get("final")]
-    fig = Figure(figsize=(9, 10), layout="constrained")
-    reward, kl, length, seconds = fig.subplots(4, 1, sharex=True)
-    for axes, text in zip((reward, kl, length, seconds), TITLES):
+    keys = list(dict.fromkeys(key for row in steps for key, value in row.items() if value is not None))
+    rewards = list(dict.fromkeys(REWARD_OF.match(key)[1] for key in keys if REWARD_OF.match(key)))
+    rewards = rewards if len(rewards) > 1 else []  # one reward alone is the reward panel's curve
+    curves = [(text, [key for key in keys if matches(key, patterns)], always) for text, patterns, always in CURVES]
+    curves = [(text, drawn) for text, drawn, always in curves if drawn or always]  # (title, the keys it draws)
+    titles = [REWARD, *(f"reward {name} (unweighted)" for name in rewards), *(text for text, _ in curves), SECONDS]
+    fig = Figure(figsize=(9, 1.2 + 2.2 * len(titles)), layout="constrained")
+    panels = fig.subplots(len(titles), 1, sharex=True, squeeze=False)[:, 0]
+    for axes, text in zip(panels, titles):
         axes.set_title(text, loc="left", fontsize=10)
         axes.grid(alpha=0.3)
     fig.suptitle(title)
+    reward, seconds = panels[0], panels[-1]
 
-    k, mean = series(steps, "reward_mean")
-    _, std = series(steps, "reward_std")
-    reward.plot(k, mean, label="train (mean over samples)", color="C0")
-    if len(std) == len(mean):
-        reward.fill_between(k, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
-                            color="C0", alpha=0.15, label="± std")
+    with_band(reward, steps, "reward_mean", "reward_std", "train (mean over samples)", "C0")
     reward.plot(*series(rows, "eval_reward"), "o-", color="C1", label="held-out (θ_k)")
     reward.legend(loc="best", fontsize=8)
-
-    k_kl, values = series(steps, "kl")
-    kl.plot(k_kl, values, color="C2")
-    if not values:
-        kl.text(0.5, 0.5, "no reference model (--beta 0)", ha="center", va="center", transform=kl.transAxes)
-    length.plot(*series(steps, "response_length"), color="C3")
+    for axes, name in zip(panels[1:], rewards):
+        with_band(axes, steps, f"rewards/{name}/mean", f"rewards/{name}/std", "mean over samples", "C0")
+    for axes, (text, drawn) in zip(panels[1 + len(rewards):-1], curves):
+        for index, key in enumerate(drawn):
+            axes.plot(*series(steps, key), color=f"C{(index + 2) % 10}", label=key)
+        if len(drawn) > 1:
+            axes.legend(loc="best", fontsize=8)
+        if not drawn:
+            axes.text(0.5, 0.5, "no reference model (--beta 0)" if text.startswith("KL") else "not in the rows",
+                      ha="center", va="center", transform=axes.transAxes)
 
     k = [row["iteration"] for row in steps]
     width = 0.4
@@ -133,7 +173,9 @@ def figure(rows: list[dict], title: str = "") -> Figure:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="plot.py", description=__doc__.splitlines()[0])
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="a run's --out directory (it holds metrics.jsonl)")
+    parser.add_argument("run_dir", metavar="RUN_DIR", nargs="?", default="runs/latest",
+                        help="a run's --out directory (it holds metrics.jsonl; default: runs/latest, the newest run "
+                             "started without --out)")
     parser.add_argument("-o", "--output", help="PNG file to write (default: RUN_DIR/metrics.png)")
     args = parser.parse_args(argv)
     metrics = Path(args.run_dir) / "metrics.jsonl"
@@ -144,7 +186,9 @@ def main(argv: list[str] | None = None) -> int:
             raise PlotError(f"{metrics} {'has no rows' if metrics.is_file() else 'does not exist'}: nothing to "
                                "draw; name the --out directory of a run that has done an iteration")
         try:
-            figure(rows, title=str(args.run_dir)).savefig(output, dpi=100)
+            run_dir = Path(args.run_dir)  # through runs/latest: the run's own name in the title
+            title = f"{run_dir} ({run_dir.resolve().name})" if run_dir.is_symlink() else str(run_dir)
+            figure(rows, title=title).savefig(output, dpi=100)
         except OSError as error:
             raise PlotError(f"could not write {output}: {error.strerror or error}") from None
     except PlotError as error:

@@ -73,7 +73,14 @@ import engine
 import grpo
 from config import Config
 from infra.errors import UserError
-from infra.reward import Reward, Rewards, as_rewards, score_group, weighted_total
+from infra.reward import (
+    Reward,
+    Rewards,
+    as_rewards,
+    score_group,
+    trainer_state,
+    weighted_total,
+)
 from infra.tasks import Example, prompt_token_ids
 from infra.timeline import INFERENCE, Span
 
@@ -341,18 +348,20 @@ def chunks(examples: list[Example], size: int) -> list[tuple[int, list[Example]]
     return [(first, examples[first:first + size]) for first in range(0, len(examples), size)]
 
 
-def score_responses(rewards: Rewards, tokenizer, example: Example, responses: list[list[int]], cfg: Config
-                    ) -> tuple[list[float], list[list[float]]]:
-    """(the weighted reward of each response, each reward's values [k][i]) for one prompt's responses."""
+def score_responses(rewards: Rewards, tokenizer, example: Example, responses: list[list[int]], cfg: Config,
+                    state=None) -> tuple[list[float], list[list[float]]]:
+    """(the weighted reward of each response, each reward's values [k][i]) for one prompt's responses; `state`: the
+    trainer_state TRL-style rewards get (reward.trainer_state)."""
     texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
     per_function = score_group(rewards, example.prompt, example.answer, example.columns, texts, responses,
-                               cfg.reward_timeout)
+                               cfg.reward_timeout, state)
     return weighted_total(per_function, rewards.weights), per_function
 
 
-def evaluate(model, tokenizer, examples: list[Example], rewards: Rewards | Reward, cfg: Config) -> float | None:
+def evaluate(model, tokenizer, examples: list[Example], rewards: Rewards | Reward, cfg: Config,
+             state=None) -> float | None:
     """Mean (weighted) reward of `eval_samples` sampled responses per held-out prompt (fixed seeds), over the
-    responses some reward scored (None if none)."""
+    responses some reward scored (None if none); `state`: as score_responses'."""
     rewards = as_rewards(rewards)
     generation = sampling_config(cfg, stop_token_ids(model, tokenizer), tokenizer.pad_token_id)
     totals = []
@@ -360,7 +369,7 @@ def evaluate(model, tokenizer, examples: list[Example], rewards: Rewards | Rewar
         prompts = [prompt_token_ids(tokenizer, example.prompt) for example in chunk]
         responses = sample_prompts(model, prompts, cfg.eval_samples, generation, cfg, -1, first)
         for example, samples in zip(chunk, responses):
-            totals += score_responses(rewards, tokenizer, example, samples, cfg)[0]
+            totals += score_responses(rewards, tokenizer, example, samples, cfg, state)[0]
     scored = [total for total in totals if not math.isnan(total)]
     return sum(scored) / len(scored) if scored else None
 
@@ -387,6 +396,7 @@ def rollout_iteration(model, tokenizer, train: list[Example], held_out: list[Exa
     `rewards`: the --reward functions and weights (reward.load_rewards), or one reward function."""
     rewards = as_rewards(rewards)
     generation = sampling_config(cfg, stop_token_ids(model, tokenizer), tokenizer.pad_token_id)
+    state = trainer_state(cfg, iteration, len(train)) if any(rewards.batched) else None  # TRL-style rewards get it
     if train_prompts:
         examples = [train[i] for i in iteration_prompts(len(train), cfg.prompts_per_iteration, cfg.seed,
                                                          iteration)]
@@ -397,7 +407,7 @@ def rollout_iteration(model, tokenizer, train: list[Example], held_out: list[Exa
             prompts = [prompt_token_ids(tokenizer, example.prompt) for example in chunk]
 
             def score_and_send(offset: int, responses: list[list[int]]) -> None:  # called inside generate
-                totals, per_function = score_responses(rewards, tokenizer, chunk[offset], responses, cfg)
+                totals, per_function = score_responses(rewards, tokenizer, chunk[offset], responses, cfg, state)
                 advantages = grpo.group_advantages(torch.tensor(totals), cfg.group_size, cfg.scale_rewards)
                 tag = version if weights_version() == version else -1  # -1: the weights changed while it sampled
                 send(Group(iteration, first + offset, tag, prompts[offset], responses, totals, advantages.tolist(),
@@ -409,7 +419,7 @@ def rollout_iteration(model, tokenizer, train: list[Example], held_out: list[Exa
                       start, time.perf_counter()))
     if held_out and share[0] == 0 and is_eval_iteration(iteration, cfg.eval_every, final_iteration):
         start, version = time.perf_counter(), weights_version()
-        reward = evaluate(model, tokenizer, held_out, rewards, cfg)
+        reward = evaluate(model, tokenizer, held_out, rewards, cfg, state)
         tag = version if weights_version() == version else -1  # as a group's: the weights that were evaluated
         send(Evaluation(iteration, tag, reward, start, time.perf_counter()))
     send(IterationDone(iteration))

@@ -17,6 +17,7 @@ logs and writes --out; the others print nothing on stdout and never touch --out.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -99,11 +100,13 @@ def check_device(device: str, option: str = "--device") -> None:
 
 
 def format_row(row: dict) -> str:
-    """One log line per iteration."""
+    """One log line per iteration (its columns: `python trainer.py --help`, infra/options.LOG_COLUMNS); the final
+    row's when the run evaluated θ_final, else ''."""
     def num(key, spec):
         return "-" if row.get(key) is None else format(row[key], spec)
-    if row.get("final"):
-        return f"final  held-out reward {num('eval_reward', '.3f')} (θ_{row['policy_version']})"
+    if row.get("final"):  # nothing to say without an evaluation
+        evaluated = row.get("eval_reward") is not None
+        return f"final  held-out reward {num('eval_reward', '.3f')} (θ_{row['policy_version']})" if evaluated else ""
     return (f"iter {row['iteration']:4d}  reward {num('reward_mean', '.3f')}±{num('reward_std', '.2f')}  "
             f"eval {num('eval_reward', '.3f')}  kl {num('kl', '.4f')}  clip {num('clip_fraction', '.3f')}  "
             f"len {num('response_length', '.1f')}  gen {num('generate_s', '.2f')}s  train {num('train_s', '.2f')}s  "
@@ -123,10 +126,12 @@ def prepare(cfg: Config) -> tuple[list, list, object, dict]:
             check_device(device, "--device" if device == cfg.device else "--" + option.replace("_", "-"))
     torch.manual_seed(cfg.seed)
     load_kwargs = dict(device=cfg.rollout_device, dtype=getattr(torch, cfg.dtype),
-                       attn_implementation=cfg.attn_implementation, cache_dir=cfg.cache_dir)
+                       attn_implementation=cfg.attn_implementation, cache_dir=cfg.cache_dir, lora=cfg.lora)
+    rewards = load_rewards(cfg.reward, cfg.reward_weights)  # first: the data must hold what they need
     train_examples, held_out = load_task(cfg.data, cfg.default_data, cfg.eval_size, cfg.data_config, cfg.split,
-                                         cfg.prompt_column, cfg.answer_column)
-    return train_examples, held_out, load_rewards(cfg.reward, cfg.reward_weights), load_kwargs
+                                         cfg.prompt_column, cfg.answer_column, cfg.system_prompt,
+                                         rewards.needed_columns())
+    return train_examples, held_out, rewards, load_kwargs
 
 
 def load_policy(cfg: Config, load_kwargs: dict, rollouts=None):
@@ -145,10 +150,11 @@ def load_policy(cfg: Config, load_kwargs: dict, rollouts=None):
 
 
 @contextmanager
-def started(cfg: Config, resume_from: Path | None = None, on_sized=None, ranks=None):
+def started(cfg: Config, resume_from: Path | None = None, on_sized=None, ranks=None,
+            on_completions=lambda records: None):
     """The run as configured, ready to iterate: (rows, policy, tokenizer), rows being `periodic_rl.train`'s
     (from the checkpoint `resume_from`, if given; `on_sized(cfg)` once its sizes are known; as trainer rank
-    `ranks`, if given: infra/distributed.py).
+    `ranks`, if given: infra/distributed.py; `on_completions(records)` per iteration with --log-completions).
 
     The inference process (async mode) is spawned before the trainer imports transformers' models and
     loads its own copy, so the two processes' imports and loads overlap; the `with` block owns it until
@@ -170,31 +176,41 @@ def started(cfg: Config, resume_from: Path | None = None, on_sized=None, ranks=N
               f"prompts | {cfg.iterations} iterations x {cfg.prompts_per_iteration} prompts x {cfg.group_size} | "
               f"out {cfg.out}", flush=True)
         rows = setup.train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs, rollouts,
-                                 resume_from, on_sized, ranks)
+                                 resume_from, on_sized, ranks, on_completions)
         with closing(rows):  # however the block ends, the schedule's own clean-up (the trace) runs here
             yield rows, policy, tokenizer
 
 
-def run(cfg: Config, resume_from: Path | None = None, command: list[str] | None = None, ranks=None) -> dict:
+def run(cfg: Config, resume_from: Path | None = None, command: list[str] | None = None, ranks=None,
+        link_latest: bool = False) -> dict:
     """Train as configured (on from a checkpoint); returns the final row (with the start and end held-out rewards).
     `command`: the command line, as config.json records it. A trainer rank other than 0 (`ranks`) takes part in
-    every step but neither claims --out nor writes there (nor reports to trackers)."""
+    every step but neither claims --out nor writes there (nor reports to trackers). Without --out the run gets a
+    folder of its own; that folder, or --out with `link_latest`, becomes runs/latest (infra/outputs.py, rule 5)."""
     from infra import checkpoint
+    from infra.completions import COMPLETIONS, CompletionsLog
     from infra.records import RunRecord
     from infra.tracking import Trackers
     resumed_at = checkpoint.read_state(resume_from)["iterations_done"] if resume_from else 0
     if ranks is not None and not ranks.is_main:
         with started(cfg, resume_from, ranks=ranks) as (rows, policy, tokenizer):
             return list(rows)[-1]
+    if cfg.out is None:
+        cfg, link_latest = dataclasses.replace(cfg, out=str(outputs.run_folder(cfg.model))), True
     # --out checked and locked, the trackers' packages imported, the options recorded: all before a model loads
     with outputs.claimed(cfg) as out, Trackers(cfg.report_to) as trackers:
+        note = outputs.link_latest(out) if link_latest else ""
+        if note:
+            print(f"periodic-rl: {note}", flush=True)
         record = RunRecord(out, command or ["trainer.py"], resumed=resume_from is not None)
         record.write(cfg)
 
         def on_sized(sized: Config) -> None:  # the options are final: recorded with the sizes, sent to the trackers
             trackers.start(out, record.write(sized), record.run_id, resumed_at)
         history = resume_from.parent / "metrics.jsonl" if resume_from else None  # the run it continues
-        with started(cfg, resume_from, on_sized, ranks) as (rows, policy, tokenizer):
+        samples = CompletionsLog(out, resumed_at, resume_from and resume_from.parent / COMPLETIONS,
+                                 trackers.log_completions, cfg.num_completions_to_print, say)  # --log-completions
+        with started(cfg, resume_from, on_sized, ranks, samples.write) as (rows, policy, tokenizer):
             return log_and_save(cfg, rows, policy, tokenizer, resumed_at, trackers.log, ranks, history)
 
 
@@ -232,6 +248,21 @@ def say(line: str) -> None:
         raise outputs.OutputError(STDOUT_CLOSED) from None
 
 
+PROGRESS_EVERY_S = 30.0  # off a terminal, a progress line at the first iteration to end after this many seconds
+
+
+def progress_line(done: int, total: int, elapsed: float, pace: float) -> str:
+    """What the progress bar shows, as one line: iterations done of `total`, the seconds so far, and the time left
+    at `pace` seconds per iteration.
+
+    >>> progress_line(12, 60, 41.0, 3.4)
+    'periodic-rl: progress 12/60 iterations, 00:41 elapsed, ~02:43 left'
+    """
+    from tqdm import tqdm
+    return (f"periodic-rl: progress {done}/{total} iterations, {tqdm.format_interval(elapsed)} elapsed, "
+            f"~{tqdm.format_interval((total - done) * pace)} left")
+
+
 def log_and_save(cfg: Config, rows, policy, tokenizer, resumed_at: int = 0, report=lambda row: None,
                  ranks=None, history: Path | None = None) -> dict:
     """A log line and a metrics.jsonl row per iteration (a resumed run's continue the rows before `resumed_at` of
@@ -265,7 +296,9 @@ def log_and_save(cfg: Config, rows, policy, tokenizer, resumed_at: int = 0, repo
             with suppress(UserError):
                 write(pending)
 
-    progress = tqdm(total=cfg.iterations, desc="iterations", disable=not sys.stderr.isatty(), leave=False)
+    on_terminal = sys.stderr.isatty()  # a progress bar there; elsewhere (nohup, CI) a progress line now and then
+    progress = tqdm(total=cfg.iterations, initial=resumed_at, desc="iterations", disable=not on_terminal, leave=False)
+    noted, paced_from = start, None  # when the last progress line was written; (time, iterations) of the first row
     try:
         for row in rows:
             pending = row
@@ -273,8 +306,17 @@ def log_and_save(cfg: Config, rows, policy, tokenizer, resumed_at: int = 0, repo
             if first_eval is None and row.get("eval_reward") is not None:
                 first_eval = row["eval_reward"]
             row["elapsed_s"] = time.perf_counter() - start
-            say(format_row(row))
+            if line := format_row(row):
+                say(line)
             progress.update(0 if row.get("final") else 1)
+            if not on_terminal and not row.get("final"):
+                now, done = time.perf_counter(), row["iteration"] + 1
+                if paced_from is None:  # the pace counts from the first row (iteration 0 also waited for the probe)
+                    paced_from = (now, done)
+                elif now - noted >= PROGRESS_EVERY_S:
+                    noted, pace = now, (now - paced_from[0]) / (done - paced_from[1])
+                    sys.stderr.write(progress_line(done, cfg.iterations, now - start, pace) + "\n")
+                    sys.stderr.flush()
             trained = trained or row["iteration"] >= cfg.iterations - 1  # the last step is done (maybe before a resume)
             if "generate_device_s" in row:  # an iteration's row (not the final evaluation's): both sides' busy time
                 phases.append((row["generate_device_s"], row["train_s"]))
@@ -365,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
             given, ranks = given_options(argv), distributed.from_environment()  # torchrun's ranks; else one
             distributed.die_with_launcher(launcher)
             with open(os.devnull, "w") as devnull, redirect_stdout(devnull) if not ranks.is_main else nullcontext():
+                cfg = outputs.default_out(cfg)  # --resume auto without --out: the run runs/latest points at
                 cfg, resume_from = checkpoint.resumption(cfg, given)  # --resume: the checkpoint's options
                 ranks = distributed.split_roles(ranks, cfg.inference_ranks)  # trainer ranks, then inference ranks
                 cfg = distributed.place(cfg, ranks, given)  # (rank 0 alone logs, above, and writes --out)
@@ -376,7 +419,10 @@ def main(argv: list[str] | None = None) -> int:
                     if ranks.is_inference:
                         serve(cfg, ranks)
                     else:
-                        run(cfg, resume_from, ["trainer.py", *argv], ranks)
+                        fresh = ranks.is_main and cfg.out is None  # a folder of its own, linked from runs/latest
+                        if fresh:
+                            cfg = dataclasses.replace(cfg, out=str(outputs.run_folder(cfg.model)))
+                        run(cfg, resume_from, ["trainer.py", *argv], ranks, link_latest=fresh)
             Interrupted.check()
             return 0
         except UserError as error:
@@ -422,7 +468,8 @@ def kept_on_stop(cfg: Config | None, ranks, failed_save: Exception | None) -> st
     continues from against the iterations done (metrics.jsonl's rows), or why the stop checkpoint is missing; '' on
     the ranks that do not write --out, and before the options are read."""
     checkpoint = sys.modules.get("infra.checkpoint")  # imported once the options are read
-    if cfg is None or not (cfg.save_every or cfg.save_on_stop) or checkpoint is None or ranks and not ranks.is_main:
+    if (cfg is None or cfg.out is None or not (cfg.save_every or cfg.save_on_stop) or checkpoint is None
+            or ranks and not ranks.is_main):
         return ""
     done = len(earlier_rows(Path(cfg.out) / "metrics.jsonl", cfg.iterations))
     found = checkpoint.checkpoints(cfg.out)

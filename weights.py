@@ -8,6 +8,8 @@
                                        that sampled it (rollout.rollout_iteration)
 
 Nothing is pickled per iteration: the buffer's file descriptor crosses to the inference process once.
+Only what training changes is published (`published`): every parameter, or with a LoRA adapter (--use-peft) the
+adapter alone, a fraction of a percent of θ; the inference side loads the base once, at start, with its adapter.
 A too-small /dev/shm (Docker's default is 64 MB) fails before anything is allocated, in one line.
 
 Departure, on purpose: the buffer lives in CPU shared memory even for GPU runs (one device-to-host copy
@@ -67,6 +69,12 @@ def shared(tensor: torch.Tensor) -> torch.Tensor:
                             ) from None
 
 
+def published(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters training changes, so the ones each iteration publishes: those that require gradients, i.e.
+    all of them, or a LoRA adapter's (peft freezes the base). Both sides hold the same model, so the same list."""
+    return [p for p in model.parameters() if p.requires_grad]  # tied weights (embeddings = lm_head) appear once
+
+
 def views_of(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
     """Consecutive slices of `flat`, one per shape, shaped as it: the parameters' places in a flat θ."""
     out, start = [], 0
@@ -77,7 +85,7 @@ def views_of(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]
 
 
 class WeightBuffer:
-    """θ as one flat tensor in shared memory plus a version counter.
+    """θ as one flat tensor in shared memory plus a version counter (θ: the `published` parameters).
 
     publish(model, k): copy every parameter into its slice (casting to the buffer's dtype), then set version = k.
     attach(model):     on CPU, make the model's parameters views of their slices (zero copy).
@@ -88,7 +96,7 @@ class WeightBuffer:
     """
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None = None):
-        params = list(model.parameters())  # tied weights (embeddings = lm_head) appear once
+        params = published(model)
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1:
             raise ValueError(f"WeightBuffer needs one parameter dtype, got {dtypes}")
@@ -106,7 +114,7 @@ class WeightBuffer:
     @torch.no_grad()
     def publish(self, model: torch.nn.Module, version: int) -> None:
         self._version.fill_(-1)  # being written: a sampler that reads the version now tags its groups -1
-        for view, param in zip(self.views(), model.parameters()):
+        for view, param in zip(self.views(), published(model), strict=True):
             view.copy_(param)
         self._version.fill_(version)
 
@@ -114,7 +122,7 @@ class WeightBuffer:
         return int(self._version[0])
 
     def attach(self, model: torch.nn.Module) -> None:
-        params = list(model.parameters())
+        params = published(model)
         if [p.shape for p in params] != self.shapes:
             raise ValueError("the inference model's parameters do not match the trainer's (same --model?)")
         if all(p.device.type == "cpu" and p.dtype == self.flat.dtype for p in params):
@@ -127,5 +135,5 @@ class WeightBuffer:
         if self.version() != expected_version:
             raise OffPolicyError(f"weight buffer holds version {self.version()}, expected {expected_version}")
         if not self.aliased:
-            for param, view in zip(model.parameters(), self.views()):
+            for param, view in zip(published(model), self.views()):
                 param.copy_(view, non_blocking=True)

@@ -102,7 +102,8 @@ def main() -> None:
 
     model = qwen_wide_model(args.layers, args.vocab)
     prompts = gsm8k_prompts(args.data, args.prompts)
-    settings = SimpleNamespace(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens)
+    settings = SimpleNamespace(temperature=args.temperature, top_p=args.top_p, top_k=0, min_p=None,
+                               max_new_tokens=args.max_new_tokens)
     stops = eos_ids(args.vocab)
     generation = rollout.sampling_config(settings, stops, stops[1])
 

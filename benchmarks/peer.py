@@ -89,7 +89,7 @@ def workload(args: argparse.Namespace) -> tuple[str, int]:
         return PEER_TASKS[args.task]
     if args.data is None:
         raise SystemExit("error: --model DIR needs --data (GSM8K-style prompts)")
-    return os.path.abspath(args.model), 512
+    return (os.path.abspath(args.model) if os.path.exists(args.model) else args.model), 512
 
 
 def peer_run(name: str, argv: list[str] | None, args: argparse.Namespace) -> tuple[float, float, str]:
@@ -101,7 +101,7 @@ def peer_run(name: str, argv: list[str] | None, args: argparse.Namespace) -> tup
     common = ["--model", model, "--max-new-tokens", str(args.max_new_tokens or default_tokens), "--device",
               args.device, "--lr", "1e-4" if args.model is None else "1e-6"]  # periodic-rl's default lr, both sides
     if args.model is not None:
-        common += ["--data", os.path.abspath(args.data)]
+        common += ["--data", os.path.abspath(args.data) if os.path.exists(args.data) else args.data]
     if argv is None:
         python = shutil.which(args.trl_python)  # a path (relative to where bench.py was called) or a name on PATH
         if python is None:
@@ -115,7 +115,9 @@ def peer_run(name: str, argv: list[str] | None, args: argparse.Namespace) -> tup
         result = json.loads(out.stdout.strip().splitlines()[-1])
         return statistics.mean(result["seconds_per_step"]), result["mean_completion_length"], ""
     with tempfile.TemporaryDirectory() as tmp:
-        command = [sys.executable, "trainer.py", *argv, *common, "--iterations", str(args.iterations + 1),
+        system = ["--system-prompt", "math"] if args.model is not None else []  # tools/trl_grpo_run.py's prompts
+        command = [sys.executable, "trainer.py", *argv, *common, *system, "--lr-scheduler-type", "constant",
+                   "--iterations", str(args.iterations + 1),
                    "--eval-every", "0", "--no-save", "--out", tmp, *shlex.split(args.trainer_args)]
         out = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
         if out.returncode != 0:

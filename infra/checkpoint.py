@@ -1,8 +1,10 @@
 """Checkpoints: what an exact resume needs, written so that a kill at any moment never leaves a torn one.
 
     <out>/checkpoint-<k>/          k = iterations done: a resumed run starts at iteration k
-        policy/                    θ_k, a Hugging Face model directory (from_pretrained loads it alone)
+        policy/                    θ_k, a Hugging Face model directory (from_pretrained loads it alone; with
+                                   --use-peft the LoRA adapter alone, as peft saves it)
         optimizer.pt               AdamW's state_dict: both moments and the step count of every parameter
+        scheduler.pt               the learning-rate schedule's state_dict: the optimizer steps taken
         state.json                 k, the run's resolved config (sizes and threads included), θ_0's fingerprint
 
 Nothing else is needed, because everything else an iteration uses is a function of these:
@@ -37,11 +39,14 @@ from infra.outputs import CHECKPOINT, save_atomically, writing
 
 # Options a resumed run may give anew: they decide how long, where, on what and how often to report, or change
 # float rounding only (sums in another order, other kernels), not what is computed. Not given, they stay the
-# checkpoint's, so that by default a resume is bitwise the run that was never interrupted.
+# checkpoint's, so that by default a resume is bitwise the run that was never interrupted. (--iterations given anew
+# also stretches a decaying learning-rate schedule to the new length, as transformers' Trainer does on resume; and
+# with --loss-type bnpo the micro-batches change the loss: `resumed_config`.)
 HARMLESS = {"iterations", "eval_every", "eval_samples", "trace", "save", "save_every", "keep_checkpoints",
             "save_on_stop", "sizes", "cache_dir", "reward_timeout", "gradient_checkpointing", "attn_implementation",
             "micro_batch_tokens", "rollout_threads", "train_threads", "tail_threads", "report_to", "collective_timeout",
             "inference_workers",  # the groups reach the trainer in one worker's order (inference.in_call_order)
+            "log_completions", "num_completions_to_print",
             "mode"}  # async and sync are the same run (bitwise, with equal thread counts: tests/test_pipeline.py)
 # (Not eval_size: for data without a test split the held-out rows are the last eval_size, kept out of training.)
 DEVICES = {"device", "rollout_device", "train_device"}  # given one, all three are this run's (derived together)
@@ -64,15 +69,18 @@ def fingerprint(model: torch.nn.Module) -> str:
 
 
 def save(out: str | Path, iterations_done: int, policy, tokenizer, optimizer: torch.optim.Optimizer, cfg: Config,
-         reference_fingerprint: str, keep: int = 0) -> Path:
-    """Write <out>/checkpoint-<iterations_done> atomically; then keep only the newest `keep` (0: all). A full disk is
-    one OutputError naming the checkpoint (the previous ones stay)."""
+         reference_fingerprint: str, keep: int = 0, scheduler=None) -> Path:
+    """Write <out>/checkpoint-<iterations_done> atomically (with the learning-rate `scheduler`'s state if given); then
+    keep only the newest `keep` (0: all). A full disk is one OutputError naming the checkpoint (the previous ones
+    stay)."""
     target = Path(out) / f"checkpoint-{iterations_done}"
 
     def write(directory: Path) -> None:
         policy.save_pretrained(directory / "policy", safe_serialization=True)
         tokenizer.save_pretrained(directory / "policy")
         torch.save(optimizer.state_dict(), directory / "optimizer.pt")
+        if scheduler is not None:
+            torch.save(scheduler.state_dict(), directory / "scheduler.pt")
         state = {"iterations_done": iterations_done, "config": dataclasses.asdict(cfg),
                  "reference_fingerprint": reference_fingerprint}
         (directory / "state.json").write_text(json.dumps(state, indent=1))
@@ -114,6 +122,9 @@ def read_state(path: Path) -> dict:
             config["reward"] = [config["reward"]]
             config.setdefault("reward_weights", [1.0])
         config.setdefault("tail_threads", config.get("train_threads"))  # written before --tail-threads: no switch
+        config.setdefault("lr_scheduler_type", "constant")  # written before the schedule: the rate it ran at
+        if isinstance(config.get("scale_rewards"), bool):  # written before "batch": TRL's names for the booleans
+            config["scale_rewards"] = "group" if config["scale_rewards"] else "none"
         return {"iterations_done": int(state["iterations_done"]), "config": config,
                 "reference_fingerprint": str(state["reference_fingerprint"])}
     except (OSError, ValueError, KeyError, TypeError) as error:
@@ -125,10 +136,12 @@ def resumed_config(cfg: Config, given: set[str], state: dict) -> Config:
     """The checkpoint's config, but the harmless options given anew; a result-changing option given with another
     value than the checkpoint's is refused, naming it."""
     saved, values = state["config"], {}
+    # bnpo averages each micro-batch's own token mean: there, --micro-batch-tokens changes the run
+    harmless = HARMLESS - {"micro_batch_tokens"} if saved.get("loss_type") == "bnpo" else HARMLESS
     for field in dataclasses.fields(Config):
         name, new = field.name, getattr(cfg, field.name)
         anew = name in given or name in DEVICES and bool(given & DEVICES)
-        if name not in saved or name in THIS_RUN or anew and (name in HARMLESS or name in DEVICES):
+        if name not in saved or name in THIS_RUN or anew and (name in harmless or name in DEVICES):
             values[name] = new
         elif anew and new != saved[name]:
             option = "--" + name.replace("_", "-")
@@ -160,9 +173,10 @@ def resumption(cfg: Config, given: set[str]) -> tuple[Config, Path | None]:
     return cfg, path
 
 
-def restore(path: Path, policy, optimizer: torch.optim.Optimizer, reference_fingerprint: str) -> int:
-    """θ_k and AdamW's state into the run's policy and optimizer (whose reference is θ_0, just loaded);
-    returns k, the iteration to resume at."""
+def restore(path: Path, policy, optimizer: torch.optim.Optimizer, reference_fingerprint: str, scheduler=None) -> int:
+    """θ_k, AdamW's state and the learning-rate schedule's (`scheduler`, if given) into the run's policy, optimizer
+    and schedule (whose reference is θ_0, just loaded); returns k, the iteration to resume at. A checkpoint from
+    before the schedule (no scheduler.pt) ran at a constant rate, which needs no state."""
     state = read_state(path)
     if state["reference_fingerprint"] != reference_fingerprint:
         raise CheckpointError(f"checkpoint {path} was trained from other initial weights than this run's --model "
@@ -172,12 +186,19 @@ def restore(path: Path, policy, optimizer: torch.optim.Optimizer, reference_fing
         weights = {}
         for file in sorted((path / "policy").glob("*.safetensors")):
             weights.update(load_file(file))
-        missing, unexpected = policy.load_state_dict(weights, strict=False)
-        tied = {name for name in missing if getattr(policy.config, "tie_word_embeddings", False)
-                and name.endswith("lm_head.weight")}
-        if set(missing) - tied or unexpected:
-            raise ValueError(f"missing {sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]}")
+        if hasattr(policy, "peft_config"):  # --use-peft: policy/ holds the LoRA adapter alone (peft's format)
+            from infra.models import load_adapter_weights
+            load_adapter_weights(policy, weights)
+        else:
+            missing, unexpected = policy.load_state_dict(weights, strict=False)
+            tied = {name for name in missing if getattr(policy.config, "tie_word_embeddings", False)
+                    and name.endswith("lm_head.weight")}
+            if set(missing) - tied or unexpected:
+                raise ValueError(f"missing {sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]}")
         optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
+        if scheduler is not None and (state["config"]["lr_scheduler_type"] != "constant"
+                                      or (path / "scheduler.pt").exists()):
+            scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
     except Exception as error:  # a torn or foreign file fails in many ways (unpickling, safetensors, shapes)
         raise CheckpointError(f"checkpoint {path} is damaged ({type(error).__name__}: {str(error)[:200]}); "
                               f"resume from an older one (--resume <out>/checkpoint-<k>)") from None

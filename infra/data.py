@@ -7,8 +7,10 @@ by `datasets.load_dataset`. Each row becomes
     Example(prompt=row[--prompt-column], answer=gold_answer(row[--answer-column]), columns=every other column)
 
 The prompt is text or a conversation (TRL's format: a list of {"role", "content"} messages; tasks.prompt_token_ids
-renders it with the model's chat template). The gold answer follows GSM8K's "... #### 72" -> "72"; any other
-answer is kept as text.
+renders it with the model's chat template), with --system-prompt in front if one is given (tasks.with_system_prompt).
+The gold answer follows GSM8K's "... #### 72" -> "72"; any other answer is kept as text. Data without one (TRL's
+prompt-only datasets) loads with answer None, unless a reward needs one (`needed`: a plain reward, math,
+math-verify): then it, and any other column a reward cannot be called without, is refused in one line at start-up.
 
 Deliberate departures from a plain `load_dataset` call:
 1. The hub is asked once without retries first (tasks.hub_error); when it cannot be reached, the dataset is
@@ -29,6 +31,8 @@ from infra.tasks import (
     chain_examples,
     hub_error,
     one_line,
+    system_prompt_text,
+    with_system_prompt,
 )
 
 DATA_FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}  # datasets' builders
@@ -140,28 +144,49 @@ def _column(wanted: str, columns: list[str], where: str, option: str) -> str:
                     f"Pick one with {option}.")
 
 
-def dataset_examples(rows, prompt_column: str, answer_column: str, where: str) -> list[Example]:
+def _check_needed(needed: dict[str, str], columns: list[str], prompt_column: str, answer_column: str,
+                  where: str) -> None:
+    """Refuse data without a column some reward cannot be called without (`needed`: column -> the reward)."""
+    listed = ", ".join(map(repr, columns))
+    for column, reward in needed.items():
+        if column == "answer" and answer_column not in columns:
+            raise TaskError(f"{reward} needs a gold answer, and {where} has no column {answer_column!r} to take it "
+                            f"from; its columns are {listed}. Name the column of answers with --answer-column, or use "
+                            "a reward that needs none (e.g. TRL's f(completions, **kwargs)).")
+        if column != "answer" and (column not in columns or column == prompt_column):
+            raise TaskError(f"{reward} takes a parameter {column!r} without a default, and {where} has no column "
+                            f"{column!r} to fill it (TRL passes every column but the prompt's by its name); its "
+                            f"columns are {listed}. Rename a column to {column!r}, or give the parameter a default.")
+
+
+def dataset_examples(rows, prompt_column: str, answer_column: str, where: str,
+                     needed: dict[str, str] | None = None) -> list[Example]:
     """Each row of a datasets.Dataset as Example(prompt, gold answer, every column but the prompt's).
 
-    The prompt is text or a conversation (TRL's format: a list of {"role", "content"} messages).
+    The prompt is text or a conversation (TRL's format: a list of {"role", "content"} messages). The gold answer is
+    None where the data has none (no `answer_column`, or an empty value), unless a reward needs it: `needed`
+    (reward.Rewards.needed_columns: column -> the reward that cannot be called without it) is checked here.
     """
     columns = list(rows.column_names)
     prompt_column = _column(prompt_column, columns, where, "--prompt-column")
-    answer_column = _column(answer_column, columns, where, "--answer-column")
+    needed = needed or {}
+    _check_needed(needed, columns, prompt_column, answer_column, where)
     try:
         table = rows.to_dict()  # column -> list of raw values
     except UnicodeDecodeError as error:  # pyarrow's JSON reader may keep bytes that are not UTF-8 until now
         raise TaskError(f"{where}: not UTF-8 text ({one_line(error)}). Save the data as UTF-8, or fix or remove the "
                         "row.") from None
     examples = []
-    for index, (prompt, value) in enumerate(zip(table[prompt_column], table[answer_column])):
+    values = table.get(answer_column, [None] * len(table[prompt_column]))
+    for index, (prompt, value) in enumerate(zip(table[prompt_column], values)):
         if not (isinstance(prompt, str) and prompt.strip() or _is_conversation(prompt)):
             raise TaskError(f"{where}, row {index + 1}: the {prompt_column!r} is {prompt!r:.60}, neither text nor a "
                             "list of chat messages ({'role', 'content'}). Fix or remove that row.")
         answer = gold_answer(value)
-        if answer is None:
+        if answer is None and "answer" in needed:
             raise TaskError(f"{where}, row {index + 1}: the {answer_column!r} is {value!r:.60}, so there is no gold "
-                            "answer to reward. Fix or remove that row, or pick another column with --answer-column.")
+                            f"answer for {needed['answer']} to reward. Fix or remove that row, or pick another column "
+                            "with --answer-column.")
         others = {name: table[name][index] for name in columns if name != prompt_column}  # TRL passes all but 'prompt'
         examples.append(Example(prompt, answer, others))
     if not examples:
@@ -170,18 +195,25 @@ def dataset_examples(rows, prompt_column: str, answer_column: str, where: str) -
 
 
 def load_data(data: str, data_config: str | None, split: str, prompt_column: str, answer_column: str,
-              eval_size: int) -> tuple[list[Example], list[Example]]:
+              eval_size: int, system_prompt: str | None = None,
+              needed: dict[str, str] | None = None) -> tuple[list[Example], list[Example]]:
     """(train, held-out) examples of `split` of --data; held out: the 'test' split's first `eval_size` rows when
-    there is one, else the last `eval_size` rows of `split`, kept out of training."""
+    there is one, else the last `eval_size` rows of `split`, kept out of training. `system_prompt`: a system message
+    for each prompt to start with (a preset's name or its text: tasks.system_prompt_text, tasks.with_system_prompt);
+    `needed`: as `dataset_examples`."""
+    system = system_prompt_text(system_prompt)
     splits = load_splits(data, data_config)
     if split not in splits:
         raise TaskError(f"--data {data!r} has the splits {', '.join(map(repr, splits))}, not {split!r}: pick one "
                         "with --split.")
-    examples = dataset_examples(splits[split], prompt_column, answer_column, f"{data} ({split} split)")
+
+    def examples_of(rows, where: str) -> list[Example]:
+        return [with_system_prompt(example, system, where)
+                for example in dataset_examples(rows, prompt_column, answer_column, where, needed)]
+    examples = examples_of(splits[split], f"{data} ({split} split)")
     if "test" in splits and split != "test":
         test = splits["test"]
-        return examples, dataset_examples(test.select(range(min(eval_size, len(test)))), prompt_column,
-                                          answer_column, f"{data} (test split)")
+        return examples, examples_of(test.select(range(min(eval_size, len(test)))), f"{data} (test split)")
     if len(examples) <= eval_size:
         raise TaskError(f"--data {data!r} has {len(examples)} examples, too few to hold out {eval_size} for evaluation "
                         "and still train. Use more data, a smaller --eval-size, or a test split (e.g. a test.jsonl "
@@ -191,23 +223,31 @@ def load_data(data: str, data_config: str | None, split: str, prompt_column: str
 
 # --- choosing a task ---
 def load_task(data: str | None, default: str = "gsm8k", eval_size: int = 64, data_config: str | None = None,
-              split: str = "train", prompt_column: str = "question",
-              answer_column: str = "answer") -> tuple[list[Example], list[Example]]:
+              split: str = "train", prompt_column: str = "question", answer_column: str = "answer",
+              system_prompt: str | None = None,
+              needed: dict[str, str] | None = None) -> tuple[list[Example], list[Example]]:
     """(train, held-out) examples for `--data`; the held-out list has at most `eval_size` examples.
 
     None -> `default` (the task a tiny model was warmed up on) or GSM8K; 'arithmetic'; 'chain'; 'gsm8k' (the hub's
     openai/gsm8k, config main); anything else through Hugging Face datasets (`load_data`: a hub id, a directory or a
     file, its prompt and answer columns, held out: its 'test' split or the last `eval_size` rows). A blank --data
     (`--data "$DATA"` with DATA unset) is refused: it names nothing, and the default would train on another task.
+    `system_prompt`: --system-prompt (a preset's name or a text; None: none), put in front of every prompt;
+    `needed`: the columns the rewards cannot be called without (reward.Rewards.needed_columns), checked.
     """
     if data is not None and not data.strip():
         raise TaskError(f"--data {data!r} names no data (an unset shell variable?): give 'arithmetic', 'chain', "
                         "'gsm8k', a hub dataset id, a file or a directory, or leave --data out for the model's default")
-    data = data or default
-    if data == "arithmetic":
-        return arithmetic_examples("train"), arithmetic_examples("eval")[:eval_size]
-    if data == "chain":
-        return chain_examples("train"), chain_examples("eval")[:eval_size]
+    data, system = data or default, system_prompt_text(system_prompt)
+    builtin = {"arithmetic": arithmetic_examples, "chain": chain_examples}.get(data)
+    if builtin is not None:
+        columns = [name for name in (needed or {}) if name != "answer"]  # a built-in task has its answers only
+        if columns:
+            raise TaskError(f"{needed[columns[0]]} takes a parameter {columns[0]!r} without a default, and --data "
+                            f"{data} has no column but the prompt and the answer: give the parameter a default, or "
+                            "pass data that has that column.")
+        return ([with_system_prompt(e, system, data) for e in builtin("train")],
+                [with_system_prompt(e, system, data) for e in builtin("eval")[:eval_size]])
     if data == "gsm8k":
         data, data_config = GSM8K_HUB[0], data_config or GSM8K_HUB[1]
-    return load_data(data, data_config, split, prompt_column, answer_column, eval_size)
+    return load_data(data, data_config, split, prompt_column, answer_column, eval_size, system_prompt, needed)

@@ -31,8 +31,10 @@ Departures, on purpose:
    (the same summed gradients, the same steps); a resumed run restores it on every rank, so --resume
    must name a path every node can read. A save must end within --collective-timeout (the others wait
    in the next step's all-reduce meanwhile).
-3. `--sizes probe` on CPU is refused with ranks unless the sizes are given: the probe times one process
-   on the whole machine, not M trainers sharing it, and every rank must use the same sizes.
+3. `--sizes probe` on CPU: trainer rank 0 alone probes, on its share of its host's cores (cores // local ranks)
+   while the others wait, and sends the sizes to every rank (`share_sizes`), at least one generate call per
+   sampler; so every rank uses the same sizes, measured for one rank, not for M trainers sharing the host.
+   With inference ranks the sizes must be given (or --sizes rule): the probe models a local inference process.
 """
 from __future__ import annotations
 
@@ -139,10 +141,9 @@ def place(cfg, ranks: Ranks, given: set[str]):
     Devices named by --train-device / --rollout-device, or --device with an index, are kept."""
     if ranks.world == 1:
         return cfg
-    samplers = max(ranks.inference, ranks.size) if ranks.inference else ranks.size * cfg.inference_workers
     if "groups_per_chunk" not in given and cfg.groups_per_chunk:
         cfg = dataclasses.replace(cfg, groups_per_chunk=min(cfg.groups_per_chunk,
-                                                            max(1, cfg.prompts_per_iteration // samplers)))
+                                                            max(1, cfg.prompts_per_iteration // samplers(cfg, ranks))))
     kind = cfg.train_device.split(":")[0]
     if kind != "cpu" and ":" not in cfg.device and ranks.inference:  # one device per rank, of either kind
         own = f"{kind}:{ranks.local_rank}"
@@ -163,21 +164,45 @@ def place(cfg, ranks: Ranks, given: set[str]):
     return cfg
 
 
+def samplers(cfg, ranks: Ranks) -> int:
+    """The processes that sample an iteration's generate calls, each needing one: the inference ranks, or every
+    trainer rank's inference workers (with inference ranks, each trainer rank owns calls too)."""
+    return max(ranks.inference, ranks.size) if ranks.inference else ranks.size * cfg.inference_workers
+
+
 def check(cfg, ranks: Ranks) -> None:
-    """Refuse, in one line, what ranks do not support (departure 3)."""
+    """Refuse, in one line, what ranks do not support (departure 3); the generate calls once they are known."""
     if ranks.world == 1:
         return
-    if not cfg.sized:
-        raise RanksError(f"--sizes probe does not work with trainer ranks ({ranks.world} ranks): every rank must use "
-                         "the same sizes; give --groups-per-chunk, --micro-batch-tokens, --rollout-threads and "
-                         "--train-threads, or pass --sizes rule")
-    samplers = max(ranks.inference, ranks.size) if ranks.inference else ranks.size * cfg.inference_workers
-    if cfg.chunks_per_iteration < samplers:
+    if not cfg.sized and ranks.inference:
+        raise RanksError(f"--sizes probe does not work with inference ranks ({ranks.inference}): the probe times a "
+                         "local inference process; give --groups-per-chunk, --micro-batch-tokens, --rollout-threads "
+                         "and --train-threads, or pass --sizes rule")
+    if cfg.groups_per_chunk is None:  # probed by rank 0 (`share_sizes`), then checked again
+        return
+    needed = samplers(cfg, ranks)
+    if cfg.chunks_per_iteration < needed:
         who = (f"{ranks.size} trainer ranks and {ranks.inference} inference ranks (each needs calls)" if ranks.inference
                else f"{ranks.size} ranks x {cfg.inference_workers} inference workers that sample them")
         raise RanksError(f"--groups-per-chunk {cfg.groups_per_chunk} makes {cfg.chunks_per_iteration} generate calls "
                          f"per iteration, fewer than the {who} (some would sit idle): give --groups-per-chunk "
-                         f"{max(1, cfg.prompts_per_iteration // samplers)} or less")
+                         f"{max(1, cfg.prompts_per_iteration // needed)} or less")
+
+
+SIZES = ("groups_per_chunk", "micro_batch_tokens", "rollout_threads", "train_threads", "tail_threads")
+
+
+def share_sizes(cfg, ranks: Ranks, chosen=None):
+    """`cfg` with trainer rank 0's sizes (`chosen`, given on rank 0 only: what launch/sizing.py chose there) where
+    they are open, on every trainer rank (broadcast_object_list on the world group; no inference ranks: departure
+    3). The generate calls and the micro-batch are rank 0's on every rank (the calls decide who samples what);
+    a rank keeps the threads it was given."""
+    sizes = [{name: getattr(chosen, name) for name in SIZES} if ranks.is_main else None]
+    with collective("the broadcast of trainer rank 0's sizes", ranks):
+        dist.broadcast_object_list(sizes, src=0)
+    shared = sizes[0]
+    mine = {name: getattr(cfg, name) for name in SIZES if "threads" in name and getattr(cfg, name) is not None}
+    return dataclasses.replace(cfg, **{**shared, **mine})
 
 
 GROUPS: dict = {}  # with inference ranks (process_group): "trainers", "weights", "transport" (one per trainer rank)

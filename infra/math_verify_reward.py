@@ -8,10 +8,12 @@ for `2\\sqrt{2}`. It is TRL's `trl.rewards.accuracy_reward` (a batched reward, i
 
 1. The gold is the text after GSM8K's '####' when there is one; bare LaTeX ('2\\sqrt{2}': no $, \\( or \\boxed)
    is read as if between $...$ (math-verify reads the bare text '2\\sqrt{2}' as 2).
-2. A completion is read the same way after its last '####', else by math-verify's default extraction with
-   \\boxed{} first: a boxed answer, an anchored one ('the final answer is $...$'), the last LaTeX between $...$,
-   then a plain number or expression ('the answer is 18', the last number). TRL reads LaTeX only, and only
-   anchored, so it gives 0 to '$\\frac{1}{2}$' alone and to GSM8K-style plain numbers.
+2. A completion with a \\boxed{} is read by math-verify's extraction, the boxed answer first (TRL's); else the
+   same way as the gold after its last '####' that gives an answer (tasks.marked_answer: not an empty '#### ' at
+   the end, nor a Markdown heading '#### Step 2: ...'); else by math-verify's default extraction: an anchored
+   answer ('the final answer is $...$'), the last LaTeX between $...$, then a plain number or expression ('the
+   answer is 18', the last number). TRL reads LaTeX only, and only anchored, so it gives 0 to '$\\frac{1}{2}$'
+   alone and to GSM8K-style plain numbers.
 
 Timeouts: math-verify bounds each parse and comparison with SIGALRM, which only the main thread receives: on
 in the main thread (the trainer's in sync mode, the inference process's in async mode), off elsewhere, as TRL
@@ -24,6 +26,8 @@ import logging
 import threading
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+from infra.tasks import marked_answer
 
 PARSE_SECONDS, VERIFY_SECONDS = 10, 5  # TRL's accuracy_reward's limits (math-verify's are whole seconds)
 COMPLETION = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]  # \boxed{} first, then LaTeX,
@@ -55,7 +59,8 @@ def math_verify_reward(completions: list, answer: list[str], **kwargs) -> list[f
         if not golds[gold]:
             rewards.append(None)
             continue
-        predicted = parse(final_part(text) if "####" in text else text, extraction_config=COMPLETION,
+        marked = None if "\\boxed" in text else marked_answer(text)
+        predicted = parse(text if marked is None else final_part(marked), extraction_config=COMPLETION,
                           extraction_mode="first_match", parsing_timeout=parse_seconds)
         rewards.append(float(verify(golds[gold], predicted, timeout_seconds=verify_seconds)))
     return rewards

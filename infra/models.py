@@ -10,6 +10,10 @@ path. A name is resolved in this order:
     local directory   -> that directory
     hub id            -> the HF cache first, then the hub
 
+With `lora` (--use-peft) the loaded model comes wrapped by peft with a LoRA adapter (`with_lora`): the base
+frozen, only the adapter trainable, published and saved (save_pretrained writes adapter_config.json and
+adapter_model.safetensors, which `PeftModel.from_pretrained(base, path)` loads). peft is imported only then.
+
 The tiny model is a 2-layer Qwen2 (hidden 128, 4 heads, 2 KV heads, 0.33 M parameters) with a
 byte-level tokenizer (one token per character for ASCII). It is warmed up with supervised learning
 on the arithmetic train split (infra/tasks.py) whose targets *hedge*: with probability
@@ -42,6 +46,7 @@ import socket
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,6 +85,10 @@ class ModelNotFoundError(UserError):
 
 class ModelError(UserError):
     """A model was found but cannot be trained: unreadable weights, no tokenizer, not a causal language model."""
+
+
+class PeftMissingError(UserError):
+    """--use-peft without peft installed."""
 
 
 # --- resolving names ---
@@ -145,13 +154,20 @@ def is_causal(model: PreTrainedModel) -> bool:
 
 
 def load_model(name: str = TINY, device: str = "cpu", dtype: torch.dtype = torch.float32,
-               attn_implementation: str = "sdpa", cache_dir: str | None = None,
+               attn_implementation: str = "sdpa", cache_dir: str | None = None, lora: dict | None = None,
                ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """(model, tokenizer) for `name`: 'tiny', an alias, a local directory or a hub id.
 
     `cache_dir` is where the tiny model is cached (default $PERIODIC_RL_CACHE or ~/.cache/periodic-rl);
     hub models use the usual HF cache (HF_HOME). Raises ModelNotFoundError with what was tried.
+    `lora`: `with_lora`'s settings (Config.lora, --use-peft): the model comes wrapped in a peft PeftModel.
     """
+    model, tokenizer = _load(name, device, dtype, attn_implementation, cache_dir)
+    return (with_lora(model, **lora) if lora else model), tokenizer
+
+
+def _load(name: str, device: str, dtype: torch.dtype, attn_implementation: str, cache_dir: str | None
+          ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     args = (device, dtype, attn_implementation)
     if name in TINY_RECIPES:
         return _from_pretrained(str(ensure_tiny_model(cache_dir, TINY_RECIPES[name])), *args, local_files_only=True)
@@ -178,6 +194,54 @@ def load_model(name: str = TINY, device: str = "cpu", dtype: torch.dtype = torch
     except _LOAD_ERRORS as error:
         raise ModelNotFoundError(_fix_message(name, tried + [f"downloading from the hub ({_one_line(error)})"],
                                               source)) from error
+
+
+# --- LoRA through peft (--use-peft) ---
+def import_peft():
+    """peft, imported only when LoRA is asked for; one line naming the fix when it is not installed."""
+    try:
+        import peft
+    except ImportError:
+        raise PeftMissingError("--use-peft trains a LoRA adapter with peft, which is not installed: pip install peft"
+                               ) from None
+    return peft
+
+
+def with_lora(model: PreTrainedModel, r: int, alpha: float, dropout: float, target_modules: list[str] | None,
+              seed: int):
+    """`model` wrapped by peft's `get_peft_model` with one LoRA adapter: each target layer computes
+    W_0 x + (alpha / r)·B A x, with W_0 frozen, A drawn from `seed` (the same on every process) and B = 0, so the
+    wrapped model starts at the base's exact outputs. `target_modules` as TRL's --lora-target-modules: None for
+    peft's default of the architecture (q_proj and v_proj for Qwen2 and Llama), one name such as 'all-linear'
+    (every linear layer but the output layer), or several module names."""
+    peft = import_peft()
+    if r < 1 or alpha <= 0 or not 0 <= dropout < 1:
+        raise ModelError(f"--use-peft needs --lora-r >= 1, --lora-alpha > 0 and --lora-dropout in [0, 1) (got {r}, "
+                         f"{alpha}, {dropout})")
+    targets = "all-linear" if target_modules == ["all-linear"] else target_modules  # peft's one special string
+    try:
+        config = peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
+                                 task_type="CAUSAL_LM")
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():  # A's draw leaves the caller's RNG alone
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)  # peft's
+            # question to transformers 5, by the old name
+            torch.manual_seed(seed)
+            # the adapter in the model's dtype (peft would keep a bf16 model's in float32): a bf16 inference side then
+            # holds exactly what the trainer publishes, in sync mode as in async
+            return peft.get_peft_model(model, config, autocast_adapter_dtype=False)
+    except ValueError as error:  # e.g. "Target modules {'x'} not found in the base model"
+        raise ModelError(f"--use-peft: peft cannot add a LoRA adapter to {type(model).__name__} "
+                         f"({_one_line(error)}); check --lora-target-modules") from None
+
+
+def load_adapter_weights(model, weights: dict[str, torch.Tensor]) -> None:
+    """A saved adapter's tensors (adapter_model.safetensors: peft's names, without the adapter's) into `model`'s
+    adapter (infra/checkpoint.py's resume); ValueError naming what does not match."""
+    result = import_peft().set_peft_model_state_dict(model, weights)
+    adapter = {name for name, p in model.named_parameters() if p.requires_grad}
+    missing = sorted(adapter & set(result.missing_keys))
+    if missing or result.unexpected_keys:
+        raise ValueError(f"adapter: missing {missing[:3]}, unexpected {sorted(result.unexpected_keys)[:3]}")
 
 
 # --- the tiny model ---
@@ -346,7 +410,8 @@ def ensure_tiny_model(cache_dir: str | Path | None = None, recipe: TinyRecipe | 
                   file=sys.stderr, flush=True)
             shutil.rmtree(final)
     make_directory(root, "the tiny-model cache (--cache-dir, $PERIODIC_RL_CACHE)")
-    print(f"periodic-rl: building the tiny model once into {final} ...", file=sys.stderr, flush=True)
+    print(f"periodic-rl: building the tiny model (once, about a minute on 2 cores; later runs load it) into {final} "
+          "...", file=sys.stderr, flush=True)
     start = time.perf_counter()
     sweep_stale_builds(root)
     building = Path(tempfile.mkdtemp(prefix=f".building-{socket.gethostname()}-{os.getpid()}-", dir=root))

@@ -13,16 +13,29 @@ with --resume a result-changing one that differs from the checkpoint's is refuse
 
 Departure, on purpose: `resume`, `overwrite` and `config` in a file are skipped; they act on what --out
 already holds, so they are read from the command line only (a rerun of a config.json that was written with
---overwrite must not delete a run by itself).
+--overwrite must not delete a run by itself). So is a run record's `out` (a config.json, which has a run_id): a
+rerun gets a folder of its own unless --out is given.
+
+TRL's names. An option of TRL 1.16's GRPOConfig (or of its CLI's script and model arguments) that means what one of
+ours means is accepted under TRL's name too, on the command line and as a --config key (`TRL_ALIASES`: e.g.
+--num-generations is --group-size, --learning-rate --lr, --epsilon both clip ranges unless --epsilon-high is given,
+as TRL's); `--name_with_underscores` is read as `--name-with-underscores`, as TRL's parser reads both. A TRL name
+whose meaning differs here (per_device_train_batch_size, max_steps, ...) is refused with one line naming the option
+to use and why (`TRL_DIFFERENT`), any other unknown option with difflib's closest name; abbreviations are not
+expanded (argparse's allow_abbrev), so --epsilon is never "ambiguous". Our defaults are TRL's but for
+`DEPARTURES`, each with its reason (listed in --help and the README).
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
+import difflib
 import json
 import math
 import os
 import sys
+import textwrap
 import typing
 from pathlib import Path
 
@@ -40,6 +53,91 @@ SIZES = ("groups_per_chunk", "micro_batch_tokens", "rollout_threads", "train_thr
 DERIVED_FROM = {"model": ("lr", "max_new_tokens", *SIZES), "reward": ("reward_weights",),
                 "device": ("train_device", "rollout_device", "dtype", *SIZES), "mode": ("rollout_device", *SIZES),
                 "batch_size": SIZES, "group_size": SIZES, "inference_workers": ("rollout_device", *SIZES)}
+
+# --- TRL 1.16's names (trl/trainer/grpo_config.py, transformers' TrainingArguments; TRL's CLI: ScriptArguments,
+# ModelConfig) ---
+# The same meaning under another name: accepted as an alias (command line and --config keys). Same names need none
+# (beta, temperature, top_p, loss_type, scale_rewards, max_grad_norm, weight_decay, seed, report_to, reward_weights,
+# epsilon_high, gradient_checkpointing, attn_implementation, dtype). TRL's `epsilon`: `--epsilon` below.
+TRL_ALIASES = {"num_generations": "group_size", "learning_rate": "lr", "max_completion_length": "max_new_tokens",
+               "use_bias_correction_kl": "kl_bias_correction", "output_dir": "out", "save_total_limit":
+               "keep_checkpoints", "resume_from_checkpoint": "resume", "model_name_or_path": "model",
+               "dataset_name": "data", "dataset_config": "data_config", "dataset_train_split": "split"}
+# TRL names that mean something else here: the option to use instead, and why (one line each, after "use")
+TRL_DIFFERENT = {
+    "per_device_train_batch_size": "--batch-size: the responses sampled per iteration, all ranks together (TRL's "
+                                   "per_device_train_batch_size x processes x steps_per_generation)",
+    "generation_batch_size": "--batch-size: the responses sampled per iteration",
+    "gradient_accumulation_steps": "--micro-batch-tokens: a step accumulates all of its groups, in forwards of at most "
+                                   "this many tokens (and --updates-per-iteration for the steps per batch)",
+    "steps_per_generation": "--updates-per-iteration: the optimizer steps each batch of responses is split into",
+    "max_steps": "--iterations: each samples one batch and takes --updates-per-iteration optimizer steps on it",
+    "num_train_epochs": "--iterations: a run counts batches of prompts, not passes over the data",
+    "logging_steps": "nothing: every iteration is logged (a line and a metrics.jsonl row, sent to --report-to)",
+    "save_steps": "--save-every N: a checkpoint every N iterations",
+    "save_strategy": "--save-every N: a checkpoint every N iterations (0: none)",
+    "eval_steps": "--eval-every N: a held-out evaluation every N iterations",
+    "eval_strategy": "--eval-every N: a held-out evaluation every N iterations (0: none)",
+    "per_device_eval_batch_size": "--eval-size and --eval-samples: held-out prompts and responses per prompt",
+    "num_generations_eval": "--eval-samples: responses per held-out prompt",
+    "dataset_test_split": "--eval-size: held out is --data's 'test' split, else its last --eval-size rows",
+    "bf16": "--dtype bfloat16 (--dtype auto picks it where the device computes bf16 natively)",
+    "fp16": "--dtype bfloat16: float16 would need loss scaling, which this trainer does not do",
+    "max_prompt_length": "nothing: prompts are never cut; one too long for the model is refused at start-up",
+    "top_k": "--top-p: sampling offers --temperature and --top-p only",
+    "use_vllm": "--engine, --inference-workers or --inference-ranks: sampling runs in this trainer's own processes",
+    "vllm_mode": "--inference-workers or --inference-ranks: sampling runs in this trainer's own processes",
+    "push_to_hub": "nothing: <out>/policy is a Hugging Face model directory; upload it with `hf upload`",
+}
+# Our defaults that are not TRL 1.16's: (option, ours, TRL's, why), in --help's epilog and the README
+DEPARTURES = (
+    ("--beta", "0.04", "0.0", "the reference θ_0 is one of the paper's three ideas (the tri-model); --beta 0 is TRL's "
+                              "and makes no reference copy"),
+    ("--lr", "1e-4 for tiny, tiny-chain", "1e-6", "a 0.33 M-parameter toy needs big steps; other models: 1e-6"),
+    ("--max-new-tokens", "8 for tiny, 128 for tiny-chain", "512", "the toy tasks' answers are that short; other "
+                                                                  "models: 512"),
+    ("--batch-size", "128 (16 prompts x 8)", "8 per device", "the pipeline overlaps generating with training inside "
+                                                             "an iteration: it needs several groups"),
+    ("--eval-every", "10", "no evaluation", "the held-out reward shows what the run learnt; 0 turns it off"),
+    ("log", "every iteration", "every 10 steps", "each line is the pipeline's measurement (busy and idle seconds)"),
+    ("--gradient-checkpointing", "off", "on", "~30% more training compute, which small models need not pay; the "
+                                              "README's real-model command turns it on"),
+    ("--dtype", "auto: bf16 where native, else float32", "bf16", "CPUs emulate bf16 slowly"),
+    ("--save-every", "0 (never)", "every 500 steps", "a checkpoint holds θ and AdamW's state (5.9 GB for "
+                                                     "Qwen2.5-0.5B): on request"),
+    ("--keep-checkpoints", "2", "all", "a checkpoint's size (above)"),
+    ("--out", "runs/<model>-<time>, linked from runs/latest", "trainer_output", "every run a folder of its own: a "
+                                                                                "command can be run again"),
+    ("--seed", "0", "42", "the figures in the README and docs/benchmarks.md were measured with it"),
+    ("--disable-dropout", "on", "off", "dropout's random masks would break async == sync and exact resume"),
+    ("--lora-dropout", "0.0", "0.05", "the same: a checkpoint does not hold the masks' random state"),
+)
+# The log's columns, one line per iteration (trainer.format_row); in --help's epilog
+LOG_COLUMNS = (
+    ("iter k", "the iteration: sampled with θ_k"),
+    ("reward m±s", "training reward (the weighted sum of --reward): mean ± std over the iteration's responses"),
+    ("eval", "held-out reward of θ_k (every --eval-every iterations, else -)"),
+    ("kl", "mean KL term to the reference θ_0 per response token, as TRL logs it: ρ·k3 with the importance ratio ρ "
+           "(plain k3 with --no-kl-bias-correction; - with --beta 0)"),
+    ("clip", "fraction of response tokens whose probability ratio was clipped (PPO's clip)"),
+    ("len", "mean response length in tokens"),
+    ("gen, train", "seconds each side was busy: the inference side sampling and scoring, the trainer training"),
+    ("idle gen/train", "seconds each side waited for the other, out of the iteration's wall time"),
+    ("overlap", "share of the less busy side's time that ran while the other side was busy (100% = hidden)"),
+    ("tok/s", "response tokens per second of the iteration's wall time"),
+)
+
+
+def epilog() -> str:
+    """--help's last part: the log's columns and our departures from TRL's defaults."""
+    width = max(len(name) for name, _ in LOG_COLUMNS)
+    lines = ["the log, one line per iteration:"] + [f"  {name:<{width}}  {meaning}" for name, meaning in LOG_COLUMNS]
+    lines += ["", "defaults that are not TRL 1.16's (GRPOConfig), and why:"]
+    lines += [f"  {option} {ours} (TRL: {theirs}): {why}" for option, ours, theirs, why in DEPARTURES]
+    lines += ["", "TRL's option names are accepted where they mean the same: " + ", ".join(
+        f"--{trl.replace('_', '-')}" for trl in [*TRL_ALIASES, "epsilon"]) + "."]
+    return "\n".join(textwrap.fill(line, 118, subsequent_indent=" " * 4, break_on_hyphens=False) or line
+                     for line in lines)
 
 
 def available_cores() -> int:
@@ -239,8 +337,10 @@ def validate(cfg: Config) -> list[str]:
          "inference ranks are the workers)")
     need(cfg.collective_timeout > 0, f"--collective-timeout must be positive (got {cfg.collective_timeout})")
     need(cfg.save_every >= 0 and cfg.keep_checkpoints >= 0, "--save-every and --keep-checkpoints must be >= 0")
+    need(cfg.num_completions_to_print >= 0,
+         f"--num-completions-to-print must be >= 0 (got {cfg.num_completions_to_print})")
     need(cfg.resume is None or cfg.resume.strip() != "", "--resume must name a checkpoint directory or 'auto'")
-    need(cfg.out.strip() != "", f"--out must name a directory (got {cfg.out!r})")
+    need(cfg.out is None or cfg.out.strip() != "", f"--out must name a directory (got {cfg.out!r})")
     need(cfg.trace is None or cfg.trace.strip() != "", f"--trace must name a file (got {cfg.trace!r})")
     need("none" not in cfg.report_to or len(set(cfg.report_to)) == 1,
          f"--report-to none cannot be combined with a tracker (got {' '.join(cfg.report_to)})")
@@ -255,10 +355,67 @@ def validate(cfg: Config) -> list[str]:
 
 # --- command line ---
 class _OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line on stderr and exit code 2."""
+    """argparse, but a usage error is one line on stderr and exit code 2, an unknown option says which one was
+    meant (`unknown_option`), and no abbreviation is expanded."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message: str) -> typing.NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+    def parse_args(self, args=None, namespace=None):
+        namespace, extras = self.parse_known_args(args, namespace)
+        unknown = [extra for extra in extras if extra.startswith("-")]
+        if unknown:
+            self.error("; ".join(unknown_option(extra.split("=")[0], self) for extra in unknown))
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace
+
+
+def unknown_option(option: str, parser: argparse.ArgumentParser | None = None) -> str:
+    """Why `option` (e.g. '--max-steps') is refused, in one line: TRL's name for something else here (which of ours
+    to use), else difflib's closest option, if any is close."""
+    name = option.lstrip("-").replace("-", "_")
+    if name in TRL_DIFFERENT:
+        return f"{option} is TRL's and means something else here; use {TRL_DIFFERENT[name]}"
+    known = [string for action in (parser or build_parser())._actions for string in action.option_strings
+             if string.startswith("--") and string != "--help"]
+    close = difflib.get_close_matches("--" + name.replace("_", "-"), known, n=1)
+    return f"unrecognized option {option}" + (f": did you mean {close[0]}?" if close else "")
+
+
+def normalized(argv: list[str]) -> list[str]:
+    """argv with `--name_with_underscores` as `--name-with-underscores` (TRL's parser accepts both spellings)."""
+    def spelled(token: str) -> str:
+        if not token.startswith("--"):
+            return token
+        name, sep, value = token.partition("=")
+        return name.replace("_", "-") + sep + value
+    return [spelled(token) for token in argv]
+
+
+def _values(namespace: argparse.Namespace) -> dict:
+    """The parsed options (argparse's namespace less the parser's own marks, such as `_epsilon_high_given`)."""
+    return {name: value for name, value in vars(namespace).items() if not name.startswith("_")}
+
+
+class _Epsilon(argparse.Action):
+    """TRL's --epsilon: both clip ranges, unless --epsilon-high is given (before or after it)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        namespace.epsilon_low = values
+        if not getattr(namespace, "_epsilon_high_given", False):
+            namespace.epsilon_high = values
+
+
+class _EpsilonHigh(argparse._StoreAction):
+    """--epsilon-high, remembered as given (TRL's --epsilon then leaves it)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        super().__call__(parser, namespace, values, option_string)
+        namespace._epsilon_high_given = True
 
 
 def _argument_type(annotation: str):
@@ -270,13 +427,24 @@ def _argument_type(annotation: str):
     return names[part[5:-1] if is_list else part], is_list
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """--help with each default once: appended only where the help line does not already state it."""
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help with each default once: appended only where the help line does not already state it; an option's
+    TRL name (TRL_ALIASES) is said in its help line, not listed beside it; the epilog as written."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         if "default" in (action.help or "") or action.default in (None, argparse.SUPPRESS):
             return action.help
         return super()._get_help_string(action)
+
+    def _split_lines(self, text: str, width: int) -> list[str]:  # never inside an option's name (--num-generations)
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        aliases = {"--" + prefix + trl.replace("_", "-") for trl in TRL_ALIASES for prefix in ("", "no-")}
+        shown = [string for string in action.option_strings if string not in aliases]
+        listed = copy.copy(action)
+        listed.option_strings = shown
+        return super()._format_action_invocation(listed)
 
 
 def build_parser(prog: str = "trainer.py", defaults: bool = True) -> argparse.ArgumentParser:
@@ -284,39 +452,45 @@ def build_parser(prog: str = "trainer.py", defaults: bool = True) -> argparse.Ar
     not given (see `given_options`)."""
     parser = _OneLineParser(prog=prog, usage="%(prog)s [options]", description="GRPO with periodic asynchrony "
                             "(arXiv 2511.18871). Every option, by group:",
-                            formatter_class=_HelpFormatter)
+                            formatter_class=_HelpFormatter, epilog=epilog())
     starts, group = dict((first, title) for title, first in SECTIONS), parser
+    trl_names = {ours: "--" + trl.replace("_", "-") for trl, ours in TRL_ALIASES.items()}
     for f in dataclasses.fields(Config):
         if f.name in starts:
             group = parser.add_argument_group(starts[f.name])
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-")] + ([trl_names[f.name]] if f.name in trl_names else [])
         kind, is_list = _argument_type(f.type)
         default = f.default if defaults else argparse.SUPPRESS
+        help = f.metadata["help"] + (f" (TRL: {trl_names[f.name]})" if f.name in trl_names else "")
         if is_list:  # `--reward a --reward b` or `--reward a b`; not given: the field's default (argparse would
             # extend a default list instead of replacing it)
-            group.add_argument(flag, type=kind, nargs="+", action="extend", default=argparse.SUPPRESS,
-                               help=f.metadata["help"], choices=f.metadata.get("choices"),
+            group.add_argument(*flags, type=kind, nargs="+", action="extend", default=argparse.SUPPRESS,
+                               help=help, choices=f.metadata.get("choices"),
                                metavar=f.metadata.get("metavar", f.name.upper().removesuffix("S")))
         elif kind is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=f.metadata["help"])
+            group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=default, help=help)
         else:
-            group.add_argument(flag, type=f.metadata.get("type", kind), default=default, help=f.metadata["help"],
-                               choices=f.metadata.get("choices"),
+            group.add_argument(*flags, type=f.metadata.get("type", kind), default=default, help=help,
+                               choices=f.metadata.get("choices"), dest=f.name,
+                               action=_EpsilonHigh if f.name == "epsilon_high" else "store",
                                metavar=f.metadata.get("metavar", None if "choices" in f.metadata else f.name.upper()))
+        if f.name == "epsilon_low":  # TRL's --epsilon: both ranges (said in the help of --epsilon-low)
+            group.add_argument("--epsilon", type=float, action=_Epsilon, default=argparse.SUPPRESS,
+                               help=argparse.SUPPRESS)
     return parser
 
 
 def given_options(argv: list[str] | None = None) -> set[str]:
     """The fields named on the command line, not left at their defaults (a resumed run tells them apart); the
     options of a --config file count as named."""
-    return set(vars(build_parser(defaults=False).parse_args(with_config_file(argv))))
+    return set(_values(build_parser(defaults=False).parse_args(with_config_file(argv))))
 
 
 def parse_args(argv: list[str] | None = None, prog: str = "trainer.py") -> Config:
     """Parse (a --config file's options first, the command line's after them), validate and derive; on invalid
     input print one line and exit with code 2."""
     args = build_parser(prog).parse_args(with_config_file(argv, prog))
-    cfg = Config(**vars(args))
+    cfg = Config(**_values(args))
     problems = validate(cfg)
     if problems:
         sys.stderr.write(f"{prog}: error: {problems[0]}\n")
@@ -327,19 +501,20 @@ def parse_args(argv: list[str] | None = None, prog: str = "trainer.py") -> Confi
 # --- --config FILE ---
 def config_file(argv: list[str]) -> str | None:
     """The --config path on the command line (its last one, as argparse takes it), or None."""
-    finder = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    finder = argparse.ArgumentParser(add_help=False, exit_on_error=False, allow_abbrev=False)
     finder.add_argument("--config")
     try:
-        return finder.parse_known_args(argv)[0].config
+        return finder.parse_known_args(normalized(argv))[0].config
     except argparse.ArgumentError:  # `--config` without a path: trainer.py's own parser says so
         return None
 
 
 def file_arguments(path: str, skip: set[str] = frozenset()) -> list[str]:
-    """The options in the JSON or YAML file `path` as command-line flags, but those in `skip`; ValueError with the
-    reason if it cannot be read, is not a mapping, or names an unknown option.
+    """The options in the JSON or YAML file `path` as command-line flags, but those in `skip` (and a run record's
+    `out`: a rerun gets its own folder); ValueError with the reason if it cannot be read, is not a mapping, or names
+    an unknown option. Keys may be TRL's names (TRL_ALIASES, epsilon) and may be spelled with - for _.
 
-    Example: {"max_new_tokens": 8, "lr": 1e-4, "save": false, "report_to": ["tensorboard"], "trace": null}
+    Example: {"max_new_tokens": 8, "learning_rate": 1e-4, "save": false, "report_to": ["tensorboard"], "trace": null}
              -> ["--max-new-tokens=8", "--lr=0.0001", "--no-save", "--report-to", "tensorboard"]
     """
     try:
@@ -357,14 +532,33 @@ def file_arguments(path: str, skip: set[str] = frozenset()) -> list[str]:
     if not isinstance(values, dict):
         raise ValueError("must hold a mapping from option names to values, e.g. {\"iterations\": 20}")
     fields = {f.name: f for f in dataclasses.fields(Config)}
-    unknown = sorted(str(name) for name in values if name not in fields and name not in NOT_OPTIONS)
+    values = {str(key).replace("-", "_"): value for key, value in values.items()}
+    unknown = [key for key in values if key not in fields and key not in NOT_OPTIONS and key not in TRL_ALIASES
+               and key != "epsilon"]
     if unknown:
-        raise ValueError(f"unknown option(s) {', '.join(unknown)}: the keys are trainer.py's options with _ for -, "
-                         "e.g. max_new_tokens (see --help)")
+        names = [*fields, *TRL_ALIASES, "epsilon"]
+        reasons = [TRL_DIFFERENT.get(key) and f"{key} is TRL's and means something else here: use {TRL_DIFFERENT[key]}"
+                   or f"unknown option {key}" + "".join(f": did you mean {close}?" for close in
+                                                        difflib.get_close_matches(key, names, n=1))
+                   for key in unknown]
+        raise ValueError("; ".join(reasons) + " (the keys are trainer.py's options with _ for -, e.g. max_new_tokens, "
+                         "or TRL's names for them; see --help)")
+    named = {}  # field -> the keys naming it (ours, TRL's)
+    for key in values:
+        named.setdefault(TRL_ALIASES.get(key, "epsilon_low" if key == "epsilon" else key), []).append(key)
+    twice = [keys for name, keys in named.items() if len(keys) > 1 and name != "epsilon_low"]
+    if twice:
+        raise ValueError(f"{' and '.join(twice[0])} name the same option, TRL's name and ours: keep one")
     flags = []
-    for name, value in values.items():
-        if name in NOT_OPTIONS or name in COMMAND_LINE_ONLY or name in skip:
+    for key, value in values.items():
+        name = TRL_ALIASES.get(key, key)
+        if name in NOT_OPTIONS or name in COMMAND_LINE_ONLY or name in skip or name == "out" and "run_id" in values:
             continue
+        if name == "epsilon":  # TRL's (both ranges, unless epsilon_high is given), unless given anew
+            flags += [] if "epsilon_low" in skip else [f"--epsilon={value}"]
+            continue
+        if key == "save_total_limit" and value is None:  # TRL's "keep all"
+            value = 0
         flag, kind = "--" + name.replace("_", "-"), fields[name].type
         if value is None:  # an option left open: its default, which is None for every option that may be None
             if fields[name].default is not None:
@@ -385,11 +579,12 @@ def file_arguments(path: str, skip: set[str] = frozenset()) -> list[str]:
 def with_config_file(argv: list[str] | None = None, prog: str = "trainer.py") -> list[str]:
     """argv (default: sys.argv[1:]) with its --config file's options put before it; on a bad file one line on
     stderr and exit code 2, as for a bad flag."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = normalized(list(sys.argv[1:] if argv is None else argv))
     path = config_file(argv)
     if path is None:
         return argv
-    given = set(vars(build_parser(prog, defaults=False).parse_args(argv)))  # a list option given on the command line
+    argv = normalized(argv)
+    given = set(_values(build_parser(prog, defaults=False).parse_args(argv)))  # a list option given on the command line
     skip = given | {derived for option in given for derived in DERIVED_FROM.get(option, ())}  # replaces the file's
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun each rank places its own devices (distributed.py)
         skip |= {"train_device", "rollout_device"}

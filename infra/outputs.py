@@ -3,6 +3,7 @@
     <out>/
         .lock           held (fcntl.flock) while a run writes here; holds that run's PID
         metrics.jsonl   one JSON row per iteration, appended as they come
+        completions.jsonl  with --log-completions: one JSON object per sampled completion (infra/completions.py)
         policy/         θ_final as a Hugging Face model directory, saved once the last step is done
         config.json     every option as resolved, the versions, the command (infra/records.py)
         runs/, wandb/   --report-to tensorboard's event files, wandb's local files (infra/tracking.py)
@@ -17,16 +18,21 @@ Rules (each a one-line `OutputError` when broken; trainer.py prints it and exits
 3. A directory that holds a previous run (metrics.jsonl with rows, policy/, checkpoints) is refused unless
    `--resume` continues that run or `--overwrite` deletes it first: a new run's files are never mixed with
    an old run's, and an old run is never lost unless the user asked. `--overwrite` deletes only what this
-   trainer wrote there (`run_files`): metrics.jsonl, policy/, checkpoint-<k>/, config.json, TensorBoard's
-   event files in runs/ and wandb's folders of that run's id; never another run's folder below --out (`--out .`
-   beside runs/latest deletes nothing of runs/latest). A path with one of those names that this trainer did
-   not write (another tool's config.json or checkpoint-500/, a policy/ package) is refused, with or without
-   --overwrite: the run would replace it. The records alone (config.json, an empty metrics.jsonl) are no run:
+   trainer wrote there (`run_files`): metrics.jsonl, completions.jsonl, policy/, checkpoint-<k>/, config.json,
+   TensorBoard's event files in runs/ and wandb's folders of that run's id; never another run's folder below
+   --out (`--out .` beside runs/latest deletes nothing of runs/latest). A path with one of those names that this
+   trainer did not write (another tool's config.json or checkpoint-500/, a policy/ package) is refused, with or
+   without --overwrite: the run would replace it. The records alone (config.json, an empty metrics.jsonl) are no run:
    they are left by a run that failed before its first iteration ended, and a new run replaces them.
    `--resume CHECKPOINT --out B` continues that checkpoint's run in B only if B holds no other run.
 4. `save_atomically` writes a directory beside its target, syncs it to disk and renames it into place
    (`write_atomically`, the same for one file): a kill or a full disk at any moment leaves the previous
    directory or the new one, never a torn one.
+5. Without --out each run gets a folder of its own, runs/<model>-<YYYYmmdd-HHMMSS> (`run_folder`: -2, -3, ...
+   when two start in the same second), and runs/latest becomes a link to it (`link_latest`), so `python plot.py
+   runs/latest`, `--config runs/latest/config.json` and `--resume auto` (`default_out`) find the newest run, and
+   any command can be run again. An explicit --out keeps rules 2 and 3. `--resume auto` where there is no run
+   to continue starts one, so that the same command serves every submission of a preemptible job.
 
 Departure, on purpose: replacing an existing directory takes two renames (the old one aside, the new one
 in), as POSIX renames no directory over a non-empty one; a kill between the two (microseconds) leaves the
@@ -34,12 +40,15 @@ previous copy, complete, as `.policy.old-*` beside the missing target.
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import fcntl
+import itertools
 import json
 import os
 import re
 import shutil
+import time
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Callable, Iterator
@@ -49,6 +58,7 @@ from infra.errors import UserError
 from infra.tracking import TENSORBOARD_DIR
 
 LOCK_FILE = ".lock"
+RUNS, LATEST = Path("runs"), "latest"  # --out not given: runs/<model>-<time>, and runs/latest links to the newest
 CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")  # <out>/checkpoint-<k> (infra/checkpoint.py)
 WANDB_DIR = "wandb"  # wandb.init(dir=<out>) writes <out>/wandb/run-<time>-<run id>/ (infra/tracking.py)
 
@@ -134,6 +144,18 @@ def is_metrics(path: Path) -> bool:
         return False
 
 
+def is_completions(path: Path) -> bool:
+    """A completions.jsonl of this trainer (infra/completions.py): its first line has an "iteration" and a "completion"
+    (an empty one holds nothing to lose)."""
+    try:
+        with path.open(errors="replace") as f:
+            first = f.readline()
+        row = json.loads(first) if first.strip() else {"iteration": None, "completion": None}
+        return isinstance(row, dict) and {"iteration", "completion"} <= row.keys()
+    except (OSError, ValueError):
+        return False
+
+
 def is_record(path: Path) -> bool:
     """A config.json of this trainer (infra/records.py): a JSON object with its run_id and versions."""
     try:
@@ -158,7 +180,8 @@ def is_checkpoint(path: Path) -> bool:
 
 def run_files(out: Path) -> tuple[list[Path], list[Path]]:
     """(what a run of this trainer left in `out`, paths with the names it writes that it did not write there)."""
-    checks = {out / "metrics.jsonl": is_metrics, out / "policy": is_model_directory, out / "config.json": is_record}
+    checks = {out / "metrics.jsonl": is_metrics, out / "policy": is_model_directory, out / "config.json": is_record,
+              out / "completions.jsonl": is_completions}  # (--log-completions: infra/completions.py)
     checks.update({path: is_checkpoint for path in sorted(out.iterdir(), key=lambda p: p.name)
                    if CHECKPOINT.match(path.name)})
     ours, foreign = [], []
@@ -197,6 +220,64 @@ def listed(paths: list[Path]) -> str:
 def continues_here(cfg: Config, out: Path) -> bool:
     """Whether --resume continues the run in `out` (auto, or a checkpoint there), not one of another folder."""
     return cfg.resume == "auto" or Path(cfg.resume).resolve().parent == out.resolve()
+
+
+# --- --out when it is not given (rule 5) ---
+def run_folder(model: str, runs: Path = RUNS, now: float | None = None) -> Path:
+    """A new, empty folder runs/<model>-<YYYYmmdd-HHMMSS> (-2, -3, ... when that second's is taken), created here:
+    mkdir fails when the name exists, so two runs that start in the same second get two folders.
+
+    Example: run_folder("Qwen/Qwen2.5-0.5B") -> runs/Qwen2.5-0.5B-20261125-101500
+    """
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", Path(model.rstrip("/")).name).strip("-.") or "run"
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    make_directory(runs, "the runs folder")
+    for n in itertools.count(1):
+        folder = runs / (f"{slug}-{stamp}" + (f"-{n}" if n > 1 else ""))
+        try:
+            folder.mkdir()
+            return folder
+        except FileExistsError:
+            continue
+        except OSError as error:
+            raise OutputError(f"{folder} cannot be created ({error.strerror}): pass --out DIR, a directory you can "
+                              "write") from None
+
+
+def link_latest(folder: Path) -> str:
+    """Point runs/latest (beside `folder`) at `folder`: a relative symbolic link, replaced atomically (a new link
+    renamed over the old). Returns '' or, when runs/latest is a folder of its own (written before it was a link),
+    a line saying that it was left as it is."""
+    latest = folder.parent / LATEST
+    if latest.exists() and not latest.is_symlink():
+        return (f"{latest} is a run folder of its own (from before runs/latest became a link to the newest run): left "
+                f"as it is; this run is in {folder}")
+    staging = folder.parent / f".{LATEST}-{os.getpid()}"
+    with writing("the link to the newest run", latest):
+        staging.unlink(missing_ok=True)
+        os.symlink(folder.name, staging)
+        os.replace(staging, latest)
+    return ""
+
+
+def holds_run(out: str | Path) -> bool:
+    """Whether `out` holds a run of this trainer (`is_run`: rows, a policy, a checkpoint)."""
+    out = Path(out)
+    return out.is_dir() and any(is_run(path) for path in run_files(out)[0])
+
+
+def default_out(cfg: Config) -> Config:
+    """`cfg` with --out filled where it follows from --resume: `--resume auto` continues the run runs/latest points
+    at, and starts afresh (resume None, with a line) when there is none, so that one command serves every submission
+    of a preemptible job; a checkpoint's path continues in its own folder (checkpoint.resumption). A new run's
+    folder is made later, by rank 0 alone (`run_folder`)."""
+    if cfg.resume == "auto" and cfg.out is None:
+        latest = RUNS / LATEST
+        cfg = dataclasses.replace(cfg, out=str(RUNS / os.readlink(latest) if latest.is_symlink() else latest))
+    if cfg.resume == "auto" and not holds_run(cfg.out) and not any(Path(cfg.out).glob("checkpoint-*")):
+        print(f"periodic-rl: --resume auto: {cfg.out} holds no run to continue; starting a new one", flush=True)
+        return dataclasses.replace(cfg, resume=None, out=None if cfg.out == str(RUNS / LATEST) else cfg.out)
+    return cfg
 
 
 @contextmanager

@@ -12,19 +12,24 @@ sizes the run used: `python trainer.py --config <out>/config.json --out other` r
 options, the sizes included (which prompts share a generate call, hence the rollouts). A resumed run
 rewrites it with the options it goes on with and keeps its `run_id` (the name under which wandb and
 trackio continue the run; infra/tracking.py).
+
+Its paths are absolute (`absolute_paths`: --data when it is a local path, a local --model directory, --cache-dir,
+--out, --trace, --config, a --resume checkpoint, a reward's 'path/to/file.py:function'), so that `--config
+RUN/config.json` reruns the run from any folder; the command line is kept as it was typed.
 """
 from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
 import json
+import os
 import platform
 import re
 import secrets
 import subprocess
 from pathlib import Path
 
-from config import Config
+from config import TINY_MODELS, Config
 from infra import outputs
 
 RECORD = "config.json"
@@ -58,6 +63,34 @@ def versions() -> dict:
     return found
 
 
+def absolute(path: str) -> str:
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def absolute_paths(cfg: Config) -> Config:
+    """`cfg` with every local path made absolute (relative ones are read from the folder the run started in).
+
+    Example: data 'train.jsonl', reward ['math', 'rewards.py:length'], out 'runs/a' (started in /home/u/exp)
+             -> data '/home/u/exp/train.jsonl', reward ['math', '/home/u/exp/rewards.py:length'],
+                out '/home/u/exp/runs/a'
+    """
+    from infra.data import looks_like_path
+    from infra.models import MODEL_ALIASES  # (an alias names a hub model even where a folder has its name)
+
+    def reward(spec: str) -> str:
+        module, sep, function = spec.rpartition(":")
+        return absolute(module) + sep + function if module.endswith(".py") else spec
+    local_model = (cfg.model not in TINY_MODELS and cfg.model.lower() not in MODEL_ALIASES
+                   and os.path.isdir(os.path.expanduser(cfg.model)))
+    local_data = cfg.data is not None and looks_like_path(cfg.data) and os.path.exists(os.path.expanduser(cfg.data))
+    optional = {name: absolute(getattr(cfg, name)) for name in ("cache_dir", "out", "trace", "config")
+                if getattr(cfg, name)}
+    return dataclasses.replace(
+        cfg, **optional, model=absolute(cfg.model) if local_model else cfg.model,
+        data=absolute(cfg.data) if local_data else cfg.data, reward=[reward(spec) for spec in cfg.reward],
+        resume=absolute(cfg.resume) if cfg.resume not in (None, "auto") else cfg.resume)
+
+
 class RunRecord:
     """<out>/config.json of one run: `write(cfg)` (again) whenever the run's options are final or change."""
 
@@ -74,7 +107,8 @@ class RunRecord:
             return None
 
     def write(self, cfg: Config) -> dict:
-        record = {**dataclasses.asdict(cfg), "run_id": self.run_id, "versions": self.versions, "command": self.command}
+        record = {**dataclasses.asdict(absolute_paths(cfg)), "run_id": self.run_id, "versions": self.versions,
+                  "command": self.command}
         with outputs.writing("the run's options to", self.path):
             outputs.write_atomically(self.path, json.dumps(record, indent=1) + "\n")
         return record

@@ -9,9 +9,22 @@ The batched form is TRL GRPOTrainer's (`_calculate_rewards`): recognised by a pa
 `completions`, or by **kwargs alone without one named `completion`. It is called with keywords only, as TRL
 does: `prompts` (the prompt, G times: text or a conversation), `completions` (text; for a conversation
 `[{"role": "assistant", "content": text}]` each), `completion_ids` (token ids, EOS included when the model
-stopped) and every other column of the dataset row as a list of G values (`Example.columns`; `answer`, the
-gold answer, when the row has no column of that name). It returns one value per completion: a real
-number, or None where it does not apply (TRL's convention).
+stopped), every other column of the dataset row as a list of G values (`Example.columns`; `answer`, the
+gold answer, when the row has no column of that name and the data has one), and `trainer_state`: a
+transformers.TrainerState whose global_step is the optimizer steps taken before this iteration's (iteration k x
+--updates-per-iteration: k itself at the default 1), max_steps all of the run's, epoch the passes over the
+training prompts (`trainer_state`). It returns one value per completion: a real number, or None where it does
+not apply (TRL's convention).
+
+Either form may be `async def` (TRL 1.16 awaits async rewards concurrently): a group's synchronous rewards are
+called first, in order, then its async calls (one per group batched, one per completion plain) are awaited
+together on one event loop that lives as long as the process, in a daemon thread (TRL's
+start_event_loop_in_daemon: a client an async reward made once keeps its loop). --reward-timeout bounds them
+together: each call runs concurrently with the others from the same start.
+
+A reward needs the gold answer if it is plain (its third argument) or takes a parameter `answer` without a
+default (math-verify), and, batched, each column named by a parameter without a default that TRL's keywords do
+not fill (`needed_columns`): data without them is refused at start-up (data.load_task), naming the reward.
 
 Several rewards (`--reward a.py:f --reward b.py:g --reward-weights 1 0.2`) add up, as TRL's do:
 
@@ -33,16 +46,19 @@ per completion.
 Departures from TRL, on purpose:
 1. NaN and inf are refused, in both forms (a reward that skips a completion says so with None, batched only;
    a plain reward returning None is refused, as a forgotten `return` would be).
-2. No `trainer_state`, `log_extra`, `log_metric` or `environments` keyword: a reward that needs one fails with
-   the TypeError it raises, in one line.
+2. No `log_extra`, `log_metric` or `environments` keyword: a reward that needs one fails with the TypeError it
+   raises, in one line.
 """
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import functools
 import importlib
 import importlib.util
 import inspect
 import math
+import os
 import reprlib
 import signal
 import threading
@@ -51,6 +67,7 @@ import traceback
 from collections.abc import Sized
 from contextlib import contextmanager
 from dataclasses import dataclass
+from inspect import Parameter
 from pathlib import Path
 from typing import Callable
 
@@ -138,6 +155,31 @@ def is_batched(function: Reward) -> bool:
     return "prompts" in parameters or "completions" in parameters or takes_keywords and "completion" not in parameters
 
 
+TRL_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state")  # what every batched call gets
+
+
+def needed_columns(function: Reward) -> list[str]:
+    """The dataset columns `function` cannot be called without: ['answer'] for the plain form (the gold answer is
+    its third argument, unless that has a default); for TRL's form, each parameter without a default that TRL's own
+    keywords do not fill ('answer' for math-verify, 'solution' for trl.rewards.accuracy_reward; none for
+    f(completions, **kwargs)).
+
+    >>> needed_columns(lambda prompt, completion, answer: 1.0), needed_columns(lambda completions, solution, **kw: [])
+    (['answer'], ['solution'])
+    """
+    try:
+        parameters = list(inspect.signature(function).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature: the plain form, called with an answer
+        return [] if is_batched(function) else ["answer"]
+    if not is_batched(function):
+        positional = [p for p in parameters if p.kind in (Parameter.POSITIONAL_ONLY, Parameter.POSITIONAL_OR_KEYWORD)]
+        optional = (positional[2].default is not Parameter.empty if len(positional) > 2
+                    else any(p.kind is Parameter.VAR_POSITIONAL for p in parameters))
+        return [] if optional else ["answer"]
+    return [p.name for p in parameters if p.kind in (Parameter.POSITIONAL_OR_KEYWORD, Parameter.KEYWORD_ONLY)
+            and p.default is Parameter.empty and p.name not in TRL_KEYWORDS]
+
+
 def reward_name(function: Reward) -> str:
     """A reward's name in the logs, as TRL's `get_callable_name`: __name__ (through functools.partial), else the
     class name of a callable object."""
@@ -151,9 +193,20 @@ class Rewards:
     """The run's reward functions (either form) and their weights; `names` label their columns in the logs."""
     functions: list[Reward]
     weights: list[float]
+    specs: list[str] | None = None  # how --reward named each (load_rewards), for messages
 
     def __post_init__(self):
         self.batched = [is_batched(function) for function in self.functions]  # each one's form, read once
+
+    def needed_columns(self) -> dict[str, str]:
+        """Each dataset column some reward cannot be called without -> the first such reward ('--reward math')."""
+        labels = [f"--reward {spec}" for spec in self.specs] if self.specs else [f"reward {name!r}"
+                                                                                  for name in self.names]
+        needed: dict[str, str] = {}
+        for function, label in zip(self.functions, labels):
+            for column in needed_columns(function):
+                needed.setdefault(column, label)
+        return needed
 
     @property
     def names(self) -> list[str]:
@@ -168,7 +221,7 @@ class Rewards:
 
 def load_rewards(specs: list[str], weights: list[float] | None = None) -> Rewards:
     """Every --reward, with its --reward-weights (default 1.0 each)."""
-    return Rewards([load_reward(spec) for spec in specs], list(weights or [1.0] * len(specs)))
+    return Rewards([load_reward(spec) for spec in specs], list(weights or [1.0] * len(specs)), list(specs))
 
 
 def as_rewards(rewards: Rewards | Reward) -> Rewards:
@@ -262,6 +315,11 @@ def not_a_reward(value) -> str | None:
     return None if math.isfinite(number) else f"{number}, not a finite number"
 
 
+def _timed_out(name: str, time_limit: float, where: str) -> RewardError:
+    return RewardError(f"reward function {name!r} did not return within {time_limit:g} s (--reward-timeout: raise it, "
+                       f"or 0 for no limit) {where}")
+
+
 @contextmanager
 def _reported(reward_fn: Reward, time_limit: float, where: str):
     """The call inside the block, within `time_limit` seconds; a failure becomes a RewardError that says where."""
@@ -270,43 +328,77 @@ def _reported(reward_fn: Reward, time_limit: float, where: str):
         with RewardClock.limit(time_limit):
             yield name
     except RewardTimeout:
-        raise RewardError(f"reward function {name!r} did not return within {time_limit:g} s (--reward-timeout: "
-                          f"raise it, or 0 for no limit) {where}") from None
+        raise _timed_out(name, time_limit, where) from None
     except (Exception, SystemExit) as error:  # sys.exit() in a reward is a broken reward, not the end of the run
         raise RewardError(f"reward function {name!r} raised {type(error).__name__}: {error} {where}") from error
 
 
-def score(reward_fn: Reward, prompt, completion: str, answer: str, time_limit: float = 0.0) -> float:
-    """reward_fn(prompt, completion, answer) as a float, within `time_limit` seconds (0: no limit); any failure
-    becomes a RewardError that says where."""
-    where = f"(prompt {prompt!r}, completion {completion!r}, answer {answer!r})"
-    with _reported(reward_fn, time_limit, where) as name:
-        value = reward_fn(prompt, completion, answer)
+def _where(prompt, completion: str, answer) -> str:
+    return f"(prompt {prompt!r}, completion {completion!r}, answer {answer!r})"
+
+
+def _plain_value(name: str, value, where: str) -> float:
     problem = not_a_reward(value)
     if problem is not None:
         raise RewardError(f"reward function {name!r} returned {problem}: return one real number {where}")
     return float(value)
 
 
-def trl_arguments(prompt, answer: str, columns: dict, completions: list[str], completion_ids: list[list[int]]) -> dict:
+def score(reward_fn: Reward, prompt, completion: str, answer: str, time_limit: float = 0.0) -> float:
+    """reward_fn(prompt, completion, answer) as a float, within `time_limit` seconds (0: no limit); any failure
+    becomes a RewardError that says where. (An async reward's coroutine is awaited: `score_group`.)"""
+    where = _where(prompt, completion, answer)
+    with _reported(reward_fn, time_limit, where) as name:
+        value = reward_fn(prompt, completion, answer)
+    if inspect.isawaitable(value):
+        value = _await_all([(0, value)], time_limit, [(name, where)])[0]
+    return _plain_value(name, value, where)
+
+
+def trainer_state(cfg=None, iteration: int = 0, num_examples: int = 0):
+    """What TRL passes a batched reward as `trainer_state`: a transformers.TrainerState of iteration k of a run
+    (`cfg`, a Config; None: a fresh one, step 0). global_step: the optimizer steps taken before this iteration's
+    rollouts, k x --updates-per-iteration (TRL's global_step counts optimizer steps; k itself at the default 1);
+    max_steps: the run's; epoch: the passes over the `num_examples` training prompts so far (a fraction, as TRL's);
+    num_train_epochs: the passes the run makes, rounded up. (Imported here, when a batched reward is scored:
+    transformers.trainer_callback imports transformers.trainer_utils, which imports peft, ~1 s.)"""
+    from transformers import TrainerState
+    if cfg is None:
+        return TrainerState()
+    prompts = cfg.prompts_per_iteration
+    return TrainerState(global_step=iteration * cfg.updates_per_iteration,
+                        max_steps=cfg.iterations * cfg.updates_per_iteration,
+                        epoch=iteration * prompts / num_examples if num_examples else 0.0,
+                        num_train_epochs=math.ceil(cfg.iterations * prompts / num_examples) if num_examples else 0,
+                        train_batch_size=cfg.batch_size // cfg.updates_per_iteration)
+
+
+def trl_arguments(prompt, answer: str | None, columns: dict, completions: list[str],
+                  completion_ids: list[list[int]], state=None) -> dict:
     """The keywords TRL passes a batched reward for one prompt's G completions: prompts, completions (as messages
-    when the prompt is a conversation), completion_ids, and each dataset column as a list of G values."""
+    when the prompt is a conversation), completion_ids, each dataset column as a list of G values (`answer`: the
+    gold answer, unless the row has its own column of that name or there is none), and trainer_state (`state`;
+    None: a fresh TrainerState)."""
     size = len(completions)
     if isinstance(prompt, list):  # a conversation: TRL hands each completion over as the assistant's message
         completions = [[{"role": "assistant", "content": text}] for text in completions]
-    columns = {"answer": answer, **columns}  # the row's own `answer` column, if it has one, is passed as it is
-    reserved = ("prompt", "completion", "completion_ids")  # TRL leaves these columns out
+    columns = {**({} if answer is None else {"answer": answer}), **columns}  # the row's own `answer` column, if it
+    # has one, is passed as it is
+    reserved = ("prompt", "completion", "completion_ids", "trainer_state")  # TRL leaves these columns out
     return dict(prompts=[prompt] * size, completions=completions, completion_ids=completion_ids,
-                **{key: [value] * size for key, value in columns.items() if key not in reserved})
+                **{key: [value] * size for key, value in columns.items() if key not in reserved},
+                trainer_state=trainer_state() if state is None else state)
 
 
-def score_batch(reward_fn: Reward, arguments: dict, time_limit: float = 0.0) -> list[float]:
-    """reward_fn(**arguments) (`trl_arguments`) as one float per completion, None -> NaN, within `time_limit`
-    seconds; a failure, a value that is not one real number or None, or not one per completion is a RewardError."""
-    prompt, size = arguments["prompts"][0], len(arguments["completions"])
-    where = f"(prompt {prompt!r}, {size} completions, answer {arguments['answer'][0]!r})"
-    with _reported(reward_fn, time_limit, where) as name:
-        values = reward_fn(**arguments)
+def _batch_where(arguments: dict) -> str:
+    answers = arguments.get("answer")
+    return (f"(prompt {arguments['prompts'][0]!r}, {len(arguments['completions'])} completions"
+            + (f", answer {answers[0]!r})" if answers else ")"))
+
+
+def _batch_values(name: str, values, size: int, where: str) -> list[float]:
+    """A batched reward's result as one float per completion (None -> NaN), or the RewardError saying what is
+    wrong with it."""
     if isinstance(values, (str, bytes, dict)) or not isinstance(values, Sized) or getattr(values, "ndim", 1) != 1:
         got = not_a_reward(values) or f"a {type(values).__name__} ({reprlib.repr(values)})"
         raise RewardError(f"reward function {name!r} returned {got}: return a list of {size} numbers (None to skip "
@@ -324,17 +416,137 @@ def score_batch(reward_fn: Reward, arguments: dict, time_limit: float = 0.0) -> 
     return scores
 
 
-def score_group(rewards: Rewards, prompt, answer: str, columns: dict, completions: list[str],
-                completion_ids: list[list[int]], time_limit: float = 0.0) -> list[list[float]]:
-    """Every reward's value of each of one prompt's completions, [reward i][completion j] (NaN: not scored)."""
+def score_batch(reward_fn: Reward, arguments: dict, time_limit: float = 0.0) -> list[float]:
+    """reward_fn(**arguments) (`trl_arguments`) as one float per completion, None -> NaN, within `time_limit`
+    seconds; a failure, a value that is not one real number or None, or not one per completion is a RewardError.
+    (An async reward's coroutine is awaited: `score_group`.)"""
+    where = _batch_where(arguments)
+    with _reported(reward_fn, time_limit, where) as name:
+        values = reward_fn(**arguments)
+    if inspect.isawaitable(values):
+        values = _await_all([(0, values)], time_limit, [(name, where)])[0]
+    return _batch_values(name, values, len(arguments["completions"]), where)
+
+
+class RewardLoop:
+    """The event loop that async rewards run on: one per process, running in a daemon thread from the first async
+    call on (TRL's GRPOTrainer keeps one the same way), so that what a reward binds to it (an AsyncOpenAI client, an
+    aiohttp session) stays usable from one group to the next. A forked child makes its own."""
+    _loop: asyncio.AbstractEventLoop | None = None
+    _pid: int | None = None
+    _lock = threading.Lock()
+
+    @classmethod
+    def get(cls) -> asyncio.AbstractEventLoop:
+        with cls._lock:
+            if cls._loop is None or cls._pid != os.getpid():
+                loop = asyncio.new_event_loop()
+                threading.Thread(target=loop.run_forever, name="reward-event-loop", daemon=True).start()
+                cls._loop, cls._pid = loop, os.getpid()
+            return cls._loop
+
+
+def _await_all(awaitables: list[tuple[int, object]], time_limit: float, labels: list[tuple[str, str]]) -> dict:
+    """{key: result} of every (key, awaitable), awaited together on the RewardLoop within `time_limit` seconds (0:
+    none) from now. The first (in order) that raised, or did not finish in time, is a RewardError named by its
+    (function name, where) in `labels`; the others are then cancelled."""
+    results: dict[int, tuple[bool, object]] = {}
+
+    async def one(key, awaitable) -> None:
+        try:
+            results[key] = (True, await awaitable)
+        except asyncio.CancelledError:
+            raise
+        except (Exception, SystemExit) as error:  # SystemExit too: it must not end the loop's thread
+            results[key] = (False, error)
+
+    async def every() -> None:
+        await asyncio.gather(*(one(key, awaitable) for key, awaitable in awaitables))
+
+    future = asyncio.run_coroutine_threadsafe(every(), RewardLoop.get())
+    try:
+        future.result(timeout=time_limit if time_limit > 0 else None)
+    except concurrent.futures.TimeoutError:
+        future.cancel()
+        late = next((i for i, (key, _) in enumerate(awaitables) if key not in results), 0)
+        raise _timed_out(labels[late][0], time_limit, labels[late][1]) from None
+    except BaseException:  # Ctrl-C while waiting: the calls are left cancelled
+        future.cancel()
+        raise
+    for (key, _), (name, where) in zip(awaitables, labels):
+        finished, value = results[key]
+        if not finished:
+            raise RewardError(f"reward function {name!r} raised {type(value).__name__}: {value} {where}") from value
+    return {key: value for key, (_, value) in results.items()}
+
+
+def _close(awaitables: list[tuple[int, object]]) -> None:
+    """Close coroutines that will not be awaited (a synchronous reward failed first): no 'never awaited' warning."""
+    for _, awaitable in awaitables:
+        if inspect.iscoroutine(awaitable):
+            awaitable.close()
+
+
+@dataclass
+class _Pending:
+    """An async reward's call, awaited later with the group's others: its key in `_await_all`, name and where."""
+    key: int
+    name: str
+    where: str
+
+
+def score_group(rewards: Rewards, prompt, answer: str | None, columns: dict, completions: list[str],
+                completion_ids: list[list[int]], time_limit: float = 0.0, state=None) -> list[list[float]]:
+    """Every reward's value of each of one prompt's completions, [reward i][completion j] (NaN: not scored).
+
+    Synchronous rewards are called in order; the coroutines of async ones are then awaited together (`_await_all`).
+    `state`: the batched rewards' trainer_state (`trainer_state`; None: a fresh one). A reward that needs the gold
+    answer (`needed_columns`) with `answer` None is a RewardError (data.load_task refuses such data first)."""
     arguments = None
-    per_reward = []
-    for reward_fn, batched in zip(rewards.functions, rewards.batched):
-        if batched:
-            arguments = arguments or trl_arguments(prompt, answer, columns, completions, completion_ids)
-            per_reward.append(score_batch(reward_fn, arguments, time_limit))
+    size = len(completions)
+    per_reward: list = []  # [reward i]: a batched one's values or _Pending; a plain one's [value or _Pending]
+    awaitables: list[tuple[int, object]] = []  # (key, the coroutine an async reward returned), in call order
+    labels: list[tuple[str, str]] = []  # (function name, where) of each
+
+    def called(function: Reward, where: str, key: int, /, *args, **kwargs):
+        """function(*args, **kwargs), or a _Pending for the coroutine an async function returned."""
+        with _reported(function, time_limit, where) as name:
+            value = function(*args, **kwargs)
+        if not inspect.isawaitable(value):
+            return value, name
+        awaitables.append((key, value))
+        labels.append((name, where))
+        return _Pending(key, name, where), name
+    try:
+        for i, (reward_fn, batched) in enumerate(zip(rewards.functions, rewards.batched)):
+            if (answer is None and "answer" in needed_columns(reward_fn)
+                    and not (batched and "answer" in columns)):  # batched: the row's own answer column would do
+                raise RewardError(f"reward function {reward_name(reward_fn)!r} needs the gold answer, and the data "
+                                  "has none: name its column with --answer-column, or use a reward that needs none")
+            if batched:
+                arguments = arguments or trl_arguments(prompt, answer, columns, completions, completion_ids, state)
+                where = _batch_where(arguments)
+                values, name = called(reward_fn, where, i * size, **arguments)
+                per_reward.append(values if isinstance(values, _Pending) else _batch_values(name, values, size, where))
+                continue
+            scores = []
+            for j, text in enumerate(completions):
+                where = _where(prompt, text, answer)
+                value, name = called(reward_fn, where, i * size + j, prompt, text, answer)
+                scores.append(value if isinstance(value, _Pending) else _plain_value(name, value, where))
+            per_reward.append(scores)
+    except BaseException:
+        _close(awaitables)
+        raise
+    if not awaitables:
+        return per_reward
+    done = _await_all(awaitables, time_limit, labels)
+    for i, values in enumerate(per_reward):
+        if isinstance(values, _Pending):
+            per_reward[i] = _batch_values(values.name, done[values.key], size, values.where)
         else:
-            per_reward.append([score(reward_fn, prompt, text, answer, time_limit) for text in completions])
+            per_reward[i] = [_plain_value(v.name, done[v.key], v.where) if isinstance(v, _Pending) else v
+                             for v in values]
     return per_reward
 
 

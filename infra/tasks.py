@@ -2,7 +2,8 @@
 
 A task is a list of `Example(prompt, answer, columns)`: the question as plain text (before any chat
 template) or a conversation (TRL's format: a list of {"role", "content"} messages), the gold final answer
-(a canonical number string for the math reward), and the row's other columns. The reward is a plain function
+(a canonical number string for the math reward; None when the data has none), and the row's other columns.
+The reward is a plain function
 
     reward(prompt, completion, answer) -> float        # 1.0 correct, 0.0 wrong for `math_reward`
 
@@ -21,13 +22,16 @@ Two tasks are built in, and anything `datasets` loads can be used (infra/data.py
   openai/gsm8k (config main) or a local copy (`--data ../shared/data/gsm8k`). The gold answer is the number
   after `####`.
 
-A plain-text prompt is wrapped in the model's chat template after SYSTEM_PROMPT (instruct models) or fed raw
-(the tiny models); a conversation goes through the chat template as it is (`prompt_token_ids`).
+A plain-text prompt is fed raw to a model without a chat template (the tiny models), or as the user's message in
+the model's chat template; a conversation goes through the chat template as it is (`prompt_token_ids`). No system
+prompt is added unless asked for: `--system-prompt` (a text, or 'math' for SYSTEM_PROMPT, GSM8K's format) makes each
+prompt a conversation that starts with it (`with_system_prompt`), as a TRL user would map the dataset.
 
 Deliberate departures:
 1. Answers are compared as numbers (`18.00` == `18`, `1,080` == `1080`), not as strings, and the
-   completion's answer is the first of: `#### N`, `\\boxed{N}`, "the answer is N", the last number.
-   Format is not rewarded separately: one binary correctness reward, as in the paper.
+   completion's answer is the first found of (`extract_final_number`): the last `\\boxed{N}`; the last `#### N`
+   (a number right after the marker: "#### Step 2: ..." is a heading, not an answer); the last "the answer is N" /
+   "answer: N"; the last number. Format is not rewarded separately: one binary correctness reward, as in the paper.
 2. Before a model or dataset is fetched, the hub is asked once *without retries* (`hub_error`): offline,
    huggingface_hub would otherwise retry with back-off for ~25 s before failing.
 """
@@ -36,7 +40,7 @@ from __future__ import annotations
 import random
 import re
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from decimal import Decimal, InvalidOperation
 
 from infra.errors import UserError
@@ -46,12 +50,14 @@ ARITHMETIC_EVAL_BUCKETS = 10  # 1 in 10 operand pairs is held out
 GSM8K_HUB = ("openai/gsm8k", "main")  # what --data gsm8k means: the hub id and its config
 SYSTEM_PROMPT = ("You are a careful math tutor. Reason step by step, then give the final answer as a "
                  "number on the last line, in the form '#### <number>'.")
+SYSTEM_PROMPTS = {"math": SYSTEM_PROMPT}  # --system-prompt's named presets
 
 
 @dataclass(frozen=True)
 class Example:
     prompt: str | list[dict]  # the question before any chat template, or a conversation (TRL's chat format)
-    answer: str  # the gold final answer, a canonical number string ("82", "-3", "2.5") for the math reward
+    answer: str | None  # the gold final answer, a canonical number string ("82", "-3", "2.5") for the math reward;
+    # None: the data has none (a reward that needs one is refused at start-up: data.load_task)
     columns: dict = field(default_factory=dict, compare=False)  # the dataset row's other columns (TRL-style
     # rewards receive them as keyword lists)
 
@@ -81,28 +87,91 @@ def _first_number(text: str) -> str | None:
     return canonical_number(match.group()) if match else None
 
 
+_MARKED = re.compile(r"####[ \t*]*([^\n]*)")  # GSM8K's answer marker and the rest of its line
+_HEADING_NUMBER = re.compile(r"\d+[.):][ \t]*[^\s\d]")  # "2. Add them", "1) First", "3: Total": a step's number
+_ANSWER_IS = re.compile(r"\banswer(?:\s+is\b|\s*:)[:\s]*", re.IGNORECASE)  # "the answer is", "Final Answer:"
+_LATEX_TEXT = re.compile(r"\\(?:text|textbf|mathrm|mbox)\s*\{([^{}]*)\}")  # \text{ dollars} -> " dollars"
+_LATEX_SPACING = re.compile(r"\\[$%,;:! ]|\\q?quad\b|\\(?:left|right)\b")  # \$ \% \, \; \! \quad \left
+
+
+def boxed_contents(text: str) -> list[str]:
+    """The contents of every \\boxed{...} in `text`, nested braces included, in order.
+
+    >>> boxed_contents("\\\\boxed{72} then \\\\boxed{\\\\frac{1}{2}}")
+    ['72', '\\\\frac{1}{2}']
+    """
+    contents, start = [], text.find("\\boxed{")
+    while start != -1:
+        depth, position = 1, start + len("\\boxed{")
+        while position < len(text) and depth:
+            depth += {"{": 1, "}": -1}.get(text[position], 0)
+            position += 1
+        if depth:  # unclosed: the completion was cut off inside it
+            break
+        contents.append(text[start + len("\\boxed{"):position - 1])
+        start = text.find("\\boxed{", position)
+    return contents
+
+
+def boxed_number(content: str) -> str | None:
+    """The number a \\boxed{} holds: its last number once \\text{}, \\$ and LaTeX spacing are dropped
+    ('\\$1{,}080' -> '1080', '18 \\text{ eggs}' -> '18', 'x = 5' -> '5'); None when it holds other LaTeX
+    (\\frac{1}{2}, \\sqrt{8}: not a plain number, whose digits would read as another one)."""
+    content = _LATEX_SPACING.sub("", _LATEX_TEXT.sub(r"\1", content)).replace("{,}", ",").replace("$", "")
+    if "\\" in content or "^" in content or "/" in content:
+        return None
+    numbers = _NUMBER.findall(content)
+    return canonical_number(numbers[-1]) if numbers else None
+
+
+def marked_answer(text: str) -> str | None:
+    """The answer after the last GSM8K '####' marker that gives one: the rest of its line, when that starts with a
+    number, a sign or LaTeX ('#### 72', '#### $1,080.', '#### \\frac{1}{2}'). Not an answer: an empty marker
+    ('#### ' at the end) and a Markdown heading ('#### Step 2: ...', '#### 2. Add them').
+
+    >>> marked_answer("#### 72\\n#### Check"), marked_answer("#### Step 2: total"), marked_answer("#### ")
+    ('72', None, None)
+    """
+    for line in reversed(_MARKED.findall(text)):
+        line = line.strip().strip("*").strip()
+        if line[:1] and (line[0].isdigit() or line[0] in "-$\\") and not _HEADING_NUMBER.match(line):
+            return line
+    return None
+
+
 def extract_final_number(text: str) -> str | None:
-    """The completion's final answer as a canonical number string, or None.
+    """The completion's final answer as a canonical number string, or None: the first found of
+
+    1. the last \\boxed{...} (TRL's and open-r1's accuracy_reward read a boxed answer first; math-verify's
+       boxed_match_priority=0): its number, or None when it holds other LaTeX;
+    2. the number after the last '####' that is followed by one (verl's gsm8k reward, 'strict': the last
+       '#### N'; `marked_answer`);
+    3. the number after the last "the answer is" / "answer:" (with a number after it on its line);
+    4. the last number in the text (verl's 'flexible', lm-evaluation-harness's gsm8k 'flexible-extract').
 
     >>> extract_final_number("So 3 + 4 = 7 eggs.\\n#### 7")
     '7'
     >>> extract_final_number("The answer is $1,250.00.")
     '1250'
+    >>> extract_final_number("#### Step 2: Total\\n24 + 48 = 72, so $\\\\boxed{72}$")
+    '72'
     """
-    if "####" in text:
-        return _first_number(text.rsplit("####", 1)[1])
-    boxed = re.findall(r"\\boxed\{([^{}]*)\}", text)
+    boxed = boxed_contents(text)
     if boxed:
-        return _first_number(boxed[-1])
-    stated = re.findall(r"answer is[:\s]*(.*)", text, flags=re.IGNORECASE)
-    if stated and _first_number(stated[-1]) is not None:
-        return _first_number(stated[-1])
+        return boxed_number(boxed[-1])
+    marked = marked_answer(text)
+    if marked is not None and _first_number(marked) is not None:
+        return _first_number(marked)
+    for stated in reversed(list(_ANSWER_IS.finditer(text))):  # the rest of its line
+        number = _first_number(text[stated.end():].split("\n", 1)[0])
+        if number is not None:
+            return number
     numbers = _NUMBER.findall(text)
     return canonical_number(numbers[-1]) if numbers else None
 
 
 def math_reward(prompt: str, completion: str, answer: str) -> float:
-    """1.0 if the completion's final number equals the gold answer numerically, else 0.0."""
+    """1.0 if the completion's final number (`extract_final_number`) equals the gold answer numerically, else 0.0."""
     predicted = extract_final_number(completion)
     return float(predicted is not None and predicted == canonical_number(answer))
 
@@ -197,22 +266,49 @@ def hub_unreachable_reason(repo_id: str, filename: str, repo_type: str = "model"
 
 
 # --- prompts ---
+def system_prompt_text(system_prompt: str | None) -> str | None:
+    """--system-prompt as the text of a system message: a preset's (SYSTEM_PROMPTS: 'math' is GSM8K's
+    SYSTEM_PROMPT), else the text as given; None (or blank text) for none."""
+    if system_prompt is None or not system_prompt.strip():
+        return None
+    return SYSTEM_PROMPTS.get(system_prompt, system_prompt)
+
+
+def with_system_prompt(example: Example, system: str | None, where: str = "the data") -> Example:
+    """The example with `system` as the system message its prompt starts with (None: the example as it is): a text
+    prompt becomes [system, user] (TRL's conversational format, as a TRL user would map the dataset), a
+    conversation gets it in front. A conversation that has its own system message is refused: which one would hold
+    is a guess."""
+    if system is None:
+        return example
+    if isinstance(example.prompt, str):
+        messages = [{"role": "user", "content": example.prompt}]
+    elif example.prompt[0]["role"] == "system":
+        raise TaskError(f"--system-prompt: a prompt of {where} has its own system message "
+                        f"({str(example.prompt[0]['content'])[:50]!r}): drop --system-prompt, or the data's system "
+                        "messages.")
+    else:
+        messages = list(example.prompt)
+    return replace(example, prompt=[{"role": "system", "content": system}, *messages])
+
+
 def prompt_text(tokenizer, prompt: str | list[dict]) -> str:
-    """The text whose tokens are the prompt's (`prompt_token_ids`): raw, or rendered by the chat template."""
+    """The text whose tokens are the prompt's (`prompt_token_ids`): raw, or rendered by the chat template (a text
+    prompt as the user's message, with no system message but the template's own)."""
     if isinstance(prompt, str):
         if not getattr(tokenizer, "chat_template", None):
             return prompt
-        prompt = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": prompt}]
+        prompt = [{"role": "user", "content": prompt}]
     elif not getattr(tokenizer, "chat_template", None):
-        raise TaskError("the prompts are conversations (lists of chat messages), but the model's tokenizer has no "
-                        "chat template to turn them into text: use a chat model, or plain-text prompts "
-                        "(--prompt-column).")
+        raise TaskError("the prompts are conversations (lists of chat messages, or text given a --system-prompt), but "
+                        "the model's tokenizer has no chat template to turn them into text: use a chat model, or "
+                        "plain-text prompts (--prompt-column) without --system-prompt.")
     # tokenize=False then encode: the template's return type differs across transformers versions
     return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
 
 
 def prompt_token_ids(tokenizer, prompt: str | list[dict]) -> list[int]:
-    """The prompt's token ids. Text: in the chat template after SYSTEM_PROMPT (instruct models), or raw (the tiny
+    """The prompt's token ids. Text: in the chat template as the user's message (instruct models), or raw (the tiny
     model). A conversation (TRL's format): the chat template as-is, ending with the assistant's generation prompt."""
     return tokenizer.encode(prompt_text(tokenizer, prompt), add_special_tokens=False)
 

@@ -11,8 +11,15 @@ front by `rewrite_logs`), so dashboards of the two trainers line up. `tracker_na
     loss                     train/loss                        loss (transformers' Trainer)
     clip_fraction            train/clip_ratio/region_mean      clip_ratio/region_mean: tokens where the clip is
                                                                the active branch of the min (grpo.py counts alike)
+    clip_fraction_low, _high train/clip_ratio/low_mean, ...    clip_ratio/low_mean, clip_ratio/high_mean
     grad_norm                train/grad_norm                   grad_norm (transformers' Trainer)
     response_length          train/completions/mean_length     completions/mean_length
+    response_length_min,     train/completions/min_length,     completions/min_length, completions/max_length
+    response_length_max      train/completions/max_length
+    terminated_length        .../mean_terminated_length        completions/mean_terminated_length
+    truncated_fraction       train/completions/clipped_ratio   completions/clipped_ratio (no EOS in the length)
+    learning_rate, entropy,  train/<key>                       the same keys (learning_rate: transformers')
+    frac_reward_zero_std
     eval_reward              eval/reward                       eval_reward -> eval/reward
     <name>_s, tokens_per_s,  time/<name>                       (TRL logs no pipeline timing)
     overlap
@@ -32,10 +39,16 @@ on: TensorBoard writes into the same <out>/runs with `purge_step=k`, so its read
 events from step k on; wandb and trackio resume the run named by config.json's run_id (wandb keeps the
 values it already has for a step: those the stopped run logged after its last checkpoint stay, not the resumed
 run's).
+
+With --log-completions each iteration's completions (infra/completions.py) also go to the trackers as one table at
+the iteration's step, named "completions" as TRL names it, with TRL's columns (step, prompt, completion, each reward
+by its name, advantage) and ours (group, sample, the summed reward): a wandb.Table and a trackio.Table (if that
+trackio has one), and for TensorBoard, which has no table, a markdown table as text (its Text tab).
 """
 from __future__ import annotations
 
 import contextlib
+import html
 import importlib
 import json
 import os
@@ -48,7 +61,12 @@ PROJECT = os.environ.get("WANDB_PROJECT", "periodic-rl")  # the wandb / trackio 
 NOT_LOGGED = {"iteration", "policy_version", "final"}
 TRL_NAMES = {"reward_mean": "train/reward", "reward_std": "train/reward_std", "kl": "train/kl", "loss": "train/loss",
              "clip_fraction": "train/clip_ratio/region_mean", "grad_norm": "train/grad_norm",
-             "response_length": "train/completions/mean_length", "eval_reward": "eval/reward"}
+             "response_length": "train/completions/mean_length", "eval_reward": "eval/reward",
+             "clip_fraction_low": "train/clip_ratio/low_mean", "clip_fraction_high": "train/clip_ratio/high_mean",
+             "response_length_min": "train/completions/min_length",
+             "response_length_max": "train/completions/max_length",
+             "terminated_length": "train/completions/mean_terminated_length",
+             "truncated_fraction": "train/completions/clipped_ratio"}
 
 
 class TrackingError(UserError):
@@ -74,6 +92,31 @@ def tracker_names(row: dict) -> dict[str, float]:
             if key not in NOT_LOGGED and isinstance(value, (int, float)) and not isinstance(value, bool)}
 
 
+def completions_table(records: list[dict]) -> tuple[list[str], list[list]]:
+    """(columns, rows) of an iteration's completions (infra/completions.py's records), TRL's table: a reward's
+    column is its name, or rewards/<name> where the name is one of the other columns'.
+
+    Example: [{"iteration": 2, "group": 0, "sample": 1, "prompt": "1+1=", "completion": "2", "rewards": {"math": 1.0},
+               "reward": 1.0, "advantage": 0.7}]
+             -> (["step", "group", "sample", "prompt", "completion", "math", "reward", "advantage"],
+                 [[2, 0, 1, "1+1=", "2", 1.0, 1.0, 0.7]])
+    """
+    fixed = ("step", "group", "sample", "prompt", "completion", "reward", "advantage")
+    names = list(records[0]["rewards"]) if records else []
+    columns = [*fixed[:5], *(f"rewards/{name}" if name in fixed else name for name in names), *fixed[5:]]
+    rows = [[r["iteration"], r["group"], r["sample"], r["prompt"], r["completion"],
+             *(r["rewards"][name] for name in names), r["reward"], r["advantage"]] for r in records]
+    return columns, rows
+
+
+def markdown_table(columns: list[str], rows: list[list]) -> str:
+    """A markdown table of `rows`, for TensorBoard's Text tab: text escaped (`|`, HTML), line breaks as <br>."""
+    def cell(value) -> str:
+        return html.escape(str(value)).replace("|", "\\|").replace("\n", "<br>")
+    lines = [columns, ["---"] * len(columns), *rows]
+    return "\n".join("| " + " | ".join(map(cell, line)) + " |" for line in lines)
+
+
 # --- the trackers: one class each, opened with the run's directory, options and first step ---
 class TensorBoard:
     package, module = "tensorboard", "torch.utils.tensorboard"
@@ -87,6 +130,10 @@ class TensorBoard:
             self.writer.add_scalar(name, value, step)
         self.writer.flush()  # a dashboard open on <out>/runs sees each iteration as it ends
 
+    def log_table(self, name: str, columns: list[str], rows: list[list], step: int) -> None:
+        self.writer.add_text(name, markdown_table(columns, rows), step)
+        self.writer.flush()
+
     def close(self, failed: bool) -> None:
         self.writer.close()
 
@@ -95,10 +142,14 @@ class WandB:
     package = module = "wandb"
 
     def __init__(self, module, out: Path, config: dict, run_id: str, first_step: int):
+        self.wandb = module
         self.run = module.init(project=PROJECT, id=run_id, name=run_id, config=config, dir=str(out), resume="allow")
 
     def log(self, names: dict[str, float], step: int) -> None:
         self.run.log(names, step=step)
+
+    def log_table(self, name: str, columns: list[str], rows: list[list], step: int) -> None:
+        self.run.log({name: self.wandb.Table(columns=columns, data=rows)}, step=step)
 
     def close(self, failed: bool) -> None:
         self.run.finish(exit_code=1 if failed else 0)
@@ -113,6 +164,10 @@ class Trackio:
 
     def log(self, names: dict[str, float], step: int) -> None:
         self.trackio.log(names, step=step)
+
+    def log_table(self, name: str, columns: list[str], rows: list[list], step: int) -> None:
+        if hasattr(self.trackio, "Table"):  # (trackio 0.3.1 added it)
+            self.trackio.log({name: self.trackio.Table(columns=columns, data=rows)}, step=step)
 
     def close(self, failed: bool) -> None:
         self.trackio.finish()
@@ -153,6 +208,12 @@ class Trackers:
         names = tracker_names(row)
         for tracker in self.opened:
             tracker.log(names, row["iteration"])
+
+    def log_completions(self, records: list[dict], step: int) -> None:
+        """An iteration's completions (infra/completions.py) as each tracker's table "completions", at `step`."""
+        columns, rows = completions_table(records) if self.opened else ([], [])
+        for tracker in self.opened:
+            tracker.log_table("completions", columns, rows, step)
 
     def __enter__(self) -> Trackers:
         return self

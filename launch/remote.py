@@ -53,25 +53,26 @@ from infra.processes import POLL_SECONDS
 from infra.reward import RewardError
 from infra.timeline import INFERENCE, TRAINING, Span, Timeline
 from rollout import Evaluation, Group, IterationDone, rollout_iteration
-from weights import views_of
+from weights import published, views_of
 
 GENERATE, EVALUATE, STOP = 0, 1, 2  # the header's command
 
 
 # --- θ as one flat tensor ---
 def flat_like(model: torch.nn.Module, dtype: torch.dtype, device) -> torch.Tensor:
-    """An empty flat tensor with room for every parameter of `model` (tied weights once), in `dtype` on `device`."""
-    return torch.empty(sum(p.numel() for p in model.parameters()), dtype=dtype, device=device)  # (num_params,)
+    """An empty flat tensor with room for every published parameter of `model` (weights.published: all, tied weights
+    once, or a LoRA adapter's), in `dtype` on `device`."""
+    return torch.empty(sum(p.numel() for p in published(model)), dtype=dtype, device=device)  # (num_params,)
 
 
 def views(flat: torch.Tensor, model: torch.nn.Module) -> list[torch.Tensor]:
-    """The slice of `flat` that holds each parameter, shaped as it (parameters in `model.parameters()` order)."""
-    return views_of(flat, [p.shape for p in model.parameters()])
+    """The slice of `flat` that holds each published parameter, shaped as it (in `weights.published` order)."""
+    return views_of(flat, [p.shape for p in published(model)])
 
 
 def alias(model: torch.nn.Module, flat: torch.Tensor) -> None:
     """Make `model`'s parameters views of `flat`: a broadcast into `flat` is then a load of the weights."""
-    for view, p in zip(views(flat, model), model.parameters()):
+    for view, p in zip(views(flat, model), published(model)):
         p.data = view
 
 
@@ -140,7 +141,7 @@ class RemoteRollouts:
     def publish(self, policy, version: int) -> None:
         if self.ranks.is_main:
             with self.timeline.span(f"publish θ_{version}"):
-                for view, p in zip(views(self.flat, policy), policy.parameters()):
+                for view, p in zip(views(self.flat, policy), published(policy)):
                     view.copy_(p)  # casts to the inference dtype
 
     def generate(self, iteration: int, final_iteration: int, train_prompts: bool = True) -> None:

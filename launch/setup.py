@@ -1,7 +1,7 @@
 """Everything between the options and the loop: what `periodic_rl.train` stands on, and what runs around it.
 
     options, policy (θ_0), tokenizer, task, rewards       (trainer.py)
-      -> the tri-model and AdamW                           `build_tri_model`
+      -> the tri-model, AdamW and its learning-rate schedule `build_tri_model`, `build_optimizer`, `disable_dropout`
       -> θ_k and AdamW's state from a checkpoint           (infra/checkpoint.py, --resume)
       -> the sizes left open, measured on this machine     (launch/sizing.py, --sizes probe)
       -> where sampling runs and on which threads          `colocated`, `elastic_threads`, `inference_side`
@@ -20,6 +20,7 @@ The thread policy on CPU, where the two sides share the cores:
 from __future__ import annotations
 
 import contextlib
+import math
 from pathlib import Path
 from typing import Iterator
 
@@ -27,7 +28,7 @@ import torch
 
 import periodic_rl
 from inference import AsyncRollouts, SyncRollouts
-from infra import checkpoint, outputs
+from infra import checkpoint, completions, outputs
 from infra.distributed import Ranks
 from infra.options import available_cores
 from infra.reward import as_rewards
@@ -35,7 +36,7 @@ from infra.timeline import Timeline
 from launch import sizing
 from learner import Learner
 from packing import enable_activation_checkpointing, logprobs_fn
-from rollout import engine_reason
+from rollout import engine_reason, stop_token_ids
 from tri_model import TriModel
 
 
@@ -43,8 +44,45 @@ from tri_model import TriModel
 def build_tri_model(cfg, policy, pad_id: int) -> TriModel:
     """θ as trained, with θ_old and π_ref when the run needs them, scored by packing.py's shared-prompt rows."""
     logprobs = logprobs_fn(policy, "auto" if cfg.shared_prompt else "unpacked", cfg.temperature, pad_id)
-    return TriModel(policy, logprobs, use_reference=cfg.beta > 0, use_old=cfg.updates_per_iteration > 1,
-                    compute_dtype=getattr(torch, cfg.dtype))
+    steps = cfg.updates_per_iteration * cfg.num_iterations  # optimizer steps per iteration: > 1 moves θ off θ_k
+    return TriModel(policy, logprobs, use_reference=cfg.beta > 0, use_old=steps > 1,
+                    compute_dtype=getattr(torch, cfg.dtype),
+                    adapter_off=policy.disable_adapter if cfg.use_peft else None)  # LoRA: π_ref = the base
+
+
+def build_optimizer(cfg, policy) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LRScheduler]:
+    """AdamW over the trainable parameters and its learning-rate schedule, as TRL builds them: transformers'
+    `get_scheduler` over the run's optimizer steps (iterations x updates-per-iteration x num-iterations), warmed up
+    over the first ceil(warmup_ratio x steps) (transformers' `get_warmup_steps`); the learner steps it after
+    each optimizer step, and checkpoints keep its state."""
+    from transformers import get_scheduler  # here: transformers.trainer_utils imports peft (~10 s) when installed
+
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad],  # LoRA: the adapter's
+                                  lr=cfg.lr, weight_decay=cfg.weight_decay)
+    steps = cfg.iterations * cfg.updates_per_iteration * cfg.num_iterations
+    scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=math.ceil(steps * cfg.warmup_ratio),
+                              num_training_steps=steps)
+    return optimizer, scheduler
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """TRL's `disable_dropout_in_model` (every nn.Dropout's p = 0), and the rates that models read at forward time
+    instead (Qwen2's and Llama's `attention_dropout`, LayerDrop, drop-path): every float attribute of a module or
+    of its config whose name holds "drop", set to 0. Then a forward in training mode is a function of the weights
+    and the inputs, as the bitwise claims need. A LoRA adapter's dropout is --lora-dropout's to decide."""
+    for name, module in model.named_modules():
+        if "lora_dropout" in name:
+            continue
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for attribute, value in list(vars(module).items()):
+            if "drop" in attribute and isinstance(value, float):
+                setattr(module, attribute, 0.0)
+    config = getattr(model, "config", None)
+    for part in {id(c): c for c in (config, getattr(config, "get_text_config", lambda: None)()) if c}.values():
+        for attribute, value in list(vars(part).items()):
+            if "drop" in attribute and isinstance(value, float):
+                setattr(part, attribute, 0.0)
 
 
 # --- where sampling runs, on which threads ---
@@ -115,7 +153,7 @@ def sampler_here(cfg, policy, tokenizer, train_examples, held_out, rewards, load
 # --- the run ---
 def train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs: dict,
           rollouts: AsyncRollouts | None = None, resume_from: Path | None = None, on_sized=None,
-          ranks: Ranks = Ranks()) -> Iterator[dict]:
+          ranks: Ranks = Ranks(), on_completions=lambda records: None) -> Iterator[dict]:
     """`periodic_rl.train` with everything it stands on: one metrics dict per iteration, then the final evaluation.
 
     `policy` is already on cfg.train_device, at θ_0. Async mode samples in `rollouts`, the inference
@@ -124,6 +162,8 @@ def train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs
     the compute dtype if it differs (`load_kwargs` says how to load it). `resume_from`: a checkpoint whose θ_k
     and optimizer state replace θ_0's after the reference is taken; the run goes on at iteration k.
     `on_sized(cfg)`: told the config with its sizes once they are chosen, before iteration k (trainer.py records it).
+    `on_completions(records)`: with --log-completions, told each iteration's completions, every rank's, before its row
+    (infra/completions.py; trainer.py writes them on rank 0).
     `ranks`: this process's trainer rank (infra/distributed.py): it samples and trains only its generate calls.
     A stop signal (KeyboardInterrupt) between iterations keeps a checkpoint of the iterations done when
     --save-every or --save-on-stop asks for one.
@@ -132,21 +172,27 @@ def train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs
         raise ValueError("async mode samples in the inference process: pass `rollouts` (see inference_side)")
     # the policy as trained (θ, with θ_old and π_ref when needed) and AdamW
     device = next(policy.parameters()).device
+    if cfg.disable_dropout:  # before the frozen copies are taken (they run in eval mode anyway)
+        disable_dropout(policy)
     if cfg.gradient_checkpointing:  # the policy's layers recompute activations in backward (training mode only)
         enable_activation_checkpointing(policy)
     tri = build_tri_model(cfg, policy, tokenizer.pad_token_id)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    # a long run's checkpoints: θ_k and AdamW's state, tied to θ_0 (the reference) by its fingerprint
+    optimizer, scheduler = build_optimizer(cfg, policy)
+    # a long run's checkpoints: θ_k, AdamW's state and the schedule's, tied to θ_0 (the reference) by its fingerprint
     keeps_checkpoints = bool(cfg.save_every or cfg.save_on_stop or resume_from)
     theta_0 = checkpoint.fingerprint(policy) if keeps_checkpoints else ""
-    first = checkpoint.restore(resume_from, policy, optimizer, theta_0) if resume_from else 0
+    first = checkpoint.restore(resume_from, policy, optimizer, theta_0, scheduler) if resume_from else 0
     reason = engine_reason(policy, cfg)
     if reason and cfg.engine == "auto":  # (--engine hf asked for it)
         print(f"periodic-rl: sampling with Hugging Face generate, not engine.py: {reason}", flush=True)
+    if cfg.use_peft and cfg.lora_dropout:
+        print(f"periodic-rl: --lora-dropout {cfg.lora_dropout}: its masks come from a random state that checkpoints do "
+              "not keep and sync mode's sampling reseeds, so resume and async == sync hold in distribution, not "
+              "bitwise (0 keeps them bitwise)", flush=True)
     # sizes left open: measured (--sizes probe) or by rule (launch/sizing.py)
     if rollouts is not None and not cfg.sized:
         rollouts.wait_until_loaded()  # the probe times this machine's cores, not the inference side's loading
-    cfg, probed, _ = sizing.choose(cfg, tri, tokenizer, train_examples)
+    cfg, probed = sizing.choose_for_ranks(cfg, tri, tokenizer, train_examples, ranks)
     print(f"periodic-rl: sizes: --groups-per-chunk {cfg.groups_per_chunk} ({cfg.chunks_per_iteration} generate "
           f"call(s) per iteration) --micro-batch-tokens {cfg.micro_batch_tokens} --rollout-threads "
           f"{cfg.rollout_threads} --train-threads {cfg.train_threads} --tail-threads {cfg.tail_threads} (pass these "
@@ -172,17 +218,22 @@ def train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs
         rollouts = sampler_here(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs,
                                 tri.compute_dtype, ranks)
         timeline = Timeline()
-    learner = Learner(tri, optimizer, cfg, device, timeline, ranks, as_rewards(rewards).names)
+    learner = Learner(tri, optimizer, cfg, device, timeline, ranks, as_rewards(rewards).names, scheduler,
+                      stop_token_ids(policy, tokenizer))
     in_turns = cfg.mode == "async" and takes_turns(cfg) and not ranks.inference  # N workers (inference ranks: hosts)
     rows = periodic_rl.train(cfg, policy, rollouts, learner, timeline, first, bool(held_out),
                              elastic_threads(cfg, ranks), in_turns, ranks)
 
     def save_checkpoint(iterations_done: int) -> None:
         with timeline.span(f"checkpoint {iterations_done}"):
-            checkpoint.save(cfg.out, iterations_done, policy, tokenizer, optimizer, cfg, theta_0, cfg.keep_checkpoints)
+            checkpoint.save(cfg.out, iterations_done, policy, tokenizer, optimizer, cfg, theta_0, cfg.keep_checkpoints,
+                            scheduler)
     logged = first  # iterations whose row is out
     try:
         for row in rows:
+            if cfg.log_completions and not row.get("final"):  # every rank's samples (under torchrun, a collective)
+                on_completions(completions.gathered(row["iteration"], learner.taken, tokenizer, learner.reward_names,
+                                                    ranks))
             if not row.get("final"):
                 logged = row["iteration"] + 1
             yield row

@@ -46,6 +46,8 @@ Deliberate departures:
 2. The sizes change the rollouts (which prompts share a call, hence the random stream): a rerun on
    a busier machine may choose differently. The chosen sizes are printed as flags; passing them
    fixes them, and a size that is given is never probed.
+3. Under torchrun, trainer rank 0 alone probes, for one rank's share of the host's cores, and every rank
+   takes its sizes (`choose_for_ranks`): the ranks must agree, and M probes at once would time each other.
 """
 from __future__ import annotations
 
@@ -141,13 +143,15 @@ def predict_seconds(probe: Probe, calls: int, micro_tokens: int,
     return trainer, probe.generate_seconds[size], training
 
 
-def best_sizes(probe: Probe, max_tokens: int, tail: tuple[float, float] | None = None) -> tuple[int, int]:
+def best_sizes(probe: Probe, max_tokens: int, tail: tuple[float, float] | None = None,
+               min_calls: int = 1) -> tuple[int, int]:
     """(generate calls, micro-batch tokens): the fewest calls, then the biggest micro-batch, whose
     predicted iteration (`predict_seconds`, with its `tail`) is within AS_FAST of the fastest; micro-batches
-    never above `max_tokens`."""
+    never above `max_tokens`; at least `min_calls` calls (one per sampler of the ranks) when the probe has such."""
     prompts = probe.prompts
     total = sum(probe.tokens[prompts])
     calls = sorted({math.ceil(prompts / k) for k in probe.timelines})
+    calls = [n for n in calls if n >= min_calls] or calls
     micro = sorted({min(max_tokens, math.ceil(total / f)) for f in MICRO_BATCH_FRACTIONS}, reverse=True)
     seconds = {(n, m): predict_seconds(probe, n, m, tail)[0] for n in calls for m in micro}
     fastest = min(seconds.values())
@@ -254,22 +258,28 @@ def probe(cfg, tri, tokenizer, train_examples, threads: int) -> Probe:
     return dataclasses.replace(shape, train_seconds=(max(0.0, one_train_s - c * one), c))
 
 
-def in_turns(probe: Probe, prompts: int, cap: int, calls: int | None = None) -> tuple[int, float]:
+def in_turns(probe: Probe, prompts: int, cap: int, calls: int | None = None, min_calls: int = 1) -> tuple[int, float]:
     """(generate calls, predicted seconds) when the two sides take turns: the least generation (the
-    fewest calls within AS_FAST of it, unless `calls` is given), then the whole iteration's training,
-    cut into micro-batches of up to `cap` tokens by the learner's rule (`predict_seconds`)."""
-    least = min(probe.generate_seconds.values())
+    fewest calls, at least `min_calls` where the probe has such, within AS_FAST of it, unless `calls` is given),
+    then the whole iteration's training, cut into micro-batches of up to `cap` tokens by the learner's rule
+    (`predict_seconds`)."""
+    seconds = {k: s for k, s in probe.generate_seconds.items() if math.ceil(prompts / k) >= min_calls}
+    seconds = seconds or probe.generate_seconds
+    least = min(seconds.values())
     if calls is None:
-        calls = math.ceil(prompts / max(k for k, s in probe.generate_seconds.items() if s <= AS_FAST * least))
+        calls = math.ceil(prompts / max(k for k, s in seconds.items() if s <= AS_FAST * least))
     _, generate_s, train_s = predict_seconds(probe, calls, cap)
     return calls, generate_s + train_s  # one side after the other: no overlap
 
 
-def choose(cfg, tri, tokenizer, train_examples) -> tuple[object, str, float]:
+def choose(cfg, tri, tokenizer, train_examples, cores: int | None = None, min_calls: int = 1
+           ) -> tuple[object, str, float]:
     """`cfg` with the sizes `config.derive` left open (None) filled from probes, a line saying what was
     measured ('' when nothing was open), and the predicted speedup of the chosen schedule over taking
     turns at the same sizes with every core per side (1.0 when it takes turns, or nothing was probed):
-    the pipeline's bound from measured phase times, streaming by completion counted.
+    the pipeline's bound from measured phase times, streaming by completion counted. `cores`: the cores
+    this process may use (default: all it may run on; a trainer rank's share of its host under torchrun);
+    `min_calls`: at least this many generate calls (under torchrun, one per sampler: distributed.share_sizes).
 
     Sync mode (and async when the threads are given or there is one core) probes at its own thread
     count. Async with the threads open probes twice: overlapped, at half the cores per side, and in
@@ -277,7 +287,7 @@ def choose(cfg, tri, tokenizer, train_examples) -> tuple[object, str, float]:
     slower than taking turns at two), and keeps the faster prediction."""
     if cfg.sized:
         return cfg, "", 1.0
-    started, cores, prompts = time.perf_counter(), available_cores(), cfg.prompts_per_iteration
+    started, cores, prompts = time.perf_counter(), cores or available_cores(), cfg.prompts_per_iteration
     cap = cfg.micro_batch_tokens or MICRO_BATCH_TOKENS
     given = math.ceil(prompts / cfg.groups_per_chunk) if cfg.groups_per_chunk else None
     split_open = cfg.mode == "async" and cores > 1 and not (cfg.rollout_threads or cfg.train_threads)
@@ -291,15 +301,15 @@ def choose(cfg, tri, tokenizer, train_examples) -> tuple[object, str, float]:
         full = probe(cfg, tri, tokenizer, train_examples, threads=cores)
         tail = full.train_seconds if elastic else None  # the tail at every core (launch.setup.elastic_threads)
     if cfg.mode == "sync":
-        calls, micro_tokens = in_turns(result, prompts, cap, given)[0], cap
+        calls, micro_tokens = in_turns(result, prompts, cap, given, min_calls)[0], cap
     else:
-        calls, micro_tokens = best_sizes(result, cap, tail)
+        calls, micro_tokens = best_sizes(result, cap, tail, min_calls)
         calls, micro_tokens = given or calls, cfg.micro_batch_tokens or micro_tokens
     iteration_s, gen_s, train_s = predict_seconds(result, calls, micro_tokens, tail)
     overlaps = cfg.mode == "async" and iteration_s < (gen_s + train_s) / AS_FAST
     turns_note = ""
     if split_open:
-        turns_calls, turns_s = in_turns(full, prompts, cap, given)
+        turns_calls, turns_s = in_turns(full, prompts, cap, given, min_calls)
         turns_note = (f"; in turns at {cores} threads: {turns_s:.3f} s, overlapped at {max(1, cores // 2)} per side: "
                       f"{iteration_s:.3f} s ({calls} call(s), {micro_tokens}-token micro-batches)")
         if not overlaps or turns_s <= iteration_s:
@@ -322,6 +332,24 @@ def choose(cfg, tri, tokenizer, train_examples) -> tuple[object, str, float]:
             f"{turns_note}); "
             f"probed in {time.perf_counter() - started:.1f} s")
     return chosen, note, gain
+
+
+def choose_for_ranks(cfg, tri, tokenizer, train_examples, ranks) -> tuple[object, str]:
+    """(`choose`'s config and line) for this process, one of `ranks` (infra/distributed.py): under torchrun with the
+    sizes to probe (--sizes probe on CPU, no inference ranks), trainer rank 0 probes on its share of its host's
+    cores, at least one generate call per sampler, while the other ranks wait, and every rank takes its sizes
+    (distributed.share_sizes: the same calls and micro-batch on every rank)."""
+    from infra import distributed
+    probed_here = cfg.sizes == "probe" and cfg.rollout_device.startswith("cpu")  # (the same on every rank)
+    if ranks.size == 1 or ranks.inference or not probed_here:
+        return choose(cfg, tri, tokenizer, train_examples)[:2]
+    chosen, note = None, ""
+    if ranks.is_main:
+        cores = max(1, available_cores() // ranks.local_size)
+        chosen, note, _ = choose(cfg, tri, tokenizer, train_examples, cores, distributed.samplers(cfg, ranks))
+    cfg = distributed.share_sizes(cfg, ranks, chosen)
+    distributed.check(cfg, ranks)
+    return cfg, note
 
 
 # --- the split of devices between the two sides (issue #16, point 6) ---

@@ -66,3 +66,14 @@ def qwen_shaped_bare_dir(qwen_shaped_dir, tmp_path_factory) -> Path:
         config.pop(key)
     (out / "generation_config.json").write_text(json.dumps(config))
     return out
+
+
+def learn_iteration(learner, groups) -> None:
+    """Drive a Learner through one iteration as periodic_rl.train does: take groups in arrival order, accumulate
+    each ready micro-batch, step whenever a mini-batch is done."""
+    for group in groups:
+        learner.take(group)
+        for micro_batch in learner.ready():
+            learner.accumulate(micro_batch)
+            if learner.minibatch_done():
+                learner.step()

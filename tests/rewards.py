@@ -42,3 +42,19 @@ def digit_fraction_worker_0_slow(prompt: str, completion: str, answer: str) -> f
     if multiprocessing.current_process().name == "periodic-rl-inference-0":
         time.sleep(0.1)
     return digit_fraction(prompt, completion, answer)
+
+
+async def length_reward(completions: list, target_len: list, trainer_state, **kwargs) -> list[float]:
+    """TRL's form, async (awaited by TRL 1.16 too), for a prompt-only dataset: minus how far each completion's length
+    is from its row's `target_len` column; checks the trainer_state it gets is transformers' and within the run."""
+    import asyncio
+
+    from transformers import TrainerState
+    await asyncio.sleep(0.01)  # a reward that waits (an API call): awaited together with the others
+    assert isinstance(trainer_state, TrainerState) and 0 <= trainer_state.global_step <= trainer_state.max_steps
+    return [-abs(len(text) - target) for text, target in zip(completions, target_len, strict=True)]
+
+
+def step_reward(completions: list, trainer_state, **kwargs) -> list[float]:
+    """trainer_state.global_step for every completion: the logs show which step each iteration's rewards saw."""
+    return [float(trainer_state.global_step)] * len(completions)

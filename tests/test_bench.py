@@ -118,15 +118,19 @@ def test_live_tensor_bytes_counts_what_is_alive():
     assert tracker.peak == x.nbytes + 2 * z.nbytes
 
 
-def test_peer_workload_and_its_errors():
+def test_peer_workload_and_its_errors(tmp_path, monkeypatch):
     """Claim (bench.py peer): a task names its tiny model and token limit; --model DIR goes with --data and is
-    passed as an absolute path (both sides run from the repository root); --data alone is refused in one line."""
+    passed as an absolute path (both sides run from the repository root), a model name (bench.py gpu's dry run:
+    tiny) as it is; --data alone is refused in one line."""
     import argparse
 
     from benchmarks.peer import PEER_TASKS, workload
     args = argparse.Namespace(task="chain", model=None, data=None)
     assert workload(args) == PEER_TASKS["chain"] == ("tiny-chain", 128)
-    assert workload(argparse.Namespace(task="arithmetic", model="m", data="d")) == (str(Path("m").resolve()), 512)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "m").mkdir()
+    assert workload(argparse.Namespace(task="arithmetic", model="m", data="d")) == (str(tmp_path / "m"), 512)
+    assert workload(argparse.Namespace(task="arithmetic", model="tiny", data="d")) == ("tiny", 512)
     for bad, says in [(dict(model="m", data=None), "needs --data"), (dict(model=None, data="d"), "goes with --model")]:
         with pytest.raises(SystemExit, match=says):
             workload(argparse.Namespace(task="arithmetic", **bad))
@@ -165,3 +169,39 @@ def test_train_step_layouts_compute_the_same_step(lengths):
     assert all(float(off) <= 1e-5 for _, off in rows), rows
     assert float(rows[2][1]) == 0.0  # plain rows against the warm-up's: the same computation, bit for bit (with
     # --vary-lengths the reference is this repeat's plain rows themselves)
+
+
+@pytest.mark.slow
+def test_gpu_table_runs_every_part_on_cpu(qwen_shaped_dir, tmp_path):
+    """Claim (bench.py gpu, issue 31): the one-command GPU table's every part runs end to end, so that a lent GPU's
+    minutes go to measuring: on CPU (no CUDA graphs there) the decode part times the engine and `generate` at 1,
+    M/2 and M new tokens and derives per-step figures from them, the pipeline part runs trainer.py sync and async on
+    a chat model with GSM8K-shaped data, and the peer part, given a Python without trl, is skipped with the reason
+    (its TRL run is `bench.py peer`'s, tested above). Figures are not asserted, only that they were measured."""
+    import json
+    import math
+    import subprocess
+    import sys
+
+    data = tmp_path / "gsm8k"
+    data.mkdir()
+    rows = [{"question": f"Tom has {a} apples and buys {b} more. How many apples does he have now?",
+             "answer": f"He has {a} + {b} = {a + b}.\n#### {a + b}"} for a in range(3, 40) for b in (2, 5)]
+    (data / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows[:60]))
+    (data / "test.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows[60:]))
+    figures = tmp_path / "gpu.json"
+    command = [sys.executable, "bench.py", "gpu", "--device", "cpu", "--layers", "1", "--vocab", "512", "--prompts", "2",
+               "--group-size", "2", "--decode-tokens", "6", "--rounds", "1", "--model", str(qwen_shaped_dir), "--data",
+               str(data), "--train-tokens", "4", "--iterations", "1", "--peer-rounds", "1", "--trl-python",
+               str(tmp_path / "no-python"), "--json", str(figures)]
+    done = subprocess.run(command, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    table = json.loads(figures.read_text())
+    sides = table["decode"]["sides"]
+    assert set(sides) == {"engine, eager", "hf generate"} and not table["decode"]["failed"]
+    for side in sides.values():
+        assert side["prefill_tokens_per_s"] > 0 and all(len(side["seconds"][m]) == 1 for m in ("1", "3", "6"))
+        assert math.isfinite(side["decode_ms"])  # a difference of two timings: its sign is the machine's load
+    assert [len(seconds) for seconds in table["pipeline"]["seconds_per_iteration"].values()] == [1, 1]
+    assert "skipped" in table["peer"] and "cannot import trl" in done.stdout

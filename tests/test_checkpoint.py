@@ -45,16 +45,22 @@ def assert_same_run(a: Path, b: Path) -> None:
     assert weights_a.keys() == weights_b.keys() and all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
 
 
+SCHEDULE = ["--lr-scheduler-type", "cosine", "--warmup-ratio", "0.3", "--num-iterations", "2"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("mode, updates, stop", [("sync", "2", signal.SIGKILL), ("async", "2", signal.SIGKILL),
-                                                 ("async", "1", signal.SIGTERM)])
-def test_a_stopped_run_resumed_equals_the_uninterrupted_one(tiny_model_dir, tmp_path, mode, updates, stop):
+@pytest.mark.parametrize("mode, updates, stop, extra", [("sync", "2", signal.SIGKILL, []),
+                                                        ("async", "2", signal.SIGKILL, []),
+                                                        ("async", "1", signal.SIGTERM, []),
+                                                        ("sync", "1", signal.SIGKILL, SCHEDULE)])
+def test_a_stopped_run_resumed_equals_the_uninterrupted_one(tiny_model_dir, tmp_path, mode, updates, stop, extra):
     """Claim: a run killed (SIGKILL) after a checkpoint, or stopped (SIGTERM, exit 143), and resumed with
     `--resume auto` gives the same metrics (timings aside) and bitwise the same final weights as the run that was
     never interrupted, with equal thread counts, in sync and async mode, with 1 and 2 updates per iteration;
     metrics.jsonl continues. Rollouts are the same too: their rewards and lengths are in the metrics, and
-    any other rollout would move the weights elsewhere."""
-    run = ["--model", tiny_model_dir, *RUN, "--mode", mode, "--updates-per-iteration", updates]
+    any other rollout would move the weights elsewhere. The learning-rate schedule (the default linear decay, a
+    warmed-up cosine over 2 passes per iteration) continues where it was: its state is in the checkpoint."""
+    run = ["--model", tiny_model_dir, *RUN, "--mode", mode, "--updates-per-iteration", updates, *extra]
     straight = subprocess.run(trainer(*run, "--out", tmp_path / "straight"), cwd=ROOT, capture_output=True, text=True,
                               timeout=300)
     assert straight.returncode == 0, straight.stderr
@@ -158,6 +164,59 @@ def test_checkpoints_are_atomic_pruned_and_checked(tiny_model_dir, tmp_path, mon
     (tmp_path / "checkpoint-2" / "state.json").write_text("{")
     with pytest.raises(checkpoint.CheckpointError, match="unreadable"):
         checkpoint.read_state(tmp_path / "checkpoint-2")
+
+
+def test_the_schedule_is_kept_and_old_checkpoints_resume(tiny_model_dir, tmp_path):
+    """Claim: a checkpoint holds the learning-rate schedule's state (restored, the next rates are the uninterrupted
+    run's; without it the schedule would restart from its first rate); a checkpoint written before the schedule
+    existed (no scheduler.pt, scale_rewards a boolean) resumes at the constant rate it ran at, with TRL's name for
+    its scale_rewards; one whose scheduler.pt is missing under a decaying schedule is damaged; with bnpo,
+    --micro-batch-tokens changes the loss, so it is refused anew."""
+    from launch.setup import build_optimizer
+    cfg = parse_args(["--model", str(tiny_model_dir), *RUN, "--warmup-ratio", "0.25"])
+    policy, tokenizer = load_model(str(tiny_model_dir))
+    optimizer, scheduler = build_optimizer(cfg, policy)
+    for _ in range(2):
+        optimizer.step()
+        scheduler.step()
+    theta_0 = checkpoint.fingerprint(policy)
+    checkpoint.save(tmp_path, 2, policy, tokenizer, optimizer, cfg, theta_0, scheduler=scheduler)
+    fresh_optimizer, fresh_scheduler = build_optimizer(cfg, policy)
+    assert checkpoint.restore(tmp_path / "checkpoint-2", policy, fresh_optimizer, theta_0, fresh_scheduler) == 2
+
+    def rates(optimizer, scheduler) -> list[float]:
+        seen = []
+        for _ in range(2):
+            seen.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            scheduler.step()
+        return seen
+    # 4 steps, 1 of warmup: rates 0, lr, lr·2/3, lr·1/3 (a restarted schedule would give 0, lr again)
+    expected = [cfg.lr * (2 / 3), cfg.lr * (1 / 3)]
+    assert rates(fresh_optimizer, fresh_scheduler) == rates(optimizer, scheduler) == expected
+    # as written before the schedule: AdamW at a constant rate, no scheduler.pt, scale_rewards a boolean
+    checkpoint.save(tmp_path, 3, policy, tokenizer, torch.optim.AdamW(policy.parameters(), lr=cfg.lr), cfg, theta_0)
+    old_checkpoint = tmp_path / "checkpoint-3"
+    state = json.loads((old_checkpoint / "state.json").read_text())
+    for key in ("lr_scheduler_type", "warmup_ratio", "num_iterations"):
+        del state["config"][key]
+    state["config"]["scale_rewards"] = False
+    (old_checkpoint / "state.json").write_text(json.dumps(state))
+    old = checkpoint.resumed_config(parse_args([]), set(), checkpoint.read_state(old_checkpoint))
+    assert (old.lr_scheduler_type, old.scale_rewards, old.num_iterations) == ("constant", "none", 1)
+    constant_optimizer, constant_scheduler = build_optimizer(old, policy)
+    checkpoint.restore(old_checkpoint, policy, constant_optimizer, theta_0, constant_scheduler)
+    assert rates(constant_optimizer, constant_scheduler) == [old.lr, old.lr]
+    state["config"]["lr_scheduler_type"] = "linear"
+    (old_checkpoint / "state.json").write_text(json.dumps(state))
+    linear_optimizer, linear_scheduler = build_optimizer(cfg, policy)
+    with pytest.raises(checkpoint.CheckpointError, match="damaged"):
+        checkpoint.restore(old_checkpoint, policy, linear_optimizer, theta_0, linear_scheduler)
+    bnpo = {"iterations_done": 2, "config": dataclasses.asdict(parse_args(["--loss-type", "bnpo", *RUN])),
+            "reference_fingerprint": "x"}
+    argv = ["--micro-batch-tokens", "32"]
+    with pytest.raises(checkpoint.CheckpointError, match="^--micro-batch-tokens 32 differs"):
+        checkpoint.resumed_config(parse_args(argv), given_options(argv), bnpo)
 
 
 def test_a_bad_resume_is_one_line(tmp_path):

@@ -29,7 +29,7 @@ def test_help_lists_every_field_with_its_default():
     (["--batch-size", "20", "--group-size", "8"], "multiple of --group-size"),
     (["--lr", "-0.1"], "--lr must be positive"),
     (["--mode", "fast"], "invalid choice"),
-    (["--loss-type", "bnpo"], "invalid choice"),
+    (["--loss-type", "ppo"], "invalid choice"),
     (["--data", "no/such/file.jsonl"], "neither 'arithmetic'"),
     (["--device", "tpu"], "--device must be auto, cpu"),
     (["--train-device", "cuda:x"], "--train-device must be cpu"),
@@ -237,3 +237,139 @@ def test_loss_types_are_the_losses():
     import grpo
     from config import LOSS_TYPES
     assert LOSS_TYPES == grpo.LOSS_TYPES
+
+
+# --- TRL's names and defaults (issue #32 point 5) ---
+# TRL 1.16's defaults (trl/trainer/grpo_config.py; transformers 5's TrainingArguments under it for seed,
+# max_grad_norm, weight_decay, report_to, save_total_limit, lr_scheduler_type; TRL's _BaseConfig for
+# gradient_checkpointing), read from the released wheel trl-1.16.0
+TRL_DEFAULTS = {"num_generations": 8, "learning_rate": 1e-6, "max_completion_length": 512, "temperature": 1.0,
+                "top_p": 1.0, "beta": 0.0, "epsilon": 0.2, "epsilon_high": 0.2, "loss_type": "dapo",
+                "scale_rewards": "group", "use_bias_correction_kl": True, "mask_truncated_completions": False,
+                "num_iterations": 1, "max_grad_norm": 1.0, "weight_decay": 0.0, "seed": 42, "report_to": ["none"],
+                "save_total_limit": 0, "gradient_checkpointing": True, "reward_weights": [1.0],
+                "lr_scheduler_type": "linear", "warmup_ratio": 0.0, "disable_dropout": False}  # None read as ours: keep all = 0, weights 1 each
+
+
+def test_our_defaults_are_trls_but_the_listed_departures():
+    """Claim: every option that TRL 1.16's GRPOConfig also has (under its name or an alias) defaults to TRL's value
+    for a real model, unless --help's and the README's list of departures names it with its reason; and every
+    departure listed is one (its option exists, and the README lists it too)."""
+    from infra.options import DEPARTURES, TRL_ALIASES
+    real = parse_args(["--model", "qwen2.5-0.5b"])
+    listed = {option for option, *_ in DEPARTURES}
+    readme = (ROOT / "README.md").read_text()
+    differ = []
+    for trl, theirs in TRL_DEFAULTS.items():
+        name = "epsilon_low" if trl == "epsilon" else TRL_ALIASES.get(trl, trl)
+        ours = getattr(real, name)
+        if ours != theirs and "--" + name.replace("_", "-") not in listed:
+            differ.append((trl, ours, theirs))
+    assert not differ, f"defaults that differ from TRL 1.16's and are not in infra/options.DEPARTURES: {differ}"
+    options = {action.option_strings[0] for action in build_parser()._actions if action.option_strings}
+    for option, ours, theirs, why in DEPARTURES:
+        assert option in options or option == "log", option
+        assert f"`{option}" in readme or option == "log" and "every iteration" in readme, f"README lacks {option}"
+
+
+def test_trl_names_are_aliases_of_ours(tmp_path):
+    """Claim: TRL's names for our options work on the command line (with - or _) and as --config keys (JSON or YAML),
+    each meaning the same as ours; --epsilon sets both clip ranges unless --epsilon-high is given, in either order
+    (TRL: epsilon_high None = epsilon); --help shows each under our name, saying TRL's."""
+    from infra.options import given_options
+    cfg = parse_args(["--num-generations", "4", "--batch-size", "16", "--learning_rate", "3e-5",
+                      "--max-completion-length", "64", "--no-use-bias-correction-kl", "--output-dir", "somewhere",
+                      "--save-total-limit", "5"])
+    assert (cfg.group_size, cfg.lr, cfg.max_new_tokens, cfg.kl_bias_correction, cfg.out, cfg.keep_checkpoints) == \
+        (4, 3e-5, 64, False, "somewhere", 5)
+    assert {"group_size", "lr", "max_new_tokens", "out"} <= given_options(["--num-generations", "4", "--batch-size",
+                                                                            "16", "--lr=1", "--output_dir", "x",
+                                                                            "--max-completion-length", "3"])
+    for argv, ranges in [(["--epsilon", "0.1"], (0.1, 0.1)),
+                         (["--epsilon", "0.1", "--epsilon-high", "0.3"], (0.1, 0.3)),
+                         (["--epsilon-high", "0.3", "--epsilon", "0.1"], (0.1, 0.3))]:
+        cfg = parse_args(argv)
+        assert (cfg.epsilon_low, cfg.epsilon_high) == ranges, argv
+    path = tmp_path / "grpo.yaml"
+    path.write_text("num_generations: 4\nbatch_size: 16\nlearning_rate: 2.0e-5\nmax_completion_length: 32\n"
+                    "epsilon_high: 0.28\nepsilon: 0.1\nsave_total_limit: null\noutput_dir: trl_out\n")
+    cfg = parse_args(["--config", str(path)])
+    assert (cfg.group_size, cfg.lr, cfg.max_new_tokens, cfg.epsilon_low, cfg.epsilon_high, cfg.keep_checkpoints,
+            cfg.out) == (4, 2e-5, 32, 0.1, 0.28, 0, "trl_out")
+    assert parse_args(["--config", str(path), "--epsilon", "0.2"]).epsilon_high == 0.2  # given anew: both ranges
+    text = " ".join(build_parser().format_help().split())
+    assert "--group-size GROUP_SIZE" in text and "(TRL: --num-generations)" in text
+    assert "--num-generations GROUP_SIZE" not in text  # one name per option in the list
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--per-device-train-batch-size", "4"], "--per-device-train-batch-size is TRL's and means something else here; "
+                                             "use --batch-size"),
+    (["--max_steps", "10"], "--max-steps is TRL's and means something else here; use --iterations"),
+    (["--gradient-accumulation-steps=4"], "use --micro-batch-tokens"),
+    (["--num-iterationz", "2"], "unrecognized option --num-iterationz: did you mean --num-iterations?"),
+    (["--iteration", "3"], "unrecognized option --iteration: did you mean --iterations?"),
+    (["--iter", "3"], "unrecognized option --iter"),  # an abbreviation is not expanded
+    (["--zzzz"], "unrecognized option --zzzz (see --help)"),
+])
+def test_an_unknown_option_says_which_one_to_use(argv, message, capsys):
+    """Claim: a TRL option whose meaning differs here names ours and why, any other unknown option gets difflib's
+    closest name, in one line with exit code 2 (not argparse's bare "unrecognized arguments"); abbreviations are off,
+    so TRL's --epsilon is never "ambiguous" (it is an option of its own)."""
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and message in err and err.count("\n") == 1, err
+    assert parse_args(["--epsilon", "0.3"]).epsilon_low == 0.3
+
+
+def test_help_explains_the_log_columns_and_the_departures():
+    """Claim: --help ends with one line per column of the log (each a column format_row prints) and the defaults
+    that are not TRL's, each with its reason."""
+    import trainer
+    from infra.options import DEPARTURES, LOG_COLUMNS
+    text = build_parser().format_help()
+    row = trainer.format_row({"iteration": 3, "reward_mean": 0.5, "reward_std": 0.1, "eval_reward": None, "kl": 0.01,
+                              "clip_fraction": 0.0, "response_length": 4.0, "generate_s": 1.0, "train_s": 0.5,
+                              "idle_inference_s": 0.1, "idle_training_s": 0.6, "overlap": 0.5, "tokens_per_s": 100})
+    for column, meaning in LOG_COLUMNS:
+        assert f"  {column}  " in text and meaning.split()[0] in text
+        assert all(part.split()[0].rstrip(",") in row for part in column.split(", ")), (column, row)
+    for option, ours, theirs, why in DEPARTURES:
+        assert f"  {option} {ours} (TRL: {theirs}): " in text.replace("\n    ", " ")
+
+
+def test_the_final_line_is_left_out_without_an_evaluation():
+    """Claim (#32 point 9): with evaluation off the final row prints nothing ("final held-out reward -" said
+    nothing); with it, the held-out reward of θ_final."""
+    import trainer
+    assert trainer.format_row({"final": True, "eval_reward": None, "policy_version": 4}) == ""
+    assert trainer.format_row({"final": True, "eval_reward": 0.5, "policy_version": 4}) == \
+        "final  held-out reward 0.500 (θ_4)"
+
+
+def test_off_a_terminal_progress_is_a_line():
+    """Claim (#32 point 9): the progress bar's content as one line (for logs that are no terminal): iterations done,
+    the time so far and the time left at the measured pace."""
+    import trainer
+    assert trainer.progress_line(12, 60, 41.0, 3.4) == \
+        "periodic-rl: progress 12/60 iterations, 00:41 elapsed, ~02:43 left"
+
+
+def test_off_a_terminal_the_log_has_progress_lines(tmp_path, monkeypatch, capsys):
+    """Claim (#32 point 9): where stderr is no terminal (nohup, CI) the progress bar is replaced by a progress line
+    every PROGRESS_EVERY_S (here 0: every iteration after the first, whose row sets the pace's origin), on stderr;
+    the log on stdout has no final line when nothing was evaluated."""
+    import trainer
+    monkeypatch.setattr(trainer, "PROGRESS_EVERY_S", 0.0)
+    cfg = Config(out=str(tmp_path), iterations=3, save=False, eval_every=0)
+
+    def rows():
+        for k in range(3):
+            yield {"iteration": k, "reward_mean": 0.5, "reward_std": 0.1, "eval_reward": None}
+        yield {"final": True, "iteration": 3, "eval_reward": None, "policy_version": 3}
+    trainer.log_and_save(cfg, rows(), None, None)
+    out, err = capsys.readouterr()
+    assert [line.split(",")[0] for line in err.splitlines()] == ["periodic-rl: progress 2/3 iterations",
+                                                                "periodic-rl: progress 3/3 iterations"], err
+    assert out.count("\niter ") + out.startswith("iter ") == 3 and "final" not in out, out

@@ -1,6 +1,7 @@
 """Data through Hugging Face datasets (infra/data.py): every form of --data loads, with its columns, its held-out split and
 TRL's conversational prompts, offline from the cache; bad data is one line naming the row or the columns there are."""
 import json
+import pickle
 import re
 import shutil
 import time
@@ -110,7 +111,8 @@ def test_gold_answer(value, gold):
 def test_a_conversational_prompt_column_goes_through_the_chat_template(tmp_path):
     """Claim: TRL's 'prompt' column of chat messages is used when the data has no 'question' column; each prompt is
     rendered with the model's chat template (Qwen2.5-Instruct's) as it is: its own system message, no SYSTEM_PROMPT
-    added, ending with the assistant's turn; a plain-text prompt still gets SYSTEM_PROMPT."""
+    added, ending with the assistant's turn; a plain-text prompt gets no SYSTEM_PROMPT either (issue #32, point 2):
+    only the template's own default system message."""
     from infra.models import tiny_tokenizer
     rows = [{"prompt": conversation(i), "solution": str(i + 1)} for i in range(12)]
     train, held_out = data.load_task(str(write_jsonl(tmp_path / "chat.jsonl", rows)), eval_size=2,
@@ -123,7 +125,82 @@ def test_a_conversational_prompt_column_goes_through_the_chat_template(tmp_path)
     assert text == ("<|im_start|>system\nAnswer with a number.<|im_end|>\n<|im_start|>user\nWhat is 4+1?<|im_end|>\n"
                     "<|im_start|>assistant\n")
     plain = tokenizer.decode(tasks.prompt_token_ids(tokenizer, "What is 4+1?"))
-    assert plain.startswith(f"<|im_start|>system\n{tasks.SYSTEM_PROMPT}<|im_end|>")
+    assert plain == ("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>"
+                     "\n<|im_start|>user\nWhat is 4+1?<|im_end|>\n<|im_start|>assistant\n")  # Qwen's template's own
+
+
+# --- prompt-only data, every column, --system-prompt (issue #32, points 1 and 2) ---
+MATH = {"answer": "--reward math"}  # what Rewards.needed_columns gives for --reward math
+
+
+@pytest.mark.parametrize("prompt", ["What is 4+1?", [{"role": "user", "content": "What is 4+1?"}]],
+                         ids=["text", "conversation"])
+def test_prompt_only_data_loads_when_no_reward_needs_an_answer(tmp_path, prompt):
+    """Claim: TRL's prompt-only datasets (a 'prompt' column, text or conversational, and any other columns but no
+    answer) load: gold answer None, every other column kept for the rewards; a reward that needs a gold answer
+    (--reward math) is refused at load time in one line naming the reward, the column and the columns there are."""
+    path = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": prompt, "target_len": i} for i in range(12)])
+    train, held_out = data.load_task(str(path), eval_size=2)
+    assert len(train) == 10 and len(held_out) == 2
+    assert train[3] == Example(prompt, None) and train[3].columns == {"target_len": 3}
+    with pytest.raises(TaskError) as error:
+        data.load_task(str(path), eval_size=2, needed=MATH)
+    assert str(error.value) == (f"--reward math needs a gold answer, and {path} (train split) has no column 'answer' "
+                                "to take it from; its columns are 'prompt', 'target_len'. Name the column of answers "
+                                "with --answer-column, or use a reward that needs none (e.g. TRL's "
+                                "f(completions, **kwargs)).")
+
+
+def test_a_column_a_reward_takes_must_be_there(tmp_path):
+    """Claim: a TRL-style reward's parameter without a default (trl.rewards.accuracy_reward's `solution`) is a column
+    the data must have: without it the run is refused at load time in one line naming the reward and the column
+    (TRL would fail at the first reward call); the prompt's column does not count (TRL does not pass it), and a
+    built-in task has no other columns."""
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"{i}+1=", "solution": str(i + 1)} for i in range(6)])
+    assert data.load_task(str(path), eval_size=2, needed={"solution": "--reward r.py:acc"})[0][0].columns == {
+        "solution": "1"}
+    for needed in ({"answer_text": "--reward r.py:acc"}, {"prompt": "--reward r.py:acc"}):
+        column = next(iter(needed))
+        with pytest.raises(TaskError, match=f"^--reward r.py:acc takes a parameter '{column}' without a default, and "
+                                            f".* has no column '{column}' to fill it"):
+            data.load_task(str(path), eval_size=2, needed=needed)
+    with pytest.raises(TaskError, match="^--reward r.py:acc takes a parameter 'solution' .* --data arithmetic has no "
+                                        "column but the prompt and the answer"):
+        data.load_task("arithmetic", needed={"solution": "--reward r.py:acc", **MATH})
+    assert data.load_task("arithmetic", eval_size=4, needed=MATH)[1] == tasks.arithmetic_examples("eval")[:4]
+
+
+def test_a_system_prompt_goes_in_front_of_every_prompt(tmp_path):
+    """Claim: --system-prompt (a text, or 'math' for GSM8K's SYSTEM_PROMPT) puts a system message in front of every
+    prompt, training and held-out, text or conversation; a conversation with its own system message is refused;
+    without it the prompts are the data's, as they are."""
+    (tmp_path / "gsm").mkdir()  # not tmp_path: the datasets cache is there, and a directory loads all its files
+    write_jsonl(tmp_path / "gsm" / "train.jsonl", gsm8k_rows(6))
+    write_jsonl(tmp_path / "gsm" / "test.jsonl", gsm8k_rows(3, start=100))
+    plain = data.load_task(str(tmp_path / "gsm"), eval_size=2)
+    assert plain[0][0].prompt == "What is 0 + 1?" and plain[1][0].prompt == "What is 100 + 1?"
+    train, held_out = data.load_task(str(tmp_path / "gsm"), eval_size=2, system_prompt="math")
+    assert train[0].prompt == [{"role": "system", "content": tasks.SYSTEM_PROMPT},
+                               {"role": "user", "content": "What is 0 + 1?"}]
+    assert held_out[1].prompt[0] == {"role": "system", "content": tasks.SYSTEM_PROMPT}
+    assert (train[0].answer, train[0].columns) == (plain[0][0].answer, plain[0][0].columns)
+    assert data.load_task("arithmetic", system_prompt="Add.")[0][0].prompt[0] == {"role": "system", "content": "Add."}
+    chats = write_jsonl(tmp_path / "chats.jsonl", [{"prompt": conversation(i), "answer": "1"} for i in range(4)])
+    with pytest.raises(TaskError, match=r"^--system-prompt: a prompt of .*chats.jsonl \(train split\) has its own "
+                                        r"system message \('Answer with a number.'\)"):
+        data.load_task(str(chats), eval_size=1, system_prompt="Be brief.")
+
+
+def test_examples_with_their_columns_survive_pickling(tmp_path):
+    """Claim: an Example with every kind of column value datasets gives (text, numbers, None, lists, nested dicts)
+    pickles whole, as it travels to the inference process (and columns, left out of ==, come back equal too)."""
+    rows = [{"prompt": [{"role": "user", "content": f"q{i}"}], "answer": f"#### {i}", "tags": ["a", "b"],
+             "meta": {"level": i, "source": None}, "weight": 0.5} for i in range(3)]
+    examples = data.load_task(str(write_jsonl(tmp_path / "rich.jsonl", rows)), eval_size=1)[0]
+    copies = pickle.loads(pickle.dumps(examples))
+    assert copies == examples and [c.columns for c in copies] == [e.columns for e in examples]
+    assert copies[1].columns == {"answer": "#### 1", "tags": ["a", "b"], "meta": {"level": 1, "source": None},
+                                 "weight": 0.5}
 
 
 def test_conversations_need_a_chat_template_and_fit_the_context():
@@ -149,7 +226,8 @@ def test_conversations_need_a_chat_template_and_fit_the_context():
 @pytest.mark.parametrize("rows, said", [
     ([gsm8k_rows(1)[0], b"{not json"], "JSON parse error"),
     ([gsm8k_rows(1)[0], '{"question": "caf\xe9?", "answer": "#### 1"}'.encode("latin-1")], "UnicodeDecodeError"),
-    ([gsm8k_rows(1)[0], {"question": "q"}], "row 2: the 'answer' is None"),
+    ([gsm8k_rows(1)[0], {"question": "q"}], ("row 2: the 'answer' is None, so there is no gold answer for --reward "
+                                              "math to reward")),
     ([gsm8k_rows(1)[0], {"question": "q", "answer": ""}], "row 2: the 'answer' is ''"),
     ([gsm8k_rows(1)[0], {"question": 5, "answer": "#### 5"}],  # datasets < 5 refuses the mixed column itself
      "row 2: the 'question' is 5, neither text nor|changed from string to number"),
@@ -157,22 +235,25 @@ def test_conversations_need_a_chat_template_and_fit_the_context():
      "row 2: the 'question' is \\["),
 ], ids=["json", "latin-1", "missing-answer", "empty-answer", "number-question", "message-without-content"])
 def test_bad_rows_are_one_line(tmp_path, rows, said):
-    """Claim: a line that is not JSON or not UTF-8, a row without an answer, or with a prompt that is neither text
-    nor chat messages, is one TaskError line naming the file (and the row, 1-based, where it is a row's fault)."""
+    """Claim: a line that is not JSON or not UTF-8, a row without an answer (for a reward that needs one), or with a
+    prompt that is neither text nor chat messages, is one TaskError line naming the file (and the row, 1-based,
+    where it is a row's fault)."""
     path = write_jsonl(tmp_path / "bad.jsonl", rows)
     with pytest.raises(TaskError) as error:
-        data.load_task(str(path), eval_size=1)
+        data.load_task(str(path), eval_size=1, needed=MATH)
     assert str(path) in str(error.value) and re.search(said, str(error.value)) and "\n" not in str(error.value)
 
 
 def test_a_missing_column_lists_the_columns_there_are(tmp_path):
-    """Claim: a prompt or answer column the data does not have is one line listing its columns and the option."""
+    """Claim: a prompt column, or an answer column a reward needs, that the data does not have is one line listing
+    its columns and the option."""
     path = write_jsonl(tmp_path / "sums.jsonl", sum_rows(10))
     with pytest.raises(TaskError, match=r"has no column 'question'; its columns are 'problem', 'solution', 'level'. "
                                         r"Pick one with --prompt-column"):
         data.load_task(str(path), eval_size=2)
-    with pytest.raises(TaskError, match=r"has no column 'answer'; .* --answer-column"):
-        data.load_task(str(path), eval_size=2, prompt_column="problem")
+    with pytest.raises(TaskError, match=r"has no column 'answer' to take it from; its columns are 'problem', "
+                                        r"'solution', 'level'. Name the column of answers with --answer-column"):
+        data.load_task(str(path), eval_size=2, prompt_column="problem", needed=MATH)
 
 
 @pytest.mark.parametrize("name, said", [("absent.jsonl", "nor an existing file or directory"),
@@ -235,5 +316,6 @@ def test_the_command_line_takes_every_form_of_data(tmp_path):
     for missing in (str(tmp_path / "absent.jsonl"), "no/such/dir", "./nowhere"):
         assert [p for p in validate(Config(data=missing)) if "nor an existing file or directory" in p]
     cfg = parse_args(["--data", "openai/gsm8k", "--data-config", "socratic", "--split", "test", "--prompt-column", "q",
-                      "--answer-column", "a"])
+                      "--answer-column", "a", "--system-prompt", "math"])
     assert (cfg.data_config, cfg.split, cfg.prompt_column, cfg.answer_column) == ("socratic", "test", "q", "a")
+    assert cfg.system_prompt == "math" and parse_args([]).system_prompt is None

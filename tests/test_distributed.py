@@ -233,15 +233,37 @@ def test_every_worker_of_every_rank_gets_calls_and_a_device(monkeypatch):
               Ranks(0, 2, 0, 2))
 
 
-def test_probing_sizes_with_ranks_is_refused_in_one_line(tiny_model_dir, tmp_path, monkeypatch, capsys):
-    """Claim: `--sizes probe` on CPU with ranks (the default) is refused in one line, before any process group or
-    model: every rank must use the same sizes, and the probe times one process, not M of them."""
+def test_probing_sizes_with_inference_ranks_is_refused_in_one_line(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """Claim: `--sizes probe` on CPU with inference ranks is refused in one line, before any process group or model
+    (the probe models a local inference process); with trainer ranks alone it passes the check (rank 0 probes and
+    shares the sizes: the next test)."""
+    from infra.distributed import check
+    from infra.options import parse_args
     for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(name, value)
-    assert trainer.main(["--model", str(tiny_model_dir), "--out", str(tmp_path)]) == 1
+    assert trainer.main(["--model", str(tiny_model_dir), "--out", str(tmp_path), "--inference-ranks", "1"]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("error: trainer rank 0 of 2: --sizes probe does not work with trainer ranks") and \
+    assert err.startswith("error: trainer rank 0 of 1: --sizes probe does not work with inference ranks") and \
         err.count("\n") == 1, err
+    open_sizes = parse_args(["--model", str(tiny_model_dir)])
+    assert not open_sizes.sized
+    check(open_sizes, Ranks(0, 2, 0, 2))  # no refusal
+
+
+@pytest.mark.slow  # process-level: torchrun
+def test_two_ranks_on_cpu_run_with_no_sizes_given(tiny_model_dir, tmp_path):
+    """Claim (#32): `torchrun --nproc-per-node 2 trainer.py` on CPU with no size given runs: trainer rank 0 alone
+    probes (one probe line; --sizes probe is the default) and sends its sizes to rank 1, at least one generate call
+    per rank; every rank uses them (a rank with other calls would wait for groups it never gets, until the
+    timeout), and config.json records them."""
+    done = run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "trainer.py", "--model", tiny_model_dir,
+                "--data", "arithmetic", "--iterations", "2", "--batch-size", "16", "--group-size", "4",
+                "--max-new-tokens", "4", "--eval-every", "0", "--collective-timeout", "120", "--out", tmp_path])
+    assert sum(line.startswith("iter ") for line in done.stdout.splitlines()) == 2, done.stdout
+    assert done.stdout.count("periodic-rl: probe:") == 1, done.stdout
+    record = json.loads((tmp_path / "config.json").read_text())
+    assert all(record[name] for name in ("groups_per_chunk", "micro_batch_tokens", "rollout_threads", "train_threads"))
+    assert -(-4 // record["groups_per_chunk"]) >= 2  # a call for each rank
 
 
 def launch_ranks(tiny_model_dir, out) -> faults.Launch:

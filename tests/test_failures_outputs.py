@@ -374,3 +374,74 @@ def test_a_full_disk_on_the_stop_checkpoint_says_so(tiny_model_dir, tmp_path):
                                 r"checkpoint could not be written \(could not write the checkpoint .*/checkpoint-\d+: "
                                 r"No space left on device\): there is no checkpoint to resume from$")
     assert not [p.name for p in (keep / "run").iterdir() if "checkpoint" in p.name]
+
+
+# --- without --out: a folder per run, runs/latest links the newest (issue #32 point 6) ---
+def test_each_run_without_out_gets_a_folder_and_runs_latest_links_the_newest(tmp_path, monkeypatch):
+    """Claim: two runs started in the same second get two folders (runs/<model>-<time>, then -2); runs/latest is a
+    relative link to the newest, replaced atomically (plot.py, --config and --resume auto read through it); a
+    runs/latest that is a run folder of its own (written before the link) is left as it is, with a line saying so."""
+    monkeypatch.chdir(tmp_path)
+    first, second = (outputs.run_folder("Qwen/Qwen2.5-0.5B", now=1.8e9) for _ in range(2))
+    assert first.name == "Qwen2.5-0.5B-" + time.strftime("%Y%m%d-%H%M%S", time.localtime(1.8e9))
+    assert second.name == first.name + "-2" and first.is_dir() and second.is_dir()
+    assert outputs.link_latest(first) == "" and os.readlink("runs/latest") == first.name
+    assert outputs.link_latest(second) == "" and Path("runs/latest").resolve() == second.resolve()
+    assert sorted(p.name for p in Path("runs").iterdir()) == sorted([first.name, second.name, "latest"])
+    os.remove("runs/latest")
+    Path("runs/latest").mkdir()
+    note = outputs.link_latest(second)
+    assert "runs/latest is a run folder of its own" in note and Path("runs/latest").is_dir()
+    assert not Path("runs/latest").is_symlink()
+
+
+def test_resume_auto_without_out_continues_runs_latest_or_starts_a_run(tmp_path, monkeypatch, capsys):
+    """Claim: `--resume auto` without --out continues the run runs/latest links to; where there is no run to
+    continue (no runs/latest, or an --out without a run), it starts a new one with a line saying so, so that the
+    same command serves every submission of a preemptible job; an --out that holds a run is left to resume."""
+    monkeypatch.chdir(tmp_path)
+    fresh = outputs.default_out(Config(resume="auto"))
+    assert (fresh.resume, fresh.out) == (None, None) and "holds no run to continue" in capsys.readouterr().out
+    run = outputs.run_folder("tiny")
+    (run / "metrics.jsonl").write_text('{"iteration": 0}\n')
+    outputs.link_latest(run)
+    assert outputs.default_out(Config(resume="auto")).out == str(run)
+    assert outputs.default_out(Config(resume="auto", out="elsewhere")) == Config(resume=None, out="elsewhere")
+    assert outputs.default_out(Config(resume="auto", out=str(run))).resume == "auto"
+    assert outputs.default_out(Config()) == Config()  # a new run's folder is made by rank 0 (trainer.main)
+
+
+@pytest.mark.slow
+def test_the_readme_commands_run_again_and_rerun_from_another_folder(tiny_model_dir, tmp_path):
+    """Claim (#32 points 6 and 7): `python trainer.py` twice without --out makes two runs, runs/latest links the
+    second, `python plot.py runs/latest` draws it; its config.json records absolute paths, so `--config
+    A/runs/latest/config.json` reruns it from another folder B (its relative --data file and reward file found),
+    into a folder of its own there."""
+    first, other = tmp_path / "A", tmp_path / "B"
+    first.mkdir(), other.mkdir()
+    (first / "data.jsonl").write_text("".join(json.dumps({"question": f"{i}+1=", "answer": str(i + 1)}) + "\n"
+                                              for i in range(40)))
+    shutil.copy(ROOT / "tests" / "rewards.py", first / "my_rewards.py")
+    args = ["--model", tiny_model_dir, "--data", "data.jsonl", "--reward", "my_rewards.py:digit_fraction",
+            "--iterations", "1", "--batch-size", "8", "--group-size", "4", "--max-new-tokens", "4", "--eval-every",
+            "0", "--eval-size", "4", "--mode", "sync", "--sizes", "rule", "--no-save"]
+
+    def trainer_in(folder: Path, *extra) -> subprocess.CompletedProcess:
+        done = subprocess.run([sys.executable, ROOT / "trainer.py", *map(str, extra)], cwd=folder,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        return done
+    trainer_in(first, *args)
+    trainer_in(first, *args)
+    runs = sorted(p for p in (first / "runs").iterdir() if p.name != "latest")
+    assert len(runs) == 2 and (first / "runs/latest").resolve() == runs[-1].resolve()
+    drawn = subprocess.run([sys.executable, ROOT / "plot.py", "runs/latest"], cwd=first, capture_output=True,
+                           text=True, timeout=120)
+    assert drawn.returncode == 0 and (runs[-1] / "metrics.png").is_file(), drawn.stderr
+    record = json.loads((first / "runs/latest/config.json").read_text())
+    assert record["data"] == str(first / "data.jsonl") and record["out"] == str(runs[-1])
+    assert record["reward"] == [f"{first / 'my_rewards.py'}:digit_fraction"]
+    again = trainer_in(other, "--config", first / "runs/latest/config.json")
+    rerun = next(p for p in (other / "runs").iterdir() if p.name != "latest")
+    assert f"out runs/{rerun.name}" in again.stdout
+    assert json.loads((rerun / "config.json").read_text())["data"] == record["data"]

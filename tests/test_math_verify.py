@@ -29,11 +29,17 @@ from infra.tasks import math_reward
     ("-3", r"First 2 - 5 = -3, so \boxed{-3}", 1.0),
     ("1080", "The total is 1,080 dollars.\n#### 1,080", 1.0),
     ("", "anything", None),
+    # as instruct models write GSM8K answers (issue #32, point 8): a '####' that gives no answer is not read
+    ("72", "#### Step 2: Total of 24 + 48\n$\\boxed{72}$", 1.0),
+    ("72", "The answer is 72.\n#### ", 1.0),
+    ("72", "So she earns 72 dollars.\n#### 72\n#### Verification\n72 / 3 = 24", 1.0),
+    (r"\frac{1}{2}", "#### \\frac{1}{2}\n#### Check", 1.0),
 ])
 def test_hand_written_latex_answers(gold, completion, expected):
     """Claim: equal values in other LaTeX forms earn the reward (fractions, decimals, roots, sets, intervals,
     polynomials, π), other values do not, and a gold that does not parse is not scored (None, as TRL's
-    accuracy_reward)."""
+    accuracy_reward); a boxed answer is read first, then the last '####' that gives one (not an empty one, not a
+    Markdown heading)."""
     assert math_verify_reward([completion], [gold]) == [expected]
 
 

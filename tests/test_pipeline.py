@@ -25,6 +25,7 @@ from infra.timeline import Timeline
 from learner import Learner
 from packing import logprobs_fn
 from rollout import Evaluation, Group, IterationDone, rollout_iteration
+from conftest import learn_iteration
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = "tests/rewards.py:digit_fraction"
@@ -50,10 +51,19 @@ def run_training(cfg):
 SAME_THREADS = ["--rollout-threads", "1", "--train-threads", "1"]
 
 
+TRL_OPTIONS = [  # issue #32: steps that wait for the whole batch, μ passes over it, bnpo, masks, schedules
+    ["--scale-rewards", "batch", "--beta", "0", "--num-iterations", "2", "--loss-type", "bnpo",
+     "--lr-scheduler-type", "cosine", "--warmup-ratio", "0.3", "--groups-per-chunk", "3",
+     "--micro-batch-tokens", "60"],
+    ["--scale-rewards", "batch", "--updates-per-iteration", "2", "--num-iterations", "2", "--epsilon-low", "0.01",
+     "--epsilon-high", "0.01", "--groups-per-chunk", "3"]]
+
+
 @pytest.mark.parametrize("extra", [[], ["--updates-per-iteration", "2", "--epsilon-low", "0.01",
                                         "--epsilon-high", "0.01"],
                                    ["--groups-per-chunk", "3", "--micro-batch-tokens", "60",
-                                    "--updates-per-iteration", "2", "--epsilon-low", "0.01", "--epsilon-high", "0.01"]])
+                                    "--updates-per-iteration", "2", "--epsilon-low", "0.01", "--epsilon-high", "0.01"],
+                                   *TRL_OPTIONS])
 def test_async_equals_sync(tiny_model_dir, extra):
     """Claim: with the same thread counts on each side, async and sync are *bitwise* the same run: the same
     rollouts, the same metrics and, after several iterations, the same weights (torch.equal). The schedule changes
@@ -62,7 +72,9 @@ def test_async_equals_sync(tiny_model_dir, extra):
     per generate call and per training forward (4 prompts in chunks of 3, streamed in completion order, two
     mini-batches of 2 that the first chunk straddles, micro-batches capped at 60 tokens, i.e. one or two groups of
     4 x (~6 + <= 6) tokens): micro-batches are cut by arrival order, which is completion order, the same in both
-    modes."""
+    modes. And with TRL's options (issue #32): scale_rewards="batch" (the first step, or with β > 0 every pass,
+    waits for the last group), μ = 2 passes over the stored batch, bnpo's per-micro-batch means, a warmed-up
+    cosine schedule: every metric TRL logs is equal too."""
     sync_policy, sync_rows = run_training(make_cfg(tiny_model_dir, "--mode", "sync", *SAME_THREADS, *extra))
     async_policy, async_rows = run_training(make_cfg(tiny_model_dir, "--mode", "async", *SAME_THREADS, *extra))
     initial, _ = load_model(str(tiny_model_dir))
@@ -73,10 +85,38 @@ def test_async_equals_sync(tiny_model_dir, extra):
     assert len(sync_rows) == len(async_rows) == 4
     for s, a in zip(sync_rows, async_rows):
         for key in ("reward_mean", "reward_std", "response_length", "eval_reward", "kl", "clip_fraction", "loss",
-                    "grad_norm"):
+                    "grad_norm", "entropy", "learning_rate", "clip_fraction_low", "clip_fraction_high",
+                    "frac_reward_zero_std", "truncated_fraction"):
             assert s.get(key) == a.get(key), key
     if "--updates-per-iteration" in extra:
         assert max(r["clip_fraction"] for r in sync_rows[:-1]) > 0, "N > 1 updates should activate clipping"
+
+
+@pytest.fixture(scope="module")
+def dropout_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """The tiny model with attention dropout 0.5 (Qwen2 reads the rate at forward time, in training mode)."""
+    import json
+    import shutil
+    out = tmp_path_factory.mktemp("dropout") / "model"
+    shutil.copytree(tiny_model_dir, out)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.5}))
+    return out
+
+
+def test_a_model_with_dropout_trains_bitwise(dropout_model_dir):
+    """Claim (TRL's disable_dropout, on by default): the policy's dropout is set to 0 before training, so a model
+    with attention dropout 0.5 gives async == sync bitwise, and a rerun the same run. With --no-disable-dropout
+    the masks come from the random state, which the two modes leave in different places: the runs differ (what
+    the option prevents)."""
+    sync_policy, sync_rows = run_training(make_cfg(dropout_model_dir, "--mode", "sync", *SAME_THREADS))
+    async_policy, async_rows = run_training(make_cfg(dropout_model_dir, "--mode", "async", *SAME_THREADS))
+    assert all(torch.equal(p, q) for p, q in zip(sync_policy.parameters(), async_policy.parameters()))
+    assert [r.get("loss") for r in sync_rows] == [r.get("loss") for r in async_rows]
+    assert all(m.attention_dropout == 0.0 for m in sync_policy.modules() if hasattr(m, "attention_dropout"))
+    dropping = [run_training(make_cfg(dropout_model_dir, "--mode", mode, *SAME_THREADS, "--no-disable-dropout"))[0]
+                for mode in ("sync", "async")]
+    assert not all(torch.equal(p, q) for p, q in zip(*(policy.parameters() for policy in dropping)))
 
 
 @pytest.mark.slow
@@ -318,12 +358,7 @@ def test_batched_training_forward_gives_the_same_update(tiny_model_dir):
         learner = Learner(tri, torch.optim.SGD(policy.parameters(), lr=1.0), cfg, torch.device("cpu"),
                                       Timeline())
         learner.start(0)
-        for group in groups:
-            learner.take(group)
-            for micro_batch in learner.ready():
-                learner.accumulate(micro_batch)
-                if learner.minibatch_done():
-                    learner.step()
+        learn_iteration(learner, groups)
         learner.metrics()  # raises unless the iteration's step was taken
         trained.append([p.detach().clone() for p in policy.parameters()])
     initial, _ = load_model(str(tiny_model_dir))

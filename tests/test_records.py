@@ -17,7 +17,7 @@ from config import Config
 from infra import outputs
 from infra.checkpoint import CheckpointError, resumption
 from infra.options import given_options, parse_args
-from infra.records import RunRecord, git_commit
+from infra.records import RunRecord, absolute_paths, git_commit
 from infra.tracking import TensorBoard, Trackers, TrackingError, tracker_names
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -209,15 +209,47 @@ def test_a_resumed_run_keeps_its_run_id(tmp_path):
     assert first.run_id.startswith(tmp_path.name[:8])
 
 
+def test_config_json_records_paths_absolute_and_reruns_from_another_folder(tmp_path, monkeypatch):
+    """Claim (#32 point 7): config.json's paths are absolute (a local --data file, a local --model directory,
+    --cache-dir, --out, --trace, a --resume checkpoint, a reward file 'path.py:function'), while names that are no
+    local path (hub ids, built-in tasks and rewards, module:function, tiny) stay as given; so `--config` of it
+    from another folder finds the data and the reward file (validate checks --data exists), where the relative
+    record failed on --data."""
+    run, other = tmp_path / "run", tmp_path / "other"
+    (run / "model").mkdir(parents=True), other.mkdir()
+    (run / "data.jsonl").write_text('{"question": "1+1=", "answer": "2"}\n')
+    (run / "my_rewards.py").write_text("def f(prompt, completion, answer):\n    return 1.0\n")
+    monkeypatch.chdir(run)
+    cfg = parse_args(["--data", "data.jsonl", "--reward", "my_rewards.py:f", "--reward", "math", "--reward",
+                      "tests.rewards:digit_fraction", "--out", "out", "--trace", "t.json", "--cache-dir", "cache",
+                      "--sizes", "rule"])
+    (run / "out").mkdir()
+    RunRecord(Path("out"), ["trainer.py"], resumed=False).write(cfg)
+    record = json.loads((run / "out" / "config.json").read_text())
+    assert (record["data"], record["out"], record["trace"], record["cache_dir"], record["model"]) == \
+        (str(run / "data.jsonl"), str(run / "out"), str(run / "t.json"), str(run / "cache"), "tiny")
+    assert record["reward"] == [f"{run / 'my_rewards.py'}:f", "math", "tests.rewards:digit_fraction"]
+    assert absolute_paths(Config(model="model", resume="ckpt", data="openai/gsm8k")) == \
+        Config(model=str(run / "model"), resume=str(run / "ckpt"), data="openai/gsm8k")
+    monkeypatch.chdir(other)
+    rerun = parse_args(["--config", str(run / "out" / "config.json")])
+    assert rerun.data == str(run / "data.jsonl") and rerun.out is None
+    from infra.reward import load_rewards
+    assert load_rewards(rerun.reward[:1]) is not None  # the reward file, found from here
+
+
 def test_config_json_fed_back_reruns_the_same_options_and_flags_override_it(run_dir):
     """Claim: `--config <out>/config.json` resolves to the run's own options (its sizes included, so a rerun
-    batches alike), only `config` itself now naming the file; a flag on the command line overrides the file."""
+    batches alike), only `config` itself now naming the file and `out` left open (a rerun gets a folder of its own,
+    issue #32 point 6: the record's --out holds that run, and would be refused); a flag on the command line
+    overrides the file."""
     record = json.loads((run_dir / "config.json").read_text())
     options = Config(**{f.name: record[f.name] for f in dataclasses.fields(Config)})
     path = str(run_dir / "config.json")
-    assert parse_args(["--config", path]) == dataclasses.replace(options, config=path)
+    assert parse_args(["--config", path]) == dataclasses.replace(options, config=path, out=None)
     assert parse_args(["--config", path, "--iterations", "7", "--no-save"]) == \
-        dataclasses.replace(options, config=path, iterations=7, save=False)
+        dataclasses.replace(options, config=path, iterations=7, save=False, out=None)
+    assert parse_args(["--config", path, "--out", "elsewhere"]).out == "elsewhere"
     assert {"lr", "micro_batch_tokens", "iterations"} <= given_options(["--config", path])
 
 
@@ -263,7 +295,11 @@ def test_a_list_option_on_the_command_line_replaces_the_files(tmp_path):
 
 
 @pytest.mark.parametrize("text, fragment", [
-    ('{"lr": 0.1, "learning_rate": 1, "epochs": 2}', "unknown option(s) epochs, learning_rate: the keys are"),
+    ('{"lr": 0.1, "epochs": 2}', "unknown option epochs (the keys are"),
+    ('{"lr": 0.1, "iteration": 2}', "unknown option iteration: did you mean iterations?"),
+    ('{"per_device_train_batch_size": 4}', "per_device_train_batch_size is TRL's and means something else here: use "
+                                           "--batch-size"),
+    ('{"lr": 0.1, "learning_rate": 1}', "lr and learning_rate name the same option"),
     ('{"lr": 0.1,', "is not valid JSON"),
     ('[1, 2]', "must hold a mapping"),
     ('{"iterations": null}', "iterations: null is not a value of --iterations"),
@@ -314,20 +350,49 @@ def test_records_alone_are_no_previous_run_and_overwrite_deletes_them(tmp_path):
 
 
 # --- plot.py ---
-def test_plot_draws_the_four_panels_of_a_run(run_dir, tmp_path):
-    """Claim: `python plot.py RUN_DIR -o FILE` writes a PNG of the run; its figure has the four panels (reward with
-    the held-out points, KL, response length, busy/idle seconds of both processes) drawn from metrics.jsonl."""
+def test_plot_draws_the_panels_of_a_run(run_dir, tmp_path):
+    """Claim: `python plot.py RUN_DIR -o FILE` writes a PNG of the run; its figure has the reward with the held-out
+    points on top, the busy/idle seconds of both processes at the bottom, and between them the KL, response length,
+    loss, gradient norm and clipped tokens of each iteration, drawn from metrics.jsonl (#32: loss and grad norm)."""
     output = tmp_path / "run.png"
     assert plot.main([str(run_dir), "-o", str(output)]) == 0
     assert output.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = outputs.read_metrics(run_dir / "metrics.jsonl")
-    reward, kl, length, seconds = plot.figure(rows).axes
-    assert tuple(axes.get_title(loc="left") for axes in (reward, kl, length, seconds)) == plot.TITLES
+    fig = plot.figure(rows)
+    panels = {axes.get_title(loc="left"): axes for axes in fig.axes}
+    reward, seconds = fig.axes[0], fig.axes[-1]
+    assert (reward.get_title(loc="left"), seconds.get_title(loc="left")) == (plot.REWARD, plot.SECONDS)
     train, held_out = reward.get_lines()
     assert list(train.get_xdata()) == [0, 1, 2] and list(held_out.get_xdata()) == [0, 2, 3]  # eval every 2, final
     assert list(held_out.get_ydata()) == [row["eval_reward"] for row in rows if row["eval_reward"] is not None]
-    assert len(kl.get_lines()[0].get_xdata()) == 3 and len(length.get_lines()[0].get_xdata()) == 3
+    for title, key in [("KL to the reference", "kl"), ("response length (tokens)", "response_length"), ("loss", "loss"),
+                       ("grad norm (before clipping)", "grad_norm"), ("clipped tokens (fraction)", "clip_fraction")]:
+        line = next(line for line in panels[title].get_lines() if line.get_label() == key)
+        assert list(line.get_ydata()) == [row[key] for row in rows[:3]], title
     assert len(seconds.patches) == 4 * 3  # busy and idle of each process, per iteration
+
+
+def test_plot_draws_each_reward_and_the_trl_metrics_the_rows_hold(tmp_path):
+    """Claim (#32): with several rewards each is drawn alone (its mean ± std); the loss, gradient norm, learning rate,
+    entropy and TRL's clip ratios get a panel where the rows hold them, and none where they do not (an older run's
+    rows, a run with one reward), without an error."""
+    rows = [{"iteration": k, "reward_mean": 0.5, "reward_std": 0.1, "eval_reward": None, "response_length": 3.0,
+             "rewards/math/mean": 0.1 * k, "rewards/math/std": 0.2, "rewards/format/mean": 1.0, "rewards/format/std": 0,
+             "loss": -0.1, "grad_norm": 2.0 + k, "learning_rate": 1e-6 * (3 - k), "entropy": 1.5,
+             "clip_ratio/low_mean": 0.0, "clip_ratio/high_mean": 0.01, "kl": None} for k in range(3)]
+    panels = {axes.get_title(loc="left"): axes for axes in plot.figure(rows).axes}
+    assert list(panels) == [plot.REWARD, "reward math (unweighted)", "reward format (unweighted)",
+                            "KL to the reference", "response length (tokens)", "loss", "grad norm (before clipping)",
+                            "learning rate", "entropy (mean per token)", "clipped tokens (fraction)", plot.SECONDS]
+    assert list(panels["reward math (unweighted)"].get_lines()[0].get_ydata()) == [0.0, 0.1, 0.2]
+    assert list(panels["learning rate"].get_lines()[0].get_ydata()) == [3e-6, 2e-6, 1e-6]
+    assert [line.get_label() for line in panels["clipped tokens (fraction)"].get_lines()] == \
+        ["clip_ratio/low_mean", "clip_ratio/high_mean"]
+    bare = [{"iteration": k, "reward_mean": 0.5, "rewards/math/mean": 0.5} for k in range(2)]
+    assert [axes.get_title(loc="left") for axes in plot.figure(bare).axes] == \
+        [plot.REWARD, "KL to the reference", "response length (tokens)", plot.SECONDS]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert plot.main([str(tmp_path)]) == 0 and (tmp_path / "metrics.png").is_file()
 
 
 def test_plot_without_metrics_says_so_in_one_line(tmp_path, capsys):
@@ -347,7 +412,10 @@ ROW = '{"iteration": 0, "reward_mean": 0.5, "reward_std": 0.1, "eval_reward": nu
     (ROW + '{"iteration": 1, "kl": "0.1"}\n', r"""line 2, has a string "0.1" under 'kl', not a number"""),
     (ROW.encode() + b'{"iteration": 1, "note": "\xff"}\n', r"line 2, is not UTF-8 text \(byte 0xff at column 27\)"),
     (ROW + "{not json\n" + ROW, r"line 2, is not JSON"),
-], ids=["not-an-object", "no-iteration", "not-a-number", "not-utf8", "not-json"])
+    (ROW + '{"iteration": 1, "learning_rate": [1]}\n', r"line 2, has an array \[1\] under 'learning_rate'"),
+    (ROW + '{"iteration": 1, "rewards/f/mean": true}\n', r"line 2, has true or false true under 'rewards/f/mean'"),
+], ids=["not-an-object", "no-iteration", "not-a-number", "not-utf8", "not-json", "lr-not-a-number",
+        "reward-not-a-number"])
 def test_plot_of_a_file_that_is_not_metrics_is_one_line(tmp_path, text, said):
     """Claim (#33 point 12): plot.py on a metrics.jsonl that trainer.py did not write (a line that is JSON but not an
     object, a row without iteration, text where a number is drawn, a byte that is not UTF-8, a line that is not

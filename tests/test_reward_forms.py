@@ -1,11 +1,13 @@
 """infra/reward.py's two forms and several weighted rewards (issue #15, point 2): a TRL-style batched reward gets TRL's
 keyword lists, its failures are one line each, None is 'not scored', and weighted rewards add up and are logged
 each on its own, in both modes."""
+import asyncio
 import functools
 import json
 import math
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -16,7 +18,19 @@ import torch
 import grpo
 from infra import checkpoint
 from infra.options import parse_args
-from infra.reward import RewardError, Rewards, is_batched, score_group, weighted_total
+from infra.reward import (
+    RewardError,
+    Rewards,
+    is_batched,
+    load_rewards,
+    needed_columns,
+    score,
+    score_batch,
+    score_group,
+    trainer_state,
+    trl_arguments,
+    weighted_total,
+)
 from learner import mean_std
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,27 +54,169 @@ def test_the_form_is_told_by_the_parameter_names(function, batched):
     assert is_batched(function) is batched
 
 
-@pytest.mark.parametrize("prompt, columns, completions", [
-    ("1+1=", {}, ["2", "3"]),
-    ([{"role": "user", "content": "1+1?"}], {"level": 1},
+@pytest.mark.parametrize("prompt, answer, columns, completions", [
+    ("1+1=", "2", {}, ["2", "3"]),
+    ([{"role": "user", "content": "1+1?"}], "2", {"level": 1},
      [[{"role": "assistant", "content": "2"}], [{"role": "assistant", "content": "3"}]]),
-    ("1+1=", {"answer": "1+1 = 2\n#### 2", "prompt": "hidden"}, ["2", "3"]),
-], ids=["text", "conversation", "own-answer-column"])
-def test_a_batched_reward_gets_trls_keyword_lists(prompt, columns, completions):
+    ("1+1=", "2", {"answer": "1+1 = 2\n#### 2", "prompt": "hidden", "trainer_state": "column"}, ["2", "3"]),
+    ("Say hi", None, {"target_len": 3}, ["2", "3"]),
+], ids=["text", "conversation", "own-answer-column", "prompt-only"])
+def test_a_batched_reward_gets_trls_keyword_lists(prompt, answer, columns, completions):
     """Claim: a batched reward is called once per group, with keywords only, as TRL's _calculate_rewards calls it:
-    prompts and completions (a conversation's completions as assistant messages), completion_ids, and each dataset
-    column as a list of G values; `answer` is the gold answer unless the row has its own `answer` column (passed as
-    it is); a column named prompt/completion/completion_ids is left out, as TRL does. None means 'not scored' (NaN)."""
-    calls = []
+    prompts and completions (a conversation's completions as assistant messages), completion_ids, each dataset
+    column as a list of G values, and trainer_state; `answer` is the gold answer unless the row has its own `answer`
+    column (passed as it is), and not there when the data has none (a prompt-only dataset); a column named
+    prompt/completion/completion_ids/trainer_state is left out, as TRL does. None means 'not scored' (NaN)."""
+    calls, state = [], object()
 
     def recorder(*args, **kwargs):  # **kwargs alone: the batched form
         calls.append((args, kwargs))
         return [1.0, None]
-    values = score_group(Rewards([recorder], [1.0]), prompt, "2", columns, ["2", "3"], [[5, 0], [6]])
-    expected = {"prompts": [prompt, prompt], "completions": completions, "completion_ids": [[5, 0], [6]],
-                "answer": [columns.get("answer", "2")] * 2, **{k: [v] * 2 for k, v in columns.items() if k != "prompt"}}
+    values = score_group(Rewards([recorder], [1.0]), prompt, answer, columns, ["2", "3"], [[5, 0], [6]], state=state)
+    gold = {} if answer is None else {"answer": [answer] * 2}
+    expected = {"prompts": [prompt, prompt], "completions": completions, "completion_ids": [[5, 0], [6]], **gold,
+                **{k: [v] * 2 for k, v in columns.items() if k not in ("prompt", "trainer_state")},
+                "trainer_state": state}
     assert calls == [((), expected)]
     assert values[0][0] == 1.0 and math.isnan(values[0][1])
+
+
+def reward_len(completions, **kwargs):  # the issue's prompt-only example
+    return [-abs(20 - len(completion)) for completion in completions]
+
+
+@pytest.mark.parametrize("function, columns", [
+    (lambda prompt, completion, answer: 1.0, ["answer"]),
+    (lambda prompt, completion, answer=None: 1.0, []),
+    (lambda prompt, completion, *rest: 1.0, []),
+    (reward_len, []),
+    (accuracy_reward, ["solution"]),
+    (functools.partial(accuracy_reward, solution=["1"]), []),
+    (lambda completions, answer, trainer_state, completion_ids, **kwargs: [], ["answer"]),
+    (lambda prompts, completions, *, level, weight=1.0, **kwargs: [], ["level"]),
+], ids=["plain", "plain-default", "plain-args", "reward_len", "accuracy_reward", "partial", "trl-keywords",
+        "keyword-only"])
+def test_the_columns_a_reward_needs_are_read_from_its_parameters(function, columns):
+    """Claim: a plain reward needs the gold answer (its third argument, unless that has a default); a TRL-style one
+    needs each parameter without a default that TRL's own keywords (prompts, completions, completion_ids,
+    trainer_state) do not fill: math-verify 'answer', TRL's accuracy_reward 'solution', reward_len nothing."""
+    assert needed_columns(function) == columns
+
+
+def test_the_run_names_the_reward_that_needs_a_column():
+    """Claim: Rewards.needed_columns maps each needed column to the first --reward that needs it, as given."""
+    rewards = load_rewards(["tests/rewards.py:length_reward", "math-verify", "math"])
+    assert rewards.needed_columns() == {"target_len": "--reward tests/rewards.py:length_reward",
+                                        "answer": "--reward math-verify"}
+    assert Rewards([reward_len], [1.0]).needed_columns() == {}
+
+
+def test_a_reward_that_needs_an_answer_without_one_is_one_line():
+    """Claim: scoring a group whose example has no gold answer with a reward that needs one (data.load_task refuses
+    that data first) is one RewardError line naming the function, never a crash inside it."""
+    def plain(prompt, completion, answer):
+        return 1.0
+    with pytest.raises(RewardError, match=r"^reward function 'plain' needs the gold answer, and the data has none"):
+        score_group(Rewards([plain], [1.0]), "p", None, {}, ["x"], [[1]])
+    assert score_group(Rewards([reward_len], [1.0]), "p", None, {}, ["x" * 20], [[1]]) == [[0.0]]
+
+
+def test_trainer_state_is_transformers_with_the_runs_steps():
+    """Claim: trainer_state is a transformers.TrainerState (TRL passes its Trainer's): global_step counts the
+    optimizer steps before iteration k's rollouts (k x --updates-per-iteration), max_steps the run's, epoch the passes
+    over the training prompts so far; a batched reward gets it by keyword, a fresh one when none is given."""
+    from transformers import TrainerState
+    cfg = parse_args(["--iterations", "10", "--batch-size", "64", "--group-size", "8"])  # 8 prompts an iteration
+    state = trainer_state(cfg, iteration=3, num_examples=32)
+    assert isinstance(state, TrainerState)
+    assert (state.global_step, state.max_steps, state.epoch, state.num_train_epochs) == (3, 10, 0.75, 3)
+    two = trainer_state(parse_args(["--iterations", "10", "--updates-per-iteration", "2"]), 3, 32)
+    assert (two.global_step, two.max_steps) == (6, 20)
+    assert trl_arguments("p", "1", {}, ["x"], [[1]])["trainer_state"] == TrainerState()
+
+
+# --- async rewards (TRL 1.16 awaits them concurrently) ---
+def test_async_rewards_are_awaited_together_after_the_sync_ones():
+    """Claim: `async def` rewards of either form are awaited (batched: one call per group; plain: one per
+    completion), all of a group's async calls concurrently (two 0.3 s waits, a batched one and a plain one over 2
+    completions, take ~0.3 s, not 0.9 s), after the sync rewards, which run first and in order; the values come back
+    in reward order; and the calls run on one event loop that outlives them (a client bound to it keeps working)."""
+    order, loops = [], []
+
+    async def slow_batched(prompts, completions, **kwargs):
+        order.append("async batched")
+        loops.append(asyncio.get_running_loop())
+        await asyncio.sleep(0.3)
+        return [1.0, None]
+
+    async def slow_plain(prompt, completion, answer):
+        order.append("async plain")
+        loops.append(asyncio.get_running_loop())
+        await asyncio.sleep(0.3)
+        return len(completion)
+
+    def sync_batched(completions, **kwargs):
+        order.append("sync")
+        return [0.5, 0.5]
+    rewards = Rewards([slow_batched, sync_batched, slow_plain], [1.0, 1.0, 1.0])
+    start = time.monotonic()
+    values = score_group(rewards, "p", "a", {}, ["x", "yz"], [[1], [2]], time_limit=5)
+    assert time.monotonic() - start < 0.6
+    assert values[0][0] == 1.0 and math.isnan(values[0][1]) and values[1:] == [[0.5, 0.5], [1.0, 2.0]]
+    assert order == ["sync", "async batched", "async plain", "async plain"]
+    score_group(rewards, "p", "a", {}, ["x", "yz"], [[1], [2]])
+    assert len(set(loops)) == 1 and loops[0].is_running()  # the same loop, still running, for the next group
+    assert score(slow_plain, "p", "abc", "a") == 3.0  # the one-call helpers await too
+    assert score_batch(slow_batched, {"prompts": ["p"] * 2, "completions": ["x", "y"]})[0] == 1.0
+
+
+def test_an_async_reward_that_fails_is_one_line_naming_it():
+    """Claim: an async reward that raises (SystemExit too), runs past --reward-timeout (the group's async calls share
+    the clock, from their common start) or returns something that is not a reward is one RewardError line naming
+    it and the sample, as a sync one; the event loop survives it and serves the next call."""
+    async def broken(prompts, completions, **kwargs):
+        raise ValueError("broken on purpose")
+
+    async def exiting(prompt, completion, answer):
+        sys.exit(3)
+
+    async def stuck(prompts, completions, **kwargs):
+        await asyncio.sleep(60)
+
+    async def wrong(prompts, completions, **kwargs):
+        return "1.0"
+
+    async def fine(prompts, completions, **kwargs):
+        await asyncio.sleep(0.1)
+        return [1.0] * len(completions)
+    group = ("p", "a", {}, ["x", "y"], [[1], [2]])
+    with pytest.raises(RewardError, match=r"broken' raised ValueError: broken on purpose \(prompt 'p', 2 completions"):
+        score_group(Rewards([fine, broken], [1.0, 1.0]), *group)
+    with pytest.raises(RewardError, match=r"exiting' raised SystemExit: 3 \(prompt 'p', completion 'x', answer 'a'\)"):
+        score_group(Rewards([exiting], [1.0]), *group)
+    start = time.monotonic()
+    with pytest.raises(RewardError, match=r"stuck' did not return within 0.5 s \(--reward-timeout"):
+        score_group(Rewards([fine, stuck], [1.0, 1.0]), *group, time_limit=0.5)
+    assert time.monotonic() - start < 2
+    with pytest.raises(RewardError, match=r"wrong' returned a str \('1.0'\): return a list of 2 numbers"):
+        score_group(Rewards([wrong], [1.0]), *group)
+    assert score_group(Rewards([fine], [1.0]), *group) == [[1.0, 1.0]]
+    assert next(t for t in threading.enumerate() if t.name == "reward-event-loop").daemon
+
+
+def test_a_sync_reward_failing_leaves_no_coroutine_unawaited(recwarn):
+    """Claim: when a sync reward fails after an async one was called, the async one's coroutine is closed, not left
+    to warn 'never awaited'."""
+    async def later(prompts, completions, **kwargs):
+        return [1.0] * len(completions)
+
+    def broken(prompts, completions, **kwargs):
+        raise ValueError("no")
+    with pytest.raises(RewardError, match="broken' raised ValueError"):
+        score_group(Rewards([later, broken], [1.0, 1.0]), "p", "a", {}, ["x"], [[1]])
+    import gc
+    gc.collect()
+    assert not [w for w in recwarn if "never awaited" in str(w.message)]
 
 
 def test_a_plain_reward_is_called_once_per_completion():
@@ -167,6 +323,39 @@ def test_a_checkpoint_with_the_old_single_reward_resumes(tmp_path):
     for argv, option in ((["--reward", "math-verify"], "--reward"), (["--reward-weights", "0.5"], "--reward-weights")):
         with pytest.raises(checkpoint.CheckpointError, match=f"^{option} .* differs from the checkpoint's"):
             checkpoint.resumed_config(parse_args(argv), {option[2:].replace("-", "_")}, state)
+
+
+@pytest.mark.slow
+def test_a_prompt_only_dataset_with_trl_rewards_in_both_modes(tiny_model_dir, tmp_path):
+    """Claim (issue #32, points 1 and 4): a prompt-only dataset (TRL's 'prompt' column and a 'target_len' column, no
+    answer) trains with TRL-style rewards, in both modes: an async one that reads the column and trainer_state, and
+    one that returns trainer_state.global_step, which is the iteration's index; the async run (rewards and examples in
+    the inference process) logs what the sync run logs. With --reward math the same data is refused before a model
+    loads, in one line naming the reward and the column."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+{i % 7}=", "target_len": 1 + i % 3}) + "\n"
+                            for i in range(40)))
+    args = [sys.executable, "trainer.py", "--model", str(tiny_model_dir), "--data", str(data), "--iterations", "3",
+            "--batch-size", "8", "--group-size", "4", "--max-new-tokens", "4", "--eval-every", "1", "--eval-size", "4",
+            "--eval-samples", "2", "--groups-per-chunk", "2", "--micro-batch-tokens", "16384", "--rollout-threads",
+            "1", "--train-threads", "1", "--no-save"]
+    rows = {}
+    for mode in ("sync", "async"):
+        result = subprocess.run([*args, "--mode", mode, "--out", str(tmp_path / mode), "--reward",
+                                 "tests/rewards.py:length_reward", "--reward", "tests/rewards.py:step_reward"],
+                                cwd=ROOT, capture_output=True, text=True, timeout=180)
+        assert result.returncode == 0, result.stderr
+        rows[mode] = [json.loads(line) for line in (tmp_path / mode / "metrics.jsonl").read_text().splitlines()]
+    iterations = [row for row in rows["sync"] if not row.get("final")]
+    assert [row["rewards/step_reward/mean"] for row in iterations] == [0.0, 1.0, 2.0]
+    assert all(row["rewards/length_reward/mean"] <= 0 for row in iterations)
+    keys = [key for key in rows["sync"][0] if key.startswith("reward") or key == "eval_reward"]
+    assert [[row.get(k) for k in keys] for row in rows["sync"]] == [[row.get(k) for k in keys] for row in rows["async"]]
+    result = subprocess.run([*args, "--mode", "sync", "--out", str(tmp_path / "math")], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert (f"--reward math needs a gold answer, and {data} (train split) has no column 'answer' to take it from; its "
+            "columns are 'prompt', 'target_len'.") in result.stderr
 
 
 @pytest.mark.slow

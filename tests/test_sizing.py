@@ -113,6 +113,17 @@ def test_in_turns_takes_the_least_generation_and_the_whole_training():
     assert sizing.in_turns(probe, 16, 16384, calls=4)[0] == 4
 
 
+def test_with_ranks_every_sampler_gets_a_call():
+    """Claim (#32, torchrun probing): the sizes chosen for M ranks x N workers give at least M·N generate calls
+    (`min_calls`), where the single process would take one (a fixed cost per step favours one call): a rank with no
+    call would sit idle, and distributed.check refuses that."""
+    fixed = probe_of([4] * 16, step=(0.01, 0.0), per_token=1e-6)
+    assert sizing.best_sizes(fixed, 16384)[0] == 1 and sizing.in_turns(fixed, 16, 16384)[0] == 1
+    assert sizing.best_sizes(fixed, 16384, min_calls=2)[0] == 2
+    assert sizing.best_sizes(fixed, 16384, min_calls=3)[0] == 4  # the probe's next call count: calls of 4 prompts
+    assert sizing.in_turns(fixed, 16, 16384, min_calls=2)[0] == 2
+
+
 @pytest.mark.slow
 def test_probe_changes_nothing_and_choose_fills_only_open_sizes(tiny_model_dir, monkeypatch):
     """Claim: the probe leaves the RNG state, the weights and the gradients as they were (the run that follows is

@@ -23,17 +23,40 @@ from infra.tasks import Example, TaskError
     ("It costs 1,234,567 in total", "1234567"),
     ("no digits here", None),
     ("", None),
+    # as instruct models write GSM8K answers (issue #32, point 8): a '####' that gives no number is not the answer
+    ("#### Step 1: Eggs\n16 - 3 - 4 = 9\n#### Step 2: Total $2 * 9 = 18$, so $\\boxed{18}$", "18"),
+    ("#### Step 2: Total 24 + 48 = 72 $\\boxed{72}$", "72"),
+    ("The answer is 72.\n#### ", "72"),
+    ("#### 1. Add\n24 + 48 = 72\n#### 2. Check\n72 - 48 = 24, and 24 + 48 = 72.", "72"),  # headings' numbers
+    ("So she earns 72 dollars.\n#### 72\n#### Verification\n72 / 3 = 24", "72"),  # the last '#### N'
+    ("#### **72**", "72"),
+    ("Final Answer: $72", "72"),
+    ("The answer is:\n\n**18**", "18"),
+    ("\\boxed{\\$1{,}080}", "1080"),
+    ("\\boxed{18 \\text{ eggs}}", "18"),
+    ("\\boxed{\\textbf{-3}} with 5 left", "-3"),
+    ("\\boxed{25\\%}", "25"),
+    ("\\boxed{x = 5}", "5"),
+    ("so \\boxed{\\frac{1}{2}} of 4", None),  # LaTeX other than a number: not read as its digits
+    ("3 apples, then \\boxed{4", "4"),  # cut off inside the box: no box, the last number
 ])
 def test_extract_final_number(completion, expected):
-    """Claim: '#### N', \\boxed{N}, 'the answer is N' and the last number are recognised, with '$', thousands
-    commas and a trailing '.' stripped and the number canonicalised (18.00 -> 18, -4 and 2.5 kept)."""
+    """Claim: \\boxed{N}, '#### N', 'the answer is N' / 'answer: N' and the last number are recognised, with '$',
+    thousands commas and a trailing '.' stripped and the number canonicalised (18.00 -> 18, -4 and 2.5 kept); a
+    '####' that gives no number (an empty one at the end, a Markdown heading) is not taken for the answer, nor is a
+    heading's step number; a box's LaTeX around the number (\\text{}, \\$, {,}, \\%) is dropped."""
     assert tasks.extract_final_number(completion) == expected
 
 
 def test_format_priority():
-    """Claim: an explicit '####' answer wins over numbers written after it, and \\boxed over earlier numbers."""
+    """Claim: the documented order: \\boxed first, then the last '#### N' (which wins over numbers written after
+    it), then the last 'the answer is N', then the last number."""
+    assert tasks.extract_final_number("\\boxed{5}\n#### 7") == "5"
     assert tasks.extract_final_number("#### 7\nCheck: 3 + 4 = 7, and 10 more") == "7"
     assert tasks.extract_final_number("\\boxed{5} since 2 + 3") == "5"
+    assert tasks.extract_final_number("The answer is 6. #### 8 Then 9") == "8"
+    assert tasks.extract_final_number("The answer is 6, not 7. Then 9") == "6"
+    assert tasks.extract_final_number("The answer is 6. The answer is 7 and 8.\nSo 9") == "7"
 
 
 @pytest.mark.parametrize("completion, answer, reward", [
@@ -44,6 +67,8 @@ def test_format_priority():
     ("I don't know", "18", 0.0),
     ("2.5", "2.50", 1.0),
     ("-3", "3", 0.0),
+    ("#### Step 2: Total of 24 + 48\n$\\boxed{72}$", "72", 1.0),  # issue #32's: the '####' gave 2
+    ("The answer is 72.\n#### ", "72", 1.0),  # issue #32's: the empty '####' gave nothing
 ])
 def test_math_reward(completion, answer, reward):
     """Claim: the reward is 1.0 exactly when the final number equals the answer numerically."""
@@ -77,16 +102,36 @@ def test_load_task_builtin_arithmetic():
 
 # --- prompts ---
 def test_prompt_token_ids_raw_text_or_chat_template():
-    """Claim: a tokenizer without a chat template gets the raw question; with one, the template wraps the
-    question with the system instruction and ends with the assistant's generation prompt."""
+    """Claim: a tokenizer without a chat template gets the raw question; with one, the template wraps the question
+    as the user's message, with no system message added (issue #32, point 2), and ends with the assistant's
+    generation prompt."""
     from infra.models import tiny_tokenizer
     tokenizer = tiny_tokenizer()
     assert tasks.prompt_token_ids(tokenizer, "37+45=") == tokenizer.encode("37+45=", add_special_tokens=False)
     tokenizer.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
                                "{% if add_generation_prompt %}<assistant>{% endif %}")
     text = tokenizer.decode(tasks.prompt_token_ids(tokenizer, "What is 2+2?"))
-    assert text == f"<system>{tasks.SYSTEM_PROMPT}\n<user>What is 2+2?\n<assistant>"
-    assert "####" in tasks.SYSTEM_PROMPT  # the format extract_final_number looks for first
+    assert text == "<user>What is 2+2?\n<assistant>"
+
+
+def test_a_system_prompt_only_where_asked():
+    """Claim: --system-prompt is none by default (None or blank), a text as given, or 'math' for the GSM8K preset
+    (SYSTEM_PROMPT, which asks for the '#### N' extract_final_number reads); it makes a text prompt a [system, user]
+    conversation and goes in front of a conversation, leaving answer and columns as they are; a conversation with
+    its own system message is refused in one line."""
+    assert tasks.system_prompt_text(None) is None and tasks.system_prompt_text("  ") is None
+    assert tasks.system_prompt_text("math") == tasks.SYSTEM_PROMPT and "####" in tasks.SYSTEM_PROMPT
+    assert tasks.system_prompt_text("Be brief.") == "Be brief."
+    example = Example("What is 2+2?", "4", {"level": 1})
+    assert tasks.with_system_prompt(example, None) is example
+    given = tasks.with_system_prompt(example, "Be brief.")
+    assert given.prompt == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
+    assert (given.answer, given.columns) == ("4", {"level": 1})
+    chat = Example([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+                    {"role": "user", "content": "2+2?"}], "4")
+    assert tasks.with_system_prompt(chat, "S").prompt == [{"role": "system", "content": "S"}, *chat.prompt]
+    with pytest.raises(TaskError, match=r"^--system-prompt: a prompt of d.jsonl has its own system message \('Own'\)"):
+        tasks.with_system_prompt(Example([{"role": "system", "content": "Own"}], "1"), "S", "d.jsonl")
 
 
 def test_example_is_frozen():

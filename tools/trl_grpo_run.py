@@ -15,8 +15,8 @@ directory as the reference; 16 raw-text prompts "a+b=" per step from `tasks.arit
 (a `datasets.Dataset` in TRL's standard format, columns "prompt" and "answer"; TRL tokenizes them to
 exactly `tasks.prompt_token_ids`, no BOS or other special token: checked at start-up). With `--model DIR
 --data GSM8K --device cuda` (the GPU comparison, e.g. tools/qwen_shaped_random.py's directory): GSM8K
-questions after tasks.SYSTEM_PROMPT in TRL's conversational format (the same token ids as periodic-rl's,
-checked), the model on the GPU with bf16 autocast over float32 weights (bf16=True). G = 8 samples
+questions after tasks.SYSTEM_PROMPT in TRL's conversational format (the same token ids as periodic-rl's with
+--system-prompt math, checked), the model on the GPU with bf16 autocast over float32 weights (bf16=True). G = 8 samples
 each = 128 completions of at most 8 tokens from HF `generate` (temperature 1, top-p 1, top-k 0 = off,
 no repetition penalty), `tasks.math_reward` as the reward, std-scaled group advantages, the dapo
 loss with beta 0.04 (k3 KL with TRL 1.16's default bias correction), clip 0.2 both sides, one
@@ -105,7 +105,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--data", default=None,
                         help="with a model directory: GSM8K-style prompts (a directory of train.jsonl/test.jsonl or "
                              "a file, read by periodic-rl's data.load_data), in the chat template after "
-                             "tasks.SYSTEM_PROMPT as periodic-rl does")
+                             "tasks.SYSTEM_PROMPT as periodic-rl's --system-prompt math puts them")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: the model on the GPU and bf16 autocast with float32 master weights (TRL's "
                              "bf16=True), as periodic-rl's --dtype auto trains there (it samples from a bf16 copy)")
@@ -190,13 +190,12 @@ def main(argv: list[str] | None = None) -> None:
         prompts = [e.prompt for e in examples]
         # TRL tokenizes standard-format prompts with `processing_class(text=prompts)` (GRPOTrainer._tokenize_prompts)
         trl_ids = tokenizer(text=prompts)["input_ids"]
-    else:  # as periodic-rl prompts a chat model: system prompt + question, in TRL's conversational format
+    else:  # as periodic-rl prompts a chat model with --system-prompt math: [system, question], TRL's conversations
         from infra.data import load_data
         if not getattr(tokenizer, "chat_template", None):
             raise SystemExit(f"error: {args.model} has no chat template; the GSM8K prompts are chat messages")
-        examples = load_data(args.data, None, "train", "question", "answer", 64)[0]  # periodic-rl's train split
-        prompts = [[{"role": "system", "content": tasks.SYSTEM_PROMPT}, {"role": "user", "content": e.prompt}]
-                   for e in examples]
+        examples = load_data(args.data, None, "train", "question", "answer", 64, system_prompt="math")[0]  # its train
+        prompts = [e.prompt for e in examples]
         # TRL tokenizes conversations with one apply_chat_template(tokenize=True) call (_tokenize_prompts)
         trl_ids = tokenizer.apply_chat_template(prompts[:64], add_generation_prompt=True, tokenize=True,
                                                 return_dict=True)["input_ids"]

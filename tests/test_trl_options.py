@@ -1,0 +1,310 @@
+"""TRL's training options (issue #32): the learning-rate schedule, scale_rewards, mask_truncated_completions,
+num_iterations (μ), bnpo, disable_dropout, and the metrics TRL logs, each against a reference computed in one
+piece. The learner's runs here are in float64 but for Qwen2's RMSNorm, which computes in float32 whatever the
+model's dtype (as every Hugging Face Llama-family norm): a gradient scaled at another point (1/D or 1/s before
+or after the backward) rounds differently there, by up to 2^-24 ≈ 6e-8 relative per norm and element, summed
+over the tiny model's 5 norms (1.2e-7 of the largest gradient element measured). The check allows 1e-5, while
+each wrong normalisation or scale checked here is off by 3% or more (dapo's D of one mini-batch against the
+batch's / 2: 17 or 14 against 15.5 tokens; an unscaled A: std_batch + eps = 0.96)."""
+import copy
+import dataclasses
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import grpo
+from config import LR_SCHEDULERS, SCALE_REWARDS
+from infra.models import load_model
+from infra.options import parse_args
+from infra.timeline import Timeline
+from launch import setup
+from learner import Learner, minibatch_of
+from rollout import Group
+from conftest import learn_iteration
+
+ROOT = Path(__file__).resolve().parents[1]
+EOS, G, MAX_NEW = 0, 4, 4
+# 4 prompts x 4 responses: rewards with unequal group stds, one all-equal group (frac_reward_zero_std), responses
+# that stop with EOS and some cut at MAX_NEW tokens without it (truncated)
+REWARDS = [[1.0, 0.0, 0.0, 0.5], [2.0, 2.0, 2.0, 2.0], [0.0, 3.0, 1.0, 1.0], [0.25, 0.0, 1.0, 0.0]]
+RESPONSES = [[[5, 6, 7, EOS], [8, EOS], [9, 10, 11, 12], [13, 14, EOS]],
+             [[15, EOS], [16, 17, 18, 19], [20, 21, 22, EOS], [23, EOS]],
+             [[24, 25, 26, 27], [28, 29, EOS], [30, EOS], [31, 32, 33, 34]],
+             [[35, 36, EOS], [37, 38, 39, 40], [41, EOS], [42, 43, 44, EOS]]]
+PROMPTS = [[50, 51, 52], [53, 54], [55, 56, 57, 58], [59, 60, 61]]
+
+
+def make_groups(scale_rewards: str) -> list[Group]:
+    """The groups as the inference side sends them (rollout.py: group_advantages of each group alone)."""
+    return [Group(0, j, 0, PROMPTS[j], RESPONSES[j], REWARDS[j],
+                  grpo.group_advantages(torch.tensor(REWARDS[j]), G, scale_rewards).tolist(), chunk=(0, 4),
+                  rewards_per_function=[REWARDS[j]]) for j in range(4)]
+
+
+class RecordingSGD(torch.optim.SGD):
+    """SGD that keeps a copy of the gradient of each step."""
+
+    def __init__(self, params, lr: float):
+        super().__init__(params, lr=lr)
+        self.grads: list[list[torch.Tensor]] = []
+
+    def step(self, closure=None):
+        self.grads.append([p.grad.clone() for group in self.param_groups for p in group["params"]])
+        return super().step(closure)
+
+
+def config(model_dir, *options):
+    return parse_args(["--model", str(model_dir), "--batch-size", "16", "--group-size", str(G), "--max-new-tokens",
+                       str(MAX_NEW), "--sizes", "rule", "--groups-per-chunk", "4", "--micro-batch-tokens", "1",
+                       "--max-grad-norm", "0", *map(str, options)])
+
+
+def tri_model(cfg, model_dir):
+    """θ_0 in float64 with a reference moved off θ_0 (so that the KL term has a gradient) and θ_old when needed."""
+    policy, _ = load_model(str(model_dir))
+    policy.double()
+    tri = setup.build_tri_model(dataclasses.replace(cfg, beta=0.04), policy, pad_id=1)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in tri.reference.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=generator, dtype=p.dtype))
+    if cfg.beta == 0:
+        tri.reference = None
+    return tri
+
+
+def learner_run(cfg, tri, groups, lr=0.5, scheduler_of=None):
+    """One iteration through the Learner as periodic_rl.train drives it: groups in arrival order, ready micro-batches
+    (here one group each: --micro-batch-tokens 1), a step whenever a mini-batch is done."""
+    optimizer = RecordingSGD(tri.policy.parameters(), lr)
+    scheduler = scheduler_of(optimizer) if scheduler_of else None
+    learner = Learner(tri, optimizer, cfg, torch.device("cpu"), Timeline(), reward_names=["r"], scheduler=scheduler,
+                      stop_ids=[EOS])
+    tri.start_iteration()
+    learner.start(0)
+    learn_iteration(learner, groups)
+    return learner.metrics(), optimizer.grads
+
+
+def batch_of(groups):
+    return [(torch.tensor(g.prompt_ids), [torch.tensor(r) for r in g.responses]) for g in groups]
+
+
+def reference_run(cfg, tri, groups, lr=0.5):
+    """The same steps written out in one piece per optimizer step, TRL's formulas: advantages (r - mean_group) /
+    (std_batch + eps) (or per group), truncated responses masked, D per loss type (dapo: the batch's tokens / N
+    steps; grpo: the mini-batch's sequences; bnpo: the mean of each micro-batch's token mean, a micro-batch being
+    one group here), μ passes over the mini-batches in order, the ratio against θ_k's log-probs."""
+    N, passes = cfg.updates_per_iteration, cfg.num_iterations
+    params = list(tri.policy.parameters())
+    blocks = [[g for g in groups if minibatch_of(g.index, 4, N) == b] for b in range(N)]
+    keep = {g.index: [not (cfg.mask_truncated_completions and len(r) == MAX_NEW and r[-1] != EOS)
+                      for r in g.responses] for g in groups}
+    if cfg.scale_rewards == "batch":
+        divisor = float(grpo.batch_std(torch.tensor([r for g in groups for r in g.rewards])) + 1e-4)
+        advantages = {g.index: torch.tensor(g.advantages, dtype=torch.float64) / divisor for g in groups}
+    else:
+        advantages = {g.index: torch.tensor(g.advantages, dtype=torch.float64) for g in groups}
+    with torch.no_grad():
+        old = {g.index: tri.logprobs(tri.policy, batch_of([g]))[0] for g in groups}  # θ_k's
+    tokens = sum(len(r) for g in groups for r, k in zip(g.responses, keep[g.index]) if k)
+    grads = []
+    for step in range(N * passes):
+        block = blocks[step % N]
+        losses = []
+        for part in ([[g] for g in block] if cfg.loss_type == "bnpo" else [block]):
+            logp, _, ref_logp, mask = tri(batch_of(part))
+            old_logp = torch.cat([torch.nn.functional.pad(old[g.index], (0, logp.shape[1] - old[g.index].shape[1]))
+                                  for g in part])
+            mask = mask & torch.tensor([k for g in part for k in keep[g.index]])[:, None]
+            normalizer = {"dapo": tokens / N, "grpo": sum(len(g.responses) for g in block),
+                          "bnpo": max(int(mask.sum()), 1) * len(block)}[cfg.loss_type]
+            loss, _ = grpo.grpo_loss(logp, old_logp, ref_logp, torch.cat([advantages[g.index] for g in part]), mask,
+                                     beta=cfg.beta, loss_type=cfg.loss_type, max_new_tokens=MAX_NEW,
+                                     normalizer=normalizer)
+            losses.append(loss)
+        grad = torch.autograd.grad(sum(losses), params)
+        with torch.no_grad():
+            for p, g in zip(params, grad):
+                p.add_(g, alpha=-lr)
+        grads.append(grad)
+    return grads
+
+
+def assert_same_steps(learned, reference):
+    assert len(learned) == len(reference)
+    for step, (ours, theirs) in enumerate(zip(learned, reference)):
+        scale = max(t.abs().max().item() for t in theirs)
+        assert scale > 1e-6, "a zero gradient would make the comparison vacuous"
+        worst = max((a - b).abs().max().item() for a, b in zip(ours, theirs))
+        assert worst <= 1e-5 * scale, f"step {step}: {worst:.3g} off a gradient of {scale:.3g}"
+
+
+@pytest.mark.parametrize("options", [
+    ["--scale-rewards", "batch", "--beta", "0"],                       # streams on centred A, ∇ / s at the step
+    ["--scale-rewards", "batch", "--beta", "0.04"],                    # the KL term: the passes wait for s
+    ["--scale-rewards", "batch", "--beta", "0", "--updates-per-iteration", "2", "--num-iterations", "2"],
+    ["--num-iterations", "3", "--mask-truncated-completions"],         # μ passes against θ_k; truncated left out
+    ["--updates-per-iteration", "2", "--mask-truncated-completions"],  # dapo: each step / (the batch's tokens / 2)
+    ["--loss-type", "bnpo", "--updates-per-iteration", "2"],           # token mean per micro-batch, mean over them
+    ["--loss-type", "grpo", "--scale-rewards", "none", "--num-iterations", "2", "--mask-truncated-completions"],
+])
+def test_the_learner_takes_trls_steps(tiny_model_dir, options):
+    """Claim: streaming groups through the Learner (one group per micro-batch, in arrival order 3, 0, 2, 1) takes
+    the optimizer steps TRL's formulas give when each step is computed in one piece: scale_rewards="batch" (β = 0:
+    the gradient of the centred advantages divided by std(r_batch) + eps at the step, exact by the positive
+    homogeneity of the clipped term, grpo.py; β > 0: A / s before the passes), μ passes over the stored batch with
+    the ratio against θ_k, truncated responses masked (grpo still counts them in N), dapo's D = the batch's
+    tokens / N steps, bnpo's micro-batch means. Float64; the tolerance is the module docstring's."""
+    cfg = config(tiny_model_dir, *options)
+    groups = make_groups(cfg.scale_rewards)
+    arrival = [groups[i] for i in (3, 0, 2, 1)]
+    _, learned = learner_run(cfg, tri_model(cfg, tiny_model_dir), arrival)
+    reference = reference_run(cfg, tri_model(cfg, tiny_model_dir), arrival)
+    assert len(learned) == cfg.updates_per_iteration * cfg.num_iterations
+    assert_same_steps(learned, reference)
+
+
+def test_batch_scaling_needs_the_kl_term_apart():
+    """Claim (grpo.py): the clipped policy term is positively homogeneous in A (loss(cA) = c·loss(A), the clipped
+    tokens the same) with the ratio off 1, so ∇ can be divided by s after the fact; the KL term is not, which is
+    why scale_rewards="batch" with β > 0 waits for s instead."""
+    generator = torch.Generator().manual_seed(0)
+    logp = torch.randn(3, 5, generator=generator, dtype=torch.float64).requires_grad_()
+    old = logp.detach() + 0.3 * torch.randn(3, 5, generator=generator, dtype=torch.float64)
+    ref = logp.detach() + 0.5 * torch.randn(3, 5, generator=generator, dtype=torch.float64)
+    centred, mask, s = torch.tensor([1.0, -0.5, -0.5], dtype=torch.float64), torch.ones(3, 5), 0.37
+    for beta in (0.0, 0.04):
+        scaled, scaled_stats = grpo.grpo_loss(logp, old, ref, centred / s, mask, beta=beta)
+        plain, plain_stats = grpo.grpo_loss(logp, old, ref, centred, mask, beta=beta)
+        (g_scaled,), (g_plain,) = torch.autograd.grad(scaled, logp), torch.autograd.grad(plain, logp)
+        homogeneous = torch.allclose(g_scaled, g_plain / s, rtol=1e-12, atol=0)
+        assert homogeneous == (beta == 0.0), beta
+        assert scaled_stats["clipped_tokens"] == plain_stats["clipped_tokens"] > 0
+
+
+def test_advantage_scaling_and_batch_std_as_trl():
+    """Claim: scale_rewards "group" (True) divides by the group's std, "none" (False) and "batch" leave the centred
+    rewards (the batch's std comes once the batch is whole); batch_std is TRL's nanstd (Bessel-corrected, NaN
+    left out; NaN with fewer than two scored)."""
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.5, 2.0, 2.0, 2.0, 2.0])
+    centred = torch.tensor([0.625, -0.375, -0.375, 0.125, 0.0, 0.0, 0.0, 0.0])
+    for scale in ("none", False, "batch"):
+        assert torch.equal(grpo.group_advantages(rewards, 4, scale), centred)
+    assert torch.equal(grpo.group_advantages(rewards, 4, True), grpo.group_advantages(rewards, 4, "group"))
+    values = torch.tensor([1.0, float("nan"), 0.0, 3.0, 0.5])
+    scored = values[~values.isnan()]
+    trl_nanstd = ((scored - scored.mean()).square().mean() * len(scored) / (len(scored) - 1)).sqrt()
+    assert grpo.batch_std(values).item() == pytest.approx(trl_nanstd.item(), rel=1e-6)
+    assert grpo.batch_std(torch.tensor([1.0, float("nan")])).isnan()
+    assert SCALE_REWARDS == grpo.SCALE_REWARDS
+
+
+def test_bnpo_and_masked_rows_hand_computed():
+    """Claim: bnpo is the token mean of the batch (one micro-batch: TRL's `sum / mask.sum()`); a masked
+    (truncated) row adds nothing to any sum, and grpo still counts it in N (TRL: the row's mean is 0)."""
+    logp = torch.zeros(2, 2)
+    adv = torch.tensor([1.0, -2.0])
+    mask = torch.tensor([[True, True], [True, False]])
+    bnpo, _ = grpo.grpo_loss(logp, logp, None, adv, mask, beta=0.0, loss_type="bnpo")
+    assert bnpo.item() == pytest.approx((-1 - 1 + 2) / 3)
+    masked = torch.tensor([[True, True], [False, False]])
+    assert grpo.grpo_loss(logp, logp, None, adv, masked, beta=0.0, loss_type="dapo")[0].item() == -1.0
+    assert grpo.grpo_loss(logp, logp, None, adv, masked, beta=0.0, loss_type="grpo")[0].item() == -0.5
+    assert grpo.micro_batch_normalizer("bnpo", 3) == 3.0 and grpo.micro_batch_normalizer("dapo", 3) == 1.0
+    assert grpo.loss_normalizer("bnpo", 8, 30, num_micro_batches=4) == 4.0
+
+
+def test_metrics_are_trls(tiny_model_dir):
+    """Claim: the iteration's metrics are the numbers TRL logs, against references computed apart: the mean
+    per-token entropy of softmax(logits / T) (from the model's full logits, one plain forward per response),
+    the KL term and clipped fractions over the loss tokens, frac_reward_zero_std (1 of 4 groups all-equal), the
+    completion lengths (mean, min, max, of the terminated ones) and the truncated fraction, the learning rate of
+    step (transformers' linear schedule over 2 steps, one of warmup: 0 at the first step, the full rate at the
+    second, which the row logs), and no grad_norm with clipping off (transformers logs none then)."""
+    cfg = config(tiny_model_dir, "--temperature", "0.7", "--updates-per-iteration", "2")
+    tri = tri_model(cfg, tiny_model_dir)
+    policy = copy.deepcopy(tri.policy)
+    reference = copy.deepcopy(tri.reference)
+    from transformers import get_scheduler
+    linear = lambda optimizer: get_scheduler("linear", optimizer, num_warmup_steps=1, num_training_steps=2)
+    metrics, _ = learner_run(cfg, tri, make_groups("group"), lr=0.2, scheduler_of=linear)
+    entropies, kls = [], []
+    with torch.no_grad():
+        for prompt, responses in zip(PROMPTS, RESPONSES):
+            for response in responses:
+                ids = torch.tensor([prompt + response])
+                logits = policy(ids).logits[0, len(prompt) - 1:-1] / 0.7  # (R, V) the logits of each response token
+                entropies += (-(logits.log_softmax(-1).exp() * logits.log_softmax(-1)).sum(-1)).tolist()
+                targets = torch.tensor(response)[:, None]
+                logp = (policy(ids).logits[0, len(prompt) - 1:-1] / 0.7).log_softmax(-1).gather(-1, targets)
+                ref = (reference(ids).logits[0, len(prompt) - 1:-1] / 0.7).log_softmax(-1).gather(-1, targets)
+                kls += grpo.kl_k3(logp, ref).flatten().tolist()
+    # step 0 (mini-batch 0) runs at θ_0, step 1 (mini-batch 1) at θ_1 but its rate is 0 at step 0: still θ_0
+    # (float32 norms, batched otherwise than here: the module docstring's rounding, 6e-9 relative measured)
+    assert metrics["entropy"] == pytest.approx(sum(entropies) / len(entropies), rel=1e-6)
+    assert metrics["kl"] == pytest.approx(sum(kls) / len(kls), rel=1e-6)
+    assert metrics["clip_fraction"] == metrics["clip_fraction_low"] == metrics["clip_fraction_high"] == 0.0
+    assert metrics["frac_reward_zero_std"] == 0.25
+    lengths = [len(r) for group in RESPONSES for r in group]
+    truncated = [len(r) == MAX_NEW and r[-1] != EOS for group in RESPONSES for r in group]
+    terminated = [n for n, cut in zip(lengths, truncated) if not cut]
+    assert (metrics["response_length_min"], metrics["response_length_max"]) == (2, 4)
+    assert metrics["response_length"] == sum(lengths) / 16
+    assert metrics["terminated_length"] == sum(terminated) / len(terminated)
+    assert metrics["truncated_fraction"] == sum(truncated) / 16 == 5 / 16
+    assert metrics["learning_rate"] == 0.2 and metrics["grad_norm"] is None
+
+
+def test_learning_rate_schedule_as_transformers(tiny_model_dir):
+    """Claim: --lr-scheduler-type and --warmup-ratio build transformers' schedule over iterations x
+    updates-per-iteration x num-iterations optimizer steps, warmed up over ceil(ratio x steps) (TRL's defaults:
+    linear, no warmup); every offered schedule builds without further arguments; a ratio outside [0, 1] and an
+    unknown schedule are one usage line."""
+    cfg = parse_args(["--model", str(tiny_model_dir), "--iterations", "5", "--batch-size", "8", "--group-size", "4",
+                      "--updates-per-iteration", "2", "--num-iterations", "3", "--warmup-ratio", "0.25"])
+    defaults = parse_args([])
+    assert (defaults.lr_scheduler_type, defaults.warmup_ratio, defaults.num_iterations, defaults.scale_rewards,
+            defaults.mask_truncated_completions, defaults.loss_type) == ("linear", 0.0, 1, "group", False, "dapo")
+    policy, _ = load_model(str(tiny_model_dir))
+    optimizer, scheduler = setup.build_optimizer(cfg, policy)
+    rates = []
+    for _ in range(30):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    warmup = math.ceil(30 * 0.25)  # 8 steps
+    expected = [cfg.lr * s / warmup if s < warmup else cfg.lr * (30 - s) / (30 - warmup) for s in range(30)]
+    assert rates == pytest.approx(expected, rel=1e-12, abs=0)
+    for name in LR_SCHEDULERS:
+        setup.build_optimizer(dataclasses.replace(cfg, lr_scheduler_type=name), policy)
+    assert parse_args(["--scale-rewards", "true"]).scale_rewards == "group"
+    assert parse_args(["--scale-rewards", "False"]).scale_rewards == "none"
+    for argv in (["--warmup-ratio", "1.5"], ["--lr-scheduler-type", "reduce_lr_on_plateau"],
+                 ["--num-iterations", "0"], ["--scale-rewards", "sometimes"]):
+        script = "import sys; from infra.options import parse_args; parse_args(sys.argv[1:])"
+        result = subprocess.run([sys.executable, "-c", script, *argv], cwd=ROOT, capture_output=True, text=True)
+        assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert argv[0] in result.stderr
+
+
+def test_disable_dropout_zeroes_every_rate():
+    """Claim (TRL's disable_dropout, on by default here): after setup.disable_dropout a model in training mode
+    computes the same output twice, for dropout modules (GPT-2's nn.Dropout) and for rates read at forward time
+    (Qwen2's attention_dropout, an attribute of each attention module); without it the outputs differ."""
+    from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(0)
+    models = [GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=16)),
+              Qwen2ForCausalLM(Qwen2Config(num_hidden_layers=1, hidden_size=16, num_attention_heads=2,
+                                           num_key_value_heads=1, intermediate_size=32, vocab_size=50,
+                                           attention_dropout=0.5, attn_implementation="eager"))]
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    for model in models:
+        model.train()
+        assert not torch.equal(model(ids).logits, model(ids).logits), "dropout must act for the test to bite"
+        setup.disable_dropout(model)
+        assert torch.equal(model(ids).logits, model(ids).logits)
