@@ -36,6 +36,7 @@ from config import Config
 from infra.errors import UserError
 from infra.options import validate
 from infra.outputs import CHECKPOINT, save_atomically, writing
+from infra.records import absolute_paths
 
 # Options a resumed run may give anew: they decide how long, where, on what and how often to report, or change
 # float rounding only (sums in another order, other kernels), not what is computed. Not given, they stay the
@@ -81,7 +82,7 @@ def save(out: str | Path, iterations_done: int, policy, tokenizer, optimizer: to
         torch.save(optimizer.state_dict(), directory / "optimizer.pt")
         if scheduler is not None:
             torch.save(scheduler.state_dict(), directory / "scheduler.pt")
-        state = {"iterations_done": iterations_done, "config": dataclasses.asdict(cfg),
+        state = {"iterations_done": iterations_done, "config": dataclasses.asdict(absolute_paths(cfg)),  # from anywhere
                  "reference_fingerprint": reference_fingerprint}
         (directory / "state.json").write_text(json.dumps(state, indent=1))
 
@@ -135,7 +136,7 @@ def read_state(path: Path) -> dict:
 def resumed_config(cfg: Config, given: set[str], state: dict) -> Config:
     """The checkpoint's config, but the harmless options given anew; a result-changing option given with another
     value than the checkpoint's is refused, naming it."""
-    saved, values = state["config"], {}
+    saved, values, absolute = state["config"], {}, absolute_paths(cfg)
     # bnpo averages each micro-batch's own token mean: there, --micro-batch-tokens changes the run
     harmless = HARMLESS - {"micro_batch_tokens"} if saved.get("loss_type") == "bnpo" else HARMLESS
     for field in dataclasses.fields(Config):
@@ -143,7 +144,7 @@ def resumed_config(cfg: Config, given: set[str], state: dict) -> Config:
         anew = name in given or name in DEVICES and bool(given & DEVICES)
         if name not in saved or name in THIS_RUN or anew and (name in harmless or name in DEVICES):
             values[name] = new
-        elif anew and new != saved[name]:
+        elif anew and new != saved[name] and getattr(absolute, name) != saved[name]:  # data/ == /run/from/data
             option = "--" + name.replace("_", "-")
             raise CheckpointError(f"{option} {new} differs from the checkpoint's {saved[name]}: it would change "
                                   f"the run, so it cannot be resumed with it (drop {option}, or start a new run)")

@@ -113,6 +113,26 @@ def test_resume_refuses_options_that_change_the_run(tiny_model_dir):
     assert checkpoint.resumed_config(parse_args(argv), given_options(argv), state).tail_threads == 1
 
 
+def test_a_checkpoint_keeps_absolute_paths(tiny_model_dir, tmp_path, monkeypatch):
+    """Claim (issue 32, item 7, for checkpoints as for config.json): a checkpoint records a relative --data as an
+    absolute path, so `--resume DIR/checkpoint-k` works from any folder; the same relative --data given again from
+    the folder the run started in is the same option, not a change that refuses the resume."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("prompts.jsonl", "other.jsonl"):
+        (tmp_path / name).write_text('{"question": "1+1=", "answer": "2"}\n')
+    cfg = parse_args(["--model", str(tiny_model_dir), *RUN, "--data", "prompts.jsonl"])
+    policy, tokenizer = load_model(str(tiny_model_dir))
+    (tmp_path / "run").mkdir()
+    path = checkpoint.save(tmp_path / "run", 1, policy, tokenizer, torch.optim.AdamW(policy.parameters()), cfg, "x")
+    state = checkpoint.read_state(path)
+    assert state["config"]["data"] == str(tmp_path / "prompts.jsonl")
+    argv = ["--data", "prompts.jsonl"]
+    assert checkpoint.resumed_config(parse_args(argv), given_options(argv), state).data == str(tmp_path / "prompts.jsonl")
+    argv = ["--data", "other.jsonl"]
+    with pytest.raises(checkpoint.CheckpointError, match="^--data .* differs from the checkpoint's"):
+        checkpoint.resumed_config(parse_args(argv), given_options(argv), state)
+
+
 def test_a_checkpoint_from_before_tail_threads_resumes_without_a_switch(tiny_model_dir, tmp_path):
     """Claim: a checkpoint written before --tail-threads existed resumes with every size fixed (no probe, which
     would pick other sizes): its tail is its training threads, so the trainer never switches (as it ran)."""
