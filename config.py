@@ -28,6 +28,11 @@ TRACKERS = ("none", "tensorboard", "wandb", "trackio")  # --report-to (infra/tra
 DTYPES = ("auto", "float32", "bfloat16")
 # The offline models (models.TINY_RECIPES): name -> (the task it was warmed up on, its default --max-new-tokens)
 TINY_MODELS = {"tiny": ("arithmetic", 8), "tiny-chain": ("chain", 128)}
+# --model's short names for hub models (infra/models.resolve_model): qwen2.5-7b -> Qwen/Qwen2.5-7B-Instruct
+MODEL_ALIASES = {f"qwen2.5-{size}": f"Qwen/Qwen2.5-{size.upper()}-Instruct"
+                 for size in ("0.5b", "1.5b", "3b", "7b", "14b", "32b", "72b")}
+# The sizes (fields below) that --sizes chooses when not given (`derive`, launch/sizing.py; distributed.share_sizes)
+SIZE_FIELDS = ("groups_per_chunk", "micro_batch_tokens", "rollout_threads", "train_threads", "tail_threads")
 
 
 # --help groups the options under these titles: (title, the section's first field), in field order
@@ -80,7 +85,9 @@ class Config:
     batch_size: int = _opt(128, "responses sampled per iteration (a multiple of --group-size)")
     group_size: int = _opt(8, "responses per prompt (GRPO's G)")
     updates_per_iteration: int = _opt(1, "optimizer steps per iteration: the batch is split into this many "
-                                         "mini-batches; >1 activates the PPO ratio against the old policy")
+                                         "mini-batches; >1 activates the PPO ratio against the old policy (with "
+                                         "dapo or --scale-rewards batch the first step waits for the last group, so "
+                                         "only mini-batch 0 trains while sampling goes on)")
     num_iterations: int = _opt(1, "passes over each iteration's batch (TRL's num_iterations, μ): the first trains "
                                   "the groups as they arrive, the others the stored batch again, mini-batch by "
                                   "mini-batch, with the ratio against θ_k; optimizer steps per iteration = "
@@ -109,10 +116,11 @@ class Config:
     epsilon_low: float = _opt(0.2, "PPO clip range below 1: ratio clipped at 1 - epsilon_low (TRL's --epsilon sets "
                                    "both ranges, unless --epsilon-high is given)")
     epsilon_high: float = _opt(0.2, "PPO clip range above 1: ratio clipped at 1 + epsilon_high (0.28 = DAPO)")
-    loss_type: str = _opt("dapo", "loss normalisation: dapo (token mean over the mini-batch), grpo (per-sequence "
-                                  "mean, then mean), dr_grpo (sum / (sequences * max_new_tokens)), bnpo (token mean "
-                                  "per micro-batch, then mean: depends on --micro-batch-tokens, as TRL's on "
-                                  "per_device_train_batch_size; see grpo.py)", choices=LOSS_TYPES)
+    loss_type: str = _opt("dapo", "loss normalisation: dapo (each step's token sum / (the batch's tokens / "
+                                  "updates-per-iteration), as TRL), grpo (per-sequence mean, then mean), dr_grpo "
+                                  "(sum / (sequences * max_new_tokens)), bnpo (token mean per micro-batch, then mean: "
+                                  "depends on --micro-batch-tokens, as TRL's on per_device_train_batch_size; see "
+                                  "grpo.py)", choices=LOSS_TYPES)
     scale_rewards: str = _opt("group", "divide advantages by the reward std of the group, of the whole batch (batch), "
                                        "or not at all (none = Dr. GRPO); TRL's scale_rewards (true = group, false = "
                                        "none)", choices=SCALE_REWARDS, type=_scale_rewards_name)
@@ -210,8 +218,10 @@ class Config:
                               "everything an exact resume needs, atomically (0 = never)")
     keep_checkpoints: int = _opt(2, "keep the newest K checkpoints, delete older ones (0 = keep all)")
     resume: str | None = _opt(None, "continue a run: a checkpoint directory, or 'auto' (the newest in --out). The "
-                                    "checkpoint's options apply; only those that do not change the result (iterations, "
-                                    "evaluation, outputs, devices, threads, micro-batch) may be given anew")
+                                    "checkpoint's options apply; only those that do not change the result may be "
+                                    "given anew: evaluation, outputs, devices, threads, micro-batch (not with bnpo), "
+                                    "and iterations where the learning rate does not depend on the run's length "
+                                    "(constant, or constant_with_warmup and inverse_sqrt without warmup)")
     save_on_stop: bool = _opt(False, "on SIGTERM, SIGINT or SIGHUP write a checkpoint of the iterations done before "
                                      "stopping (always done when --save-every is set)")
     # --- scale: devices, processes, sizes and threads ---
@@ -262,8 +272,7 @@ class Config:
     @property
     def sized(self) -> bool:
         """Whether every size is known (after `derive`, and after `sizing.choose` when it probes)."""
-        return bool(self.groups_per_chunk and self.micro_batch_tokens and self.rollout_threads and self.train_threads
-                    and self.tail_threads)
+        return all(getattr(self, name) for name in SIZE_FIELDS)
 
     @property
     def chunks_per_iteration(self) -> int:

@@ -199,7 +199,7 @@ def grpo_loss(
     per_token = -torch.min(unclipped, clipped)  # (N, T)
     kl = kl_k3(logp, ref_logp) if ref_logp is not None else None  # (N, T)
     if kl is not None and kl_bias_correction:
-        kl = kl * ratio
+        kl = kl * ratio  # (N, T)
     if beta != 0.0:
         if kl is None:
             raise ValueError("beta > 0 needs ref_logp")

@@ -3,31 +3,40 @@ mini-batch (the consumer of periodic_rl.py's pipeline).
 
     for each group as it arrives:    take(g)                       refused unless θ_k sampled it
         for each micro-batch ready:  accumulate(groups)            ∇ += Σ_g ∇S_g(θ)       (S_g: grpo.py, a sum)
-        once a mini-batch is whole:  step()                        ∇ /= D, clip, AdamW,   (D: its tokens or
-                                                                   the rate's schedule     sequences, all ranks')
+        once a mini-batch is whole:  step()                        ∇ /= D, clip, AdamW,   (D, all ranks': dapo
+                                                                   the rate's schedule     the batch's tokens / N
+                                                                                           steps; grpo, dr_grpo its
+                                                                                           sequences; bnpo its
+                                                                                           micro-batches)
     passes 2..μ (num_iterations):    the first pass's micro-batches again, mini-batch by mini-batch, each step
                                      with the ratio against θ_k (the tri-model's old copy)
 
 Why the order of arrival does not change the update: mini-batch membership is fixed by prompt index
-(`minibatch_of`), D is known only once the mini-batch is whole (so each partial sum is divided once, at the
-step), and micro-batches are cut by arrival order, which is completion order, a function of the sampled
-tokens alone (periodic_rl.py's docstring). Later passes replay the first pass's micro-batches, so they sum in
-the same order too. With trainer ranks each rank takes only its own calls' groups and `step` sums ∇ and D over
+(`minibatch_of`), D is known only once the mini-batch (dapo: the batch) is whole (so each partial sum is
+divided once, at the step), and micro-batches are cut by arrival order, which is completion order, a function of
+the sampled tokens alone (periodic_rl.py's docstring). Later passes replay the first pass's micro-batches, so they
+sum in the same order too. With trainer ranks each rank takes only its own calls' groups and `step` sums ∇ and D over
 the ranks first (infra/distributed.py).
 
 What waits for the whole batch (grpo.py says why): with dapo, D is the batch's tokens / steps, and with
-scale_rewards="batch" the advantages are divided by the batch's reward std; the forward/backward passes still
-stream, and only the first step waits for the last group. With scale_rewards="batch" and β > 0 the passes wait
-too (the KL term does not scale with the advantages).
+scale_rewards="batch" the advantages are divided by the batch's reward std, so the first step waits for the last
+group. Mini-batch 0's forward/backward passes still stream, but mini-batch k > 0 is trained at θ after step k-1,
+so with N > 1 updates per iteration only mini-batch 0 overlaps the sampling (grpo, dr_grpo and bnpo, unless
+scale_rewards="batch", step each mini-batch as soon as it is whole). With scale_rewards="batch" and β > 0 the
+passes wait too (the KL term does not scale with the advantages). With scale_rewards="batch" every rank gathers
+the batch's rewards (a collective) as soon as its groups are all in, before it trains or steps anything more: so
+every rank meets that collective first, then the steps' all-reduces, in the same order.
 
 Metrics, per iteration, as TRL 1.16 logs them (infra/tracking.py has the names): the clipped fractions (low,
 high, region) and the KL term (ρ·k3 with the bias correction) over every pass's loss tokens; the mean per-token
-entropy of the policy, measured where the logits exist (`entropy_sums`); the learning rate of the last step;
-frac_reward_zero_std; the response lengths (mean, min, max, of the terminated ones) and the truncated fraction.
+entropy of the policy over the loss tokens (a truncated response left out under mask_truncated_completions, as
+TRL), measured where the logits exist (`entropies`); the learning rate of the last step; frac_reward_zero_std;
+the response lengths (mean, min, max, of the terminated ones) and the truncated fraction.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from typing import Iterator
 
@@ -79,38 +88,65 @@ def zero_std_fraction(groups: list[list[float]], scale_rewards: str) -> float:
     """TRL's frac_reward_zero_std: the fraction of responses whose reward std (their group's; with
     scale_rewards="batch" the batch's) is 0 (TRL's isclose: <= 1e-8; NaN, fewer than two scored, is not)."""
     if scale_rewards == "batch":
-        return float(batch_std(torch.tensor([r for rewards in groups for r in rewards])) <= 1e-8)
-    zero = sum(len(rewards) for rewards in groups if batch_std(torch.tensor(rewards)) <= 1e-8)
+        return float(batch_std(torch.tensor([r for rewards in groups for r in rewards])) <= 1e-8)  # (B,) -> 0-d
+    zero = sum(len(rewards) for rewards in groups if batch_std(torch.tensor(rewards)) <= 1e-8)  # (G,) -> 0-d
     return zero / sum(len(rewards) for rewards in groups)
 
 
 @contextlib.contextmanager
-def entropy_sums(policy: torch.nn.Module, temperature: float) -> Iterator[list]:
+def entropies(policy: torch.nn.Module, temperature: float) -> Iterator[dict]:
     """Inside the block, each call of the policy's output layer that carries gradients (the policy's own forward:
-    the frozen copies score without) appends (Σ_rows H, rows): H = the entropy of softmax(logits / T) of each row,
-    in float32 as attention.token_logprobs scores them, without gradient. The logits never exist whole (they are
-    chunked), so they are measured as they pass. A call whose output is not one row per token ((B, L, V): a model
-    whose logits are transformed after its output layer) appends None: not measured."""
+    the frozen copies score without) appends to found["rows"] the entropy H of softmax(logits / T) of each of its
+    rows, (n,), in float32 as attention.token_logprobs scores them, without gradient; and each forward of the
+    policy's decoder with gradients counts in found["forwards"]. The logits never exist whole (they are chunked),
+    so they are measured as they pass; one forward's rows are its responses' tokens, response after response, in
+    the order it was given them (attention.layout_logprobs). A call whose output is not one row per token
+    ((B, L, V): a model whose logits are transformed after its output layer) appends None: not measured."""
     head = policy.get_output_embeddings() if hasattr(policy, "get_output_embeddings") else None
-    found: list = []
+    decoder = policy.get_decoder() if hasattr(policy, "get_decoder") else None
+    found: dict = {"rows": [], "forwards": 0}
 
     def measure(module, inputs, logits: torch.Tensor) -> None:
         if not logits.requires_grad:
             return
         if logits.dim() != 2:
-            found.append(None)
+            found["rows"].append(None)
             return
         with torch.no_grad():
             z = logits.detach().to(torch.promote_types(logits.dtype, torch.float32)) / temperature  # (n, V)
             entropy = z.logsumexp(dim=-1) - torch.linalg.vecdot(z.softmax(dim=-1), z)  # (n,) H = log Σe^z - E_p[z]
-            found.append((entropy.sum(), len(z)))
+            found["rows"].append(entropy)
 
-    handle = head.register_forward_hook(measure) if head is not None else None
+    def count(module, inputs) -> None:
+        if torch.is_grad_enabled():
+            found["forwards"] += 1
+
+    handles = [head.register_forward_hook(measure)] if head is not None else []
+    if isinstance(decoder, torch.nn.Module):
+        handles.append(decoder.register_forward_pre_hook(count))
     try:
         yield found
     finally:
-        if handle is not None:
+        for handle in handles:
             handle.remove()
+
+
+def loss_token_entropy(found: dict, lengths: list[int], kept: list[bool] | None) -> torch.Tensor:
+    """Σ H over the tokens of the responses in the loss, 0-d, from `entropies`' record of one micro-batch's
+    forward (`lengths`: its responses', in order; `kept`: per response, whether it is in the loss, None: all).
+    NaN where not measured: a call not one row per token, or a response left out while the rows came from several
+    forwards (packing.batch_logprobs scores a micro-batch's packed and plain groups apart, so its rows are then in
+    no order known here)."""
+    rows = found["rows"]
+    if not rows or any(h is None for h in rows) or sum(len(h) for h in rows) != sum(lengths):
+        return torch.tensor(float("nan"))
+    entropy = torch.cat(rows)  # (M,) per token, response after response
+    if kept is None or all(kept):
+        return entropy.sum()
+    if found["forwards"] != 1:
+        return torch.tensor(float("nan"))
+    weights = torch.repeat_interleave(torch.tensor(kept, dtype=entropy.dtype), torch.tensor(lengths))  # (M,)
+    return (entropy * weights.to(entropy.device)).sum()  # a product, not a mask: no host synchronisation
 
 
 def forward_backward(tri: TriModel, batch: list, advantages: list[float], cfg,
@@ -119,17 +155,16 @@ def forward_backward(tri: TriModel, batch: list, advantages: list[float], cfg,
     with these advantages (one per response) as a partial sum (divided by D at the step; bnpo: by its own tokens
     first), and its backward (∇ accumulates in .grad). `kept`: per response, whether it enters the loss (False: a
     truncated one under --mask-truncated-completions). Stats: grpo_loss's, with the policy's entropy summed over
-    every response token (NaN where not measured). What the learner runs per micro-batch, and what the probe
-    times (launch/sizing.py)."""
-    with entropy_sums(tri.policy, cfg.temperature) as found:
+    the loss tokens (NaN where not measured: `loss_token_entropy`). What the learner runs per micro-batch, and what
+    the probe times (launch/sizing.py)."""
+    with entropies(tri.policy, cfg.temperature) as found:
         logp, old_logp, ref_logp, mask = tri(batch)  # (n·G, T) each, groups in order
-    rows = sum(len(r) for _, responses in batch for r in responses)
-    measured = bool(found) and None not in found and sum(n for _, n in found) == rows
-    entropy = torch.stack([h for h, _ in found]).sum() if measured else torch.tensor(float("nan"))
-    tokens = rows
+    lengths = [len(r) for _, responses in batch for r in responses]
+    entropy = loss_token_entropy(found, lengths, kept)
+    tokens = sum(lengths)
     if kept is not None:
         mask = mask & torch.tensor(kept, device=mask.device)[:, None]  # (n·G, T) a left-out response: no token
-        tokens = sum(len(r) for r, keep in zip((r for _, rs in batch for r in rs), kept) if keep)
+        tokens = sum(n for n, keep in zip(lengths, kept) if keep)
     advantages = torch.tensor(advantages, device=logp.device, dtype=logp.dtype)  # (n·G,)
     loss, stats = grpo_loss(logp, old_logp, ref_logp, advantages, mask, beta=cfg.beta,
                             epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high,
@@ -184,13 +219,14 @@ class Learner:
         self.replayed = 0  # micro-batches of the current mini-batch trained again in this pass (passes 2..μ)
         self.sums = {name: torch.zeros((), device=self.device) for name in SUMS}
         self.tokens = self.loss_tokens = 0  # response tokens of the iteration, and those in the loss (host counts)
-        self.metric_tokens = self.entropy_tokens = 0  # tokens the statistics are summed over, every pass
+        self.metric_tokens = 0  # loss tokens the statistics are summed over, every pass
         self.minibatch_sequences = self.minibatch_micro_batches = 0
         self.minibatch_loss = torch.zeros((), device=self.device)  # partial sum, divided by its D at the step
         self.divisor, self.learning_rate = None, None  # std(r_batch) + eps (scale_rewards="batch"), the last step's
         self.rewards: dict[int, tuple] = {}  # by group index: (weighted sums, [reward k][response], lengths,
         # truncated); metrics in index order, whatever the arrival
-        self.taken: dict[int, Group] = {}  # this rank's groups of the iteration, by index (kept for --log-completions)
+        self.kept: dict[int, list[bool]] = {}  # by group index, per response: whether it enters the loss
+        self.arrivals: dict[int, Group] = {}  # this rank's groups of the iteration, by index
 
     def take(self, group: Group) -> None:
         """Take one group, refused unless θ_k sampled it (nothing is trained here: see `ready`)."""
@@ -204,17 +240,29 @@ class Learner:
         self.waiting[block].append(group)
         self.arrived[block] += 1
         self.chunk_arrivals[group.chunk] = self.chunk_arrivals.get(group.chunk, 0) + 1
-        self.taken[group.index] = group
+        self.arrivals[group.index] = group
         lengths = [len(r) for r in group.responses]
         truncated = [is_truncated(r, self.cfg.max_new_tokens, self.stop_ids) for r in group.responses]
+        kept = [not (self.cfg.mask_truncated_completions and cut) for cut in truncated]  # --mask-truncated-completions
+        self.kept[group.index] = kept
         self.tokens += sum(lengths)
-        self.loss_tokens += sum(n for n, keep in zip(lengths, self._kept(group)) if keep)
+        self.loss_tokens += sum(n for n, keep in zip(lengths, kept) if keep)
         self.rewards[group.index] = (group.rewards, group.rewards_per_function, lengths, truncated)
 
-    def _kept(self, group: Group) -> list[bool]:
-        """Per response, whether it enters the loss: not when truncated, under --mask-truncated-completions."""
-        return [not (self.cfg.mask_truncated_completions and is_truncated(r, self.cfg.max_new_tokens, self.stop_ids))
-                for r in group.responses]
+    def advantages_of(self, group: Group) -> list[float]:
+        """The advantages `group` is trained on: its own, or with scale_rewards="batch" its centred rewards /
+        (std(r_batch) + eps), TRL's, 0 where that std is undefined (known once every group is in: `ready`). With
+        β = 0 the learner trains on the centred ones and divides ∇ instead, the same update (grpo.py)."""
+        if self.cfg.scale_rewards != "batch":
+            return group.advantages
+        return (torch.tensor(group.advantages) / self._batch_divisor()).nan_to_num(0.0).tolist()  # (G,)
+
+    @property
+    def taken(self) -> dict[int, Group]:
+        """This rank's groups of the iteration by index, each with the advantages it is trained on (`advantages_of`):
+        what --log-completions writes, once the iteration is done."""
+        return {index: dataclasses.replace(group, advantages=self.advantages_of(group))
+                for index, group in self.arrivals.items()}
 
     def ready(self) -> Iterator[list[Group]]:
         """The micro-batches that can train now. First pass: the current mini-batch's waiting groups, in arrival
@@ -223,6 +271,8 @@ class Learner:
         mini-batch, in its order. Call `step` inside the loop as soon as `minibatch_done()`: the next mini-batch
         follows only after it. A mini-batch with nothing left to train whose step is due (none of its groups
         are this rank's, or the step waited for the whole batch) yields an empty micro-batch, for the step."""
+        if self.cfg.scale_rewards == "batch" and self.all_taken():
+            self._batch_divisor()  # with ranks a collective: every rank's first of the iteration, before any step
         if self.passes_wait and not self.all_taken():
             return  # scale_rewards="batch" with β > 0: A / std(r_batch) before any forward (grpo.py)
         while self.steps_done < self.steps:
@@ -270,8 +320,10 @@ class Learner:
         return all(self.chunk_arrivals[g.chunk] == g.chunk[1] for g in groups)  # chunk: (first prompt, prompts)
 
     def _batch_divisor(self) -> torch.Tensor:
-        """std(r_batch) + eps over every rank's rewards, in group order (scale_rewards="batch"); computed once, when
-        every group is in (with ranks, a collective: every rank reaches it at the same point of its schedule)."""
+        """std(r_batch) + eps over every rank's rewards, in group order (scale_rewards="batch"), 0-d; computed once,
+        by `ready` as soon as every group is in. With ranks it is a collective, so every rank computes it there,
+        before it yields anything more: a rank with none of mini-batch 0's groups would otherwise go on to its
+        step's all-reduce while the others wait in this gather (a deadlock)."""
         if self.divisor is None:
             by_group = self.rewards if self.ranks.size == 1 else distributed.gather_dicts(self.rewards, self.ranks)
             rewards = torch.tensor([r for index in sorted(by_group) for r in by_group[index][0]])  # (B,) float32
@@ -284,10 +336,11 @@ class Learner:
         if not groups:
             return
         self.tri.policy.train()
-        advantages = [a for g in groups for a in g.advantages]
         if self.passes_wait:  # the centred advantages / (std(r_batch) + eps), TRL's; 0 where the std is undefined
-            advantages = (torch.tensor(advantages) / self._batch_divisor()).nan_to_num(0.0).tolist()
-        kept = [keep for g in groups for keep in self._kept(g)]
+            advantages = [a for g in groups for a in self.advantages_of(g)]
+        else:  # (scale_rewards="batch" with β = 0: the centred ones, ∇ / (std(r_batch) + eps) at the step)
+            advantages = [a for g in groups for a in g.advantages]
+        kept = [keep for g in groups for keep in self.kept[g.index]]
         name = f"{TRAIN}group {groups[0].index}" if len(groups) == 1 else f"{TRAIN}{len(groups)} groups"
         with self.timeline.span(name):
             batch = [(torch.tensor(g.prompt_ids, device=self.device),                  # (P,)
@@ -301,7 +354,6 @@ class Learner:
             self.sums[total] += stats[key]
         responses = [r for g in groups for r in g.responses]
         self.metric_tokens += sum(len(r) for r, keep in zip(responses, kept) if keep)
-        self.entropy_tokens += sum(len(r) for r in responses)
         self.minibatch_sequences += len(responses)
         self.minibatch_micro_batches += 1
 
@@ -324,7 +376,8 @@ class Learner:
                                          tokens / self.cfg.updates_per_iteration, int(micro_batches))
             for p in params:
                 p.grad.div_(normalizer)  # = each micro-batch's loss / D (nanoGPT: loss / accumulation steps), but D
-                # (the mini-batch's tokens or sequences) is known only once all its groups have arrived
+                # (dapo: the batch's tokens / N; grpo, dr_grpo: the mini-batch's sequences) is known only once the
+                # groups it counts have all arrived
             if self.cfg.scale_rewards == "batch" and not self.passes_wait:  # β = 0: trained on the centred A, so
                 divisor = self._batch_divisor()                              # ∇ / (std(r_batch) + eps) (grpo.py)
                 if not divisor.isfinite():  # fewer than two scored rewards: every advantage is 0 (TRL)
@@ -360,10 +413,10 @@ class Learner:
                                 f"{self.steps} optimizer steps: groups are missing")
         loss, low, high, kl_sum, entropy, grad_norm = torch.stack(  # the iteration's one host synchronisation
             [self.sums[name] for name in SUMS]).tolist()
-        counted, measured, all_tokens, by_group = self.metric_tokens, self.entropy_tokens, self.tokens, self.rewards
+        counted, all_tokens, by_group = self.metric_tokens, self.tokens, self.rewards
         if self.ranks.size > 1:  # the whole iteration's (loss and grad_norm are already every rank's, from `step`)
-            low, high, kl_sum, entropy, counted, measured, all_tokens = distributed.sum_values(
-                [low, high, kl_sum, entropy, counted, measured, all_tokens], self.ranks, self.device)
+            low, high, kl_sum, entropy, counted, all_tokens = distributed.sum_values(
+                [low, high, kl_sum, entropy, counted, all_tokens], self.ranks, self.device)
             by_group = distributed.gather_dicts(self.rewards, self.ranks)
         ordered = [by_group[index] for index in sorted(by_group)]  # (weighted sums, per reward, lengths, truncated)
         reward_mean, reward_std = mean_std([r for total, *_ in ordered for r in total])
@@ -383,7 +436,7 @@ class Learner:
             "frac_reward_zero_std": zero_std_fraction([total for total, *_ in ordered], self.cfg.scale_rewards),
             "loss": loss / self.steps,  # mean over the optimizer steps
             "kl": kl_sum / tokens if self.cfg.beta > 0 else None,  # TRL's term: ρ·k3 (with the bias correction)
-            "entropy": entropy / max(measured, 1) if math.isfinite(entropy) else None,
+            "entropy": entropy / tokens if math.isfinite(entropy) else None,  # over the loss tokens, as TRL
             "clip_fraction": (low + high) / tokens,  # TRL's clip_ratio/region_mean
             "clip_fraction_low": low / tokens,
             "clip_fraction_high": high / tokens,

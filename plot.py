@@ -5,7 +5,7 @@ Panels, one x axis (the iteration k, the version of the weights that sampled it)
 1. reward: the training reward's mean over the iteration's samples, with a band of ± its std, and the
    held-out reward of θ_k where it was evaluated (the last point is θ_final, the row marked "final");
 2. with several --reward functions, each one alone (rewards/<name>/mean ± its std, unweighted);
-3. KL to the reference (mean k3 per token; absent with --beta 0);
+3. KL to the reference (TRL's term: mean ρ·k3 per loss token, k3 without the bias correction; absent with --beta 0);
 4. response length (mean tokens per sampled response; with TRL's completions/<x>_length where the rows hold them);
 5. what else the rows hold, each panel only where some row has a value (`CURVES`): the loss, the gradient norm
    (before clipping), the learning rate, the entropy, the fraction of clipped tokens (TRL's clip ratios);

@@ -100,7 +100,7 @@ def check_device(device: str, option: str = "--device") -> None:
 
 
 def format_row(row: dict) -> str:
-    """One log line per iteration (its columns: `python trainer.py --help`, infra/options.LOG_COLUMNS); the final
+    """One log line per iteration (its columns: `python trainer.py --help`, infra/trl_names.LOG_COLUMNS); the final
     row's when the run evaluated θ_final, else ''."""
     def num(key, spec):
         return "-" if row.get(key) is None else format(row[key], spec)
@@ -185,8 +185,8 @@ def run(cfg: Config, resume_from: Path | None = None, command: list[str] | None 
         link_latest: bool = False) -> dict:
     """Train as configured (on from a checkpoint); returns the final row (with the start and end held-out rewards).
     `command`: the command line, as config.json records it. A trainer rank other than 0 (`ranks`) takes part in
-    every step but neither claims --out nor writes there (nor reports to trackers). Without --out the run gets a
-    folder of its own; that folder, or --out with `link_latest`, becomes runs/latest (infra/outputs.py, rule 5)."""
+    every step but neither claims --out nor writes there (nor reports to trackers). --out with `link_latest` (a
+    folder of its own, made by `main` when --out was not given) becomes runs/latest (infra/outputs.py, rule 5)."""
     from infra import checkpoint
     from infra.completions import COMPLETIONS, CompletionsLog
     from infra.records import RunRecord
@@ -195,8 +195,6 @@ def run(cfg: Config, resume_from: Path | None = None, command: list[str] | None 
     if ranks is not None and not ranks.is_main:
         with started(cfg, resume_from, ranks=ranks) as (rows, policy, tokenizer):
             return list(rows)[-1]
-    if cfg.out is None:
-        cfg, link_latest = dataclasses.replace(cfg, out=str(outputs.run_folder(cfg.model))), True
     # --out checked and locked, the trackers' packages imported, the options recorded: all before a model loads
     with outputs.claimed(cfg) as out, Trackers(cfg.report_to) as trackers:
         note = outputs.link_latest(out) if link_latest else ""
@@ -215,9 +213,13 @@ def run(cfg: Config, resume_from: Path | None = None, command: list[str] | None 
 
 
 def save_policy(policy, tokenizer, path: Path) -> None:
-    """A Hugging Face model directory that `from_pretrained` loads, written atomically (outputs.save_atomically)."""
+    """A Hugging Face model directory that `from_pretrained` loads, written atomically (outputs.save_atomically), with
+    the model's own config (its dropout rates as loaded: launch/setup.config_as_loaded)."""
+    from launch.setup import config_as_loaded
+
     def write(folder: Path) -> None:
-        policy.save_pretrained(folder, safe_serialization=True)
+        with config_as_loaded(policy):
+            policy.save_pretrained(folder, safe_serialization=True)
         tokenizer.save_pretrained(folder)
     with outputs.writing("the trained policy to", path):
         outputs.save_atomically(path, write)
@@ -346,9 +348,14 @@ def log_and_save(cfg: Config, rows, policy, tokenizer, resumed_at: int = 0, repo
                  f" -> {row['eval_reward'] if row['eval_reward'] is None else round(row['eval_reward'], 3)}")
     say(f"done in {row['elapsed_s']:.1f}s: {evaluated}; metrics in {metrics_path}"
         + (f", policy in {policy_path}" if saved else ""))
-    if phases:
+    if phases and on_accelerator(cfg):  # (on CPU cores there is no device to move from one side to the other)
         say(f"periodic-rl: {device_split(cfg, phases, ranks)}")
     return final
+
+
+def on_accelerator(cfg: Config) -> bool:
+    """Whether a side runs on a GPU or NPU (cuda, npu), where the split of devices between the sides is a choice."""
+    return any(not device.startswith("cpu") for device in f"{cfg.rollout_device},{cfg.train_device}".split(","))
 
 
 def device_split(cfg: Config, phases: list[tuple[float, float]], ranks=None) -> str:
@@ -407,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
             given, ranks = given_options(argv), distributed.from_environment()  # torchrun's ranks; else one
             distributed.die_with_launcher(launcher)
             with open(os.devnull, "w") as devnull, redirect_stdout(devnull) if not ranks.is_main else nullcontext():
-                cfg = outputs.default_out(cfg)  # --resume auto without --out: the run runs/latest points at
+                cfg = outputs.resume_or_start(cfg)  # --resume auto where --out holds no run: a new one
                 cfg, resume_from = checkpoint.resumption(cfg, given)  # --resume: the checkpoint's options
                 ranks = distributed.split_roles(ranks, cfg.inference_ranks)  # trainer ranks, then inference ranks
                 cfg = distributed.place(cfg, ranks, given)  # (rank 0 alone logs, above, and writes --out)
@@ -482,8 +489,9 @@ def kept_on_stop(cfg: Config | None, ranks, failed_save: Exception | None) -> st
     elif newest is None:
         return "; no iteration was done, so no checkpoint was written"
     else:
-        return f"; {newest} holds the {k} iterations done: --resume auto continues from there"
-    return f"; {lost}: " + (f"--resume auto continues from {newest} ({k} of the {done} iterations done)" if newest
+        return f"; {newest} holds the {k} iterations done: --resume auto --out {cfg.out} continues from there"
+    return f"; {lost}: " + (f"--resume auto --out {cfg.out} continues from {newest} ({k} of the {done} iterations "
+                            "done)" if newest
                             else "there is no checkpoint to resume from")
 
 

@@ -48,7 +48,8 @@ GOAL_DECODE_MS = 2.0
 
 
 def gpu_args(parser: argparse.ArgumentParser) -> None:
-    places = (ROOT / ".gpu-data" / "gsm8k", ROOT / "shared" / "data" / "gsm8k", ROOT.parent / "shared" / "data" / "gsm8k")
+    places = (ROOT / ".gpu-data" / "gsm8k", ROOT / "shared" / "data" / "gsm8k",
+              ROOT.parent / "shared" / "data" / "gsm8k")
     default_data = next((path for path in places if path.is_dir()), places[-1])
     parser.add_argument("--device", default="cuda", help="where everything runs (cpu: a dry run of every part)")
     parser.add_argument("--data", type=Path, default=default_data, help="GSM8K folder (train.jsonl, test.jsonl)")

@@ -17,10 +17,11 @@ Nothing else is needed, because everything else an iteration uses is a function 
   groups together and sums in the same order: with equal thread counts it is bitwise the run that was
   never interrupted (tests/test_checkpoint.py).
 
-Resuming takes the checkpoint's config; options that do not change the result (iterations, evaluation
-cadence, outputs, devices, threads, ...) may be given anew; any other option given with a different
-value is refused, naming it (`resumed_config`). How big a checkpoint is: the policy in float32 plus
-AdamW's two moments, 3 x 4 bytes per parameter (Qwen2.5-0.5B: 0.49 G parameters, ~5.9 GB).
+Resuming takes the checkpoint's config; options that do not change the result (evaluation cadence,
+outputs, devices, threads, ...; iterations where the learning rate does not depend on the run's length) may
+be given anew; any other option given with a different value is refused, naming it (`resumed_config`).
+How big a checkpoint is: the policy in float32 plus AdamW's two moments, 3 x 4 bytes per parameter
+(Qwen2.5-0.5B: 0.49 G parameters, ~5.9 GB).
 """
 from __future__ import annotations
 
@@ -40,9 +41,10 @@ from infra.records import absolute_paths
 
 # Options a resumed run may give anew: they decide how long, where, on what and how often to report, or change
 # float rounding only (sums in another order, other kernels), not what is computed. Not given, they stay the
-# checkpoint's, so that by default a resume is bitwise the run that was never interrupted. (--iterations given anew
-# also stretches a decaying learning-rate schedule to the new length, as transformers' Trainer does on resume; and
-# with --loss-type bnpo the micro-batches change the loss: `resumed_config`.)
+# checkpoint's, so that by default a resume is bitwise the run that was never interrupted. (Two exceptions,
+# `resumed_config`: with --loss-type bnpo the micro-batches change the loss; and a learning-rate schedule that
+# spans the run's optimizer steps would be rebuilt over another --iterations' steps, changing every rate from the
+# checkpoint on: the resumed run would be neither the one it continues nor one started with that length.)
 HARMLESS = {"iterations", "eval_every", "eval_samples", "trace", "save", "save_every", "keep_checkpoints",
             "save_on_stop", "sizes", "cache_dir", "reward_timeout", "gradient_checkpointing", "attn_implementation",
             "micro_batch_tokens", "rollout_threads", "train_threads", "tail_threads", "report_to", "collective_timeout",
@@ -133,12 +135,24 @@ def read_state(path: Path) -> dict:
                               f"resume from another one or start afresh") from None
 
 
+def schedule_spans_the_run(saved: dict) -> bool:
+    """Whether a run's learning rates (its config, as saved) depend on how many optimizer steps it has: every
+    decaying schedule, and a warmup given as a ratio of the steps (launch/setup.build_optimizer); not a constant
+    rate, nor constant_with_warmup and inverse_sqrt without warmup (inverse_sqrt's timescale is then 10^4 steps)."""
+    length_free = saved.get("lr_scheduler_type", "constant") == "constant" or (
+        saved.get("lr_scheduler_type") in ("constant_with_warmup", "inverse_sqrt") and not saved.get("warmup_ratio"))
+    return not length_free
+
+
 def resumed_config(cfg: Config, given: set[str], state: dict) -> Config:
     """The checkpoint's config, but the harmless options given anew; a result-changing option given with another
     value than the checkpoint's is refused, naming it."""
     saved, values, absolute = state["config"], {}, absolute_paths(cfg)
-    # bnpo averages each micro-batch's own token mean: there, --micro-batch-tokens changes the run
-    harmless = HARMLESS - {"micro_batch_tokens"} if saved.get("loss_type") == "bnpo" else HARMLESS
+    harmless = set(HARMLESS)
+    if saved.get("loss_type") == "bnpo":  # bnpo averages each micro-batch's own token mean
+        harmless.discard("micro_batch_tokens")
+    if schedule_spans_the_run(saved):  # the schedule's length is iterations x updates x μ optimizer steps
+        harmless.discard("iterations")
     for field in dataclasses.fields(Config):
         name, new = field.name, getattr(cfg, field.name)
         anew = name in given or name in DEVICES and bool(given & DEVICES)
@@ -146,8 +160,12 @@ def resumed_config(cfg: Config, given: set[str], state: dict) -> Config:
             values[name] = new
         elif anew and new != saved[name] and getattr(absolute, name) != saved[name]:  # data/ == /run/from/data
             option = "--" + name.replace("_", "-")
+            why = "" if name != "iterations" else (
+                f" (its learning-rate schedule, {saved.get('lr_scheduler_type')}"
+                f"{' with warmup' if saved.get('warmup_ratio') else ''}, spans the run's optimizer steps: another "
+                "length gives other rates; a run at a constant rate can be extended)")
             raise CheckpointError(f"{option} {new} differs from the checkpoint's {saved[name]}: it would change "
-                                  f"the run, so it cannot be resumed with it (drop {option}, or start a new run)")
+                                  f"the run{why}, so it cannot be resumed with it (drop {option}, or start a new run)")
         else:
             values[name] = saved[name]
     return dataclasses.replace(cfg, **values)

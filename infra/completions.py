@@ -4,10 +4,12 @@ table per iteration on the trackers, and the first few in the log.
     <out>/completions.jsonl   one JSON object per completion, iteration after iteration, each in prompt order:
         {"iteration": k, "group": j, "sample": i, "prompt": x_j as the model saw it (chat template, special tokens),
          "completion": o_ji decoded as the rewards read it (special tokens skipped), "rewards": {name: r_k(x_j, o_ji)},
-         "reward": Σ_k w_k r_k, "advantage": A_ji}
+         "reward": Σ_k w_k r_k, "advantage": A_ji as trained}
 
 `k` is the iteration (the weights θ_k that sampled it), `j` the prompt's index in the iteration (learner.py's group
-index), `i` the response's index in its group; a reward that scored nothing is null (NaN in the run). Per iteration,
+index), `i` the response's index in its group; a reward that scored nothing is null (NaN in the run). A_ji is the
+advantage the learner trained on (learner.Learner.taken): with --scale-rewards batch the centred reward divided by
+std(r_batch) + eps, known once the iteration's last group is in, as it is when the lines are written. Per iteration,
 "reward" averages (over the non-null) to the row's reward_mean and "rewards"[name] to its rewards/<name>/mean
 (metrics.jsonl), and the advantages of a group sum to 0 (grpo.group_advantages).
 
@@ -41,7 +43,7 @@ COMPLETIONS = "completions.jsonl"  # in --out
 
 def records(iteration: int, groups: dict, tokenizer, reward_names: list[str]) -> list[dict]:
     """One record per completion of `groups` (group index -> rollout.Group: prompt ids, responses, rewards,
-    advantages), in index order, then sample order.
+    advantages as trained), in index order, then sample order.
 
     Example: a group j=3 of G=2, one reward "math" of weight 1:
         -> [{"iteration": k, "group": 3, "sample": 0, "prompt": "2+2=", "completion": "4", "rewards": {"math": 1.0},

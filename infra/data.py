@@ -97,8 +97,9 @@ def load_splits(data: str, data_config: str | None = None):
         source = str(path)
     elif looks_like_path(data):
         raise TaskError(f"--data {data!r} is neither 'arithmetic', 'chain', 'gsm8k', a hub dataset id nor an existing "
-                        f"file or directory. Pass a local file ({', '.join(DATA_FILE_BUILDERS)}) or directory (e.g. "
-                        "../shared/data/gsm8k), a hub id (e.g. openai/gsm8k), or 'arithmetic' or 'chain'.")
+                        f"file or directory. Pass a local file ({', '.join(DATA_FILE_BUILDERS)}, e.g. "
+                        "path/to/gsm8k/train.jsonl) or directory, a hub id (e.g. openai/gsm8k), or 'arithmetic' or "
+                        "'chain'.")
     else:
         source, unreachable = data, _hub_unreachable_reason(data)
     try:
@@ -109,8 +110,8 @@ def load_splits(data: str, data_config: str | None = None):
             from datasets.config import HF_DATASETS_CACHE
             raise TaskError(f"cannot reach the Hugging Face hub for {data!r} ({unreachable}), and the datasets cache "
                             f"{HF_DATASETS_CACHE} has no copy ({one_line(error)}). Offline, pass a local copy with "
-                            "--data path/to/dir-or-file (e.g. --data ../shared/data/gsm8k: its test.jsonl becomes the "
-                            "held-out set), or use --data arithmetic.") from None
+                            "--data path/to/dir-or-file (e.g. --data path/to/gsm8k/train.jsonl: a test.jsonl beside it "
+                            "becomes the held-out set), or use --data arithmetic.") from None
         raise TaskError(f"cannot load --data {data!r} with datasets ({one_line(error)}). Fix the data, or pass "
                         "--data arithmetic for the built-in offline task.") from None
 

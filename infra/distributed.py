@@ -49,6 +49,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from config import SIZE_FIELDS
 from infra import liveness
 from infra.liveness import RanksError
 from infra.processes import killed_with_parent
@@ -189,19 +190,16 @@ def check(cfg, ranks: Ranks) -> None:
                          f"{max(1, cfg.prompts_per_iteration // needed)} or less")
 
 
-SIZES = ("groups_per_chunk", "micro_batch_tokens", "rollout_threads", "train_threads", "tail_threads")
-
-
 def share_sizes(cfg, ranks: Ranks, chosen=None):
     """`cfg` with trainer rank 0's sizes (`chosen`, given on rank 0 only: what launch/sizing.py chose there) where
     they are open, on every trainer rank (broadcast_object_list on the world group; no inference ranks: departure
     3). The generate calls and the micro-batch are rank 0's on every rank (the calls decide who samples what);
     a rank keeps the threads it was given."""
-    sizes = [{name: getattr(chosen, name) for name in SIZES} if ranks.is_main else None]
+    sizes = [{name: getattr(chosen, name) for name in SIZE_FIELDS} if ranks.is_main else None]
     with collective("the broadcast of trainer rank 0's sizes", ranks):
         dist.broadcast_object_list(sizes, src=0)
     shared = sizes[0]
-    mine = {name: getattr(cfg, name) for name in SIZES if "threads" in name and getattr(cfg, name) is not None}
+    mine = {name: getattr(cfg, name) for name in SIZE_FIELDS if "threads" in name and getattr(cfg, name) is not None}
     return dataclasses.replace(cfg, **{**shared, **mine})
 
 

@@ -68,14 +68,13 @@ from transformers import (
 )
 from transformers import __version__ as transformers_version
 
+from config import MODEL_ALIASES
 from infra.data import load_task
 from infra.errors import UserError
 from infra.outputs import make_directory
 from infra.tasks import chain_working, hub_unreachable_reason
 
 TINY = "tiny"
-MODEL_ALIASES = {f"qwen2.5-{size}": f"Qwen/Qwen2.5-{size.upper()}-Instruct"
-                 for size in ("0.5b", "1.5b", "3b", "7b", "14b", "32b", "72b")}
 _LOAD_ERRORS = (OSError, ValueError, HfHubHTTPError)  # what from_pretrained raises for "not loadable"
 
 

@@ -13,17 +13,18 @@ with --resume a result-changing one that differs from the checkpoint's is refuse
 
 Departure, on purpose: `resume`, `overwrite` and `config` in a file are skipped; they act on what --out
 already holds, so they are read from the command line only (a rerun of a config.json that was written with
---overwrite must not delete a run by itself). So is a run record's `out` (a config.json, which has a run_id): a
-rerun gets a folder of its own unless --out is given.
+--overwrite must not delete a run by itself). So are a run record's `out` and `trace` (`RUN_OUTPUTS`; a config.json,
+which has a run_id): a rerun writes a folder and a trace of its own unless --out and --trace are given.
 
-TRL's names. An option of TRL 1.16's GRPOConfig (or of its CLI's script and model arguments) that means what one of
-ours means is accepted under TRL's name too, on the command line and as a --config key (`TRL_ALIASES`: e.g.
---num-generations is --group-size, --learning-rate --lr, --epsilon both clip ranges unless --epsilon-high is given,
-as TRL's); `--name_with_underscores` is read as `--name-with-underscores`, as TRL's parser reads both. A TRL name
-whose meaning differs here (per_device_train_batch_size, max_steps, ...) is refused with one line naming the option
-to use and why (`TRL_DIFFERENT`), any other unknown option with difflib's closest name; abbreviations are not
-expanded (argparse's allow_abbrev), so --epsilon is never "ambiguous". Our defaults are TRL's but for
-`DEPARTURES`, each with its reason (listed in --help and the README).
+TRL's names (infra/trl_names.py). An option of TRL 1.16's GRPOConfig (or of its CLI's script and model arguments)
+that means what one of ours means is accepted under TRL's name too, on the command line and as a --config key
+(`TRL_ALIASES`: e.g. --num-generations is --group-size, --learning-rate --lr, --epsilon both clip ranges unless
+--epsilon-high is given, as TRL's); `--name_with_underscores` is read as `--name-with-underscores`, as TRL's parser
+reads both. A TRL name whose meaning differs here (per_device_train_batch_size, max_steps, ...) is refused with one
+line naming the option to use and why (`TRL_DIFFERENT`); one for what this trainer has no use for (logging_steps,
+push_to_hub, bf16, ...: `TRL_UNUSED`) is ignored in a --config file with one line saying why, so that a TRL config
+file runs as it is, and refused on the command line; any other unknown option gets difflib's closest name.
+Abbreviations are not expanded (argparse's allow_abbrev), so --epsilon is never "ambiguous".
 """
 from __future__ import annotations
 
@@ -39,105 +40,24 @@ import textwrap
 import typing
 from pathlib import Path
 
-from config import SECTIONS, TINY_MODELS, Config
+from config import SECTIONS, SIZE_FIELDS, TINY_MODELS, Config
+from infra.trl_names import TRL_ALIASES, TRL_DIFFERENT, TRL_UNUSED, epilog, unused_line
 
 GENERATE_CALLS = {"cpu": 2, "accelerator": 1}  # default generate calls per iteration (see derive)
 # Default training micro-batch: 16 toy groups (~1.5 k tokens) in one forward; 2-3 groups of 8 x (256 + 512) tokens
 # (Qwen2.5-0.5B with --gradient-checkpointing: 6.5 GiB for one such group in float32, docs/benchmarks.md).
 MICRO_BATCH_TOKENS = 16384
-NOT_OPTIONS = ("run_id", "versions", "command")  # config.json's keys that are not options
+NOT_OPTIONS = ("run_id", "versions", "command")  # config.json's keys that are not options (run_id marks a record)
 COMMAND_LINE_ONLY = ("resume", "overwrite", "config")
 # Options config.json records as `derive` resolved them from another option: given anew on the command line, that
 # option re-derives them (a tiny run's config.json with --model qwen2.5-0.5b must not keep the tiny lr and lengths).
-SIZES = ("groups_per_chunk", "micro_batch_tokens", "rollout_threads", "train_threads", "tail_threads")
-DERIVED_FROM = {"model": ("lr", "max_new_tokens", *SIZES), "reward": ("reward_weights",),
-                "device": ("train_device", "rollout_device", "dtype", *SIZES), "mode": ("rollout_device", *SIZES),
-                "batch_size": SIZES, "group_size": SIZES, "inference_workers": ("rollout_device", *SIZES)}
-
-# --- TRL 1.16's names (trl/trainer/grpo_config.py, transformers' TrainingArguments; TRL's CLI: ScriptArguments,
-# ModelConfig) ---
-# The same meaning under another name: accepted as an alias (command line and --config keys). Same names need none
-# (beta, temperature, top_p, loss_type, scale_rewards, max_grad_norm, weight_decay, seed, report_to, reward_weights,
-# epsilon_high, gradient_checkpointing, attn_implementation, dtype). TRL's `epsilon`: `--epsilon` below.
-TRL_ALIASES = {"num_generations": "group_size", "learning_rate": "lr", "max_completion_length": "max_new_tokens",
-               "use_bias_correction_kl": "kl_bias_correction", "output_dir": "out", "save_total_limit":
-               "keep_checkpoints", "resume_from_checkpoint": "resume", "model_name_or_path": "model",
-               "dataset_name": "data", "dataset_config": "data_config", "dataset_train_split": "split"}
-# TRL names that mean something else here: the option to use instead, and why (one line each, after "use")
-TRL_DIFFERENT = {
-    "per_device_train_batch_size": "--batch-size: the responses sampled per iteration, all ranks together (TRL's "
-                                   "per_device_train_batch_size x processes x steps_per_generation)",
-    "generation_batch_size": "--batch-size: the responses sampled per iteration",
-    "gradient_accumulation_steps": "--micro-batch-tokens: a step accumulates all of its groups, in forwards of at most "
-                                   "this many tokens (and --updates-per-iteration for the steps per batch)",
-    "steps_per_generation": "--updates-per-iteration: the optimizer steps each batch of responses is split into",
-    "max_steps": "--iterations: each samples one batch and takes --updates-per-iteration optimizer steps on it",
-    "num_train_epochs": "--iterations: a run counts batches of prompts, not passes over the data",
-    "logging_steps": "nothing: every iteration is logged (a line and a metrics.jsonl row, sent to --report-to)",
-    "save_steps": "--save-every N: a checkpoint every N iterations",
-    "save_strategy": "--save-every N: a checkpoint every N iterations (0: none)",
-    "eval_steps": "--eval-every N: a held-out evaluation every N iterations",
-    "eval_strategy": "--eval-every N: a held-out evaluation every N iterations (0: none)",
-    "per_device_eval_batch_size": "--eval-size and --eval-samples: held-out prompts and responses per prompt",
-    "num_generations_eval": "--eval-samples: responses per held-out prompt",
-    "dataset_test_split": "--eval-size: held out is --data's 'test' split, else its last --eval-size rows",
-    "bf16": "--dtype bfloat16 (--dtype auto picks it where the device computes bf16 natively)",
-    "fp16": "--dtype bfloat16: float16 would need loss scaling, which this trainer does not do",
-    "max_prompt_length": "nothing: prompts are never cut; one too long for the model is refused at start-up",
-    "top_k": "--top-p: sampling offers --temperature and --top-p only",
-    "use_vllm": "--engine, --inference-workers or --inference-ranks: sampling runs in this trainer's own processes",
-    "vllm_mode": "--inference-workers or --inference-ranks: sampling runs in this trainer's own processes",
-    "push_to_hub": "nothing: <out>/policy is a Hugging Face model directory; upload it with `hf upload`",
-}
-# Our defaults that are not TRL 1.16's: (option, ours, TRL's, why), in --help's epilog and the README
-DEPARTURES = (
-    ("--beta", "0.04", "0.0", "the reference θ_0 is one of the paper's three ideas (the tri-model); --beta 0 is TRL's "
-                              "and makes no reference copy"),
-    ("--lr", "1e-4 for tiny, tiny-chain", "1e-6", "a 0.33 M-parameter toy needs big steps; other models: 1e-6"),
-    ("--max-new-tokens", "8 for tiny, 128 for tiny-chain", "512", "the toy tasks' answers are that short; other "
-                                                                  "models: 512"),
-    ("--batch-size", "128 (16 prompts x 8)", "8 per device", "the pipeline overlaps generating with training inside "
-                                                             "an iteration: it needs several groups"),
-    ("--eval-every", "10", "no evaluation", "the held-out reward shows what the run learnt; 0 turns it off"),
-    ("log", "every iteration", "every 10 steps", "each line is the pipeline's measurement (busy and idle seconds)"),
-    ("--gradient-checkpointing", "off", "on", "~30% more training compute, which small models need not pay; the "
-                                              "README's real-model command turns it on"),
-    ("--dtype", "auto: bf16 where native, else float32", "bf16", "CPUs emulate bf16 slowly"),
-    ("--save-every", "0 (never)", "every 500 steps", "a checkpoint holds θ and AdamW's state (5.9 GB for "
-                                                     "Qwen2.5-0.5B): on request"),
-    ("--keep-checkpoints", "2", "all", "a checkpoint's size (above)"),
-    ("--out", "runs/<model>-<time>, linked from runs/latest", "trainer_output", "every run a folder of its own: a "
-                                                                                "command can be run again"),
-    ("--seed", "0", "42", "the figures in the README and docs/benchmarks.md were measured with it"),
-    ("--disable-dropout", "on", "off", "dropout's random masks would break async == sync and exact resume"),
-    ("--lora-dropout", "0.0", "0.05", "the same: a checkpoint does not hold the masks' random state"),
-)
-# The log's columns, one line per iteration (trainer.format_row); in --help's epilog
-LOG_COLUMNS = (
-    ("iter k", "the iteration: sampled with θ_k"),
-    ("reward m±s", "training reward (the weighted sum of --reward): mean ± std over the iteration's responses"),
-    ("eval", "held-out reward of θ_k (every --eval-every iterations, else -)"),
-    ("kl", "mean KL term to the reference θ_0 per response token, as TRL logs it: ρ·k3 with the importance ratio ρ "
-           "(plain k3 with --no-kl-bias-correction; - with --beta 0)"),
-    ("clip", "fraction of response tokens whose probability ratio was clipped (PPO's clip)"),
-    ("len", "mean response length in tokens"),
-    ("gen, train", "seconds each side was busy: the inference side sampling and scoring, the trainer training"),
-    ("idle gen/train", "seconds each side waited for the other, out of the iteration's wall time"),
-    ("overlap", "share of the less busy side's time that ran while the other side was busy (100% = hidden)"),
-    ("tok/s", "response tokens per second of the iteration's wall time"),
-)
-
-
-def epilog() -> str:
-    """--help's last part: the log's columns and our departures from TRL's defaults."""
-    width = max(len(name) for name, _ in LOG_COLUMNS)
-    lines = ["the log, one line per iteration:"] + [f"  {name:<{width}}  {meaning}" for name, meaning in LOG_COLUMNS]
-    lines += ["", "defaults that are not TRL 1.16's (GRPOConfig), and why:"]
-    lines += [f"  {option} {ours} (TRL: {theirs}): {why}" for option, ours, theirs, why in DEPARTURES]
-    lines += ["", "TRL's option names are accepted where they mean the same: " + ", ".join(
-        f"--{trl.replace('_', '-')}" for trl in [*TRL_ALIASES, "epsilon"]) + "."]
-    return "\n".join(textwrap.fill(line, 118, subsequent_indent=" " * 4, break_on_hyphens=False) or line
-                     for line in lines)
+DERIVED_FROM = {"model": ("lr", "max_new_tokens", *SIZE_FIELDS), "reward": ("reward_weights",),
+                "device": ("train_device", "rollout_device", "dtype", *SIZE_FIELDS),
+                "mode": ("rollout_device", *SIZE_FIELDS),
+                "batch_size": SIZE_FIELDS, "group_size": SIZE_FIELDS,
+                "inference_workers": ("rollout_device", *SIZE_FIELDS)}
+# A run record's options that name that run's outputs: a rerun of its config.json writes its own (unless given anew)
+RUN_OUTPUTS = ("out", "trace")
 
 
 def available_cores() -> int:
@@ -340,6 +260,8 @@ def validate(cfg: Config) -> list[str]:
     need(cfg.num_completions_to_print >= 0,
          f"--num-completions-to-print must be >= 0 (got {cfg.num_completions_to_print})")
     need(cfg.resume is None or cfg.resume.strip() != "", "--resume must name a checkpoint directory or 'auto'")
+    need(cfg.resume != "auto" or cfg.out is not None, "--resume auto needs --out DIR: the run to continue "
+         "(runs/latest may be another run by the time a job is resubmitted)")
     need(cfg.out is None or cfg.out.strip() != "", f"--out must name a directory (got {cfg.out!r})")
     need(cfg.trace is None or cfg.trace.strip() != "", f"--trace must name a file (got {cfg.trace!r})")
     need("none" not in cfg.report_to or len(set(cfg.report_to)) == 1,
@@ -380,6 +302,8 @@ def unknown_option(option: str, parser: argparse.ArgumentParser | None = None) -
     name = option.lstrip("-").replace("-", "_")
     if name in TRL_DIFFERENT:
         return f"{option} is TRL's and means something else here; use {TRL_DIFFERENT[name]}"
+    if name in TRL_UNUSED:
+        return f"{option} is TRL's and has no use here: {TRL_UNUSED[name]}"
     known = [string for action in (parser or build_parser())._actions for string in action.option_strings
              if string.startswith("--") and string != "--help"]
     close = difflib.get_close_matches("--" + name.replace("_", "-"), known, n=1)
@@ -489,7 +413,7 @@ def given_options(argv: list[str] | None = None) -> set[str]:
 def parse_args(argv: list[str] | None = None, prog: str = "trainer.py") -> Config:
     """Parse (a --config file's options first, the command line's after them), validate and derive; on invalid
     input print one line and exit with code 2."""
-    args = build_parser(prog).parse_args(with_config_file(argv, prog))
+    args = build_parser(prog).parse_args(with_config_file(argv, prog, say=True))
     cfg = Config(**_values(args))
     problems = validate(cfg)
     if problems:
@@ -509,10 +433,11 @@ def config_file(argv: list[str]) -> str | None:
         return None
 
 
-def file_arguments(path: str, skip: set[str] = frozenset()) -> list[str]:
+def file_arguments(path: str, skip: set[str] = frozenset(), note=lambda line: None) -> list[str]:
     """The options in the JSON or YAML file `path` as command-line flags, but those in `skip` (and a run record's
-    `out`: a rerun gets its own folder); ValueError with the reason if it cannot be read, is not a mapping, or names
-    an unknown option. Keys may be TRL's names (TRL_ALIASES, epsilon) and may be spelled with - for _.
+    `RUN_OUTPUTS`: a rerun writes its own); ValueError with the reason if it cannot be read, is not a mapping, or
+    names an unknown option. Keys may be TRL's names (TRL_ALIASES, epsilon) and may be spelled with - for _; TRL's
+    keys for what has no use here (TRL_UNUSED) are left out, said in one line to `note`.
 
     Example: {"max_new_tokens": 8, "learning_rate": 1e-4, "save": false, "report_to": ["tensorboard"], "trace": null}
              -> ["--max-new-tokens=8", "--lr=0.0001", "--no-save", "--report-to", "tensorboard"]
@@ -533,6 +458,10 @@ def file_arguments(path: str, skip: set[str] = frozenset()) -> list[str]:
         raise ValueError("must hold a mapping from option names to values, e.g. {\"iterations\": 20}")
     fields = {f.name: f for f in dataclasses.fields(Config)}
     values = {str(key).replace("-", "_"): value for key, value in values.items()}
+    unused = [key for key in values if key in TRL_UNUSED]
+    if unused:
+        note(unused_line(unused))
+    values = {key: value for key, value in values.items() if key not in TRL_UNUSED}
     unknown = [key for key in values if key not in fields and key not in NOT_OPTIONS and key not in TRL_ALIASES
                and key != "epsilon"]
     if unknown:
@@ -549,10 +478,10 @@ def file_arguments(path: str, skip: set[str] = frozenset()) -> list[str]:
     twice = [keys for name, keys in named.items() if len(keys) > 1 and name != "epsilon_low"]
     if twice:
         raise ValueError(f"{' and '.join(twice[0])} name the same option, TRL's name and ours: keep one")
-    flags = []
+    flags, record = [], "run_id" in values
     for key, value in values.items():
         name = TRL_ALIASES.get(key, key)
-        if name in NOT_OPTIONS or name in COMMAND_LINE_ONLY or name in skip or name == "out" and "run_id" in values:
+        if name in NOT_OPTIONS or name in COMMAND_LINE_ONLY or name in skip or record and name in RUN_OUTPUTS:
             continue
         if name == "epsilon":  # TRL's (both ranges, unless epsilon_high is given), unless given anew
             flags += [] if "epsilon_low" in skip else [f"--epsilon={value}"]
@@ -576,9 +505,9 @@ def file_arguments(path: str, skip: set[str] = frozenset()) -> list[str]:
     return flags
 
 
-def with_config_file(argv: list[str] | None = None, prog: str = "trainer.py") -> list[str]:
+def with_config_file(argv: list[str] | None = None, prog: str = "trainer.py", say: bool = False) -> list[str]:
     """argv (default: sys.argv[1:]) with its --config file's options put before it; on a bad file one line on
-    stderr and exit code 2, as for a bad flag."""
+    stderr and exit code 2, as for a bad flag. `say`: print the file's ignored keys (once per run: on rank 0)."""
     argv = normalized(list(sys.argv[1:] if argv is None else argv))
     path = config_file(argv)
     if path is None:
@@ -588,8 +517,12 @@ def with_config_file(argv: list[str] | None = None, prog: str = "trainer.py") ->
     skip = given | {derived for option in given for derived in DERIVED_FROM.get(option, ())}  # replaces the file's
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun each rank places its own devices (distributed.py)
         skip |= {"train_device", "rollout_device"}
+
+    def note(line: str) -> None:
+        if say and os.environ.get("RANK", "0") == "0":
+            print(f"periodic-rl: --config {path}: {line}", flush=True)
     try:
-        return file_arguments(path, skip=skip) + argv
+        return file_arguments(path, skip=skip, note=note) + argv
     except ValueError as error:
         sys.stderr.write(f"{prog}: error: --config {path} {error}\n")
         raise SystemExit(2) from None

@@ -30,9 +30,10 @@ Rules (each a one-line `OutputError` when broken; trainer.py prints it and exits
    directory or the new one, never a torn one.
 5. Without --out each run gets a folder of its own, runs/<model>-<YYYYmmdd-HHMMSS> (`run_folder`: -2, -3, ...
    when two start in the same second), and runs/latest becomes a link to it (`link_latest`), so `python plot.py
-   runs/latest`, `--config runs/latest/config.json` and `--resume auto` (`default_out`) find the newest run, and
-   any command can be run again. An explicit --out keeps rules 2 and 3. `--resume auto` where there is no run
-   to continue starts one, so that the same command serves every submission of a preemptible job.
+   runs/latest` and `--config runs/latest/config.json` find the newest run, and any command can be run again. An
+   explicit --out keeps rules 2 and 3. `--resume auto` needs --out (runs/latest may be another run by the time a
+   preempted job is resubmitted); where --out holds no run to continue it starts one (`resume_or_start`), so that
+   the same command serves every submission of a preemptible job.
 
 Departure, on purpose: replacing an existing directory takes two renames (the old one aside, the new one
 in), as POSIX renames no directory over a non-empty one; a kill between the two (microseconds) leaves the
@@ -166,11 +167,13 @@ def is_record(path: Path) -> bool:
 
 
 def is_model_directory(path: Path) -> bool:
-    """A policy/ of this trainer: a Hugging Face model directory (config.json and safetensors), or empty."""
+    """A policy/ of this trainer: a Hugging Face model directory (config.json and safetensors), a LoRA adapter's
+    (--use-peft: peft's adapter_config.json and adapter_model.safetensors), or empty."""
     if not path.is_dir():
         return False
     names = {p.name for p in path.iterdir()}
-    return not names or "config.json" in names and any(name.endswith(".safetensors") for name in names)
+    return not names or bool({"config.json", "adapter_config.json"} & names) and any(
+        name.endswith(".safetensors") for name in names)
 
 
 def is_checkpoint(path: Path) -> bool:
@@ -266,17 +269,13 @@ def holds_run(out: str | Path) -> bool:
     return out.is_dir() and any(is_run(path) for path in run_files(out)[0])
 
 
-def default_out(cfg: Config) -> Config:
-    """`cfg` with --out filled where it follows from --resume: `--resume auto` continues the run runs/latest points
-    at, and starts afresh (resume None, with a line) when there is none, so that one command serves every submission
-    of a preemptible job; a checkpoint's path continues in its own folder (checkpoint.resumption). A new run's
-    folder is made later, by rank 0 alone (`run_folder`)."""
-    if cfg.resume == "auto" and cfg.out is None:
-        latest = RUNS / LATEST
-        cfg = dataclasses.replace(cfg, out=str(RUNS / os.readlink(latest) if latest.is_symlink() else latest))
+def resume_or_start(cfg: Config) -> Config:
+    """`cfg`, but `--resume auto` where --out holds no run to continue starts one (resume None, with a line), so
+    that one command serves every submission of a preemptible job. (--resume auto needs --out, infra/options.py:
+    runs/latest may link another run by the time the job is resubmitted.)"""
     if cfg.resume == "auto" and not holds_run(cfg.out) and not any(Path(cfg.out).glob("checkpoint-*")):
         print(f"periodic-rl: --resume auto: {cfg.out} holds no run to continue; starting a new one", flush=True)
-        return dataclasses.replace(cfg, resume=None, out=None if cfg.out == str(RUNS / LATEST) else cfg.out)
+        return dataclasses.replace(cfg, resume=None)
     return cfg
 
 

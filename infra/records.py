@@ -29,7 +29,7 @@ import secrets
 import subprocess
 from pathlib import Path
 
-from config import TINY_MODELS, Config
+from config import MODEL_ALIASES, TINY_MODELS, Config
 from infra import outputs
 
 RECORD = "config.json"
@@ -75,11 +75,11 @@ def absolute_paths(cfg: Config) -> Config:
                 out '/home/u/exp/runs/a'
     """
     from infra.data import looks_like_path
-    from infra.models import MODEL_ALIASES  # (an alias names a hub model even where a folder has its name)
 
     def reward(spec: str) -> str:
         module, sep, function = spec.rpartition(":")
         return absolute(module) + sep + function if module.endswith(".py") else spec
+    # an alias names a hub model even where a folder has its name
     local_model = (cfg.model not in TINY_MODELS and cfg.model.lower() not in MODEL_ALIASES
                    and os.path.isdir(os.path.expanduser(cfg.model)))
     local_data = cfg.data is not None and looks_like_path(cfg.data) and os.path.exists(os.path.expanduser(cfg.data))

@@ -12,9 +12,9 @@ does: `prompts` (the prompt, G times: text or a conversation), `completions` (te
 stopped), every other column of the dataset row as a list of G values (`Example.columns`; `answer`, the
 gold answer, when the row has no column of that name and the data has one), and `trainer_state`: a
 transformers.TrainerState whose global_step is the optimizer steps taken before this iteration's (iteration k x
---updates-per-iteration: k itself at the default 1), max_steps all of the run's, epoch the passes over the
-training prompts (`trainer_state`). It returns one value per completion: a real number, or None where it does
-not apply (TRL's convention).
+--updates-per-iteration x --num-iterations: k itself at the defaults 1), max_steps all of the run's, epoch the
+passes over the training prompts (`trainer_state`). It returns one value per completion: a real number, or None
+where it does not apply (TRL's convention).
 
 Either form may be `async def` (TRL 1.16 awaits async rewards concurrently): a group's synchronous rewards are
 called first, in order, then its async calls (one per group batched, one per completion plain) are awaited
@@ -358,16 +358,17 @@ def score(reward_fn: Reward, prompt, completion: str, answer: str, time_limit: f
 def trainer_state(cfg=None, iteration: int = 0, num_examples: int = 0):
     """What TRL passes a batched reward as `trainer_state`: a transformers.TrainerState of iteration k of a run
     (`cfg`, a Config; None: a fresh one, step 0). global_step: the optimizer steps taken before this iteration's
-    rollouts, k x --updates-per-iteration (TRL's global_step counts optimizer steps; k itself at the default 1);
-    max_steps: the run's; epoch: the passes over the `num_examples` training prompts so far (a fraction, as TRL's);
-    num_train_epochs: the passes the run makes, rounded up. (Imported here, when a batched reward is scored:
-    transformers.trainer_callback imports transformers.trainer_utils, which imports peft, ~1 s.)"""
+    rollouts, k x --updates-per-iteration x --num-iterations μ (TRL's global_step counts optimizer steps, μ per
+    mini-batch; k itself at the defaults 1); max_steps: the run's, as the schedule counts them; epoch: the passes
+    over the `num_examples` training prompts so far (a fraction, as TRL's); num_train_epochs: the passes the run
+    makes, rounded up. (Imported here, when a batched reward is scored: transformers.trainer_callback imports
+    transformers.trainer_utils, which imports peft, ~1 s.)"""
     from transformers import TrainerState
     if cfg is None:
         return TrainerState()
     prompts = cfg.prompts_per_iteration
-    return TrainerState(global_step=iteration * cfg.updates_per_iteration,
-                        max_steps=cfg.iterations * cfg.updates_per_iteration,
+    steps = cfg.updates_per_iteration * cfg.num_iterations  # optimizer steps per iteration
+    return TrainerState(global_step=iteration * steps, max_steps=cfg.iterations * steps,
                         epoch=iteration * prompts / num_examples if num_examples else 0.0,
                         num_train_epochs=math.ceil(cfg.iterations * prompts / num_examples) if num_examples else 0,
                         train_batch_size=cfg.batch_size // cfg.updates_per_iteration)

@@ -19,7 +19,7 @@ Two tasks are built in, and anything `datasets` loads can be used (infra/data.py
   reasoning does: most groups finish in a few decode steps, one in ten runs ten times longer. The
   workload where streaming groups by completion pays (bench.py peer --task chain).
 - GSM8K (Cobbe et al., 2021): the paper's benchmark (arXiv 2511.18871, Sec. 5), `--data gsm8k` for the hub's
-  openai/gsm8k (config main) or a local copy (`--data ../shared/data/gsm8k`). The gold answer is the number
+  openai/gsm8k (config main) or a local copy (`--data path/to/gsm8k/train.jsonl`). The gold answer is the number
   after `####`.
 
 A plain-text prompt is fed raw to a model without a chat template (the tiny models), or as the user's message in

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from pathlib import Path
 from typing import Iterator
 
@@ -65,11 +66,17 @@ def build_optimizer(cfg, policy) -> tuple[torch.optim.AdamW, torch.optim.lr_sche
     return optimizer, scheduler
 
 
+LOADED_RATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> [(config part, attribute, rate)]
+
+
 def disable_dropout(model: torch.nn.Module) -> None:
     """TRL's `disable_dropout_in_model` (every nn.Dropout's p = 0), and the rates that models read at forward time
-    instead (Qwen2's and Llama's `attention_dropout`, LayerDrop, drop-path): every float attribute of a module or
-    of its config whose name holds "drop", set to 0. Then a forward in training mode is a function of the weights
-    and the inputs, as the bitwise claims need. A LoRA adapter's dropout is --lora-dropout's to decide."""
+    instead: every float attribute whose name holds "drop" set to 0, of each module (Qwen2's and Llama's
+    `attention_dropout`, LayerDrop, drop-path: copied from the config when the module was built) and of the config
+    (Persimmon reads `config.attention_dropout` in forward; Falcon and GPT-Neo on their flash-attention path). Then
+    a forward in training mode is a function of the weights and the inputs, as the bitwise claims need. The
+    config's rates as loaded are kept (`LOADED_RATES`): a save puts them back (`config_as_loaded`), so the saved
+    config.json is the model's own. A LoRA adapter's dropout is --lora-dropout's to decide."""
     for name, module in model.named_modules():
         if "lora_dropout" in name:
             continue
@@ -79,10 +86,26 @@ def disable_dropout(model: torch.nn.Module) -> None:
             if "drop" in attribute and isinstance(value, float):
                 setattr(module, attribute, 0.0)
     config = getattr(model, "config", None)
+    loaded = LOADED_RATES.setdefault(model, [])
     for part in {id(c): c for c in (config, getattr(config, "get_text_config", lambda: None)()) if c}.values():
         for attribute, value in list(vars(part).items()):
-            if "drop" in attribute and isinstance(value, float):
+            if "drop" in attribute and isinstance(value, float) and value:  # (a second call finds zeros)
+                loaded.append((part, attribute, value))
                 setattr(part, attribute, 0.0)
+
+
+@contextlib.contextmanager
+def config_as_loaded(model: torch.nn.Module) -> Iterator[None]:
+    """The model's config with the dropout rates it was loaded with, for the block (a save: the saved config.json is
+    the model's own, not `disable_dropout`'s zeros); the zeros again afterwards."""
+    loaded = LOADED_RATES.get(model, [])
+    for part, attribute, value in loaded:
+        setattr(part, attribute, value)
+    try:
+        yield
+    finally:
+        for part, attribute, _ in loaded:
+            setattr(part, attribute, 0.0)
 
 
 # --- where sampling runs, on which threads ---
@@ -225,7 +248,7 @@ def train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs
                              elastic_threads(cfg, ranks), in_turns, ranks)
 
     def save_checkpoint(iterations_done: int) -> None:
-        with timeline.span(f"checkpoint {iterations_done}"):
+        with timeline.span(f"checkpoint {iterations_done}"), config_as_loaded(policy):
             checkpoint.save(cfg.out, iterations_done, policy, tokenizer, optimizer, cfg, theta_0, cfg.keep_checkpoints,
                             scheduler)
     logged = first  # iterations whose row is out

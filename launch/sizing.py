@@ -58,6 +58,7 @@ from dataclasses import dataclass
 
 import torch
 
+from infra import distributed
 from infra.options import MICRO_BATCH_TOKENS, available_cores
 from infra.tasks import prompt_token_ids
 from learner import forward_backward, micro_batch_size
@@ -287,6 +288,7 @@ def choose(cfg, tri, tokenizer, train_examples, cores: int | None = None, min_ca
     slower than taking turns at two), and keeps the faster prediction."""
     if cfg.sized:
         return cfg, "", 1.0
+    print("periodic-rl: probing sizes (5-25 s; pass the printed flags to skip) ...", flush=True)  # then silent
     started, cores, prompts = time.perf_counter(), cores or available_cores(), cfg.prompts_per_iteration
     cap = cfg.micro_batch_tokens or MICRO_BATCH_TOKENS
     given = math.ceil(prompts / cfg.groups_per_chunk) if cfg.groups_per_chunk else None
@@ -339,7 +341,6 @@ def choose_for_ranks(cfg, tri, tokenizer, train_examples, ranks) -> tuple[object
     sizes to probe (--sizes probe on CPU, no inference ranks), trainer rank 0 probes on its share of its host's
     cores, at least one generate call per sampler, while the other ranks wait, and every rank takes its sizes
     (distributed.share_sizes: the same calls and micro-batch on every rank)."""
-    from infra import distributed
     probed_here = cfg.sizes == "probe" and cfg.rollout_device.startswith("cpu")  # (the same on every rank)
     if ranks.size == 1 or ranks.inference or not probed_here:
         return choose(cfg, tri, tokenizer, train_examples)[:2]

@@ -1,6 +1,7 @@
 """infra/checkpoint.py and the long-run options: checkpoints are atomic, a resume is exact, a stop keeps what is exact."""
 import dataclasses
 import json
+import math
 import re
 import shutil
 import signal
@@ -84,7 +85,7 @@ def test_a_stopped_run_resumed_equals_the_uninterrupted_one(tiny_model_dir, tmp_
     assert checkpoint.checkpoints(out), "no checkpoint was written"
     if stop == signal.SIGTERM:  # the stop line says what was kept
         assert re.search(r"^interrupted by SIGTERM: .*; (.*checkpoint-(\d) holds the \2 iterations done|no checkpoint "
-                         r"holds iterations \d to \d): --resume auto continues from", err.splitlines()[-1]), err
+                         r"holds iterations \d to \d): --resume auto --out \S+ continues from", err.splitlines()[-1]), err
     assert not (out / "policy").exists()
     resumed = subprocess.run(trainer("--resume", "auto", "--out", out, "--model", tiny_model_dir), cwd=ROOT,
                              capture_output=True, text=True, timeout=300)
@@ -95,8 +96,10 @@ def test_a_stopped_run_resumed_equals_the_uninterrupted_one(tiny_model_dir, tmp_
 
 def test_resume_refuses_options_that_change_the_run(tiny_model_dir):
     """Claim: a resumed run takes the checkpoint's options; a result-changing one given with another value is one
-    line naming it; harmless ones (iterations, evaluation, threads) are the checkpoint's unless given anew."""
-    saved = parse_args(["--model", str(tiny_model_dir), *RUN, "--seed", "3", "--lr", "0.01", "--tail-threads", "2"])
+    line naming it; harmless ones (iterations, at a constant rate; evaluation, threads) are the checkpoint's unless
+    given anew."""
+    saved = parse_args(["--model", str(tiny_model_dir), *RUN, "--seed", "3", "--lr", "0.01", "--tail-threads", "2",
+                        "--lr-scheduler-type", "constant"])
     state = {"iterations_done": 2, "config": dataclasses.asdict(saved), "reference_fingerprint": "x"}
     for argv, option in ((["--seed", "4"], "--seed"), (["--lr", "0.02"], "--lr"), (["--group-size", "8"], "--group-size"),
                          (["--groups-per-chunk", "4"], "--groups-per-chunk"),
@@ -312,7 +315,8 @@ def test_a_kill_while_a_checkpoint_is_written_leaves_the_previous_one(tiny_model
 # --- resuming: nothing lost, nothing mixed (issue #33) ---
 FINISHED = ["--data", "arithmetic", "--iterations", "2", "--batch-size", "16", "--group-size", "4", "--max-new-tokens",
             "4", "--eval-every", "1", "--eval-size", "4", "--eval-samples", "2", "--groups-per-chunk", "2",
-            "--micro-batch-tokens", "64", "--rollout-threads", "1", "--train-threads", "1", "--mode", "sync"]
+            "--micro-batch-tokens", "64", "--rollout-threads", "1", "--train-threads", "1", "--mode", "sync",
+            "--lr-scheduler-type", "constant"]  # (at a constant rate a resume may give another --iterations)
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
@@ -398,7 +402,7 @@ def test_a_stop_during_the_final_save_keeps_the_last_row_and_the_policy(tiny_mod
         run.wait_for("^saving the policy")
         run.send(signal.SIGTERM)
         run.assert_stopped(143, r"^interrupted by SIGTERM: the run was stopped, nothing is left running; "
-                                r".*checkpoint-2 holds the 2 iterations done: --resume auto continues from there$")
+                                r".*checkpoint-2 holds the 2 iterations done: --resume auto --out \S+ continues from there$")
     assert metrics_iterations(out) == [0, 1] and not (out / "policy").exists()
     resumed = subprocess.run(trainer("--resume", "auto", "--out", out, "--model", tiny_model_dir), cwd=ROOT,
                              capture_output=True, text=True, timeout=300)
@@ -450,3 +454,41 @@ def test_a_resume_that_fails_leaves_the_metrics_and_says_the_policy_is_there(fin
     after = snapshot(out)
     assert {k: v for k, v in after.items() if k != "config.json"} == {k: v for k, v in before.items()
                                                                       if k != "config.json"}
+
+
+@pytest.mark.parametrize("schedule, warmup, refused", [("linear", "0", True), ("cosine", "0.3", True),
+                                                       ("constant", "0.3", False), ("constant_with_warmup", "0", False),
+                                                       ("constant_with_warmup", "0.3", True),
+                                                       ("inverse_sqrt", "0", False)])
+def test_another_iterations_is_refused_where_the_schedule_spans_the_run(schedule, warmup, refused):
+    """Claim (review of #32, item 5): --iterations given anew to a resume is refused, in one line naming the
+    schedule, where the learning rates depend on the run's length (a decaying schedule, or a warmup given as a ratio
+    of the steps: rebuilt over another length, every rate from the checkpoint on would differ, and the run would be
+    neither the one it continues nor one started that long), as transformers' rates show; a constant rate, and
+    constant_with_warmup or inverse_sqrt without warmup, may be extended. The same --iterations is no change."""
+    from transformers import get_scheduler
+    saved = parse_args([*RUN, "--lr-scheduler-type", schedule, "--warmup-ratio", warmup])
+    state = {"iterations_done": 2, "config": dataclasses.asdict(saved), "reference_fingerprint": "x"}
+
+    def rates(iterations: int) -> list[float]:  # the first 8 steps' rates at this length (launch/setup's schedule)
+        optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+        steps = iterations * saved.updates_per_iteration * saved.num_iterations
+        scheduler = get_scheduler(schedule, optimizer, num_warmup_steps=math.ceil(steps * saved.warmup_ratio),
+                                  num_training_steps=steps)
+        seen = []
+        for _ in range(8):
+            seen.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            scheduler.step()
+        return seen
+    assert (rates(4) != rates(9)) == refused  # what the rule stands for
+    argv = ["--iterations", "9"]
+    if refused:
+        with pytest.raises(checkpoint.CheckpointError, match=rf"^--iterations 9 differs from the checkpoint's 4: it "
+                                                             rf"would change the run \(its learning-rate schedule, "
+                                                             rf"{schedule}"):
+            checkpoint.resumed_config(parse_args(argv), given_options(argv), state)
+    else:
+        assert checkpoint.resumed_config(parse_args(argv), given_options(argv), state).iterations == 9
+    argv = ["--iterations", "4"]
+    assert checkpoint.resumed_config(parse_args(argv), given_options(argv), state).iterations == 4

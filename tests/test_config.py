@@ -248,14 +248,15 @@ TRL_DEFAULTS = {"num_generations": 8, "learning_rate": 1e-6, "max_completion_len
                 "scale_rewards": "group", "use_bias_correction_kl": True, "mask_truncated_completions": False,
                 "num_iterations": 1, "max_grad_norm": 1.0, "weight_decay": 0.0, "seed": 42, "report_to": ["none"],
                 "save_total_limit": 0, "gradient_checkpointing": True, "reward_weights": [1.0],
-                "lr_scheduler_type": "linear", "warmup_ratio": 0.0, "disable_dropout": False}  # None read as ours: keep all = 0, weights 1 each
+                "lr_scheduler_type": "linear", "warmup_ratio": 0.0, "disable_dropout": False,
+                "num_completions_to_print": None}  # None read as ours: keep all = 0, weights 1 each
 
 
 def test_our_defaults_are_trls_but_the_listed_departures():
     """Claim: every option that TRL 1.16's GRPOConfig also has (under its name or an alias) defaults to TRL's value
     for a real model, unless --help's and the README's list of departures names it with its reason; and every
     departure listed is one (its option exists, and the README lists it too)."""
-    from infra.options import DEPARTURES, TRL_ALIASES
+    from infra.trl_names import DEPARTURES, TRL_ALIASES
     real = parse_args(["--model", "qwen2.5-0.5b"])
     listed = {option for option, *_ in DEPARTURES}
     readme = (ROOT / "README.md").read_text()
@@ -265,7 +266,7 @@ def test_our_defaults_are_trls_but_the_listed_departures():
         ours = getattr(real, name)
         if ours != theirs and "--" + name.replace("_", "-") not in listed:
             differ.append((trl, ours, theirs))
-    assert not differ, f"defaults that differ from TRL 1.16's and are not in infra/options.DEPARTURES: {differ}"
+    assert not differ, f"defaults that differ from TRL 1.16's and are not in infra/trl_names.DEPARTURES: {differ}"
     options = {action.option_strings[0] for action in build_parser()._actions if action.option_strings}
     for option, ours, theirs, why in DEPARTURES:
         assert option in options or option == "log", option
@@ -307,6 +308,7 @@ def test_trl_names_are_aliases_of_ours(tmp_path):
                                              "use --batch-size"),
     (["--max_steps", "10"], "--max-steps is TRL's and means something else here; use --iterations"),
     (["--gradient-accumulation-steps=4"], "use --micro-batch-tokens"),
+    (["--logging-steps", "10"], "--logging-steps is TRL's and has no use here: every iteration is logged"),
     (["--num-iterationz", "2"], "unrecognized option --num-iterationz: did you mean --num-iterations?"),
     (["--iteration", "3"], "unrecognized option --iteration: did you mean --iterations?"),
     (["--iter", "3"], "unrecognized option --iter"),  # an abbreviation is not expanded
@@ -323,11 +325,23 @@ def test_an_unknown_option_says_which_one_to_use(argv, message, capsys):
     assert parse_args(["--epsilon", "0.3"]).epsilon_low == 0.3
 
 
+def test_every_trl_name_refused_or_ignored_is_none_of_ours():
+    """Claim: each TRL name that is refused (TRL_DIFFERENT) or ignored in a --config file (TRL_UNUSED) is neither one
+    of our options nor an alias of one: such an entry could never be reached (TRL_DIFFERENT["top_k"] said --top-k did
+    not exist, after it did), and a name is refused or ignored, not both."""
+    import dataclasses
+
+    from infra.trl_names import TRL_ALIASES, TRL_DIFFERENT, TRL_UNUSED
+    ours = {f.name for f in dataclasses.fields(Config)} | set(TRL_ALIASES) | {"epsilon"}
+    assert not (set(TRL_DIFFERENT) | set(TRL_UNUSED)) & ours
+    assert not set(TRL_DIFFERENT) & set(TRL_UNUSED)
+
+
 def test_help_explains_the_log_columns_and_the_departures():
     """Claim: --help ends with one line per column of the log (each a column format_row prints) and the defaults
     that are not TRL's, each with its reason."""
     import trainer
-    from infra.options import DEPARTURES, LOG_COLUMNS
+    from infra.trl_names import DEPARTURES, LOG_COLUMNS
     text = build_parser().format_help()
     row = trainer.format_row({"iteration": 3, "reward_mean": 0.5, "reward_std": 0.1, "eval_reward": None, "kl": 0.01,
                               "clip_fraction": 0.0, "response_length": 4.0, "generate_s": 1.0, "train_s": 0.5,
@@ -354,6 +368,24 @@ def test_off_a_terminal_progress_is_a_line():
     import trainer
     assert trainer.progress_line(12, 60, 41.0, 3.4) == \
         "periodic-rl: progress 12/60 iterations, 00:41 elapsed, ~02:43 left"
+
+
+@pytest.mark.parametrize("devices, said", [(("cpu", "cpu"), False), (("cuda:0", "cuda:1"), True),
+                                           (("npu:0,npu:1", "cpu"), True)])
+def test_the_device_split_line_is_printed_only_where_a_side_has_a_device(devices, said, tmp_path, capsys):
+    """Claim (#32 point 9): the closing line on the split of devices between the two sides is printed only when a
+    side runs on a GPU or NPU; on CPU cores there is no device to move (it was printed on every CPU run)."""
+    import trainer
+    cfg = Config(out=str(tmp_path), iterations=2, save=False, eval_every=0, rollout_device=devices[0],
+                 train_device=devices[1])
+
+    def rows():
+        for k in range(2):
+            yield {"iteration": k, "reward_mean": 0.5, "reward_std": 0.1, "eval_reward": None,
+                   "generate_device_s": 2.0, "train_s": 1.0}
+        yield {"final": True, "iteration": 2, "eval_reward": None, "policy_version": 2}
+    trainer.log_and_save(cfg, rows(), None, None)
+    assert ("periodic-rl: split: inference 2.0x slower than training" in capsys.readouterr().out) == said
 
 
 def test_off_a_terminal_the_log_has_progress_lines(tmp_path, monkeypatch, capsys):

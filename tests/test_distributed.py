@@ -323,3 +323,65 @@ def test_ranks_launched_with_other_options_are_refused(tiny_model_dir, tmp_path)
     assert all(launch.returncode != 0 for launch in launches)
     assert all("ranks launched with other options than rank 0: rank 1: --seed 7 (rank 0: 0)" in err
                for err in errors), errors
+
+
+def test_every_rank_meets_the_collectives_in_the_same_order(tiny_model_dir, monkeypatch):
+    """Claim (review of #32, item 1): with --scale-rewards batch and β > 0, a rank holding none of mini-batch 0's
+    groups (4 prompts in calls of 2, two mini-batches: rank 1 has only mini-batch 1's) meets the iteration's
+    collectives in the order rank 0 does: the gather of the batch's rewards first, then each step's all-reduces.
+    Before, rank 0 gathered inside mini-batch 0's first forward while rank 1 went on to step 0's all-reduce: under
+    torchrun the two waited for each other for ever. Each rank runs here alone, its collectives recorded (they return
+    this rank's own values: their order is the claim, not their sums)."""
+    import grpo
+    from conftest import learn_iteration
+    from infra import distributed
+    from infra.models import load_model
+    from infra.options import parse_args
+    from infra.timeline import Timeline
+    from launch.setup import build_tri_model
+    from rollout import Group
+    calls: list[str] = []
+    monkeypatch.setattr(distributed, "gather_dicts", lambda local, ranks: calls.append("gather") or dict(local))
+    monkeypatch.setattr(distributed, "sum_values", lambda values, ranks, device: calls.append("sum values")
+                        or [float(v) for v in values])
+
+    def sum_gradients(params, ranks):
+        calls.append("sum gradients")
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        return params
+    monkeypatch.setattr(distributed, "sum_gradients", sum_gradients)
+    cfg = parse_args(["--model", str(tiny_model_dir), "--batch-size", "16", "--group-size", "4", "--max-new-tokens",
+                      "4", "--groups-per-chunk", "2", "--updates-per-iteration", "2", "--micro-batch-tokens", "1",
+                      "--sizes", "rule", "--scale-rewards", "batch", "--beta", "0.04", "--max-grad-norm", "0"])
+    rewards = [[1.0, 0.0, 0.0, 0.5], [2.0, 2.0, 2.0, 2.0], [0.0, 3.0, 1.0, 1.0], [0.25, 0.0, 1.0, 0.0]]
+    groups = [Group(0, j, 0, [50 + j, 51], [[5, 6, 0], [7, 0], [8, 9, 10, 11], [12, 0]], rewards[j],
+                    grpo.group_advantages(torch.tensor(rewards[j]), 4, "batch").tolist(), chunk=(2 * (j // 2), 2),
+                    rewards_per_function=[rewards[j]]) for j in range(4)]
+    order = {}
+    for rank in (0, 1):
+        calls.clear()
+        policy, _ = load_model(str(tiny_model_dir))
+        learner = Learner(build_tri_model(cfg, policy, pad_id=1), torch.optim.SGD(policy.parameters(), lr=0.1), cfg,
+                          torch.device("cpu"), Timeline(), Ranks(rank, 2), ["r"], stop_ids=[0])
+        learner.tri.start_iteration()
+        learner.start(0)
+        learn_iteration(learner, [g for g in groups if g.index // 2 == rank])
+        learner.metrics()
+        order[rank] = list(calls)
+    assert order[0][0] == "gather" and order[0].count("sum gradients") == 2, order[0]
+    assert order[1] == order[0]
+
+
+@pytest.mark.slow  # process-level: torchrun
+def test_two_ranks_with_batch_scaling_and_a_kl_term_finish_as_the_single_process(tiny_model_dir, tmp_path):
+    """Claim (review of #32, item 1): `torchrun --nproc-per-node 2` with --scale-rewards batch, --beta 0.04 and two
+    mini-batches, each one rank's whole (so rank 1 has none of mini-batch 0's groups), ends (it waited in two
+    different collectives until the timeout) and is the single-process run up to float summation order (module
+    docstring's tolerances)."""
+    extra = ["--scale-rewards", "batch", "--beta", "0.04", "--collective-timeout", "120"]
+    run([sys.executable, "trainer.py", *options(tiny_model_dir, tmp_path / "single", "2 mini-batches", *extra)])
+    run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "trainer.py",
+         *options(tiny_model_dir, tmp_path / "ranks", "2 mini-batches", *extra)], timeout=240)
+    assert_same_run(result(tmp_path / "single"), result(tmp_path / "ranks"), initial_weights(tiny_model_dir))

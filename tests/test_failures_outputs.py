@@ -20,7 +20,7 @@ import trainer
 from config import Config
 from infra import outputs
 from infra.models import ensure_tiny_model
-from infra.options import derive, validate
+from infra.options import derive, parse_args, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXED_SIZES = ["--groups-per-chunk", "2", "--micro-batch-tokens", "1000", "--rollout-threads", "1",
@@ -395,20 +395,43 @@ def test_each_run_without_out_gets_a_folder_and_runs_latest_links_the_newest(tmp
     assert not Path("runs/latest").is_symlink()
 
 
-def test_resume_auto_without_out_continues_runs_latest_or_starts_a_run(tmp_path, monkeypatch, capsys):
-    """Claim: `--resume auto` without --out continues the run runs/latest links to; where there is no run to
-    continue (no runs/latest, or an --out without a run), it starts a new one with a line saying so, so that the
-    same command serves every submission of a preemptible job; an --out that holds a run is left to resume."""
+def test_resume_auto_needs_out_and_starts_a_run_where_there_is_none(tmp_path, monkeypatch, capsys):
+    """Claim: `--resume auto` without --out is refused in one line (it followed runs/latest, which another run, such
+    as the quick start, may have moved by the time a preempted job is resubmitted: the job resumed the wrong run);
+    with an --out that holds no run it starts one, with a line saying so, so that the same command serves every
+    submission of a preemptible job; an --out that holds a run is left to resume."""
     monkeypatch.chdir(tmp_path)
-    fresh = outputs.default_out(Config(resume="auto"))
-    assert (fresh.resume, fresh.out) == (None, None) and "holds no run to continue" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--resume", "auto"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err == ("trainer.py: error: --resume auto needs --out DIR: the run to continue "
+                                                 "(runs/latest may be another run by the time a job is resubmitted)\n")
+    assert parse_args(["--resume", "auto", "--out", "elsewhere"]).out == "elsewhere"
+    assert outputs.resume_or_start(Config(resume="auto", out="elsewhere")) == Config(resume=None, out="elsewhere")
+    assert "periodic-rl: --resume auto: elsewhere holds no run to continue; starting a new one" in capsys.readouterr().out
     run = outputs.run_folder("tiny")
     (run / "metrics.jsonl").write_text('{"iteration": 0}\n')
-    outputs.link_latest(run)
-    assert outputs.default_out(Config(resume="auto")).out == str(run)
-    assert outputs.default_out(Config(resume="auto", out="elsewhere")) == Config(resume=None, out="elsewhere")
-    assert outputs.default_out(Config(resume="auto", out=str(run))).resume == "auto"
-    assert outputs.default_out(Config()) == Config()  # a new run's folder is made by rank 0 (trainer.main)
+    assert outputs.resume_or_start(Config(resume="auto", out=str(run))).resume == "auto"
+    assert outputs.resume_or_start(Config()) == Config()  # a new run's folder is made by rank 0 (trainer.main)
+
+
+def test_a_finished_lora_run_can_be_resumed_or_overwritten(tmp_path):
+    """Claim: a finished --use-peft run's policy/ (peft's adapter_config.json and adapter_model.safetensors, no
+    config.json) is this trainer's: its --out is continued by --resume auto and replaced by --overwrite, where it was
+    refused as "not written by this trainer"; a folder of another tool named policy/ still is."""
+    (tmp_path / "policy").mkdir()
+    (tmp_path / "policy" / "adapter_config.json").write_text('{"peft_type": "LORA"}')
+    (tmp_path / "policy" / "adapter_model.safetensors").write_bytes(b"adapter")
+    (tmp_path / "metrics.jsonl").write_text('{"iteration": 0}\n')
+    with outputs.claimed(Config(out=str(tmp_path), resume="auto")):
+        assert (tmp_path / "policy" / "adapter_model.safetensors").is_file()
+    with outputs.claimed(Config(out=str(tmp_path), overwrite=True)):
+        assert not (tmp_path / "policy").exists() and not (tmp_path / "metrics.jsonl").exists()
+    (tmp_path / "policy").mkdir()
+    (tmp_path / "policy" / "adapter_config.json").write_text("{}")  # no weights: not a saved adapter
+    with pytest.raises(outputs.OutputError, match="holds policy/, not written by this trainer"):
+        with outputs.claimed(Config(out=str(tmp_path), overwrite=True)):
+            pass
 
 
 @pytest.mark.slow

@@ -104,16 +104,22 @@ def dropout_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
     return out
 
 
-def test_a_model_with_dropout_trains_bitwise(dropout_model_dir):
+def test_a_model_with_dropout_trains_bitwise(dropout_model_dir, tmp_path):
     """Claim (TRL's disable_dropout, on by default): the policy's dropout is set to 0 before training, so a model
-    with attention dropout 0.5 gives async == sync bitwise, and a rerun the same run. With --no-disable-dropout
-    the masks come from the random state, which the two modes leave in different places: the runs differ (what
-    the option prevents)."""
+    with attention dropout 0.5 gives async == sync bitwise, and a rerun the same run; the saved policy/config.json
+    keeps the model's own 0.5. With --no-disable-dropout the masks come from the random state, which the two modes
+    leave in different places: the runs differ (what the option prevents)."""
+    import json
+
+    import trainer
+    from transformers import AutoTokenizer
     sync_policy, sync_rows = run_training(make_cfg(dropout_model_dir, "--mode", "sync", *SAME_THREADS))
     async_policy, async_rows = run_training(make_cfg(dropout_model_dir, "--mode", "async", *SAME_THREADS))
     assert all(torch.equal(p, q) for p, q in zip(sync_policy.parameters(), async_policy.parameters()))
     assert [r.get("loss") for r in sync_rows] == [r.get("loss") for r in async_rows]
     assert all(m.attention_dropout == 0.0 for m in sync_policy.modules() if hasattr(m, "attention_dropout"))
+    trainer.save_policy(sync_policy, AutoTokenizer.from_pretrained(dropout_model_dir), tmp_path / "policy")
+    assert json.loads((tmp_path / "policy" / "config.json").read_text())["attention_dropout"] == 0.5
     dropping = [run_training(make_cfg(dropout_model_dir, "--mode", mode, *SAME_THREADS, "--no-disable-dropout"))[0]
                 for mode in ("sync", "async")]
     assert not all(torch.equal(p, q) for p, q in zip(*(policy.parameters() for policy in dropping)))

@@ -234,6 +234,8 @@ def test_config_json_records_paths_absolute_and_reruns_from_another_folder(tmp_p
     monkeypatch.chdir(other)
     rerun = parse_args(["--config", str(run / "out" / "config.json")])
     assert rerun.data == str(run / "data.jsonl") and rerun.out is None
+    assert rerun.trace is None  # the old run's trace, absolute, is not written over (a rerun writes its own outputs)
+    assert parse_args(["--config", str(run / "out" / "config.json"), "--trace", "new.json"]).trace == "new.json"
     from infra.reward import load_rewards
     assert load_rewards(rerun.reward[:1]) is not None  # the reward file, found from here
 
@@ -251,6 +253,28 @@ def test_config_json_fed_back_reruns_the_same_options_and_flags_override_it(run_
         dataclasses.replace(options, config=path, iterations=7, save=False, out=None)
     assert parse_args(["--config", path, "--out", "elsewhere"]).out == "elsewhere"
     assert {"lr", "micro_batch_tokens", "iterations"} <= given_options(["--config", path])
+
+
+def test_a_trl_config_file_runs_with_the_keys_of_no_use_here_ignored(tmp_path, capsys):
+    """Claim (#32): a TRL GRPOConfig YAML with keys this trainer has no use for (logging_steps, push_to_hub, bf16,
+    max_prompt_length) parses, the other keys as typed flags, with one line naming the ignored keys and why; a key
+    that means something else here (per_device_train_batch_size) is still refused in one line naming ours."""
+    path = tmp_path / "grpo.yaml"
+    path.write_text("learning_rate: 1.0e-5\nnum_generations: 4\nbatch_size: 16\nlogging_steps: 10\n"
+                    "push_to_hub: true\nbf16: true\nmax_prompt_length: 256\n")
+    cfg = parse_args(["--config", str(path)])
+    assert (cfg.lr, cfg.group_size, cfg.batch_size) == (1e-5, 4, 16)
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and out.startswith(f"periodic-rl: --config {path}: ignored TRL's logging_steps: every "
+                                                    "iteration is logged"), out
+    assert all(key in out for key in ("; push_to_hub: ", "; bf16: --dtype auto", "; max_prompt_length: "))
+    assert given_options(["--config", str(path)]) == {"lr", "group_size", "batch_size", "config"}
+    assert capsys.readouterr().out == ""  # said once: by parse_args
+    path.write_text("logging_steps: 10\nper_device_train_batch_size: 4\n")
+    with pytest.raises(SystemExit):
+        parse_args(["--config", str(path)])
+    assert "per_device_train_batch_size is TRL's and means something else here: use --batch-size" in \
+        capsys.readouterr().err
 
 
 def test_a_yaml_config_file_is_read_like_flags(tmp_path):

@@ -125,10 +125,11 @@ def test_with_ranks_every_sampler_gets_a_call():
 
 
 @pytest.mark.slow
-def test_probe_changes_nothing_and_choose_fills_only_open_sizes(tiny_model_dir, monkeypatch):
+def test_probe_changes_nothing_and_choose_fills_only_open_sizes(tiny_model_dir, monkeypatch, capsys):
     """Claim: the probe leaves the RNG state, the weights and the gradients as they were (the run that follows is
     the run that would have happened), measures positive costs, and `choose` fills exactly the sizes left open,
-    with at least one thread per side."""
+    with at least one thread per side. It says so before it starts (#32 point 9: it was silent for its 5-25 s), and
+    says nothing when every size is given."""
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(2)))
     cfg = derive(Config(model=str(tiny_model_dir), data="arithmetic", mode="async", batch_size=32, group_size=4,
                         max_new_tokens=6))
@@ -138,6 +139,7 @@ def test_probe_changes_nothing_and_choose_fills_only_open_sizes(tiny_model_dir, 
     before = [p.detach().clone() for p in policy.parameters()]
     rng = torch.get_rng_state()
     chosen, note, gain = sizing.choose(cfg, tri, tokenizer, train)
+    assert capsys.readouterr().out == "periodic-rl: probing sizes (5-25 s; pass the printed flags to skip) ...\n"
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(torch.equal(p, q) for p, q in zip(policy.parameters(), before))
     assert all(p.grad is None for p in policy.parameters())
@@ -158,4 +160,6 @@ def test_probe_changes_nothing_and_choose_fills_only_open_sizes(tiny_model_dir, 
     assert (one.rollout_threads, one.train_threads, one.tail_threads) == (1, 1, 1)
     given = derive(Config(model=str(tiny_model_dir), mode="async", groups_per_chunk=2, micro_batch_tokens=100,
                           rollout_threads=1, train_threads=1))
+    capsys.readouterr()
     assert sizing.choose(given, tri, tokenizer, train) == (given, "", 1.0)
+    assert capsys.readouterr().out == ""

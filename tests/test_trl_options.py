@@ -22,7 +22,7 @@ from infra.models import load_model
 from infra.options import parse_args
 from infra.timeline import Timeline
 from launch import setup
-from learner import Learner, minibatch_of
+from learner import Learner, loss_token_entropy, minibatch_of
 from rollout import Group
 from conftest import learn_iteration
 
@@ -295,16 +295,104 @@ def test_learning_rate_schedule_as_transformers(tiny_model_dir):
 def test_disable_dropout_zeroes_every_rate():
     """Claim (TRL's disable_dropout, on by default here): after setup.disable_dropout a model in training mode
     computes the same output twice, for dropout modules (GPT-2's nn.Dropout) and for rates read at forward time
-    (Qwen2's attention_dropout, an attribute of each attention module); without it the outputs differ."""
-    from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
+    (Qwen2's attention_dropout, an attribute of each attention module; Persimmon's, read from its config); without it
+    the outputs differ. A save writes the config's own rates (setup.config_as_loaded), and training goes on at 0."""
+    from transformers import (GPT2Config, GPT2LMHeadModel, PersimmonConfig, PersimmonForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM)
     torch.manual_seed(0)
     models = [GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=16)),
               Qwen2ForCausalLM(Qwen2Config(num_hidden_layers=1, hidden_size=16, num_attention_heads=2,
                                            num_key_value_heads=1, intermediate_size=32, vocab_size=50,
-                                           attention_dropout=0.5, attn_implementation="eager"))]
+                                           attention_dropout=0.5, attn_implementation="eager")),
+              PersimmonForCausalLM(PersimmonConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2,
+                                                   intermediate_size=32, vocab_size=50, attention_dropout=0.5,
+                                                   hidden_dropout=0.0, bos_token_id=1, eos_token_id=2,
+                                                   attn_implementation="eager"))]
     ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
     for model in models:
         model.train()
         assert not torch.equal(model(ids).logits, model(ids).logits), "dropout must act for the test to bite"
+        loaded = model.config.to_json_string()
         setup.disable_dropout(model)
         assert torch.equal(model(ids).logits, model(ids).logits)
+        with setup.config_as_loaded(model):
+            assert model.config.to_json_string() == loaded  # what a save writes: the model's own rates
+        assert torch.equal(model(ids).logits, model(ids).logits)
+
+
+def policy_entropies(policy, temperature: float) -> list[list[float]]:
+    """Per response of RESPONSES, its tokens' entropies of softmax(logits / T), from one plain forward each."""
+    found = []
+    with torch.no_grad():
+        for prompt, responses in zip(PROMPTS, RESPONSES):
+            for response in responses:
+                logits = policy(torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1] / temperature  # (R, V)
+                found.append((-(logits.log_softmax(-1).exp() * logits.log_softmax(-1)).sum(-1)).tolist())
+    return found
+
+
+def test_entropy_leaves_out_the_masked_responses(tiny_model_dir):
+    """Claim (review of #32, item 4): under --mask-truncated-completions the entropy metric is the mean over the loss
+    tokens only, as TRL's (its completion mask zeroes a truncated response, and the entropy is averaged under that
+    mask): the 5 truncated responses of the 16 are left out (they were counted). One update: every group is scored at
+    θ_0, which the reference scores apart (float32 norms: the module docstring's rounding, rel 1e-6; the mean over
+    every token is 3e-4 off)."""
+    cfg = config(tiny_model_dir, "--temperature", "0.7", "--mask-truncated-completions")
+    tri = tri_model(cfg, tiny_model_dir)
+    policy = copy.deepcopy(tri.policy)
+    metrics, _ = learner_run(cfg, tri, make_groups("group"))
+    truncated = [len(r) == MAX_NEW and r[-1] != EOS for group in RESPONSES for r in group]
+    kept = [h for h, cut in zip(policy_entropies(policy, 0.7), truncated) if not cut for h in h]
+    everything = [h for response in policy_entropies(policy, 0.7) for h in response]
+    mean, mean_of_all = sum(kept) / len(kept), sum(everything) / len(everything)
+    assert sum(truncated) == 5 and abs(mean - mean_of_all) > 100 * 1e-6 * mean  # (3e-4 relative: not vacuous)
+    assert metrics["entropy"] == pytest.approx(mean, rel=1e-6)
+
+
+def test_entropy_of_the_loss_tokens_needs_the_rows_order():
+    """Claim: `loss_token_entropy` sums the rows of the responses in the loss, response after response, when one
+    forward scored them; with a response left out and rows from two forwards (packed and plain groups apart, in an
+    order not known here) it is NaN (not reported), and with none left out it is the sum of every row, whatever
+    their order; a call that is not one row per token is not measured."""
+    rows = {"rows": [torch.tensor([1.0, 2.0]), torch.tensor([4.0])], "forwards": 1}  # responses of lengths 2 and 1
+    assert loss_token_entropy(rows, [2, 1], [True, True]).item() == 7.0
+    assert loss_token_entropy(rows, [2, 1], [False, True]).item() == 4.0
+    assert loss_token_entropy(rows, [2, 1], [True, False]).item() == 3.0
+    assert loss_token_entropy({**rows, "forwards": 2}, [2, 1], [True, False]).isnan()
+    assert loss_token_entropy({**rows, "forwards": 2}, [2, 1], None).item() == 7.0
+    assert loss_token_entropy({"rows": [None], "forwards": 1}, [2, 1], None).isnan()
+
+
+@pytest.mark.parametrize("options", [["--beta", "0.04"], ["--beta", "0"], ["--scale-rewards", "group"]])
+def test_completions_log_the_advantages_trained_on(tiny_model_dir, options):
+    """Claim (review of #32, item 2): --log-completions writes the advantage the learner trained on: with
+    --scale-rewards batch the centred reward / (std(r_batch) + eps) (it wrote the centred reward, the learner
+    dividing later), for β > 0 (divided before the passes) and β = 0 (∇ divided at the step: the same update);
+    scale_rewards group: the group's own. The learner's float32 against a float64 reference: rel 1e-6."""
+    from infra.completions import records
+    scale = "batch" if "--beta" in options else "group"
+    cfg = config(tiny_model_dir, "--scale-rewards", scale, *options)
+    tri = tri_model(cfg, tiny_model_dir)
+    optimizer = torch.optim.SGD(tri.policy.parameters(), lr=0.1)
+    learner = Learner(tri, optimizer, cfg, torch.device("cpu"), Timeline(), reward_names=["r"], stop_ids=[EOS])
+    tri.start_iteration()
+    learner.start(0)
+    learn_iteration(learner, make_groups(scale))
+    tokenizer = type("Tokenizer", (), {"decode": lambda self, ids, **kw: str(ids),
+                                       "batch_decode": lambda self, batch, **kw: [str(ids) for ids in batch]})()
+    logged = [record["advantage"] for record in records(0, learner.taken, tokenizer, ["r"])]
+    rewards = torch.tensor(REWARDS, dtype=torch.float64)  # (4 groups, G)
+    centred = rewards - rewards.mean(dim=1, keepdim=True)
+    divisor = rewards.std() + 1e-4 if scale == "batch" else rewards.std(dim=1, keepdim=True) + 1e-4
+    assert logged == pytest.approx((centred / divisor).flatten().tolist(), rel=1e-6, abs=1e-7)
+
+
+def test_trainer_state_counts_every_pass_as_trl():
+    """Claim (review of #32, item 3): the trainer_state a batched reward gets counts TRL's optimizer steps, μ per
+    mini-batch: before iteration k, k x updates-per-iteration x num-iterations (it left μ out), and max_steps is the
+    run's, the schedule's length (launch/setup.build_optimizer)."""
+    from infra.reward import trainer_state
+    cfg = parse_args(["--iterations", "10", "--updates-per-iteration", "2", "--num-iterations", "3"])
+    state = trainer_state(cfg, 3, 32)
+    assert (state.global_step, state.max_steps) == (3 * 2 * 3, 10 * 2 * 3)
+    assert trainer_state(parse_args(["--iterations", "10"]), 3, 32).global_step == 3

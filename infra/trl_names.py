@@ -1,0 +1,114 @@
+"""TRL's names for our options, TRL's defaults where ours differ, and the log's columns: what a TRL user reads in
+--help's epilog (`epilog`) and what the parser (infra/options.py) accepts, refuses or ignores under TRL's names.
+
+Read from TRL 1.16: trl/trainer/grpo_config.py (GRPOConfig), transformers' TrainingArguments under it, and TRL's CLI
+(ScriptArguments, ModelConfig).
+
+1. `TRL_ALIASES`: the same meaning under another name, accepted as an alias on the command line and as a --config key.
+   Same names need none (beta, temperature, top_p, top_k, min_p, loss_type, scale_rewards, max_grad_norm,
+   weight_decay, seed, report_to, reward_weights, epsilon_high, gradient_checkpointing, attn_implementation, dtype,
+   num_completions_to_print, ...). TRL's `epsilon` (both clip ranges) is infra/options.py's `--epsilon`.
+2. `TRL_DIFFERENT`: a TRL name that means something else here: refused in one line naming the option to use, and why.
+3. `TRL_UNUSED`: a TRL name for something this trainer has no use for (it logs every iteration, never cuts prompts):
+   a --config key is ignored with one line saying why, so that a TRL config file runs as it is; on the command line,
+   where it was typed for this trainer, it is refused with the same reason.
+4. `DEPARTURES`: our defaults that are not TRL's, each with its reason.
+"""
+from __future__ import annotations
+
+import textwrap
+
+TRL_ALIASES = {"num_generations": "group_size", "learning_rate": "lr", "max_completion_length": "max_new_tokens",
+               "use_bias_correction_kl": "kl_bias_correction", "output_dir": "out", "save_total_limit":
+               "keep_checkpoints", "resume_from_checkpoint": "resume", "model_name_or_path": "model",
+               "dataset_name": "data", "dataset_config": "data_config", "dataset_train_split": "split"}
+# TRL names that mean something else here: the option to use instead, and why (one line each, after "use")
+TRL_DIFFERENT = {
+    "per_device_train_batch_size": "--batch-size: the responses sampled per iteration, all ranks together (TRL's "
+                                   "per_device_train_batch_size x processes x steps_per_generation)",
+    "generation_batch_size": "--batch-size: the responses sampled per iteration",
+    "gradient_accumulation_steps": "--micro-batch-tokens: a step accumulates all of its groups, in forwards of at most "
+                                   "this many tokens (and --updates-per-iteration for the steps per batch)",
+    "steps_per_generation": "--updates-per-iteration: the optimizer steps each batch of responses is split into",
+    "max_steps": "--iterations: each samples one batch and takes --updates-per-iteration optimizer steps on it",
+    "num_train_epochs": "--iterations: a run counts batches of prompts, not passes over the data",
+    "save_steps": "--save-every N: a checkpoint every N iterations",
+    "save_strategy": "--save-every N: a checkpoint every N iterations (0: none)",
+    "eval_steps": "--eval-every N: a held-out evaluation every N iterations",
+    "eval_strategy": "--eval-every N: a held-out evaluation every N iterations (0: none)",
+    "per_device_eval_batch_size": "--eval-size and --eval-samples: held-out prompts and responses per prompt",
+    "num_generations_eval": "--eval-samples: responses per held-out prompt",
+    "dataset_test_split": "--eval-size: held out is --data's 'test' split, else its last --eval-size rows",
+    "fp16": "--dtype bfloat16: float16 would need loss scaling, which this trainer does not do",
+    "use_vllm": "--engine, --inference-workers or --inference-ranks: sampling runs in this trainer's own processes",
+    "vllm_mode": "--inference-workers or --inference-ranks: sampling runs in this trainer's own processes",
+}
+# TRL names for what this trainer has no use for, and why: ignored in a --config file (with a line), refused typed
+TRL_UNUSED = {
+    "logging_steps": "every iteration is logged (a line and a metrics.jsonl row, sent to --report-to)",
+    "push_to_hub": "<out>/policy is a Hugging Face model directory; upload it with `hf upload`",
+    "bf16": "--dtype auto computes in bfloat16 where the device does so natively (--dtype bfloat16 forces it)",
+    "max_prompt_length": "prompts are never cut; one too long for the model is refused at start-up",
+}
+# Our defaults that are not TRL 1.16's: (option, ours, TRL's, why), in --help's epilog and the README
+DEPARTURES = (
+    ("--beta", "0.04", "0.0", "the reference θ_0 is one of the paper's three ideas (the tri-model); --beta 0 is TRL's "
+                              "and makes no reference copy"),
+    ("--lr", "1e-4 for tiny, tiny-chain", "1e-6", "a 0.33 M-parameter toy needs big steps; other models: 1e-6"),
+    ("--max-new-tokens", "8 for tiny, 128 for tiny-chain", "512", "the toy tasks' answers are that short; other "
+                                                                  "models: 512"),
+    ("--batch-size", "128 (16 prompts x 8)", "8 per device", "the pipeline overlaps generating with training inside "
+                                                             "an iteration: it needs several groups"),
+    ("--eval-every", "10", "no evaluation", "the held-out reward shows what the run learnt; 0 turns it off"),
+    ("log", "every iteration", "every 10 steps", "each line is the pipeline's measurement (busy and idle seconds)"),
+    ("--gradient-checkpointing", "off", "on", "~30% more training compute, which small models need not pay; the "
+                                              "README's real-model command turns it on"),
+    ("--dtype", "auto: bf16 where native, else float32", "bf16", "CPUs emulate bf16 slowly"),
+    ("--save-every", "0 (never)", "every 500 steps", "a checkpoint holds θ and AdamW's state (5.9 GB for "
+                                                     "Qwen2.5-0.5B): on request"),
+    ("--keep-checkpoints", "2", "all", "a checkpoint's size (above)"),
+    ("--out", "runs/<model>-<time>, linked from runs/latest", "trainer_output", "every run a folder of its own: a "
+                                                                                "command can be run again"),
+    ("--seed", "0", "42", "the figures in the README and docs/benchmarks.md were measured with it"),
+    ("--disable-dropout", "on", "off", "dropout's random masks would break async == sync and exact resume"),
+    ("--lora-dropout", "0.0", "0.05", "the same: a checkpoint does not hold the masks' random state"),
+    ("--num-completions-to-print", "0", "all", "--log-completions keeps every completion in completions.jsonl; "
+                                               "printed, they would bury the log's lines"),
+)
+# The log's columns, one line per iteration (trainer.format_row); in --help's epilog
+LOG_COLUMNS = (
+    ("iter k", "the iteration: sampled with θ_k"),
+    ("reward m±s", "training reward (the weighted sum of --reward): mean ± std over the iteration's responses"),
+    ("eval", "held-out reward of θ_k (every --eval-every iterations, else -)"),
+    ("kl", "mean KL term to the reference θ_0 per response token, as TRL logs it: ρ·k3 with the importance ratio ρ "
+           "(plain k3 with --no-kl-bias-correction; - with --beta 0)"),
+    ("clip", "fraction of response tokens whose probability ratio was clipped (PPO's clip)"),
+    ("len", "mean response length in tokens"),
+    ("gen, train", "seconds each side was busy: the inference side sampling and scoring, the trainer training"),
+    ("idle gen/train", "seconds each side waited for the other, out of the iteration's wall time"),
+    ("overlap", "share of the less busy side's time that ran while the other side was busy (100% = hidden)"),
+    ("tok/s", "response tokens per second of the iteration's wall time"),
+)
+
+
+def epilog() -> str:
+    """--help's last part: the log's columns and our departures from TRL's defaults."""
+    width = max(len(name) for name, _ in LOG_COLUMNS)
+    lines = ["the log, one line per iteration:"] + [f"  {name:<{width}}  {meaning}" for name, meaning in LOG_COLUMNS]
+    lines += ["", "defaults that are not TRL 1.16's (GRPOConfig), and why:"]
+    lines += [f"  {option} {ours} (TRL: {theirs}): {why}" for option, ours, theirs, why in DEPARTURES]
+    lines += ["", "TRL's option names are accepted where they mean the same: " + ", ".join(
+        f"--{trl.replace('_', '-')}" for trl in [*TRL_ALIASES, "epsilon"]) + "."]
+    lines += ["In a --config file, TRL's keys for what this trainer has no use for are ignored, with a line: "
+              + ", ".join(TRL_UNUSED) + "."]
+    return "\n".join(textwrap.fill(line, 118, subsequent_indent=" " * 4, break_on_hyphens=False) or line
+                     for line in lines)
+
+
+def unused_line(keys: list[str]) -> str:
+    """The line a --config file with TRL's `keys` for what has no use here gets (`TRL_UNUSED`).
+
+    >>> unused_line(["logging_steps"])
+    "ignored TRL's logging_steps: every iteration is logged (a line and a metrics.jsonl row, sent to --report-to)"
+    """
+    return "ignored TRL's " + "; ".join(f"{key}: {TRL_UNUSED[key]}" for key in keys)
