@@ -44,7 +44,15 @@ def test_one_trainer_rank_and_one_inference_rank_are_the_single_process_bitwise(
     done = run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "trainer.py",
                 *options(tiny_model_dir, tmp_path, "5 calls", "--inference-ranks", "1")])
     assert sum(line.startswith("iter ") for line in done.stdout.splitlines()) == 3, done.stdout
-    assert "this run: 1 + 1" in done.stdout  # the split line counts the inference rank as the inference side
+    assert "this run:" not in done.stdout  # the device-split line is an accelerator run's (trainer.device_split)
+    from types import SimpleNamespace
+
+    import trainer
+    from infra.options import parse_args
+    cfg = parse_args([str(arg) for arg in options(tiny_model_dir, tmp_path, "5 calls")])
+    split = trainer.device_split(cfg, [(5.4, 2.0)],
+                                 SimpleNamespace(inference=1, size=1))
+    assert "(this run: 1 + 1)" in split  # where it is printed, it counts the inference rank as the inference side
     (single_rows, single_weights), (rows, weights) = single_process("5 calls"), result(tmp_path)
     assert torch.equal(weights, single_weights)
     keys = ("reward_mean", "reward_std", "response_length", "eval_reward", "loss", "grad_norm", "kl", "clip_fraction")
