@@ -186,7 +186,8 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer.pad_token = tokenizer.eos_token
 
     if tiny:  # the train split of the task it was warmed up on, raw text
-        examples = tasks.load_task(TINY_MODELS[args.model][0])[0]
+        from infra.data import load_task
+        examples = load_task(TINY_MODELS[args.model][0])[0]
         prompts = [e.prompt for e in examples]
         # TRL tokenizes standard-format prompts with `processing_class(text=prompts)` (GRPOTrainer._tokenize_prompts)
         trl_ids = tokenizer(text=prompts)["input_ids"]
