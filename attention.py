@@ -223,7 +223,7 @@ LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
 def token_logprobs(hidden: Tensor, head: torch.nn.Module, targets: Tensor, temperature: float = 1.0,
-                   chunk_bytes: int | None = None) -> Tensor:
+                   chunk_bytes: int | None = None, entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """log softmax(head(h) / temperature)[target] for each row h of `hidden`, in float32: (M, H) -> (M,).
 
     The (M, V) logits never exist at once: rows go through the head in chunks of about
@@ -233,26 +233,41 @@ def token_logprobs(hidden: Tensor, head: torch.nn.Module, targets: Tensor, tempe
     one chunk, not M x V (8 x 512 tokens of Qwen2.5 are 2.5 GB in float32). Like TRL's
     `selective_log_softmax`, but from the hidden states. `head` may be `nn.Identity()` when
     `hidden` already holds logits.
+
+    entropy=True also returns each row's entropy H = logsumexp(z) - Σ softmax(z)·z of z = logits / T, (M,),
+    float32, without gradient (the metric TRL logs): taken from the chunk's logits while they exist, so it costs
+    one pass over them, not a second forward of the head, and a checkpointed chunk measures it once (its
+    recompute in backward does not).
     """
     vocab = getattr(head, "out_features", None) or hidden.shape[-1]
     rows = max(1, (chunk_bytes or LOGITS_CHUNK_BYTES) // (16 * vocab))
     chunked = len(hidden) > rows and torch.is_grad_enabled()
-    pieces = []
+    pieces, entropies = [], []
     for start in range(0, len(hidden), rows):
         h, t = hidden[start:start + rows], targets[start:start + rows]  # (n, H), (n,)
+        sink = [] if entropy else None  # the chunk's entropies land here, once
         if chunked:
-            pieces.append(checkpoint(_selected_logprobs, h, t, head, temperature, use_reentrant=False))
+            pieces.append(checkpoint(_selected_logprobs, h, t, head, temperature, sink, use_reentrant=False))
         else:
-            pieces.append(_selected_logprobs(h, t, head, temperature))
+            pieces.append(_selected_logprobs(h, t, head, temperature, sink))
+        entropies += sink or []
+    if entropy:
+        return torch.cat(pieces), torch.cat(entropies)  # (M,), (M,)
     return torch.cat(pieces)  # (M,)
 
 
-def _selected_logprobs(hidden: Tensor, targets: Tensor, head: torch.nn.Module, temperature: float) -> Tensor:
+def _selected_logprobs(hidden: Tensor, targets: Tensor, head: torch.nn.Module, temperature: float,
+                       sink: list | None = None) -> Tensor:
     logits = head(hidden)                                                          # (n, V) compute dtype
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))          # >= float32
     if temperature != 1.0:
         logits = logits / temperature
-    return logits.gather(-1, targets[:, None])[:, 0] - logits.logsumexp(dim=-1)   # (n,)
+    normalizer = logits.logsumexp(dim=-1)                                          # (n,)
+    if sink is not None and not sink:  # a recompute in backward finds the sink filled and skips this
+        with torch.no_grad():
+            z, log_z = logits.detach(), normalizer.detach()                       # (n, V), (n,)
+            sink.append(log_z - torch.linalg.vecdot((z - log_z[:, None]).exp_(), z))  # (n,) H = log Σe^z - E_p[z]
+    return logits.gather(-1, targets[:, None])[:, 0] - normalizer                  # (n,)
 
 
 def _scatter(values: Tensor, mask: Tensor) -> Tensor:
@@ -261,8 +276,9 @@ def _scatter(values: Tensor, mask: Tensor) -> Tensor:
 
 
 def layout_logprobs(model: torch.nn.Module, layout: Layout, attention_mask: Tensor | None,
-                    temperature: float, **attention_kwargs) -> tuple[Tensor, Tensor]:
-    """(logp, mask), (N, T): logp[n, t] = log_softmax(logits[row n, column source[n, t]] / T)[target[n, t]]."""
+                    temperature: float, entropy: bool = False, **attention_kwargs) -> tuple[Tensor, ...]:
+    """(logp, mask), (N, T): logp[n, t] = log_softmax(logits[row n, column source[n, t]] / T)[target[n, t]];
+    entropy=True: (logp, mask, H), H (N, T) the entropy of that distribution, without gradient (0 off the mask)."""
     inputs = dict(input_ids=layout.input_ids, attention_mask=attention_mask, position_ids=layout.position_ids,
                   use_cache=False, **attention_kwargs)
     targets = layout.target[layout.mask]  # (M,) the real response tokens
@@ -271,12 +287,15 @@ def layout_logprobs(model: torch.nn.Module, layout: Layout, attention_mask: Tens
         kept = layout.source[layout.mask].unique()  # (K,) sorted columns whose logits are needed, any row
         logits = model(**inputs, logits_to_keep=kept).logits  # (B, K, V) the model's own output layer
         columns = torch.searchsorted(kept, layout.source[layout.mask])  # (M,) index into kept
-        logp = token_logprobs(logits[rows, columns], torch.nn.Identity(), targets, temperature)  # (M,)
-        return _scatter(logp, layout.mask), layout.mask
-    hidden = model.get_decoder()(**inputs).last_hidden_state  # (B, L, H)
-    states = hidden[rows, layout.source[layout.mask]]  # (M, H) the states that predict the tokens
-    logp = token_logprobs(states, model.get_output_embeddings(), targets, temperature)  # (M,)
-    return _scatter(logp, layout.mask), layout.mask
+        scored = token_logprobs(logits[rows, columns], torch.nn.Identity(), targets, temperature, entropy=entropy)
+    else:
+        hidden = model.get_decoder()(**inputs).last_hidden_state  # (B, L, H)
+        states = hidden[rows, layout.source[layout.mask]]  # (M, H) the states that predict the tokens
+        scored = token_logprobs(states, model.get_output_embeddings(), targets, temperature, entropy=entropy)
+    if entropy:
+        logp, h = scored  # (M,), (M,)
+        return _scatter(logp, layout.mask), layout.mask, _scatter(h, layout.mask)
+    return _scatter(scored, layout.mask), layout.mask
 
 
 def text_config(model: torch.nn.Module):
@@ -288,7 +307,7 @@ def text_config(model: torch.nn.Module):
 # --- entry points ---
 
 def packed_batch_logprobs(model: torch.nn.Module, groups: Sequence[Group], temperature: float = 1.0,
-                          pad_id: int = 0) -> tuple[Tensor, Tensor]:
+                          pad_id: int = 0, entropy: bool = False) -> tuple[Tensor, ...]:
     """(logp, mask), (N, T), with one shared-prompt row per group, in one forward, under the dense mask.
 
     Any sdpa or eager model; `packing.batch_logprobs` sends sdpa models on CPU through its structured kernel instead,
@@ -297,15 +316,16 @@ def packed_batch_logprobs(model: torch.nn.Module, groups: Sequence[Group], tempe
     layout = pack(groups, pad_id)
     allowed = shared_prompt_mask(layout.segment_ids)  # (B, 1, L, L)
     attention_mask = to_model_mask(allowed, model.dtype, model.config._attn_implementation)
-    return layout_logprobs(model, layout, attention_mask, temperature)
+    return layout_logprobs(model, layout, attention_mask, temperature, entropy)
 
 
 def unpacked_batch_logprobs(model: torch.nn.Module, groups: Sequence[Group], temperature: float = 1.0,
-                            pad_id: int = 0) -> tuple[Tensor, Tensor]:
-    """(logp, mask), (N, T), with one plain row per response and a 2D padding mask, in one forward."""
+                            pad_id: int = 0, entropy: bool = False) -> tuple[Tensor, ...]:
+    """(logp, mask), (N, T), with one plain row per response and a 2D padding mask, in one forward (entropy=True:
+    and H, as `layout_logprobs`)."""
     layout = unpacked_layout(groups, pad_id)
     attention_mask = (layout.segment_ids >= 0).long()  # (N, L) 1 = real token
-    return layout_logprobs(model, layout, attention_mask, temperature)
+    return layout_logprobs(model, layout, attention_mask, temperature, entropy)
 
 
 def shared_prompt_logprobs(model: torch.nn.Module, prompt_ids: Tensor, responses: list[Tensor],

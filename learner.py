@@ -30,12 +30,12 @@ every rank meets that collective first, then the steps' all-reduces, in the same
 Metrics, per iteration, as TRL 1.16 logs them (infra/tracking.py has the names): the clipped fractions (low,
 high, region) and the KL term (ρ·k3 with the bias correction) over every pass's loss tokens; the mean per-token
 entropy of the policy over the loss tokens (a truncated response left out under mask_truncated_completions, as
-TRL), measured where the logits exist (`entropies`); the learning rate of the last step; frac_reward_zero_std;
-the response lengths (mean, min, max, of the terminated ones) and the truncated fraction.
+TRL), from the logits its log-probs are taken from (attention.token_logprobs); the learning rate of the last
+step; frac_reward_zero_std; the response lengths (mean, min, max, of the terminated ones) and the truncated
+fraction.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from typing import Iterator
@@ -93,74 +93,15 @@ def zero_std_fraction(groups: list[list[float]], scale_rewards: str) -> float:
     return zero / sum(len(rewards) for rewards in groups)
 
 
-@contextlib.contextmanager
-def entropies(policy: torch.nn.Module, temperature: float) -> Iterator[dict]:
-    """Inside the block, each call of the policy's output layer that carries gradients (the policy's own forward:
-    the frozen copies score without) appends to found["rows"] the entropy H of softmax(logits / T) of each of its
-    rows, (n,), in float32 as attention.token_logprobs scores them, without gradient; and each forward of the
-    policy's decoder with gradients counts in found["forwards"]. The logits never exist whole (they are chunked),
-    so they are measured as they pass; one forward's rows are its responses' tokens, response after response, in
-    the order it was given them (attention.layout_logprobs). A call whose output is not one row per token
-    ((B, L, V): a model whose logits are transformed after its output layer) appends None: not measured."""
-    head = policy.get_output_embeddings() if hasattr(policy, "get_output_embeddings") else None
-    decoder = policy.get_decoder() if hasattr(policy, "get_decoder") else None
-    found: dict = {"rows": [], "forwards": 0}
-
-    def measure(module, inputs, logits: torch.Tensor) -> None:
-        if not logits.requires_grad:
-            return
-        if logits.dim() != 2:
-            found["rows"].append(None)
-            return
-        with torch.no_grad():
-            z = logits.detach().to(torch.promote_types(logits.dtype, torch.float32)) / temperature  # (n, V)
-            entropy = z.logsumexp(dim=-1) - torch.linalg.vecdot(z.softmax(dim=-1), z)  # (n,) H = log Σe^z - E_p[z]
-            found["rows"].append(entropy)
-
-    def count(module, inputs) -> None:
-        if torch.is_grad_enabled():
-            found["forwards"] += 1
-
-    handles = [head.register_forward_hook(measure)] if head is not None else []
-    if isinstance(decoder, torch.nn.Module):
-        handles.append(decoder.register_forward_pre_hook(count))
-    try:
-        yield found
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def loss_token_entropy(found: dict, lengths: list[int], kept: list[bool] | None) -> torch.Tensor:
-    """Σ H over the tokens of the responses in the loss, 0-d, from `entropies`' record of one micro-batch's
-    forward (`lengths`: its responses', in order; `kept`: per response, whether it is in the loss, None: all).
-    NaN where not measured: a call not one row per token, or a response left out while the rows came from several
-    forwards (packing.batch_logprobs scores a micro-batch's packed and plain groups apart, so its rows are then in
-    no order known here)."""
-    rows = found["rows"]
-    if not rows or any(h is None for h in rows) or sum(len(h) for h in rows) != sum(lengths):
-        return torch.tensor(float("nan"))
-    entropy = torch.cat(rows)  # (M,) per token, response after response
-    if kept is None or all(kept):
-        return entropy.sum()
-    if found["forwards"] != 1:
-        return torch.tensor(float("nan"))
-    weights = torch.repeat_interleave(torch.tensor(kept, dtype=entropy.dtype), torch.tensor(lengths))  # (M,)
-    return (entropy * weights.to(entropy.device)).sum()  # a product, not a mask: no host synchronisation
-
-
 def forward_backward(tri: TriModel, batch: list, advantages: list[float], cfg,
                      kept: list[bool] | None = None) -> tuple[torch.Tensor, dict]:
     """One micro-batch: the tri-model's log-probs of `batch` [(prompt ids, [response ids] x G)], the GRPO loss
     with these advantages (one per response) as a partial sum (divided by D at the step; bnpo: by its own tokens
     first), and its backward (∇ accumulates in .grad). `kept`: per response, whether it enters the loss (False: a
     truncated one under --mask-truncated-completions). Stats: grpo_loss's, with the policy's entropy summed over
-    the loss tokens (NaN where not measured: `loss_token_entropy`). What the learner runs per micro-batch, and what
-    the probe times (launch/sizing.py)."""
-    with entropies(tri.policy, cfg.temperature) as found:
-        logp, old_logp, ref_logp, mask = tri(batch)  # (n·G, T) each, groups in order
+    the loss tokens. What the learner runs per micro-batch, and what the probe times (launch/sizing.py)."""
+    logp, old_logp, ref_logp, mask, entropy = tri(batch, entropy=True)  # (n·G, T) each, groups in order
     lengths = [len(r) for _, responses in batch for r in responses]
-    entropy = loss_token_entropy(found, lengths, kept)
     tokens = sum(lengths)
     if kept is not None:
         mask = mask & torch.tensor(kept, device=mask.device)[:, None]  # (n·G, T) a left-out response: no token
@@ -172,7 +113,7 @@ def forward_backward(tri: TriModel, batch: list, advantages: list[float], cfg,
                             kl_bias_correction=cfg.kl_bias_correction,
                             normalizer=micro_batch_normalizer(cfg.loss_type, tokens))
     loss.backward()
-    return loss, {**stats, "entropy_sum": entropy.to(logp.device)}
+    return loss, {**stats, "entropy_sum": (entropy * mask).sum()}  # over the loss tokens (a product: no sync)
 
 
 class Learner:
@@ -436,7 +377,7 @@ class Learner:
             "frac_reward_zero_std": zero_std_fraction([total for total, *_ in ordered], self.cfg.scale_rewards),
             "loss": loss / self.steps,  # mean over the optimizer steps
             "kl": kl_sum / tokens if self.cfg.beta > 0 else None,  # TRL's term: ρ·k3 (with the bias correction)
-            "entropy": entropy / tokens if math.isfinite(entropy) else None,  # over the loss tokens, as TRL
+            "entropy": entropy / tokens,  # over the loss tokens, as TRL
             "clip_fraction": (low + high) / tokens,  # TRL's clip_ratio/region_mean
             "clip_fraction_low": low / tokens,
             "clip_fraction_high": high / tokens,

@@ -8,8 +8,10 @@ The paper keeps the three models GRPO needs in the training process, behind one 
     reference  π_ref    frozen copy of the initial weights θ_0, for the KL penalty
 
     logp, old_logp, ref_logp, mask = tri_model(groups)          each (N, T)
+    logp, old_logp, ref_logp, mask, entropy = tri_model(groups, entropy=True)   + the policy's H per token
 
-How a model scores the groups is passed in (`logprobs_fn(model, groups) -> (logp, mask)`), and the
+How a model scores the groups is passed in (`logprobs_fn(model, groups) -> (logp, mask)`; with entropy=True
+`-> (logp, mask, entropy)`, the per-token entropy TRL logs, measured from the policy's own logits), and the
 three copies are scored by that same function: here `packing.logprobs_fn` (the shared-prompt rows
 of attention.py); in another project, whatever computes per-token log-probs there. So this file
 copies alone, with nothing but torch.
@@ -115,11 +117,11 @@ class TriModel(nn.Module):
         for old, new in zip(self.old_adapter or [], self.adapter):
             old.copy_(new)
 
-    def logprobs(self, model: nn.Module, groups: Groups) -> tuple[Tensor, Tensor]:
+    def logprobs(self, model: nn.Module, groups: Groups, **options) -> tuple[Tensor, ...]:
         """One model's log-probs, (N, T) each, under autocast when computing in bf16."""
         device_type = next(model.parameters()).device.type
         with torch.autocast(device_type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
-            return self.logprobs_fn(model, groups)
+            return self.logprobs_fn(model, groups, **options)
 
     @torch.no_grad()
     def frozen_logprobs(self, groups: Groups) -> tuple[Tensor | None, Tensor | None]:
@@ -138,11 +140,12 @@ class TriModel(nn.Module):
                     ref_logp = self.logprobs(self.policy, groups)[0]
         return old_logp, ref_logp
 
-    def forward(self, groups: Groups):
-        """groups: [(prompt_ids (P,), [response_ids (R_i,), ...]), ...] -> logp, old_logp, ref_logp, mask."""
+    def forward(self, groups: Groups, entropy: bool = False):
+        """groups: [(prompt_ids (P,), [response_ids (R_i,), ...]), ...] -> logp, old_logp, ref_logp, mask
+        (entropy=True: and the policy's entropy per token, (N, T), without gradient)."""
         old_logp, ref_logp = self.frozen_logprobs(groups)  # (N, T) each, or None; first: an adapter's are the policy's
-        logp, mask = self.logprobs(self.policy, groups)  # (N, T), (N, T)
-        return logp, logp.detach() if old_logp is None else old_logp, ref_logp, mask
+        logp, mask, *measured = self.logprobs(self.policy, groups, **({"entropy": True} if entropy else {}))  # (N, T)
+        return logp, logp.detach() if old_logp is None else old_logp, ref_logp, mask, *measured
 
     def memory_report(self) -> dict[str, int]:
         """Parameter bytes of each copy (0 for a copy that was skipped; an adapter's old copy is the adapter)."""

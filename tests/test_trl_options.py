@@ -22,7 +22,7 @@ from infra.models import load_model
 from infra.options import parse_args
 from infra.timeline import Timeline
 from launch import setup
-from learner import Learner, loss_token_entropy, minibatch_of
+from learner import Learner, minibatch_of
 from rollout import Group
 from conftest import learn_iteration
 
@@ -347,20 +347,6 @@ def test_entropy_leaves_out_the_masked_responses(tiny_model_dir):
     mean, mean_of_all = sum(kept) / len(kept), sum(everything) / len(everything)
     assert sum(truncated) == 5 and abs(mean - mean_of_all) > 100 * 1e-6 * mean  # (3e-4 relative: not vacuous)
     assert metrics["entropy"] == pytest.approx(mean, rel=1e-6)
-
-
-def test_entropy_of_the_loss_tokens_needs_the_rows_order():
-    """Claim: `loss_token_entropy` sums the rows of the responses in the loss, response after response, when one
-    forward scored them; with a response left out and rows from two forwards (packed and plain groups apart, in an
-    order not known here) it is NaN (not reported), and with none left out it is the sum of every row, whatever
-    their order; a call that is not one row per token is not measured."""
-    rows = {"rows": [torch.tensor([1.0, 2.0]), torch.tensor([4.0])], "forwards": 1}  # responses of lengths 2 and 1
-    assert loss_token_entropy(rows, [2, 1], [True, True]).item() == 7.0
-    assert loss_token_entropy(rows, [2, 1], [False, True]).item() == 4.0
-    assert loss_token_entropy(rows, [2, 1], [True, False]).item() == 3.0
-    assert loss_token_entropy({**rows, "forwards": 2}, [2, 1], [True, False]).isnan()
-    assert loss_token_entropy({**rows, "forwards": 2}, [2, 1], None).item() == 7.0
-    assert loss_token_entropy({"rows": [None], "forwards": 1}, [2, 1], None).isnan()
 
 
 @pytest.mark.parametrize("options", [["--beta", "0.04"], ["--beta", "0"], ["--scale-rewards", "group"]])
