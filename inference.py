@@ -45,7 +45,8 @@ One worker, from spawn to stop:
     -----------------------------------------    ---------------------------------------------------
     spawn (SIGINT ignored during its imports)     imports; die_with_parent; heartbeat thread
     send ("load",)                          --->  load the model            ---> ("loaded", None)
-    send ("attach", weights, cfg, threads)  --->  θ's buffer attached       ---> ("ready", None)
+    send ("attach", weights, cfg, threads,  --->  θ's buffer attached       ---> ("ready", None)
+          train, held_out)
     send ("generate" | "evaluate", k, K)    --->  rollout_iteration(share)  ---> ("message", Group | Span
                                                                                   | Evaluation | IterationDone)
     poll: alive? stopped? heartbeat?              any exception             ---> ("error", summary), exit 1
@@ -98,24 +99,30 @@ class PipelineError(UserError):
 
 
 # --- the inference process: the paper's second column ---
-def inference_process(model_name: str, load_kwargs: dict, connection, heartbeat: torch.Tensor, train: list,
-                      held_out: list, reward_specs: list[str], reward_weights: list[float] | None,
-                      share: tuple[int, int] = (0, 1)) -> None:
+def inference_process(model_name: str, load_kwargs: dict, connection, heartbeat: torch.Tensor,
+                      reward_specs: list[str], reward_weights: list[float] | None,
+                      share: tuple[int, int] = (0, 1), takes_sigint: bool = True) -> None:
     """Entry point of a spawned worker; it samples the generate calls of its `share` (rollout.rollout_iteration).
 
     Protocol: import what loading needs, wait for ("load",), load the model and the rewards (--reward and
     --reward-weights, loaded here from their names: functions need not pickle), answer ("loaded", None),
-    then wait for ("attach", weights, cfg, threads): the trainer's shared weight buffer
-    (WeightBuffer), the run's config and its thread count; answer ("ready", None).
+    then wait for ("attach", weights, cfg, threads, train, held_out): the trainer's shared weight buffer
+    (WeightBuffer), the run's config, its thread count and the prompts (sent here, not as the process's arguments:
+    those are written while the trainer holds SIGINT off, and megabytes of prompts would hold it off for as long as
+    the child takes to import torch and read them); answer ("ready", None).
     Then wait for ("generate", k, final_iteration) (sent after θ_k is in `weights`), run `rollout_iteration` and send
     every message; ("evaluate", k) runs only the held-out evaluation; ("stop",) or a closed pipe ends, at any point.
-    Any exception is sent as ("error", summary) before exiting non-zero.
+    Any exception is sent as ("error", summary) before exiting non-zero. Ctrl-C (SIGINT to the process group) ends
+    it as it ends the trainer, unless the trainer ignores SIGINT (`takes_sigint` False: started by `nohup` or as a
+    background job `&`): then both go on, and the trainer stops it when the run ends (else Ctrl-C would kill the
+    workers alone and the run would end as if they had crashed).
     """
     die_with_parent()
     threading.Thread(target=beat, args=(heartbeat,), name="heartbeat", daemon=True).start()
     results = Outbox(connection)
     try:
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # started with SIGINT ignored (Worker)
+        if takes_sigint:  # started with SIGINT ignored (Worker)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         import transformers
         torch.set_num_threads(max(1, available_cores() // 2))  # while loading; attach sets the run's count
         transformers.utils.logging.disable_progress_bar()
@@ -132,7 +139,7 @@ def inference_process(model_name: str, load_kwargs: dict, connection, heartbeat:
         command = next_command(connection)
         if command[0] == "stop":
             return
-        _, weights, cfg, threads = command
+        _, weights, cfg, threads, train, held_out = command
         torch.set_num_threads(threads)
         weights.attach(model)  # on CPU its parameters now *are* θ's shared memory
         results.put(("ready", None))
@@ -165,7 +172,7 @@ class Worker:
     """
 
     def __init__(self, index: int, workers: int, share: tuple[int, int], model_name: str, load_kwargs: dict,
-                 train, held_out, reward_specs: list[str] | str, reward_weights: list[float] | None, context):
+                 reward_specs: list[str] | str, reward_weights: list[float] | None, context):
         self.index = index
         self.name = "the inference process" if workers == 1 else f"inference worker {index} of {workers}"
         self.failed = False
@@ -175,10 +182,12 @@ class Worker:
         # when it was last looked at (trainer's clock: `check_progress`)
         self.process = context.Process(
             target=inference_process, name=f"periodic-rl-inference-{index}", daemon=True,
-            args=(model_name, load_kwargs, child_end, self.heartbeat, train, held_out,
-                  [reward_specs] if isinstance(reward_specs, str) else reward_specs, reward_weights, share))
+            args=(model_name, load_kwargs, child_end, self.heartbeat,
+                  [reward_specs] if isinstance(reward_specs, str) else reward_specs, reward_weights, share,
+                  signal.getsignal(signal.SIGINT) is not signal.SIG_IGN))  # as the trainer: SIGINT ignored or not
         with sigint_ignored():  # inherited through exec: a Ctrl-C during the child's imports would print their
-            self.process.start()  # traceback; it takes Ctrl-C again once `inference_process` runs
+            self.process.start()  # traceback; it takes Ctrl-C again once `inference_process` runs. A Ctrl-C in
+        # this block is lost, so it lasts the fork and exec alone: the arguments are small (the prompts come later)
         child_end.close()  # only the child holds its end now: its death reads as end-of-file here
 
     def send(self, *command) -> None:
@@ -378,6 +387,7 @@ class AsyncRollouts:
         self.timeline = timeline or Timeline()
         self.dtype = load_kwargs.get("dtype")  # the inference side's weights, as published
         self.share = share
+        self.prompts = (train, held_out)  # sent with ("attach", ...)
         self.weights: WeightBuffer | None = None  # set by attach()
         self.loading = self.loaded = False
         self.workers: list[Worker] = []
@@ -385,8 +395,8 @@ class AsyncRollouts:
             for index, (device, worker_share) in enumerate(zip(worker_devices(load_kwargs.get("device"), workers),
                                                                worker_shares(share, workers))):
                 kwargs = {**load_kwargs, "device": device} if device else load_kwargs
-                self.workers.append(Worker(index, workers, worker_share, model_name, kwargs, train, held_out,
-                                           reward_specs, reward_weights, context))
+                self.workers.append(Worker(index, workers, worker_share, model_name, kwargs, reward_specs,
+                                           reward_weights, context))
         except BaseException:  # a Ctrl-C or a failed spawn: none of those started may outlive this
             self.close()
             raise
@@ -416,7 +426,7 @@ class AsyncRollouts:
         self.weights = WeightBuffer(policy, self.dtype)  # kept alive here: the receivers map the sender's memory
         self.calls = owned_calls(cfg.prompts_per_iteration, cfg.groups_per_chunk, self.share)
         for worker, worker_threads in zip(self.workers, split_threads(threads, len(self.workers))):
-            worker.send("attach", self.weights, cfg, worker_threads)
+            worker.send("attach", self.weights, cfg, worker_threads, *self.prompts)
         self._answers()  # ("ready", None) from each, once its model reads θ from the buffer
 
     def publish(self, policy, version: int) -> None:

@@ -33,6 +33,19 @@ PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
 STOP_SECONDS = 10  # the README's promise: a failure or a signal ends the run within 10 s
 
 
+def as_from_a_terminal(ignored: tuple[int, ...] = ()):
+    """A Popen `preexec_fn`: the child starts with Ctrl-C's SIGINT, SIGHUP and SIGQUIT at their defaults, as a command
+    typed in a terminal does, whatever the test process inherited (a suite started by `nohup` or as a background job
+    `&` ignores them, and an ignored signal stays ignored through exec: the trainer then rightly keeps ignoring it,
+    and a test of Ctrl-C would fail for want of one); then ignores the signals in `ignored` (a launcher that does)."""
+    def reset() -> None:
+        for signum in (signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
+            signal.signal(signum, signal.SIG_DFL)
+        for signum in ignored:
+            signal.signal(signum, signal.SIG_IGN)
+    return reset
+
+
 def become_subreaper() -> None:
     """Orphans below this process are re-parented to it (Linux), so they can be found by PID."""
     libc = ctypes.CDLL(None, use_errno=True)
@@ -120,10 +133,11 @@ class Launch:
     """`python [LAUNCHER] trainer.py ARGS` in a session of its own (its process group reaches nothing else), stdout
     and stderr read by threads, line by line. As a `with` block it kills whatever is left, by PID, on the way out.
     `launcher`: e.g. ("-m", "torch.distributed.run", "--nproc-per-node", "2") for trainer ranks. `wrapper`: a command
-    that runs `python ...` as its child and exits with its code (e.g. `small_disk`): signals then go to that child."""
+    that runs `python ...` as its child and exits with its code (e.g. `small_disk`): signals then go to that child.
+    The trainer starts as from a terminal (`as_from_a_terminal`), but for the signals in `ignored`."""
 
     def __init__(self, *args, cwd: Path = ROOT, env: dict | None = None, launcher: tuple[str, ...] = (),
-                 wrapper: tuple[str, ...] = ()):
+                 wrapper: tuple[str, ...] = (), ignored: tuple[int, ...] = ()):
         become_subreaper()
         self.shm_before = shm_entries()
         self.children_before = children(os.getpid())
@@ -136,7 +150,7 @@ class Launch:
         self.process = subprocess.Popen([*wrapper, sys.executable, *launcher, "trainer.py", *map(str, args)], cwd=cwd,
                                         env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, text=True, errors="replace",
-                                        start_new_session=True)
+                                        start_new_session=True, preexec_fn=as_from_a_terminal(ignored))
         self.started_at = time.monotonic()
         self.readers = [threading.Thread(target=self._read, args=(stream, lines), daemon=True)
                         for stream, lines in ((self.process.stdout, self.stdout), (self.process.stderr, self.stderr))]

@@ -16,8 +16,8 @@ ENDLESS = ("--data", "arithmetic", "--iterations", "1000", "--batch-size", "16",
            "--rollout-threads", "1", "--train-threads", "1", "--no-save")
 
 
-def endless(model_dir, out, *extra) -> Launch:
-    return Launch("--model", model_dir, *ENDLESS, "--out", out, *extra)
+def endless(model_dir, out, *extra, **launch) -> Launch:
+    return Launch("--model", model_dir, *ENDLESS, "--out", out, *extra, **launch)
 
 
 @pytest.mark.parametrize("signum, group", [(signal.SIGTERM, False), (signal.SIGTERM, True), (signal.SIGHUP, True)],
@@ -40,6 +40,24 @@ def test_killed_trainer_takes_its_inference_process_along(tiny_model_dir, tmp_pa
         run.wait_for(r"^iter ")
         run.send(signal.SIGKILL)
         run.assert_stopped(-signal.SIGKILL, None)
+
+
+def test_ctrl_c_ignored_by_the_launcher_is_ignored_by_every_process(tiny_model_dir, tmp_path):
+    """Claim: a run started with SIGINT ignored (`nohup ... &`, or a background job of a script) ignores Ctrl-C in
+    every process, its two inference workers included: SIGINT to the whole process group changes nothing (the
+    workers are the same processes and iterations go on), and SIGTERM then stops it as usual. (The workers once
+    took SIGINT back: they died of it, and the trainer, which ignores it, ended with "worker died: exit code
+    130".)"""
+    with endless(tiny_model_dir, tmp_path, "--inference-workers", "2", ignored=(signal.SIGINT,)) as run:
+        run.wait_for(r"^iter ")
+        workers = run.inference_pids()
+        run.send(signal.SIGINT, group=True)
+        done = len([line for line in run.stdout if line.startswith("iter ")])
+        run.wait_for(rf"^iter\s+{done + 1}\b")  # two more iterations after the signal
+        run.wait_for(rf"^iter\s+{done + 2}\b")
+        assert run.process.poll() is None and run.inference_pids() == workers, "\n".join(run.stderr)
+        run.send(signal.SIGTERM)
+        run.assert_stopped(143, r"^interrupted by SIGTERM")
 
 
 @pytest.mark.parametrize("delay", [0.3, 1.5, 4.0])

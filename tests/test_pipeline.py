@@ -468,7 +468,8 @@ def test_trainer_stops_cleanly(tiny_model_dir, tmp_path, how):
     process = subprocess.Popen(
         [sys.executable, "trainer.py", "--model", str(tiny_model_dir), "--data", "arithmetic", "--reward", DIGITS,
          "--iterations", "1000", "--max-new-tokens", "4", "--eval-every", "0", "--out", str(tmp_path), *split],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        preexec_fn=faults.as_from_a_terminal())
     try:
         wait_for_iteration(process, tmp_path / "metrics.jsonl")
         children = faults.children(process.pid)  # PID -> start time

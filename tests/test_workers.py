@@ -215,3 +215,33 @@ def test_balanced_split():
     line = sizing.split_report(5.4, 2.0, 1, 1)
     assert "inference 2.7x slower than training" in line and "with 8 devices, 6 inference + 2 training" in line
     assert "with 2 devices, 1 inference + 1 training (this run: 1 + 1)" in line
+
+
+def test_a_worker_spawn_holds_ctrl_c_off_for_its_fork_and_exec_alone(tiny_model_dir, monkeypatch):
+    """Claim: the trainer ignores SIGINT while it starts a worker (so the child is born ignoring it through its
+    imports), and a Ctrl-C in that block is lost: so the block ends as soon as the child exists, before the child
+    has imported torch, however many prompts the run has (they go with ("attach", ...), not as the process's
+    arguments). Before, 40,000 prompts (5 MB pickled, far past a pipe's 64 KB) were written there, and the
+    write waited for the child to import torch and read them: a Ctrl-C in those seconds was swallowed (the run
+    went on: found by a Ctrl-C 4 s into a run). Checked by the child's memory map: no libtorch at the block's end;
+    then it does map it, and attaches and samples as usual."""
+    import contextlib
+    cfg = config(tiny_model_dir)
+    train, held_out = [[7] * 60 for _ in range(40_000)], [[7] * 60 for _ in range(64)]  # distinct: pickled each
+    ends = []
+
+    @contextlib.contextmanager
+    def timed_block():
+        with real_block():
+            yield
+        ends.append(open(f"/proc/{spawned[-1].pid}/maps").read())
+
+    real_block, spawned = inference.sigint_ignored, []
+    real_start = torch.multiprocessing.get_context("spawn").Process.start
+    monkeypatch.setattr(inference, "sigint_ignored", timed_block)
+    monkeypatch.setattr(type(inference.mp.get_context("spawn").Process()), "start",
+                        lambda process: spawned.append(process) or real_start(process))
+    with inference.AsyncRollouts(cfg.model, {}, train, held_out, DIGITS, Timeline(), load=False) as remote:
+        assert len(ends) == 1 and "libtorch" not in ends[0], "the block waited for the child's imports"
+        remote.wait_until_loaded()
+        assert "libtorch" in open(f"/proc/{spawned[-1].pid}/maps").read()
