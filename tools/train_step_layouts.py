@@ -45,8 +45,9 @@ def layout_scorer(layout: str) -> Callable[[torch.nn.Module, list], tuple[torch.
     if layout == "structured":
         return packing.structured_batch_logprobs
     if layout == "dense":
-        return lambda model, groups: packing.batch_logprobs(model, groups, "packed", dense_mask=True)
-    return lambda model, groups: packing.batch_logprobs(model, groups, "unpacked")
+        return lambda model, groups, **options: packing.batch_logprobs(model, groups, "packed", dense_mask=True,
+                                                                       **options)
+    return lambda model, groups, **options: packing.batch_logprobs(model, groups, "unpacked", **options)
 
 
 def main() -> None:
