@@ -237,10 +237,10 @@ def test_a_worker_spawn_holds_ctrl_c_off_for_its_fork_and_exec_alone(tiny_model_
         ends.append(open(f"/proc/{spawned[-1].pid}/maps").read())
 
     real_block, spawned = inference.sigint_ignored, []
-    real_start = torch.multiprocessing.get_context("spawn").Process.start
+    process_class = inference.mp.get_context("spawn").Process
+    real_start = process_class.start
     monkeypatch.setattr(inference, "sigint_ignored", timed_block)
-    monkeypatch.setattr(type(inference.mp.get_context("spawn").Process()), "start",
-                        lambda process: spawned.append(process) or real_start(process))
+    monkeypatch.setattr(process_class, "start", lambda process: spawned.append(process) or real_start(process))
     with inference.AsyncRollouts(cfg.model, {}, train, held_out, DIGITS, Timeline(), load=False) as remote:
         assert len(ends) == 1 and "libtorch" not in ends[0], "the block waited for the child's imports"
         remote.wait_until_loaded()
