@@ -66,6 +66,7 @@ Departures, on purpose:
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Callable
 
 import torch
@@ -73,7 +74,8 @@ import torch
 CHECKED_TYPES = ("qwen2", "llama")
 RUNNING = 2**62  # the stop step of a row still decoding
 BLOCK = 1024  # tokens per block of the two-level inverse CDF
-PREFILL_TOKENS = 512  # most tokens in one packed prefill row (docs/benchmarks.md: the engine on short prompts)
+PREFILL_TOKENS = 512  # most tokens in one packed prefill row on CPU (docs/benchmarks.md: the engine on short prompts)
+PREFILL_TOKENS_ACCELERATOR = 8192  # elsewhere: a forward's launches cost more than its T^2 mask (docs/benchmarks.md)
 
 
 def unsupported_reason(model) -> str | None:
@@ -254,6 +256,34 @@ def cache_argument(module) -> str:
     return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
 
 
+# --- the decode step's attention: query heads folded onto their key head, the cache read once ---
+DECODE_ATTENTION = "periodic_rl_decode"
+
+
+def decode_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                     **kwargs) -> tuple[torch.Tensor, None]:
+    """One new token per row against its whole cache, for Hugging Face's attention layers (AttentionInterface):
+    query (n, H, 1, D), key and value (n, K, L, D), mask (n, 1, 1, L) -> (n, 1, H, D).
+
+    Query head h reads key head h // (H/K) (what repeat_kv builds), so the H/K query heads of a key head are
+    folded into a query of H/K positions: softmax(q·kᵀ·scale + mask)·v over (n, K, H/K, D) x (n, K, L, D),
+    with no copy of the cache per query head (Hugging Face's sdpa path repeats it whenever a mask is given:
+    H/K copies of every layer's keys and values per step)."""
+    n, heads, _, dim = query.shape
+    groups = key.shape[1]
+    folded = query.reshape(n, groups, heads // groups, dim)                                     # (n, K, H/K, D)
+    out = torch.nn.functional.scaled_dot_product_attention(folded, key, value, attn_mask=attention_mask,
+                                                           scale=scaling)                       # (n, K, H/K, D)
+    return out.reshape(n, 1, heads, dim), None                                                  # (n, 1, H, D)
+
+
+def register_decode_attention() -> None:
+    """Make `decode_attention` known to transformers under DECODE_ATTENTION (idempotent)."""
+    from transformers import AttentionInterface
+    AttentionInterface.register(DECODE_ATTENTION, decode_attention)
+
+
 # --- one call's rows: prefill, decode, compaction, on the device ---
 class Rollouts:
     """The state of one call on the device. Rows are numbered j·G + i (sample i of prompt j); row C·G is a
@@ -295,8 +325,15 @@ class Rollouts:
                packed_ends: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of each row's last position, (rows, V), of one forward of the model's layers on our cache and
         mask; a packed prefill row (1, T) gives those of the positions `packed_ends` (k,) instead, (k, V)."""
-        hidden = self.decoder(input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=True,
-                              **{self.cache_argument: self.cache}).last_hidden_state  # (rows, T, H)
+        config, decoding = self.decoder.config, packed_ends is None
+        implementation = config._attn_implementation
+        if decoding:  # the decode step's attention reads the cache once (decode_attention); prefill as the model does
+            config._attn_implementation = DECODE_ATTENTION
+        try:
+            hidden = self.decoder(input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=True,
+                                  **{self.cache_argument: self.cache}).last_hidden_state  # (rows, T, H)
+        finally:
+            config._attn_implementation = implementation
         hidden = hidden[:, -1] if packed_ends is None else hidden[0, packed_ends]  # (rows, H) or (k, H)
         return torch.mm(self.head, hidden.t()).t()  # (rows, V) = ((V, H)·(H, rows))ᵀ, departure 4
 
@@ -369,32 +406,44 @@ class DecodeGraphs:
 
     Warm-up and capture run with every slot pointing at the stand-in row (always stopped: nothing is
     recorded, its key/value go to the cache's last slot, which no running row reads), and the slots, last
-    tokens and step counter are put back afterwards: capturing never moves a real row."""
+    tokens and step counter are put back afterwards, also when capture fails: capturing never moves a real
+    row. A capture that fails (a model whose forward synchronises with the host, say) is said in one line on
+    stderr and the call decodes eagerly from there: the same steps, only slower."""
 
     def __init__(self, rollouts: Rollouts):
-        self.rollouts, self.graphs = rollouts, {}
+        self.rollouts, self.graphs, self.eager = rollouts, {}, False
 
     def decode(self, n: int) -> None:
-        if n not in self.graphs:
-            self.graphs[n] = self.capture(n)
-        self.graphs[n].replay()
+        if not self.eager and n not in self.graphs:
+            try:
+                self.graphs[n] = self.capture(n)
+            except RuntimeError as error:
+                self.eager = True
+                print(f"engine: CUDA graph capture failed, decoding without graphs: {str(error).splitlines()[0]}",
+                      file=sys.stderr, flush=True)
+        if self.eager:
+            self.rollouts.decode(n)
+        else:
+            self.graphs[n].replay()
 
     def capture(self, n: int) -> torch.cuda.CUDAGraph:
         rollouts = self.rollouts
         saved = rollouts.slot_rows[:n].clone(), rollouts.last_token[:n].clone(), rollouts.step.clone()
         rollouts.slot_rows[:n] = rollouts.stand_in
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up off the capture (lazy initialisations, cuBLAS workspaces)
-            for _ in range(2):
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up off the capture (lazy initialisations, cuBLAS workspaces)
+                for _ in range(2):
+                    rollouts.decode(n)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
                 rollouts.decode(n)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            rollouts.decode(n)
-        rollouts.slot_rows[:n].copy_(saved[0])  # in place: the graph reads these addresses
-        rollouts.last_token[:n].copy_(saved[1])
-        rollouts.step.copy_(saved[2])
+        finally:
+            rollouts.slot_rows[:n].copy_(saved[0])  # in place: the graph reads these addresses
+            rollouts.last_token[:n].copy_(saved[1])
+            rollouts.step.copy_(saved[2])
         return graph
 
 
@@ -432,7 +481,7 @@ def sample_groups(model, prompts: list[list[int]], group_size: int, *, max_new_t
                   keys: list[tuple[int, ...]],
                   on_done: Callable[[int, list[list[int]]], None] | None = None, max_rows: int | None = None,
                   greedy: bool = False, check_every: int | None = None, fixed_shapes: bool | None = None,
-                  cuda_graphs: bool = True, prefill_tokens: int = PREFILL_TOKENS) -> list[list[list[int]]]:
+                  cuda_graphs: bool = True, prefill_tokens: int | None = None) -> list[list[list[int]]]:
     """group_size responses to each prompt: responses[j][i], cut after its first stop id (kept).
 
     keys[j]: prompt j's key, e.g. (seed, iteration, prompt index): with the sample index and the step it
@@ -443,7 +492,7 @@ def sample_groups(model, prompts: list[list[int]], group_size: int, *, max_new_t
     fixed_shapes: run steps at power-of-two row counts (default: on CUDA), captured as CUDA graphs there
     unless cuda_graphs=False. prefill_tokens: prompts admitted together are prefilled packed in rows of at
     most this many tokens (one forward each instead of one per prompt; a pack's attention costs its length
-    squared, so long prompts gain nothing from packing and go alone).
+    squared, so long prompts gain nothing from packing and go alone; default 512 on CPU, 8192 elsewhere).
     """
     reason = unsupported_reason(model)
     if reason is not None:
@@ -455,10 +504,12 @@ def sample_groups(model, prompts: list[list[int]], group_size: int, *, max_new_t
                          f"{temperature}, {top_p}, {top_k}, {min_p}")
     count = len(prompts)
     capacity = count * group_size if max_rows is None else max(group_size, min(max_rows, count * group_size))
+    register_decode_attention()
     rollouts = Rollouts(model, prompts, group_size, max_new_tokens, temperature, top_p, stop_ids, keys, capacity,
                         greedy, top_k, min_p)
     on_cuda = rollouts.device.type == "cuda"
     check_every = check_every or (8 if rollouts.device.type != "cpu" else 1)
+    prefill_tokens = prefill_tokens or (PREFILL_TOKENS if rollouts.device.type == "cpu" else PREFILL_TOKENS_ACCELERATOR)
     fixed_shapes = on_cuda if fixed_shapes is None else fixed_shapes
     decode = DecodeGraphs(rollouts).decode if on_cuda and fixed_shapes and cuda_graphs else rollouts.decode
     responses: list[list[list[int]]] = [[] for _ in range(count)]

@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -148,11 +149,17 @@ def decode_part(args: argparse.Namespace, device: torch.device) -> dict:
             except Exception as error:  # a side that cannot run here is reported, the others still measured
                 failed[name] = f"{type(error).__name__}: {error}".splitlines()[0][:300]
                 print(f"gpu decode: {name} failed: {failed[name]}", flush=True)
+                traceback.print_exc()
         for round_ in range(args.rounds):
             names = [name for name in sides if name not in failed]
             for name in names if round_ % 2 == 0 else names[::-1]:
-                for m in (1, half, steps):
-                    times[name][m].append(seconds_of(lambda: sides[name](m), device))
+                try:
+                    for m in (1, half, steps):
+                        times[name][m].append(seconds_of(lambda: sides[name](m), device))
+                except Exception as error:
+                    failed[name] = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+                    print(f"gpu decode: {name} failed in round {round_}: {failed[name]}", flush=True)
+                    traceback.print_exc()
     figures = {"rows": rows, "decode_tokens": steps, "copy_bandwidth_GBps": bandwidth / 1e9,
                "step_bytes": step_bytes, "floor_ms": step_bytes / bandwidth * 1e3, "failed": failed, "sides": {}}
     print(f"{'side':22s} {'prefill s':>9s} {'prefill tok/s':>13s} {'decode ms':>9s} {'decode tok/s':>12s} "

@@ -1,5 +1,6 @@
 """The rollout engine (engine.py): greedy tokens equal `generate`'s, draws follow the distribution the trainer scores,
 and a row's tokens depend on its key alone, never on which prompts share a call or how many rows run at once."""
+import contextlib
 import math
 import os
 import shutil
@@ -337,6 +338,78 @@ def test_steps_on_the_stand_in_move_no_row():
     after = (rollouts.tokens, rollouts.lengths, rollouts.stop_step, rollouts.slot_rows, rollouts.last_token,
              rollouts.step, rollouts.cache.keys[..., :-1, :], rollouts.cache.values[..., :-1, :])
     assert all(torch.equal(before, now) for before, now in zip(state, after))
+
+
+def test_decode_attention_equals_hugging_faces_grouped_query_attention():
+    """Claim: decode_attention (query heads folded onto their key head, the cache never repeated) computes what
+    Hugging Face's sdpa path computes after repeat_kv, for one new token per row under an additive (n, 1, 1, L)
+    mask, and slots the mask hides have no effect. In float64 both are sums of at most L = 40 products of
+    numbers below 10 in magnitude, each rounded to 2^-53 relative: the two orders of summation differ by far
+    less than 1e-12. Teeth: a fold that paired query heads with the wrong key head (h % K instead of
+    h // (H/K)) differs by ~0.1."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    generator = torch.Generator().manual_seed(0)
+    n, heads, groups, length, dim = 5, 6, 2, 40, 8
+    query = torch.randn(n, heads, 1, dim, generator=generator, dtype=torch.float64)
+    key, value = (torch.randn(n, groups, length, dim, generator=generator, dtype=torch.float64) for _ in range(2))
+    seen = torch.tensor([3, 17, 40, 1, 25])
+    mask = torch.zeros(n, 1, 1, length, dtype=torch.float64).masked_fill_(
+        torch.arange(length) >= seen[:, None, None, None], torch.finfo(torch.float64).min)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal, module.training = heads // groups, False, False
+    ours, _ = engine.decode_attention(module, query, key, value, mask, scaling=dim ** -0.5)
+    theirs, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=dim ** -0.5)
+    assert ours.shape == theirs.shape == (n, 1, heads, dim)
+    assert (ours - theirs).abs().max() < 1e-12
+    hidden = torch.arange(length) >= seen[:, None, None, None]                    # (n, 1, 1, L) slots not yet seen
+    changed = engine.decode_attention(module, query, key.masked_fill(hidden.transpose(-1, -2), 1e3),
+                                      value.masked_fill(hidden.transpose(-1, -2), 1e3), mask, scaling=dim ** -0.5)[0]
+    assert torch.equal(changed, ours)
+    wrong = query.view(n, heads // groups, groups, 1, dim).transpose(1, 2).reshape(n, heads, 1, dim)
+    misfolded, _ = engine.decode_attention(module, wrong, key, value, mask, scaling=dim ** -0.5)
+    assert (misfolded - theirs).abs().max() > 0.05
+
+
+def test_a_failed_cuda_graph_capture_decodes_eagerly_from_where_it_was(monkeypatch, capsys):
+    """Claim: when capturing the decode step fails after its warm-up steps ran (a forward that synchronises with
+    the host, say), DecodeGraphs says so in one line and the call goes on eagerly with slots, last tokens and
+    step put back: the tokens equal those of eager decoding throughout. On CPU the CUDA stream and graph are
+    stand-ins: the stream runs on the current thread, and entering the capture raises as CUDA would."""
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    class Capture:
+        def __init__(self, graph):
+            pass
+
+        def __enter__(self):
+            raise RuntimeError("operation not permitted when stream is capturing\nmore detail")
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", object)
+    monkeypatch.setattr(torch.cuda, "graph", Capture)
+    model = random_model("qwen2", vocab=64)
+    prompts = random_prompts([3, 17, 8], 64)
+    twins = [engine.Rollouts(model, prompts, 2, 8, 1.0, 1.0, [1], keys(3), 6, greedy=False) for _ in range(2)]
+    for rollouts in twins:
+        for j in range(3):
+            rollouts.prefill([j], [torch.arange(2 * j, 2 * j + 2)])
+    graphs = engine.DecodeGraphs(twins[0])
+    for _ in range(5):
+        graphs.decode(6)
+        twins[1].decode(6)
+    assert graphs.eager and not graphs.graphs
+    assert capsys.readouterr().err.splitlines() == [
+        "engine: CUDA graph capture failed, decoding without graphs: operation not permitted when stream is capturing"]
+    for name in ("tokens", "lengths", "stop_step", "slot_rows", "last_token", "step"):
+        assert torch.equal(getattr(twins[0], name), getattr(twins[1], name)), name
+    assert twins[0].lengths[:6].tolist() == [6] * 6
 
 
 def test_every_eos_id_stops_a_sampled_response(qwen_shaped_dir):
