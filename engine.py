@@ -58,10 +58,13 @@ Departures, on purpose:
 5. The decode step attends over the whole preallocated cache, masked: its shape never depends on the step.
 6. On CUDA the decode step is captured as a CUDA graph per row-count bucket (powers of two up to
    max_rows) and replayed; graphs read the parameters where they are, so weights copied into them in
-   place (param.copy_) need no recapture. Captured once per call, not yet kept across calls, and not run
-   here: this project's machine has no GPU (cuda_graphs=False turns it off).
+   place (param.copy_) need no recapture. Captured once per call, not kept across calls;
+   cuda_graphs=False turns it off, and a capture that fails falls back to eager steps with a line saying so.
 7. Checked models: Qwen2 and Llama shapes with full causal attention, sdpa or eager attention
    (`unsupported_reason` says why not otherwise).
+8. The decode step's attention is `decode_attention`, not the model's own: the query heads of each key
+   head folded into one query (Hugging Face's sdpa path copies the cache once per query head when a
+   mask is given; docs/benchmarks.md measures the difference). Prefill keeps the model's attention.
 """
 from __future__ import annotations
 
