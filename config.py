@@ -22,7 +22,7 @@ SCALE_REWARDS = ("group", "batch", "none")  # grpo.SCALE_REWARDS (tested, as LOS
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
                  "inverse_sqrt")
 MODES = ("async", "sync")
-ENGINES = ("auto", "hf")
+ENGINES = ("auto", "compile", "hf")
 SIZES = ("probe", "rule")
 TRACKERS = ("none", "tensorboard", "wandb", "trackio")  # --report-to (infra/tracking.py)
 DTYPES = ("auto", "float32", "bfloat16")
@@ -102,8 +102,10 @@ class Config:
     engine: str = _opt("auto", "how rollouts are sampled. auto: engine.py (each prompt prefilled once, a static KV "
                                "cache, one uniform per row and step from (seed, iteration, prompt, sample, step): the "
                                "tokens do not depend on the sizes, workers or ranks) wherever it is exact for the "
-                               "model, else Hugging Face generate with a line saying why; hf: generate always (the "
-                               "reference)", choices=ENGINES)
+                               "model, else Hugging Face generate with a line saying why; compile: auto with its "
+                               "decode step through torch.compile (fused norms, rotary and activations; the first "
+                               "call compiles for a minute or more; meant for GPUs, measured by bench.py gpu); hf: "
+                               "generate always (the reference)", choices=ENGINES)
     lr: float | None = _opt(None, "AdamW learning rate (default: 1e-4 for tiny, 1e-6 otherwise)")
     lr_scheduler_type: str = _opt("linear", "learning-rate schedule over the run's optimizer steps (iterations x "
                                             "updates-per-iteration x num-iterations): transformers' get_scheduler, "

@@ -413,8 +413,8 @@ class DecodeGraphs:
     row. A capture that fails (a model whose forward synchronises with the host, say) is said in one line on
     stderr and the call decodes eagerly from there: the same steps, only slower."""
 
-    def __init__(self, rollouts: Rollouts):
-        self.rollouts, self.graphs, self.eager = rollouts, {}, False
+    def __init__(self, rollouts: Rollouts, step: Callable[[int], None] | None = None):
+        self.rollouts, self.step, self.graphs, self.eager = rollouts, step or rollouts.decode, {}, False
 
     def decode(self, n: int) -> None:
         if not self.eager and n not in self.graphs:
@@ -425,7 +425,7 @@ class DecodeGraphs:
                 print(f"engine: CUDA graph capture failed, decoding without graphs: {str(error).splitlines()[0]}",
                       file=sys.stderr, flush=True)
         if self.eager:
-            self.rollouts.decode(n)
+            self.step(n)
         else:
             self.graphs[n].replay()
 
@@ -438,16 +438,22 @@ class DecodeGraphs:
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warm-up off the capture (lazy initialisations, cuBLAS workspaces)
                 for _ in range(2):
-                    rollouts.decode(n)
+                    self.step(n)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                rollouts.decode(n)
+                self.step(n)
         finally:
             rollouts.slot_rows[:n].copy_(saved[0])  # in place: the graph reads these addresses
             rollouts.last_token[:n].copy_(saved[1])
             rollouts.step.copy_(saved[2])
         return graph
+
+
+def compiled_step(rollouts: Rollouts) -> Callable[[int], None]:
+    """rollouts.decode through torch.compile: one compiled function for the process (its code object), reused by
+    every call whose tensors match its guards; the row count is dynamic, so the buckets share one compilation."""
+    return torch.compile(Rollouts.decode, dynamic=True).__get__(rollouts)
 
 
 def packs(lengths: list[int], budget: int) -> list[list[int]]:
@@ -484,7 +490,8 @@ def sample_groups(model, prompts: list[list[int]], group_size: int, *, max_new_t
                   keys: list[tuple[int, ...]],
                   on_done: Callable[[int, list[list[int]]], None] | None = None, max_rows: int | None = None,
                   greedy: bool = False, check_every: int | None = None, fixed_shapes: bool | None = None,
-                  cuda_graphs: bool = True, prefill_tokens: int | None = None) -> list[list[list[int]]]:
+                  cuda_graphs: bool = True, prefill_tokens: int | None = None, compile_step: bool = False
+                  ) -> list[list[list[int]]]:
     """group_size responses to each prompt: responses[j][i], cut after its first stop id (kept).
 
     keys[j]: prompt j's key, e.g. (seed, iteration, prompt index): with the sample index and the step it
@@ -496,6 +503,8 @@ def sample_groups(model, prompts: list[list[int]], group_size: int, *, max_new_t
     unless cuda_graphs=False. prefill_tokens: prompts admitted together are prefilled packed in rows of at
     most this many tokens (one forward each instead of one per prompt; a pack's attention costs its length
     squared, so long prompts gain nothing from packing and go alone; default 512 on CPU, 8192 elsewhere).
+    compile_step: the decode step through torch.compile (Inductor fuses its elementwise chains: norms, rotary,
+    activations), then captured as before; the first steps of a process pay the compilation.
     """
     reason = unsupported_reason(model)
     if reason is not None:
@@ -514,7 +523,8 @@ def sample_groups(model, prompts: list[list[int]], group_size: int, *, max_new_t
     check_every = check_every or (8 if rollouts.device.type != "cpu" else 1)
     prefill_tokens = prefill_tokens or (PREFILL_TOKENS if rollouts.device.type == "cpu" else PREFILL_TOKENS_ACCELERATOR)
     fixed_shapes = on_cuda if fixed_shapes is None else fixed_shapes
-    decode = DecodeGraphs(rollouts).decode if on_cuda and fixed_shapes and cuda_graphs else rollouts.decode
+    step = compiled_step(rollouts) if compile_step else rollouts.decode
+    decode = DecodeGraphs(rollouts, step).decode if on_cuda and fixed_shapes and cuda_graphs else step
     responses: list[list[list[int]]] = [[] for _ in range(count)]
     started, reported, n = 0, 0, 0  # prompts prefilled, groups handed over, slots decoded per step
     keep: list[int] = []  # the slots whose rows still run

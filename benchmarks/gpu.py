@@ -2,8 +2,10 @@
 finishes and all written to --json.
 
 1. decode: 16 GSM8K questions x 8 samples = 128 rows of the Qwen2.5-0.5B configuration (random weights, bfloat16,
-   sdpa), sampled by the engine with CUDA graphs, the engine without them, and Hugging Face `generate` (the hf
-   path, rollout.sample_responses), interleaved over --rounds rounds. Each side runs 1, M/2 and M new tokens:
+   sdpa), sampled by the engine with CUDA graphs, with its decode step compiled and captured (--engine compile),
+   without graphs, and Hugging Face `generate` (the hf path, rollout.sample_responses), interleaved over --rounds
+   rounds, after one untimed call each (its seconds printed: the compiled side's compilation). Each side runs 1,
+   M/2 and M new tokens:
        prefill s     = T(1)                                   (the prompts, and the first token's draw)
        decode ms     = (T(M) - T(M/2)) / (M - M/2)            per step, 128 rows (graph captures cancel out)
        capture s     = T(M/2) - T(1) - (M/2 - 1)·decode       (the engine's one CUDA graph per call, else ~0)
@@ -111,17 +113,18 @@ def decode_sides(model, prompts: list[list[int]], group_size: int, stops: list[i
     """name -> sample(M): each side sampling the prompts' group_size rows with M new tokens."""
     keys = [(0, 0, j) for j in range(len(prompts))]
 
-    def engine_side(graphs: bool):
+    def engine_side(graphs: bool, compiled: bool = False):
         return lambda m: engine.sample_groups(model, prompts, group_size, max_new_tokens=m, stop_ids=stops, keys=keys,
-                                              cuda_graphs=graphs)
+                                              cuda_graphs=graphs, compile_step=compiled)
 
     def hf_side(m: int):
         settings = SimpleNamespace(temperature=1.0, top_p=1.0, top_k=0, min_p=None, max_new_tokens=m)
         return rollout.sample_responses(model, prompts, group_size, rollout.sampling_config(settings, stops, stops[1]),
                                         seed=0)
-    sides = {"engine, CUDA graphs": engine_side(True), "engine, eager": engine_side(False), "hf generate": hf_side}
+    sides = {"engine, CUDA graphs": engine_side(True), "engine, compiled+graphs": engine_side(True, compiled=True),
+             "engine, eager": engine_side(False), "hf generate": hf_side}
     if device.type != "cuda":
-        del sides["engine, CUDA graphs"]  # the same code as eager off CUDA
+        del sides["engine, CUDA graphs"], sides["engine, compiled+graphs"]  # graphs: the same code as eager off CUDA
     return sides
 
 
@@ -142,10 +145,11 @@ def decode_part(args: argparse.Namespace, device: torch.device) -> dict:
           f"step moves >= {step_bytes / 1e9:.2f} GB: floor {step_bytes / bandwidth * 1e3:.2f} ms", flush=True)
     times: dict[str, dict[int, list[float]]] = {name: {1: [], half: [], steps: []} for name in sides}
     failed: dict[str, str] = {}
+    first_call: dict[str, float] = {}
     with torch.no_grad():
         for name, sample in sides.items():  # warm-up: lazy initialisation, cuBLAS workspaces, allocator pools
             try:
-                sample(2)
+                first_call[name] = seconds_of(lambda: sample(2), device)  # torch.compile's compilation, for one
             except Exception as error:  # a side that cannot run here is reported, the others still measured
                 failed[name] = f"{type(error).__name__}: {error}".splitlines()[0][:300]
                 print(f"gpu decode: {name} failed: {failed[name]}", flush=True)
@@ -162,8 +166,8 @@ def decode_part(args: argparse.Namespace, device: torch.device) -> dict:
                     traceback.print_exc()
     figures = {"rows": rows, "decode_tokens": steps, "copy_bandwidth_GBps": bandwidth / 1e9,
                "step_bytes": step_bytes, "floor_ms": step_bytes / bandwidth * 1e3, "failed": failed, "sides": {}}
-    print(f"{'side':22s} {'prefill s':>9s} {'prefill tok/s':>13s} {'decode ms':>9s} {'decode tok/s':>12s} "
-          f"{'GB/s':>7s} {'of copy':>7s} {'capture s':>9s}")
+    print(f"{'side':24s} {'prefill s':>9s} {'prefill tok/s':>13s} {'decode ms':>9s} {'decode tok/s':>12s} "
+          f"{'GB/s':>7s} {'of copy':>7s} {'capture s':>9s} {'first call s':>12s}")
     prompt_tokens = sum(map(len, prompts))
     for name, by_m in times.items():
         if name in failed:
@@ -173,11 +177,11 @@ def decode_part(args: argparse.Namespace, device: torch.device) -> dict:
         row = {"prefill_s": t1, "prefill_tokens_per_s": prompt_tokens / t1, "decode_ms": step * 1e3,
                "decode_tokens_per_s": rows / step, "achieved_GBps": step_bytes / step / 1e9,
                "of_copy_bandwidth": step_bytes / step / bandwidth, "capture_s": th - t1 - (half - 1) * step,
-               "seconds": {str(m): by_m[m] for m in by_m}}
+               "first_call_s": first_call[name], "seconds": {str(m): by_m[m] for m in by_m}}
         figures["sides"][name] = row
-        print(f"{name:22s} {t1:9.3f} {row['prefill_tokens_per_s']:13.0f} {row['decode_ms']:9.2f} "
+        print(f"{name:24s} {t1:9.3f} {row['prefill_tokens_per_s']:13.0f} {row['decode_ms']:9.2f} "
               f"{row['decode_tokens_per_s']:12.0f} {row['achieved_GBps']:7.0f} {row['of_copy_bandwidth']:7.0%} "
-              f"{row['capture_s']:9.3f}", flush=True)
+              f"{row['capture_s']:9.3f} {row['first_call_s']:12.1f}", flush=True)
     if "hf generate" in figures["sides"]:
         for name, row in figures["sides"].items():
             row["decode_vs_hf"] = figures["sides"]["hf generate"]["decode_ms"] / row["decode_ms"]

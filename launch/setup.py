@@ -206,7 +206,7 @@ def train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs
     theta_0 = checkpoint.fingerprint(policy) if keeps_checkpoints else ""
     first = checkpoint.restore(resume_from, policy, optimizer, theta_0, scheduler) if resume_from else 0
     reason = engine_reason(policy, cfg)
-    if reason and cfg.engine == "auto":  # (--engine hf asked for it)
+    if reason and cfg.engine != "hf":  # (--engine hf asked for it)
         print(f"periodic-rl: sampling with Hugging Face generate, not engine.py: {reason}", flush=True)
     if cfg.use_peft and cfg.lora_dropout:
         print(f"periodic-rl: --lora-dropout {cfg.lora_dropout}: its masks come from a random state that checkpoints do "

@@ -412,6 +412,26 @@ def test_a_failed_cuda_graph_capture_decodes_eagerly_from_where_it_was(monkeypat
     assert twins[0].lengths[:6].tolist() == [6] * 6
 
 
+@pytest.mark.slow
+def test_a_compiled_decode_step_samples_what_the_eager_one_does():
+    """Claim (--engine compile): the decode step through torch.compile samples the tokens the eager step samples,
+    in a call with compaction and refill (max_rows) and in a second call of other sizes (its recompilation).
+    Inductor may sum in another order: float32 logits of magnitude < 10 then differ by ~1e-6 at most, and a token
+    flips only where u·F(S) lands that close to a boundary of the running sum, about 1e-5 per token over this
+    64-token vocabulary, under 1% for the ~330 tokens here; the uniforms are fixed by the keys, so the outcome is
+    the same on every run of a machine. (Slow: the first compilation takes about a minute on 2 cores.)"""
+    model = random_model("qwen2", vocab=64)
+    prompts = random_prompts([3, 17, 8, 12, 5], 64)
+    common = dict(max_new_tokens=12, temperature=1.0, stop_ids=[1, 2], keys=keys(5))
+    eager = engine.sample_groups(model, prompts, 4, max_rows=8, **common)
+    compiled = engine.sample_groups(model, prompts, 4, max_rows=8, compile_step=True, **common)
+    assert compiled == eager
+    assert len({len(r) for group in eager for r in group}) > 2, "every row ran to the limit: no compaction to check"
+    other = dict(common, max_new_tokens=7, keys=keys(2))
+    assert (engine.sample_groups(model, prompts[:2], 3, compile_step=True, **other)
+            == engine.sample_groups(model, prompts[:2], 3, **other))
+
+
 def test_every_eos_id_stops_a_sampled_response(qwen_shaped_dir):
     """Claim: with the Qwen2.5-Instruct-shaped fixture's two EOS ids as stop ids, a sampled response ends at the first
     of either (kept) and nothing follows; a response without one runs to max_new_tokens. Teeth: with the fixture's

@@ -204,3 +204,25 @@ def test_top_k_reaches_both_samplers(qwen_shaped_dir):
     greedy = sampled(engine="auto", top_k=1)
     assert greedy == sampled(engine="hf", top_k=1) == sampled(engine="auto", min_p=1.0)
     assert all(len(set(map(tuple, group))) == 1 for group in greedy)  # one answer per prompt: no randomness left
+
+
+def test_engine_compile_compiles_the_engines_decode_step(qwen_shaped_dir, monkeypatch):
+    """Claim: --engine compile samples with engine.py (the same keys, sizes and settings as --engine auto) and asks it
+    for the compiled decode step; auto does not (the compiled step itself: tests/test_engine.py, slow tier)."""
+    import dataclasses
+
+    import engine
+    import rollout
+
+    model, tokenizer = load_model(str(qwen_shaped_dir))
+    calls = []
+    sample_groups = engine.sample_groups
+    monkeypatch.setattr(engine, "sample_groups", lambda *args, **kwargs: (calls.append(kwargs), sample_groups(
+        *args, **dict(kwargs, compile_step=False)))[1])
+    prompts = [prompt_token_ids(tokenizer, e.prompt) for e in EXAMPLES]
+    generation = sampling_config(SETTINGS, stop_token_ids(model, tokenizer), tokenizer.pad_token_id)
+    for name in ("auto", "compile"):
+        rollout.sample_prompts(model, prompts, 2, generation, dataclasses.replace(SETTINGS, engine=name), 0, 0)
+    assert [call["compile_step"] for call in calls] == [False, True]
+    assert {key: value for key, value in calls[0].items() if key != "compile_step"} == \
+        {key: value for key, value in calls[1].items() if key != "compile_step"}
