@@ -9,7 +9,7 @@ that `AutoModelForCausalLM.from_pretrained` loads.
 
 Any problem a user can fix (bad option, missing model or data, failing reward function, dead
 inference process) ends with one `error:` paragraph on stderr and a non-zero exit, no traceback.
-A stop signal (Ctrl-C, SIGTERM, SIGHUP), at any moment, ends with one `interrupted by SIG...` line
+A stop signal (Ctrl-C, SIGTERM, SIGHUP; infra/stopping.py), at any moment, ends with one `interrupted by SIG...` line
 and exit code 128 + signal, after both processes have stopped.
 
 Launched by torchrun, each process is one trainer rank (infra/distributed.py, docs/distributed.md): rank 0
@@ -22,7 +22,6 @@ import json
 import os
 import signal
 import sys
-import threading
 import time
 from contextlib import closing, contextmanager, nullcontext, redirect_stdout, suppress
 from pathlib import Path
@@ -31,49 +30,11 @@ from config import Config
 from infra import outputs
 from infra.errors import UserError
 from infra.options import given_options, parse_args
+from infra.stopping import Interrupted, exit_without_lingering, stopped_by_signals
 
 
 class DeviceError(UserError):
     pass
-
-
-class Interrupted(KeyboardInterrupt):
-    """A stop signal (Ctrl-C's SIGINT, SIGTERM from kill / timeout / Slurm / docker stop, SIGHUP when the terminal
-    closes), raised in the main thread as Ctrl-C's KeyboardInterrupt is: `with` blocks stop the inference
-    process on the way out, and the schedule may catch it at a safe point."""
-
-    received: int | None = None  # the run's first stop signal, kept even if something swallowed its exception
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-    @classmethod
-    def check(cls) -> None:
-        """Raise again a stop signal whose exception something swallowed (called at safe points)."""
-        if cls.received is not None:
-            raise cls(cls.received)
-
-
-STOP_SIGNALS = [signal.SIGINT, signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
-
-
-@contextmanager
-def stopped_by_signals():
-    """Inside the block every stop signal raises `Interrupted`; a signal the launcher ignores stays ignored (nohup
-    ignores SIGHUP, a shell's background job SIGINT). The previous handlers come back afterwards."""
-    def interrupt(signum, frame):
-        Interrupted.received = Interrupted.received or signum
-        raise Interrupted(signum)
-    previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
-    for signum, handler in previous.items():
-        if handler is not signal.SIG_IGN:
-            signal.signal(signum, interrupt)
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
 
 
 def check_device(device: str, option: str = "--device") -> None:
@@ -493,26 +454,6 @@ def kept_on_stop(cfg: Config | None, ranks, failed_save: Exception | None) -> st
     return f"; {lost}: " + (f"--resume auto --out {cfg.out} continues from {newest} ({k} of the {done} iterations "
                             "done)" if newest
                             else "there is no checkpoint to resume from")
-
-
-def exit_without_lingering(code: int, grace: float = 5.0) -> None:
-    """sys.exit(code), but without waiting more than `grace` seconds for threads that are not daemons and do not end
-    (a reward function's client library may start one): Python waits for them forever after "done". Ctrl-C in that
-    time ends the process at once (no traceback from threading's shutdown)."""
-    def leave() -> None:
-        time.sleep(grace)
-        names = [t.name for t in threading.enumerate() if not t.daemon and t is not threading.main_thread()]
-        with suppress(OSError, ValueError):
-            sys.stderr.write(f"periodic-rl: exiting without waiting for thread(s) {', '.join(names)} (not daemon "
-                             f"threads, started by a reward function or a library it uses): still running {grace:g} s "
-                             "after the run ended\n")
-            sys.stderr.flush()
-            sys.stdout.flush()
-        os._exit(code)
-    if any(not t.daemon and t is not threading.main_thread() for t in threading.enumerate()):
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        threading.Thread(target=leave, name="exit-without-lingering", daemon=True).start()
-    sys.exit(code)
 
 
 if __name__ == "__main__":
