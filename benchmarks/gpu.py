@@ -70,6 +70,8 @@ def gpu_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iterations", type=int, default=3, help="pipeline and peer parts: timed steps per run")
     parser.add_argument("--peer-rounds", type=int, default=2, help="pipeline and peer parts: runs per contender")
     parser.add_argument("--trl-python", default=sys.executable, help="peer part: a Python with trl==1.16.0")
+    parser.add_argument("--trainer-args", default="", help="pipeline and peer parts: extra trainer.py options for "
+                                                           "periodic-rl's runs (e.g. '--engine compile')")
     parser.add_argument("--trl-args", default="--micro-batch 16", help="peer part: extra tools/trl_grpo_run.py "
                                                                        "options")
     parser.add_argument("--json", metavar="FILE", help="write the figures as JSON to FILE")
@@ -202,7 +204,8 @@ def model_directory(args: argparse.Namespace, scratch: Path) -> str:
 def pipeline_part(args: argparse.Namespace, model: str) -> dict:
     """Seconds per iteration, sync against async, --groups-per-chunk 4, interleaved."""
     run = SimpleNamespace(model=model, data=str(args.data), device=args.device, iterations=args.iterations,
-                          max_new_tokens=args.train_tokens, trainer_args="--groups-per-chunk 4", task=None)
+                          max_new_tokens=args.train_tokens, task=None,
+                          trainer_args=f"--groups-per-chunk 4 {args.trainer_args}")
     modes = {"sync": ["--mode", "sync"], "async": ["--mode", "async"]}
     seconds: dict[str, list[float]] = {mode: [] for mode in modes}
     for round_ in range(args.peer_rounds):
@@ -234,7 +237,8 @@ def peer_part(args: argparse.Namespace, model: str) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as figures:
         run = argparse.Namespace(trl_python=args.trl_python, iterations=args.iterations, rounds=args.peer_rounds,
                                  task="arithmetic", max_new_tokens=args.train_tokens, model=model, data=str(args.data),
-                                 device=args.device, trainer_args="", trl_args=args.trl_args, json=figures.name)
+                                 device=args.device, trainer_args=args.trainer_args, trl_args=args.trl_args,
+                                 json=figures.name)
         passed = peer(run)
         return {"passed_peer_checks": passed, **json.loads(Path(figures.name).read_text())}
 
