@@ -62,6 +62,10 @@ Deliberate choices and departures:
    logit scales: `LOGIT_TRANSFORMS`) take the model's own logits instead (`logits_to_keep`).
 4. Log-probs are of `logits / temperature` in float32 (as TRL), so they match the sampling
    distribution.
+5. `pad_to_multiple_of` (TRL's option of that name) rounds the row length L up: padding is masked as
+   above, so the log-probs are those of the unpadded rows up to the kernels' rounding, while the number
+   of distinct shapes a run sends to the model stays small. That matters where an attention kernel is
+   planned per shape (cuDNN's on recent GPUs builds a graph for every new (B, L)).
 """
 from __future__ import annotations
 
@@ -92,8 +96,9 @@ class Layout(NamedTuple):
 
 # --- layouts ---
 
-def pack(groups: Sequence[Group], pad_id: int = 0) -> Layout:
-    """One row per group: [prompt | r_1 | ... | r_G], positions restarting at P on each response.
+def pack(groups: Sequence[Group], pad_id: int = 0, pad_to_multiple_of: int = 1) -> Layout:
+    """One row per group: [prompt | r_1 | ... | r_G], positions restarting at P on each response; rows padded to
+    the longest, rounded up to a multiple of `pad_to_multiple_of` (departure 5).
 
     >>> p, a, b = torch.tensor([10, 11, 12]), torch.tensor([20, 21]), torch.tensor([30])
     >>> x = pack([(p, [a, b])])
@@ -122,9 +127,9 @@ def pack(groups: Sequence[Group], pad_id: int = 0) -> Layout:
     responses = [r for _, rs in groups for r in rs]
     device = ids[0].device
     return Layout(
-        input_ids=pad_sequence(ids, batch_first=True, padding_value=pad_id),            # (B, L)
-        position_ids=pad_sequence(positions, batch_first=True).to(device),              # (B, L)
-        segment_ids=pad_sequence(segments, batch_first=True, padding_value=-1).to(device),  # (B, L)
+        input_ids=padded_rows(ids, pad_id, pad_to_multiple_of),                         # (B, L)
+        position_ids=padded_rows(positions, 0, pad_to_multiple_of).to(device),          # (B, L)
+        segment_ids=padded_rows(segments, -1, pad_to_multiple_of).to(device),           # (B, L)
         row=torch.tensor(row, device=device),                                           # (N,)
         source=pad_sequence(sources, batch_first=True).to(device),                      # (N, T)
         target=pad_sequence(responses, batch_first=True, padding_value=pad_id),         # (N, T)
@@ -132,8 +137,9 @@ def pack(groups: Sequence[Group], pad_id: int = 0) -> Layout:
     )
 
 
-def unpacked_layout(groups: Sequence[Group], pad_id: int = 0) -> Layout:
-    """The plain layout: one row [prompt | r_i] per response, right-padded, ordinary positions.
+def unpacked_layout(groups: Sequence[Group], pad_id: int = 0, pad_to_multiple_of: int = 1) -> Layout:
+    """The plain layout: one row [prompt | r_i] per response, right-padded (to a multiple of `pad_to_multiple_of`,
+    departure 5), ordinary positions.
 
     Built with whole-batch tensor ops (one concatenation, one scatter), not per response: a training
     micro-batch may hold hundreds of short responses.
@@ -145,7 +151,7 @@ def unpacked_layout(groups: Sequence[Group], pad_id: int = 0) -> Layout:
     P = torch.tensor([len(p) for p, rs in groups for _ in rs], device=device)  # (N,) prompt length of each row
     R = torch.tensor([len(r) for r in responses], device=device)                # (N,)
     tokens = torch.cat([x for p, rs in groups for r in rs for x in (p, r)])     # (Σ P_n + R_n,) rows back to back
-    L, T = int((P + R).max()), int(R.max())
+    L, T = round_up(int((P + R).max()), pad_to_multiple_of), int(R.max())
     row = torch.repeat_interleave(torch.arange(len(R), device=device), P + R)   # (Σ,) row of each token
     starts = torch.cumsum(P + R, 0) - (P + R)                                   # (N,) where each row starts
     column = torch.arange(len(tokens), device=device) - starts[row]             # (Σ,)
@@ -163,6 +169,18 @@ def unpacked_layout(groups: Sequence[Group], pad_id: int = 0) -> Layout:
         target=input_ids.new_full((len(R), T), pad_id).masked_scatter(mask, torch.cat(responses)),  # (N, T)
         mask=mask,                                                              # (N, T)
     )
+
+
+def round_up(length: int, multiple: int) -> int:
+    """The smallest multiple of `multiple` that is at least `length`."""
+    return -(-length // multiple) * multiple
+
+
+def padded_rows(rows: Sequence[Tensor], value: int, pad_to_multiple_of: int = 1) -> Tensor:
+    """(B, L): the rows right-padded with `value` to the longest, rounded up to a multiple of pad_to_multiple_of."""
+    padded = pad_sequence(list(rows), batch_first=True, padding_value=value)                     # (B, L_0)
+    extra = round_up(padded.shape[1], pad_to_multiple_of) - padded.shape[1]
+    return torch.nn.functional.pad(padded, (0, extra), value=value)                              # (B, L)
 
 
 def _check_group(prompt: Tensor, responses: Sequence[Tensor]) -> None:
@@ -307,23 +325,24 @@ def text_config(model: torch.nn.Module):
 # --- entry points ---
 
 def packed_batch_logprobs(model: torch.nn.Module, groups: Sequence[Group], temperature: float = 1.0,
-                          pad_id: int = 0, entropy: bool = False) -> tuple[Tensor, ...]:
+                          pad_id: int = 0, entropy: bool = False, pad_to_multiple_of: int = 1) -> tuple[Tensor, ...]:
     """(logp, mask), (N, T), with one shared-prompt row per group, in one forward, under the dense mask.
 
     Any sdpa or eager model; `packing.batch_logprobs` sends sdpa models on CPU through its structured kernel instead,
     unless their rows are short (`packing.structured_pays`).
     """
-    layout = pack(groups, pad_id)
+    layout = pack(groups, pad_id, pad_to_multiple_of)
     allowed = shared_prompt_mask(layout.segment_ids)  # (B, 1, L, L)
     attention_mask = to_model_mask(allowed, model.dtype, model.config._attn_implementation)
     return layout_logprobs(model, layout, attention_mask, temperature, entropy)
 
 
 def unpacked_batch_logprobs(model: torch.nn.Module, groups: Sequence[Group], temperature: float = 1.0,
-                            pad_id: int = 0, entropy: bool = False) -> tuple[Tensor, ...]:
+                            pad_id: int = 0, entropy: bool = False, pad_to_multiple_of: int = 1
+                            ) -> tuple[Tensor, ...]:
     """(logp, mask), (N, T), with one plain row per response and a 2D padding mask, in one forward (entropy=True:
     and H, as `layout_logprobs`)."""
-    layout = unpacked_layout(groups, pad_id)
+    layout = unpacked_layout(groups, pad_id, pad_to_multiple_of)
     attention_mask = (layout.segment_ids >= 0).long()  # (N, L) 1 = real token
     return layout_logprobs(model, layout, attention_mask, temperature, entropy)
 

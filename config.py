@@ -69,6 +69,17 @@ def _at_least_one(text: str) -> int:
     return value
 
 
+def _pad_multiple(text: str) -> int | None:
+    """--pad-to-multiple-of's argparse type, as TRL's: auto (None: derived), none or null (1: no padding), or N >= 1."""
+    if text.lower() == "auto":
+        return None
+    if text.lower() in ("none", "null"):
+        return 1
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be auto, none or a whole number of at least 1 (got {text})")
+    return int(text)
+
+
 def _opt(default, help: str, **extra):
     """A dataclass field with a help line (and optional argparse `choices`); a list default is copied per Config."""
     if isinstance(default, list):
@@ -249,6 +260,12 @@ class Config:
                                                 "forward/backward: finished groups wait until this many have arrived "
                                                 "(or their generate call has ended), then train together; lower it if "
                                                 "the trainer runs out of memory (default: see --sizes; at most 16384)")
+    pad_to_multiple_of: int | None = _opt(None, "pad the training rows, the engine's prefill rows and its KV cache to "
+                                                "a multiple of this many tokens (TRL's option; none = 1): a few "
+                                                "shapes recur instead of a new one per micro-batch and call, which "
+                                                "matters where kernels are planned per shape (cuDNN's attention on "
+                                                "recent GPUs). auto: 128 on GPUs and NPUs, none on CPU (padding is "
+                                                "compute there)", type=_pad_multiple)
     rollout_threads: int | None = _opt(None, "CPU threads of the inference side, split among --inference-workers "
                                              "(N workers: T // N each, the first T %% N one more, at least 1 each; "
                                              "default: see --sizes)")

@@ -65,6 +65,9 @@ Departures, on purpose:
 8. The decode step's attention is `decode_attention`, not the model's own: the query heads of each key
    head folded into one query (Hugging Face's sdpa path copies the cache once per query head when a
    mask is given; docs/benchmarks.md measures the difference). Prefill keeps the model's attention.
+9. pad_to_multiple_of rounds the cache length and each packed prefill row up (the padding is masked and
+   never cached), so the calls of a run share a few shapes: cuDNN's attention, the first choice of
+   torch's SDPA on recent GPUs, builds a graph for every new shape.
 """
 from __future__ import annotations
 
@@ -209,7 +212,8 @@ def draw_tokens(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_p
 
 # --- the cache ---
 class RowCache:
-    """Every row's keys and values, preallocated: (layers, rows, kv_heads, L, head_dim) each, L = P_max + M.
+    """Every row's keys and values, preallocated: (layers, rows, kv_heads, L, head_dim) each, L = P_max + M
+    (rounded up to a multiple of pad_to_multiple_of).
 
     Hugging Face's attention layers call update(key, value, layer) with the new tokens' keys and values and
     attend over what it returns. Set before each forward:
@@ -295,14 +299,16 @@ class Rollouts:
 
     def __init__(self, model, prompts: list[list[int]], group_size: int, max_new_tokens: int, temperature: float,
                  top_p: float, stop_ids: list[int], keys: list[tuple[int, ...]], slots: int, greedy: bool,
-                 top_k: int = 0, min_p: float | None = None):
+                 top_k: int = 0, min_p: float | None = None, pad_to_multiple_of: int = 1):
         weight = model.get_output_embeddings().weight
         decoder = model.get_decoder()  # the layers below the head (`base_model` would be peft's LoraModel, --use-peft)
         self.decoder, self.head, self.cache_argument = decoder, weight, cache_argument(decoder)
         self.device, self.dtype = weight.device, weight.dtype
         self.prompts, self.group_size, self.max_new_tokens = prompts, group_size, max_new_tokens
         self.temperature, self.top_p, self.top_k, self.min_p, self.greedy = temperature, top_p, top_k, min_p, greedy
-        self.length = max(len(prompt) for prompt in prompts) + max_new_tokens  # a stopped row writes one slot more
+        self.pad_to_multiple_of = pad_to_multiple_of  # the cache length and each prefill row, rounded up (departure 9)
+        longest = max(len(prompt) for prompt in prompts) + max_new_tokens  # a stopped row writes one slot more
+        self.length = round_up(longest, pad_to_multiple_of)
         self.cache = RowCache(model, slots, self.length)
         rows = len(prompts) * group_size
         self.stand_in = rows
@@ -359,19 +365,24 @@ class Rollouts:
         """Prompts `prompts`, packed in one row, each into the cache of its G rows at slots[q] (G,); their rows'
         first tokens. Prompt q sits at positions o_q .. o_q + P_q - 1 of the row, numbered 0 .. P_q - 1 (its
         own position ids), and attends causally to itself alone (a block-diagonal mask): what it would compute
-        alone, in one forward for them all."""
+        alone, in one forward for them all. The row is padded to a multiple of pad_to_multiple_of with tokens
+        that see only one another and are never written to the cache."""
         lengths = [len(self.prompts[q]) for q in prompts]
-        ids = torch.tensor([[token for q in prompts for token in self.prompts[q]]], device=self.device)  # (1, T)
+        tokens = [token for q in prompts for token in self.prompts[q]]
         positions = torch.cat([self.cache_slots[:length] for length in lengths])                       # (T,)
-        owner = torch.repeat_interleave(torch.arange(len(prompts), device=self.device),
-                                        torch.tensor(lengths, device=self.device))                     # (T,)
-        visible = (owner[:, None] == owner[None, :]) & (positions[:, None] >= positions[None, :])      # (T, T)
-        mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, self.min)
         group = self.group_size
-        sources = torch.arange(ids.shape[1], device=self.device)                                       # (T,)
+        sources = torch.arange(len(tokens), device=self.device)                                        # (T,)
         self.cache.prefill_slots = (torch.cat([slots[q].repeat(length) for q, length in enumerate(lengths)]),
                                     positions.repeat_interleave(group), sources.repeat_interleave(group))
         self.cache.positions = None
+        padding = round_up(len(tokens), self.pad_to_multiple_of) - len(tokens)
+        ids = torch.tensor([tokens + [0] * padding], device=self.device)                               # (1, T')
+        positions = torch.cat([positions, positions.new_zeros(padding)])                               # (T',)
+        owner = torch.repeat_interleave(torch.arange(len(prompts), device=self.device),
+                                        torch.tensor(lengths, device=self.device))                     # (T,)
+        owner = torch.cat([owner, owner.new_full((padding,), -1)])                                     # (T',)
+        visible = (owner[:, None] == owner[None, :]) & (positions[:, None] >= positions[None, :])      # (T', T')
+        mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, self.min)
         ends = torch.tensor(lengths, device=self.device).cumsum(0) - 1                                 # (k,)
         logits = self.logits(ids, positions[None], mask[None, None], ends)                             # (k, V)
         rows = torch.cat([q * group + torch.arange(group, device=self.device) for q in prompts])      # (k·G,)
@@ -456,6 +467,11 @@ def compiled_step(rollouts: Rollouts) -> Callable[[int], None]:
     return torch.compile(Rollouts.decode, dynamic=True).__get__(rollouts)
 
 
+def round_up(length: int, multiple: int) -> int:
+    """The smallest multiple of `multiple` that is at least `length`."""
+    return -(-length // multiple) * multiple
+
+
 def packs(lengths: list[int], budget: int) -> list[list[int]]:
     """Consecutive prompts grouped into prefill rows of at most `budget` tokens (a longer prompt alone).
 
@@ -490,8 +506,8 @@ def sample_groups(model, prompts: list[list[int]], group_size: int, *, max_new_t
                   keys: list[tuple[int, ...]],
                   on_done: Callable[[int, list[list[int]]], None] | None = None, max_rows: int | None = None,
                   greedy: bool = False, check_every: int | None = None, fixed_shapes: bool | None = None,
-                  cuda_graphs: bool = True, prefill_tokens: int | None = None, compile_step: bool = False
-                  ) -> list[list[list[int]]]:
+                  cuda_graphs: bool = True, prefill_tokens: int | None = None, compile_step: bool = False,
+                  pad_to_multiple_of: int = 1) -> list[list[list[int]]]:
     """group_size responses to each prompt: responses[j][i], cut after its first stop id (kept).
 
     keys[j]: prompt j's key, e.g. (seed, iteration, prompt index): with the sample index and the step it
@@ -505,6 +521,7 @@ def sample_groups(model, prompts: list[list[int]], group_size: int, *, max_new_t
     squared, so long prompts gain nothing from packing and go alone; default 512 on CPU, 8192 elsewhere).
     compile_step: the decode step through torch.compile (Inductor fuses its elementwise chains: norms, rotary,
     activations), then captured as before; the first steps of a process pay the compilation.
+    pad_to_multiple_of: the cache length and every prefill row rounded up to a multiple of this (departure 9).
     """
     reason = unsupported_reason(model)
     if reason is not None:
@@ -518,7 +535,7 @@ def sample_groups(model, prompts: list[list[int]], group_size: int, *, max_new_t
     capacity = count * group_size if max_rows is None else max(group_size, min(max_rows, count * group_size))
     register_decode_attention()
     rollouts = Rollouts(model, prompts, group_size, max_new_tokens, temperature, top_p, stop_ids, keys, capacity,
-                        greedy, top_k, min_p)
+                        greedy, top_k, min_p, pad_to_multiple_of)
     on_cuda = rollouts.device.type == "cuda"
     check_every = check_every or (8 if rollouts.device.type != "cpu" else 1)
     prefill_tokens = prefill_tokens or (PREFILL_TOKENS if rollouts.device.type == "cpu" else PREFILL_TOKENS_ACCELERATOR)

@@ -300,25 +300,26 @@ def structured_kernel(model: torch.nn.Module, dense_mask: bool = False) -> bool:
 
 
 def _packed_batch(model: torch.nn.Module, groups: Sequence[Group], temperature: float, pad_id: int,
-                  structured: bool, entropy: bool = False) -> tuple[Tensor, ...]:
+                  structured: bool, entropy: bool = False, pad_to_multiple_of: int = 1) -> tuple[Tensor, ...]:
     """(logp, mask), (N, T), with one shared-prompt row per group, in one forward: through the structured kernel
     (`structured`, what `structured_kernel` says), else under the dense (B, 1, L, L) mask."""
     if structured:
-        return structured_batch_logprobs(model, groups, temperature, pad_id, entropy)
-    return packed_batch_logprobs(model, groups, temperature, pad_id, entropy)
+        return structured_batch_logprobs(model, groups, temperature, pad_id, entropy, pad_to_multiple_of)
+    return packed_batch_logprobs(model, groups, temperature, pad_id, entropy, pad_to_multiple_of)
 
 
 def structured_batch_logprobs(model: torch.nn.Module, groups: Sequence[Group], temperature: float = 1.0,
-                              pad_id: int = 0, entropy: bool = False) -> tuple[Tensor, ...]:
+                              pad_id: int = 0, entropy: bool = False, pad_to_multiple_of: int = 1
+                              ) -> tuple[Tensor, ...]:
     """`packed_batch_logprobs` through `shared_prompt_attention` (an sdpa model, on any device), no dense mask."""
-    layout = pack(groups, pad_id)
+    layout = pack(groups, pad_id, pad_to_multiple_of)
     with _attention_kernel(model):  # departure 1
         return layout_logprobs(model, layout, None, temperature, entropy, shared_prompt_rows=packed_rows(layout))
 
 
 def batch_logprobs(model: torch.nn.Module, groups: list[tuple[Tensor, list[Tensor]]], mode: str = "auto",
                    temperature: float = 1.0, pad_id: int = 0, dense_mask: bool = False,
-                   entropy: bool = False) -> tuple[Tensor, ...]:
+                   entropy: bool = False, pad_to_multiple_of: int = 1) -> tuple[Tensor, ...]:
     """Per-token log-probs of every response of every group, for the GRPO loss.
 
     mode: "packed" (one shared-prompt row per group), "unpacked" (one row per response) or "auto"
@@ -326,7 +327,8 @@ def batch_logprobs(model: torch.nn.Module, groups: list[tuple[Tensor, list[Tenso
     both (N, T): N responses in group order (group 0's first), T the longest response; mask is bool, True on
     real response tokens, and logp is 0 where it is False. Differentiable w.r.t. the model's parameters.
     dense_mask=True sends packed rows through the dense mask even where the structured kernel applies (to
-    compare the two). entropy=True: (logp, mask, H), H (N, T) each token's entropy (`attention.layout_logprobs`)."""
+    compare the two). entropy=True: (logp, mask, H), H (N, T) each token's entropy (`attention.layout_logprobs`).
+    pad_to_multiple_of: rows padded to a multiple of this length (attention.py, departure 5)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     unsupported = packing_unsupported(model) if mode != "unpacked" else None
@@ -339,15 +341,16 @@ def batch_logprobs(model: torch.nn.Module, groups: list[tuple[Tensor, list[Tenso
     packed = [not unsupported and (mode == "packed" or (mode == "auto" and packing_pays(
                   len(p), [len(r) for r in rs], dense=not structured)))
               for p, rs in groups]
+    multiple = pad_to_multiple_of
     if all(packed):
-        return _packed_batch(model, groups, temperature, pad_id, structured, entropy)
+        return _packed_batch(model, groups, temperature, pad_id, structured, entropy, multiple)
     if not any(packed):
-        return unpacked_batch_logprobs(model, groups, temperature, pad_id, entropy)
+        return unpacked_batch_logprobs(model, groups, temperature, pad_id, entropy, multiple)
     # mixed (auto only): one forward per layout, then responses back in group order
     results = {True: _packed_batch(model, [g for g, p in zip(groups, packed) if p], temperature, pad_id, structured,
-                                   entropy),
+                                   entropy, multiple),
                False: unpacked_batch_logprobs(model, [g for g, p in zip(groups, packed) if not p], temperature, pad_id,
-                                              entropy)}
+                                              entropy, multiple)}
     T = max(len(r) for _, rs in groups for r in rs)
     taken = {True: 0, False: 0}  # responses consumed from each result so far
     pieces = []  # per group: its (G, T) logp, mask (and H)
@@ -359,12 +362,12 @@ def batch_logprobs(model: torch.nn.Module, groups: list[tuple[Tensor, list[Tenso
 
 
 def logprobs_fn(policy: torch.nn.Module, mode: str = "auto", temperature: float = 1.0,
-                pad_id: int = 0) -> Callable[..., tuple[Tensor, ...]]:
+                pad_id: int = 0, pad_to_multiple_of: int = 1) -> Callable[..., tuple[Tensor, ...]]:
     """The tri-model's scorer (tri_model.TriModel's `logprobs_fn`): `batch_logprobs` with the run's settings, the
     same kernels for all three copies: the policy's `structured_kernel` decides for the frozen copies too (they
     run in eval mode, where checkpointing does not recompute: departure 1), so that at θ = θ_0 policy and
     reference agree exactly."""
     def logprobs(model: torch.nn.Module, groups: Sequence[Group], entropy: bool = False) -> tuple[Tensor, ...]:
         return batch_logprobs(model, groups, mode, temperature, pad_id, dense_mask=not structured_kernel(policy),
-                              entropy=entropy)
+                              entropy=entropy, pad_to_multiple_of=pad_to_multiple_of)
     return logprobs

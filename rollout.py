@@ -338,7 +338,8 @@ def sample_prompts(model, prompts: list[list[int]], num_samples: int, generation
                                         temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                         min_p=cfg.min_p, stop_ids=eos_ids,
                                         keys=[(cfg.seed, iteration, first + j) for j in range(len(prompts))],
-                                        on_done=on_done, compile_step=cfg.engine == "compile")
+                                        on_done=on_done, compile_step=cfg.engine == "compile",
+                                        pad_to_multiple_of=cfg.pad_to_multiple_of or 1)
     return sample_responses(model, prompts, num_samples, generation, prompt_seed(cfg.seed, iteration, first),
                             on_done=on_done)
 

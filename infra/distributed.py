@@ -289,7 +289,7 @@ def collective(what: str, ranks: Ranks) -> Iterator[None]:
         raise  # named already (liveness.check_neighbours)
     except (RuntimeError, dist.DistError) as error:  # gloo raises RuntimeError, NCCL/HCCL DistBackendError
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        gone = liveness.gone_neighbours()  # a rank on this host that has ended: name it
+        gone = liveness.gone_neighbours_settled()  # a rank on this host that has ended (or is ending): name it
         who = liveness.ended_first(gone) if gone else "another rank died or did not join within --collective-timeout"
         raise RanksError(f"{what} failed: {who} ({first_line}); torchrun's report names the rank") from None
 

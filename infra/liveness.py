@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 from infra.errors import UserError
 from infra.processes import POLL_SECONDS, process_state
@@ -34,6 +35,16 @@ def gone_neighbours(watched: set[int] | None = None) -> list[str]:
         return []
     return [f"{name} (PID {pid})" for rank, (pid, name) in sorted(NEIGHBOURS.items())  # state None: no /proc/PID
             if (watched is None or rank in watched) and process_state(pid) in (None, "Z", "X")]
+
+
+def gone_neighbours_settled(seconds: float = 2.0) -> list[str]:
+    """`gone_neighbours`, waiting up to `seconds` for one: a killed process's sockets close while the kernel is still
+    tearing it down, before /proc shows it ended, so a collective fails (connection reset) a moment before its
+    cause can be named. For error paths only: with no neighbour gone (a rank of another host) it waits the time."""
+    deadline = time.monotonic() + seconds
+    while not (gone := gone_neighbours()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return gone
 
 
 def check_neighbours(what: str, watched: set[int] | None = None) -> None:

@@ -47,12 +47,17 @@ GENERATE_CALLS = {"cpu": 2, "accelerator": 1}  # default generate calls per iter
 # Default training micro-batch: 16 toy groups (~1.5 k tokens) in one forward; 2-3 groups of 8 x (256 + 512) tokens
 # (Qwen2.5-0.5B with --gradient-checkpointing: 6.5 GiB for one such group in float32, docs/benchmarks.md).
 MICRO_BATCH_TOKENS = 16384
+# Default --pad-to-multiple-of on GPUs and NPUs: cuDNN's attention (first choice of torch's SDPA on recent GPUs with a
+# recent cuDNN) builds a graph for each new shape, so rows of a new length each micro-batch and call pay a build
+# each; with lengths rounded up to 128 a few shapes recur (docs/benchmarks.md, "Shapes on a GPU"). TRL pads to 128 on
+# Neuron for the same reason (it compiles per shape).
+PAD_MULTIPLE_ACCELERATOR = 128
 NOT_OPTIONS = ("run_id", "versions", "command")  # config.json's keys that are not options (run_id marks a record)
 COMMAND_LINE_ONLY = ("resume", "overwrite", "config")
 # Options config.json records as `derive` resolved them from another option: given anew on the command line, that
 # option re-derives them (a tiny run's config.json with --model qwen2.5-0.5b must not keep the tiny lr and lengths).
 DERIVED_FROM = {"model": ("lr", "max_new_tokens", *SIZE_FIELDS), "reward": ("reward_weights",),
-                "device": ("train_device", "rollout_device", "dtype", *SIZE_FIELDS),
+                "device": ("train_device", "rollout_device", "dtype", "pad_to_multiple_of", *SIZE_FIELDS),
                 "mode": ("rollout_device", *SIZE_FIELDS),
                 "batch_size": SIZE_FIELDS, "group_size": SIZE_FIELDS,
                 "inference_workers": ("rollout_device", *SIZE_FIELDS)}
@@ -160,6 +165,7 @@ def derive(cfg: Config) -> Config:
         reward_weights=cfg.reward_weights or [1.0] * len(cfg.reward),
         groups_per_chunk=groups_per_chunk,
         micro_batch_tokens=cfg.micro_batch_tokens or (None if probed else MICRO_BATCH_TOKENS),
+        pad_to_multiple_of=cfg.pad_to_multiple_of or (PAD_MULTIPLE_ACCELERATOR if on_accelerator else 1),
         rollout_device=rollout_device,
         train_device=train_device,
         dtype=pick_dtype(cfg.dtype, train_device),
@@ -488,6 +494,8 @@ def file_arguments(path: str, skip: set[str] = frozenset(), note=lambda line: No
             continue
         if key == "save_total_limit" and value is None:  # TRL's "keep all"
             value = 0
+        if key == "pad_to_multiple_of" and value is None:  # TRL's "no padding"
+            value = "none"
         flag, kind = "--" + name.replace("_", "-"), fields[name].type
         if value is None:  # an option left open: its default, which is None for every option that may be None
             if fields[name].default is not None:

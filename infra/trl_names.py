@@ -69,6 +69,8 @@ DEPARTURES = (
     ("--keep-checkpoints", "2", "all", "a checkpoint's size (above)"),
     ("--out", "runs/<model>-<time>, linked from runs/latest", "trainer_output", "every run a folder of its own: a "
                                                                                 "command can be run again"),
+    ("--pad-to-multiple-of", "auto: 128 on GPUs and NPUs", "auto: 128 on Neuron only", "cuDNN's attention, torch's "
+     "first choice on recent GPUs, builds a graph for every new shape: rounded lengths recur (docs/benchmarks.md)"),
     ("--seed", "0", "42", "the figures in the README and docs/benchmarks.md were measured with it"),
     ("--disable-dropout", "on", "off", "dropout's random masks would break async == sync and exact resume"),
     ("--lora-dropout", "0.0", "0.05", "the same: a checkpoint does not hold the masks' random state"),

@@ -44,7 +44,8 @@ from tri_model import TriModel
 # --- the training side's pieces ---
 def build_tri_model(cfg, policy, pad_id: int) -> TriModel:
     """θ as trained, with θ_old and π_ref when the run needs them, scored by packing.py's shared-prompt rows."""
-    logprobs = logprobs_fn(policy, "auto" if cfg.shared_prompt else "unpacked", cfg.temperature, pad_id)
+    logprobs = logprobs_fn(policy, "auto" if cfg.shared_prompt else "unpacked", cfg.temperature, pad_id,
+                           cfg.pad_to_multiple_of or 1)
     steps = cfg.updates_per_iteration * cfg.num_iterations  # optimizer steps per iteration: > 1 moves θ off θ_k
     return TriModel(policy, logprobs, use_reference=cfg.beta > 0, use_old=steps > 1,
                     compute_dtype=getattr(torch, cfg.dtype),

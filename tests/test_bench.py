@@ -148,11 +148,15 @@ def test_trl_script_micro_batch_divides_the_step(monkeypatch):
             parse_args(argv)
 
 
+LAYOUTS = ["structured", "dense", "unpacked", "dense-padded", "unpacked-padded"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("lengths", [[], ["--vary-lengths"]])
+@pytest.mark.parametrize("lengths", [[], ["--vary-lengths", "--layouts", *LAYOUTS, "--pad-to-multiple-of", "8"]])
 def test_train_step_layouts_compute_the_same_step(lengths):
-    """Claim (tools/train_step_layouts.py): its three layouts (the structured kernel forced, the dense mask, plain
-    rows) compute the same micro-batch, so their timings compare like with like. In float32 on CPU each layout's
+    """Claim (tools/train_step_layouts.py): its layouts (the structured kernel forced, the dense mask, plain rows,
+    and the last two padded to a multiple of 8) compute the same micro-batch, so their timings compare like with
+    like. In float32 on CPU each layout's
     gradient is within 1e-5 of plain rows' (relative norm), the bound test_packing.py holds for every parameter;
     a layout that dropped or misplaced a token would be off by far more. With --vary-lengths every repeat draws
     another batch and each layout is compared on it."""
@@ -164,10 +168,10 @@ def test_train_step_layouts_compute_the_same_step(lengths):
                           "--prompt", "12", "--response", "6", "--repeats", "2", *lengths],
                          cwd=root, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    rows = re.findall(r"repeat 1 (\w+) .* grad vs unpacked (\S+)", out.stdout)
-    assert [layout for layout, _ in rows] == ["structured", "dense", "unpacked"]
-    assert all(float(off) <= 1e-5 for _, off in rows), rows
-    assert float(rows[2][1]) == 0.0  # plain rows against the warm-up's: the same computation, bit for bit (with
+    rows = dict(re.findall(r"repeat 1 ([\w-]+) .* grad vs unpacked (\S+)", out.stdout))
+    assert list(rows) == (LAYOUTS if lengths else LAYOUTS[:3])
+    assert all(float(off) <= 1e-5 for off in rows.values()), rows
+    assert float(rows["unpacked"]) == 0.0  # plain rows against the warm-up's: the same computation, bit for bit (with
     # --vary-lengths the reference is this repeat's plain rows themselves)
 
 

@@ -49,6 +49,8 @@ def test_help_lists_every_field_with_its_default():
      "--reward-weights has 1 number(s) but --reward names 2 function(s) (math math-verify): give one weight per reward"),
     (["--reward-weights", "1", "nan"], "--reward-weights has 2 number(s) but --reward names 1 function(s)"),
     (["--reward", "math", "math-verify", "--reward-weights", "1", "inf"], "--reward-weights must be finite numbers"),
+    (["--pad-to-multiple-of", "0"], "must be auto, none or a whole number of at least 1 (got 0)"),
+    (["--pad-to-multiple-of", "some"], "must be auto, none or a whole number of at least 1 (got some)"),
 ])
 def test_invalid_values_fail_with_one_line_and_exit_2(argv, fragment, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -249,7 +251,26 @@ TRL_DEFAULTS = {"num_generations": 8, "learning_rate": 1e-6, "max_completion_len
                 "num_iterations": 1, "max_grad_norm": 1.0, "weight_decay": 0.0, "seed": 42, "report_to": ["none"],
                 "save_total_limit": 0, "gradient_checkpointing": True, "reward_weights": [1.0],
                 "lr_scheduler_type": "linear", "warmup_ratio": 0.0, "disable_dropout": False,
-                "num_completions_to_print": None}  # None read as ours: keep all = 0, weights 1 each
+                "num_completions_to_print": None,
+                "pad_to_multiple_of": 1}  # None read as ours: keep all = 0, weights 1 each; "auto" on CPU: no padding
+
+
+def test_pad_to_multiple_of_reads_trls_values_and_pads_on_accelerators_only(monkeypatch, tmp_path):
+    """Claim: --pad-to-multiple-of takes TRL's values (auto, none or null = no padding, N; a TRL YAML's null is no
+    padding too); auto derives 1 (none) on CPU and 128 on a GPU, and a run record's value is re-derived when the
+    device is given anew."""
+    from infra import options
+    monkeypatch.setattr(options, "detect_accelerator", lambda: "cpu")
+    assert parse_args([]).pad_to_multiple_of == 1
+    assert [parse_args(["--pad-to-multiple-of", value]).pad_to_multiple_of for value in ("none", "Null", "64")] \
+        == [1, 1, 64]
+    (tmp_path / "trl.yaml").write_text("pad_to_multiple_of: null\nlearning_rate: 1.0e-5\n")
+    assert options.file_arguments(str(tmp_path / "trl.yaml")) == ["--pad-to-multiple-of=none", "--lr=1e-05"]
+    monkeypatch.setattr(options, "detect_accelerator", lambda: "cuda")
+    monkeypatch.setattr(options, "accelerator_count", lambda _: 1)
+    assert derive(Config()).pad_to_multiple_of == 128 and derive(Config(pad_to_multiple_of=8)).pad_to_multiple_of == 8
+    assert derive(Config(device="cpu")).pad_to_multiple_of == 1
+    assert "pad_to_multiple_of" in options.DERIVED_FROM["device"]
 
 
 def test_our_defaults_are_trls_but_the_listed_departures():

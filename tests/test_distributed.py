@@ -385,3 +385,23 @@ def test_two_ranks_with_batch_scaling_and_a_kl_term_finish_as_the_single_process
     run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "trainer.py",
          *options(tiny_model_dir, tmp_path / "ranks", "2 mini-batches", *extra)], timeout=240)
     assert_same_run(result(tmp_path / "single"), result(tmp_path / "ranks"), initial_weights(tiny_model_dir))
+
+
+def test_a_collective_that_fails_while_a_rank_is_still_dying_names_that_rank(monkeypatch):
+    """Claim (a flake seen under load: the killed inference rank's test got the generic line): a collective that
+    fails because a rank of this host was killed names that rank, even when the failure (its sockets closed by
+    the kernel) comes before /proc shows the process ended. Stand-in: a neighbour that is still running when the
+    collective fails and ends 0.3 s later; without waiting for it the line would be the generic one (checked)."""
+    from infra import liveness
+    from infra.distributed import collective
+    from infra.liveness import RanksError
+    dying = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])
+    monkeypatch.setitem(liveness.NEIGHBOURS, 1, (dying.pid, "inference rank 0 of 1 (rank 1)"))
+    assert liveness.gone_neighbours() == []  # still running when the collective fails
+    try:
+        with pytest.raises(RanksError, match=rf"receiving rollouts failed: inference rank 0 of 1 \(rank 1\) "
+                                             rf"\(PID {dying.pid}\) ended first .*Connection reset by peer\)"):
+            with collective("receiving rollouts", Ranks(0, 2, 0, 2)):
+                raise RuntimeError("[pair.cc:537] Read error [127.0.0.1]:1935: Connection reset by peer")
+    finally:
+        dying.wait()

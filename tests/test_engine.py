@@ -120,7 +120,8 @@ def test_greedy_tokens_equal_generate(kind, request):
     tokens, two EOS ids, Qwen's shipped sampling defaults, which neither side may apply), for prompts of mixed
     lengths, with rows that stop at varied steps: all rows at once (compaction as they stop), at most 2G rows
     (whole prompts refill the room), fixed power-of-two shapes (stand-in rows fill the bucket), and the prompts
-    prefilled packed in one row (the default here: 75 tokens) or one by one (prefill_tokens=1). Teeth: at
+    prefilled packed in one row (the default here: 75 tokens) or one by one (prefill_tokens=1), and with the cache
+    and prefill rows padded to a multiple of 16 (masked padding, never cached: pad_to_multiple_of). Teeth: at
     least three distinct response lengths, some cut short by a stop id, some at max_new_tokens.
 
     Stop ids: the EOS ids and tokens picked from the engine's own unstopped greedy continuations (`varied_stops`: an
@@ -153,7 +154,8 @@ def test_greedy_tokens_equal_generate(kind, request):
     expected = generate_greedy(model, prompts, max_new, stops, pad, batched=not kind.endswith("eager"))
     lengths = [len(row) for row in expected]
     assert len(set(lengths)) >= 3 and min(lengths) < max_new == max(lengths), lengths
-    for options in ({}, {"max_rows": 2 * group_size}, {"fixed_shapes": True}, {"prefill_tokens": 1}):
+    for options in ({}, {"max_rows": 2 * group_size}, {"fixed_shapes": True}, {"prefill_tokens": 1},
+                    {"pad_to_multiple_of": 16}, {"pad_to_multiple_of": 16, "prefill_tokens": 1, "max_rows": 2}):
         groups = engine.sample_groups(model, prompts, group_size, max_new_tokens=max_new, stop_ids=stops,
                                       keys=keys(len(prompts)), greedy=True, **options)
         assert groups == [[row] * group_size for row in expected], options
@@ -264,7 +266,7 @@ def test_sample_groups_first_and_second_tokens_follow_the_model(top_p):
 def test_rows_depend_only_on_their_keys():
     """Claim: the same 12 prompts sampled in one call, in calls of 4 and of 1 prompt (each with its own keys), with
     at most 4, 12 or 40 rows at once (refill), at fixed power-of-two shapes, with the host looking every 8 steps,
-    and at top_p 0.9 likewise, give identical tokens: a row's draws are a function of (key, sample, step) and
+    with the cache and prefill rows padded to a multiple of 32, and at top_p 0.9 likewise, give identical tokens: a row's draws are a function of (key, sample, step) and
     nothing else. Teeth: responses stop at varied lengths (compaction and refill happen), and other keys give
     other tokens.
 
@@ -281,7 +283,8 @@ def test_rows_depend_only_on_their_keys():
                                                   keys=keys(len(prompts[first:first + size]), first), **common)]
     for top_p, sizes, options in (
             (1.0, (1, 4), ({"max_rows": 4}, {"max_rows": 12}, {"max_rows": 40}, {"fixed_shapes": True},
-                           {"check_every": 8}, {"fixed_shapes": True, "max_rows": 12, "check_every": 8})),
+                           {"check_every": 8}, {"fixed_shapes": True, "max_rows": 12, "check_every": 8},
+                           {"pad_to_multiple_of": 32, "max_rows": 12})),
             (0.9, (4,), ({"max_rows": 12},))):
         one_call = engine.sample_groups(model, prompts, 4, keys=keys(12), top_p=top_p, **common)
         lengths = {len(row) for group in one_call for row in group}

@@ -1,10 +1,13 @@
 """packing.py: the structured kernel equals SDPA under the dense mask, packed = unpacked through `batch_logprobs`
 (log-probs and gradients), auto picks per group, and models packing cannot express stay on plain rows."""
+import copy
+
 import pytest
 import torch
 from test_attention import ARCHS, VOCAB, random_group, tiny_model
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+import attention
 import packing
 from attention import pack, shared_prompt_mask
 from packing import batch_logprobs, packed_rows, packing_pays, shared_prompt_attention
@@ -135,6 +138,39 @@ def test_packed_equals_unpacked_logprobs_and_gradients(arch, attn_implementation
     torch.testing.assert_close(logp_p, logp_u, rtol=0, atol=1e-5)
     for (name, _), g_p, g_u in zip(model.named_parameters(), grads_p, grads_u):
         assert (g_p - g_u).norm() <= 1e-5 * g_u.norm() + 1e-9, name
+
+
+@pytest.mark.parametrize("mode, dense_mask", [("packed", False), ("packed", True), ("unpacked", False)])
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_rows_padded_to_a_multiple_give_the_unpadded_logprobs_and_gradients(mode, dense_mask, attn_implementation):
+    """Claim (--pad-to-multiple-of, attention.py departure 5): rows padded to a multiple of 16 give the log-probs and
+    the GRPO-loss gradients of rows padded only to the longest, in every layout (the structured kernel, the dense
+    mask, plain rows), and their length is that multiple. Teeth: the padded rows are longer (packed 19 -> 32, plain 15 -> 16).
+
+    In float64: padding keys are masked (weight exactly 0 under the boolean mask; exp(min - max) underflows to 0
+    under the additive one), so a real token's sums hold the same nonzero terms and only the kernels' blocking
+    over the longer rows may reorder them: relative error ~ 1e-16 per sum of at most 32 terms, below 1e-12 after
+    the few layers here. Eager attention is the exception: transformers takes its softmax in float32
+    (eager_attention_forward), whose sums over at most 32 keys, reordered, differ by up to 32 · 2^-24 ≈ 2e-6
+    relative; 1e-5 there. (Right padding sits after every real token, so causality alone hides it; what the test
+    guards is the padded layout itself: a token, position or segment moved would be off by far more.)"""
+    model = copy.deepcopy(tiny_model("qwen2", attn_implementation)).double()
+    generator = torch.Generator().manual_seed(3)
+    groups = [random_group(P, lens, generator) for P, lens in [(5, [3, 6]), (11, [2, 2, 4]), (3, [1])]]
+    advantages = torch.randn(6, generator=generator, dtype=torch.float64)  # (N,)
+
+    def scored(multiple: int):
+        logp, mask = batch_logprobs(model, groups, mode=mode, dense_mask=dense_mask, pad_to_multiple_of=multiple)
+        loss = -(advantages[:, None] * logp * mask).sum() / mask.sum()
+        return logp, torch.autograd.grad(loss, list(model.parameters()))
+    layout = pack(groups, 0, 16) if mode == "packed" else attention.unpacked_layout(groups, 0, 16)
+    plain = pack(groups) if mode == "packed" else attention.unpacked_layout(groups)
+    assert layout.input_ids.shape[1] % 16 == 0 and layout.input_ids.shape[1] > plain.input_ids.shape[1]
+    (logp_1, grads_1), (logp_16, grads_16) = scored(1), scored(16)
+    tolerance = 1e-12 if attn_implementation == "sdpa" else 1e-5
+    torch.testing.assert_close(logp_16, logp_1, rtol=0, atol=tolerance)
+    for (name, _), g_16, g_1 in zip(model.named_parameters(), grads_16, grads_1):
+        assert (g_16 - g_1).norm() <= tolerance * g_1.norm() + 1e-15, name
 
 
 def test_auto_mixes_layouts_and_keeps_group_order():
