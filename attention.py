@@ -162,7 +162,7 @@ def unpacked_layout(groups: Sequence[Group], pad_id: int = 0, pad_to_multiple_of
     mask = t < R[:, None]                                                       # (N, T)
     return Layout(
         input_ids=input_ids,
-        position_ids=col.expand(len(R), L),                                     # (N, L)
+        position_ids=torch.where(col < (P + R)[:, None], col, 0),               # (N, L) 0 on padding
         segment_ids=torch.where(col < P[:, None], 0, torch.where(col < (P + R)[:, None], 1, -1)),  # (N, L)
         row=torch.arange(len(R), device=device),                                # (N,)
         source=torch.where(mask, P[:, None] - 1 + t, 0),                        # (N, T) r[t] <- column P-1+t

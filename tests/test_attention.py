@@ -74,10 +74,11 @@ def test_padding_sees_only_itself_and_is_never_seen():
 
 
 def test_unpacked_layout_is_plain_rows():
-    """The reference layout is one [prompt | r_i] row per response with ordinary positions and the shift at P-1."""
+    """The reference layout is one [prompt | r_i] row per response with ordinary positions (0 on padding: a model
+    with a table of absolute positions never reads past it, padded to a multiple) and the shift at P-1."""
     layout = unpacked_layout([(torch.tensor([10, 11]), [torch.tensor([20, 21, 22]), torch.tensor([30])])], pad_id=0)
     assert layout.input_ids.tolist() == [[10, 11, 20, 21, 22], [10, 11, 30, 0, 0]]
-    assert layout.position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 3, 4]]
+    assert layout.position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 0, 0]]  # 0 on padding, as pack()
     assert layout.source.tolist() == [[1, 2, 3], [1, 0, 0]]
 
 
