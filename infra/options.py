@@ -165,7 +165,8 @@ def derive(cfg: Config) -> Config:
         reward_weights=cfg.reward_weights or [1.0] * len(cfg.reward),
         groups_per_chunk=groups_per_chunk,
         micro_batch_tokens=cfg.micro_batch_tokens or (None if probed else MICRO_BATCH_TOKENS),
-        pad_to_multiple_of=cfg.pad_to_multiple_of or (PAD_MULTIPLE_ACCELERATOR if on_accelerator else 1),
+        pad_to_multiple_of=cfg.pad_to_multiple_of or (PAD_MULTIPLE_ACCELERATOR if on_accelerator
+                                                      or not train_device.startswith("cpu") else 1),
         rollout_device=rollout_device,
         train_device=train_device,
         dtype=pick_dtype(cfg.dtype, train_device),

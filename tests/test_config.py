@@ -257,8 +257,8 @@ TRL_DEFAULTS = {"num_generations": 8, "learning_rate": 1e-6, "max_completion_len
 
 def test_pad_to_multiple_of_reads_trls_values_and_pads_on_accelerators_only(monkeypatch, tmp_path):
     """Claim: --pad-to-multiple-of takes TRL's values (auto, none or null = no padding, N; a TRL YAML's null is no
-    padding too); auto derives 1 (none) on CPU and 128 on a GPU, and a run record's value is re-derived when the
-    device is given anew."""
+    padding too); auto derives 1 (none) with both sides on CPU and 128 with either on a GPU, and a run record's value
+    is re-derived when the device is given anew."""
     from infra import options
     monkeypatch.setattr(options, "detect_accelerator", lambda: "cpu")
     assert parse_args([]).pad_to_multiple_of == 1
@@ -270,6 +270,7 @@ def test_pad_to_multiple_of_reads_trls_values_and_pads_on_accelerators_only(monk
     monkeypatch.setattr(options, "accelerator_count", lambda _: 1)
     assert derive(Config()).pad_to_multiple_of == 128 and derive(Config(pad_to_multiple_of=8)).pad_to_multiple_of == 8
     assert derive(Config(device="cpu")).pad_to_multiple_of == 1
+    assert derive(Config(device="cpu", train_device="cuda:0")).pad_to_multiple_of == 128  # either side on a GPU
     assert "pad_to_multiple_of" in options.DERIVED_FROM["device"]
 
 
