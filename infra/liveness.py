@@ -40,7 +40,10 @@ def gone_neighbours(watched: set[int] | None = None) -> list[str]:
 def gone_neighbours_settled(seconds: float = 2.0) -> list[str]:
     """`gone_neighbours`, waiting up to `seconds` for one: a killed process's sockets close while the kernel is still
     tearing it down, before /proc shows it ended, so a collective fails (connection reset) a moment before its
-    cause can be named. For error paths only: with no neighbour gone (a rank of another host) it waits the time."""
+    cause can be named. For error paths only: with neighbours that all live on (a rank of another host failed) it
+    waits the time; with none on this host it returns at once."""
+    if not NEIGHBOURS:
+        return []
     deadline = time.monotonic() + seconds
     while not (gone := gone_neighbours()) and time.monotonic() < deadline:
         time.sleep(0.05)
