@@ -65,7 +65,6 @@ import contextlib
 import multiprocessing.connection
 import signal
 import sys
-import threading
 import time
 import traceback
 from typing import Iterator
@@ -79,8 +78,8 @@ from infra.processes import (
     FROZEN_SECONDS,
     POLL_SECONDS,
     STOPPED_SECONDS,
+    Heartbeat,
     Outbox,
-    beat,
     die_with_parent,
     next_command,
     process_state,
@@ -118,7 +117,7 @@ def inference_process(model_name: str, load_kwargs: dict, connection, heartbeat:
     workers alone and the run would end as if they had crashed).
     """
     die_with_parent()
-    threading.Thread(target=beat, args=(heartbeat,), name="heartbeat", daemon=True).start()
+    beating = Heartbeat(heartbeat)
     results = Outbox(connection)
     try:
         if takes_sigint:  # started with SIGINT ignored (Worker)
@@ -161,6 +160,8 @@ def inference_process(model_name: str, load_kwargs: dict, connection, heartbeat:
         results.put(("error", summary))
         results.flush()
         sys.exit(1)
+    finally:
+        beating.stop()  # before the interpreter finalizes (Heartbeat)
 
 
 # --- the trainer's handle on one inference process ---

@@ -12,7 +12,6 @@ import queue
 import signal
 import sys
 import threading
-import time
 
 POLL_SECONDS = 0.2  # how often a waiting trainer checks that its workers are alive
 HEARTBEAT_SECONDS = 1.0  # the worker's heartbeat thread counts once per second, whatever it computes
@@ -67,12 +66,25 @@ def die_with_parent() -> None:
                      daemon=True).start()
 
 
-def beat(heartbeat) -> None:
-    """The heartbeat thread: counts once a second, also while the main thread is inside `generate` (torch releases
-    the GIL), so only a stopped or truly hung process falls silent."""
-    while True:
-        heartbeat.add_(1)
-        time.sleep(HEARTBEAT_SECONDS)
+class Heartbeat:
+    """The heartbeat thread: counts into `counter` (a shared (1,) tensor the trainer reads) once a second, also while
+    the main thread is inside `generate` (torch releases the GIL), so only a stopped or truly hung process falls
+    silent. Call `stop` before the process exits: a daemon thread caught inside a torch call when the interpreter
+    finalizes aborts the process (std::terminate: "terminate called without an active exception", SIGABRT)."""
+
+    def __init__(self, counter, seconds: float = HEARTBEAT_SECONDS):
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._beat, args=(counter, seconds), name="heartbeat", daemon=True)
+        self.thread.start()
+
+    def _beat(self, counter, seconds: float) -> None:
+        while not self.stopping.is_set():
+            counter.add_(1)
+            self.stopping.wait(seconds)
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join()
 
 
 class Outbox:
