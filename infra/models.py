@@ -32,7 +32,9 @@ Deliberate departures:
    first: GRPO with Adam could not undo it at any learning rate that kept the model intact.)
 2. A hub id is looked up in the HF cache first (`local_files_only=True`) and the hub is then asked
    once without retries (tasks.hub_unreachable_reason): offline, transformers would retry each file
-   with back-off for ~25 s before failing. A cached model is therefore never re-validated online.
+   with back-off for ~25 s before failing. A cached model is therefore never re-validated online; nor is
+   its adapter_config.json looked up there (transformers does that whenever peft is installed, even when
+   told local_files_only, unless adapter_kwargs says so too).
 """
 from __future__ import annotations
 
@@ -118,8 +120,10 @@ def _one_line(error: BaseException) -> str:
 def _from_pretrained(source: str, device: str, dtype: torch.dtype, attn_implementation: str,
                      local_files_only: bool) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn_implementation,
-                                                     local_files_only=local_files_only)  # first: clearest error
+        model = AutoModelForCausalLM.from_pretrained(  # first: clearest error
+            source, dtype=dtype, attn_implementation=attn_implementation, local_files_only=local_files_only,
+            adapter_kwargs={"local_files_only": True} if local_files_only else None)  # else, with peft installed,
+        # its adapter_config.json lookup asks the hub anyway (~25 s of retries offline, even for a cached model)
     except SafetensorError as error:
         raise ModelError(f"the weights of model {source} cannot be read ({_one_line(error)}): the file is "
                          "truncated or corrupt; download or save the model again") from None

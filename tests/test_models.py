@@ -138,6 +138,32 @@ def _never_cached(source, *args, local_files_only):
     raise OSError(f"{source} is not in the cache")
 
 
+def test_a_cached_hub_model_loads_without_asking_the_network(tiny_model_dir, monkeypatch, tmp_path):
+    """Claim: a hub id in the HF cache loads without a single network connection. transformers looks for an
+    adapter_config.json whenever peft is installed, and asked the hub for it despite local_files_only: offline,
+    ~25 s of retry lines on every start (and in every inference process), found by a user review."""
+    import contextlib
+    import shutil
+    import socket
+    snapshot = tmp_path / "hub" / "models--acme--tiny" / "snapshots" / ("a" * 40)
+    shutil.copytree(tiny_model_dir, snapshot)
+    (tmp_path / "hub" / "models--acme--tiny" / "refs").mkdir()
+    (tmp_path / "hub" / "models--acme--tiny" / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    connections = []
+
+    def refuse(*args, **kwargs):  # a name lookup or a connection: what any request starts with
+        connections.append(args)
+        raise socket.gaierror(socket.EAI_NONAME, "no network in this test")
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+    with contextlib.suppress(ImportError):  # huggingface_hub 2's own one-off fetch of a registry for its
+        from huggingface_hub.utils import _detect_agent  # user-agent header (cached, no retries): not the load's
+        monkeypatch.setattr(_detect_agent, "_fetch_registry", lambda: None)
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    model, tokenizer = models.load_model("acme/tiny")
+    assert connections == [] and tokenizer.encode("1+1=")
+
+
 def test_unknown_hub_id_fails_fast():
     """Claim: a hub id that is neither cached nor downloadable fails within a minute with ModelNotFoundError,
     online (404) or offline (no network), instead of hanging in retries."""
