@@ -359,6 +359,9 @@ def check_prompt_lengths(tokenizer, examples: list[Example], context: int | None
             wrapper[roles] = len(prompt_token_ids(tokenizer, empty))
     if context is None:
         return
+    if max_new_tokens >= context:  # no prompt fits: the option is the fault, not the data
+        raise TaskError(f"--max-new-tokens {max_new_tokens} (--max-completion-length) leaves no room for a prompt in "
+                        f"the model's context of {context} tokens (max_position_embeddings): lower it below {context}")
     limit = context - max_new_tokens
     candidates = [e for e in examples if wrapper[_roles(e.prompt)] + _text_bytes(e.prompt) > limit]
     length, longest, start = 0, None, None

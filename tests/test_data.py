@@ -205,7 +205,8 @@ def test_examples_with_their_columns_survive_pickling(tmp_path):
 
 def test_conversations_need_a_chat_template_and_fit_the_context():
     """Claim: conversations with a model that has no chat template are refused at start-up in one line (even when the
-    context is unknown); with a template, a conversation too long for the context is found and its length named."""
+    context is unknown); with a template, a conversation too long for the context is found and its length named; a
+    --max-new-tokens that alone fills the context is named as the fault (it blamed the prompts)."""
     from infra.models import tiny_tokenizer
     tokenizer = tiny_tokenizer()  # one token per byte, no chat template
     chats = [Example(conversation(i), str(i + 1)) for i in range(3)]
@@ -220,6 +221,9 @@ def test_conversations_need_a_chat_template_and_fit_the_context():
     assert length == len("<user>" + "1+" * 60 + "1?\n<assistant>")  # byte-level: one token per character
     with pytest.raises(TaskError, match=f"the longest prompt is {length} tokens"):
         tasks.check_prompt_lengths(tokenizer, chats + [long], length + 7, 8)
+    with pytest.raises(TaskError, match=r"^--max-new-tokens 300 \(--max-completion-length\) leaves no room for a "
+                                        r"prompt in the model's context of 256 tokens .*: lower it below 256$"):
+        tasks.check_prompt_lengths(tokenizer, chats, 256, 300)  # the option named, not the data
 
 
 # --- bad data: one line ---
