@@ -108,7 +108,9 @@ def find(resume: str, out: str | Path) -> Path:
     if resume == "auto":
         found = checkpoints(out)
         if not found:
-            raise CheckpointError(f"--resume auto: no checkpoint in {out} (they are written by --save-every N)")
+            raise CheckpointError(f"--resume auto: no checkpoint in {out} to continue its run from (they are written "
+                                  "by --save-every N, and by --save-on-stop when stopped): start it again with "
+                                  "--overwrite instead of --resume auto")
         return found[-1]
     path = Path(resume)
     if not (path / "state.json").is_file():

@@ -250,6 +250,9 @@ def test_a_bad_resume_is_one_line(tmp_path):
     assert result.stderr.strip().splitlines() == [f"error: --resume {tmp_path}: not a checkpoint directory (no "
                                                   f"state.json in it); pass a <out>/checkpoint-<k> directory or "
                                                   f"--resume auto"]
+    with pytest.raises(checkpoint.CheckpointError, match=r"^--resume auto: no checkpoint in .* start it again with "
+                                                          r"--overwrite instead of --resume auto$"):
+        checkpoint.find("auto", tmp_path)  # a run stopped before its first checkpoint: the line names the way out
 
 
 def test_a_stop_writes_a_checkpoint_of_the_iterations_done(tiny_model_dir, tmp_path):
