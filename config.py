@@ -170,9 +170,10 @@ class Config:
     reward: list[str] = _opt(["math"], "reward function(s), repeatable: 'math' (GSM8K final-number match: "
                                        "\\boxed{N}, else '#### N', 'the answer is N', the last number), "
                                        "'math-verify' (Hugging Face math-verify: \\boxed{}, fractions, LaTeX), or "
-                                       "'module:function' / 'path/to/file.py:function': f(prompt, completion, "
-                                       "answer) -> float, or TRL's f(prompts, completions, **kwargs) -> list, async "
-                                       "def too, given every dataset column and trainer_state by keyword "
+                                       "'module:function' (TRL's module.function too) / 'path/to/file.py:function': "
+                                       "f(prompt, completion, answer) -> float, or TRL's f(prompts, completions, "
+                                       "**kwargs) -> list, async def too, given every dataset column and "
+                                       "trainer_state by keyword "
                                        "(infra/reward.py; default: math)")
     reward_weights: list[float] | None = _opt(None, "one weight per --reward; the reward trained on is the weighted "
                                                     "sum, each reward is also logged alone (default: all 1.0)")

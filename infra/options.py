@@ -22,8 +22,11 @@ that means what one of ours means is accepted under TRL's name too, on the comma
 --epsilon-high is given, as TRL's); `--name_with_underscores` is read as `--name-with-underscores`, as TRL's parser
 reads both. A TRL name whose meaning differs here (per_device_train_batch_size, max_steps, ...) is refused with one
 line naming the option to use and why (`TRL_DIFFERENT`); one for what this trainer has no use for (logging_steps,
-push_to_hub, bf16, ...: `TRL_UNUSED`) is ignored in a --config file with one line saying why, so that a TRL config
-file runs as it is, and refused on the command line; any other unknown option gets difflib's closest name.
+push_to_hub, bf16, run_name, ...: `TRL_UNUSED`), or for what this trainer does one way only at a value that is that
+way (use_vllm false, fp16 false, optim adamw_torch, adam_beta2 0.999, ...: `TRL_FIXED`; another value is refused in
+one line naming what to use), is ignored in a --config file with one line saying why, so that a TRL config file runs
+as it is, and refused on the command line; any other unknown option gets the name it misspells, if one is close
+(`closest_name`; none for a name that merely shares words with one of ours).
 Abbreviations are not expanded (argparse's allow_abbrev), so --epsilon is never "ambiguous".
 """
 from __future__ import annotations
@@ -41,7 +44,8 @@ import typing
 from pathlib import Path
 
 from config import SECTIONS, SIZE_FIELDS, TINY_MODELS, Config
-from infra.trl_names import TRL_ALIASES, TRL_DIFFERENT, TRL_UNUSED, epilog, unused_line
+from infra.trl_names import (FIXED_AS, TRL_ALIASES, TRL_DIFFERENT, TRL_FIXED, TRL_UNUSED, epilog, fixed_refusal,
+                             is_fixed_value, unused_line)
 
 GENERATE_CALLS = {"cpu": 2, "accelerator": 1}  # default generate calls per iteration (see derive)
 # Default training micro-batch: 16 toy groups (~1.5 k tokens) in one forward; 2-3 groups of 8 x (256 + 512) tokens
@@ -305,16 +309,38 @@ class _OneLineParser(argparse.ArgumentParser):
 
 def unknown_option(option: str, parser: argparse.ArgumentParser | None = None) -> str:
     """Why `option` (e.g. '--max-steps') is refused, in one line: TRL's name for something else here (which of ours
-    to use), else difflib's closest option, if any is close."""
+    to use), else the option it misspells, if one is close (`closest_name`)."""
     name = option.lstrip("-").replace("-", "_")
     if name in TRL_DIFFERENT:
         return f"{option} is TRL's and means something else here; use {TRL_DIFFERENT[name]}"
     if name in TRL_UNUSED:
         return f"{option} is TRL's and has no use here: {TRL_UNUSED[name]}"
-    known = [string for action in (parser or build_parser())._actions for string in action.option_strings
-             if string.startswith("--") and string != "--help"]
-    close = difflib.get_close_matches("--" + name.replace("_", "-"), known, n=1)
-    return f"unrecognized option {option}" + (f": did you mean {close[0]}?" if close else "")
+    if name in TRL_FIXED:
+        _, does, instead = TRL_FIXED[name]
+        return f"{option} is TRL's; here {does}" + (f": use {instead}" if instead else " (no option changes it)")
+    known = [string[2:].replace("-", "_") for action in (parser or build_parser())._actions
+             for string in action.option_strings if string.startswith("--") and string != "--help"]
+    close = closest_name(name, known)
+    return f"unrecognized option {option}" + (f": did you mean --{close.replace('_', '-')}?" if close else "")
+
+
+def closest_name(name: str, names: list[str]) -> str | None:
+    """The one of `names` that `name` is a misspelling of, or None: difflib's closest at a ratio of 0.8 or more, and
+    word for word (split at _) each word near its own (ratio 0.6), unless the names without their _ are nearly the
+    same (0.9: maxnew_tokens). A name is not a misspelling of one that merely shares a word or an ending with it
+    (reward_model_name_or_path is not model_name_or_path, ddp_timeout not reward_timeout).
+
+    >>> closest_name("num_iterationz", ["num_iterations", "iterations"]), closest_name("logging_strategy", ["lr"])
+    ('num_iterations', None)
+    """
+    def ratio(a: str, b: str) -> float:
+        return difflib.SequenceMatcher(None, a, b).ratio()
+
+    def near(candidate: str) -> bool:
+        words, theirs = name.split("_"), candidate.split("_")
+        return (len(words) == len(theirs) and all(ratio(a, b) >= 0.6 for a, b in zip(words, theirs))
+                or ratio(name.replace("_", ""), candidate.replace("_", "")) >= 0.9)
+    return next((close for close in difflib.get_close_matches(name, names, n=3, cutoff=0.8) if near(close)), None)
 
 
 def normalized(argv: list[str]) -> list[str]:
@@ -465,17 +491,24 @@ def file_arguments(path: str, skip: set[str] = frozenset(), note=lambda line: No
         raise ValueError("must hold a mapping from option names to values, e.g. {\"iterations\": 20}")
     fields = {f.name: f for f in dataclasses.fields(Config)}
     values = {str(key).replace("-", "_"): value for key, value in values.items()}
-    unused = [key for key in values if key in TRL_UNUSED]
+    refused = [fixed_refusal(key, value) for key, value in values.items()
+               if key in TRL_FIXED and not is_fixed_value(key, value)]
+    if refused:
+        raise ValueError("; ".join(refused))
+    unused = {key: value for key, value in values.items() if key in TRL_UNUSED or key in TRL_FIXED}
     if unused:
         note(unused_line(unused))
-    values = {key: value for key, value in values.items() if key not in TRL_UNUSED}
+    values = {key: value for key, value in values.items() if key not in unused}
+    for key, (name, value) in FIXED_AS.items():  # e.g. eval_strategy "no": --eval-every 0, unless given otherwise
+        if key in unused and name not in values:
+            values = {name: value, **values}
     unknown = [key for key in values if key not in fields and key not in NOT_OPTIONS and key not in TRL_ALIASES
                and key != "epsilon"]
     if unknown:
         names = [*fields, *TRL_ALIASES, "epsilon"]
         reasons = [TRL_DIFFERENT.get(key) and f"{key} is TRL's and means something else here: use {TRL_DIFFERENT[key]}"
                    or f"unknown option {key}" + "".join(f": did you mean {close}?" for close in
-                                                        difflib.get_close_matches(key, names, n=1))
+                                                        filter(None, [closest_name(key, names)]))
                    for key in unknown]
         raise ValueError("; ".join(reasons) + " (the keys are trainer.py's options with _ for -, e.g. max_new_tokens, "
                          "or TRL's names for them; see --help)")

@@ -94,8 +94,8 @@ def _failing_line(error: BaseException) -> str:
 
 
 def load_reward(spec: str) -> Reward:
-    """'math' -> `math_reward`; 'math-verify' -> `math_verify_reward`; 'package.module:function' or
-    'path/to/file.py:function' -> that function."""
+    """'math' -> `math_reward`; 'math-verify' -> `math_verify_reward`; 'package.module:function' (or TRL's
+    'package.module.function', its CLI's reward_funcs) or 'path/to/file.py:function' -> that function."""
     if spec == "math":
         return math_reward
     if spec == "math-verify":
@@ -106,6 +106,8 @@ def load_reward(spec: str) -> Reward:
                               "pip install 'math-verify[antlr4_13_2]'") from None
         return math_verify_reward
     module_name, sep, function_name = spec.rpartition(":")  # rpartition: Windows paths contain ':'
+    if not sep and "." in spec and not spec.endswith(".py") and "/" not in spec:  # TRL's CLI: package.module.function
+        module_name, sep, function_name = spec.rpartition(".")
     if not sep or not module_name or not function_name:
         raise RewardError(f"--reward {spec!r} is not understood: use 'math' (built-in GSM8K/arithmetic "
                           "correctness), 'math-verify' (LaTeX answers), or 'module:function' / "

@@ -12,6 +12,9 @@ Read from TRL 1.16: trl/trainer/grpo_config.py (GRPOConfig), transformers' Train
 3. `TRL_UNUSED`: a TRL name for something this trainer has no use for (it logs every iteration, never cuts prompts):
    a --config key is ignored with one line saying why, so that a TRL config file runs as it is; on the command line,
    where it was typed for this trainer, it is refused with the same reason.
+   `TRL_FIXED`: a TRL name for what this trainer does one way only (AdamW's betas, no vLLM, no float16): a --config
+   key at a value that is that way is ignored in the same line (eval_strategy "no" reads as --eval-every 0), any
+   other value is refused in one line naming what to use instead; on the command line it is refused.
 4. `DEPARTURES`: our defaults that are not TRL's, each with its reason.
 """
 from __future__ import annotations
@@ -21,7 +24,8 @@ import textwrap
 TRL_ALIASES = {"num_generations": "group_size", "learning_rate": "lr", "max_completion_length": "max_new_tokens",
                "use_bias_correction_kl": "kl_bias_correction", "output_dir": "out", "save_total_limit":
                "keep_checkpoints", "resume_from_checkpoint": "resume", "model_name_or_path": "model",
-               "dataset_name": "data", "dataset_config": "data_config", "dataset_train_split": "split"}
+               "dataset_name": "data", "dataset_config": "data_config", "dataset_train_split": "split",
+               "reward_funcs": "reward"}  # TRL's CLI: names or module.function paths, as --reward (infra/reward.py)
 # TRL names that mean something else here: the option to use instead, and why (one line each, after "use")
 TRL_DIFFERENT = {
     "per_device_train_batch_size": "--batch-size: the responses sampled per iteration, all ranks together (TRL's "
@@ -33,14 +37,10 @@ TRL_DIFFERENT = {
     "max_steps": "--iterations: each samples one batch and takes --updates-per-iteration optimizer steps on it",
     "num_train_epochs": "--iterations: a run counts batches of prompts, not passes over the data",
     "save_steps": "--save-every N: a checkpoint every N iterations",
-    "save_strategy": "--save-every N: a checkpoint every N iterations (0: none)",
     "eval_steps": "--eval-every N: a held-out evaluation every N iterations",
-    "eval_strategy": "--eval-every N: a held-out evaluation every N iterations (0: none)",
     "per_device_eval_batch_size": "--eval-size and --eval-samples: held-out prompts and responses per prompt",
     "num_generations_eval": "--eval-samples: responses per held-out prompt",
     "dataset_test_split": "--eval-size: held out is --data's 'test' split, else its last --eval-size rows",
-    "fp16": "--dtype bfloat16: float16 would need loss scaling, which this trainer does not do",
-    "use_vllm": "--engine, --inference-workers or --inference-ranks: sampling runs in this trainer's own processes",
     "vllm_mode": "--inference-workers or --inference-ranks: sampling runs in this trainer's own processes",
 }
 # TRL names for what this trainer has no use for, and why: ignored in a --config file (with a line), refused typed
@@ -49,7 +49,42 @@ TRL_UNUSED = {
     "push_to_hub": "<out>/policy is a Hugging Face model directory; upload it with `hf upload`",
     "bf16": "--dtype auto computes in bfloat16 where the device does so natively (--dtype bfloat16 forces it)",
     "max_prompt_length": "prompts are never cut; one too long for the model is refused at start-up",
+    "logging_strategy": "every iteration is logged (a line and a metrics.jsonl row, sent to --report-to)",
+    "logging_first_step": "every iteration is logged, the first one too",
+    "log_level": "the log is one line per iteration; warnings and errors are always shown",
+    "log_level_replica": "only rank 0 logs",
+    "log_on_each_node": "only rank 0 logs",
+    "disable_tqdm": "there is no progress bar: a line per iteration",
+    "run_name": "a tracker's run is named by config.json's run_id; the run's folder is --out",
+    "logging_dir": "--report-to tensorboard writes to <out>/runs",
+    "remove_unused_columns": "every dataset column is kept and passed to a TRL-style reward by keyword",
+    "overwrite_output_dir": "a --config file never replaces a run: --overwrite on the command line does",
+    "hub_model_id": "nothing is pushed (push_to_hub); upload <out>/policy with `hf upload`",
+    "hub_strategy": "nothing is pushed (push_to_hub); upload <out>/policy with `hf upload`",
+    "hub_private_repo": "nothing is pushed (push_to_hub); upload <out>/policy with `hf upload`",
 }
+# TRL names for what this trainer does one way only: (the values that are that way, what it does, what to use for
+# another value or None where no option changes it). At one of those values a --config key is ignored with a line
+# (`FIXED_AS`: read as that option's value); another is refused with one line (`fixed_refusal`); typed, it is refused.
+TRL_FIXED = {
+    "use_vllm": ((False,), "sampling runs in this trainer's own engine and processes",
+                 "--engine, --inference-workers or --inference-ranks"),
+    "fp16": ((False,), "no float16 training: it would need loss scaling, which this trainer does not do",
+             "--dtype bfloat16"),
+    "save_strategy": (("no", False), "a checkpoint every --save-every N iterations (default 0: none)",
+                      "--save-every N"),  # False: YAML 1.1 reads an unquoted no as false
+    "eval_strategy": (("no", False), "taken as --eval-every 0 (no held-out evaluation; by default this trainer "
+                                                     "evaluates every 10 iterations)",
+                      "--eval-every N: a held-out evaluation every N iterations"),
+    "warmup_steps": ((0,), "warm-up is --warmup-ratio's (default 0: none)",
+                     "--warmup-ratio: the fraction of the optimizer steps warmed up over"),
+    "optim": (("adamw_torch", "adamw_torch_fused"), "the optimizer is torch.optim.AdamW (launch/setup.py; fused is "
+                                                    "the same update in one kernel)", None),
+    "adam_beta1": ((0.9,), "AdamW's betas are (0.9, 0.999), torch's and TrainingArguments' defaults", None),
+    "adam_beta2": ((0.999,), "AdamW's betas are (0.9, 0.999), torch's and TrainingArguments' defaults", None),
+    "adam_epsilon": ((1e-8,), "AdamW's eps is 1e-8, torch's and TrainingArguments' default", None),
+}
+FIXED_AS = {"eval_strategy": ("eval_every", 0)}  # TRL_FIXED keys read as one of our options at their fixed value
 # Our defaults that are not TRL 1.16's: (option, ours, TRL's, why), in --help's epilog and the README
 DEPARTURES = (
     ("--beta", "0.04", "0.0", "the reference θ_0 is one of the paper's three ideas (the tri-model); --beta 0 is TRL's "
@@ -102,15 +137,47 @@ def epilog() -> str:
     lines += ["", "TRL's option names are accepted where they mean the same: " + ", ".join(
         f"--{trl.replace('_', '-')}" for trl in [*TRL_ALIASES, "epsilon"]) + "."]
     lines += ["In a --config file, TRL's keys for what this trainer has no use for are ignored, with a line: "
-              + ", ".join(TRL_UNUSED) + "."]
+              + ", ".join(TRL_UNUSED) + "; so are these at what this trainer does (another value is refused): "
+              + ", ".join(f"{key} {' or '.join(map(repr, TRL_FIXED[key][0][:2 if key == 'optim' else 1]))}"
+                          for key in TRL_FIXED) + "."]
     return "\n".join(textwrap.fill(line, 118, subsequent_indent=" " * 4, break_on_hyphens=False) or line
                      for line in lines)
 
 
-def unused_line(keys: list[str]) -> str:
-    """The line a --config file with TRL's `keys` for what has no use here gets (`TRL_UNUSED`).
+def is_fixed_value(key: str, value) -> bool:
+    """Whether a --config file's `value` for TRL's `key` is what this trainer does (`TRL_FIXED`): numbers compared as
+    numbers (YAML reads 1e-8 as a string), booleans as booleans.
 
-    >>> unused_line(["logging_steps"])
-    "ignored TRL's logging_steps: every iteration is logged (a line and a metrics.jsonl row, sent to --report-to)"
+    >>> is_fixed_value("adam_epsilon", "1e-8"), is_fixed_value("warmup_steps", False), is_fixed_value("fp16", 0)
+    (True, False, False)
     """
-    return "ignored TRL's " + "; ".join(f"{key}: {TRL_UNUSED[key]}" for key in keys)
+    def number(x):
+        if isinstance(x, bool) or not isinstance(x, (int, float, str)):
+            return None
+        try:
+            return float(x)
+        except ValueError:
+            return None
+    return any(type(value) is type(fixed) and value == fixed or isinstance(fixed, (int, float))
+               and not isinstance(fixed, bool) and number(value) is not None and number(value) == fixed
+               for fixed in TRL_FIXED[key][0])
+
+
+def fixed_refusal(key: str, value) -> str:
+    """The line a --config file's TRL `key` at a `value` this trainer does not do gets (`TRL_FIXED`)."""
+    _, does, instead = TRL_FIXED[key]
+    return f"{key}: {value!r} is not what this trainer does ({does}): " + (f"use {instead}" if instead else
+                                                                            "no option changes it")
+
+
+def unused_line(values: dict) -> str:
+    """The line a --config file with TRL's keys for what has no use here (`TRL_UNUSED`) or at what this trainer does
+    (`TRL_FIXED`) gets, from those keys and their values.
+
+    >>> unused_line({"logging_steps": 5})
+    "ignored TRL's logging_steps: every iteration is logged (a line and a metrics.jsonl row, sent to --report-to)"
+    >>> unused_line({"use_vllm": False})
+    "ignored TRL's use_vllm False: sampling runs in this trainer's own engine and processes"
+    """
+    return "ignored TRL's " + "; ".join(f"{key}: {TRL_UNUSED[key]}" if key in TRL_UNUSED else
+                                        f"{key} {value!r}: {TRL_FIXED[key][1]}" for key, value in values.items())

@@ -382,3 +382,101 @@ def test_trainer_state_counts_every_pass_as_trl():
     state = trainer_state(cfg, 3, 32)
     assert (state.global_step, state.max_steps) == (3 * 2 * 3, 10 * 2 * 3)
     assert trainer_state(parse_args(["--iterations", "10"]), 3, 32).global_step == 3
+
+
+# --- a TRL config file's keys (review: TRL files rarely ran as they were) ---
+def parse_yaml(tmp_path, text, *argv):
+    path = tmp_path / "trl.yaml"
+    path.write_text("model: tiny\n" + text)
+    return parse_args(["--config", str(path), *argv])
+
+
+def refusal(capsys, call) -> str:
+    """The one line `call` exits with, code 2."""
+    with pytest.raises(SystemExit) as exit_info:
+        call()
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1, err
+    return err
+
+
+def test_trl_bookkeeping_keys_are_skipped_with_a_line(tmp_path, capsys):
+    """Claim: TrainingArguments' bookkeeping keys that change nothing here (run_name, logging_dir, log_level,
+    remove_unused_columns, logging_strategy, overwrite_output_dir, ...) are skipped in a --config file with one line
+    naming each and why (they were refused as unknown); typed on the command line, such a key is refused."""
+    keys = ("run_name: my-run\nlogging_dir: logs\nlog_level: info\nremove_unused_columns: false\n"
+            "logging_strategy: steps\nlogging_first_step: true\noverwrite_output_dir: true\ndisable_tqdm: true\n")
+    cfg = parse_yaml(tmp_path, keys + "num_generations: 4\nbatch_size: 16\n")
+    assert (cfg.group_size, cfg.batch_size, cfg.overwrite) == (4, 16, False)
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "ignored TRL's run_name: " in out, out
+    assert all(f"{line.split(':')[0]}: " in out for line in keys.splitlines())
+    assert "--run-name is TRL's and has no use here" in refusal(capsys, lambda: parse_args(["--run-name", "x"]))
+
+
+@pytest.mark.parametrize("text", ["use_vllm: false", "fp16: false", "save_strategy: \"no\"", "save_strategy: no",
+                                  "optim: adamw_torch", "optim: adamw_torch_fused", "adam_beta1: 0.9",
+                                  "adam_beta2: 0.999", "adam_epsilon: 1e-8", "warmup_steps: 0"])
+def test_trl_keys_at_what_this_trainer_does_are_skipped(text, tmp_path, capsys):
+    """Claim: a TRL key at a value that is what this trainer does anyway (TRL's own defaults: use_vllm false, fp16
+    false, save_strategy "no", optim adamw_torch(_fused): torch's AdamW, launch/setup.build_optimizer, at its
+    default betas (0.9, 0.999) and eps 1e-8, warmup_steps 0) is skipped with one line saying what this trainer
+    does (they were refused); the run is the one without it."""
+    assert dataclasses.replace(parse_yaml(tmp_path, text + "\n"), config=None) == parse_args(["--model", "tiny"])
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and f"ignored TRL's {text.split(':')[0]} " in out, out
+
+
+def test_trl_eval_strategy_no_turns_evaluation_off(tmp_path, capsys):
+    """Claim: eval_strategy "no" is skipped with a line and taken as TRL means it, --eval-every 0 (this trainer's
+    default evaluates every 10 iterations); eval_every in the file or on the command line wins."""
+    assert parse_yaml(tmp_path, "eval_strategy: 'no'\n").eval_every == 0
+    assert "ignored TRL's eval_strategy 'no': taken as --eval-every 0" in capsys.readouterr().out
+    assert parse_yaml(tmp_path, "eval_strategy: 'no'\neval_every: 5\n").eval_every == 5
+    assert parse_yaml(tmp_path, "eval_strategy: 'no'\n", "--eval-every", "3").eval_every == 3
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("use_vllm: true", "use_vllm: True is not what this trainer does (sampling runs in this trainer's own engine"),
+    ("fp16: true", "use --dtype bfloat16"),
+    ("save_strategy: steps", "use --save-every N"),
+    ("eval_strategy: epoch", "use --eval-every N"),
+    ("warmup_steps: 10", "use --warmup-ratio"),
+    ("optim: adafactor", "torch.optim.AdamW"),
+    ("adam_beta2: 0.98", "adam_beta2: 0.98 is not what this trainer does (AdamW's betas are (0.9, 0.999)"),
+    ("adam_epsilon: 1.0e-6", "no option changes it"),
+])
+def test_trl_keys_at_another_value_are_refused(text, fragment, tmp_path, capsys):
+    """Claim: the same keys at a value this trainer does not do are refused in one line saying what it does and
+    what to use instead (or that no option changes it: AdamW's betas and eps); typed on the command line they are
+    refused too."""
+    assert fragment in refusal(capsys, lambda: parse_yaml(tmp_path, text + "\n"))
+    assert "--use-vllm is TRL's; here sampling runs" in refusal(capsys, lambda: parse_args(["--use-vllm"]))
+
+
+def test_reward_funcs_is_trls_name_for_reward(tmp_path, capsys):
+    """Claim: TRL's CLI name reward_funcs is --reward, a string or a list of them, in a file or typed, and TRL's
+    spelling package.module.function of a reward loads as package.module:function; reward and reward_funcs
+    together are refused as naming the same option."""
+    from infra.reward import load_reward, math_reward
+    assert parse_yaml(tmp_path, "reward_funcs: math-verify\n").reward == ["math-verify"]
+    cfg = parse_yaml(tmp_path, "reward_funcs: [math, math-verify]\n")
+    assert (cfg.reward, cfg.reward_weights) == (["math", "math-verify"], [1.0, 1.0])
+    assert parse_args(["--reward-funcs", "math", "math-verify"]).reward == ["math", "math-verify"]
+    assert load_reward("infra.reward.math_reward") is load_reward("infra.reward:math_reward") is math_reward
+    assert "reward and reward_funcs name the same option" in \
+        refusal(capsys, lambda: parse_yaml(tmp_path, "reward: [math]\nreward_funcs: [math]\n"))
+
+
+@pytest.mark.parametrize("key", ["logging_strategyx", "reward_model_name_or_path", "ddp_timeout", "lora_task_type",
+                                 "vllm_importance_sampling_correction", "save_on_each_node"])
+def test_an_unknown_key_gets_no_far_fetched_hint(key, tmp_path, capsys):
+    """Claim: an unknown key or option that is no misspelling of one of ours gets no "did you mean" (it got one that
+    merely shared a word or an ending: reward_model_name_or_path -> model_name_or_path, which would swap the policy,
+    ddp_timeout -> reward_timeout, lora_task_type -> loss_type, ...); a real misspelling still gets its name."""
+    err = refusal(capsys, lambda: parse_yaml(tmp_path, f"{key}: 1\n"))
+    assert f"unknown option {key} (the keys are" in err and "did you mean" not in err, err
+    err = refusal(capsys, lambda: parse_args([f"--{key}", "1"]))
+    assert f"unrecognized option --{key.replace('_', '-')} (see --help)" in err, err
+    assert "did you mean max_new_tokens?" in refusal(capsys, lambda: parse_yaml(tmp_path, "max_new_token: 3\n"))
+    assert "did you mean --num-iterations?" in refusal(capsys, lambda: parse_args(["--nun-iterations", "2"]))
