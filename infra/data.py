@@ -219,7 +219,8 @@ def load_data(data: str, data_config: str | None, split: str, prompt_column: str
         raise TaskError(f"--data {data!r} has {len(examples)} examples, too few to hold out {eval_size} for evaluation "
                         "and still train. Use more data, a smaller --eval-size, or a test split (e.g. a test.jsonl "
                         "next to a train.jsonl).")
-    return examples[:-eval_size], examples[-eval_size:]
+    cut = len(examples) - eval_size  # (eval_size 0: all of them train)
+    return examples[:cut], examples[cut:]
 
 
 # --- choosing a task ---

@@ -97,7 +97,7 @@ def test_a_stopped_run_resumed_equals_the_uninterrupted_one(tiny_model_dir, tmp_
 def test_resume_refuses_options_that_change_the_run(tiny_model_dir):
     """Claim: a resumed run takes the checkpoint's options; a result-changing one given with another value is one
     line naming it; harmless ones (iterations, at a constant rate; evaluation, threads) are the checkpoint's unless
-    given anew."""
+    given anew. --eval-every from 0 to more or back is not harmless: it decides whether prompts are held out."""
     saved = parse_args(["--model", str(tiny_model_dir), *RUN, "--seed", "3", "--lr", "0.01", "--tail-threads", "2",
                         "--lr-scheduler-type", "constant"])
     state = {"iterations_done": 2, "config": dataclasses.asdict(saved), "reference_fingerprint": "x"}
@@ -112,6 +112,11 @@ def test_resume_refuses_options_that_change_the_run(tiny_model_dir):
     assert (cfg.seed, cfg.lr, cfg.model, cfg.batch_size, cfg.groups_per_chunk) == (3, 0.01, str(tiny_model_dir), 16, 2)
     assert (cfg.iterations, cfg.eval_every, cfg.out, cfg.train_threads, cfg.rollout_threads) == (9, 2, "elsewhere", 2, 1)
     assert cfg.tail_threads == 2  # the probe's elastic tail is the saved run's too (setup.elastic_threads)
+    for argv, saved_every in ((["--eval-every", "0"], 2), (["--eval-every", "5"], 0)):  # held out or not: the split
+        with pytest.raises(checkpoint.CheckpointError, match=r"^--eval-every \d: the checkpoint's run held out .* "
+                                                              r"would change its training prompts"):
+            checkpoint.resumed_config(parse_args(argv), given_options(argv),
+                                      {**state, "config": {**state["config"], "eval_every": saved_every}})
     argv = ["--tail-threads", "1"]  # harmless given anew (float rounding only)
     assert checkpoint.resumed_config(parse_args(argv), given_options(argv), state).tail_threads == 1
 

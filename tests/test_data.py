@@ -81,6 +81,22 @@ def test_a_train_file_uses_its_sibling_test_file(tmp_path):
         data.load_task(str(mine), eval_size=20)
 
 
+def test_without_evaluation_no_prompt_is_held_out(tmp_path):
+    """Claim: with --eval-every 0 (never evaluate) every prompt trains, held out none, whatever the data's size and
+    --eval-size: 50 rows trained on 36 before (and were refused at 50 or fewer with the default --eval-size 64);
+    TRL holds nothing out unless asked. With evaluation, --eval-size rows are held out as before."""
+    import trainer
+    from infra.options import parse_args
+    mine = write_jsonl(tmp_path / "mine.jsonl", gsm8k_rows(50))
+    for data_name, rows in ((str(mine), 50), ("arithmetic", len(data.load_task("arithmetic", eval_size=0)[0]))):
+        train, held_out, _, _ = trainer.prepare(parse_args(["--data", data_name, "--eval-every", "0"]))
+        assert (len(train), held_out) == (rows, [])
+    train, held_out = data.load_task(str(mine), eval_size=0)
+    assert len(train) == 50 and held_out == []
+    train, held_out, _, _ = trainer.prepare(parse_args(["--data", str(mine), "--eval-size", "10"]))
+    assert (len(train), len(held_out)) == (40, 10)
+
+
 def test_the_real_gsm8k_files():
     """Claim: the shared GSM8K copy loads as a directory or as its train.jsonl (7473 train, the test split held out),
     and the gold answer of every test line is the '#### N' of its solution, which earns reward 1."""
