@@ -214,7 +214,8 @@ def load_data(data: str, data_config: str | None, split: str, prompt_column: str
     examples = examples_of(splits[split], f"{data} ({split} split)")
     if "test" in splits and split != "test":
         test = splits["test"]
-        return examples, examples_of(test.select(range(min(eval_size, len(test)))), f"{data} (test split)")
+        return examples, (examples_of(test.select(range(min(eval_size, len(test)))), f"{data} (test split)")
+                          if eval_size else [])
     if len(examples) <= eval_size:
         raise TaskError(f"--data {data!r} has {len(examples)} examples, too few to hold out {eval_size} for evaluation "
                         "and still train. Use more data, a smaller --eval-size, or a test split (e.g. a test.jsonl "

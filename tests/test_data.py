@@ -93,6 +93,9 @@ def test_without_evaluation_no_prompt_is_held_out(tmp_path):
         assert (len(train), held_out) == (rows, [])
     train, held_out = data.load_task(str(mine), eval_size=0)
     assert len(train) == 50 and held_out == []
+    write_jsonl(tmp_path / "train.jsonl", gsm8k_rows(20))  # a test split: none of it read
+    write_jsonl(tmp_path / "test.jsonl", gsm8k_rows(8, start=100))
+    assert [len(examples) for examples in data.load_task(str(tmp_path / "train.jsonl"), eval_size=0)] == [20, 0]
     train, held_out, _, _ = trainer.prepare(parse_args(["--data", str(mine), "--eval-size", "10"]))
     assert (len(train), len(held_out)) == (40, 10)
 
