@@ -37,7 +37,8 @@ function's __name__, numbered when two share it); the held-out evaluation report
 
 Built in: `math` (tasks.math_reward, GSM8K's final number) and `math-verify` (infra/math_verify_reward.py,
 Hugging Face's math-verify: \\boxed{}, fractions, LaTeX). Others are named `package.module:function` or
-`path/to/file.py:function`. Each call goes through `score` (plain) or `score_batch`, which turn every way a
+`path/to/file.py:function`, and load as `import` would from the working directory or the file's folder
+(`_importable`, `_load_file`). Each call goes through `score` (plain) or `score_batch`, which turn every way a
 user's function can fail into one `RewardError` line naming the function and the sample: it raised
 (SystemExit included), it ran past `--reward-timeout` (per call: a batched call scores a whole group), it
 returned something that is not one finite real number (a bool, a str, NaN), or, batched, not one value
@@ -54,13 +55,17 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import hashlib
 import importlib
 import importlib.util
 import inspect
+import keyword
 import math
 import os
+import re
 import reprlib
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -93,6 +98,51 @@ def _failing_line(error: BaseException) -> str:
     return f"{frame.filename}, line {frame.lineno}: {type(error).__name__}: {error}"
 
 
+def _importable(folder: Path) -> None:
+    """Puts `folder` on sys.path, for good (a reward may import at call time), as running the file or `import module`
+    from there would: a reward file's own folder (`from helper import score` beside it), or for 'module:function'
+    the working directory (sys.path[0] is trainer.py's folder, not it). Appended: the trainer's own modules and
+    installed packages still win over a same-named file there. Spawned processes inherit sys.path and the working
+    directory, and load_rewards there does the same."""
+    if str(folder) not in sys.path:
+        sys.path.append(str(folder))
+
+
+def _load_file(path: Path):
+    """The module of a reward file, registered in sys.modules before it runs, as `import` does (dataclasses, and
+    `from __future__ import annotations` with them, look the module up there): under its stem when `import stem`
+    finds this very file, else under a name of its own that no package has. Loaded once per process, as import is."""
+    resolved, stem = path.resolve(), path.stem
+
+    def is_this_file(origin) -> bool:
+        return bool(origin) and Path(origin).resolve() == resolved
+
+    digest = hashlib.sha1(str(resolved).encode()).hexdigest()[:8]  # the same name in every process
+    name = "_reward_" + re.sub(r"\W", "_", stem) + "_" + digest
+    if stem.isidentifier() and not keyword.iskeyword(stem):
+        if stem in sys.modules:
+            free = is_this_file(getattr(sys.modules[stem], "__file__", None))
+        else:
+            try:
+                found = importlib.util.find_spec(stem)
+            except (ImportError, ValueError):
+                found = None
+            free = found is None or is_this_file(found.origin)
+        name = stem if free else name
+    loaded = sys.modules.get(name)
+    if loaded is not None and is_this_file(getattr(loaded, "__file__", None)):
+        return loaded
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)  # as a failed import leaves nothing behind
+        raise
+    return module
+
+
 def load_reward(spec: str) -> Reward:
     """'math' -> `math_reward`; 'math-verify' -> `math_verify_reward`; 'package.module:function' (or TRL's
     'package.module.function', its CLI's reward_funcs) or 'path/to/file.py:function' -> that function."""
@@ -119,11 +169,10 @@ def load_reward(spec: str) -> Reward:
             raise RewardError(f"--reward {spec!r}: the file {path} does not exist (relative paths are resolved "
                               f"from {Path.cwd()}). Pass an existing .py file, or a module importable from here.")
     moved.install()  # a reward file written before the re-layout may still `import tasks`
+    _importable(path.resolve().parent if module_name.endswith(".py") else Path.cwd())
     try:
         if module_name.endswith(".py"):
-            module_spec = importlib.util.spec_from_file_location(path.stem, path)
-            module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
+            module = _load_file(path)
         else:
             module = importlib.import_module(module_name)
     except ModuleNotFoundError as error:

@@ -1,5 +1,7 @@
-"""infra/reward.py: a reward named by --reward is loaded, or its problem is one line naming the file, module or function."""
+"""infra/reward.py: a reward named by --reward is loaded, or its problem is one line naming the file, module or
+function."""
 import importlib
+import os
 import sys
 
 import pytest
@@ -88,3 +90,80 @@ def test_a_name_that_never_existed_is_still_not_found(old_names_fresh):
     assert sum(isinstance(finder, moved.MovedModules) for finder in sys.meta_path) == 1
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("no_such_old_module_xyz")
+
+
+@pytest.fixture
+def own_imports(monkeypatch):
+    """sys.path as it was after the test (and without the working directory as '' or '.', as under
+    `python /path/to/trainer.py`), and no module the test imported left in sys.modules."""
+    monkeypatch.setattr(sys, "path", [entry for entry in sys.path if entry not in ("", ".")])
+    before = set(sys.modules)
+    yield
+    for name in set(sys.modules) - before:
+        del sys.modules[name]
+
+
+DATACLASS_REWARD = ("from __future__ import annotations\n"
+                    "from dataclasses import dataclass\n\n"
+                    "@dataclass\nclass Scored:\n    value: float\n\n"
+                    "def f(prompt, completion, answer):\n    return Scored(len(completion)).value\n")
+
+
+@pytest.mark.parametrize("stem", ["dataclass_reward", "json"])
+def test_a_reward_file_may_define_a_dataclass(tmp_path, own_imports, stem):
+    """Claim: a reward file with `from __future__ import annotations` and a @dataclass loads and scores (it raised
+    AttributeError: dataclasses looks the module up in sys.modules); one named like an existing module (json.py)
+    is registered under a name of its own, and that module is still the one `import json` gets."""
+    import json
+    path = tmp_path / f"{stem}.py"
+    path.write_text(DATACLASS_REWARD)
+    function = reward.load_reward(f"{path}:f")
+    assert function("p", "abc", "a") == 3
+    assert sys.modules[function.__module__].__file__ == str(path)
+    assert (function.__module__ == "dataclass_reward") is (stem == "dataclass_reward")
+    assert sys.modules["json"] is json and reward.load_reward(f"{path}:f") is function  # loaded once, as import is
+
+
+def test_a_reward_file_may_import_modules_beside_it(tmp_path, own_imports, monkeypatch):
+    """Claim: a reward file imports modules from its own folder, when it loads and when it is called (it was
+    ModuleNotFoundError), from any working directory."""
+    (tmp_path / "rw_helper.py").write_text("def score(completion):\n    return len(completion)\n")
+    (tmp_path / "rw_lazy.py").write_text("BONUS = 10\n")
+    (tmp_path / "rw_main.py").write_text("from rw_helper import score\n\n"
+                                         "def f(prompt, completion, answer):\n"
+                                         "    from rw_lazy import BONUS\n"
+                                         "    return score(completion) + BONUS\n")
+    monkeypatch.chdir(tmp_path.parent)
+    assert reward.load_reward(f"{tmp_path.name}/rw_main.py:f")("p", "abc", "a") == 13
+
+
+def test_a_reward_module_is_found_in_the_working_directory(tmp_path, own_imports, monkeypatch):
+    """Claim: `--reward myrw:acc` run from the folder holding myrw.py loads it although sys.path[0] is trainer.py's
+    folder, not the working directory (it said 'cannot import module ... run from its folder')."""
+    (tmp_path / "myrw.py").write_text("def acc(prompt, completion, answer):\n    return 1.0\n")
+    monkeypatch.chdir(tmp_path)
+    assert reward.load_reward("myrw:acc")("p", "c", "a") == 1.0
+
+
+def _load_in_child(specs, folder, results):
+    """A spawned process's load_rewards, as inference.worker_main's: each reward's score for 'abc'."""
+    os.chdir(folder)
+    results.put([function("p", "abc", "a") for function in reward.load_rewards(specs).functions])
+
+
+def test_a_spawned_process_loads_rewards_alike(tmp_path, own_imports):
+    """Claim: a spawned process (an inference worker) loads a dataclass reward file, its neighbour module and a
+    module from the working directory as the trainer does."""
+    import multiprocessing
+    (tmp_path / "rw_helper2.py").write_text("def score(completion):\n    return len(completion)\n")
+    (tmp_path / "rw_file.py").write_text(DATACLASS_REWARD + "\nfrom rw_helper2 import score  # noqa: E402\n")
+    (tmp_path / "rw_module.py").write_text("def acc(prompt, completion, answer):\n    return 1.0\n")
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    child = context.Process(target=_load_in_child, args=([f"{tmp_path / 'rw_file.py'}:f", "rw_module:acc"],
+                                                         str(tmp_path), results))
+    child.start()
+    child.join(timeout=60)
+    if child.is_alive():  # hung: not left running
+        child.kill()
+    assert child.exitcode == 0 and results.get(timeout=5) == [3, 1.0]
