@@ -111,7 +111,8 @@ def find(resume: str, out: str | Path) -> Path:
         if not found:
             raise CheckpointError(f"--resume auto: no checkpoint in {out} to continue its run from (they are written "
                                   "by --save-every N, and by --save-on-stop when stopped): start it again with "
-                                  "--overwrite instead of --resume auto")
+                                  "--overwrite instead of --resume auto (it replaces the run there), or choose "
+                                  "another --out")
         return found[-1]
     path = Path(resume)
     if not (path / "state.json").is_file():

@@ -32,9 +32,9 @@ Deliberate departures:
    first: GRPO with Adam could not undo it at any learning rate that kept the model intact.)
 2. A hub id is looked up in the HF cache first (`local_files_only=True`) and the hub is then asked
    once without retries (tasks.hub_unreachable_reason): offline, transformers would retry each file
-   with back-off for ~25 s before failing. A cached model is therefore never re-validated online; nor is
-   its adapter_config.json looked up there (transformers does that whenever peft is installed, even when
-   told local_files_only, unless adapter_kwargs says so too).
+   with back-off for ~25 s before failing. A cached model is therefore never re-validated online. It is
+   loaded from its folder in the cache, as a local directory: given the hub id, transformers looks for an
+   adapter_config.json on the hub whenever peft is installed, even when told local_files_only.
 """
 from __future__ import annotations
 
@@ -54,6 +54,7 @@ from pathlib import Path
 
 import torch
 from huggingface_hub import constants as hub_constants
+from huggingface_hub import snapshot_download
 from huggingface_hub.errors import HfHubHTTPError
 from safetensors import SafetensorError
 from safetensors.torch import load_file
@@ -120,10 +121,8 @@ def _one_line(error: BaseException) -> str:
 def _from_pretrained(source: str, device: str, dtype: torch.dtype, attn_implementation: str,
                      local_files_only: bool) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     try:
-        model = AutoModelForCausalLM.from_pretrained(  # first: clearest error
-            source, dtype=dtype, attn_implementation=attn_implementation, local_files_only=local_files_only,
-            adapter_kwargs={"local_files_only": True} if local_files_only else None)  # else, with peft installed,
-        # its adapter_config.json lookup asks the hub anyway (~25 s of retries offline, even for a cached model)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn_implementation,
+                                                     local_files_only=local_files_only)  # first: clearest error
     except SafetensorError as error:
         raise ModelError(f"the weights of model {source} cannot be read ({_one_line(error)}): the file is "
                          "truncated or corrupt; download or save the model again") from None
@@ -185,8 +184,8 @@ def _load(name: str, device: str, dtype: torch.dtype, attn_implementation: str, 
     tried.append(f"no local directory {os.path.abspath(source)}")
     if _looks_like_path(source):
         raise ModelNotFoundError(_fix_message(name, tried, None))
-    try:
-        return _from_pretrained(source, *args, local_files_only=True)
+    try:  # the cache's folder of the hub id, loaded as a local directory (`snapshot_download` finds it on disk)
+        return _from_pretrained(snapshot_download(source, local_files_only=True), *args, local_files_only=True)
     except _LOAD_ERRORS:
         tried.append(f"the HF cache {hub_constants.HF_HUB_CACHE} (not there, or incomplete)")
     reason = hub_unreachable_reason(source, "config.json")

@@ -256,7 +256,8 @@ def test_a_bad_resume_is_one_line(tmp_path):
                                                   f"state.json in it); pass a <out>/checkpoint-<k> directory or "
                                                   f"--resume auto"]
     with pytest.raises(checkpoint.CheckpointError, match=r"^--resume auto: no checkpoint in .* start it again with "
-                                                          r"--overwrite instead of --resume auto$"):
+                                                          r"--overwrite instead of --resume auto \(it replaces the run there\), or "
+                                                          r"choose another --out$"):
         checkpoint.find("auto", tmp_path)  # a run stopped before its first checkpoint: the line names the way out
 
 

@@ -119,7 +119,8 @@ def test_the_heartbeat_stops_before_the_worker_exits():
     thread caught there aborts the process at exit ("terminate called without an active exception", SIGABRT):
     seen once at the end of a normal `python trainer.py --iterations 2`. Here the thread beats without pause, so
     that a thread left running is nearly always caught (7 of 8 such exits aborted when measured); three processes
-    that each stop it just before exiting must all exit 0 with nothing on stderr."""
+    that each stop it just before exiting must all exit 0 without that line. (This checks Heartbeat.stop; that
+    inference_process calls it is read in its `finally`, not tested.)"""
     import subprocess
     import sys
     from pathlib import Path
@@ -129,7 +130,8 @@ def test_the_heartbeat_stops_before_the_worker_exits():
     from infra.processes import Heartbeat
     counter = torch.zeros(1, dtype=torch.int64)
     heart = Heartbeat(counter, seconds=0.0)
-    while int(counter[0]) < 100:
+    deadline = time.monotonic() + 60
+    while int(counter[0]) < 100 and time.monotonic() < deadline:
         time.sleep(0.001)
     heart.stop()
     assert not heart.thread.is_alive()
@@ -141,7 +143,7 @@ def test_the_heartbeat_stops_before_the_worker_exits():
     runs = [subprocess.Popen([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[1],
                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
     ended = [(run.wait(timeout=60), run.stderr.read()) for run in runs]
-    assert ended == [(0, "")] * 3, ended
+    assert all(code == 0 and "terminate called" not in err for code, err in ended), ended
 
 
 def test_sigterm_during_the_tiny_model_build_leaves_no_building_folder(tmp_path):
