@@ -89,8 +89,7 @@ def prepare(cfg: Config) -> tuple[list, list, object, dict]:
     load_kwargs = dict(device=cfg.rollout_device, dtype=getattr(torch, cfg.dtype),
                        attn_implementation=cfg.attn_implementation, cache_dir=cfg.cache_dir, lora=cfg.lora)
     rewards = load_rewards(cfg.reward, cfg.reward_weights)  # first: the data must hold what they need
-    held = cfg.eval_size if cfg.eval_every else 0  # no evaluation: no prompt is kept out of training
-    train_examples, held_out = load_task(cfg.data, cfg.default_data, held, cfg.data_config, cfg.split,
+    train_examples, held_out = load_task(cfg.data, cfg.default_data, cfg.eval_size, cfg.data_config, cfg.split,
                                          cfg.prompt_column, cfg.answer_column, cfg.system_prompt,
                                          rewards.needed_columns())
     return train_examples, held_out, rewards, load_kwargs

@@ -52,8 +52,7 @@ HARMLESS = {"iterations", "eval_every", "eval_samples", "trace", "save", "save_e
             "inference_workers",  # the groups reach the trainer in one worker's order (inference.in_call_order)
             "log_completions", "num_completions_to_print",
             "mode"}  # async and sync are the same run (bitwise, with equal thread counts: tests/test_pipeline.py)
-# (Not eval_size: for data without a test split the held-out rows are the last eval_size, kept out of training;
-# and eval_every only between values above 0: with 0 no row is held out, so all of them train.)
+# (Not eval_size: for data without a test split the held-out rows are the last eval_size, kept out of training.)
 DEVICES = {"device", "rollout_device", "train_device"}  # given one, all three are this run's (derived together)
 THIS_RUN = {"out", "resume", "overwrite", "config",  # where the checkpoint was found and how
             "inference_ranks"}  # how this launch's torchrun ranks are used, never the saved run's
@@ -153,11 +152,6 @@ def resumed_config(cfg: Config, given: set[str], state: dict) -> Config:
     """The checkpoint's config, but the harmless options given anew; a result-changing option given with another
     value than the checkpoint's is refused, naming it."""
     saved, values, absolute = state["config"], {}, absolute_paths(cfg)
-    if "eval_every" in given and (cfg.eval_every == 0) != (saved.get("eval_every", 10) == 0):
-        held = "no prompt (--eval-every 0)" if cfg.eval_every else f"{saved.get('eval_size')} prompts for evaluation"
-        raise CheckpointError(f"--eval-every {cfg.eval_every}: the checkpoint's run held out {held}, and turning "
-                              f"evaluation {'on' if cfg.eval_every else 'off'} would change its training prompts, so "
-                              "it cannot be resumed with it (drop --eval-every, or start a new run)")
     harmless = set(HARMLESS)
     if saved.get("loss_type") == "bnpo":  # bnpo averages each micro-batch's own token mean
         harmless.discard("micro_batch_tokens")
@@ -197,7 +191,7 @@ def resumption(cfg: Config, given: set[str]) -> tuple[Config, Path | None]:
                               f"has done: give --iterations {done} or more, or resume from an earlier checkpoint")
     problems = validate(cfg)
     if problems:
-        raise CheckpointError(f"the checkpoint's options do not fit this machine: {problems[0]}")
+        raise CheckpointError(f"the checkpoint's options, with those given anew, are refused: {problems[0]}")
     print(f"periodic-rl: resuming from {path} at iteration {done} of {cfg.iterations}", flush=True)
     return cfg, path
 

@@ -56,6 +56,7 @@ MICRO_BATCH_TOKENS = 16384
 # each; with lengths rounded up to 128 a few shapes recur (docs/benchmarks.md, "Shapes on a GPU"). TRL pads to 128 on
 # Neuron for the same reason (it compiles per shape).
 PAD_MULTIPLE_ACCELERATOR = 128
+EVAL_SIZE = 64  # held-out prompts per evaluation; none held out of training when nothing is evaluated (TRL's way)
 NOT_OPTIONS = ("run_id", "versions", "command")  # config.json's keys that are not options (run_id marks a record)
 COMMAND_LINE_ONLY = ("resume", "overwrite", "config")
 # Options config.json records as `derive` resolved them from another option: given anew on the command line, that
@@ -64,7 +65,7 @@ DERIVED_FROM = {"model": ("lr", "max_new_tokens", *SIZE_FIELDS), "reward": ("rew
                 "device": ("train_device", "rollout_device", "dtype", "pad_to_multiple_of", *SIZE_FIELDS),
                 "mode": ("rollout_device", *SIZE_FIELDS),
                 "batch_size": SIZE_FIELDS, "group_size": SIZE_FIELDS,
-                "inference_workers": ("rollout_device", *SIZE_FIELDS)}
+                "inference_workers": ("rollout_device", *SIZE_FIELDS), "eval_every": ("eval_size",)}
 # A run record's options that name that run's outputs: a rerun of its config.json writes its own (unless given anew)
 RUN_OUTPUTS = ("out", "trace")
 
@@ -165,6 +166,7 @@ def derive(cfg: Config) -> Config:
     return dataclasses.replace(
         cfg,
         max_new_tokens=cfg.max_new_tokens or (TINY_MODELS[cfg.model][1] if cfg.is_tiny else 512),
+        eval_size=cfg.eval_size if cfg.eval_size is not None else EVAL_SIZE if cfg.eval_every else 0,
         lr=cfg.lr if cfg.lr is not None else (1e-4 if cfg.is_tiny else 1e-6),
         reward_weights=cfg.reward_weights or [1.0] * len(cfg.reward),
         groups_per_chunk=groups_per_chunk,
@@ -231,8 +233,11 @@ def validate(cfg: Config) -> list[str]:
     need(cfg.max_new_tokens is None or cfg.max_new_tokens >= 1,
          f"--max-new-tokens must be at least 1 (got {cfg.max_new_tokens})")
     need(cfg.max_grad_norm >= 0, f"--max-grad-norm must be >= 0 (got {cfg.max_grad_norm})")
-    need(cfg.eval_every >= 0 and cfg.eval_size >= 1 and cfg.eval_samples >= 1,
-         "--eval-every must be >= 0, --eval-size and --eval-samples >= 1")
+    need(cfg.eval_every >= 0 and (cfg.eval_size is None or cfg.eval_size >= 0) and cfg.eval_samples >= 1,
+         "--eval-every and --eval-size must be >= 0, --eval-samples >= 1")
+    need(not cfg.eval_every or cfg.eval_size != 0, f"--eval-every {cfg.eval_every} evaluates held-out prompts, and "
+         "--eval-size is 0 (a run started with --eval-every 0 holds none out of training): give --eval-size N, or "
+         "--eval-every 0")
     cores = available_cores()
     for name in ("rollout_threads", "train_threads", "tail_threads"):
         value = getattr(cfg, name)

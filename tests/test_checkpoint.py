@@ -18,7 +18,7 @@ import faults
 from infra import checkpoint
 from infra.outputs import OutputError
 from infra.models import load_model
-from infra.options import given_options, parse_args
+from infra.options import given_options, parse_args, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 # Sizes fixed, so that the probe's timing cannot pick other ones for the two runs compared.
@@ -97,7 +97,8 @@ def test_a_stopped_run_resumed_equals_the_uninterrupted_one(tiny_model_dir, tmp_
 def test_resume_refuses_options_that_change_the_run(tiny_model_dir):
     """Claim: a resumed run takes the checkpoint's options; a result-changing one given with another value is one
     line naming it; harmless ones (iterations, at a constant rate; evaluation, threads) are the checkpoint's unless
-    given anew. --eval-every from 0 to more or back is not harmless: it decides whether prompts are held out."""
+    given anew. --eval-size (0 when derived from --eval-every 0: no prompt held out) stays the checkpoint's, so the
+    training prompts do too, whatever --eval-every is given anew."""
     saved = parse_args(["--model", str(tiny_model_dir), *RUN, "--seed", "3", "--lr", "0.01", "--tail-threads", "2",
                         "--lr-scheduler-type", "constant"])
     state = {"iterations_done": 2, "config": dataclasses.asdict(saved), "reference_fingerprint": "x"}
@@ -112,11 +113,15 @@ def test_resume_refuses_options_that_change_the_run(tiny_model_dir):
     assert (cfg.seed, cfg.lr, cfg.model, cfg.batch_size, cfg.groups_per_chunk) == (3, 0.01, str(tiny_model_dir), 16, 2)
     assert (cfg.iterations, cfg.eval_every, cfg.out, cfg.train_threads, cfg.rollout_threads) == (9, 2, "elsewhere", 2, 1)
     assert cfg.tail_threads == 2  # the probe's elastic tail is the saved run's too (setup.elastic_threads)
-    for argv, saved_every in ((["--eval-every", "0"], 2), (["--eval-every", "5"], 0)):  # held out or not: the split
-        with pytest.raises(checkpoint.CheckpointError, match=r"^--eval-every \d: the checkpoint's run held out .* "
-                                                              r"would change its training prompts"):
-            checkpoint.resumed_config(parse_args(argv), given_options(argv),
-                                      {**state, "config": {**state["config"], "eval_every": saved_every}})
+    argv = ["--eval-every", "0"]  # a run that evaluated held its prompts out: it still does, only it evaluates none
+    assert checkpoint.resumed_config(parse_args(argv), given_options(argv), state).eval_size == 4
+    old = {**state, "config": {**state["config"], "eval_every": 0, "eval_size": 64}}  # before eval_size was derived
+    assert checkpoint.resumed_config(parse_args([]), set(), old).eval_size == 64  # held out as it was
+    argv = ["--eval-every", "5"]  # a run that held none out cannot start evaluating: that would change its prompts
+    none = {**state, "config": {**state["config"], "eval_every": 0, "eval_size": 0}}
+    resumed = checkpoint.resumed_config(parse_args(argv), given_options(argv), none)
+    assert any(problem.startswith("--eval-every 5 evaluates held-out prompts, and --eval-size is 0 (a run started "
+                                  "with --eval-every 0 holds none out") for problem in validate(resumed))
     argv = ["--tail-threads", "1"]  # harmless given anew (float rounding only)
     assert checkpoint.resumed_config(parse_args(argv), given_options(argv), state).tail_threads == 1
 

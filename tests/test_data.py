@@ -84,7 +84,9 @@ def test_a_train_file_uses_its_sibling_test_file(tmp_path):
 def test_without_evaluation_no_prompt_is_held_out(tmp_path):
     """Claim: with --eval-every 0 (never evaluate) every prompt trains, held out none, whatever the data's size and
     --eval-size: 50 rows trained on 36 before (and were refused at 50 or fewer with the default --eval-size 64);
-    TRL holds nothing out unless asked. With evaluation, --eval-size rows are held out as before."""
+    TRL holds nothing out unless asked. With evaluation, --eval-size rows are held out as before. (--eval-size is
+    what decides, derived 0 from --eval-every 0: a checkpoint keeps it, so a resumed run trains on the same prompts;
+    tests/test_checkpoint.py.)"""
     import trainer
     from infra.options import parse_args
     mine = write_jsonl(tmp_path / "mine.jsonl", gsm8k_rows(50))
