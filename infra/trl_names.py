@@ -59,9 +59,8 @@ TRL_UNUSED = {
     "logging_dir": "--report-to tensorboard writes to <out>/runs",
     "remove_unused_columns": "every dataset column is kept and passed to a TRL-style reward by keyword",
     "overwrite_output_dir": "a --config file never replaces a run: --overwrite on the command line does",
-    "hub_model_id": "nothing is pushed (push_to_hub); upload <out>/policy with `hf upload`",
-    "hub_strategy": "nothing is pushed (push_to_hub); upload <out>/policy with `hf upload`",
-    "hub_private_repo": "nothing is pushed (push_to_hub); upload <out>/policy with `hf upload`",
+    **dict.fromkeys(("hub_model_id", "hub_strategy", "hub_private_repo"),
+                    "nothing is pushed (push_to_hub); upload <out>/policy with `hf upload`"),
 }
 # TRL names for what this trainer does one way only: (the values that are that way, what it does, what to use for
 # another value or None where no option changes it). At one of those values a --config key is ignored with a line
