@@ -68,11 +68,16 @@ Departures, on purpose:
 9. pad_to_multiple_of rounds the cache length and each packed prefill row up (the padding is masked and
    never cached), so the calls of a run share a few shapes: cuDNN's attention, the first choice of
    torch's SDPA on recent GPUs, builds a graph for every new shape.
+10. compile_step (--engine compile) compiles the decoder layers, one compilation shared by all of them
+   (compiled_layers), and leaves the cache writes and the draw eager: the whole step compiled as one
+   function recompiled as shapes changed and ran slower than eager on an H100 (docs/benchmarks.md).
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
+import types
 from typing import Callable
 
 import torch
@@ -235,6 +240,7 @@ class RowCache:
         self.prefill_slots: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None
 
+    @torch.compiler.disable  # under --engine compile the layers' code stays free of the layer index
     def update(self, key: torch.Tensor, value: torch.Tensor, layer: int, *args, **kwargs):
         if self.positions is None:
             rows, slots, sources = self.prefill_slots  # (N,) each: cache row, its slot, the packed position
@@ -299,7 +305,7 @@ class Rollouts:
 
     def __init__(self, model, prompts: list[list[int]], group_size: int, max_new_tokens: int, temperature: float,
                  top_p: float, stop_ids: list[int], keys: list[tuple[int, ...]], slots: int, greedy: bool,
-                 top_k: int = 0, min_p: float | None = None, pad_to_multiple_of: int = 1):
+                 top_k: int = 0, min_p: float | None = None, pad_to_multiple_of: int = 1, compile_layers: bool = False):
         weight = model.get_output_embeddings().weight
         decoder = model.get_decoder()  # the layers below the head (`base_model` would be peft's LoraModel, --use-peft)
         self.decoder, self.head, self.cache_argument = decoder, weight, cache_argument(decoder)
@@ -307,6 +313,7 @@ class Rollouts:
         self.prompts, self.group_size, self.max_new_tokens = prompts, group_size, max_new_tokens
         self.temperature, self.top_p, self.top_k, self.min_p, self.greedy = temperature, top_p, top_k, min_p, greedy
         self.pad_to_multiple_of = pad_to_multiple_of  # the cache length and each prefill row, rounded up (departure 9)
+        self.compile_layers = compile_layers  # decode steps through compiled_layers (--engine compile)
         longest = max(len(prompt) for prompt in prompts) + max_new_tokens  # a stopped row writes one slot more
         self.length = round_up(longest, pad_to_multiple_of)
         self.cache = RowCache(model, slots, self.length)
@@ -338,9 +345,11 @@ class Rollouts:
         implementation = config._attn_implementation
         if decoding:  # the decode step's attention reads the cache once (decode_attention); prefill as the model does
             config._attn_implementation = DECODE_ATTENTION
+        compiled = compiled_layers(self.decoder) if decoding and self.compile_layers else contextlib.nullcontext()
         try:
-            hidden = self.decoder(input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=True,
-                                  **{self.cache_argument: self.cache}).last_hidden_state  # (rows, T, H)
+            with compiled:
+                hidden = self.decoder(input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=True,
+                                      **{self.cache_argument: self.cache}).last_hidden_state  # (rows, T, H)
         finally:
             config._attn_implementation = implementation
         hidden = hidden[:, -1] if packed_ends is None else hidden[0, packed_ends]  # (rows, H) or (k, H)
@@ -424,8 +433,8 @@ class DecodeGraphs:
     row. A capture that fails (a model whose forward synchronises with the host, say) is said in one line on
     stderr and the call decodes eagerly from there: the same steps, only slower."""
 
-    def __init__(self, rollouts: Rollouts, step: Callable[[int], None] | None = None):
-        self.rollouts, self.step, self.graphs, self.eager = rollouts, step or rollouts.decode, {}, False
+    def __init__(self, rollouts: Rollouts):
+        self.rollouts, self.step, self.graphs, self.eager = rollouts, rollouts.decode, {}, False
 
     def decode(self, n: int) -> None:
         if not self.eager and n not in self.graphs:
@@ -461,10 +470,30 @@ class DecodeGraphs:
         return graph
 
 
-def compiled_step(rollouts: Rollouts) -> Callable[[int], None]:
-    """rollouts.decode through torch.compile: one compiled function for the process (its code object), reused by
-    every call whose tensors match its guards; the row count is dynamic, so the buckets share one compilation."""
-    return torch.compile(Rollouts.decode, dynamic=True).__get__(rollouts)
+# --- --engine compile: the decoder layers through torch.compile, one compilation for all of them ---
+_COMPILED_FORWARD: dict[type, Callable] = {}  # a layer class -> torch.compile of its forward, for the process
+
+
+@contextlib.contextmanager
+def compiled_layers(decoder):
+    """Inside, every layer of `decoder` runs through one torch.compile of its class's forward (regional
+    compilation): the layers share that code and differ only in their parameters, which the compiled code
+    takes as inputs, so a 24-layer model compiles about what one layer needs, once per process. Inductor
+    fuses each layer's elementwise chains (RMSNorm, rotary, SiLU·up, residual adds) around the matrix
+    products. RowCache.update runs outside it (torch.compiler.disable), and the layer index it is given is
+    an input of the compiled code, not a constant (allow_unspec_int_on_nn_module), so one compilation serves
+    every layer. The model is left as it was on the way out: its layers' own forward again."""
+    layers = list(decoder.layers)
+    kind = type(layers[0])
+    compiled = _COMPILED_FORWARD.setdefault(kind, torch.compile(kind.forward))
+    for layer in layers:
+        layer.forward = types.MethodType(compiled, layer)
+    try:
+        with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
+            yield
+    finally:
+        for layer in layers:
+            del layer.forward
 
 
 def round_up(length: int, multiple: int) -> int:
@@ -519,8 +548,8 @@ def sample_groups(model, prompts: list[list[int]], group_size: int, *, max_new_t
     unless cuda_graphs=False. prefill_tokens: prompts admitted together are prefilled packed in rows of at
     most this many tokens (one forward each instead of one per prompt; a pack's attention costs its length
     squared, so long prompts gain nothing from packing and go alone; default 512 on CPU, 8192 elsewhere).
-    compile_step: the decode step through torch.compile (Inductor fuses its elementwise chains: norms, rotary,
-    activations), then captured as before; the first steps of a process pay the compilation.
+    compile_step: the decode step's layers through torch.compile (compiled_layers: Inductor fuses their
+    elementwise chains), then captured as before; the first steps of a process pay one layer's compilation.
     pad_to_multiple_of: the cache length and every prefill row rounded up to a multiple of this (departure 9).
     """
     reason = unsupported_reason(model)
@@ -535,13 +564,12 @@ def sample_groups(model, prompts: list[list[int]], group_size: int, *, max_new_t
     capacity = count * group_size if max_rows is None else max(group_size, min(max_rows, count * group_size))
     register_decode_attention()
     rollouts = Rollouts(model, prompts, group_size, max_new_tokens, temperature, top_p, stop_ids, keys, capacity,
-                        greedy, top_k, min_p, pad_to_multiple_of)
+                        greedy, top_k, min_p, pad_to_multiple_of, compile_step)
     on_cuda = rollouts.device.type == "cuda"
     check_every = check_every or (8 if rollouts.device.type != "cpu" else 1)
     prefill_tokens = prefill_tokens or (PREFILL_TOKENS if rollouts.device.type == "cpu" else PREFILL_TOKENS_ACCELERATOR)
     fixed_shapes = on_cuda if fixed_shapes is None else fixed_shapes
-    step = compiled_step(rollouts) if compile_step else rollouts.decode
-    decode = DecodeGraphs(rollouts, step).decode if on_cuda and fixed_shapes and cuda_graphs else step
+    decode = DecodeGraphs(rollouts).decode if on_cuda and fixed_shapes and cuda_graphs else rollouts.decode
     responses: list[list[list[int]]] = [[] for _ in range(count)]
     started, reported, n = 0, 0, 0  # prompts prefilled, groups handed over, slots decoded per step
     keep: list[int] = []  # the slots whose rows still run

@@ -2,7 +2,7 @@
 finishes and all written to --json.
 
 1. decode: 16 GSM8K questions x 8 samples = 128 rows of the Qwen2.5-0.5B configuration (random weights, bfloat16,
-   sdpa), sampled by the engine with CUDA graphs, with its decode step compiled and captured (--engine compile),
+   sdpa), sampled by the engine with CUDA graphs, with its decoder layers compiled, then captured (--engine compile),
    without graphs, and Hugging Face `generate` (the hf path, rollout.sample_responses), interleaved over --rounds
    rounds, after one untimed call each (its seconds printed: the compiled side's compilation). Each side runs 1,
    M/2 and M new tokens:

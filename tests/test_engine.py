@@ -29,13 +29,13 @@ def one_thread():
 
 
 def random_model(kind: str, vocab: int = 96, dtype: torch.dtype = torch.float32, logit_scale: float = 1.0,
-                 seed: int = 0, attention: str = "sdpa"):
-    """A 2-layer Qwen2 (tied embeddings) or Llama (untied) with random weights; logit_scale sharpens its logits.
+                 seed: int = 0, attention: str = "sdpa", layers: int = 2):
+    """A `layers`-layer (2) Qwen2 (tied embeddings) or Llama (untied) with random weights; logit_scale sharpens its logits.
 
     Weights 10x the default scale (initializer_range 0.2): at 0.02 the residual stream is nearly the input
     embedding, so a tied model's greedy continuation repeats the last token forever."""
     config_class = {"qwen2": Qwen2Config, "llama": LlamaConfig}[kind]
-    config = config_class(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    config = config_class(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                           tie_word_embeddings=kind == "qwen2", initializer_range=0.2, attn_implementation=attention)
     with torch.random.fork_rng():
@@ -417,12 +417,13 @@ def test_a_failed_cuda_graph_capture_decodes_eagerly_from_where_it_was(monkeypat
 
 @pytest.mark.slow
 def test_a_compiled_decode_step_samples_what_the_eager_one_does():
-    """Claim (--engine compile): the decode step through torch.compile samples the tokens the eager step samples,
-    in a call with compaction and refill (max_rows) and in a second call of other sizes (its recompilation).
+    """Claim (--engine compile): the decode step with its layers through torch.compile samples the tokens the eager
+    step samples, in a call with compaction and refill (max_rows) and in a second call of other sizes (its
+    recompilation), and leaves the model as it was (no layer keeps a compiled forward).
     Inductor may sum in another order: float32 logits of magnitude < 10 then differ by ~1e-6 at most, and a token
     flips only where u·F(S) lands that close to a boundary of the running sum, about 1e-5 per token over this
     64-token vocabulary, under 1% for the ~330 tokens here; the uniforms are fixed by the keys, so the outcome is
-    the same on every run of a machine. (Slow: the first compilation takes about a minute on 2 cores.)"""
+    the same on every run of a machine. (Slow: compilation takes 10-20 s on 2 cores.)"""
     model = random_model("qwen2", vocab=64)
     prompts = random_prompts([3, 17, 8, 12, 5], 64)
     common = dict(max_new_tokens=12, temperature=1.0, stop_ids=[1, 2], keys=keys(5))
@@ -433,6 +434,27 @@ def test_a_compiled_decode_step_samples_what_the_eager_one_does():
     other = dict(common, max_new_tokens=7, keys=keys(2))
     assert (engine.sample_groups(model, prompts[:2], 3, compile_step=True, **other)
             == engine.sample_groups(model, prompts[:2], 3, **other))
+    assert not any("forward" in vars(layer) for layer in model.get_decoder().layers)
+
+
+@pytest.mark.slow
+def test_the_compiled_layers_compile_once_whatever_the_depth():
+    """Claim: --engine compile compiles one layer's code for all layers (regional compilation), so Qwen2.5-0.5B's 24
+    layers cost about what 1 does. Measured as torch._dynamo's count of graphs compiled for a call from scratch:
+    the same for a 2-layer and a 6-layer model. Teeth: the layer index reaching the compiled code (RowCache.update
+    compiled with it) recompiles per layer, up to torch's limit of 8, and the 6-layer count grows."""
+    from torch._dynamo.utils import counters
+
+    def graphs_compiled(layers: int) -> int:
+        torch._dynamo.reset()
+        counters.clear()
+        model = random_model("qwen2", vocab=64, layers=layers)
+        engine.sample_groups(model, random_prompts([5, 9], 64), 2, max_new_tokens=4, stop_ids=[1], keys=keys(2),
+                             compile_step=True)
+        return counters["stats"]["unique_graphs"]
+
+    shallow, deep = graphs_compiled(2), graphs_compiled(6)
+    assert shallow >= 1 and deep == shallow, (shallow, deep)
 
 
 def test_every_eos_id_stops_a_sampled_response(qwen_shaped_dir):
