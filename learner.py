@@ -360,7 +360,8 @@ class Learner:
                 [low, high, kl_sum, entropy, counted, all_tokens], self.ranks, self.device)
             by_group = distributed.gather_dicts(self.rewards, self.ranks)
         ordered = [by_group[index] for index in sorted(by_group)]  # (weighted sums, per reward, lengths, truncated)
-        reward_mean, reward_std = mean_std([r for total, *_ in ordered for r in total])
+        totals = [r for total, *_ in ordered for r in total]
+        reward_mean, reward_std = mean_std(totals)
         per_function = {}
         for k, name in enumerate(self.reward_names):
             per_function[f"rewards/{name}/mean"], per_function[f"rewards/{name}/std"] = mean_std(
@@ -375,6 +376,7 @@ class Learner:
             "reward_std": reward_std,
             **per_function,
             "frac_reward_zero_std": zero_std_fraction([total for total, *_ in ordered], self.cfg.scale_rewards),
+            "frac_reward_unscored": sum(math.isnan(r) for r in totals) / len(totals),  # every reward returned None
             "loss": loss / self.steps,  # mean over the optimizer steps
             "kl": kl_sum / tokens if self.cfg.beta > 0 else None,  # TRL's term: ρ·k3 (with the bias correction)
             "entropy": entropy / tokens,  # over the loss tokens, as TRL

@@ -133,9 +133,7 @@ def started(cfg: Config, resume_from: Path | None = None, on_sized=None, ranks=N
         Interrupted.check()  # and one swallowed while transformers' models were imported
         check_prompt_lengths(tokenizer, train_examples + held_out, getattr(policy.config, "max_position_embeddings",
                                                                            None), cfg.max_new_tokens)
-        print(f"periodic-rl: {cfg.mode} | model {cfg.model} | {len(train_examples)} train / {len(held_out)} held-out "
-              f"prompts | {cfg.iterations} iterations x {cfg.prompts_per_iteration} prompts x {cfg.group_size} | "
-              f"out {cfg.out}", flush=True)
+        print(start_line(cfg, len(train_examples), len(held_out)), flush=True)
         rows = setup.train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs, rollouts,
                                  resume_from, on_sized, ranks, on_completions)
         with closing(rows):  # however the block ends, the schedule's own clean-up (the trace) runs here
@@ -226,6 +224,27 @@ def progress_line(done: int, total: int, elapsed: float, pace: float) -> str:
             f"~{tqdm.format_interval((total - done) * pace)} left")
 
 
+def start_line(cfg: Config, train: int, held_out: int) -> str:
+    """The run's first line: mode, model, the prompts (saying so when the held-out set is smaller than --eval-size
+    asked: a test split with fewer rows), the schedule and --out."""
+    fewer = f" (--eval-size {cfg.eval_size}: the test split has {held_out})" if held_out < (cfg.eval_size or 0) else ""
+    return (f"periodic-rl: {cfg.mode} | model {cfg.model} | {train} train / {held_out} held-out prompts{fewer} | "
+            f"{cfg.iterations} iterations x {cfg.prompts_per_iteration} prompts x {cfg.group_size} | out {cfg.out}")
+
+
+def unscored_line(iteration: int, share: float) -> str:
+    """The warning for responses that no reward scored (every --reward returned None for them), said once a run, as
+    TRL warns when all its reward functions return None.
+
+    >>> unscored_line(3, 0.25)[:81]
+    'periodic-rl: warning: iteration 3: 25% of the responses were scored by no reward '
+    """
+    return (f"periodic-rl: warning: iteration {iteration}: {share:.0%} of the responses were scored by no reward "
+            f"(every --reward returned None for them): they count in no reward mean and get advantage 0"
+            f"{', so this step learns nothing from the rewards' if share == 1 else ''}. Said once; each iteration's "
+            f"share is frac_reward_unscored in metrics.jsonl.")
+
+
 def log_and_save(cfg: Config, rows, policy, tokenizer, resumed_at: int = 0, report=lambda row: None,
                  ranks=None, history: Path | None = None) -> dict:
     """A log line and a metrics.jsonl row per iteration (a resumed run's continue the rows before `resumed_at` of
@@ -242,7 +261,7 @@ def log_and_save(cfg: Config, rows, policy, tokenizer, resumed_at: int = 0, repo
     metrics_path, policy_path = out / "metrics.jsonl", out / "policy"
     kept = earlier_rows(history, resumed_at) if history and resumed_at else []
     first_eval = next((row["eval_reward"] for row in kept if row.get("eval_reward") is not None), None)
-    start, trained, saved, phases = time.perf_counter(), False, False, []
+    start, trained, saved, phases, unscored_said = time.perf_counter(), False, False, [], False
     pending, continued = None, not resumed_at  # the row in hand, not yet written; whether the file is this run's
 
     def write(row: dict) -> None:
@@ -271,6 +290,9 @@ def log_and_save(cfg: Config, rows, policy, tokenizer, resumed_at: int = 0, repo
             row["elapsed_s"] = time.perf_counter() - start
             if line := format_row(row):
                 say(line)
+            if row.get("frac_reward_unscored") and not unscored_said:
+                say(unscored_line(row["iteration"], row["frac_reward_unscored"]))
+                unscored_said = True
             progress.update(0 if row.get("final") else 1)
             if not on_terminal and not row.get("final"):
                 now, done = time.perf_counter(), row["iteration"] + 1

@@ -41,8 +41,13 @@ TRL_DIFFERENT = {
     "per_device_eval_batch_size": "--eval-size and --eval-samples: held-out prompts and responses per prompt",
     "num_generations_eval": "--eval-samples: responses per held-out prompt",
     "dataset_test_split": "--eval-size: held out is --data's 'test' split, else its last --eval-size rows",
-    "vllm_mode": "--inference-workers or --inference-ranks: sampling runs in this trainer's own processes",
 }
+# GRPOConfig's vLLM settings (TRL 1.16): unused with use_vllm false, as here, where use_vllm true is refused
+VLLM_KEYS = ("vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_server_base_url", "vllm_server_host",
+             "vllm_server_port", "vllm_server_timeout", "vllm_group_port", "vllm_gpu_memory_utilization",
+             "vllm_tensor_parallel_size", "vllm_max_model_length", "vllm_structured_outputs_regex",
+             "vllm_importance_sampling_correction", "vllm_importance_sampling_mode", "vllm_importance_sampling_cap",
+             "vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max")
 # TRL names for what this trainer has no use for, and why: ignored in a --config file (with a line), refused typed
 TRL_UNUSED = {
     "logging_steps": "every iteration is logged (a line and a metrics.jsonl row, sent to --report-to)",
@@ -61,6 +66,8 @@ TRL_UNUSED = {
     "overwrite_output_dir": "a --config file never replaces a run: --overwrite on the command line does",
     **dict.fromkeys(("hub_model_id", "hub_strategy", "hub_private_repo"),
                     "nothing is pushed (push_to_hub); upload <out>/policy with `hf upload`"),
+    **dict.fromkeys(VLLM_KEYS, "TRL reads vLLM's settings only with use_vllm true; this trainer samples with its own "
+                               "engine (--engine), its processes set by --inference-workers or --inference-ranks"),
 }
 # TRL names for what this trainer does one way only: (the values that are that way, what it does, what to use for
 # another value or None where no option changes it). At one of those values a --config key is ignored with a line
@@ -136,7 +143,8 @@ def epilog() -> str:
     lines += ["", "TRL's option names are accepted where they mean the same: " + ", ".join(
         f"--{trl.replace('_', '-')}" for trl in [*TRL_ALIASES, "epsilon"]) + "."]
     lines += ["In a --config file, TRL's keys for what this trainer has no use for are ignored, with a line: "
-              + ", ".join(TRL_UNUSED) + "; so are these at what this trainer does (another value is refused): "
+              + ", ".join([key for key in TRL_UNUSED if key not in VLLM_KEYS] + ["every vllm_* key"])
+              + "; so are these at what this trainer does (another value is refused): "
               + ", ".join(f"{key} {' or '.join(map(repr, TRL_FIXED[key][0][:2 if key == 'optim' else 1]))}"
                           for key in TRL_FIXED) + "."]
     return "\n".join(textwrap.fill(line, 118, subsequent_indent=" " * 4, break_on_hyphens=False) or line
@@ -177,6 +185,13 @@ def unused_line(values: dict) -> str:
     "ignored TRL's logging_steps: every iteration is logged (a line and a metrics.jsonl row, sent to --report-to)"
     >>> unused_line({"use_vllm": False})
     "ignored TRL's use_vllm False: sampling runs in this trainer's own engine and processes"
+    >>> unused_line({"hub_strategy": "end", "hub_private_repo": True})[:70]
+    "ignored TRL's hub_strategy, hub_private_repo: nothing is pushed (push_"
     """
-    return "ignored TRL's " + "; ".join(f"{key}: {TRL_UNUSED[key]}" if key in TRL_UNUSED else
-                                        f"{key} {value!r}: {TRL_FIXED[key][1]}" for key, value in values.items())
+    reasons: dict[str, list[str]] = {}  # a reason -> the keys it answers (keys that share one are named together)
+    for key, value in values.items():
+        if key in TRL_UNUSED:
+            reasons.setdefault(TRL_UNUSED[key], []).append(key)
+        else:
+            reasons.setdefault(TRL_FIXED[key][1], []).append(f"{key} {value!r}")
+    return "ignored TRL's " + "; ".join(f"{', '.join(keys)}: {reason}" for reason, keys in reasons.items())

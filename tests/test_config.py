@@ -427,3 +427,30 @@ def test_off_a_terminal_the_log_has_progress_lines(tmp_path, monkeypatch, capsys
     assert [line.split(",")[0] for line in err.splitlines()] == ["periodic-rl: progress 2/3 iterations",
                                                                 "periodic-rl: progress 3/3 iterations"], err
     assert out.count("\niter ") + out.startswith("iter ") == 3 and "final" not in out, out
+
+
+def test_responses_no_reward_scored_are_warned_about_once(tmp_path, capsys):
+    """Claim: the first iteration with responses that no reward scored (frac_reward_unscored > 0: every --reward
+    returned None for them) gets one warning line, as TRL warns; later ones are not repeated (metrics.jsonl has
+    each iteration's share). All of them unscored: the line says the step learns nothing from the rewards."""
+    import trainer
+    cfg = Config(out=str(tmp_path), iterations=4, save=False, eval_every=0)
+
+    def rows():
+        for k, share in enumerate([0.0, 1.0, 0.5, 1.0]):
+            yield {"iteration": k, "reward_mean": None, "reward_std": None, "eval_reward": None,
+                   "frac_reward_unscored": share}
+        yield {"final": True, "iteration": 4, "eval_reward": None, "policy_version": 4}
+    trainer.log_and_save(cfg, rows(), None, None)
+    warnings = [line for line in capsys.readouterr().out.splitlines() if "warning" in line]
+    assert warnings == [trainer.unscored_line(1, 1.0)], warnings
+    assert "100% of the responses" in warnings[0] and "learns nothing from the rewards" in warnings[0]
+
+
+def test_the_first_line_says_when_the_test_split_is_smaller_than_eval_size():
+    """Claim: --eval-size larger than the data's test split holds out the whole split, and the run's first line says
+    so (it was capped silently); at or below it, the line only counts the prompts."""
+    import trainer
+    cfg = Config(eval_size=500)
+    assert "1319 held-out prompts |" in trainer.start_line(Config(eval_size=1319), 7473, 1319)
+    assert "100 held-out prompts (--eval-size 500: the test split has 100) |" in trainer.start_line(cfg, 7473, 100)

@@ -258,6 +258,23 @@ def test_metrics_are_trls(tiny_model_dir):
     assert metrics["terminated_length"] == sum(terminated) / len(terminated)
     assert metrics["truncated_fraction"] == sum(truncated) / 16 == 5 / 16
     assert metrics["learning_rate"] == 0.2 and metrics["grad_norm"] is None
+    assert metrics["frac_reward_unscored"] == 0.0
+
+
+def test_the_share_of_responses_no_reward_scored_is_logged(tiny_model_dir):
+    """Claim: frac_reward_unscored is the share of the iteration's responses that every reward returned None for
+    (their weighted total is NaN): a whole group of 4 and one more response of 16 here, 5/16; the reward mean skips
+    them. (The trainer warns on the first iteration where it is above 0: tests/test_config.py.)"""
+    cfg = config(tiny_model_dir)
+    nan = float("nan")
+    rewards = [[nan] * 4, [1.0, nan, 0.0, 1.0], *REWARDS[2:]]
+    groups = [Group(0, j, 0, PROMPTS[j], RESPONSES[j], rewards[j],
+                    grpo.group_advantages(torch.tensor(rewards[j]), G).tolist(), chunk=(0, 4),
+                    rewards_per_function=[rewards[j]]) for j in range(4)]
+    metrics, _ = learner_run(cfg, tri_model(cfg, tiny_model_dir), groups)
+    assert metrics["frac_reward_unscored"] == 5 / 16
+    scored = [r for group in rewards for r in group if not math.isnan(r)]
+    assert metrics["reward_mean"] == pytest.approx(sum(scored) / 11)
 
 
 def test_learning_rate_schedule_as_transformers(tiny_model_dir):
@@ -427,6 +444,20 @@ def test_trl_keys_at_what_this_trainer_does_are_skipped(text, tmp_path, capsys):
     assert out.count("\n") == 1 and f"ignored TRL's {text.split(':')[0]} " in out, out
 
 
+def test_trls_vllm_settings_are_skipped_without_use_vllm(tmp_path, capsys):
+    """Claim: GRPOConfig's vLLM settings (vllm_mode, vllm_gpu_memory_utilization, ...), which TRL reads only with
+    use_vllm true, are skipped in a --config file with one line naming them together (vllm_mode was refused even
+    with use_vllm false); with use_vllm true the file is refused, naming use_vllm."""
+    vllm = "vllm_mode: colocate\nvllm_gpu_memory_utilization: 0.3\nvllm_tensor_parallel_size: 1\n"
+    cfg = parse_yaml(tmp_path, "use_vllm: false\n" + vllm)
+    assert dataclasses.replace(cfg, config=None) == parse_args(["--model", "tiny"])
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and ("vllm_mode, vllm_gpu_memory_utilization, vllm_tensor_parallel_size: TRL reads "
+                                      "vLLM's settings only with use_vllm true") in out, out
+    assert "use_vllm: True is not what this trainer does" in refusal(capsys, lambda: parse_yaml(
+        tmp_path, "use_vllm: true\n" + vllm))
+
+
 def test_trl_eval_strategy_no_turns_evaluation_off(tmp_path, capsys):
     """Claim: eval_strategy "no" is skipped with a line and taken as TRL means it, --eval-every 0 (this trainer's
     default evaluates every 10 iterations); eval_every in the file or on the command line wins."""
@@ -469,7 +500,7 @@ def test_reward_funcs_is_trls_name_for_reward(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("key", ["logging_strategyx", "reward_model_name_or_path", "ddp_timeout", "lora_task_type",
-                                 "vllm_importance_sampling_correction", "save_on_each_node"])
+                                 "vllm_enable_prefix_cachingx", "save_on_each_node"])
 def test_an_unknown_key_gets_no_far_fetched_hint(key, tmp_path, capsys):
     """Claim: an unknown key or option that is no misspelling of one of ours gets no "did you mean" (it got one that
     merely shared a word or an ending: reward_model_name_or_path -> model_name_or_path, which would swap the policy,
