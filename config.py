@@ -174,8 +174,8 @@ class Config:
                                        "'module:function' (TRL's module.function too) / 'path/to/file.py:function': "
                                        "f(prompt, completion, answer) -> float, or TRL's f(prompts, completions, "
                                        "**kwargs) -> list, async def too, given every dataset column and "
-                                       "trainer_state by keyword "
-                                       "(infra/reward.py; default: math)")
+                                       "trainer_state by keyword; TRL's CLI names (accuracy_reward, "
+                                       "think_format_reward, ...) load trl.rewards' (infra/reward.py; default: math)")
     reward_weights: list[float] | None = _opt(None, "one weight per --reward; the reward trained on is the weighted "
                                                     "sum, each reward is also logged alone (default: all 1.0)")
     reward_timeout: float = _opt(10.0, "seconds one reward call may take (a TRL-style reward: one call per group); a "

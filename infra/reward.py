@@ -143,9 +143,25 @@ def _load_file(path: Path):
     return module
 
 
+# TRL's CLI names for trl.rewards' functions (trl/scripts/grpo.py, reward_funcs_registry): what each loads
+TRL_REGISTRY = {"accuracy_reward": "trl.rewards.accuracy_reward",
+                "reasoning_accuracy_reward": "trl.rewards.reasoning_accuracy_reward",
+                "think_format_reward": "trl.rewards.think_format_reward",
+                "get_soft_overlong_punishment": "trl.rewards.get_soft_overlong_punishment"}
+TRL_FACTORY_ARGUMENTS = {"get_soft_overlong_punishment": {"max_completion_len": 1280, "soft_punish_cache": 256}}
+
+
 def load_reward(spec: str) -> Reward:
     """'math' -> `math_reward`; 'math-verify' -> `math_verify_reward`; 'package.module:function' (or TRL's
-    'package.module.function', its CLI's reward_funcs) or 'path/to/file.py:function' -> that function."""
+    'package.module.function', its CLI's reward_funcs) or 'path/to/file.py:function' -> that function; a name in
+    TRL's CLI registry (accuracy_reward, think_format_reward, ...) -> trl.rewards' function, as TRL's CLI makes it."""
+    if spec in TRL_REGISTRY:
+        if importlib.util.find_spec("trl") is None:
+            instead = " (or --reward math-verify: math-verify's check too)" if spec.endswith("accuracy_reward") else ""
+            raise RewardError(f"--reward {spec!r} is TRL's {TRL_REGISTRY[spec]}, and trl is not installed: pip "
+                              f"install trl{instead}")
+        function = load_reward(TRL_REGISTRY[spec])
+        return function(**TRL_FACTORY_ARGUMENTS[spec]) if spec in TRL_FACTORY_ARGUMENTS else function
     if spec == "math":
         return math_reward
     if spec == "math-verify":

@@ -167,3 +167,29 @@ def test_a_spawned_process_loads_rewards_alike(tmp_path, own_imports):
     if child.is_alive():  # hung: not left running
         child.kill()
     assert child.exitcode == 0 and results.get(timeout=5) == [3, 1.0]
+
+
+def test_trls_registry_names_load_trl_rewards(tmp_path, monkeypatch, own_imports):
+    """Claim: --reward accuracy_reward (and TRL's CLI's other registry names) loads trl.rewards' function as TRL's CLI
+    does (get_soft_overlong_punishment made with TRL's arguments, 1280 and 256); without trl installed it is refused
+    in one line naming the pip command (it was "not understood"). A stand-in trl package here: CI has no trl."""
+    package = tmp_path / "trl"
+    (package / "rewards").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "rewards" / "__init__.py").write_text(
+        "def accuracy_reward(completions, solution, **kwargs):\n    return [1.0] * len(completions)\n"
+        "def get_soft_overlong_punishment(max_completion_len, soft_punish_cache):\n"
+        "    def soft_overlong_punishment_reward(completion_ids, **kwargs):\n"
+        "        return [float(max_completion_len + soft_punish_cache)] * len(completion_ids)\n"
+        "    return soft_overlong_punishment_reward\n")
+    find_spec = importlib.util.find_spec
+    with monkeypatch.context() as without_trl:  # as if not installed, on a machine that has it too
+        without_trl.setattr(importlib.util, "find_spec",
+                            lambda name, *a: None if name == "trl" else find_spec(name, *a))
+        with pytest.raises(RewardError, match=r"'accuracy_reward' is TRL's trl.rewards.accuracy_reward, and trl is "
+                                              r"not installed: pip install trl \(or --reward math-verify"):
+            reward.load_reward("accuracy_reward")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert reward.load_reward("accuracy_reward") is importlib.import_module("trl.rewards").accuracy_reward
+    punishment = reward.load_reward("get_soft_overlong_punishment")
+    assert punishment.__name__ == "soft_overlong_punishment_reward" and punishment([[1], [2]]) == [1536.0, 1536.0]
