@@ -79,9 +79,8 @@ TRL_FIXED = {
              "--dtype bfloat16"),
     "save_strategy": (("no", False), "a checkpoint every --save-every N iterations (default 0: none)",
                       "--save-every N"),  # False: YAML 1.1 reads an unquoted no as false
-    "eval_strategy": (("no", False), "taken as --eval-every 0 (no held-out evaluation; by default this trainer "
-                                                     "evaluates every 10 iterations)",
-                      "--eval-every N: a held-out evaluation every N iterations"),
+    "eval_strategy": (("no", False), "a held-out evaluation every --eval-every iterations (default 10)",
+                      "--eval-every N (0: none)"),
     "warmup_steps": ((0,), "warm-up is --warmup-ratio's (default 0: none)",
                      "--warmup-ratio: the fraction of the optimizer steps warmed up over"),
     "optim": (("adamw_torch", "adamw_torch_fused"), "the optimizer is torch.optim.AdamW (launch/setup.py; fused is "
@@ -192,6 +191,9 @@ def unused_line(values: dict) -> str:
     for key, value in values.items():
         if key in TRL_UNUSED:
             reasons.setdefault(TRL_UNUSED[key], []).append(key)
+        elif key in FIXED_AS:
+            name, fixed = FIXED_AS[key]
+            reasons.setdefault(f"taken as --{name.replace('_', '-')} {fixed}", []).append(f"{key} {value!r}")
         else:
             reasons.setdefault(TRL_FIXED[key][1], []).append(f"{key} {value!r}")
     return "ignored TRL's " + "; ".join(f"{', '.join(keys)}: {reason}" for reason, keys in reasons.items())
