@@ -154,14 +154,16 @@ def inference_process(model_name: str, load_kwargs: dict, connection, heartbeat:
                               final_iteration, send=lambda message: results.put(("message", message)),
                               train_prompts=kind == "generate", share=share)
     except KeyboardInterrupt:  # Ctrl-C reaches the whole process group; the trainer stops too and reads no more
-        sys.exit(130)  # so nothing is flushed: the sender thread is a daemon
+        results.close(discard=True)  # so what is not sent yet is dropped
+        sys.exit(130)
     except BaseException as error:  # report, then die: the trainer turns this into a clear message
         summary = f"{type(error).__name__}: {error}" if isinstance(error, UserError) else traceback.format_exc()
         results.put(("error", summary))
         results.flush()
         sys.exit(1)
     finally:
-        beating.stop()  # before the interpreter finalizes (Heartbeat)
+        results.close()  # both threads end before the interpreter finalizes (Heartbeat, Outbox.close)
+        beating.stop()
 
 
 # --- the trainer's handle on one inference process ---

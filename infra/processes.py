@@ -111,6 +111,19 @@ class Outbox:
         self.pending.put(None)
         self.thread.join()
 
+    def close(self, discard: bool = False, timeout: float = 2.0) -> None:
+        """End the sender before the process exits, so that no daemon thread is inside a send (pickling tensors)
+        while the interpreter finalizes (the abort Heartbeat's docstring describes); `discard`: drop what is not
+        sent yet (after Ctrl-C nobody reads it). Waits at most `timeout` seconds: a trainer that stopped reading
+        leaves a send blocked on a full pipe, and then the process exits as it did without this."""
+        if discard:
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    self.pending.get_nowait()
+        self.pending.put(None)
+        with contextlib.suppress(KeyboardInterrupt):  # a second Ctrl-C while exiting: exit all the same
+            self.thread.join(timeout)
+
 
 def next_command(connection) -> tuple:
     """The trainer's next command; ("stop",) once it has closed its end of the pipe."""

@@ -3,6 +3,8 @@ on N, a dead worker stops the run naming it, and the device split that balances 
 import os
 import re
 import signal
+import threading
+import time
 
 import pytest
 import torch
@@ -245,3 +247,42 @@ def test_a_worker_spawn_holds_ctrl_c_off_for_its_fork_and_exec_alone(tiny_model_
         assert len(ends) == 1 and "libtorch" not in ends[0], "the block waited for the child's imports"
         remote.wait_until_loaded()
         assert "libtorch" in open(f"/proc/{spawned[-1].pid}/maps").read()
+
+
+class SlowPipe:
+    """A connection whose sends block until `opened` is set (a trainer that stopped reading), recording them."""
+
+    def __init__(self):
+        self.sent, self.opened, self.sending = [], threading.Event(), threading.Event()
+
+    def send(self, message):
+        self.sending.set()
+        self.opened.wait()
+        self.sent.append(message)
+
+
+def test_the_outbox_sender_ends_before_the_process_exits():
+    """Claim: Outbox.close ends the sender thread, which is a daemon: one left inside a send (pickling tensors) while
+    the interpreter finalizes can abort the process, as the heartbeat did (Heartbeat). Plain close sends what is
+    pending, then the thread ends; close(discard=True), after Ctrl-C, drops what is not sent yet; and against a
+    trainer that stopped reading (a send blocked on a full pipe) close returns after its timeout instead of hanging."""
+    from infra.processes import Outbox
+    pipe = SlowPipe()
+    pipe.opened.set()
+    outbox = Outbox(pipe)
+    for k in range(3):
+        outbox.put(k)
+    outbox.close()
+    assert pipe.sent == [0, 1, 2] and not outbox.thread.is_alive()
+
+    stuck = SlowPipe()
+    outbox = Outbox(stuck)
+    for k in range(3):
+        outbox.put(k)
+    assert stuck.sending.wait(5)  # the sender is inside the send of 0
+    start = time.monotonic()
+    outbox.close(discard=True, timeout=0.3)
+    assert 0.25 < time.monotonic() - start < 5 and outbox.thread.is_alive()  # blocked in the send of 0
+    stuck.opened.set()  # the pipe drains: 0 goes out, 1 and 2 were dropped, and the thread ends
+    outbox.thread.join(5)
+    assert stuck.sent == [0] and not outbox.thread.is_alive()
