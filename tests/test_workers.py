@@ -286,3 +286,31 @@ def test_the_outbox_sender_ends_before_the_process_exits():
     stuck.opened.set()  # the pipe drains: 0 goes out, 1 and 2 were dropped, and the thread ends
     outbox.thread.join(5)
     assert stuck.sent == [0] and not outbox.thread.is_alive()
+
+
+class StopAt:
+    """A trainer's end of the pipe that answers ("stop",) to the `at`-th command read, after ("load",) ones."""
+
+    def __init__(self, at: int = 1):
+        self.sent, self.left = [], at
+
+    def recv(self):
+        self.left -= 1
+        return ("stop",) if self.left <= 0 else ("load",)
+
+    def send(self, message):
+        self.sent.append(message)
+
+
+@pytest.mark.parametrize("at", [1, 2])
+def test_an_inference_process_ends_its_threads_before_it_exits(at, monkeypatch):
+    """Claim: inference_process stops its heartbeat and its sender thread (Heartbeat, Outbox.close) on the way out,
+    whichever command ends it (a stop before loading, or after), and what it put is sent first ("loaded"). Both are
+    daemon threads; one left running inside a torch call or a send while the interpreter finalizes aborts the
+    process (SIGABRT). Run in this process (the entry point as a function), with the parent watch left out."""
+    monkeypatch.setattr(inference, "die_with_parent", lambda: None)
+    before = set(threading.enumerate())
+    pipe = StopAt(at)
+    inference.inference_process("tiny", {}, pipe, torch.zeros(1), ["math"], None, takes_sigint=False)
+    assert pipe.sent == [("loaded", None)] * (at - 1)
+    assert not [thread for thread in set(threading.enumerate()) - before if thread.is_alive()]
