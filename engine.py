@@ -481,19 +481,25 @@ def compiled_layers(decoder):
     takes as inputs, so a 24-layer model compiles about what one layer needs, once per process. Inductor
     fuses each layer's elementwise chains (RMSNorm, rotary, SiLU·up, residual adds) around the matrix
     products. RowCache.update runs outside it (torch.compiler.disable), and the layer index it is given is
-    an input of the compiled code, not a constant (allow_unspec_int_on_nn_module), so one compilation serves
-    every layer. The model is left as it was on the way out: its layers' own forward again."""
+    an input of the compiled code, not a constant (allow_unspec_int_on_nn_module), so the compilations do not
+    grow with the depth. The model is left as it was on the way out: its layers' own forward again."""
     layers = list(decoder.layers)
     kind = type(layers[0])
-    compiled = _COMPILED_FORWARD.setdefault(kind, torch.compile(kind.forward))
+    if kind not in _COMPILED_FORWARD:
+        _COMPILED_FORWARD[kind] = torch.compile(kind.forward)
+    compiled = _COMPILED_FORWARD[kind]
+    own = [vars(layer).get("forward") for layer in layers]  # a forward set on the layer itself (a hook), kept
     for layer in layers:
         layer.forward = types.MethodType(compiled, layer)
     try:
         with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
             yield
     finally:
-        for layer in layers:
-            del layer.forward
+        for layer, forward in zip(layers, own):
+            if forward is None:
+                del layer.forward
+            else:
+                layer.forward = forward
 
 
 def round_up(length: int, multiple: int) -> int:

@@ -239,7 +239,8 @@ def unscored_line(iteration: int, share: float) -> str:
     >>> unscored_line(3, 0.25)[:81]
     'periodic-rl: warning: iteration 3: 25% of the responses were scored by no reward '
     """
-    return (f"periodic-rl: warning: iteration {iteration}: {share:.0%} of the responses were scored by no reward "
+    percent = f"{share:.0%}" if share >= 0.01 else "under 1%"
+    return (f"periodic-rl: warning: iteration {iteration}: {percent} of the responses were scored by no reward "
             f"(every --reward returned None for them): they count in no reward mean and get advantage 0"
             f"{', so this step learns nothing from the rewards' if share == 1 else ''}. Said once; each iteration's "
             f"share is frac_reward_unscored in metrics.jsonl.")

@@ -93,7 +93,8 @@ class Outbox:
 
     def __init__(self, connection):
         self.pending: queue.SimpleQueue = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._send_all, args=(connection,), daemon=True)
+        self.closed = False
+        self.thread = threading.Thread(target=self._send_all, args=(connection,), name="outbox", daemon=True)
         self.thread.start()
 
     def put(self, message) -> None:
@@ -116,6 +117,9 @@ class Outbox:
         while the interpreter finalizes (the abort Heartbeat's docstring describes); `discard`: drop what is not
         sent yet (after Ctrl-C nobody reads it). Waits at most `timeout` seconds: a trainer that stopped reading
         leaves a send blocked on a full pipe, and then the process exits as it did without this."""
+        if self.closed or not self.thread.is_alive():  # closed, or flushed, already: the timeout is spent once
+            return
+        self.closed = True
         if discard:
             with contextlib.suppress(queue.Empty):
                 while True:

@@ -142,7 +142,7 @@ def epilog() -> str:
     lines += ["", "TRL's option names are accepted where they mean the same: " + ", ".join(
         f"--{trl.replace('_', '-')}" for trl in [*TRL_ALIASES, "epsilon"]) + "."]
     lines += ["In a --config file, TRL's keys for what this trainer has no use for are ignored, with a line: "
-              + ", ".join([key for key in TRL_UNUSED if key not in VLLM_KEYS] + ["every vllm_* key"])
+              + ", ".join([key for key in TRL_UNUSED if key not in VLLM_KEYS] + ["GRPOConfig's vllm_* settings"])
               + "; so are these at what this trainer does (another value is refused): "
               + ", ".join(f"{key} {' or '.join(map(repr, TRL_FIXED[key][0][:2 if key == 'optim' else 1]))}"
                           for key in TRL_FIXED) + "."]

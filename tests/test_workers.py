@@ -283,6 +283,9 @@ def test_the_outbox_sender_ends_before_the_process_exits():
     start = time.monotonic()
     outbox.close(discard=True, timeout=0.3)
     assert 0.25 < time.monotonic() - start < 5 and outbox.thread.is_alive()  # blocked in the send of 0
+    start = time.monotonic()
+    outbox.close(timeout=0.3)  # again (inference_process's finally after its Ctrl-C branch): the wait is not repeated
+    assert time.monotonic() - start < 0.2
     stuck.opened.set()  # the pipe drains: 0 goes out, 1 and 2 were dropped, and the thread ends
     outbox.thread.join(5)
     assert stuck.sent == [0] and not outbox.thread.is_alive()
@@ -308,9 +311,13 @@ def test_an_inference_process_ends_its_threads_before_it_exits(at, monkeypatch):
     whichever command ends it (a stop before loading, or after), and what it put is sent first ("loaded"). Both are
     daemon threads; one left running inside a torch call or a send while the interpreter finalizes aborts the
     process (SIGABRT). Run in this process (the entry point as a function), with the parent watch left out."""
+    import transformers
     monkeypatch.setattr(inference, "die_with_parent", lambda: None)
+    monkeypatch.setattr(torch, "set_num_threads", lambda threads: None)  # this process's count stays
+    monkeypatch.setattr(transformers.utils.logging, "disable_progress_bar", lambda: None)
     before = set(threading.enumerate())
     pipe = StopAt(at)
     inference.inference_process("tiny", {}, pipe, torch.zeros(1), ["math"], None, takes_sigint=False)
     assert pipe.sent == [("loaded", None)] * (at - 1)
-    assert not [thread for thread in set(threading.enumerate()) - before if thread.is_alive()]
+    left = [thread.name for thread in set(threading.enumerate()) - before if thread.is_alive()]
+    assert "heartbeat" not in left and "outbox" not in left, left
