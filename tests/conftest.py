@@ -77,3 +77,15 @@ def learn_iteration(learner, groups) -> None:
             learner.accumulate(micro_batch)
             if learner.minibatch_done():
                 learner.step()
+
+
+@pytest.fixture(autouse=True)
+def no_module_from_a_test_folder(tmp_path_factory):
+    """After each test, forget the modules it imported from pytest's temporary folders (reward files: infra/reward.py
+    registers a file's module under its name, as import does), so that a later test's file of the same name, in
+    the same process, is imported afresh instead of found in sys.modules (a test then failed or passed by order)."""
+    yield
+    base = str(tmp_path_factory.getbasetemp())
+    for name, module in list(sys.modules.items()):
+        if (getattr(module, "__file__", None) or "").startswith(base):
+            del sys.modules[name]
