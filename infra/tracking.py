@@ -19,7 +19,7 @@ front by `rewrite_logs`), so dashboards of the two trainers line up. `tracker_na
     terminated_length        .../mean_terminated_length        completions/mean_terminated_length
     truncated_fraction       train/completions/clipped_ratio   completions/clipped_ratio (no EOS in the length)
     learning_rate, entropy,  train/<key>                       the same keys (learning_rate: transformers')
-    frac_reward_zero_std
+    frac_reward_zero_std     (frac_reward_unscored: ours)
     eval_reward              eval/reward                       eval_reward -> eval/reward
     <name>_s, tokens_per_s,  time/<name>                       (TRL logs no pipeline timing)
     overlap
