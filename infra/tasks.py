@@ -360,8 +360,11 @@ def check_prompt_lengths(tokenizer, examples: list[Example], context: int | None
     if context is None:
         return
     if max_new_tokens >= context:  # no prompt fits: the option is the fault, not the data
+        longest = max(count_tokens(tokenizer, example.prompt, context)[0] for example in examples)
+        lower = (f"lower it to {context - longest} or less (the longest prompt has {longest} tokens)"
+                 if longest < context else f"lower it, and drop the prompts of {context} tokens or more from the data")
         raise TaskError(f"--max-new-tokens {max_new_tokens} (--max-completion-length) leaves no room for a prompt in "
-                        f"the model's context of {context} tokens (max_position_embeddings): lower it below {context}")
+                        f"the model's context of {context} tokens (max_position_embeddings): {lower}")
     limit = context - max_new_tokens
     candidates = [e for e in examples if wrapper[_roles(e.prompt)] + _text_bytes(e.prompt) > limit]
     length, longest, start = 0, None, None

@@ -242,9 +242,11 @@ def test_conversations_need_a_chat_template_and_fit_the_context():
     assert length == len("<user>" + "1+" * 60 + "1?\n<assistant>")  # byte-level: one token per character
     with pytest.raises(TaskError, match=f"the longest prompt is {length} tokens"):
         tasks.check_prompt_lengths(tokenizer, chats + [long], length + 7, 8)
+    most = 256 - max(len(tasks.prompt_token_ids(tokenizer, chat.prompt)) for chat in chats)
     with pytest.raises(TaskError, match=r"^--max-new-tokens 300 \(--max-completion-length\) leaves no room for a "
-                                        r"prompt in the model's context of 256 tokens .*: lower it below 256$"):
-        tasks.check_prompt_lengths(tokenizer, chats, 256, 300)  # the option named, not the data
+                                        rf"prompt in the model's context of 256 tokens .*: lower it to {most} or less"):
+        tasks.check_prompt_lengths(tokenizer, chats, 256, 300)  # the option named, not the data, and what fits
+    tasks.check_prompt_lengths(tokenizer, chats, 256, most)  # the number it names does fit
 
 
 # --- bad data: one line ---
