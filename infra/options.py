@@ -502,7 +502,7 @@ def file_arguments(path: str, skip: set[str] = frozenset(), note=lambda line: No
         raise ValueError("; ".join(refused))
     unused = {key: value for key, value in values.items() if key in TRL_UNUSED or key in TRL_FIXED}
     if unused:
-        note(unused_line(unused))
+        note(unused_line(unused, given={key for key in values if key not in unused} | set(skip)))
     values = {key: value for key, value in values.items() if key not in unused}
     for key, (name, value) in FIXED_AS.items():  # e.g. eval_strategy "no": --eval-every 0, unless given otherwise
         if key in unused and name not in values:

@@ -176,7 +176,7 @@ def fixed_refusal(key: str, value) -> str:
                                                                             "no option changes it")
 
 
-def unused_line(values: dict) -> str:
+def unused_line(values: dict, given: set[str] = frozenset()) -> str:
     """The line a --config file with TRL's keys for what has no use here (`TRL_UNUSED`) or at what this trainer does
     (`TRL_FIXED`) gets, from those keys and their values.
 
@@ -191,9 +191,11 @@ def unused_line(values: dict) -> str:
     for key, value in values.items():
         if key in TRL_UNUSED:
             reasons.setdefault(TRL_UNUSED[key], []).append(key)
-        elif key in FIXED_AS:
+        elif key in FIXED_AS:  # read as our option at its value, unless that option is `given` (it wins)
             name, fixed = FIXED_AS[key]
-            reasons.setdefault(f"taken as --{name.replace('_', '-')} {fixed}", []).append(f"{key} {value!r}")
+            option = f"--{name.replace('_', '-')}"
+            reasons.setdefault(f"{option} is given" if name in given else f"taken as {option} {fixed}", []).append(
+                f"{key} {value!r}")
         else:
             reasons.setdefault(TRL_FIXED[key][1], []).append(f"{key} {value!r}")
     return "ignored TRL's " + "; ".join(f"{', '.join(keys)}: {reason}" for reason, keys in reasons.items())

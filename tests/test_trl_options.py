@@ -460,11 +460,13 @@ def test_trls_vllm_settings_are_skipped_without_use_vllm(tmp_path, capsys):
 
 def test_trl_eval_strategy_no_turns_evaluation_off(tmp_path, capsys):
     """Claim: eval_strategy "no" is skipped with a line and taken as TRL means it, --eval-every 0 (this trainer's
-    default evaluates every 10 iterations); eval_every in the file or on the command line wins."""
+    default evaluates every 10 iterations); eval_every in the file or on the command line wins, and the line says so."""
     assert parse_yaml(tmp_path, "eval_strategy: 'no'\n").eval_every == 0
     assert "ignored TRL's eval_strategy 'no': taken as --eval-every 0" in capsys.readouterr().out
     assert parse_yaml(tmp_path, "eval_strategy: 'no'\neval_every: 5\n").eval_every == 5
+    assert "ignored TRL's eval_strategy 'no': --eval-every is given" in capsys.readouterr().out
     assert parse_yaml(tmp_path, "eval_strategy: 'no'\n", "--eval-every", "3").eval_every == 3
+    assert "ignored TRL's eval_strategy 'no': --eval-every is given" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("text, fragment", [
