@@ -2,6 +2,7 @@
 (rollout.sample_responses with rollout.sampling_config), side by side in one process, interleaved.
 
     python benchmarks/engine_cpu.py [--layers 2] [--prompts 4] [--group-size 8] [--max-new-tokens 48] [--rounds 3]
+                                    [--compile]
 
 Model: Qwen2.5-0.5B's width (hidden 896, 14 query / 2 key-value heads, MLP 4864, vocabulary 151,936, tied
 embeddings) with --layers layers, random weights, float32. Prompts: the first --prompts GSM8K questions, one token
@@ -9,7 +10,9 @@ per UTF-8 byte (the length the project's offline tokenizer gives; with random we
 Random weights almost never draw an EOS id, so every response runs to --max-new-tokens on both sides.
 
 Each round samples one iteration with each side (which goes first alternates) and prints both times; then the
-median per side and the ratio hf / engine (target: 1.6x or more). A last, untimed iteration of each side splits
+median per side and the ratio hf / engine (target: 1.6x or more). --compile adds a third side, the engine with
+its layers compiled (--engine compile), after an untimed first call whose seconds (the compilation) are printed.
+A last, untimed iteration of each side splits
 the time: the engine's prefill, decode forwards and draws; `generate`'s prefill and decode forwards (the rest:
 its sampling and bookkeeping).
 """
@@ -57,6 +60,21 @@ def gsm8k_prompts(path: Path, count: int) -> list[list[int]]:
     return [[byte + 3 for byte in question.encode()] for question in questions]
 
 
+def flips(a: list[list[list[int]]], b: list[list[list[int]]]) -> tuple[list[int], list[int]]:
+    """Two calls' responses compared row by row: (the step of each row's first differing token, sorted; the tokens
+    each row drew from prefixes equal on both sides, up to and including its first difference).
+
+    >>> flips([[[1, 2, 3], [4, 5]]], [[[1, 9, 3], [4, 5]]])
+    ([1], [2, 2])
+    """
+    firsts, drawn = [], []
+    for x, y in ((x, y) for group_a, group_b in zip(a, b) for x, y in zip(group_a, group_b)):
+        first = next((t for t, (p, q) in enumerate(zip(x, y)) if p != q), None)
+        firsts += [] if first is None else [first]
+        drawn.append(min(len(x), len(y)) if first is None else first + 1)
+    return sorted(firsts), drawn
+
+
 def timed(fn) -> float:
     start = time.perf_counter()
     fn()
@@ -96,6 +114,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="timed iterations per side")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--no-split", action="store_true", help="skip the untimed iteration that splits the time")
+    parser.add_argument("--compile", action="store_true", help="add the engine with its layers compiled (a third side)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -107,10 +126,10 @@ def main() -> None:
     stops = eos_ids(args.vocab)
     generation = rollout.sampling_config(settings, stops, stops[1])
 
-    def run_engine():
+    def run_engine(compile_step: bool = False):
         return engine.sample_groups(model, prompts, args.group_size, max_new_tokens=args.max_new_tokens,
                                     temperature=args.temperature, top_p=args.top_p, stop_ids=stops,
-                                    keys=[(0, 0, j) for j in range(len(prompts))])
+                                    keys=[(0, 0, j) for j in range(len(prompts))], compile_step=compile_step)
 
     def run_hf():
         return rollout.sample_responses(model, prompts, args.group_size, generation, seed=0)
@@ -119,17 +138,31 @@ def main() -> None:
           f"{torch.get_num_threads()} threads | {len(prompts)} GSM8K prompts ({min(map(len, prompts))}-"
           f"{max(map(len, prompts))} tokens) x {args.group_size} samples x {args.max_new_tokens} new tokens")
     sides = {"engine": run_engine, "hf": run_hf}
-    seconds: dict[str, list[float]] = {"engine": [], "hf": []}
+    if args.compile:
+        sides["compiled"] = functools.partial(run_engine, compile_step=True)
+    seconds: dict[str, list[float]] = {side: [] for side in sides}
     with torch.no_grad():
         run_engine()  # warm-up: first-call allocations, lazy imports
+        if args.compile:
+            start = time.perf_counter()
+            tokens = sides["compiled"]()
+            first = time.perf_counter() - start
+            differ, drawn = flips(run_engine(), tokens)
+            print(f"compiled side: first call {first:.1f} s (its compilation); rows that differ from the eager "
+                  f"engine's: {len(differ)} of {len(drawn)} (first at steps {differ}: {len(differ)} flips in "
+                  f"{sum(drawn)} tokens drawn from equal prefixes); a second compiled call samples the first's: "
+                  f"{sides['compiled']() == tokens}", flush=True)
         for round_ in range(args.rounds):
-            order = ["engine", "hf"] if round_ % 2 == 0 else ["hf", "engine"]
+            order = list(sides) if round_ % 2 == 0 else list(sides)[::-1]
             for side in order:
                 seconds[side].append(timed(sides[side]))
-            print(f"round {round_}: engine {seconds['engine'][-1]:.2f} s  hf {seconds['hf'][-1]:.2f} s", flush=True)
+            print(f"round {round_}: " + "  ".join(f"{side} {seconds[side][-1]:.2f} s" for side in sides), flush=True)
     engine_s, hf_s = statistics.median(seconds["engine"]), statistics.median(seconds["hf"])
     print(f"sampling seconds per iteration (median of {args.rounds}): engine {engine_s:.2f}  hf {hf_s:.2f}  "
           f"ratio hf/engine {hf_s / engine_s:.2f}x (target >= 1.6x)")
+    if args.compile:
+        compiled_s = statistics.median(seconds["compiled"])
+        print(f"compiled {compiled_s:.2f} s: engine/compiled {engine_s / compiled_s:.2f}x")
     if not args.no_split:
         split(model, run_engine, run_hf)
 
