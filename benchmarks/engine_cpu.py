@@ -12,9 +12,8 @@ Random weights almost never draw an EOS id, so every response runs to --max-new-
 Each round samples one iteration with each side (which goes first alternates) and prints both times; then the
 median per side and the ratio hf / engine (target: 1.6x or more). --compile adds a third side, the engine with
 its layers compiled (--engine compile), after an untimed first call whose seconds (the compilation) are printed.
-A last, untimed iteration of each side splits
-the time: the engine's prefill, decode forwards and draws; `generate`'s prefill and decode forwards (the rest:
-its sampling and bookkeeping).
+A last, untimed iteration of each side splits the time: the engine's prefill, decode forwards and draws;
+`generate`'s prefill and decode forwards (the rest: its sampling and bookkeeping).
 """
 from __future__ import annotations
 
