@@ -70,7 +70,8 @@ Departures, on purpose:
    torch's SDPA on recent GPUs, builds a graph for every new shape.
 10. compile_step (--engine compile) compiles the decoder layers, one compilation shared by all of them
    (compiled_layers), and leaves the cache writes and the draw eager: the whole step compiled as one
-   function recompiled as shapes changed and ran slower than eager on an H100 (docs/benchmarks.md).
+   function recompiled as shapes changed and ran slower than eager on an H100 (docs/benchmarks.md). If
+   compiling fails (no C++ compiler, no Triton), one line says so and the process decodes eagerly.
 """
 from __future__ import annotations
 
@@ -345,15 +346,31 @@ class Rollouts:
         implementation = config._attn_implementation
         if decoding:  # the decode step's attention reads the cache once (decode_attention); prefill as the model does
             config._attn_implementation = DECODE_ATTENTION
-        compiled = compiled_layers(self.decoder) if decoding and self.compile_layers else contextlib.nullcontext()
+        inputs = dict(input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=True,
+                      **{self.cache_argument: self.cache})
         try:
-            with compiled:
-                hidden = self.decoder(input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=True,
-                                      **{self.cache_argument: self.cache}).last_hidden_state  # (rows, T, H)
+            hidden = self.layers(inputs, compiled=decoding and self.compile_layers)  # (rows, T, H)
         finally:
             config._attn_implementation = implementation
         hidden = hidden[:, -1] if packed_ends is None else hidden[0, packed_ends]  # (rows, H) or (k, H)
         return torch.mm(self.head, hidden.t()).t()  # (rows, V) = ((V, H)·(H, rows))ᵀ, departure 4
+
+    def layers(self, inputs: dict, compiled: bool) -> torch.Tensor:
+        """The decoder's last hidden states, through compiled_layers if `compiled`. If torch.compile fails (no C++
+        compiler for Inductor on CPU, no Triton on a GPU, an unsupported operation), one line says so and the
+        process decodes without it from then on: the same steps, only slower. Running the step again eagerly is
+        exact: the cache writes it repeats put the same keys at the same slots."""
+        global COMPILE_FAILED
+        if compiled and COMPILE_FAILED is None:
+            try:
+                with compiled_layers(self.decoder):
+                    return self.decoder(**inputs).last_hidden_state
+            except torch._dynamo.exc.TorchDynamoException as error:
+                cause = getattr(error, "inner_exception", None) or error.__cause__ or error  # what the backend raised
+                COMPILE_FAILED = f"{type(cause).__name__}: {(str(cause).strip() or '?').splitlines()[0]}"[:300]
+                print(f"engine: torch.compile failed, decoding without it: {COMPILE_FAILED}", file=sys.stderr,
+                      flush=True)
+        return self.decoder(**inputs).last_hidden_state
 
     def draw(self, logits: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         self.nonfinite.logical_or_(~torch.isfinite(logits).all())  # read by the host when it looks (no sync here)
@@ -472,6 +489,7 @@ class DecodeGraphs:
 
 # --- --engine compile: the decoder layers through torch.compile, one compilation for all of them ---
 _COMPILED_FORWARD: dict[type, Callable] = {}  # a layer class -> torch.compile of its forward, for the process
+COMPILE_FAILED: str | None = None  # why torch.compile failed in this process (Rollouts.layers), once it has
 
 
 @contextlib.contextmanager
@@ -555,7 +573,8 @@ def sample_groups(model, prompts: list[list[int]], group_size: int, *, max_new_t
     most this many tokens (one forward each instead of one per prompt; a pack's attention costs its length
     squared, so long prompts gain nothing from packing and go alone; default 512 on CPU, 8192 elsewhere).
     compile_step: the decode step's layers through torch.compile (compiled_layers: Inductor fuses their
-    elementwise chains), then captured as before; the first steps of a process pay one layer's compilation.
+    elementwise chains), then captured as before; the first steps of a process pay one layer's compilation (if it
+    fails: one line on stderr, and eager layers for the rest of the process).
     pad_to_multiple_of: the cache length and every prefill row rounded up to a multiple of this (departure 9).
     """
     reason = unsupported_reason(model)

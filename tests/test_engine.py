@@ -460,6 +460,35 @@ def test_the_compiled_layers_compile_once_whatever_the_depth():
     assert shallow >= 1 and deep == shallow, (shallow, deep)
 
 
+def test_a_failed_compilation_decodes_without_it_and_says_so_once(monkeypatch, capsys):
+    """Claim (--engine compile, reliability): where torch.compile cannot compile (here Inductor finds no C++ compiler,
+    as on a machine without one; no Triton on a GPU fails the same way), the call still returns the eager engine's
+    tokens exactly (the failed step is run again eagerly: it writes the same keys at the same slots), says so in
+    one line on stderr, and later calls of the process do not try again. Before, the run ended in a 128-line
+    traceback. Teeth: without the fallback the call raises InductorError."""
+    import torch._inductor.config as inductor_config
+    torch._dynamo.reset()
+    monkeypatch.setattr(engine, "COMPILE_FAILED", None)
+    monkeypatch.setattr(engine, "_COMPILED_FORWARD", {})
+    no_compiler = inductor_config.patch({"cpp.cxx": (None, "/nonexistent/g++"),
+                                         "force_disable_caches": True})  # and no compiled code of an earlier test
+    model = random_model("qwen2", vocab=64)
+    prompts = random_prompts([3, 17, 8], 64)
+    common = dict(max_new_tokens=6, temperature=1.0, stop_ids=[1, 2], keys=keys(3))
+    try:
+        with no_compiler:
+            compiled = engine.sample_groups(model, prompts, 2, compile_step=True, **common)
+        assert compiled == engine.sample_groups(model, prompts, 2, **common)
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("engine:")]
+        assert len(lines) == 1 and lines[0].startswith("engine: torch.compile failed, decoding without it: "), lines
+        assert "compiler" in lines[0].lower(), lines
+        engine.sample_groups(model, prompts, 2, compile_step=True, **common)  # the process has given up compiling
+        assert not [line for line in capsys.readouterr().err.splitlines() if line.startswith("engine:")]
+        assert not any("forward" in vars(layer) for layer in model.get_decoder().layers)
+    finally:
+        torch._dynamo.reset()
+
+
 def test_every_eos_id_stops_a_sampled_response(qwen_shaped_dir):
     """Claim: with the Qwen2.5-Instruct-shaped fixture's two EOS ids as stop ids, a sampled response ends at the first
     of either (kept) and nothing follows; a response without one runs to max_new_tokens. Teeth: with the fixture's
