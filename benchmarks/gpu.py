@@ -1,4 +1,4 @@
-"""`python bench.py gpu`: the GPU table in one command (~10-20 minutes of one H100), three parts, each printed as it
+"""`python bench.py gpu`: the GPU table in one command (~10-20 minutes of one H100), four parts, each printed as it
 finishes and all written to --json.
 
 1. decode: 16 GSM8K questions x 8 samples = 128 rows of the Qwen2.5-0.5B configuration (random weights, bfloat16,
@@ -14,9 +14,13 @@ finishes and all written to --json.
    keys and values of every row's context at mid-response, the logits written in float32) over the step's time,
    against the device's own copy bandwidth (a 1 GiB device-to-device copy, bytes read + written): the floor is
    those bytes at that bandwidth. Goal: 2 ms or less per step.
-2. pipeline: `trainer.py --mode sync` against `--mode async` on the one device, --groups-per-chunk 4 (4 generate
+2. kernels: what one decode step launches, eager and with --engine compile's fused layers (no graphs, so every
+   kernel is seen): profiled calls of 2 and 2 + S new tokens, differenced, per kernel and by kind (matrix
+   products, attention, cache writes, draw, fused, elementwise): counts, and their summed GPU time, which is what a
+   CUDA graph replays without the launch gaps. On CPU the operators the dispatcher runs, counted the same way.
+3. pipeline: `trainer.py --mode sync` against `--mode async` on the one device, --groups-per-chunk 4 (4 generate
    calls per iteration, so async has groups to overlap), seconds per iteration (first dropped).
-3. peer: `bench.py peer --model DIR --data GSM8K --device cuda`: samples/s against TRL 1.16's GRPOTrainer with
+4. peer: `bench.py peer --model DIR --data GSM8K --device cuda`: samples/s against TRL 1.16's GRPOTrainer with
    HF generate (goal: 3x or more), when --trl-python has trl (else skipped, and said why).
 
 The model is tools/qwen_shaped_random.py's directory (Qwen2.5-0.5B-Instruct's config, chat template and generation
@@ -46,7 +50,7 @@ from benchmarks.engine_cpu import eos_ids, gsm8k_prompts, qwen_wide_model
 from benchmarks.peer import peer, peer_run
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ("decode", "pipeline", "peer")
+PARTS = ("decode", "kernels", "pipeline", "peer")
 GOAL_DECODE_MS = 2.0
 
 
@@ -57,12 +61,13 @@ def gpu_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda", help="where everything runs (cpu: a dry run of every part)")
     parser.add_argument("--data", type=Path, default=default_data, help="GSM8K folder (train.jsonl, test.jsonl)")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"which parts, comma-separated: {', '.join(PARTS)}")
-    parser.add_argument("--layers", type=int, default=24, help="decode part: decoder layers (Qwen2.5-0.5B: 24)")
-    parser.add_argument("--vocab", type=int, default=151936, help="decode part: vocabulary (Qwen2.5's by default)")
-    parser.add_argument("--prompts", type=int, default=16, help="decode part: prompts (x --group-size rows)")
+    parser.add_argument("--layers", type=int, default=24, help="decode, kernels: decoder layers (Qwen2.5-0.5B: 24)")
+    parser.add_argument("--vocab", type=int, default=151936, help="decode, kernels: vocabulary (Qwen2.5's by default)")
+    parser.add_argument("--prompts", type=int, default=16, help="decode, kernels: prompts (x --group-size rows)")
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--decode-tokens", type=int, default=128, help="decode part: M, the longest run's new tokens")
     parser.add_argument("--rounds", type=int, default=3, help="decode part: interleaved rounds per side")
+    parser.add_argument("--profile-steps", type=int, default=16, help="kernels part: decode steps profiled per side")
     parser.add_argument("--model", default=None, help="pipeline and peer parts: a model directory or name "
                                                       "(default: tools/qwen_shaped_random.py's, built in a temp dir)")
     parser.add_argument("--train-tokens", type=int, default=256,
@@ -190,7 +195,97 @@ def decode_part(args: argparse.Namespace, device: torch.device) -> dict:
     return figures
 
 
-# --- parts 2 and 3: whole runs ---
+# --- part 2: kernels ---
+KINDS = (("fused (torch.compile)", ("triton_", "cpp_fused")),
+         ("matrix products", ("gemm", "gemv", "cutlass", "cublas", "splitk", "aten::mm", "aten::addmm", "aten::bmm")),
+         ("attention", ("fmha", "flash", "attention", "cudnn", "scaled_dot_product")),
+         ("cache writes", ("index_put", "indexing", "scatter")),
+         ("draw", ("sort", "softmax", "cumsum", "scan", "searchsorted", "argmax", "gather", "uniform")))
+def kind_of(name: str) -> str:
+    lowered = name.lower()
+    return next((kind for kind, marks in KINDS if any(mark in lowered for mark in marks)), "elementwise and other")
+
+
+def kernels_of(run, device: torch.device) -> dict[str, list[float]]:
+    """name -> [count, microseconds] of the kernels one call of `run` launches: on CUDA the GPU's kernels and their
+    time on the GPU (torch.profiler); on CPU the operators that compute, as the dispatcher sees them below autograd
+    (views and allocations left out), each timed around its call."""
+    found: dict[str, list[float]] = {}
+
+    def add(name: str, micros: float) -> None:
+        entry = found.setdefault(name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += micros
+    if device.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiled:
+            run()
+            synchronized(device)
+        for event in profiled.events():
+            name = event.name.lower()
+            if event.device_type == torch.autograd.DeviceType.CUDA and "memcpy" not in name and "memset" not in name:
+                add(event.name, event.time_range.elapsed_us())
+        return found
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Kernels(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.is_view or func.__name__.split(".")[0] in ("empty", "empty_strided", "detach", "lift_fresh",
+                                                                             "_unsafe_view"):
+                return func(*args, **(kwargs or {}))
+            start = time.perf_counter()
+            out = func(*args, **(kwargs or {}))
+            add(f"aten::{func.__name__.split('.')[0]}", (time.perf_counter() - start) * 1e6)
+            return out
+    with Kernels():
+        run()
+    return found
+
+
+def kernels_part(args: argparse.Namespace, device: torch.device) -> dict:
+    """What one decode step launches, per side: profiled calls of 2 and 2 + S new tokens (the same prompts and
+    prefill; the host looks after every step, so they run 1 and 1 + S decode steps), their difference over S. On a
+    GPU a CUDA graph replays these kernels without the launch gaps, so their summed time is what graphs can reach
+    without fusing; their count is what fusing (--engine compile) cuts."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = qwen_wide_model(args.layers, args.vocab).to(device=device, dtype=dtype)
+    prompts = [[token % args.vocab for token in prompt] for prompt in
+               gsm8k_prompts(args.data / "train.jsonl", args.prompts)]
+    keys, stops, steps = [(0, 0, j) for j in range(len(prompts))], eos_ids(args.vocab), args.profile_steps
+    sides = {"engine, eager": False, "engine, compiled": True}
+    if device.type != "cuda":
+        del sides["engine, compiled"]  # its CPU figures are benchmarks/engine_cpu.py --compile's
+    figures: dict = {"rows": len(prompts) * args.group_size, "steps": steps, "sides": {}}
+    for name, compiled in sides.items():
+        def run(m: int):
+            return lambda: engine.sample_groups(model, prompts, args.group_size, max_new_tokens=m, stop_ids=stops,
+                                                keys=keys, cuda_graphs=False, compile_step=compiled, check_every=1)
+        with torch.no_grad():
+            run(2)(), run(2 + steps)()  # compilation (both cache lengths), lazy initialisation
+            short, long = kernels_of(run(2), device), kernels_of(run(2 + steps), device)
+        per_step = {kernel: [(count - short.get(kernel, [0, 0.0])[0]) / steps,
+                             (micros - short.get(kernel, [0, 0.0])[1]) / steps]
+                    for kernel, (count, micros) in long.items()}
+        per_step = {kernel: v for kernel, v in per_step.items() if v[0] > 0}
+        by_kind: dict[str, list[float]] = {}
+        for kernel, (count, micros) in per_step.items():
+            entry = by_kind.setdefault(kind_of(kernel), [0.0, 0.0])
+            entry[0] += count
+            entry[1] += micros
+        total = [sum(v[0] for v in per_step.values()), sum(v[1] for v in per_step.values())]
+        figures["sides"][name] = {"kernels_per_step": total[0], "kernel_us_per_step": total[1], "by_kind": by_kind,
+                                  "top": sorted(per_step.items(), key=lambda item: -item[1][1])[:12]}
+        where = "GPU" if device.type == "cuda" else "CPU"
+        print(f"gpu kernels: {name}: {total[0]:.0f} kernels per decode step, {total[1] / 1e3:.2f} ms of {where} time "
+              f"in them ({figures['rows']} rows, {steps} steps profiled)", flush=True)
+        for kind, (count, micros) in sorted(by_kind.items(), key=lambda item: -item[1][1]):
+            print(f"    {kind:24s} {count:6.0f} kernels {micros / 1e3:8.3f} ms", flush=True)
+        for kernel, (count, micros) in figures["sides"][name]["top"]:
+            print(f"      {count:6.0f} x {micros / max(count, 1):8.1f} us  {kernel[:90]}", flush=True)
+    return figures
+
+
+# --- parts 3 and 4: whole runs ---
 def model_directory(args: argparse.Namespace, scratch: Path) -> str:
     """--model, or tools/qwen_shaped_random.py's directory built into `scratch`."""
     if args.model:
@@ -262,6 +357,8 @@ def gpu(args: argparse.Namespace) -> bool:
             ok = graphs is not None and graphs["decode_ms"] <= GOAL_DECODE_MS
             print(("PASS " if ok else "FAIL ") + f"engine decode step <= {GOAL_DECODE_MS} ms at "
                   f"{figures['decode']['rows']} rows", flush=True)
+    if "kernels" in parts:
+        figures["kernels"] = kernels_part(args, device)
     if "pipeline" in parts or "peer" in parts:
         with tempfile.TemporaryDirectory() as scratch:
             model = model_directory(args, Path(scratch))
