@@ -44,8 +44,8 @@ import typing
 from pathlib import Path
 
 from config import SECTIONS, SIZE_FIELDS, TINY_MODELS, Config
-from infra.trl_names import (FIXED_AS, TRL_ALIASES, TRL_DIFFERENT, TRL_FIXED, TRL_UNUSED, epilog, fixed_refusal,
-                             is_fixed_value, unused_line)
+from infra.trl_names import (DERIVED_AT_NULL, FIXED_AS, TRL_ALIASES, TRL_DIFFERENT, TRL_FIXED, TRL_UNUSED, epilog,
+                             fixed_refusal, is_fixed_value, unused_line)
 
 GENERATE_CALLS = {"cpu": 2, "accelerator": 1}  # default generate calls per iteration (see derive)
 # Default training micro-batch: 16 toy groups (~1.5 k tokens) in one forward; 2-3 groups of 8 x (256 + 512) tokens
@@ -500,7 +500,8 @@ def file_arguments(path: str, skip: set[str] = frozenset(), note=lambda line: No
                if key in TRL_FIXED and not is_fixed_value(key, value)]
     if refused:
         raise ValueError("; ".join(refused))
-    unused = {key: value for key, value in values.items() if key in TRL_UNUSED or key in TRL_FIXED}
+    unused = {key: value for key, value in values.items()
+              if key in TRL_UNUSED or key in TRL_FIXED or key in DERIVED_AT_NULL and value is None}
     if unused:
         note(unused_line(unused, given={key for key in values if key not in unused} | set(skip)))
     values = {key: value for key, value in values.items() if key not in unused}
@@ -535,6 +536,12 @@ def file_arguments(path: str, skip: set[str] = frozenset(), note=lambda line: No
             value = 0
         if key == "pad_to_multiple_of" and value is None:  # TRL's "no padding"
             value = "none"
+        if key == "epsilon_high" and value is None:  # TRL's "the same as epsilon": ours unless given, too
+            continue
+        if key == "num_completions_to_print" and value is None:  # TRL's "all": ours prints none (a departure)
+            note("num_completions_to_print null (TRL: print them all) is taken as this trainer's default, 0: "
+                 "--log-completions keeps every completion in completions.jsonl")
+            value = 0
         flag, kind = "--" + name.replace("_", "-"), fields[name].type
         if value is None:  # an option left open: its default, which is None for every option that may be None
             if fields[name].default is not None:

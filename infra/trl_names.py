@@ -9,6 +9,8 @@ Read from TRL 1.16: trl/trainer/grpo_config.py (GRPOConfig), transformers' Train
    weight_decay, seed, report_to, reward_weights, epsilon_high, gradient_checkpointing, attn_implementation, dtype,
    num_completions_to_print, ...). TRL's `epsilon` (both clip ranges) is infra/options.py's `--epsilon`.
 2. `TRL_DIFFERENT`: a TRL name that means something else here: refused in one line naming the option to use, and why.
+   Those of them that TRL derives when null (`DERIVED_AT_NULL`: generation_batch_size, ...) are ignored at null in a
+   --config file, as ours are derived too: a GRPOConfig written out with its defaults runs as it is.
 3. `TRL_UNUSED`: a TRL name for something this trainer has no use for (it logs every iteration, never cuts prompts):
    a --config key is ignored with one line saying why, so that a TRL config file runs as it is; on the command line,
    where it was typed for this trainer, it is refused with the same reason.
@@ -68,7 +70,19 @@ TRL_UNUSED = {
                     "nothing is pushed (push_to_hub); upload <out>/policy with `hf upload`"),
     **dict.fromkeys(VLLM_KEYS, "TRL reads vLLM's settings only with use_vllm true; this trainer samples with its own "
                                "engine (--engine), its processes set by --inference-workers or --inference-ranks"),
+    "ds3_gather_for_generation": "TRL reads it only under DeepSpeed ZeRO-3, which this trainer does not use",
+    **dict.fromkeys(("sapo_temperature_neg", "sapo_temperature_pos"), "TRL reads it only with loss_type 'sapo', "
+                                                                      "which this trainer does not have"),
+    **dict.fromkeys(("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
+                    "TRL reads it only with loss_type 'vespo', which this trainer does not have"),
+    **dict.fromkeys(("ref_model_mixup_alpha", "ref_model_sync_steps"),
+                    "TRL reads it only with sync_ref_model true; the reference here stays θ_0"),
+    **dict.fromkeys(("entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target"),
+                    "TRL reads it only with use_adaptive_entropy true; this trainer adds no entropy bonus"),
+    "log_multimodal": "prompts here are text (or chat messages of text)",
 }
+# TRL names that mean something else here but at null mean "derive it", as ours do: ignored at null with a line
+DERIVED_AT_NULL = ("generation_batch_size", "steps_per_generation", "num_generations_eval")
 # TRL names for what this trainer does one way only: (the values that are that way, what it does, what to use for
 # another value or None where no option changes it). At one of those values a --config key is ignored with a line
 # (`FIXED_AS`: read as that option's value); another is refused with one line (`fixed_refusal`); typed, it is refused.
@@ -88,6 +102,38 @@ TRL_FIXED = {
     "adam_beta1": ((0.9,), "AdamW's betas are (0.9, 0.999), torch's and TrainingArguments' defaults", None),
     "adam_beta2": ((0.999,), "AdamW's betas are (0.9, 0.999), torch's and TrainingArguments' defaults", None),
     "adam_epsilon": ((1e-8,), "AdamW's eps is 1e-8, torch's and TrainingArguments' default", None),
+    # GRPOConfig's switches at their defaults: what this trainer does; another value asks for what it does not do
+    "trust_remote_code": ((False,), "a model's own code is not run: models load with transformers' own classes",
+                          None),
+    "model_init_kwargs": ((None,), "models load with --dtype and --attn-implementation",
+                          "--dtype, --attn-implementation"),
+    "router_aux_loss_coef": ((None,), "no mixture-of-experts auxiliary loss", None),
+    "cast_lm_head_to_fp32": ((False,), "the output layer runs in the model's dtype (autocast)", "--dtype float32"),
+    "shuffle_dataset": ((True,), "prompts are drawn in a seeded random order, a new one each pass (--seed)", None),
+    "generation_kwargs": ((None,), "sampling takes --temperature, --top-p, --top-k and --min-p only",
+                          "--temperature, --top-p, --top-k, --min-p"),
+    "chat_template_kwargs": ((None,), "the chat template is applied with its defaults", None),
+    "repetition_penalty": ((1.0,), "no repetition penalty: the trainer scores the distribution that was sampled",
+                           None),
+    "cache_implementation": ((None,), "the rollout engine keeps its own preallocated cache (--engine)", "--engine"),
+    "delta": ((None,), "the ratio is clipped to [1 - epsilon, 1 + epsilon_high] only (no two-sided delta bound)",
+              "--epsilon, --epsilon-high"),
+    "importance_sampling_level": (("token",), "token-level importance ratios (GRPO's; 'sequence' would be GSPO)",
+                                  None),
+    "multi_objective_aggregation": (("sum_then_normalize",), "rewards are weighted and summed, then normalised per "
+                                                             "group (--reward-weights, --scale-rewards)", None),
+    "sync_ref_model": ((False,), "the reference stays θ_0 (the tri-model's third copy)", "--beta 0 for none"),
+    "top_entropy_quantile": ((1.0,), "every response token enters the loss", None),
+    "entropy_coef": ((0.0,), "no entropy bonus in the loss", None),
+    "use_adaptive_entropy": ((False,), "no entropy bonus in the loss", None),
+    "max_tool_calling_iterations": ((None,), "no tool calls: one response per sample", None),
+    "off_policy_mask_threshold": ((None,), "every sample is on-policy (periodic asynchrony): nothing to mask", None),
+    "log_unique_prompts": ((False,), "completions.jsonl (--log-completions) holds every prompt", "--log-completions"),
+    "log_completions_hub_repo": ((None,), "completions stay in <out>/completions.jsonl (nothing is pushed)",
+                                 "--log-completions"),
+    **dict.fromkeys(("use_transformers_continuous_batching", "use_transformers_paged"),
+                    ((False,), "sampling runs in this trainer's own engine", "--engine")),
+    "transformers_continuous_batching_config": ((None,), "sampling runs in this trainer's own engine", "--engine"),
 }
 FIXED_AS = {"eval_strategy": ("eval_every", 0)}  # TRL_FIXED keys read as one of our options at their fixed value
 # Our defaults that are not TRL 1.16's: (option, ours, TRL's, why), in --help's epilog and the README
@@ -189,7 +235,9 @@ def unused_line(values: dict, given: set[str] = frozenset()) -> str:
     """
     reasons: dict[str, list[str]] = {}  # a reason -> the keys it answers (keys that share one are named together)
     for key, value in values.items():
-        if key in TRL_UNUSED:
+        if key in DERIVED_AT_NULL and value is None:
+            reasons.setdefault(f"null, derived here too, from {TRL_DIFFERENT[key].split(':')[0]}", []).append(key)
+        elif key in TRL_UNUSED:
             reasons.setdefault(TRL_UNUSED[key], []).append(key)
         elif key in FIXED_AS:  # read as our option at its value, unless that option is `given` (it wins)
             name, fixed = FIXED_AS[key]

@@ -487,6 +487,75 @@ def test_trl_keys_at_another_value_are_refused(text, fragment, tmp_path, capsys)
     assert "--use-vllm is TRL's; here sampling runs" in refusal(capsys, lambda: parse_args(["--use-vllm"]))
 
 
+# TRL 1.16's GRPOConfig, its own fields at their defaults (trl/trainer/grpo_config.py; a `GRPOConfig` written out)
+GRPO_CONFIG_DEFAULTS = {'learning_rate': 1e-06, 'model_init_kwargs': None, 'trust_remote_code': False,
+                        'router_aux_loss_coef': None, 'disable_dropout': False, 'cast_lm_head_to_fp32': False,
+                        'remove_unused_columns': False, 'num_generations': 8, 'num_generations_eval': None,
+                        'max_completion_length': 512, 'ds3_gather_for_generation': True, 'shuffle_dataset': True,
+                        'pad_to_multiple_of': 'auto', 'generation_batch_size': None, 'steps_per_generation': None,
+                        'temperature': 1.0, 'top_p': 1.0, 'top_k': 0, 'min_p': None, 'generation_kwargs': None,
+                        'chat_template_kwargs': None, 'repetition_penalty': 1.0, 'cache_implementation': None,
+                        'use_vllm': False, 'vllm_mode': 'colocate', 'vllm_model_impl': 'vllm',
+                        'vllm_enable_sleep_mode': False, 'vllm_structured_outputs_regex': None,
+                        'vllm_server_base_url': None, 'vllm_server_host': '0.0.0.0', 'vllm_server_port': 8000,
+                        'vllm_server_timeout': 240.0, 'vllm_group_port': 51216, 'vllm_gpu_memory_utilization': 0.3,
+                        'vllm_max_model_length': None, 'vllm_tensor_parallel_size': 1, 'beta': 0.0,
+                        'num_iterations': 1, 'epsilon': 0.2, 'delta': None, 'epsilon_high': None,
+                        'sapo_temperature_neg': 1.05, 'sapo_temperature_pos': 1.0, 'vespo_k_pos': 2.0,
+                        'vespo_lambda_pos': 3.0, 'vespo_k_neg': 3.0, 'vespo_lambda_neg': 2.0,
+                        'importance_sampling_level': 'token', 'reward_weights': None,
+                        'multi_objective_aggregation': 'sum_then_normalize', 'scale_rewards': 'group',
+                        'loss_type': 'dapo', 'mask_truncated_completions': False, 'sync_ref_model': False,
+                        'ref_model_mixup_alpha': 0.6, 'ref_model_sync_steps': 512, 'top_entropy_quantile': 1.0,
+                        'entropy_coef': 0.0, 'use_adaptive_entropy': False, 'entropy_coef_min': 0.0,
+                        'entropy_coef_max': 1.0, 'entropy_coef_delta': 0.005, 'entropy_target': 0.2,
+                        'max_tool_calling_iterations': None, 'vllm_importance_sampling_correction': True,
+                        'vllm_importance_sampling_mode': 'sequence_mask', 'vllm_importance_sampling_clip_max': 3.0,
+                        'vllm_importance_sampling_clip_min': None, 'off_policy_mask_threshold': None,
+                        'use_bias_correction_kl': True, 'log_completions': False, 'log_multimodal': True,
+                        'num_completions_to_print': None, 'log_unique_prompts': False,
+                        'log_completions_hub_repo': None, 'use_transformers_continuous_batching': False,
+                        'transformers_continuous_batching_config': None, 'use_transformers_paged': False,
+                        'vllm_importance_sampling_cap': None}
+
+
+def test_a_grpo_config_at_its_defaults_runs_as_it_is(tmp_path, capsys):
+    """Claim: a --config file holding every field of TRL 1.16's GRPOConfig at TRL's default parses: each key is one of
+    our options (under its name or TRL's), or is skipped with the one line naming it with why (a switch at the value
+    this trainer does: repetition_penalty 1.0, importance_sampling_level 'token', sync_ref_model false, ...; a setting
+    read only by what is off: sapo_*, entropy_coef_*; TRL's nulls that mean "derive it": generation_batch_size,
+    steps_per_generation, num_generations_eval; epsilon_high null is epsilon's value, num_completions_to_print null
+    is our 0, said in a second line). Before, 40 of the 78 keys were refused as unknown, one at a time."""
+    import json
+    (tmp_path / "grpo.json").write_text(json.dumps(GRPO_CONFIG_DEFAULTS))
+    cfg = parse_args(["--config", str(tmp_path / "grpo.json")])
+    out = capsys.readouterr().out
+    assert out.count("\n") == 2, out
+    ours = {field.name for field in dataclasses.fields(cfg)} | {"learning_rate", "num_generations", "epsilon",
+                                                               "max_completion_length", "use_bias_correction_kl"}
+    skipped = [key for key in GRPO_CONFIG_DEFAULTS if key not in ours]
+    assert all(key in out for key in skipped), [key for key in skipped if key not in out]
+    assert (cfg.lr, cfg.beta, cfg.epsilon_low, cfg.epsilon_high, cfg.group_size, cfg.max_new_tokens) == \
+        (1e-6, 0.0, 0.2, 0.2, 8, 512)
+    assert cfg.num_completions_to_print == 0 and "num_completions_to_print null" in out
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("importance_sampling_level: sequence", "importance_sampling_level: 'sequence' is not what this trainer does "
+                                            "(token-level importance ratios"),
+    ("repetition_penalty: 1.1", "no repetition penalty"),
+    ("sync_ref_model: true", "use --beta 0 for none"),
+    ("generation_kwargs: {top_k: 5}", "use --temperature, --top-p, --top-k, --min-p"),
+    ("trust_remote_code: true", "a model's own code is not run"),
+    ("generation_batch_size: 64", "generation_batch_size is TRL's and means something else here: use --batch-size"),
+])
+def test_grpo_switches_at_another_value_are_refused(text, fragment, tmp_path, capsys):
+    """Claim: GRPOConfig's switches for what this trainer does not do (GSPO's sequence-level ratios, a repetition
+    penalty, a moving reference, generate's other arguments, a model's own code) are refused at any other value in
+    one line saying what this trainer does; a TRL size that means something else here is refused unless null."""
+    assert fragment in refusal(capsys, lambda: parse_yaml(tmp_path, text + "\n"))
+
+
 def test_reward_funcs_is_trls_name_for_reward(tmp_path, capsys):
     """Claim: TRL's CLI name reward_funcs is --reward, a string or a list of them, in a file or typed, and TRL's
     spelling package.module.function of a reward loads as package.module:function; reward and reward_funcs
