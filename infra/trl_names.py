@@ -10,7 +10,9 @@ Read from TRL 1.16: trl/trainer/grpo_config.py (GRPOConfig), transformers' Train
    num_completions_to_print, ...). TRL's `epsilon` (both clip ranges) is infra/options.py's `--epsilon`.
 2. `TRL_DIFFERENT`: a TRL name that means something else here: refused in one line naming the option to use, and why.
    Those of them that TRL derives when null (`DERIVED_AT_NULL`: generation_batch_size, ...) are ignored at null in a
-   --config file, as ours are derived too: a GRPOConfig written out with its defaults runs as it is.
+   --config file, as ours are derived too: a GRPOConfig written out with its defaults runs as it is. TRL's batch keys
+   (`TRL_BATCH_KEYS`: per_device_train_batch_size, gradient_accumulation_steps, ...) in a --config file are
+   translated as TRL derives its generation batch (`trl_batch`), unless --batch-size is given; typed, refused.
 3. `TRL_UNUSED`: a TRL name for something this trainer has no use for (it logs every iteration, never cuts prompts):
    a --config key is ignored with one line saying why, so that a TRL config file runs as it is; on the command line,
    where it was typed for this trainer, it is refused with the same reason.
@@ -27,7 +29,8 @@ TRL_ALIASES = {"num_generations": "group_size", "learning_rate": "lr", "max_comp
                "use_bias_correction_kl": "kl_bias_correction", "output_dir": "out", "save_total_limit":
                "keep_checkpoints", "resume_from_checkpoint": "resume", "model_name_or_path": "model",
                "dataset_name": "data", "dataset_config": "data_config", "dataset_train_split": "split",
-               "reward_funcs": "reward"}  # TRL's CLI: names or module.function paths, as --reward (infra/reward.py)
+               "reward_funcs": "reward",  # TRL's CLI: names or module.function paths, as --reward (infra/reward.py)
+               "torch_dtype": "dtype"}  # transformers' and TRL's name for dtype before they renamed it
 # TRL names that mean something else here: the option to use instead, and why (one line each, after "use")
 TRL_DIFFERENT = {
     "per_device_train_batch_size": "--batch-size: the responses sampled per iteration, all ranks together (TRL's "
@@ -80,6 +83,9 @@ TRL_UNUSED = {
     **dict.fromkeys(("entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target"),
                     "TRL reads it only with use_adaptive_entropy true; this trainer adds no entropy bonus"),
     "log_multimodal": "prompts here are text (or chat messages of text)",
+    **dict.fromkeys(("bnb_4bit_quant_type", "use_bnb_nested_quant"), "TRL reads it only with load_in_4bit true"),
+    "gradient_checkpointing_use_reentrant": "--gradient-checkpointing uses transformers' default",
+    "ignore_bias_buffers": "TRL reads it only under DistributedDataParallel, which this trainer does not use",
 }
 # TRL names that mean something else here but at null mean "derive it", as ours do: ignored at null with a line
 DERIVED_AT_NULL = ("generation_batch_size", "steps_per_generation", "num_generations_eval")
@@ -134,6 +140,14 @@ TRL_FIXED = {
     **dict.fromkeys(("use_transformers_continuous_batching", "use_transformers_paged"),
                     ((False,), "sampling runs in this trainer's own engine", "--engine")),
     "transformers_continuous_batching_config": ((None,), "sampling runs in this trainer's own engine", "--engine"),
+    # TRL's ModelConfig and ScriptArguments (its CLI) at their defaults
+    "model_revision": (("main",), "the model loads at its default revision",
+                       "a folder: `hf download MODEL --revision R --local-dir DIR`, then --model DIR"),
+    **dict.fromkeys(("load_in_8bit", "load_in_4bit"), ((False,), "no quantised loading (bitsandbytes)", None)),
+    **dict.fromkeys(("use_rslora", "use_dora"), ((False,), "LoRA here is peft's plain LoRA (--use-peft)", None)),
+    "lora_task_type": (("CAUSAL_LM",), "LoRA adapts a causal language model", None),
+    "lora_modules_to_save": ((None,), "only the adapter is trained, published and saved", None),
+    "dataset_streaming": ((False,), "the data is loaded whole (datasets' load_dataset)", None),
 }
 FIXED_AS = {"eval_strategy": ("eval_every", 0)}  # TRL_FIXED keys read as one of our options at their fixed value
 # Our defaults that are not TRL 1.16's: (option, ours, TRL's, why), in --help's epilog and the README
@@ -213,6 +227,49 @@ def is_fixed_value(key: str, value) -> bool:
     return any(type(value) is type(fixed) and value == fixed or isinstance(fixed, (int, float))
                and not isinstance(fixed, bool) and number(value) is not None and number(value) == fixed
                for fixed in TRL_FIXED[key][0])
+
+
+TRL_BATCH_KEYS = ("per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation",
+                  "generation_batch_size")
+
+
+def trl_batch(values: dict, processes: int) -> tuple[int, int, str]:
+    """(--batch-size, --updates-per-iteration, the line saying so) for TRL's batch keys in `values` (TRL_BATCH_KEYS;
+    TRL's defaults for those missing: 8 per device, 1 accumulation step, the two others derived) on `processes`
+    training processes, as GRPOConfig.__post_init__ derives them: a generation batch of B = per_device x processes x
+    steps_per_generation completions (steps_per_generation defaults to gradient_accumulation_steps), of which each
+    optimizer step takes per_device x processes x gradient_accumulation_steps: steps_per_generation /
+    gradient_accumulation_steps steps per batch. ValueError where TRL refuses too, or the steps do not divide.
+
+    >>> trl_batch({"per_device_train_batch_size": 4, "gradient_accumulation_steps": 8}, 1)[:2]
+    (32, 1)
+    >>> trl_batch({"per_device_train_batch_size": 8, "steps_per_generation": 4}, 2)[:2]
+    (64, 4)
+    """
+    per_device = values.get("per_device_train_batch_size", 8)
+    accumulation = values.get("gradient_accumulation_steps", 1)
+    steps, batch = values.get("steps_per_generation"), values.get("generation_batch_size")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0
+               for v in (per_device, accumulation, *(v for v in (steps, batch) if v is not None))):
+        raise ValueError(f"TRL's {', '.join(key for key in TRL_BATCH_KEYS if key in values)} must be positive whole "
+                         "numbers")
+    if steps is not None and batch is not None:
+        raise ValueError("steps_per_generation and generation_batch_size can't be both set (TRL refuses it too): "
+                         "keep one")
+    per_step = per_device * processes  # completions per micro-step, all processes
+    if batch is not None and batch % per_step:
+        raise ValueError(f"generation_batch_size {batch} is not a multiple of per_device_train_batch_size {per_device} "
+                         f"x {processes} process(es) (TRL refuses it too)")
+    steps = steps or (batch // per_step if batch is not None else accumulation)
+    if steps % accumulation:
+        raise ValueError(f"steps_per_generation {steps} is not a multiple of gradient_accumulation_steps "
+                         f"{accumulation}: each optimizer step here takes a whole share of the batch; give "
+                         "--batch-size and --updates-per-iteration")
+    batch, updates = per_device * processes * steps, steps // accumulation
+    return batch, updates, (f"took TRL's per_device_train_batch_size {per_device} x {processes} process(es) x "
+                            f"steps_per_generation {steps} as --batch-size {batch} (TRL's generation batch) and "
+                            f"{steps} / gradient_accumulation_steps {accumulation} as --updates-per-iteration {updates}"
+                            "; the size of a forward is --micro-batch-tokens'")
 
 
 def fixed_refusal(key: str, value) -> str:

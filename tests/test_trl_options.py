@@ -547,13 +547,63 @@ def test_a_grpo_config_at_its_defaults_runs_as_it_is(tmp_path, capsys):
     ("sync_ref_model: true", "use --beta 0 for none"),
     ("generation_kwargs: {top_k: 5}", "use --temperature, --top-p, --top-k, --min-p"),
     ("trust_remote_code: true", "a model's own code is not run"),
-    ("generation_batch_size: 64", "generation_batch_size is TRL's and means something else here: use --batch-size"),
 ])
 def test_grpo_switches_at_another_value_are_refused(text, fragment, tmp_path, capsys):
     """Claim: GRPOConfig's switches for what this trainer does not do (GSPO's sequence-level ratios, a repetition
     penalty, a moving reference, generate's other arguments, a model's own code) are refused at any other value in
-    one line saying what this trainer does; a TRL size that means something else here is refused unless null."""
+    one line saying what this trainer does."""
     assert fragment in refusal(capsys, lambda: parse_yaml(tmp_path, text + "\n"))
+
+
+@pytest.mark.parametrize("text, world, batch, updates", [
+    ("per_device_train_batch_size: 4\ngradient_accumulation_steps: 8\n", 1, 32, 1),  # TRL: spg = accumulation
+    ("per_device_train_batch_size: 16\n", 2, 32, 1),  # 2 processes (torchrun's WORLD_SIZE)
+    ("per_device_train_batch_size: 4\ngradient_accumulation_steps: 2\nsteps_per_generation: 8\n", 1, 32, 4),
+    ("per_device_train_batch_size: 8\ngeneration_batch_size: 64\n", 1, 64, 8),
+    ("gradient_accumulation_steps: 2\n", 1, 16, 1),  # TRL's per-device default, 8
+])
+def test_trls_batch_keys_in_a_file_become_our_batch(text, world, batch, updates, tmp_path, capsys, monkeypatch):
+    """Claim: TRL's batch keys in a --config file give the batch TRL would sample and the optimizer steps it would
+    take on it, as GRPOConfig.__post_init__ derives them (generation batch = per_device x processes x
+    steps_per_generation, steps_per_generation defaulting to gradient_accumulation_steps; one optimizer step per
+    gradient_accumulation_steps of them), said in one line. Before, per_device_train_batch_size was refused."""
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    cfg = parse_yaml(tmp_path, text + "num_generations: 8\n")
+    assert (cfg.batch_size, cfg.updates_per_iteration) == (batch, updates)
+    assert f"as --batch-size {batch} (TRL's generation batch)" in capsys.readouterr().out
+
+
+def test_trls_batch_keys_give_way_or_are_refused(tmp_path, capsys):
+    """Claim: with --batch-size given (in the file or typed) TRL's batch keys are skipped with a line saying so; where
+    TRL refuses them (steps_per_generation and generation_batch_size together, a batch that does not divide), or the
+    steps would not divide into optimizer steps, or the trainer ranks are not the processes (--inference-ranks), the
+    file is refused in one line; typed on the command line they are refused (they mean something else here)."""
+    assert parse_yaml(tmp_path, "per_device_train_batch_size: 4\nbatch_size: 64\n").batch_size == 64
+    assert "ignored TRL's per_device_train_batch_size: --batch-size is given" in capsys.readouterr().out
+    assert parse_yaml(tmp_path, "per_device_train_batch_size: 4\n", "--batch-size", "16").batch_size == 16
+    for text, fragment in [("steps_per_generation: 2\ngeneration_batch_size: 64\n", "can't be both set"),
+                           ("per_device_train_batch_size: 6\ngeneration_batch_size: 64\n", "is not a multiple of"),
+                           ("gradient_accumulation_steps: 4\nsteps_per_generation: 6\n", "give --batch-size and"),
+                           ("per_device_train_batch_size: 4\ninference_ranks: 1\n", "with --inference-ranks give"),
+                           ("per_device_train_batch_size: 0\n", "must be positive whole numbers")]:
+        assert fragment in refusal(capsys, lambda: parse_yaml(tmp_path, text)), text
+    assert "means something else here" in refusal(capsys, lambda: parse_args(["--per-device-train-batch-size", "4"]))
+
+
+def test_transformers_trainer_settings_at_their_defaults_are_skipped(tmp_path, capsys):
+    """Claim: TrainingArguments' settings for transformers' Trainer that a TRL config carries (do_eval, use_liger_kernel,
+    dataloader_num_workers, ...) are skipped at their defaults (read from the installed transformers) with one line,
+    and refused at another value in one line naming each; TRL's ModelConfig keys at their defaults are skipped too
+    (model_revision main, load_in_4bit false, ...) and torch_dtype is dtype. Before, each was an unknown option."""
+    cfg = parse_yaml(tmp_path, "do_eval: false\nuse_liger_kernel: false\ndataloader_num_workers: 0\n"
+                               "model_revision: main\nload_in_4bit: false\ntorch_dtype: float32\n")
+    assert cfg.dtype == "float32"
+    out = capsys.readouterr().out
+    assert "ignored transformers' TrainingArguments do_eval, use_liger_kernel, dataloader_num_workers: at their " \
+           "defaults" in out and "model_revision 'main'" in out, out
+    err = refusal(capsys, lambda: parse_yaml(tmp_path, "use_liger_kernel: true\ntorch_compile: true\n"))
+    assert "use_liger_kernel: True is a setting of transformers' Trainer" in err and "torch_compile: True" in err
+    assert "hf download MODEL --revision R" in refusal(capsys, lambda: parse_yaml(tmp_path, "model_revision: v2\n"))
 
 
 def test_reward_funcs_is_trls_name_for_reward(tmp_path, capsys):
@@ -570,8 +620,8 @@ def test_reward_funcs_is_trls_name_for_reward(tmp_path, capsys):
         refusal(capsys, lambda: parse_yaml(tmp_path, "reward: [math]\nreward_funcs: [math]\n"))
 
 
-@pytest.mark.parametrize("key", ["logging_strategyx", "reward_model_name_or_path", "ddp_timeout", "lora_task_type",
-                                 "vllm_enable_prefix_cachingx", "save_on_each_node"])
+@pytest.mark.parametrize("key", ["logging_strategyx", "reward_model_name_or_path", "ddp_timeoutx", "lora_task_kind",
+                                 "vllm_enable_prefix_cachingx", "save_on_each_rank"])
 def test_an_unknown_key_gets_no_far_fetched_hint(key, tmp_path, capsys):
     """Claim: an unknown key or option that is no misspelling of one of ours gets no "did you mean" (it got one that
     merely shared a word or an ending: reward_model_name_or_path -> model_name_or_path, which would swap the policy,
