@@ -532,6 +532,11 @@ def file_arguments(path: str, skip: set[str] = frozenset(), note=lambda line: No
             raise ValueError(f"{', '.join(trl_batch_keys)}: with --inference-ranks give --batch-size (the responses "
                              "sampled per iteration, all trainer ranks together) instead")
         batch, updates, line = trl_batch(trl_batch_keys, int(os.environ.get("WORLD_SIZE", "1")))
+        group = values.get("num_generations", values.get("group_size", Config.group_size))
+        if "group_size" not in skip and isinstance(group, int) and batch % group:
+            trl_said = line.split(" as --batch-size")[0].replace("took TRL", "TRL")
+            raise ValueError(f"{trl_said} = {batch} completions per batch, not a multiple of num_generations {group} "
+                             "(TRL refuses it too)")
         note(line)
         values = {"batch_size": batch, **values}
         if "updates_per_iteration" not in values and "updates_per_iteration" not in skip:

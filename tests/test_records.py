@@ -257,8 +257,9 @@ def test_config_json_fed_back_reruns_the_same_options_and_flags_override_it(run_
 
 def test_a_trl_config_file_runs_with_the_keys_of_no_use_here_ignored(tmp_path, capsys):
     """Claim (#32): a TRL GRPOConfig YAML with keys this trainer has no use for (logging_steps, push_to_hub, bf16,
-    max_prompt_length) parses, the other keys as typed flags, with one line naming the ignored keys and why; a key
-    that means something else here (per_device_train_batch_size) is still refused in one line naming ours."""
+    max_prompt_length) parses, the other keys as typed flags, with one line naming the ignored keys and why; TRL's
+    per-device batch is taken as TRL derives its generation batch, and refused where TRL refuses it (a batch that
+    is no whole number of groups), in one line naming TRL's keys."""
     path = tmp_path / "grpo.yaml"
     path.write_text("learning_rate: 1.0e-5\nnum_generations: 4\nbatch_size: 16\nlogging_steps: 10\n"
                     "push_to_hub: true\nbf16: true\nmax_prompt_length: 256\n")
@@ -273,8 +274,8 @@ def test_a_trl_config_file_runs_with_the_keys_of_no_use_here_ignored(tmp_path, c
     path.write_text("logging_steps: 10\nper_device_train_batch_size: 4\n")
     with pytest.raises(SystemExit):
         parse_args(["--config", str(path)])
-    assert "per_device_train_batch_size is TRL's and means something else here: use --batch-size" in \
-        capsys.readouterr().err
+    assert "per_device_train_batch_size 4 x 1 process(es) x steps_per_generation 1 = 4 completions per batch, not " \
+           "a multiple of num_generations 8" in capsys.readouterr().err
 
 
 def test_a_yaml_config_file_is_read_like_flags(tmp_path):
@@ -321,8 +322,9 @@ def test_a_list_option_on_the_command_line_replaces_the_files(tmp_path):
 @pytest.mark.parametrize("text, fragment", [
     ('{"lr": 0.1, "epochs": 2}', "unknown option epochs (the keys are"),
     ('{"lr": 0.1, "iteration": 2}', "unknown option iteration: did you mean iterations?"),
-    ('{"per_device_train_batch_size": 4}', "per_device_train_batch_size is TRL's and means something else here: use "
-                                           "--batch-size"),
+    ('{"per_device_train_batch_size": 4}', "TRL's per_device_train_batch_size 4 x 1 process(es) x "
+                                           "steps_per_generation 1 = 4 completions per batch, not a multiple of "
+                                           "num_generations 8 (TRL refuses it too)"),
     ('{"lr": 0.1, "learning_rate": 1}', "lr and learning_rate name the same option"),
     ('{"lr": 0.1,', "is not valid JSON"),
     ('[1, 2]', "must hold a mapping"),
