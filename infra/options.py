@@ -44,8 +44,7 @@ import typing
 from pathlib import Path
 
 from config import SECTIONS, SIZE_FIELDS, TINY_MODELS, Config
-from infra.trl_names import (DERIVED_AT_NULL, FIXED_AS, TRL_ALIASES, TRL_BATCH_KEYS, TRL_DIFFERENT, TRL_FIXED,
-                             TRL_UNUSED, epilog, fixed_refusal, is_fixed_value, trl_batch, unused_line)
+from infra.trl_names import TRL_ALIASES, TRL_DIFFERENT, TRL_FIXED, TRL_UNUSED, epilog, trl_keys
 
 GENERATE_CALLS = {"cpu": 2, "accelerator": 1}  # default generate calls per iteration (see derive)
 # Default training micro-batch: 16 toy groups (~1.5 k tokens) in one forward; 2-3 groups of 8 x (256 + 512) tokens
@@ -471,22 +470,6 @@ def config_file(argv: list[str]) -> str | None:
         return None
 
 
-def trainer_settings(keys: list[str]) -> dict:
-    """{key: its default} for those of `keys` that are fields of transformers' TrainingArguments (the settings of its
-    Trainer, under GRPOConfig), read from the installed transformers; {} if none (transformers is then not imported).
-
-    >>> trainer_settings(["do_eval", "max_new_tokens"])
-    {'do_eval': False}
-    """
-    if not keys:
-        return {}
-    from transformers import TrainingArguments
-    fields = {field.name: field for field in dataclasses.fields(TrainingArguments)}
-    return {key: (fields[key].default if fields[key].default is not dataclasses.MISSING
-                  else fields[key].default_factory() if fields[key].default_factory is not dataclasses.MISSING
-                  else None) for key in keys if key in fields}
-
-
 def file_arguments(path: str, skip: set[str] = frozenset(), note=lambda line: None) -> list[str]:
     """The options in the JSON or YAML file `path` as command-line flags, but those in `skip` (and a run record's
     `RUN_OUTPUTS`: a rerun writes its own); ValueError with the reason if it cannot be read, is not a mapping, or
@@ -512,50 +495,10 @@ def file_arguments(path: str, skip: set[str] = frozenset(), note=lambda line: No
         raise ValueError("must hold a mapping from option names to values, e.g. {\"iterations\": 20}")
     fields = {f.name: f for f in dataclasses.fields(Config)}
     values = {str(key).replace("-", "_"): value for key, value in values.items()}
-    refused = [fixed_refusal(key, value) for key, value in values.items()
-               if key in TRL_FIXED and not is_fixed_value(key, value)]
-    if refused:
-        raise ValueError("; ".join(refused))
-    unused = {key: value for key, value in values.items()
-              if key in TRL_UNUSED or key in TRL_FIXED or key in DERIVED_AT_NULL and value is None}
-    if unused:
-        note(unused_line(unused, given={key for key in values if key not in unused} | set(skip)))
-    values = {key: value for key, value in values.items() if key not in unused}
-    for key, (name, value) in FIXED_AS.items():  # e.g. eval_strategy "no": --eval-every 0, unless given otherwise
-        if key in unused and name not in values:
-            values = {name: value, **values}
-    trl_batch_keys = {key: values.pop(key) for key in TRL_BATCH_KEYS if key in values}
-    if trl_batch_keys and ("batch_size" in values or "batch_size" in skip):
-        note(f"ignored TRL's {', '.join(trl_batch_keys)}: --batch-size is given")
-    elif trl_batch_keys:
-        if values.get("inference_ranks") or "inference_ranks" in skip:
-            raise ValueError(f"{', '.join(trl_batch_keys)}: with --inference-ranks give --batch-size (the responses "
-                             "sampled per iteration, all trainer ranks together) instead")
-        batch, updates, line = trl_batch(trl_batch_keys, int(os.environ.get("WORLD_SIZE", "1")))
-        group = values.get("num_generations", values.get("group_size", Config.group_size))
-        if "group_size" not in skip and isinstance(group, int) and batch % group:
-            trl_said = line.split(" as --batch-size")[0].replace("took TRL", "TRL")
-            raise ValueError(f"{trl_said} = {batch} completions per batch, not a multiple of num_generations {group} "
-                             "(TRL refuses it too)")
-        note(line)
-        values = {"batch_size": batch, **values}
-        if "updates_per_iteration" not in values and "updates_per_iteration" not in skip:
-            values = {"updates_per_iteration": updates, **values}
+    values = trl_keys(values, set(skip), note, known={*fields, *NOT_OPTIONS, *TRL_ALIASES, "epsilon"},
+                      group_size=fields["group_size"].default)
     unknown = [key for key in values if key not in fields and key not in NOT_OPTIONS and key not in TRL_ALIASES
                and key != "epsilon"]
-    trainer_only = trainer_settings([key for key in unknown if key not in TRL_DIFFERENT])
-    if trainer_only:  # transformers' TrainingArguments, for its Trainer: at their defaults they change nothing here
-        at_default = [key for key in trainer_only if trainer_only[key] == values[key]
-                      or values[key] in (None, "", [], {}) and trainer_only[key] in (None, "", [], {})]
-        changed = [key for key in trainer_only if key not in at_default]
-        if changed:
-            raise ValueError("; ".join(f"{key}: {values[key]!r} is a setting of transformers' Trainer, which this "
-                                       "trainer does not use (no equivalent here)" for key in changed)
-                             + " (see --help for what this trainer has)")
-        note(f"ignored transformers' TrainingArguments {', '.join(at_default)}: at their defaults, which change "
-             "nothing here (this trainer does not use transformers' Trainer)")
-        unknown = [key for key in unknown if key not in trainer_only]
-        values = {key: value for key, value in values.items() if key not in trainer_only}
     if unknown:
         names = [*fields, *TRL_ALIASES, "epsilon"]
         reasons = [TRL_DIFFERENT.get(key) and f"{key} is TRL's and means something else here: use {TRL_DIFFERENT[key]}"

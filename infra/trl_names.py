@@ -20,9 +20,13 @@ Read from TRL 1.16: trl/trainer/grpo_config.py (GRPOConfig), transformers' Train
    key at a value that is that way is ignored in the same line (eval_strategy "no" reads as --eval-every 0), any
    other value is refused in one line naming what to use instead; on the command line it is refused.
 4. `DEPARTURES`: our defaults that are not TRL's, each with its reason.
+5. `trl_keys`: 1-3 applied to a --config file's keys, with transformers' TrainingArguments keys (`trainer_settings`)
+   skipped at their defaults (infra/options.file_arguments calls it).
 """
 from __future__ import annotations
 
+import dataclasses
+import os
 import textwrap
 
 TRL_ALIASES = {"num_generations": "group_size", "learning_rate": "lr", "max_completion_length": "max_new_tokens",
@@ -270,6 +274,74 @@ def trl_batch(values: dict, processes: int) -> tuple[int, int, str]:
                             f"steps_per_generation {steps} as --batch-size {batch} (TRL's generation batch) and "
                             f"{steps} / gradient_accumulation_steps {accumulation} as --updates-per-iteration {updates}"
                             "; the size of a forward is --micro-batch-tokens'")
+
+
+def trainer_settings(keys: list[str]) -> dict:
+    """{key: its default} for those of `keys` that are fields of transformers' TrainingArguments (the settings of its
+    Trainer, under GRPOConfig), read from the installed transformers; {} if none (transformers is then not imported).
+
+    >>> trainer_settings(["do_eval", "max_new_tokens"])
+    {'do_eval': False}
+    """
+    if not keys:
+        return {}
+    from transformers import TrainingArguments
+    fields = {field.name: field for field in dataclasses.fields(TrainingArguments)}
+    return {key: (fields[key].default if fields[key].default is not dataclasses.MISSING
+                  else fields[key].default_factory() if fields[key].default_factory is not dataclasses.MISSING
+                  else None) for key in keys if key in fields}
+
+
+def trl_keys(values: dict, skip: set[str], note, known: set[str], group_size: int) -> dict:
+    """A --config file's `values` (keys spelled with _) with TRL's and transformers' keys dealt with, the rest returned
+    (our options, TRL's aliases for them, and whatever is unknown, which the caller refuses). In order:
+    TRL_FIXED keys at another value are refused; TRL_UNUSED keys, TRL_FIXED ones at their value and DERIVED_AT_NULL
+    ones at null are dropped, named in one `note` line (FIXED_AS ones read as our option); TRL's batch keys become
+    --batch-size and --updates-per-iteration (`trl_batch`, on WORLD_SIZE processes) unless --batch-size is given
+    (`skip`: the options typed); transformers' TrainingArguments keys not `known` here are dropped at their defaults
+    with a line and refused at another value. ValueError with the reason for a refusal."""
+    refused = [fixed_refusal(key, value) for key, value in values.items()
+               if key in TRL_FIXED and not is_fixed_value(key, value)]
+    if refused:
+        raise ValueError("; ".join(refused))
+    unused = {key: value for key, value in values.items()
+              if key in TRL_UNUSED or key in TRL_FIXED or key in DERIVED_AT_NULL and value is None}
+    if unused:
+        note(unused_line(unused, given={key for key in values if key not in unused} | set(skip)))
+    values = {key: value for key, value in values.items() if key not in unused}
+    for key, (name, value) in FIXED_AS.items():  # e.g. eval_strategy "no": --eval-every 0, unless given otherwise
+        if key in unused and name not in values:
+            values = {name: value, **values}
+    trl_batch_keys = {key: values.pop(key) for key in TRL_BATCH_KEYS if key in values}
+    if trl_batch_keys and ("batch_size" in values or "batch_size" in skip):
+        note(f"ignored TRL's {', '.join(trl_batch_keys)}: --batch-size is given")
+    elif trl_batch_keys:
+        if values.get("inference_ranks") or "inference_ranks" in skip:
+            raise ValueError(f"{', '.join(trl_batch_keys)}: with --inference-ranks give --batch-size (the responses "
+                             "sampled per iteration, all trainer ranks together) instead")
+        batch, updates, line = trl_batch(trl_batch_keys, int(os.environ.get("WORLD_SIZE", "1")))
+        group = values.get("num_generations", values.get("group_size", group_size))
+        if "group_size" not in skip and isinstance(group, int) and batch % group:
+            trl_said = line.split(" as --batch-size")[0].replace("took TRL", "TRL")
+            raise ValueError(f"{trl_said} = {batch} completions per batch, not a multiple of num_generations {group} "
+                             "(TRL refuses it too)")
+        note(line)
+        values = {"batch_size": batch, **values}
+        if "updates_per_iteration" not in values and "updates_per_iteration" not in skip:
+            values = {"updates_per_iteration": updates, **values}
+    trainer_only = trainer_settings([key for key in values if key not in known and key not in TRL_DIFFERENT])
+    if trainer_only:  # transformers' TrainingArguments, for its Trainer: at their defaults they change nothing here
+        at_default = [key for key in trainer_only if trainer_only[key] == values[key]
+                      or values[key] in (None, "", [], {}) and trainer_only[key] in (None, "", [], {})]
+        changed = [key for key in trainer_only if key not in at_default]
+        if changed:
+            raise ValueError("; ".join(f"{key}: {values[key]!r} is a setting of transformers' Trainer, which this "
+                                       "trainer does not use (no equivalent here)" for key in changed)
+                             + " (see --help for what this trainer has)")
+        note(f"ignored transformers' TrainingArguments {', '.join(at_default)}: at their defaults, which change "
+             "nothing here (this trainer does not use transformers' Trainer)")
+        values = {key: value for key, value in values.items() if key not in trainer_only}
+    return values
 
 
 def fixed_refusal(key: str, value) -> str:
