@@ -16,7 +16,7 @@ finishes and all written to --json.
    those bytes at that bandwidth. Goal: 2 ms or less per step.
 2. kernels: what one decode step launches, eager and with --engine compile's fused layers (no graphs, so every
    kernel is seen): profiled calls of 2 and 2 + S new tokens, differenced, per kernel and by kind (matrix
-   products, attention, cache writes, draw, fused, elementwise): counts, and their summed GPU time, which is what a
+   products, attention, indexing, draw, fused, elementwise): counts, and their summed GPU time, which is what a
    CUDA graph replays without the launch gaps. On CPU the operators the dispatcher runs, counted the same way.
 3. pipeline: `trainer.py --mode sync` against `--mode async` on the one device, --groups-per-chunk 4 (4 generate
    calls per iteration, so async has groups to overlap), seconds per iteration (first dropped).
@@ -199,7 +199,7 @@ def decode_part(args: argparse.Namespace, device: torch.device) -> dict:
 KINDS = (("fused (torch.compile)", ("triton_", "cpp_fused")),
          ("matrix products", ("gemm", "gemv", "cutlass", "cublas", "splitk", "aten::mm", "aten::addmm", "aten::bmm")),
          ("attention", ("fmha", "flash", "attention", "cudnn", "scaled_dot_product")),
-         ("cache writes", ("index_put", "indexing", "scatter")),
+         ("indexing (cache writes, row bookkeeping)", ("index", "scatter")),
          ("draw", ("sort", "softmax", "cumsum", "scan", "searchsorted", "argmax", "gather", "uniform")))
 def kind_of(name: str) -> str:
     lowered = name.lower()
@@ -279,7 +279,7 @@ def kernels_part(args: argparse.Namespace, device: torch.device) -> dict:
         print(f"gpu kernels: {name}: {total[0]:.0f} kernels per decode step, {total[1] / 1e3:.2f} ms of {where} time "
               f"in them ({figures['rows']} rows, {steps} steps profiled)", flush=True)
         for kind, (count, micros) in sorted(by_kind.items(), key=lambda item: -item[1][1]):
-            print(f"    {kind:24s} {count:6.0f} kernels {micros / 1e3:8.3f} ms", flush=True)
+            print(f"    {kind:40s} {count:6.0f} kernels {micros / 1e3:8.3f} ms", flush=True)
         for kernel, (count, micros) in figures["sides"][name]["top"]:
             print(f"      {count:6.0f} x {micros / max(count, 1):8.1f} us  {kernel[:90]}", flush=True)
     return figures
