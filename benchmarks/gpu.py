@@ -157,6 +157,8 @@ def decode_part(args: argparse.Namespace, device: torch.device) -> dict:
         for name, sample in sides.items():  # warm-up: lazy initialisation, cuBLAS workspaces, allocator pools
             try:
                 first_call[name] = seconds_of(lambda: sample(2), device)  # torch.compile's compilation, for one
+                if "compiled" in name and engine.COMPILE_FAILED:  # it fell back to eager layers: not this side
+                    raise RuntimeError(f"torch.compile failed: {engine.COMPILE_FAILED}")
             except Exception as error:  # a side that cannot run here is reported, the others still measured
                 failed[name] = f"{type(error).__name__}: {error}".splitlines()[0][:300]
                 print(f"gpu decode: {name} failed: {failed[name]}", flush=True)
@@ -262,6 +264,10 @@ def kernels_part(args: argparse.Namespace, device: torch.device) -> dict:
                                                 keys=keys, cuda_graphs=False, compile_step=compiled, check_every=1)
         with torch.no_grad():
             run(2)(), run(2 + steps)()  # compilation (both cache lengths), lazy initialisation
+            if compiled and engine.COMPILE_FAILED:  # the engine fell back to eager layers: not the side named
+                print(f"gpu kernels: {name} failed: torch.compile failed: {engine.COMPILE_FAILED}", flush=True)
+                figures["sides"][name] = {"failed": engine.COMPILE_FAILED}
+                continue
             short, long = kernels_of(run(2), device), kernels_of(run(2 + steps), device)
         per_step = {kernel: [(count - short.get(kernel, [0, 0.0])[0]) / steps,
                              (micros - short.get(kernel, [0, 0.0])[1]) / steps]
