@@ -60,7 +60,7 @@ Departures, on purpose:
    max_rows) and replayed; graphs read the parameters where they are, so weights copied into them in
    place (param.copy_) need no recapture. Captured once per call, not kept across calls;
    cuda_graphs=False turns it off, and a capture that fails falls back to eager steps with a line saying so.
-7. Checked models: Qwen2 and Llama shapes with full causal attention, sdpa or eager attention
+7. Checked models: Qwen2, Qwen3 and Llama shapes with full causal attention, sdpa or eager attention
    (`unsupported_reason` says why not otherwise).
 8. The decode step's attention is `decode_attention`, not the model's own: the query heads of each key
    head folded into one query (Hugging Face's sdpa path copies the cache once per query head when a
@@ -83,7 +83,7 @@ from typing import Callable
 
 import torch
 
-CHECKED_TYPES = ("qwen2", "llama")
+CHECKED_TYPES = ("qwen2", "qwen3", "llama")
 RUNNING = 2**62  # the stop step of a row still decoding
 BLOCK = 1024  # tokens per block of the two-level inverse CDF
 PREFILL_TOKENS = 512  # most tokens in one packed prefill row on CPU (docs/benchmarks.md: the engine on short prompts)

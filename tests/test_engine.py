@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import LOGIT_SCALE
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, Qwen2Config
+from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, Qwen2Config,
+                          Qwen3Config)
 from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 import engine
@@ -30,13 +31,14 @@ def one_thread():
 
 def random_model(kind: str, vocab: int = 96, dtype: torch.dtype = torch.float32, logit_scale: float = 1.0,
                  seed: int = 0, attention: str = "sdpa", layers: int = 2):
-    """A `layers`-layer (2) Qwen2 (tied embeddings) or Llama (untied) with random weights; logit_scale sharpens its logits.
+    """A `layers`-layer (2) Qwen2 (tied embeddings), Qwen3 (its query and key norms, untied) or Llama (untied) with
+    random weights; logit_scale sharpens its logits.
 
     Weights 10x the default scale (initializer_range 0.2): at 0.02 the residual stream is nearly the input
     embedding, so a tied model's greedy continuation repeats the last token forever."""
-    config_class = {"qwen2": Qwen2Config, "llama": LlamaConfig}[kind]
+    config_class = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig}[kind]
     config = config_class(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, head_dim=16,
                           tie_word_embeddings=kind == "qwen2", initializer_range=0.2, attn_implementation=attention)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
@@ -112,11 +114,12 @@ def test_uniforms_are_splitmix64():
 
 
 # --- greedy decoding equals generate ---
-@pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen2-eager", "qwen-shaped"])
+@pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3", "qwen2-eager", "qwen-shaped"])
 def test_greedy_tokens_equal_generate(kind, request):
     """Claim: greedy decoding through the engine (each prompt prefilled once, unpadded, copied into its G rows; the
     fixed-shape decode step on the preallocated cache) gives `generate(do_sample=False)`'s tokens, token for token,
-    on a random Qwen2 (sdpa and eager attention), a random Llama and the Qwen2.5-Instruct-shaped fixture (chat
+    on a random Qwen2 (sdpa and eager attention), a random Llama, a random Qwen3 (RMSNorm on each head's queries and
+    keys, inside the attention layer the engine calls) and the Qwen2.5-Instruct-shaped fixture (chat
     tokens, two EOS ids, Qwen's shipped sampling defaults, which neither side may apply), for prompts of mixed
     lengths, with rows that stop at varied steps: all rows at once (compaction as they stop), at most 2G rows
     (whole prompts refill the room), fixed power-of-two shapes (stand-in rows fill the bucket), and the prompts
@@ -507,11 +510,12 @@ def test_every_eos_id_stops_a_sampled_response(qwen_shaped_dir):
 
 # --- where it is exact, and copied alone ---
 def test_unsupported_reason():
-    """Claim: Qwen2 and Llama with sdpa or eager attention are supported; a sliding window, logit soft-capping, rope
+    """Claim: Qwen2, Qwen3 and Llama with sdpa or eager attention are supported; a sliding window, logit soft-capping, rope
     scaling that depends on the sequence length, an attention implementation that ignores a 4-D mask or another
     model type each get a one-line reason, and sample_groups refuses them."""
     assert engine.unsupported_reason(random_model("qwen2")) is None
     assert engine.unsupported_reason(random_model("llama")) is None
+    assert engine.unsupported_reason(random_model("qwen3")) is None
     eager = random_model("qwen2")
     eager.config._attn_implementation = "eager"
     assert engine.unsupported_reason(eager) is None
