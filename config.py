@@ -28,9 +28,12 @@ TRACKERS = ("none", "tensorboard", "wandb", "trackio")  # --report-to (infra/tra
 DTYPES = ("auto", "float32", "bfloat16")
 # The offline models (models.TINY_RECIPES): name -> (the task it was warmed up on, its default --max-new-tokens)
 TINY_MODELS = {"tiny": ("arithmetic", 8), "tiny-chain": ("chain", 128)}
-# --model's short names for hub models (infra/models.resolve_model): qwen2.5-7b -> Qwen/Qwen2.5-7B-Instruct
-MODEL_ALIASES = {f"qwen2.5-{size}": f"Qwen/Qwen2.5-{size.upper()}-Instruct"
-                 for size in ("0.5b", "1.5b", "3b", "7b", "14b", "32b", "72b")}
+# --model's short names for hub models (infra/models.resolve_model): qwen2.5-7b -> Qwen/Qwen2.5-7B-Instruct,
+# qwen3-0.6b -> Qwen/Qwen3-0.6B (Qwen3 ships one model per size, chat-tuned, with thinking on by default)
+MODEL_ALIASES = {**{f"qwen2.5-{size}": f"Qwen/Qwen2.5-{size.upper()}-Instruct"
+                    for size in ("0.5b", "1.5b", "3b", "7b", "14b", "32b", "72b")},
+                 **{f"qwen3-{size}": f"Qwen/Qwen3-{size.upper()}"
+                    for size in ("0.6b", "1.7b", "4b", "8b", "14b", "32b")}}
 # The sizes (fields below) that --sizes chooses when not given (`derive`, launch/sizing.py; distributed.share_sizes)
 SIZE_FIELDS = ("groups_per_chunk", "micro_batch_tokens", "rollout_threads", "train_threads", "tail_threads")
 
@@ -148,7 +151,7 @@ class Config:
                                      "mask where that pays (see packing.packing_pays); off: one padded row each")
     # --- model and data ---
     model: str = _opt("tiny", "Hugging Face id, local model directory, or alias: tiny (offline, default), "
-                              "tiny-chain (offline, long responses), qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b, ...")
+                              "tiny-chain (offline, long responses), qwen2.5-0.5b, qwen2.5-7b, qwen3-0.6b, ...")
     data: str | None = _opt(None, "training prompts: 'arithmetic' or 'chain' (built-in, offline), 'gsm8k' (the hub's "
                                   "openai/gsm8k), a hub dataset id, or a local directory or .jsonl/.json/.parquet/.csv "
                                   "file, loaded with Hugging Face datasets (infra/data.py); held out: its 'test' "

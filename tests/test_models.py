@@ -69,7 +69,9 @@ def test_resolve_model():
     """Claim: every Qwen2.5 Instruct size has an alias (case-insensitive); other names pass through."""
     assert models.resolve_model("qwen2.5-0.5b") == "Qwen/Qwen2.5-0.5B-Instruct"
     assert models.resolve_model("Qwen2.5-72B") == "Qwen/Qwen2.5-72B-Instruct"
-    assert set(models.MODEL_ALIASES) == {f"qwen2.5-{s}" for s in ("0.5b", "1.5b", "3b", "7b", "14b", "32b", "72b")}
+    assert models.resolve_model("qwen3-0.6b") == "Qwen/Qwen3-0.6B"
+    assert set(models.MODEL_ALIASES) == {f"qwen2.5-{s}" for s in ("0.5b", "1.5b", "3b", "7b", "14b", "32b", "72b")} | \
+        {f"qwen3-{s}" for s in ("0.6b", "1.7b", "4b", "8b", "14b", "32b")}
     assert models.resolve_model("org/model") == "org/model"
     assert models.resolve_model("./runs/latest/policy") == "./runs/latest/policy"
 
