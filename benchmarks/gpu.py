@@ -198,9 +198,10 @@ def decode_part(args: argparse.Namespace, device: torch.device) -> dict:
 
 
 # --- part 2: kernels ---
-KINDS = (("fused (torch.compile)", ("triton_", "cpp_fused")),
-         ("matrix products", ("gemm", "gemv", "cutlass", "cublas", "splitk", "aten::mm", "aten::addmm", "aten::bmm")),
+KINDS = (("fused (torch.compile)", ("triton_", "cpp_fused")),  # first match wins: attention before cutlass's GEMMs
          ("attention", ("fmha", "flash", "attention", "cudnn", "scaled_dot_product")),
+         ("matrix products", ("gemm", "gemv", "nvjet", "xmma", "cutlass", "cublas", "splitk", "aten::mm", "aten::addmm",
+                              "aten::bmm")),
          ("indexing (cache writes, row bookkeeping)", ("index", "scatter")),
          ("draw", ("sort", "softmax", "cumsum", "scan", "searchsorted", "argmax", "gather", "uniform")))
 def kind_of(name: str) -> str:

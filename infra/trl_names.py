@@ -87,7 +87,8 @@ TRL_UNUSED = {
     **dict.fromkeys(("entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target"),
                     "TRL reads it only with use_adaptive_entropy true; this trainer adds no entropy bonus"),
     "log_multimodal": "prompts here are text (or chat messages of text)",
-    **dict.fromkeys(("bnb_4bit_quant_type", "use_bnb_nested_quant"), "TRL reads it only with load_in_4bit true"),
+    **dict.fromkeys(("bnb_4bit_quant_type", "bnb_4bit_quant_storage", "use_bnb_nested_quant"),
+                    "TRL reads it only with load_in_4bit true"),
     "gradient_checkpointing_use_reentrant": "--gradient-checkpointing uses transformers' default",
     "ignore_bias_buffers": "TRL reads it only under DistributedDataParallel, which this trainer does not use",
 }
@@ -151,6 +152,7 @@ TRL_FIXED = {
     **dict.fromkeys(("use_rslora", "use_dora"), ((False,), "LoRA here is peft's plain LoRA (--use-peft)", None)),
     "lora_task_type": (("CAUSAL_LM",), "LoRA adapts a causal language model", None),
     "lora_modules_to_save": ((None,), "only the adapter is trained, published and saved", None),
+    "lora_target_parameters": ((None,), "LoRA adapts the modules of --lora-target-modules", "--lora-target-modules"),
     "dataset_streaming": ((False,), "the data is loaded whole (datasets' load_dataset)", None),
 }
 FIXED_AS = {"eval_strategy": ("eval_every", 0)}  # TRL_FIXED keys read as one of our options at their fixed value
@@ -325,10 +327,16 @@ def trl_keys(values: dict, skip: set[str], note, known: set[str], group_size: in
             trl_said = line.split(" as --batch-size")[0].replace("took TRL", "TRL")
             raise ValueError(f"{trl_said} = {batch} completions per batch, not a multiple of num_generations {group} "
                              "(TRL refuses it too)")
+        if "updates_per_iteration" in values or "updates_per_iteration" in skip:
+            line = line.split(" and ")[0] + " (--updates-per-iteration is given)"
+        elif "group_size" not in skip and isinstance(group, int) and (batch // group) % updates:
+            raise ValueError(f"{line.split(' as --batch-size')[0].replace('took TRL', 'TRL')} = {batch} completions "
+                             f"= {batch // group} groups of num_generations {group}, which {updates} optimizer steps "
+                             "cannot share as whole groups: give --batch-size and --updates-per-iteration")
+        else:
+            values = {"updates_per_iteration": updates, **values}
         note(line)
         values = {"batch_size": batch, **values}
-        if "updates_per_iteration" not in values and "updates_per_iteration" not in skip:
-            values = {"updates_per_iteration": updates, **values}
     trainer_only = trainer_settings([key for key in values if key not in known and key not in TRL_DIFFERENT])
     if trainer_only:  # transformers' TrainingArguments, for its Trainer: at their defaults they change nothing here
         at_default = [key for key in trainer_only if trainer_only[key] == values[key]

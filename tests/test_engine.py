@@ -466,7 +466,8 @@ def test_the_compiled_layers_compile_once_whatever_the_depth():
 def test_a_failed_compilation_decodes_without_it_and_says_so_once(monkeypatch, capsys):
     """Claim (--engine compile, reliability): where torch.compile cannot compile (here Inductor finds no C++ compiler,
     as on a machine without one; no Triton on a GPU fails the same way), the call still returns the eager engine's
-    tokens exactly (the failed step is run again eagerly: it writes the same keys at the same slots), says so in
+    tokens exactly (the failed step is run again eagerly; here the failure comes before any cache write, and one
+    after a write would be rewritten at the same slots), says so in
     one line on stderr, and later calls of the process do not try again. Before, the run ended in a 128-line
     traceback. Teeth: without the fallback the call raises InductorError."""
     import torch._inductor.config as inductor_config

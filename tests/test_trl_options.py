@@ -9,6 +9,7 @@ batch's / 2: 17 or 14 against 15.5 tokens; an unscaled A: std_batch + eps = 0.96
 import copy
 import dataclasses
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -534,10 +535,14 @@ def test_a_grpo_config_at_its_defaults_runs_as_it_is(tmp_path, capsys):
     ours = {field.name for field in dataclasses.fields(cfg)} | {"learning_rate", "num_generations", "epsilon",
                                                                "max_completion_length", "use_bias_correction_kl"}
     skipped = [key for key in GRPO_CONFIG_DEFAULTS if key not in ours]
-    assert all(key in out for key in skipped), [key for key in skipped if key not in out]
+    named = set(re.findall(r"\w+", out))  # whole words: "delta" is not named by "entropy_coef_delta"
+    assert all(key in named for key in skipped), [key for key in skipped if key not in named]
     assert (cfg.lr, cfg.beta, cfg.epsilon_low, cfg.epsilon_high, cfg.group_size, cfg.max_new_tokens) == \
         (1e-6, 0.0, 0.2, 0.2, 8, 512)
     assert cfg.num_completions_to_print == 0 and "num_completions_to_print null" in out
+    (tmp_path / "grpo.json").write_text(json.dumps({**GRPO_CONFIG_DEFAULTS, "epsilon": 0.3}))
+    cfg = parse_args(["--config", str(tmp_path / "grpo.json")])
+    assert (cfg.epsilon_low, cfg.epsilon_high) == (0.3, 0.3)  # TRL: epsilon_high null is epsilon's value
 
 
 @pytest.mark.parametrize("text, fragment", [
@@ -581,11 +586,17 @@ def test_trls_batch_keys_give_way_or_are_refused(tmp_path, capsys):
     assert parse_yaml(tmp_path, "per_device_train_batch_size: 4\nbatch_size: 64\n").batch_size == 64
     assert "ignored TRL's per_device_train_batch_size: --batch-size is given" in capsys.readouterr().out
     assert parse_yaml(tmp_path, "per_device_train_batch_size: 4\n", "--batch-size", "16").batch_size == 16
+    capsys.readouterr()
+    cfg = parse_yaml(tmp_path, "steps_per_generation: 4\nupdates_per_iteration: 2\n")  # ours wins, and is said to
+    assert (cfg.batch_size, cfg.updates_per_iteration) == (32, 2)
+    assert "as --batch-size 32 (TRL's generation batch) (--updates-per-iteration is given)" in capsys.readouterr().out
     for text, fragment in [("steps_per_generation: 2\ngeneration_batch_size: 64\n", "can't be both set"),
                            ("per_device_train_batch_size: 6\ngeneration_batch_size: 64\n", "is not a multiple of"),
                            ("gradient_accumulation_steps: 4\nsteps_per_generation: 6\n", "give --batch-size and"),
                            ("per_device_train_batch_size: 4\ninference_ranks: 1\n", "with --inference-ranks give"),
-                           ("per_device_train_batch_size: 0\n", "must be positive whole numbers")]:
+                           ("per_device_train_batch_size: 0\n", "must be positive whole numbers"),
+                           ("steps_per_generation: 4\nnum_generations: 16\n", "= 2 groups of num_generations 16, "
+                                                                               "which 4 optimizer steps cannot share")]:
         assert fragment in refusal(capsys, lambda: parse_yaml(tmp_path, text)), text
     assert "means something else here" in refusal(capsys, lambda: parse_args(["--per-device-train-batch-size", "4"]))
 
