@@ -239,13 +239,14 @@ TRL_BATCH_KEYS = ("per_device_train_batch_size", "gradient_accumulation_steps", 
                   "generation_batch_size")
 
 
-def trl_batch(values: dict, processes: int) -> tuple[int, int, str]:
-    """(--batch-size, --updates-per-iteration, the line saying so) for TRL's batch keys in `values` (TRL_BATCH_KEYS;
-    TRL's defaults for those missing: 8 per device, 1 accumulation step, the two others derived) on `processes`
-    training processes, as GRPOConfig.__post_init__ derives them: a generation batch of B = per_device x processes x
-    steps_per_generation completions (steps_per_generation defaults to gradient_accumulation_steps), of which each
-    optimizer step takes per_device x processes x gradient_accumulation_steps: steps_per_generation /
-    gradient_accumulation_steps steps per batch. ValueError where TRL refuses too, or the steps do not divide.
+def trl_batch(values: dict, processes: int) -> tuple[int, int, str, str]:
+    """(--batch-size, --updates-per-iteration, and TRL's products that give each, in words) for TRL's batch keys
+    in `values` (TRL_BATCH_KEYS; TRL's defaults for those missing: 8 per device, 1 accumulation step, the two others
+    derived) on `processes` training processes, as GRPOConfig.__post_init__ derives them: a generation batch of
+    B = per_device x processes x steps_per_generation completions (steps_per_generation defaults to
+    gradient_accumulation_steps), of which each optimizer step takes per_device x processes x
+    gradient_accumulation_steps: steps_per_generation / gradient_accumulation_steps steps per batch. ValueError
+    where TRL refuses too, or the steps do not divide.
 
     >>> trl_batch({"per_device_train_batch_size": 4, "gradient_accumulation_steps": 8}, 1)[:2]
     (32, 1)
@@ -272,10 +273,9 @@ def trl_batch(values: dict, processes: int) -> tuple[int, int, str]:
                          f"{accumulation}: each optimizer step here takes a whole share of the batch; give "
                          "--batch-size and --updates-per-iteration")
     batch, updates = per_device * processes * steps, steps // accumulation
-    return batch, updates, (f"took TRL's per_device_train_batch_size {per_device} x {processes} process(es) x "
-                            f"steps_per_generation {steps} as --batch-size {batch} (TRL's generation batch) and "
-                            f"{steps} / gradient_accumulation_steps {accumulation} as --updates-per-iteration {updates}"
-                            "; the size of a forward is --micro-batch-tokens'")
+    return (batch, updates,
+            f"TRL's per_device_train_batch_size {per_device} x {processes} process(es) x steps_per_generation {steps}",
+            f"{steps} / gradient_accumulation_steps {accumulation}")
 
 
 def trainer_settings(keys: list[str]) -> dict:
@@ -321,19 +321,22 @@ def trl_keys(values: dict, skip: set[str], note, known: set[str], group_size: in
         if values.get("inference_ranks") or "inference_ranks" in skip:
             raise ValueError(f"{', '.join(trl_batch_keys)}: with --inference-ranks give --batch-size (the responses "
                              "sampled per iteration, all trainer ranks together) instead")
-        batch, updates, line = trl_batch(trl_batch_keys, int(os.environ.get("WORLD_SIZE", "1")))
+        batch, updates, batch_from, updates_from = trl_batch(trl_batch_keys, int(os.environ.get("WORLD_SIZE", "1")))
         group = values.get("num_generations", values.get("group_size", group_size))
-        if "group_size" not in skip and isinstance(group, int) and batch % group:
-            trl_said = line.split(" as --batch-size")[0].replace("took TRL", "TRL")
-            raise ValueError(f"{trl_said} = {batch} completions per batch, not a multiple of num_generations {group} "
+        checked = "group_size" not in skip and isinstance(group, int)  # a typed --group-size is checked later
+        if checked and batch % group:
+            raise ValueError(f"{batch_from} = {batch} completions per batch, not a multiple of num_generations {group} "
                              "(TRL refuses it too)")
+        line = f"took {batch_from} as --batch-size {batch} (TRL's generation batch)"
         if "updates_per_iteration" in values or "updates_per_iteration" in skip:
-            line = line.split(" and ")[0] + " (--updates-per-iteration is given)"
-        elif "group_size" not in skip and isinstance(group, int) and (batch // group) % updates:
-            raise ValueError(f"{line.split(' as --batch-size')[0].replace('took TRL', 'TRL')} = {batch} completions "
-                             f"= {batch // group} groups of num_generations {group}, which {updates} optimizer steps "
-                             "cannot share as whole groups: give --batch-size and --updates-per-iteration")
+            line += " (--updates-per-iteration is given)"
+        elif checked and (batch // group) % updates:
+            raise ValueError(f"{batch_from} = {batch} completions = {batch // group} groups of num_generations "
+                             f"{group}, which {updates} optimizer steps cannot share as whole groups: give "
+                             "--batch-size and --updates-per-iteration")
         else:
+            line += (f" and {updates_from} as --updates-per-iteration {updates}; the size of a forward is "
+                     "--micro-batch-tokens'")
             values = {"updates_per_iteration": updates, **values}
         note(line)
         values = {"batch_size": batch, **values}
