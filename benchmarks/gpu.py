@@ -135,18 +135,24 @@ def decode_sides(model, prompts: list[list[int]], group_size: int, stops: list[i
     return sides
 
 
-def decode_part(args: argparse.Namespace, device: torch.device) -> dict:
+def decode_workload(args: argparse.Namespace, device: torch.device) -> tuple[torch.nn.Module, list[list[int]]]:
+    """The decode and kernels parts' model (the Qwen2.5-0.5B configuration, random weights; bf16 on CUDA, else float32)
+    and GSM8K prompts in its vocabulary."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = qwen_wide_model(args.layers, args.vocab).to(device=device, dtype=dtype)
-    prompts = [[token % args.vocab for token in prompt] for prompt in
-               gsm8k_prompts(args.data / "train.jsonl", args.prompts)]
+    return model, [[token % args.vocab for token in prompt] for prompt in
+                   gsm8k_prompts(args.data / "train.jsonl", args.prompts)]
+
+
+def decode_part(args: argparse.Namespace, device: torch.device) -> dict:
+    model, prompts = decode_workload(args, device)
     rows, steps = len(prompts) * args.group_size, args.decode_tokens
     stops, half = eos_ids(args.vocab), max(1, steps // 2)
     sides = decode_sides(model, prompts, args.group_size, stops, device)
     bandwidth = copy_bandwidth(device)
     context = statistics.mean(map(len, prompts)) + steps / 2
     step_bytes = decode_step_bytes(model, rows, round(context))
-    print(f"gpu decode: Qwen2.5-0.5B configuration ({args.layers} layers, vocabulary {args.vocab}, {dtype}), "
+    print(f"gpu decode: Qwen2.5-0.5B configuration ({args.layers} layers, vocabulary {args.vocab}, {model.dtype}), "
           f"{len(prompts)} GSM8K prompts ({min(map(len, prompts))}-{max(map(len, prompts))} tokens) x "
           f"{args.group_size} = {rows} rows, M = {steps}, {device}; copy bandwidth {bandwidth / 1e9:.0f} GB/s; a "
           f"step moves >= {step_bytes / 1e9:.2f} GB: floor {step_bytes / bandwidth * 1e3:.2f} ms", flush=True)
@@ -250,10 +256,7 @@ def kernels_part(args: argparse.Namespace, device: torch.device) -> dict:
     prefill; the host looks after every step, so they run 1 and 1 + S decode steps), their difference over S. On a
     GPU a CUDA graph replays these kernels without the launch gaps, so their summed time is what graphs can reach
     without fusing; their count is what fusing (--engine compile) cuts."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = qwen_wide_model(args.layers, args.vocab).to(device=device, dtype=dtype)
-    prompts = [[token % args.vocab for token in prompt] for prompt in
-               gsm8k_prompts(args.data / "train.jsonl", args.prompts)]
+    model, prompts = decode_workload(args, device)
     keys, stops, steps = [(0, 0, j) for j in range(len(prompts))], eos_ids(args.vocab), args.profile_steps
     sides = {"engine, eager": False, "engine, compiled": True}
     if device.type != "cuda":
