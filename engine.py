@@ -53,8 +53,9 @@ Departures, on purpose:
 3. The inverse CDF runs in two levels (which block of BLOCK tokens, then which token in it): a float32
    running sum over 151,936 tokens would blur the small probabilities (each step of it rounds to ~1e-7 of
    the whole), and a float64 pass over all of them costs as much as the rest of the draw on CPU.
-4. The output layer is applied as W·hᵀ, (V, H)·(H, n): the same product as nn.Linear's h·Wᵀ, which MKL
-   runs markedly slower for a few rows on this project's (AMD) CPU.
+4. On CPU the output layer is applied as W·hᵀ, (V, H)·(H, n): the same product as nn.Linear's h·Wᵀ, which
+   MKL runs markedly slower for a few rows on this project's (AMD) CPU. Elsewhere it is h·Wᵀ: the draw's
+   passes over (n, V) read it contiguously (the transposed view cost a 0.19 ms strided copy per H100 step).
 5. The decode step attends over the whole preallocated cache, masked: its shape never depends on the step.
 6. On CUDA the decode step is captured as a CUDA graph per row-count bucket (powers of two up to
    max_rows) and replayed; graphs read the parameters where they are, so weights copied into them in
@@ -69,9 +70,10 @@ Departures, on purpose:
    never cached), so the calls of a run share a few shapes: cuDNN's attention, the first choice of
    torch's SDPA on recent GPUs, builds a graph for every new shape.
 10. compile_step (--engine compile) compiles the decoder layers, one compilation shared by all of them
-   (compiled_layers), and leaves the cache writes and the draw eager: the whole step compiled as one
-   function recompiled as shapes changed and ran slower than eager on an H100 (docs/benchmarks.md). If
-   compiling fails (no C++ compiler, no Triton), one line says so and the process decodes eagerly.
+   (compiled_layers, the cache writes inside), and the decode step's draw (compiled_draw); the mask and the
+   rows' bookkeeping stay eager: the whole step compiled as one function recompiled as shapes changed and
+   ran slower than eager on an H100 (docs/benchmarks.md). If compiling fails (no C++ compiler, no
+   Triton), one line says so and the process decodes eagerly.
 """
 from __future__ import annotations
 
@@ -208,12 +210,26 @@ def draw_tokens(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_p
                 min_p: float | None = None) -> torch.Tensor:
     """Tokens drawn by inverse CDF from softmax(logits / T) truncated by top-k, top-p and min-p; logits (n, V),
     u (n,) -> (n,)."""
-    logits = logits.float() if temperature == 1.0 else logits.float() / temperature
-    probs = torch.softmax(logits, dim=-1)                          # (n, V)
+    if temperature == 1.0:  # softmax reads bf16 logits and computes in float32 (its cast is exact): one pass
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # (n, V)
+    else:
+        probs = torch.softmax(logits.to(torch.float32, copy=True).div_(temperature), dim=-1)  # (n, V) a copy
     if top_p >= 1.0 and not top_k and min_p is None:
         return inverse_cdf(probs, u)
     probs, order = truncated_order(probs, top_k, top_p, min_p)     # (n, V), (n, V)
     return order.gather(-1, inverse_cdf(probs, u).unsqueeze(-1)).squeeze(-1)
+
+
+def checked_draw(logits: torch.Tensor, seeds: torch.Tensor, lengths: torch.Tensor, greedy: bool, temperature: float,
+                 top_p: float, top_k: int, min_p: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each row's token: argmax if greedy, else draw_tokens with its uniform for step `lengths`; whether every
+    logit was finite), logits (n, V), seeds and lengths (n,). One min/max pass checks finiteness: NaN propagates
+    into both."""
+    low, high = torch.aminmax(logits)
+    finite = torch.isfinite(low) & torch.isfinite(high)                                   # () bool
+    if greedy:
+        return logits.argmax(dim=-1), finite
+    return draw_tokens(logits, uniforms(seeds, lengths), temperature, top_p, top_k, min_p), finite
 
 
 # --- the cache ---
@@ -241,15 +257,17 @@ class RowCache:
         self.prefill_slots: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None
 
-    @torch.compiler.disable  # under --engine compile the layers' code stays free of the layer index
     def update(self, key: torch.Tensor, value: torch.Tensor, layer: int, *args, **kwargs):
+        """Write the new keys and values; return what the layer attends over. torch.select, not [layer]: under
+        --engine compile the index stays an input of the compiled code (subscripting with an int specialises
+        on its value: one compilation per layer)."""
         if self.positions is None:
             rows, slots, sources = self.prefill_slots  # (N,) each: cache row, its slot, the packed position
             self.keys[layer, rows, :, slots] = key[0, :, sources].transpose(0, 1)  # (N, kv, D) <- (kv, N, D)
             self.values[layer, rows, :, slots] = value[0, :, sources].transpose(0, 1)
             return key, value
         n = self.positions.shape[0]
-        keys, values = self.keys[layer, :n], self.values[layer, :n]  # (n, kv, L, D) views
+        keys, values = self.keys.select(0, layer)[:n], self.values.select(0, layer)[:n]  # (n, kv, L, D) views
         rows = self.row_index[:n]
         keys[rows, :, self.positions] = key[:, :, 0]  # (n, kv, D) one slot per row
         values[rows, :, self.positions] = value[:, :, 0]
@@ -353,31 +371,37 @@ class Rollouts:
         finally:
             config._attn_implementation = implementation
         hidden = hidden[:, -1] if packed_ends is None else hidden[0, packed_ends]  # (rows, H) or (k, H)
-        return torch.mm(self.head, hidden.t()).t()  # (rows, V) = ((V, H)·(H, rows))ᵀ, departure 4
+        if self.device.type == "cpu":
+            return torch.mm(self.head, hidden.t()).t()  # (rows, V) = ((V, H)·(H, rows))ᵀ, departure 4
+        return torch.mm(hidden, self.head.t())  # (rows, V) rows first: the draw reads it contiguously (departure 4)
 
     def layers(self, inputs: dict, compiled: bool) -> torch.Tensor:
-        """The decoder's last hidden states, through compiled_layers if `compiled`. If torch.compile fails (no C++
-        compiler for Inductor on CPU, no Triton on a GPU, an unsupported operation), one line says so and the
-        process decodes without it from then on: the same steps, only slower. Running the step again eagerly is
-        exact: the cache writes it repeats put the same keys at the same slots."""
-        global COMPILE_FAILED
+        """The decoder's last hidden states, through compiled_layers if `compiled` (and compiling has not failed
+        in this process: compile_failed). Running a failed step again eagerly is exact: the cache writes it
+        repeats put the same keys at the same slots."""
         if compiled and COMPILE_FAILED is None:
             try:
                 with compiled_layers(self.decoder):
                     return self.decoder(**inputs).last_hidden_state
             except torch._dynamo.exc.TorchDynamoException as error:
-                cause = getattr(error, "inner_exception", None) or error.__cause__ or error  # what the backend raised
-                COMPILE_FAILED = f"{type(cause).__name__}: {(str(cause).strip() or '?').splitlines()[0]}"[:300]
-                print(f"engine: torch.compile failed, decoding without it: {COMPILE_FAILED}", file=sys.stderr,
-                      flush=True)
+                compile_failed(error)
         return self.decoder(**inputs).last_hidden_state
 
-    def draw(self, logits: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        self.nonfinite.logical_or_(~torch.isfinite(logits).all())  # read by the host when it looks (no sync here)
-        if self.greedy:
-            return logits.argmax(dim=-1)
-        return draw_tokens(logits, uniforms(self.seeds[rows], lengths), self.temperature, self.top_p, self.top_k,
-                           self.min_p)
+    def draw(self, logits: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor, compiled: bool = False
+             ) -> torch.Tensor:
+        """Each row's next token (checked_draw), through torch.compile if `compiled`: Inductor fuses the draw's
+        passes over the (n, V) logits, ~0.4 ms of an H100 step eagerly at 128 rows (docs/benchmarks.md)."""
+        args = (logits, self.seeds[rows], lengths, self.greedy, self.temperature, self.top_p, self.top_k, self.min_p)
+        if compiled and COMPILE_FAILED is None:
+            try:
+                new, finite = compiled_draw()(*args)
+                self.nonfinite.logical_or_(~finite)
+                return new
+            except torch._dynamo.exc.TorchDynamoException as error:
+                compile_failed(error)
+        new, finite = checked_draw(*args)
+        self.nonfinite.logical_or_(~finite)  # read by the host when it looks (no sync here)
+        return new
 
     def record(self, rows: torch.Tensor, lengths: torch.Tensor, running: torch.Tensor, new: torch.Tensor) -> None:
         """Token `lengths[r]` of each running row is `new[r]`; a row stops at a stop id or at max_new_tokens."""
@@ -429,7 +453,7 @@ class Rollouts:
         mask = torch.zeros(unseen.shape, dtype=self.dtype, device=self.device).masked_fill_(unseen, self.min)
         self.cache.positions = positions
         logits = self.logits(self.last_token[:n, None], positions[:, None], mask[:, None, None, :])  # (n, V)
-        new = self.draw(logits, rows, lengths)                                             # (n,)
+        new = self.draw(logits, rows, lengths, compiled=self.compile_layers)                 # (n,)
         self.record(rows, lengths, running, new)
         self.last_token[:n] = new
 
@@ -489,7 +513,24 @@ class DecodeGraphs:
 
 # --- --engine compile: the decoder layers through torch.compile, one compilation for all of them ---
 _COMPILED_FORWARD: dict[type, Callable] = {}  # a layer class -> torch.compile of its forward, for the process
-COMPILE_FAILED: str | None = None  # why torch.compile failed in this process (Rollouts.layers), once it has
+_COMPILED_DRAW: list[Callable] = []  # torch.compile of checked_draw, for the process
+COMPILE_FAILED: str | None = None  # why torch.compile failed in this process (compile_failed), once it has
+
+
+def compile_failed(error: Exception) -> None:
+    """torch.compile failed (no C++ compiler for Inductor on CPU, no Triton on a GPU, an unsupported operation):
+    one line on stderr, and the process decodes without it from then on (the same steps, only slower)."""
+    global COMPILE_FAILED
+    cause = getattr(error, "inner_exception", None) or error.__cause__ or error  # what the backend raised
+    COMPILE_FAILED = f"{type(cause).__name__}: {(str(cause).strip() or '?').splitlines()[0]}"[:300]
+    print(f"engine: torch.compile failed, decoding without it: {COMPILE_FAILED}", file=sys.stderr, flush=True)
+
+
+def compiled_draw() -> Callable:
+    """torch.compile of checked_draw, made once per process: its passes over the logits fused (--engine compile)."""
+    if not _COMPILED_DRAW:
+        _COMPILED_DRAW.append(torch.compile(checked_draw))
+    return _COMPILED_DRAW[0]
 
 
 @contextlib.contextmanager
@@ -498,9 +539,10 @@ def compiled_layers(decoder):
     compilation): the layers share that code and differ only in their parameters, which the compiled code
     takes as inputs, so a 24-layer model compiles about what one layer needs, once per process. Inductor
     fuses each layer's elementwise chains (RMSNorm, rotary, SiLU·up, residual adds) around the matrix
-    products. RowCache.update runs outside it (torch.compiler.disable), and the layer index it is given is
-    an input of the compiled code, not a constant (allow_unspec_int_on_nn_module), so the compilations do not
-    grow with the depth. The model is left as it was on the way out: its layers' own forward again."""
+    products, and the cache writes of RowCache.update (one kernel for a layer's keys and values). The layer
+    index update is given is an input of the compiled code, not a constant (allow_unspec_int_on_nn_module, and
+    torch.select rather than subscripting), so the compilations do not grow with the depth. The model is left
+    as it was on the way out: its layers' own forward again."""
     layers = list(decoder.layers)
     kind = type(layers[0])
     if kind not in _COMPILED_FORWARD:

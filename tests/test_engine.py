@@ -447,8 +447,9 @@ def test_a_compiled_decode_step_samples_what_the_eager_one_does():
 def test_the_compiled_layers_compile_once_whatever_the_depth():
     """Claim: --engine compile compiles one layer's code for all layers (regional compilation), so Qwen2.5-0.5B's 24
     layers cost about what 1 does. Measured as torch._dynamo's count of graphs compiled for a call from scratch:
-    the same for a 2-layer and a 6-layer model. Teeth: the layer index reaching the compiled code (RowCache.update
-    compiled with it) recompiles per layer, up to torch's limit of 8, and the 6-layer count grows."""
+    the same for a 2-layer and a 6-layer model (RowCache.update compiled with the layers). Teeth: the cache
+    subscripted with the layer index (`self.keys[layer, :n]` instead of torch.select) specialises on it and
+    recompiles per layer, up to torch's limit of 8: the 6-layer count grows."""
     from torch._dynamo.utils import counters
 
     def graphs_compiled(layers: int) -> int:
