@@ -117,8 +117,9 @@ class Config:
                                "cache, one uniform per row and step from (seed, iteration, prompt, sample, step): the "
                                "tokens do not depend on the sizes, workers or ranks) wherever it is exact for the "
                                "model, else Hugging Face generate with a line saying why; compile: auto with the "
-                               "decoder layers of its decode step through one torch.compile shared by all layers "
-                               "(fused norms, rotary and activations; the first call compiles one layer; meant for "
+                               "decoder layers of its decode step through one torch.compile shared by all layers, "
+                               "and its draw (fused norms, rotary, activations and softmax; the first call compiles "
+                               "one layer; meant for "
                                "GPUs, measured by bench.py gpu); hf: "
                                "generate always (the reference)", choices=ENGINES)
     lr: float | None = _opt(None, "AdamW learning rate (default: 1e-4 for tiny, 1e-6 otherwise)")

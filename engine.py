@@ -70,10 +70,10 @@ Departures, on purpose:
    never cached), so the calls of a run share a few shapes: cuDNN's attention, the first choice of
    torch's SDPA on recent GPUs, builds a graph for every new shape.
 10. compile_step (--engine compile) compiles the decoder layers, one compilation shared by all of them
-   (compiled_layers, the cache writes inside), and the decode step's draw (compiled_draw); the mask and the
-   rows' bookkeeping stay eager: the whole step compiled as one function recompiled as shapes changed and
-   ran slower than eager on an H100 (docs/benchmarks.md). If compiling fails (no C++ compiler, no
-   Triton), one line says so and the process decodes eagerly.
+   (compiled_layers), and the decode step's draw (compiled_draw); the cache writes, the mask and the rows'
+   bookkeeping stay eager: the whole step compiled as one function recompiled as shapes changed and ran
+   slower than eager on an H100, and so did the layers with their cache writes (docs/benchmarks.md). If
+   compiling fails (no C++ compiler, no Triton), one line says so and the process decodes eagerly.
 """
 from __future__ import annotations
 
@@ -257,17 +257,15 @@ class RowCache:
         self.prefill_slots: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None
 
+    @torch.compiler.disable  # under --engine compile: eager (compiled_layers says why)
     def update(self, key: torch.Tensor, value: torch.Tensor, layer: int, *args, **kwargs):
-        """Write the new keys and values; return what the layer attends over. torch.select, not [layer]: under
-        --engine compile the index stays an input of the compiled code (subscripting with an int specialises
-        on its value: one compilation per layer)."""
         if self.positions is None:
             rows, slots, sources = self.prefill_slots  # (N,) each: cache row, its slot, the packed position
             self.keys[layer, rows, :, slots] = key[0, :, sources].transpose(0, 1)  # (N, kv, D) <- (kv, N, D)
             self.values[layer, rows, :, slots] = value[0, :, sources].transpose(0, 1)
             return key, value
         n = self.positions.shape[0]
-        keys, values = self.keys.select(0, layer)[:n], self.values.select(0, layer)[:n]  # (n, kv, L, D) views
+        keys, values = self.keys[layer, :n], self.values[layer, :n]  # (n, kv, L, D) views
         rows = self.row_index[:n]
         keys[rows, :, self.positions] = key[:, :, 0]  # (n, kv, D) one slot per row
         values[rows, :, self.positions] = value[:, :, 0]
@@ -539,9 +537,10 @@ def compiled_layers(decoder):
     compilation): the layers share that code and differ only in their parameters, which the compiled code
     takes as inputs, so a 24-layer model compiles about what one layer needs, once per process. Inductor
     fuses each layer's elementwise chains (RMSNorm, rotary, SiLU·up, residual adds) around the matrix
-    products, and the cache writes of RowCache.update (one kernel for a layer's keys and values). The layer
-    index update is given is an input of the compiled code, not a constant (allow_unspec_int_on_nn_module, and
-    torch.select rather than subscripting), so the compilations do not grow with the depth. The model is left
+    products. RowCache.update runs outside it (torch.compiler.disable): compiled on an H100, its writes into a
+    view of the cache made Inductor copy the layer's whole cache slice back, +0.8 ms per step
+    (docs/benchmarks.md). The layer index update is given is an input of the compiled code, not a constant
+    (allow_unspec_int_on_nn_module), so the compilations do not grow with the depth. The model is left
     as it was on the way out: its layers' own forward again."""
     layers = list(decoder.layers)
     kind = type(layers[0])

@@ -418,6 +418,44 @@ def test_a_failed_cuda_graph_capture_decodes_eagerly_from_where_it_was(monkeypat
     assert twins[0].lengths[:6].tolist() == [6] * 6
 
 
+def test_the_draw_leaves_the_logits_alone_and_flags_any_non_finite_one():
+    """Claim: checked_draw neither changes the logits it is given (float32 logits at T != 1: a division in place
+    would have divided the caller's tensor) nor misses a non-finite logit: one NaN, +inf or -inf anywhere in the
+    (n, V) logits makes `finite` False (one min/max pass; NaN propagates into both), and finite logits give True."""
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(0)) * 3
+    kept, seeds, lengths = logits.clone(), torch.arange(4), torch.zeros(4, dtype=torch.long)
+    for greedy, temperature in [(False, 0.7), (False, 1.0), (True, 1.0)]:
+        _, finite = engine.checked_draw(logits, seeds, lengths, greedy, temperature, 0.9, 0, None)
+        assert torch.equal(logits, kept) and bool(finite)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        spoiled = logits.clone()
+        spoiled[2, 117] = bad
+        assert not bool(engine.checked_draw(spoiled, seeds, lengths, False, 0.7, 1.0, 0, None)[1]), bad
+
+
+@pytest.mark.slow
+def test_the_compiled_draw_draws_the_eager_draws_tokens():
+    """Claim (--engine compile): compiled_draw, the draw through torch.compile, picks the tokens checked_draw picks:
+    plain, at T 0.7 with top-p, with top-k and min-p, and greedy, 64 rows over 3,000 tokens (3 blocks). The
+    uniforms are integer arithmetic (exact); Inductor may round the softmax and the block sums differently, ~1e-7
+    of a row's mass, and a token flips only where u·F(S) lands that close to a boundary of the running sum: about
+    1e-7 x 64 x 4 < 1e-4 for the whole test, and with fixed keys the outcome is the same on every run. Teeth: a
+    compiled draw whose uniforms wrapped otherwise, or whose softmax skipped the temperature, differs in most rows."""
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(64, 3000, generator=generator) * 3
+    seeds = torch.tensor([engine.row_seed((5, 1, j), 0) for j in range(64)])
+    lengths = torch.randint(0, 200, (64,), generator=generator)
+    torch._dynamo.reset()
+    try:
+        for settings in [(False, 1.0, 1.0, 0, None), (False, 0.7, 0.9, 0, None), (False, 1.2, 1.0, 40, 0.05),
+                         (True, 1.0, 1.0, 0, None)]:
+            eager, finite = engine.checked_draw(logits, seeds, lengths, *settings)
+            compiled, compiled_finite = engine.compiled_draw()(logits, seeds, lengths, *settings)
+            assert torch.equal(compiled, eager) and bool(finite) and bool(compiled_finite), settings
+    finally:
+        torch._dynamo.reset()
+
+
 @pytest.mark.slow
 def test_a_compiled_decode_step_samples_what_the_eager_one_does():
     """Claim (--engine compile): the decode step with its layers through torch.compile samples the tokens the eager
@@ -447,9 +485,8 @@ def test_a_compiled_decode_step_samples_what_the_eager_one_does():
 def test_the_compiled_layers_compile_once_whatever_the_depth():
     """Claim: --engine compile compiles one layer's code for all layers (regional compilation), so Qwen2.5-0.5B's 24
     layers cost about what 1 does. Measured as torch._dynamo's count of graphs compiled for a call from scratch:
-    the same for a 2-layer and a 6-layer model (RowCache.update compiled with the layers). Teeth: the cache
-    subscripted with the layer index (`self.keys[layer, :n]` instead of torch.select) specialises on it and
-    recompiles per layer, up to torch's limit of 8: the 6-layer count grows."""
+    the same for a 2-layer and a 6-layer model. Teeth: the layer index reaching the compiled code (RowCache.update
+    compiled with it) recompiles per layer, up to torch's limit of 8, and the 6-layer count grows."""
     from torch._dynamo.utils import counters
 
     def graphs_compiled(layers: int) -> int:
