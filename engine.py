@@ -74,11 +74,15 @@ Departures, on purpose:
    bookkeeping stay eager: the whole step compiled as one function recompiled as shapes changed and ran
    slower than eager on an H100, and so did the layers with their cache writes (docs/benchmarks.md). If
    compiling fails (no C++ compiler, no Triton), one line says so and the process decodes eagerly.
+11. attention="flex" (not yet a trainer option: the GPU table measures it first) attends with torch's
+   flex_attention over the cache blocks each row has written (flex_decode_attention), where decode_attention
+   reads the whole preallocated cache of every row; the cache length is then a multiple of FLEX_BLOCK.
 """
 from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 import sys
 import types
 from typing import Callable
@@ -308,10 +312,34 @@ def decode_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     return out.reshape(n, 1, heads, dim), None                                                  # (n, 1, H, D)
 
 
+FLEX_DECODE_ATTENTION = "periodic_rl_flex_decode"
+FLEX_BLOCK = 128  # cache slots per block of flex_decode_attention's block mask
+_COMPILED_FLEX: list[Callable] = []  # torch.compile of flex_attention, for the process
+
+
+def flex_decode_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask, scaling: float | None = None, dropout: float = 0.0,
+                          **kwargs) -> tuple[torch.Tensor, None]:
+    """decode_attention that reads only the cache blocks a row has written: query (n, H, 1, D), key and value
+    (n, K, L, D), attention_mask a BlockMask (RowCache.block_mask) listing row r's blocks 0 .. ⌊p_r / 128⌋ and
+    masking slots > p_r inside the last -> (n, 1, H, D). torch's flex_attention, compiled off CPU (its eager
+    form is a slow reference; on CPU, torch 2.13's Inductor failed to build its kernel for some shapes, so
+    there it runs eagerly unless the layers are compiled); grouped query heads read their key head in place
+    (enable_gqa). `decode_attention` reads all L slots of every row whatever its length: at 128 rows of
+    prompts 96-445 tokens, 53% of what it reads is written (docs/benchmarks.md)."""
+    from torch.nn.attention.flex_attention import flex_attention
+    if query.device.type != "cpu" and not _COMPILED_FLEX:
+        _COMPILED_FLEX.append(torch.compile(flex_attention))
+    attend = flex_attention if query.device.type == "cpu" else _COMPILED_FLEX[0]
+    out = attend(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=True)  # (n, H, 1, D)
+    return out.transpose(1, 2), None                                                           # (n, 1, H, D)
+
+
 def register_decode_attention() -> None:
-    """Make `decode_attention` known to transformers under DECODE_ATTENTION (idempotent)."""
+    """Make `decode_attention` and `flex_decode_attention` known to transformers (idempotent)."""
     from transformers import AttentionInterface
     AttentionInterface.register(DECODE_ATTENTION, decode_attention)
+    AttentionInterface.register(FLEX_DECODE_ATTENTION, flex_decode_attention)
 
 
 # --- one call's rows: prefill, decode, compaction, on the device ---
@@ -322,7 +350,8 @@ class Rollouts:
 
     def __init__(self, model, prompts: list[list[int]], group_size: int, max_new_tokens: int, temperature: float,
                  top_p: float, stop_ids: list[int], keys: list[tuple[int, ...]], slots: int, greedy: bool,
-                 top_k: int = 0, min_p: float | None = None, pad_to_multiple_of: int = 1, compile_layers: bool = False):
+                 top_k: int = 0, min_p: float | None = None, pad_to_multiple_of: int = 1, compile_layers: bool = False,
+                 attention: str = "sdpa"):
         weight = model.get_output_embeddings().weight
         decoder = model.get_decoder()  # the layers below the head (`base_model` would be peft's LoraModel, --use-peft)
         self.decoder, self.head, self.cache_argument = decoder, weight, cache_argument(decoder)
@@ -331,8 +360,9 @@ class Rollouts:
         self.temperature, self.top_p, self.top_k, self.min_p, self.greedy = temperature, top_p, top_k, min_p, greedy
         self.pad_to_multiple_of = pad_to_multiple_of  # the cache length and each prefill row, rounded up (departure 9)
         self.compile_layers = compile_layers  # decode steps through compiled_layers (--engine compile)
+        self.flex = attention == "flex"  # the decode step's attention: flex_decode_attention, else decode_attention
         longest = max(len(prompt) for prompt in prompts) + max_new_tokens  # a stopped row writes one slot more
-        self.length = round_up(longest, pad_to_multiple_of)
+        self.length = round_up(longest, math.lcm(pad_to_multiple_of, FLEX_BLOCK) if self.flex else pad_to_multiple_of)
         self.cache = RowCache(model, slots, self.length)
         rows = len(prompts) * group_size
         self.stand_in = rows
@@ -353,6 +383,30 @@ class Rollouts:
         self.cache_slots = torch.arange(self.length, device=self.device)
         self.min = torch.finfo(self.dtype).min
         self.nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)  # any logit NaN or inf so far
+        self.last_slot = torch.zeros(slots, dtype=torch.long, device=self.device)  # flex: each slot's last cache slot
+        self.block_masks: dict[int, object] = {}  # flex: n -> its BlockMask, updated in place each step
+
+    def block_mask(self, n: int, positions: torch.Tensor):
+        """flex: the BlockMask of the first n slots, row r attending to cache slots 0 .. positions[r]: blocks
+        0 .. ⌊p_r / FLEX_BLOCK⌋, the last one masked past p_r. Built once per n; each step writes the row's
+        block count and last slot into its tensors in place (no new object, no host sync: CUDA graphs and
+        torch.compile's guards see the same mask)."""
+        from torch.nn.attention.flex_attention import BlockMask
+        self.last_slot[:n] = positions
+        if n not in self.block_masks:
+            last = self.last_slot
+
+            def seen(b, h, q_idx, kv_idx):
+                return kv_idx <= last[b]
+            blocks = self.length // FLEX_BLOCK
+            counts = torch.zeros(n, 1, 1, dtype=torch.int32, device=self.device)                      # (n, 1, 1)
+            order = torch.arange(blocks, dtype=torch.int32, device=self.device).expand(n, 1, 1, blocks)  # (n, 1, 1, B)
+            self.block_masks[n] = BlockMask.from_kv_blocks(counts, order.contiguous(), BLOCK_SIZE=FLEX_BLOCK,
+                                                           mask_mod=seen, seq_lengths=(1, self.length),
+                                                           compute_q_blocks=False)
+        mask = self.block_masks[n]
+        mask.kv_num_blocks.copy_((positions // FLEX_BLOCK + 1).view(n, 1, 1))
+        return mask
 
     def logits(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
                packed_ends: torch.Tensor | None = None) -> torch.Tensor:
@@ -361,7 +415,7 @@ class Rollouts:
         config, decoding = self.decoder.config, packed_ends is None
         implementation = config._attn_implementation
         if decoding:  # the decode step's attention reads the cache once (decode_attention); prefill as the model does
-            config._attn_implementation = DECODE_ATTENTION
+            config._attn_implementation = FLEX_DECODE_ATTENTION if self.flex else DECODE_ATTENTION
         inputs = dict(input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=True,
                       **{self.cache_argument: self.cache})
         try:
@@ -447,10 +501,14 @@ class Rollouts:
         lengths = self.lengths[rows]                                                       # (n,)
         running = self.stop_step[rows] == RUNNING                                          # (n,)
         positions = self.prompt_lengths[rows] + lengths - 1                                # (n,) last token's slot
-        unseen = self.cache_slots > positions.unsqueeze(-1)                                # (n, L)
-        mask = torch.zeros(unseen.shape, dtype=self.dtype, device=self.device).masked_fill_(unseen, self.min)
+        if self.flex:
+            mask = self.block_mask(n, positions)                                           # BlockMask (n, 1, 1, L)
+        else:
+            unseen = self.cache_slots > positions.unsqueeze(-1)                            # (n, L)
+            mask = torch.zeros(unseen.shape, dtype=self.dtype, device=self.device).masked_fill_(unseen, self.min)
+            mask = mask[:, None, None, :]                                                  # (n, 1, 1, L)
         self.cache.positions = positions
-        logits = self.logits(self.last_token[:n, None], positions[:, None], mask[:, None, None, :])  # (n, V)
+        logits = self.logits(self.last_token[:n, None], positions[:, None], mask)         # (n, V)
         new = self.draw(logits, rows, lengths, compiled=self.compile_layers)                 # (n,)
         self.record(rows, lengths, running, new)
         self.last_token[:n] = new
@@ -601,7 +659,7 @@ def sample_groups(model, prompts: list[list[int]], group_size: int, *, max_new_t
                   on_done: Callable[[int, list[list[int]]], None] | None = None, max_rows: int | None = None,
                   greedy: bool = False, check_every: int | None = None, fixed_shapes: bool | None = None,
                   cuda_graphs: bool = True, prefill_tokens: int | None = None, compile_step: bool = False,
-                  pad_to_multiple_of: int = 1) -> list[list[list[int]]]:
+                  pad_to_multiple_of: int = 1, attention: str = "sdpa") -> list[list[list[int]]]:
     """group_size responses to each prompt: responses[j][i], cut after its first stop id (kept).
 
     keys[j]: prompt j's key, e.g. (seed, iteration, prompt index): with the sample index and the step it
@@ -617,12 +675,16 @@ def sample_groups(model, prompts: list[list[int]], group_size: int, *, max_new_t
     elementwise chains), then captured as before; the first steps of a process pay one layer's compilation (if it
     fails: one line on stderr, and eager layers for the rest of the process).
     pad_to_multiple_of: the cache length and every prefill row rounded up to a multiple of this (departure 9).
+    attention: the decode step's attention, "sdpa" (decode_attention: every row reads the whole cache) or "flex"
+    (flex_decode_attention: each row reads the blocks it has written; compiled; measured by bench.py gpu).
     """
     reason = unsupported_reason(model)
     if reason is not None:
         raise ValueError(f"engine: {reason}")
     if len(keys) != len(prompts) or not all(prompts) or group_size < 1 or max_new_tokens < 1:
         raise ValueError("engine: one key per prompt, non-empty prompts, group_size and max_new_tokens >= 1")
+    if attention not in ("sdpa", "flex"):
+        raise ValueError(f"engine: attention must be 'sdpa' or 'flex', not {attention!r}")
     if not greedy and not (temperature > 0 and 0 < top_p <= 1 and top_k >= 0 and (min_p is None or 0 <= min_p <= 1)):
         raise ValueError(f"engine: temperature must be > 0, top_p in (0, 1], top_k >= 0 and min_p in [0, 1], not "
                          f"{temperature}, {top_p}, {top_k}, {min_p}")
@@ -630,7 +692,7 @@ def sample_groups(model, prompts: list[list[int]], group_size: int, *, max_new_t
     capacity = count * group_size if max_rows is None else max(group_size, min(max_rows, count * group_size))
     register_decode_attention()
     rollouts = Rollouts(model, prompts, group_size, max_new_tokens, temperature, top_p, stop_ids, keys, capacity,
-                        greedy, top_k, min_p, pad_to_multiple_of, compile_step)
+                        greedy, top_k, min_p, pad_to_multiple_of, compile_step, attention)
     on_cuda = rollouts.device.type == "cuda"
     check_every = check_every or (8 if rollouts.device.type != "cpu" else 1)
     prefill_tokens = prefill_tokens or (PREFILL_TOKENS if rollouts.device.type == "cpu" else PREFILL_TOKENS_ACCELERATOR)

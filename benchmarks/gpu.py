@@ -120,18 +120,21 @@ def decode_sides(model, prompts: list[list[int]], group_size: int, stops: list[i
     """name -> sample(M): each side sampling the prompts' group_size rows with M new tokens."""
     keys = [(0, 0, j) for j in range(len(prompts))]
 
-    def engine_side(graphs: bool, compiled: bool = False):
+    def engine_side(graphs: bool, compiled: bool = False, attention: str = "sdpa"):
         return lambda m: engine.sample_groups(model, prompts, group_size, max_new_tokens=m, stop_ids=stops, keys=keys,
-                                              cuda_graphs=graphs, compile_step=compiled)
+                                              cuda_graphs=graphs, compile_step=compiled, attention=attention)
 
     def hf_side(m: int):
         settings = SimpleNamespace(temperature=1.0, top_p=1.0, top_k=0, min_p=None, max_new_tokens=m)
         return rollout.sample_responses(model, prompts, group_size, rollout.sampling_config(settings, stops, stops[1]),
                                         seed=0)
     sides = {"engine, CUDA graphs": engine_side(True), "engine, compiled+graphs": engine_side(True, compiled=True),
+             "engine, graphs, flex": engine_side(True, attention="flex"),
+             "engine, compiled, flex": engine_side(True, compiled=True, attention="flex"),
              "engine, eager": engine_side(False), "hf generate": hf_side}
-    if device.type != "cuda":
-        del sides["engine, CUDA graphs"], sides["engine, compiled+graphs"]  # graphs: the same code as eager off CUDA
+    if device.type != "cuda":  # graphs: the same code as eager off CUDA; flex: compiled only there (engine.py)
+        for name in [name for name in sides if "graphs" in name or "flex" in name]:
+            del sides[name]
     return sides
 
 
@@ -204,7 +207,8 @@ def decode_part(args: argparse.Namespace, device: torch.device) -> dict:
 
 
 # --- part 2: kernels ---
-KINDS = (("fused (torch.compile)", ("triton_", "cpp_fused")),  # first match wins: attention before cutlass's GEMMs
+KINDS = (("attention", ("triton_tem", "flex")),  # first match wins: flex attention's Triton templates before fusions,
+         ("fused (torch.compile)", ("triton_", "cpp_fused")),  # attention before cutlass's GEMMs
          ("attention", ("fmha", "flash", "attention", "cudnn", "scaled_dot_product")),
          ("matrix products", ("gemm", "gemv", "nvjet", "xmma", "cutlass", "cublas", "splitk", "aten::mm", "aten::addmm",
                               "aten::bmm")),
@@ -258,16 +262,23 @@ def kernels_part(args: argparse.Namespace, device: torch.device) -> dict:
     without fusing; their count is what fusing (--engine compile) cuts."""
     model, prompts = decode_workload(args, device)
     keys, stops, steps = [(0, 0, j) for j in range(len(prompts))], eos_ids(args.vocab), args.profile_steps
-    sides = {"engine, eager": False, "engine, compiled": True}
+    sides = {"engine, eager": (False, "sdpa"), "engine, compiled": (True, "sdpa"),
+             "engine, compiled, flex": (True, "flex")}
     if device.type != "cuda":
-        del sides["engine, compiled"]  # its CPU figures are benchmarks/engine_cpu.py --compile's
+        del sides["engine, compiled"], sides["engine, compiled, flex"]  # CPU: benchmarks/engine_cpu.py --compile's
     figures: dict = {"rows": len(prompts) * args.group_size, "steps": steps, "sides": {}}
-    for name, compiled in sides.items():
+    for name, (compiled, attention) in sides.items():
         def run(m: int):
             return lambda: engine.sample_groups(model, prompts, args.group_size, max_new_tokens=m, stop_ids=stops,
-                                                keys=keys, cuda_graphs=False, compile_step=compiled, check_every=1)
+                                                keys=keys, cuda_graphs=False, compile_step=compiled, check_every=1,
+                                                attention=attention)
         with torch.no_grad():
-            run(2)(), run(2 + steps)()  # compilation (both cache lengths), lazy initialisation
+            try:
+                run(2)(), run(2 + steps)()  # compilation (both cache lengths), lazy initialisation
+            except Exception as error:  # a side that cannot run here is reported, the others still measured
+                figures["sides"][name] = {"failed": f"{type(error).__name__}: {error}".splitlines()[0][:300]}
+                print(f"gpu kernels: {name} failed: {figures['sides'][name]['failed']}", flush=True)
+                continue
             if compiled and engine.COMPILE_FAILED:  # the engine fell back to eager layers: not the side named
                 print(f"gpu kernels: {name} failed: torch.compile failed: {engine.COMPILE_FAILED}", flush=True)
                 figures["sides"][name] = {"failed": engine.COMPILE_FAILED}

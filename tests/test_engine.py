@@ -457,6 +457,41 @@ def test_the_compiled_draw_draws_the_eager_draws_tokens():
 
 
 @pytest.mark.slow
+def test_flex_attention_reads_the_written_blocks_and_samples_what_decode_attention_does():
+    """Claim (attention="flex", the GPU table's flex sides): flex_decode_attention with a row's BlockMask attends
+    to exactly cache slots 0 .. p_r: against decode_attention's additive mask on random float32 queries, keys
+    and values over 2 blocks (L = 256) its output differs by rounding alone, < 1e-4 (each output is a convex
+    mix of <= 256 values |v| < 6, float32 error ~ L·eps·|v| ≈ 1e-4 at worst, ~1e-6 in practice), and a row
+    reads only its blocks 0 .. ⌊p_r / 128⌋ (the mask's block counts). Then whole calls, greedy and sampled,
+    with compaction and refill (max_rows) and prompts in one and in two blocks, eager and compiled, sample
+    decode_attention's tokens (a token flips only at a near-tie of ~1e-6 of a row's mass: none here, and
+    with fixed keys the same on every run). Teeth: a mask one slot wider (kv_idx <= p_r + 1) differs by > 0.1."""
+    generator = torch.Generator().manual_seed(4)
+    model = random_model("qwen2", vocab=64)
+    prompts = random_prompts([3, 140, 8, 12, 5], 64)
+    rollouts = engine.Rollouts(model, prompts, 2, 40, 1.0, 1.0, [1], keys(5), 10, greedy=False, attention="flex")
+    assert rollouts.length == 256
+    positions = torch.tensor([0, 5, 127, 128, 179, 255])
+    mask = rollouts.block_mask(6, positions)
+    assert mask.kv_num_blocks.flatten().tolist() == [1, 1, 1, 2, 2, 2]
+    query = torch.randn(6, 14, 1, 64, generator=generator)
+    key, value = (torch.randn(6, 2, 256, 64, generator=generator).clamp(-6, 6) for _ in range(2))
+    additive = torch.zeros(6, 1, 1, 256).masked_fill_(torch.arange(256) > positions[:, None, None, None], -1e30)
+    module = model.get_decoder().layers[0].self_attn
+    flex, _ = engine.flex_decode_attention(module, query, key, value, mask, scaling=0.125)
+    dense, _ = engine.decode_attention(module, query, key, value, additive, scaling=0.125)
+    assert (flex - dense).abs().max() < 1e-4
+    wider = additive.masked_fill(torch.arange(256) == positions[:, None, None, None] + 1, 0.0)
+    assert (engine.decode_attention(module, query, key, value, wider, scaling=0.125)[0] - dense).abs().max() > 0.1
+    for greedy in (True, False):
+        common = dict(max_new_tokens=12, temperature=1.0, stop_ids=[1, 2], keys=keys(5), greedy=greedy, max_rows=6)
+        sdpa = engine.sample_groups(model, prompts, 2, **common)
+        assert engine.sample_groups(model, prompts, 2, attention="flex", **common) == sdpa
+        assert engine.sample_groups(model, prompts, 2, attention="flex", compile_step=True, **common) == sdpa
+        assert len({len(r) for group in sdpa for r in group}) > 1, "every row ran to the limit: no compaction"
+
+
+@pytest.mark.slow
 def test_a_compiled_decode_step_samples_what_the_eager_one_does():
     """Claim (--engine compile): the decode step with its layers through torch.compile samples the tokens the eager
     step samples, in a call with compaction and refill (max_rows) and in a second call of other sizes (its

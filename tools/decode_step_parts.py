@@ -68,7 +68,23 @@ def attention_variants(rows: int, length: int, device, dtype) -> dict:
     def products():  # softmax(q·kᵀ/√D + mask)·v as two batched matrix products
         scores = torch.matmul(query, key.transpose(-1, -2)) * dim ** -0.5 + mask  # (n, K, H/K, L)
         return torch.matmul(torch.softmax(scores.float(), dim=-1).to(dtype), value)
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+    last = seen[:, 0] - 1  # (n,) the last slot each row attends to
+
+    def written(b, h, q_idx, kv_idx):
+        return kv_idx <= last[b]
+    blocks = -(-length // 128)
+    counts = (last // 128 + 1).to(torch.int32).view(rows, 1, 1)                                  # (n, 1, 1)
+    order = torch.arange(blocks, dtype=torch.int32, device=device).expand(rows, 1, 1, blocks).contiguous()
+    block_mask = BlockMask.from_kv_blocks(counts, order, BLOCK_SIZE=128, mask_mod=written, seq_lengths=(1, length))
+    heads = query.reshape(rows, kv_heads * per, 1, dim)                                            # (n, H, 1, D)
+    flex = torch.compile(flex_attention) if device.type != "cpu" else flex_attention
+    difference = (flex(heads, key, value, block_mask=block_mask, enable_gqa=True).reshape(rows, kv_heads, per, dim)
+                  - F.scaled_dot_product_attention(query, key, value, attn_mask=mask)).abs().max()
+    print(f"    flex against sdpa: largest difference {float(difference):.2e}", flush=True)
     variants = {"sdpa, default order": lambda: F.scaled_dot_product_attention(query, key, value, attn_mask=mask),
+                "flex, the blocks each row has written": lambda: flex(heads, key, value, block_mask=block_mask,
+                                                                      enable_gqa=True),
                 "sdpa, cuDNN": sdpa(SDPBackend.CUDNN_ATTENTION),
                 "sdpa, memory-efficient": sdpa(SDPBackend.EFFICIENT_ATTENTION),
                 "sdpa, math": sdpa(SDPBackend.MATH),
