@@ -172,6 +172,9 @@ class Config:
                                            "[system, user] conversations; needs a chat template): its text, or "
                                            "'math' for GSM8K's (reason step by step, end with '#### <number>'); "
                                            "default: none")
+    chat_template_kwargs: str | None = _opt(None, "extra arguments to the chat template, as a JSON object: e.g. "
+                                                  "'{\"enable_thinking\": false}' turns Qwen3's thinking off (TRL's "
+                                                  "chat_template_kwargs; a config file may give the mapping itself)")
     reward: list[str] = _opt(["math"], "reward function(s), repeatable: 'math' (GSM8K final-number match: "
                                        "\\boxed{N}, else '#### N', 'the answer is N', the last number), "
                                        "'math-verify' (Hugging Face math-verify: \\boxed{}, fractions, LaTeX), or "

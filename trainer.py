@@ -121,7 +121,7 @@ def started(cfg: Config, resume_from: Path | None = None, on_sized=None, ranks=N
     loads its own copy, so the two processes' imports and loads overlap; the `with` block owns it until
     it is stopped, however the block is left.
     """
-    from infra.tasks import check_prompt_lengths
+    from infra.tasks import check_prompt_lengths, template_kwargs
     from launch import setup
     train_examples, held_out, rewards, load_kwargs = prepare(cfg)
     Interrupted.check()  # a Ctrl-C that a C extension swallowed while torch was imported stops the run here
@@ -132,7 +132,8 @@ def started(cfg: Config, resume_from: Path | None = None, on_sized=None, ranks=N
         policy, tokenizer = load_policy(cfg, load_kwargs, rollouts)
         Interrupted.check()  # and one swallowed while transformers' models were imported
         check_prompt_lengths(tokenizer, train_examples + held_out, getattr(policy.config, "max_position_embeddings",
-                                                                           None), cfg.max_new_tokens)
+                                                                           None), cfg.max_new_tokens,
+                             template_kwargs(cfg.chat_template_kwargs))
         print(start_line(cfg, len(train_examples), len(held_out)), flush=True)
         rows = setup.train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs, rollouts,
                                  resume_from, on_sized, ranks, on_completions)

@@ -210,6 +210,12 @@ def validate(cfg: Config) -> list[str]:
          f"--groups-per-chunk must be at least 1 (got {cfg.groups_per_chunk})")
     need(cfg.micro_batch_tokens is None or cfg.micro_batch_tokens >= 1,
          f"--micro-batch-tokens must be at least 1 (got {cfg.micro_batch_tokens})")
+    if cfg.chat_template_kwargs is not None:
+        from infra.tasks import TaskError, template_kwargs
+        try:
+            template_kwargs(cfg.chat_template_kwargs)
+        except TaskError as error:
+            problems.append(str(error))
     for f in dataclasses.fields(cfg):  # inf and nan parse as floats; no option means them
         value = getattr(cfg, f.name)
         need(not isinstance(value, float) or math.isfinite(value),
@@ -525,6 +531,8 @@ def file_arguments(path: str, skip: set[str] = frozenset(), note=lambda line: No
             value = 0
         if key == "pad_to_multiple_of" and value is None:  # TRL's "no padding"
             value = "none"
+        if name == "chat_template_kwargs" and isinstance(value, dict):  # the mapping itself: the option's JSON text
+            value = json.dumps(value)
         if key == "epsilon_high" and value is None:  # TRL's "the same as epsilon": ours unless given, too
             continue
         if key == "num_completions_to_print" and value is None:  # TRL's "all": ours prints none (a departure)

@@ -37,6 +37,7 @@ Deliberate departures:
 """
 from __future__ import annotations
 
+import json
 import random
 import re
 import zlib
@@ -292,9 +293,51 @@ def with_system_prompt(example: Example, system: str | None, where: str = "the d
     return replace(example, prompt=[{"role": "system", "content": system}, *messages])
 
 
-def prompt_text(tokenizer, prompt: str | list[dict]) -> str:
+TEMPLATE_OWN = ("conversation", "tokenize", "add_generation_prompt", "continue_final_message", "return_dict",
+                "return_tensors", "padding", "truncation", "max_length", "chat_template", "tokenizer_kwargs")
+
+
+def template_kwargs(text: str | None) -> dict:
+    """--chat-template-kwargs as a mapping ({} when not given); TaskError with one line when it is not a JSON
+    object, or names an argument of apply_chat_template itself (those decide what it returns, not what the
+    template renders)."""
+    if text is None:
+        return {}
+    try:
+        kwargs = json.loads(text)
+    except ValueError:
+        kwargs = None
+    if not isinstance(kwargs, dict):
+        raise TaskError(f"--chat-template-kwargs must be a JSON object, e.g. '{{\"enable_thinking\": false}}' "
+                        f"(got {text!r})")
+    own = [key for key in kwargs if key in TEMPLATE_OWN]
+    if own:
+        raise TaskError(f"--chat-template-kwargs: {', '.join(own)} {'is' if len(own) == 1 else 'are'} "
+                        "apply_chat_template's own, not the template's: leave them out")
+    return kwargs
+
+
+def check_template_variables(tokenizer, template: dict) -> None:
+    """Refuse chat-template variables (--chat-template-kwargs) that the model's chat template never reads (a
+    misspelt enable_thinking would change nothing, silently), or a model without a chat template."""
+    source = getattr(tokenizer, "chat_template", None)
+    if not source:
+        raise TaskError("--chat-template-kwargs is given, but the model's tokenizer has no chat template to pass "
+                        "them to: leave it out, or use a chat model")
+    import jinja2
+    from jinja2 import meta
+    sources = source.values() if isinstance(source, dict) else [source]  # named templates: any of them
+    read = set().union(*(meta.find_undeclared_variables(jinja2.Environment().parse(text)) for text in sources))
+    unread = [key for key in template if key not in read]
+    if unread:
+        raise TaskError(f"--chat-template-kwargs: the model's chat template reads no {', '.join(unread)} (it reads "
+                        f"{', '.join(sorted(read - {'messages', 'add_generation_prompt'}))}): check the spelling")
+
+
+def prompt_text(tokenizer, prompt: str | list[dict], template: dict | None = None) -> str:
     """The text whose tokens are the prompt's (`prompt_token_ids`): raw, or rendered by the chat template (a text
-    prompt as the user's message, with no system message but the template's own)."""
+    prompt as the user's message, with no system message but the template's own) given the variables `template`
+    (--chat-template-kwargs)."""
     if isinstance(prompt, str):
         if not getattr(tokenizer, "chat_template", None):
             return prompt
@@ -304,21 +347,23 @@ def prompt_text(tokenizer, prompt: str | list[dict]) -> str:
                         "the model's tokenizer has no chat template to turn them into text: use a chat model, or "
                         "plain-text prompts (--prompt-column) without --system-prompt.")
     # tokenize=False then encode: the template's return type differs across transformers versions
-    return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, **(template or {}))
 
 
-def prompt_token_ids(tokenizer, prompt: str | list[dict]) -> list[int]:
+def prompt_token_ids(tokenizer, prompt: str | list[dict], template: dict | None = None) -> list[int]:
     """The prompt's token ids. Text: in the chat template as the user's message (instruct models), or raw (the tiny
-    model). A conversation (TRL's format): the chat template as-is, ending with the assistant's generation prompt."""
-    return tokenizer.encode(prompt_text(tokenizer, prompt), add_special_tokens=False)
+    model). A conversation (TRL's format): the chat template as-is, ending with the assistant's generation prompt.
+    `template`: the chat template's extra variables (--chat-template-kwargs)."""
+    return tokenizer.encode(prompt_text(tokenizer, prompt, template), add_special_tokens=False)
 
 
-def count_tokens(tokenizer, prompt: str | list[dict], limit: int) -> tuple[int, int | None]:
+def count_tokens(tokenizer, prompt: str | list[dict], limit: int, template: dict | None = None
+                 ) -> tuple[int, int | None]:
     """(the prompt's tokens, None), or, for a text so long that its start alone has more than `limit` tokens, (the
     tokens of that start, its characters): a 10 MB prompt is refused after encoding kilobytes, not gigabytes of
     tokenizer state for all of it. The start is read in pieces of 4 (limit + 1), 16 (limit + 1), ... characters; a
     text has at least the tokens of its start (but for the few of the word cut in two)."""
-    text = prompt_text(tokenizer, prompt)
+    text = prompt_text(tokenizer, prompt, template)
     size = 4 * (max(limit, 0) + 1)
     while size < len(text):
         tokens = len(tokenizer.encode(text[:size], add_special_tokens=False))
@@ -342,25 +387,28 @@ def _preview(prompt: str | list[dict]) -> str:
     return prompt if isinstance(prompt, str) else str(prompt[-1]["content"])
 
 
-def check_prompt_lengths(tokenizer, examples: list[Example], context: int | None, max_new_tokens: int) -> None:
+def check_prompt_lengths(tokenizer, examples: list[Example], context: int | None, max_new_tokens: int,
+                         template: dict | None = None) -> None:
     """Refuse, at start-up, prompts that leave no room for `max_new_tokens` in the model's context (its
-    max_position_embeddings; None: unknown, nothing to check), and conversations a model without a chat template
-    cannot read.
+    max_position_embeddings; None: unknown, nothing to check), conversations a model without a chat template
+    cannot read, and chat-template variables (`template`, --chat-template-kwargs) for a model without one.
 
     Only prompts that might be too long are tokenized (GSM8K's 7.5 k take seconds): a token covers at least one
     byte of text (byte-level BPE, SentencePiece with byte fallback), so a prompt has at most the chat template's
     own tokens (those of the same messages emptied) plus one per UTF-8 byte of its text.
     """
+    if template:
+        check_template_variables(tokenizer, template)
     wrapper = {}  # roles of the messages (None: plain text) -> the chat template's own tokens
     for example in examples:
         roles = _roles(example.prompt)
         if roles not in wrapper:
             empty = "" if roles is None else [{"role": role, "content": ""} for role in roles]
-            wrapper[roles] = len(prompt_token_ids(tokenizer, empty))
+            wrapper[roles] = len(prompt_token_ids(tokenizer, empty, template))
     if context is None:
         return
     if max_new_tokens >= context:  # no prompt fits: the option is the fault, not the data
-        longest = max(count_tokens(tokenizer, example.prompt, context)[0] for example in examples)
+        longest = max(count_tokens(tokenizer, example.prompt, context, template)[0] for example in examples)
         lower = (f"lower it to {context - longest} or less (the longest prompt has {longest} tokens)"
                  if longest < context else f"lower it, and drop the prompts of {context} tokens or more from the data")
         raise TaskError(f"--max-new-tokens {max_new_tokens} (--max-completion-length) leaves no room for a prompt in "
@@ -369,7 +417,7 @@ def check_prompt_lengths(tokenizer, examples: list[Example], context: int | None
     candidates = [e for e in examples if wrapper[_roles(e.prompt)] + _text_bytes(e.prompt) > limit]
     length, longest, start = 0, None, None
     for example in candidates:
-        tokens, start = count_tokens(tokenizer, example.prompt, limit)
+        tokens, start = count_tokens(tokenizer, example.prompt, limit, template)
         if tokens > length or start is not None:
             length, longest = tokens, example
         if start is not None:  # too long, how much longer is not counted

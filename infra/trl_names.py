@@ -123,7 +123,6 @@ TRL_FIXED = {
     "shuffle_dataset": ((True,), "prompts are drawn in a seeded random order, a new one each pass (--seed)", None),
     "generation_kwargs": ((None,), "sampling takes --temperature, --top-p, --top-k and --min-p only",
                           "--temperature, --top-p, --top-k, --min-p"),
-    "chat_template_kwargs": ((None,), "the chat template is applied with its defaults", None),
     "repetition_penalty": ((1.0,), "no repetition penalty: the trainer scores the distribution that was sampled",
                            None),
     "cache_implementation": ((None,), "the rollout engine keeps its own preallocated cache (--engine)", "--engine"),

@@ -60,7 +60,7 @@ import torch
 
 from infra import distributed
 from infra.options import MICRO_BATCH_TOKENS, available_cores
-from infra.tasks import prompt_token_ids
+from infra.tasks import prompt_token_ids, template_kwargs
 from learner import forward_backward, micro_batch_size
 from rollout import iteration_prompts, sample_prompts, sampling_config, stop_token_ids
 
@@ -213,7 +213,7 @@ def probe(cfg, tri, tokenizer, train_examples, threads: int) -> Probe:
     generation = sampling_config(cfg, stop_token_ids(policy, tokenizer), tokenizer.pad_token_id)
     examples = [train_examples[i] for i in iteration_prompts(len(train_examples), cfg.prompts_per_iteration,
                                                               cfg.seed, 0)]
-    prompts = [prompt_token_ids(tokenizer, e.prompt) for e in examples]
+    prompts = [prompt_token_ids(tokenizer, e.prompt, template_kwargs(cfg.chat_template_kwargs)) for e in examples]
     saved_threads, was_training = torch.get_num_threads(), policy.training
     torch.set_num_threads(threads)
     try:

@@ -249,6 +249,43 @@ def test_conversations_need_a_chat_template_and_fit_the_context():
     tasks.check_prompt_lengths(tokenizer, chats, 256, most)  # the number it names does fit
 
 
+QWEN3_GENERATION = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}"
+                    "<assistant>{% if enable_thinking is defined and enable_thinking is false %}<think></think>"
+                    "{% endif %}{% endif %}")  # Qwen3's switch, as its template reads it
+
+
+def test_chat_template_kwargs_reach_the_template_and_a_misspelt_one_is_refused(tmp_path):
+    """Claim (--chat-template-kwargs, TRL's chat_template_kwargs): the variables reach the chat template wherever a
+    prompt is tokenized (enable_thinking false: Qwen3's empty think block after the generation prompt), a TRL config
+    file may give the mapping itself, and bad values end in one line at start-up: not a JSON object,
+    apply_chat_template's own arguments, a variable the template never reads (a misspelling would change nothing,
+    silently), a model without a chat template."""
+    from infra import options
+    from infra.models import tiny_tokenizer
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = QWEN3_GENERATION
+    chats = [Example(conversation(i), str(i + 1)) for i in range(2)]
+    off = tasks.template_kwargs('{"enable_thinking": false}')
+    assert off == {"enable_thinking": False} and tasks.template_kwargs(None) == {}
+    plain, thinking_off = (tokenizer.decode(tasks.prompt_token_ids(tokenizer, chats[0].prompt, t)) for t in (None, off))
+    assert plain.endswith("<assistant>") and thinking_off == plain + "<think></think>"
+    tasks.check_prompt_lengths(tokenizer, chats, 256, 8, off)
+    with pytest.raises(TaskError, match=r"reads no enable_thinkin \(it reads enable_thinking\): check the spelling"):
+        tasks.check_prompt_lengths(tokenizer, chats, 256, 8, {"enable_thinkin": False})
+    for text, reason in [("{bad", "must be a JSON object"), ("[1]", "must be a JSON object"),
+                         ('{"tokenize": true}', "tokenize is apply_chat_template's own")]:
+        with pytest.raises(TaskError, match=re.escape(reason)) as error:
+            tasks.template_kwargs(text)
+        assert "\n" not in str(error.value)
+        assert any(reason in line for line in options.validate(options.Config(chat_template_kwargs=text)))
+    tokenizer.chat_template = None
+    with pytest.raises(TaskError, match="has no chat template"):
+        tasks.check_prompt_lengths(tokenizer, [Example("1+1?", "2")], 256, 8, off)
+    config = tmp_path / "grpo.yaml"
+    config.write_text("chat_template_kwargs:\n  enable_thinking: false\n")
+    assert options.file_arguments(str(config)) == ['--chat-template-kwargs={"enable_thinking": false}']
+
+
 # --- bad data: one line ---
 @pytest.mark.parametrize("rows, said", [
     ([gsm8k_rows(1)[0], b"{not json"], "JSON parse error"),
