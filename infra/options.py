@@ -44,7 +44,8 @@ import typing
 from pathlib import Path
 
 from config import SECTIONS, SIZE_FIELDS, TINY_MODELS, Config
-from infra.trl_names import TRL_ALIASES, TRL_DIFFERENT, TRL_FIXED, TRL_UNUSED, epilog, trl_keys
+from infra.trl_names import (TRL_ALIASES, TRL_BATCH_KEYS, TRL_DIFFERENT, TRL_FIXED, TRL_UNUSED, epilog,
+                             trl_batch_options, trl_keys)
 
 GENERATE_CALLS = {"cpu": 2, "accelerator": 1}  # default generate calls per iteration (see derive)
 # Default training micro-batch: 16 toy groups (~1.5 k tokens) in one forward; 2-3 groups of 8 x (256 + 512) tokens
@@ -556,10 +557,50 @@ def file_arguments(path: str, skip: set[str] = frozenset(), note=lambda line: No
     return flags
 
 
+def typed_trl_batch(argv: list[str], note) -> list[str]:
+    """argv with TRL's batch flags (--per-device-train-batch-size, --gradient-accumulation-steps,
+    --steps-per-generation, --generation-batch-size) given as the --batch-size and --updates-per-iteration they
+    make, as a --config file's are (trl_batch_options); ValueError with the reason for a bad value.
+
+    Example: ["--per-device-train-batch-size", "8", "--gradient-accumulation-steps=4", "--lr", "1e-6"]
+             -> ["--batch-size=32", "--updates-per-iteration=1", "--lr", "1e-6"]
+    """
+    flags = {"--" + key.replace("_", "-"): key for key in TRL_BATCH_KEYS}
+    found, rest, tokens = {}, [], iter(argv)
+    for token in tokens:
+        name, sep, value = token.partition("=")
+        if name not in flags:
+            rest.append(token)
+            continue
+        value = value if sep else next(tokens, None)
+        if value is None:
+            raise ValueError(f"{name} needs a value (TRL's {flags[name]})")
+        try:
+            found[flags[name]] = int(value)
+        except ValueError:
+            raise ValueError(f"{name} takes a whole number (got {value!r})") from None
+    if not found:
+        return argv
+    given = set(_values(build_parser(defaults=False).parse_args(rest)))
+    group = next(f.default for f in dataclasses.fields(Config) if f.name == "group_size")
+    options = trl_batch_options(found, {}, given, note, group)
+    return [f"--{name.replace('_', '-')}={value}" for name, value in options.items()] + rest
+
+
 def with_config_file(argv: list[str] | None = None, prog: str = "trainer.py", say: bool = False) -> list[str]:
-    """argv (default: sys.argv[1:]) with its --config file's options put before it; on a bad file one line on
-    stderr and exit code 2, as for a bad flag. `say`: print the file's ignored keys (once per run: on rank 0)."""
+    """argv (default: sys.argv[1:]) with TRL's batch flags translated (typed_trl_batch) and its --config file's
+    options put before it; on a bad file or value one line on stderr and exit code 2, as for a bad flag. `say`:
+    print the file's ignored keys and the translations (once per run: on rank 0)."""
     argv = normalized(list(sys.argv[1:] if argv is None else argv))
+
+    def typed_note(line: str) -> None:
+        if say and os.environ.get("RANK", "0") == "0":
+            print(f"periodic-rl: {line}", flush=True)
+    try:
+        argv = typed_trl_batch(argv, typed_note)
+    except ValueError as error:
+        sys.stderr.write(f"{prog}: error: {error}\n")
+        raise SystemExit(2) from None
     path = config_file(argv)
     if path is None:
         return argv

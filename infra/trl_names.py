@@ -37,12 +37,6 @@ TRL_ALIASES = {"num_generations": "group_size", "learning_rate": "lr", "max_comp
                "torch_dtype": "dtype"}  # transformers' and TRL's name for dtype before they renamed it
 # TRL names that mean something else here: the option to use instead, and why (one line each, after "use")
 TRL_DIFFERENT = {
-    "per_device_train_batch_size": "--batch-size: the responses sampled per iteration, all ranks together (TRL's "
-                                   "per_device_train_batch_size x processes x steps_per_generation)",
-    "generation_batch_size": "--batch-size: the responses sampled per iteration",
-    "gradient_accumulation_steps": "--micro-batch-tokens: a step accumulates all of its groups, in forwards of at most "
-                                   "this many tokens (and --updates-per-iteration for the steps per batch)",
-    "steps_per_generation": "--updates-per-iteration: the optimizer steps each batch of responses is split into",
     "max_steps": "--iterations: each samples one batch and takes --updates-per-iteration optimizer steps on it",
     "num_train_epochs": "--iterations: a run counts batches of prompts, not passes over the data",
     "save_steps": "--save-every N: a checkpoint every N iterations",
@@ -93,7 +87,8 @@ TRL_UNUSED = {
     "ignore_bias_buffers": "TRL reads it only under DistributedDataParallel, which this trainer does not use",
 }
 # TRL names that mean something else here but at null mean "derive it", as ours do: ignored at null with a line
-DERIVED_AT_NULL = ("generation_batch_size", "steps_per_generation", "num_generations_eval")
+DERIVED_AT_NULL = {"generation_batch_size": "--batch-size", "steps_per_generation": "--updates-per-iteration",
+                   "num_generations_eval": "--eval-samples"}  # TRL's key -> ours, which it is derived from here
 # TRL names for what this trainer does one way only: (the values that are that way, what it does, what to use for
 # another value or None where no option changes it). At one of those values a --config key is ignored with a line
 # (`FIXED_AS`: read as that option's value); another is refused with one line (`fixed_refusal`); typed, it is refused.
@@ -277,6 +272,38 @@ def trl_batch(values: dict, processes: int) -> tuple[int, int, str, str]:
             f"{steps} / gradient_accumulation_steps {accumulation}")
 
 
+def trl_batch_options(trl_batch_keys: dict, values: dict, skip: set[str], note, group_size: int) -> dict:
+    """{batch_size, updates_per_iteration} from TRL's batch keys (`trl_batch`, on WORLD_SIZE processes), where a
+    --config file or the command line gives them: none when --batch-size is given (`values` or `skip`, the typed
+    options), no updates_per_iteration when that is given; said in one `note` line. ValueError with the reason
+    where TRL refuses, with --inference-ranks, or where the batch does not split into whole groups."""
+    if "batch_size" in values or "batch_size" in skip:
+        note(f"ignored TRL's {', '.join(trl_batch_keys)}: --batch-size is given")
+        return {}
+    if values.get("inference_ranks") or "inference_ranks" in skip:
+        raise ValueError(f"{', '.join(trl_batch_keys)}: with --inference-ranks give --batch-size (the responses "
+                         "sampled per iteration, all trainer ranks together) instead")
+    batch, updates, batch_from, updates_from = trl_batch(trl_batch_keys, int(os.environ.get("WORLD_SIZE", "1")))
+    group = values.get("num_generations", values.get("group_size", group_size))
+    checked = "group_size" not in skip and isinstance(group, int)  # a typed --group-size is checked later
+    if checked and batch % group:
+        raise ValueError(f"{batch_from} = {batch} completions per batch, not a multiple of num_generations {group} "
+                         "(TRL refuses it too)")
+    line, options = f"took {batch_from} as --batch-size {batch} (TRL's generation batch)", {"batch_size": batch}
+    if "updates_per_iteration" in values or "updates_per_iteration" in skip:
+        line += " (--updates-per-iteration is given)"
+    elif checked and (batch // group) % updates:
+        raise ValueError(f"{batch_from} = {batch} completions = {batch // group} groups of num_generations "
+                         f"{group}, which {updates} optimizer steps cannot share as whole groups: give "
+                         "--batch-size and --updates-per-iteration")
+    else:
+        line += (f" and {updates_from} as --updates-per-iteration {updates}; the size of a forward is "
+                 "--micro-batch-tokens'")
+        options["updates_per_iteration"] = updates
+    note(line)
+    return options
+
+
 def trainer_settings(keys: list[str]) -> dict:
     """{key: its default} for those of `keys` that are fields of transformers' TrainingArguments (the settings of its
     Trainer, under GRPOConfig), read from the installed transformers; {} if none (transformers is then not imported).
@@ -314,31 +341,8 @@ def trl_keys(values: dict, skip: set[str], note, known: set[str], group_size: in
         if key in unused and name not in values:
             values = {name: value, **values}
     trl_batch_keys = {key: values.pop(key) for key in TRL_BATCH_KEYS if key in values}
-    if trl_batch_keys and ("batch_size" in values or "batch_size" in skip):
-        note(f"ignored TRL's {', '.join(trl_batch_keys)}: --batch-size is given")
-    elif trl_batch_keys:
-        if values.get("inference_ranks") or "inference_ranks" in skip:
-            raise ValueError(f"{', '.join(trl_batch_keys)}: with --inference-ranks give --batch-size (the responses "
-                             "sampled per iteration, all trainer ranks together) instead")
-        batch, updates, batch_from, updates_from = trl_batch(trl_batch_keys, int(os.environ.get("WORLD_SIZE", "1")))
-        group = values.get("num_generations", values.get("group_size", group_size))
-        checked = "group_size" not in skip and isinstance(group, int)  # a typed --group-size is checked later
-        if checked and batch % group:
-            raise ValueError(f"{batch_from} = {batch} completions per batch, not a multiple of num_generations {group} "
-                             "(TRL refuses it too)")
-        line = f"took {batch_from} as --batch-size {batch} (TRL's generation batch)"
-        if "updates_per_iteration" in values or "updates_per_iteration" in skip:
-            line += " (--updates-per-iteration is given)"
-        elif checked and (batch // group) % updates:
-            raise ValueError(f"{batch_from} = {batch} completions = {batch // group} groups of num_generations "
-                             f"{group}, which {updates} optimizer steps cannot share as whole groups: give "
-                             "--batch-size and --updates-per-iteration")
-        else:
-            line += (f" and {updates_from} as --updates-per-iteration {updates}; the size of a forward is "
-                     "--micro-batch-tokens'")
-            values = {"updates_per_iteration": updates, **values}
-        note(line)
-        values = {"batch_size": batch, **values}
+    if trl_batch_keys:
+        values = {**trl_batch_options(trl_batch_keys, values, skip, note, group_size), **values}
     trainer_only = trainer_settings([key for key in values if key not in known and key not in TRL_DIFFERENT])
     if trainer_only:  # transformers' TrainingArguments, for its Trainer: at their defaults they change nothing here
         at_default = [key for key in trainer_only if trainer_only[key] == values[key]
@@ -375,7 +379,7 @@ def unused_line(values: dict, given: set[str] = frozenset()) -> str:
     reasons: dict[str, list[str]] = {}  # a reason -> the keys it answers (keys that share one are named together)
     for key, value in values.items():
         if key in DERIVED_AT_NULL and value is None:
-            reasons.setdefault(f"null, derived here too, from {TRL_DIFFERENT[key].split(':')[0]}", []).append(key)
+            reasons.setdefault(f"null, derived here too, from {DERIVED_AT_NULL[key]}", []).append(key)
         elif key in TRL_UNUSED:
             reasons.setdefault(TRL_UNUSED[key], []).append(key)
         elif key in FIXED_AS:  # read as our option at its value, unless that option is `given` (it wins)

@@ -326,10 +326,8 @@ def test_trl_names_are_aliases_of_ours(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--per-device-train-batch-size", "4"], "--per-device-train-batch-size is TRL's and means something else here; "
-                                             "use --batch-size"),
     (["--max_steps", "10"], "--max-steps is TRL's and means something else here; use --iterations"),
-    (["--gradient-accumulation-steps=4"], "use --micro-batch-tokens"),
+    (["--per-device-eval-batch-size=4"], "use --eval-size and --eval-samples"),
     (["--logging-steps", "10"], "--logging-steps is TRL's and has no use here: every iteration is logged"),
     (["--num-iterationz", "2"], "unrecognized option --num-iterationz: did you mean --num-iterations?"),
     (["--iteration", "3"], "unrecognized option --iteration: did you mean --iterations?"),

@@ -582,7 +582,7 @@ def test_trls_batch_keys_give_way_or_are_refused(tmp_path, capsys):
     """Claim: with --batch-size given (in the file or typed) TRL's batch keys are skipped with a line saying so; where
     TRL refuses them (steps_per_generation and generation_batch_size together, a batch that does not divide), or the
     steps would not divide into optimizer steps, or the trainer ranks are not the processes (--inference-ranks), the
-    file is refused in one line; typed on the command line they are refused (they mean something else here)."""
+    file is refused in one line."""
     assert parse_yaml(tmp_path, "per_device_train_batch_size: 4\nbatch_size: 64\n").batch_size == 64
     assert "ignored TRL's per_device_train_batch_size: --batch-size is given" in capsys.readouterr().out
     assert parse_yaml(tmp_path, "per_device_train_batch_size: 4\n", "--batch-size", "16").batch_size == 16
@@ -598,7 +598,28 @@ def test_trls_batch_keys_give_way_or_are_refused(tmp_path, capsys):
                            ("steps_per_generation: 4\nnum_generations: 16\n", "= 2 groups of num_generations 16, "
                                                                                "which 4 optimizer steps cannot share")]:
         assert fragment in refusal(capsys, lambda: parse_yaml(tmp_path, text)), text
-    assert "means something else here" in refusal(capsys, lambda: parse_args(["--per-device-train-batch-size", "4"]))
+
+
+@pytest.mark.parametrize("argv, batch, updates, said", [
+    (["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "8"], 32, 1, "as --batch-size 32"),
+    (["--per-device-train-batch-size=4", "--steps-per-generation", "8", "--gradient-accumulation-steps", "2"], 32, 4,
+     "8 / gradient_accumulation_steps 2 as --updates-per-iteration 4"),
+    (["--gradient-accumulation-steps", "2", "--batch-size", "64"], 64, 1, "ignored TRL's gradient_accumulation_steps: "
+                                                                         "--batch-size is given"),
+])
+def test_trls_batch_flags_typed_become_our_batch(argv, batch, updates, said, capsys):
+    """Claim: TRL's batch flags typed as TRL's CLI takes them (either spelling, `=` or a separate value) give the batch
+    and optimizer steps a --config file's do (TRL's generation batch), said in one line; a typed --batch-size wins.
+    Bad values end in one line, exit 2: not a whole number, no value, a batch of partial groups. Before, they were
+    refused as meaning something else here."""
+    cfg = parse_args(argv)
+    assert (cfg.batch_size, cfg.updates_per_iteration) == (batch, updates)
+    assert said in capsys.readouterr().out
+    for bad, fragment in [(["--per-device-train-batch-size", "x"], "takes a whole number (got 'x')"),
+                          (["--steps-per-generation"], "needs a value"),
+                          (["--per-device-train-batch-size", "12"], "12 completions per batch, not a multiple of "
+                                                                    "num_generations 8")]:
+        assert fragment in refusal(capsys, lambda: parse_args(bad)), bad
 
 
 def test_transformers_trainer_settings_at_their_defaults_are_skipped(tmp_path, capsys):
