@@ -365,6 +365,9 @@ def fixed_refusal(key: str, value) -> str:
                                                                             "no option changes it")
 
 
+SAY_WHY_UP_TO = 8  # unused_line gives each key's reason for at most this many keys
+
+
 def unused_line(values: dict, given: set[str] = frozenset()) -> str:
     """The line a --config file with TRL's keys for what has no use here (`TRL_UNUSED`) or at what this trainer does
     (`TRL_FIXED`) gets, from those keys and their values.
@@ -375,7 +378,19 @@ def unused_line(values: dict, given: set[str] = frozenset()) -> str:
     "ignored TRL's use_vllm False: sampling runs in this trainer's own engine and processes"
     >>> unused_line({"hub_strategy": "end", "hub_private_repo": True})[:70]
     "ignored TRL's hub_strategy, hub_private_repo: nothing is pushed (push_"
+
+    More than SAY_WHY_UP_TO keys (a whole GRPOConfig file: ~50) are named without their reasons, vLLM's as vllm_*:
+    the line stays readable, and each reason is in TRL_UNUSED, TRL_FIXED and DERIVED_AT_NULL here.
     """
+    if len(values) > SAY_WHY_UP_TO:  # FIXED_AS keys set one of our options: said as one key is
+        read_as = {key: value for key, value in values.items() if key in FIXED_AS}
+        vllm = [key for key in values if key in VLLM_KEYS]
+        names = [key for key in values if key not in VLLM_KEYS and key not in read_as]
+        names += [f"vllm_* ({len(vllm)} key{'s' if len(vllm) > 1 else ''})"] if vllm else []
+        return (f"ignored {len(values) - len(read_as)} of TRL's keys, each at a value that changes nothing here or "
+                f"for what this trainer has no use: {', '.join(names)} (why, for each: infra/trl_names.py; a file "
+                f"with {SAY_WHY_UP_TO} or fewer of them says it)"
+                + (f"; {unused_line(read_as, given)[len('ignored '):]}" if read_as else ""))
     reasons: dict[str, list[str]] = {}  # a reason -> the keys it answers (keys that share one are named together)
     for key, value in values.items():
         if key in DERIVED_AT_NULL and value is None:
