@@ -61,7 +61,8 @@ Departures, on purpose:
    max_rows) and replayed; graphs read the parameters where they are, so weights copied into them in
    place (param.copy_) need no recapture. Captured once per call, not kept across calls;
    cuda_graphs=False turns it off, and a capture that fails falls back to eager steps with a line saying so.
-7. Checked models: Qwen2, Qwen3 and Llama shapes with full causal attention, sdpa or eager attention
+7. Checked models: Qwen2, Qwen3, Llama and Mistral shapes with full causal attention (Mistral: sliding_window
+   None, as v0.2 onwards), sdpa or eager attention
    (`unsupported_reason` says why not otherwise).
 8. The decode step's attention is `decode_attention`, not the model's own: the query heads of each key
    head folded into one query (Hugging Face's sdpa path copies the cache once per query head when a
@@ -89,7 +90,7 @@ from typing import Callable
 
 import torch
 
-CHECKED_TYPES = ("qwen2", "qwen3", "llama")
+CHECKED_TYPES = ("qwen2", "qwen3", "llama", "mistral")
 RUNNING = 2**62  # the stop step of a row still decoding
 BLOCK = 1024  # tokens per block of the two-level inverse CDF
 PREFILL_TOKENS = 512  # most tokens in one packed prefill row on CPU (docs/benchmarks.md: the engine on short prompts)
@@ -103,7 +104,8 @@ def unsupported_reason(model) -> str | None:
     if kind not in CHECKED_TYPES:
         return f"model type {kind!r} is not one the engine is checked on ({', '.join(CHECKED_TYPES)})"
     layer_types = getattr(config, "layer_types", None) or []
-    if getattr(config, "use_sliding_window", False) or any(layer != "full_attention" for layer in layer_types):
+    windowed = getattr(config, "use_sliding_window", False) or kind == "mistral" and config.sliding_window is not None
+    if windowed or any(layer != "full_attention" for layer in layer_types):  # Mistral: a window unless it is None
         return "sliding-window attention is active (the engine's mask is full causal attention)"
     for name in ("attn_logit_softcapping", "final_logit_softcapping"):
         if getattr(config, name, None):

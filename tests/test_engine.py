@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import LOGIT_SCALE
-from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, Qwen2Config,
-                          Qwen3Config)
+from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, MistralConfig,
+                          Qwen2Config, Qwen3Config)
 from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 import engine
@@ -36,10 +36,12 @@ def random_model(kind: str, vocab: int = 96, dtype: torch.dtype = torch.float32,
 
     Weights 10x the default scale (initializer_range 0.2): at 0.02 the residual stream is nearly the input
     embedding, so a tied model's greedy continuation repeats the last token forever."""
-    config_class = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig}[kind]
+    config_class = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig, "mistral": MistralConfig}[kind]
+    window = {"sliding_window": None} if kind == "mistral" else {}  # Mistral v0.2 onwards: full attention
     config = config_class(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, head_dim=16,
-                          tie_word_embeddings=kind == "qwen2", initializer_range=0.2, attn_implementation=attention)
+                          tie_word_embeddings=kind == "qwen2", initializer_range=0.2, attn_implementation=attention,
+                          **window)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config)
@@ -114,12 +116,12 @@ def test_uniforms_are_splitmix64():
 
 
 # --- greedy decoding equals generate ---
-@pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3", "qwen2-eager", "qwen-shaped"])
+@pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3", "mistral", "qwen2-eager", "qwen-shaped"])
 def test_greedy_tokens_equal_generate(kind, request):
     """Claim: greedy decoding through the engine (each prompt prefilled once, unpadded, copied into its G rows; the
     fixed-shape decode step on the preallocated cache) gives `generate(do_sample=False)`'s tokens, token for token,
     on a random Qwen2 (sdpa and eager attention), a random Llama, a random Qwen3 (RMSNorm on each head's queries and
-    keys, inside the attention layer the engine calls) and the Qwen2.5-Instruct-shaped fixture (chat
+    keys, inside the attention layer the engine calls), a random Mistral (no sliding window) and the Qwen2.5-Instruct-shaped fixture (chat
     tokens, two EOS ids, Qwen's shipped sampling defaults, which neither side may apply), for prompts of mixed
     lengths, with rows that stop at varied steps: all rows at once (compaction as they stop), at most 2G rows
     (whole prompts refill the room), fixed power-of-two shapes (stand-in rows fill the bucket), and the prompts
@@ -584,7 +586,8 @@ def test_every_eos_id_stops_a_sampled_response(qwen_shaped_dir):
 
 # --- where it is exact, and copied alone ---
 def test_unsupported_reason():
-    """Claim: Qwen2, Qwen3 and Llama with sdpa or eager attention are supported; a sliding window, logit soft-capping, rope
+    """Claim: Qwen2, Qwen3, Llama and Mistral with sdpa or eager attention are supported; a sliding window (Mistral's
+    sliding_window set, Qwen2's use_sliding_window), logit soft-capping, rope
     scaling that depends on the sequence length, an attention implementation that ignores a 4-D mask or another
     model type each get a one-line reason, and sample_groups refuses them."""
     assert engine.unsupported_reason(random_model("qwen2")) is None
@@ -607,9 +610,13 @@ def test_unsupported_reason():
     name = "rope_parameters" if hasattr(dynamic.config, "rope_parameters") else "rope_scaling"  # before 5.x
     setattr(dynamic.config, name, {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
     assert "dynamic" in engine.unsupported_reason(dynamic)
+    assert engine.unsupported_reason(random_model("mistral")) is None
+    windowed = random_model("mistral")
+    windowed.config.sliding_window = 4096  # Mistral-7B-v0.1's: a window however long the rows
+    assert "sliding" in engine.unsupported_reason(windowed)
     other = random_model("llama")
-    other.config.model_type = "mistral"
-    assert "mistral" in engine.unsupported_reason(other)
+    other.config.model_type = "gemma"
+    assert "gemma" in engine.unsupported_reason(other)
     with pytest.raises(ValueError, match="sliding"):
         engine.sample_groups(sliding, [[1, 2]], 2, max_new_tokens=2, stop_ids=[], keys=keys(1))
 
