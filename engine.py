@@ -83,7 +83,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import math
 import sys
 import types
 from typing import Callable
@@ -317,24 +316,37 @@ def decode_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
 FLEX_DECODE_ATTENTION = "periodic_rl_flex_decode"
 FLEX_BLOCK = 128  # cache slots per block of flex_decode_attention's block mask
 _COMPILED_FLEX: list[Callable] = []  # torch.compile of flex_attention, for the process
+FLEX_FAILED: str | None = None  # why compiling flex_attention failed in this process, once it has
+FLEX_EAGER_DEVICES = ("cpu",)  # device types where flex_decode_attention runs eagerly outside compiled layers
 
 
 def flex_decode_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           attention_mask, scaling: float | None = None, dropout: float = 0.0,
                           **kwargs) -> tuple[torch.Tensor, None]:
     """decode_attention that reads only the cache blocks a row has written: query (n, H, 1, D), key and value
-    (n, K, L, D), attention_mask a BlockMask (RowCache.block_mask) listing row r's blocks 0 .. ⌊p_r / 128⌋ and
-    masking slots > p_r inside the last -> (n, 1, H, D). torch's flex_attention, compiled off CPU (its eager
-    form is a slow reference; on CPU, torch 2.13's Inductor failed to build its kernel for some shapes, so
-    there it runs eagerly unless the layers are compiled); grouped query heads read their key head in place
-    (enable_gqa). `decode_attention` reads all L slots of every row whatever its length: at 128 rows of
-    prompts 96-445 tokens, 53% of what it reads is written (docs/benchmarks.md)."""
+    (n, K, L, D), attention_mask a BlockMask (Rollouts.block_mask) listing row r's blocks 0 .. ⌊p_r / FLEX_BLOCK⌋
+    and masking slots > p_r inside the last -> (n, 1, H, D); grouped query heads read their key head in place
+    (enable_gqa). `decode_attention` reads all L slots of every row whatever its length: at 128 rows of prompts
+    96-445 tokens, 53% of what it reads is written (docs/benchmarks.md).
+
+    torch's flex_attention is compiled off CPU (its eager form is a slow reference): inside compiled layers
+    (--engine compile) with them, else through its own torch.compile. On CPU it runs eagerly unless the layers
+    are compiled (torch 2.13's Inductor failed to build its CPU kernel for some shapes). If compiling it fails,
+    one line says so and the process attends with the eager form (FLEX_FAILED): the same output, slower."""
+    global FLEX_FAILED
     from torch.nn.attention.flex_attention import flex_attention
-    if query.device.type != "cpu" and not _COMPILED_FLEX:
-        _COMPILED_FLEX.append(torch.compile(flex_attention))
-    attend = flex_attention if query.device.type == "cpu" else _COMPILED_FLEX[0]
-    out = attend(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=True)  # (n, H, 1, D)
-    return out.transpose(1, 2), None                                                           # (n, 1, H, D)
+    args = dict(block_mask=attention_mask, scale=scaling, enable_gqa=True)
+    if query.device.type not in FLEX_EAGER_DEVICES and FLEX_FAILED is None and not torch.compiler.is_compiling():
+        if not _COMPILED_FLEX:
+            _COMPILED_FLEX.append(torch.compile(flex_attention))
+        try:
+            return _COMPILED_FLEX[0](query, key, value, **args).transpose(1, 2), None                  # (n, 1, H, D)
+        except torch._dynamo.exc.TorchDynamoException as error:
+            cause = getattr(error, "inner_exception", None) or error.__cause__ or error
+            FLEX_FAILED = f"{type(cause).__name__}: {(str(cause).strip() or '?').splitlines()[0]}"[:300]
+            print(f"engine: compiling flex attention failed, attending with its eager form: {FLEX_FAILED}",
+                  file=sys.stderr, flush=True)
+    return flex_attention(query, key, value, **args).transpose(1, 2), None                          # (n, 1, H, D)
 
 
 def register_decode_attention() -> None:
@@ -364,7 +376,8 @@ class Rollouts:
         self.compile_layers = compile_layers  # decode steps through compiled_layers (--engine compile)
         self.flex = attention == "flex"  # the decode step's attention: flex_decode_attention, else decode_attention
         longest = max(len(prompt) for prompt in prompts) + max_new_tokens  # a stopped row writes one slot more
-        self.length = round_up(longest, math.lcm(pad_to_multiple_of, FLEX_BLOCK) if self.flex else pad_to_multiple_of)
+        self.length = round_up(longest, pad_to_multiple_of)
+        self.length = round_up(self.length, FLEX_BLOCK) if self.flex else self.length  # flex: whole blocks
         self.cache = RowCache(model, slots, self.length)
         rows = len(prompts) * group_size
         self.stand_in = rows
@@ -386,7 +399,7 @@ class Rollouts:
         self.min = torch.finfo(self.dtype).min
         self.nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)  # any logit NaN or inf so far
         self.last_slot = torch.zeros(slots, dtype=torch.long, device=self.device)  # flex: each slot's last cache slot
-        self.block_masks: dict[int, object] = {}  # flex: n -> its BlockMask, updated in place each step
+        self.block_masks: dict = {}  # flex: n -> its BlockMask (torch.nn.attention.flex_attention), updated in place
 
     def block_mask(self, n: int, positions: torch.Tensor):
         """flex: the BlockMask of the first n slots, row r attending to cache slots 0 .. positions[r]: blocks

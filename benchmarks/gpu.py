@@ -129,9 +129,9 @@ def decode_sides(model, prompts: list[list[int]], group_size: int, stops: list[i
         return rollout.sample_responses(model, prompts, group_size, rollout.sampling_config(settings, stops, stops[1]),
                                         seed=0)
     sides = {"engine, CUDA graphs": engine_side(True), "engine, compiled+graphs": engine_side(True, compiled=True),
+             "engine, eager": engine_side(False), "hf generate": hf_side,  # the flex sides last: see decode_part
              "engine, graphs, flex": engine_side(True, attention="flex"),
-             "engine, compiled, flex": engine_side(True, compiled=True, attention="flex"),
-             "engine, eager": engine_side(False), "hf generate": hf_side}
+             "engine, compiled, flex": engine_side(True, compiled=True, attention="flex")}
     if device.type != "cuda":  # graphs: the same code as eager off CUDA; flex: compiled only there (engine.py)
         for name in [name for name in sides if "graphs" in name or "flex" in name]:
             del sides[name]
@@ -162,22 +162,36 @@ def decode_part(args: argparse.Namespace, device: torch.device) -> dict:
     times: dict[str, dict[int, list[float]]] = {name: {1: [], half: [], steps: []} for name in sides}
     failed: dict[str, str] = {}
     first_call: dict[str, float] = {}
+    def fallen_back(name: str) -> str | None:
+        """Why `name` no longer runs what it is named for: compilation failed in this process, for this side or
+        another (the engine then decodes without it from there on: engine.COMPILE_FAILED, engine.FLEX_FAILED)."""
+        if "compiled" in name and engine.COMPILE_FAILED:
+            return f"torch.compile failed: {engine.COMPILE_FAILED}"
+        if "flex" in name and engine.FLEX_FAILED:
+            return f"compiling flex attention failed: {engine.FLEX_FAILED}"
+        return None
+
     with torch.no_grad():
         for name, sample in sides.items():  # warm-up: lazy initialisation, cuBLAS workspaces, allocator pools
+            before = engine.COMPILE_FAILED
             try:
                 first_call[name] = seconds_of(lambda: sample(2), device)  # torch.compile's compilation, for one
-                if "compiled" in name and engine.COMPILE_FAILED:  # it fell back to eager layers: not this side
-                    raise RuntimeError(f"torch.compile failed: {engine.COMPILE_FAILED}")
+                if fallen_back(name):  # it fell back to eager layers or eager flex: not this side
+                    raise RuntimeError(fallen_back(name))
             except Exception as error:  # a side that cannot run here is reported, the others still measured
                 failed[name] = f"{type(error).__name__}: {error}".splitlines()[0][:300]
                 print(f"gpu decode: {name} failed: {failed[name]}", flush=True)
                 traceback.print_exc()
+                if "flex" in name:  # its compilation failing must not turn the (earlier) compiled side eager
+                    engine.COMPILE_FAILED = before
         for round_ in range(args.rounds):
             names = [name for name in sides if name not in failed]
             for name in names if round_ % 2 == 0 else names[::-1]:
                 try:
                     for m in (1, half, steps):
                         times[name][m].append(seconds_of(lambda: sides[name](m), device))
+                    if fallen_back(name):  # a new shape's recompilation failed (or another side's compilation)
+                        raise RuntimeError(fallen_back(name))
                 except Exception as error:
                     failed[name] = f"{type(error).__name__}: {error}".splitlines()[0][:300]
                     print(f"gpu decode: {name} failed in round {round_}: {failed[name]}", flush=True)
@@ -279,9 +293,11 @@ def kernels_part(args: argparse.Namespace, device: torch.device) -> dict:
                 figures["sides"][name] = {"failed": f"{type(error).__name__}: {error}".splitlines()[0][:300]}
                 print(f"gpu kernels: {name} failed: {figures['sides'][name]['failed']}", flush=True)
                 continue
-            if compiled and engine.COMPILE_FAILED:  # the engine fell back to eager layers: not the side named
-                print(f"gpu kernels: {name} failed: torch.compile failed: {engine.COMPILE_FAILED}", flush=True)
-                figures["sides"][name] = {"failed": engine.COMPILE_FAILED}
+            reason = (compiled and engine.COMPILE_FAILED and f"torch.compile failed: {engine.COMPILE_FAILED}"
+                      or attention == "flex" and engine.FLEX_FAILED and f"flex failed: {engine.FLEX_FAILED}")
+            if reason:  # the engine fell back to eager layers or eager flex: not the side named
+                print(f"gpu kernels: {name} failed: {reason}", flush=True)
+                figures["sides"][name] = {"failed": reason}
                 continue
             short, long = kernels_of(run(2), device), kernels_of(run(2 + steps), device)
         per_step = {kernel: [(count - short.get(kernel, [0, 0.0])[0]) / steps,

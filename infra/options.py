@@ -20,8 +20,10 @@ TRL's names (infra/trl_names.py). An option of TRL 1.16's GRPOConfig (or of its 
 that means what one of ours means is accepted under TRL's name too, on the command line and as a --config key
 (`TRL_ALIASES`: e.g. --num-generations is --group-size, --learning-rate --lr, --epsilon both clip ranges unless
 --epsilon-high is given, as TRL's); `--name_with_underscores` is read as `--name-with-underscores`, as TRL's parser
-reads both. A TRL name whose meaning differs here (per_device_train_batch_size, max_steps, ...) is refused with one
-line naming the option to use and why (`TRL_DIFFERENT`); one for what this trainer has no use for (logging_steps,
+reads both. TRL's batch keys (per_device_train_batch_size, gradient_accumulation_steps, ...), typed or in a file,
+become the --batch-size and --updates-per-iteration TRL's generation batch makes (`with_config_file`). A TRL name
+whose meaning differs here (max_steps, num_train_epochs, ...) is refused with one line naming the option to use and
+why (`TRL_DIFFERENT`); one for what this trainer has no use for (logging_steps,
 push_to_hub, bf16, run_name, ...: `TRL_UNUSED`), or for what this trainer does one way only at a value that is that
 way (use_vllm false, fp16 false, optim adamw_torch, adam_beta2 0.999, ...: `TRL_FIXED`; another value is refused in
 one line naming what to use), is ignored in a --config file with one line saying why, so that a TRL config file runs
@@ -477,11 +479,13 @@ def config_file(argv: list[str]) -> str | None:
         return None
 
 
-def file_arguments(path: str, skip: set[str] = frozenset(), note=lambda line: None) -> list[str]:
+def file_arguments(path: str, skip: set[str] = frozenset(), note=lambda line: None,
+                   typed_batch: dict | None = None) -> list[str]:
     """The options in the JSON or YAML file `path` as command-line flags, but those in `skip` (and a run record's
     `RUN_OUTPUTS`: a rerun writes its own); ValueError with the reason if it cannot be read, is not a mapping, or
     names an unknown option. Keys may be TRL's names (TRL_ALIASES, epsilon) and may be spelled with - for _; TRL's
-    keys for what has no use here (TRL_UNUSED) are left out, said in one line to `note`.
+    keys for what has no use here (TRL_UNUSED) are left out, said in one line to `note`. `typed_batch`: TRL's batch
+    keys typed on the command line (typed_trl_batch), translated with the file's (each typed one wins).
 
     Example: {"max_new_tokens": 8, "learning_rate": 1e-4, "save": false, "report_to": ["tensorboard"], "trace": null}
              -> ["--max-new-tokens=8", "--lr=0.0001", "--no-save", "--report-to", "tensorboard"]
@@ -503,7 +507,7 @@ def file_arguments(path: str, skip: set[str] = frozenset(), note=lambda line: No
     fields = {f.name: f for f in dataclasses.fields(Config)}
     values = {str(key).replace("-", "_"): value for key, value in values.items()}
     values = trl_keys(values, set(skip), note, known={*fields, *NOT_OPTIONS, *TRL_ALIASES, "epsilon"},
-                      group_size=fields["group_size"].default)
+                      group_size=fields["group_size"].default, typed_batch=typed_batch or {})
     unknown = [key for key in values if key not in fields and key not in NOT_OPTIONS and key not in TRL_ALIASES
                and key != "epsilon"]
     if unknown:
@@ -557,13 +561,13 @@ def file_arguments(path: str, skip: set[str] = frozenset(), note=lambda line: No
     return flags
 
 
-def typed_trl_batch(argv: list[str], note) -> list[str]:
-    """argv with TRL's batch flags (--per-device-train-batch-size, --gradient-accumulation-steps,
-    --steps-per-generation, --generation-batch-size) given as the --batch-size and --updates-per-iteration they
-    make, as a --config file's are (trl_batch_options); ValueError with the reason for a bad value.
+def typed_trl_batch(argv: list[str]) -> tuple[dict, list[str]]:
+    """(TRL's batch flags typed in argv, as {TRL's key: whole number}; the rest of argv). The flags are
+    --per-device-train-batch-size, --gradient-accumulation-steps, --steps-per-generation and
+    --generation-batch-size, `=` or a separate value; ValueError with the reason for a bad value.
 
     Example: ["--per-device-train-batch-size", "8", "--gradient-accumulation-steps=4", "--lr", "1e-6"]
-             -> ["--batch-size=32", "--updates-per-iteration=1", "--lr", "1e-6"]
+             -> ({"per_device_train_batch_size": 8, "gradient_accumulation_steps": 4}, ["--lr", "1e-6"])
     """
     flags = {"--" + key.replace("_", "-"): key for key in TRL_BATCH_KEYS}
     found, rest, tokens = {}, [], iter(argv)
@@ -579,29 +583,30 @@ def typed_trl_batch(argv: list[str], note) -> list[str]:
             found[flags[name]] = int(value)
         except ValueError:
             raise ValueError(f"{name} takes a whole number (got {value!r})") from None
-    if not found:
-        return argv
-    given = set(_values(build_parser(defaults=False).parse_args(rest)))
-    group = next(f.default for f in dataclasses.fields(Config) if f.name == "group_size")
-    options = trl_batch_options(found, {}, given, note, group)
-    return [f"--{name.replace('_', '-')}={value}" for name, value in options.items()] + rest
+    return found, rest
 
 
 def with_config_file(argv: list[str] | None = None, prog: str = "trainer.py", say: bool = False) -> list[str]:
-    """argv (default: sys.argv[1:]) with TRL's batch flags translated (typed_trl_batch) and its --config file's
-    options put before it; on a bad file or value one line on stderr and exit code 2, as for a bad flag. `say`:
-    print the file's ignored keys and the translations (once per run: on rank 0)."""
+    """argv (default: sys.argv[1:]) with its --config file's options put before it, and TRL's batch flags, typed
+    (typed_trl_batch) or the file's, as the --batch-size and --updates-per-iteration they make (trl_batch_options;
+    a key typed wins over the file's); on a bad file or value one line on stderr and exit code 2, as for a bad flag.
+    `say`: print the file's ignored keys and the translations (once per run: on rank 0)."""
     argv = normalized(list(sys.argv[1:] if argv is None else argv))
 
     def typed_note(line: str) -> None:
         if say and os.environ.get("RANK", "0") == "0":
             print(f"periodic-rl: {line}", flush=True)
     try:
-        argv = typed_trl_batch(argv, typed_note)
+        typed, argv = typed_trl_batch(argv)
+        path = config_file(argv)
+        if path is None and typed:
+            given = set(_values(build_parser(prog, defaults=False).parse_args(argv)))
+            group = next(f.default for f in dataclasses.fields(Config) if f.name == "group_size")
+            options = trl_batch_options(typed, {}, given, typed_note, group)
+            argv = [f"--{name.replace('_', '-')}={value}" for name, value in options.items()] + argv
     except ValueError as error:
         sys.stderr.write(f"{prog}: error: {error}\n")
         raise SystemExit(2) from None
-    path = config_file(argv)
     if path is None:
         return argv
     argv = normalized(argv)
@@ -614,7 +619,7 @@ def with_config_file(argv: list[str] | None = None, prog: str = "trainer.py", sa
         if say and os.environ.get("RANK", "0") == "0":
             print(f"periodic-rl: --config {path}: {line}", flush=True)
     try:
-        return file_arguments(path, skip=skip, note=note) + argv
+        return file_arguments(path, skip=skip, note=note, typed_batch=typed) + argv
     except ValueError as error:
         sys.stderr.write(f"{prog}: error: --config {path} {error}\n")
         raise SystemExit(2) from None

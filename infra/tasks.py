@@ -327,7 +327,11 @@ def check_template_variables(tokenizer, template: dict) -> None:
     import jinja2
     from jinja2 import meta
     sources = source.values() if isinstance(source, dict) else [source]  # named templates: any of them
-    read = set().union(*(meta.find_undeclared_variables(jinja2.Environment().parse(text)) for text in sources))
+    environment = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])  # as transformers renders them
+    try:
+        read = set().union(*(meta.find_undeclared_variables(environment.parse(text)) for text in sources))
+    except jinja2.TemplateSyntaxError:  # a tag of transformers' own ({% generation %}): not checked, rendered as is
+        return
     unread = [key for key in template if key not in read]
     if unread:
         raise TaskError(f"--chat-template-kwargs: the model's chat template reads no {', '.join(unread)} (it reads "

@@ -11,8 +11,8 @@ Read from TRL 1.16: trl/trainer/grpo_config.py (GRPOConfig), transformers' Train
 2. `TRL_DIFFERENT`: a TRL name that means something else here: refused in one line naming the option to use, and why.
    Those of them that TRL derives when null (`DERIVED_AT_NULL`: generation_batch_size, ...) are ignored at null in a
    --config file, as ours are derived too: a GRPOConfig written out with its defaults runs as it is. TRL's batch keys
-   (`TRL_BATCH_KEYS`: per_device_train_batch_size, gradient_accumulation_steps, ...) in a --config file are
-   translated as TRL derives its generation batch (`trl_batch`), unless --batch-size is given; typed, refused.
+   (`TRL_BATCH_KEYS`: per_device_train_batch_size, gradient_accumulation_steps, ...), in a --config file or typed,
+   are translated as TRL derives its generation batch (`trl_batch`), unless --batch-size is given.
 3. `TRL_UNUSED`: a TRL name for something this trainer has no use for (it logs every iteration, never cuts prompts):
    a --config key is ignored with one line saying why, so that a TRL config file runs as it is; on the command line,
    where it was typed for this trainer, it is refused with the same reason.
@@ -320,14 +320,16 @@ def trainer_settings(keys: list[str]) -> dict:
                   else None) for key in keys if key in fields}
 
 
-def trl_keys(values: dict, skip: set[str], note, known: set[str], group_size: int) -> dict:
+def trl_keys(values: dict, skip: set[str], note, known: set[str], group_size: int, typed_batch: dict | None = None
+             ) -> dict:
     """A --config file's `values` (keys spelled with _) with TRL's and transformers' keys dealt with, the rest returned
     (our options, TRL's aliases for them, and whatever is unknown, which the caller refuses). In order:
     TRL_FIXED keys at another value are refused; TRL_UNUSED keys, TRL_FIXED ones at their value and DERIVED_AT_NULL
     ones at null are dropped, named in one `note` line (FIXED_AS ones read as our option); TRL's batch keys become
-    --batch-size and --updates-per-iteration (`trl_batch`, on WORLD_SIZE processes) unless --batch-size is given
-    (`skip`: the options typed); transformers' TrainingArguments keys not `known` here are dropped at their defaults
-    with a line and refused at another value. ValueError with the reason for a refusal."""
+    --batch-size and --updates-per-iteration (`trl_batch`, on WORLD_SIZE processes), with those typed on the
+    command line (`typed_batch`; each wins over the file's), unless --batch-size is given (`skip`: the options
+    typed); transformers' TrainingArguments keys not `known` here are dropped at their defaults with a line and
+    refused at another value. ValueError with the reason for a refusal."""
     refused = [fixed_refusal(key, value) for key, value in values.items()
                if key in TRL_FIXED and not is_fixed_value(key, value)]
     if refused:
@@ -340,7 +342,7 @@ def trl_keys(values: dict, skip: set[str], note, known: set[str], group_size: in
     for key, (name, value) in FIXED_AS.items():  # e.g. eval_strategy "no": --eval-every 0, unless given otherwise
         if key in unused and name not in values:
             values = {name: value, **values}
-    trl_batch_keys = {key: values.pop(key) for key in TRL_BATCH_KEYS if key in values}
+    trl_batch_keys = {**{key: values.pop(key) for key in TRL_BATCH_KEYS if key in values}, **(typed_batch or {})}
     if trl_batch_keys:
         values = {**trl_batch_options(trl_batch_keys, values, skip, note, group_size), **values}
     trainer_only = trainer_settings([key for key in values if key not in known and key not in TRL_DIFFERENT])

@@ -213,7 +213,8 @@ def probe(cfg, tri, tokenizer, train_examples, threads: int) -> Probe:
     generation = sampling_config(cfg, stop_token_ids(policy, tokenizer), tokenizer.pad_token_id)
     examples = [train_examples[i] for i in iteration_prompts(len(train_examples), cfg.prompts_per_iteration,
                                                               cfg.seed, 0)]
-    prompts = [prompt_token_ids(tokenizer, e.prompt, template_kwargs(cfg.chat_template_kwargs)) for e in examples]
+    template = template_kwargs(cfg.chat_template_kwargs)
+    prompts = [prompt_token_ids(tokenizer, e.prompt, template) for e in examples]
     saved_threads, was_training = torch.get_num_threads(), policy.training
     torch.set_num_threads(threads)
     try:

@@ -259,7 +259,8 @@ def test_chat_template_kwargs_reach_the_template_and_a_misspelt_one_is_refused(t
     prompt is tokenized (enable_thinking false: Qwen3's empty think block after the generation prompt), a TRL config
     file may give the mapping itself, and bad values end in one line at start-up: not a JSON object,
     apply_chat_template's own arguments, a variable the template never reads (a misspelling would change nothing,
-    silently), a model without a chat template."""
+    silently; not checked in a template with transformers' own {% generation %} tag, which jinja2 alone cannot
+    parse), a model without a chat template."""
     from infra import options
     from infra.models import tiny_tokenizer
     tokenizer = tiny_tokenizer()
@@ -278,6 +279,9 @@ def test_chat_template_kwargs_reach_the_template_and_a_misspelt_one_is_refused(t
             tasks.template_kwargs(text)
         assert "\n" not in str(error.value)
         assert any(reason in line for line in options.validate(options.Config(chat_template_kwargs=text)))
+    tokenizer.chat_template = QWEN3_GENERATION.replace("<{{ m.role }}>{{ m.content }}", "{% generation %}"
+                                                       "<{{ m.role }}>{{ m.content }}{% endgeneration %}")
+    tasks.check_prompt_lengths(tokenizer, chats, 256, 8, {"enable_thinkin": False})  # transformers' own tag: unread
     tokenizer.chat_template = None
     with pytest.raises(TaskError, match="has no chat template"):
         tasks.check_prompt_lengths(tokenizer, [Example("1+1?", "2")], 256, 8, off)

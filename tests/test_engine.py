@@ -121,13 +121,14 @@ def test_greedy_tokens_equal_generate(kind, request):
     """Claim: greedy decoding through the engine (each prompt prefilled once, unpadded, copied into its G rows; the
     fixed-shape decode step on the preallocated cache) gives `generate(do_sample=False)`'s tokens, token for token,
     on a random Qwen2 (sdpa and eager attention), a random Llama, a random Qwen3 (RMSNorm on each head's queries and
-    keys, inside the attention layer the engine calls), a random Mistral (no sliding window) and the Qwen2.5-Instruct-shaped fixture (chat
-    tokens, two EOS ids, Qwen's shipped sampling defaults, which neither side may apply), for prompts of mixed
-    lengths, with rows that stop at varied steps: all rows at once (compaction as they stop), at most 2G rows
-    (whole prompts refill the room), fixed power-of-two shapes (stand-in rows fill the bucket), and the prompts
-    prefilled packed in one row (the default here: 75 tokens) or one by one (prefill_tokens=1), and with the cache
-    and prefill rows padded to a multiple of 16 (masked padding, never cached: pad_to_multiple_of). Teeth: at
-    least three distinct response lengths, some cut short by a stop id, some at max_new_tokens.
+    keys, inside the attention layer the engine calls), a random Mistral (no sliding window) and the
+    Qwen2.5-Instruct-shaped fixture (chat tokens, two EOS ids, Qwen's shipped sampling defaults, which neither side
+    may apply), for prompts of mixed lengths, with rows that stop at varied steps: all rows at once (compaction as
+    they stop), at most 2G rows (whole prompts refill the room), fixed power-of-two shapes (stand-in rows fill the
+    bucket), and the prompts prefilled packed in one row (the default here: 75 tokens) or one by one
+    (prefill_tokens=1), and with the cache and prefill rows padded to a multiple of 16 (masked padding, never
+    cached: pad_to_multiple_of). Teeth: at least three distinct response lengths, some cut short by a stop id, some
+    at max_new_tokens.
 
     Stop ids: the EOS ids and tokens picked from the engine's own unstopped greedy continuations (`varied_stops`: an
     untrained model's greedy continuation loops and never reaches its EOS ids), so rows stop at different steps.
@@ -459,15 +460,21 @@ def test_the_compiled_draw_draws_the_eager_draws_tokens():
 
 
 @pytest.mark.slow
-def test_flex_attention_reads_the_written_blocks_and_samples_what_decode_attention_does():
+def test_flex_attention_reads_the_written_blocks_and_samples_what_decode_attention_does(monkeypatch):
     """Claim (attention="flex", the GPU table's flex sides): flex_decode_attention with a row's BlockMask attends
-    to exactly cache slots 0 .. p_r: against decode_attention's additive mask on random float32 queries, keys
-    and values over 2 blocks (L = 256) its output differs by rounding alone, < 1e-4 (each output is a convex
-    mix of <= 256 values |v| < 6, float32 error ~ L·eps·|v| ≈ 1e-4 at worst, ~1e-6 in practice), and a row
-    reads only its blocks 0 .. ⌊p_r / 128⌋ (the mask's block counts). Then whole calls, greedy and sampled,
-    with compaction and refill (max_rows) and prompts in one and in two blocks, eager and compiled, sample
-    decode_attention's tokens (a token flips only at a near-tie of ~1e-6 of a row's mass: none here, and
-    with fixed keys the same on every run). Teeth: a mask one slot wider (kv_idx <= p_r + 1) differs by > 0.1."""
+    to exactly cache slots 0 .. p_r, reading only blocks 0 .. ⌊p_r / 128⌋:
+    - against decode_attention's additive mask, on random float32 queries, keys and values over 2 blocks (L = 256),
+      its output differs by rounding alone: each output is a convex mix of <= 256 values |v| <= 6, whose float32
+      sum is off by at most ~(L + 3)·u·max|v| ≈ 9e-5 (u = 2^-24) on each side: < 2e-4 together. A mask one slot
+      off moves an output by > 0.1 (checked on decode_attention), so the comparison sees a slot too many or few;
+    - with a mask_mod that masks nothing, compiled flex's output is attention over whole blocks 0 .. ⌊p_r / 128⌋
+      only: its kernel stops at the block counts Rollouts.block_mask writes (what it reads; the eager reference
+      applies the mask_mod everywhere instead, which gives the same output for the engine's own mask_mod);
+    - whole calls, greedy and sampled, with compaction and refill (max_rows) and prompts in one and in two blocks,
+      eager and compiled (the compiled layers trace flex with them), sample decode_attention's tokens (a token flips
+      only at a near-tie of ~1e-6 of a row's mass: none here, and with fixed keys the same on every run)."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+    monkeypatch.setattr(engine, "COMPILE_FAILED", None)
     generator = torch.Generator().manual_seed(4)
     model = random_model("qwen2", vocab=64)
     prompts = random_prompts([3, 140, 8, 12, 5], 64)
@@ -478,19 +485,56 @@ def test_flex_attention_reads_the_written_blocks_and_samples_what_decode_attenti
     assert mask.kv_num_blocks.flatten().tolist() == [1, 1, 1, 2, 2, 2]
     query = torch.randn(6, 14, 1, 64, generator=generator)
     key, value = (torch.randn(6, 2, 256, 64, generator=generator).clamp(-6, 6) for _ in range(2))
-    additive = torch.zeros(6, 1, 1, 256).masked_fill_(torch.arange(256) > positions[:, None, None, None], -1e30)
+    slots = torch.arange(256)
+
+    def additive(seen: torch.Tensor) -> torch.Tensor:  # (n, L) bool -> (n, 1, 1, L) decode_attention's mask
+        return torch.zeros(6, 1, 1, 256).masked_fill_(~seen[:, None, None], -1e30)
     module = model.get_decoder().layers[0].self_attn
     flex, _ = engine.flex_decode_attention(module, query, key, value, mask, scaling=0.125)
-    dense, _ = engine.decode_attention(module, query, key, value, additive, scaling=0.125)
-    assert (flex - dense).abs().max() < 1e-4
-    wider = additive.masked_fill(torch.arange(256) == positions[:, None, None, None] + 1, 0.0)
+    dense, _ = engine.decode_attention(module, query, key, value, additive(slots <= positions[:, None]), scaling=0.125)
+    assert (flex - dense).abs().max() < 2e-4
+    wider = additive(slots <= positions[:, None] + 1)
     assert (engine.decode_attention(module, query, key, value, wider, scaling=0.125)[0] - dense).abs().max() > 0.1
+    blocks_only = BlockMask.from_kv_blocks(mask.kv_num_blocks, mask.kv_indices, BLOCK_SIZE=128, seq_lengths=(1, 256),
+                                           mask_mod=lambda b, h, q_idx, kv_idx: kv_idx >= 0, compute_q_blocks=False)
+    small = query[:, :4, :, :16], key[..., :16], value[..., :16]  # the shapes Inductor's CPU kernel builds for
+    whole = torch.nn.functional.scaled_dot_product_attention(
+        *small, attn_mask=(slots < (positions[:, None] // 128 + 1) * 128)[:, None, None], enable_gqa=True)
+    compiled = torch.compile(flex_attention)(*small, block_mask=blocks_only, enable_gqa=True)  # (eager flex applies
+    assert (compiled - whole).abs().max() < 2e-4  # the mask_mod everywhere: only the compiled kernel skips blocks)
     for greedy in (True, False):
         common = dict(max_new_tokens=12, temperature=1.0, stop_ids=[1, 2], keys=keys(5), greedy=greedy, max_rows=6)
         sdpa = engine.sample_groups(model, prompts, 2, **common)
         assert engine.sample_groups(model, prompts, 2, attention="flex", **common) == sdpa
         assert engine.sample_groups(model, prompts, 2, attention="flex", compile_step=True, **common) == sdpa
         assert len({len(r) for group in sdpa for r in group}) > 1, "every row ran to the limit: no compaction"
+    assert engine.COMPILE_FAILED is None, engine.COMPILE_FAILED  # the compiled calls did compile
+
+
+def test_flex_attention_that_cannot_compile_attends_eagerly_and_says_so_once(monkeypatch, capsys):
+    """Claim (attention="flex", reliability): where flex_attention cannot be compiled (here Inductor finds no C++
+    compiler; no Triton on a GPU fails the same way), flex_decode_attention says so in one line, attends with the
+    eager form for the rest of the process (the same tokens as decode_attention's), and does not try again. CPU
+    stands in for a GPU here: FLEX_EAGER_DEVICES emptied, so the compiled form is tried on it."""
+    import torch._inductor.config as inductor_config
+    torch._dynamo.reset()
+    monkeypatch.setattr(engine, "FLEX_FAILED", None)
+    monkeypatch.setattr(engine, "_COMPILED_FLEX", [])
+    monkeypatch.setattr(engine, "FLEX_EAGER_DEVICES", ())
+    model = random_model("qwen2", vocab=64)
+    prompts = random_prompts([3, 17, 8], 64)
+    common = dict(max_new_tokens=6, temperature=1.0, stop_ids=[1, 2], keys=keys(3))
+    try:
+        with inductor_config.patch({"cpp.cxx": (None, "/nonexistent/g++"), "force_disable_caches": True}):
+            flex = engine.sample_groups(model, prompts, 2, attention="flex", **common)
+            engine.sample_groups(model, prompts, 2, attention="flex", **common)  # no second try
+        assert flex == engine.sample_groups(model, prompts, 2, **common)
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("engine:")]
+        assert len(lines) == 1 and lines[0].startswith("engine: compiling flex attention failed, attending with its "
+                                                        "eager form: "), lines
+        assert engine.COMPILE_FAILED is None  # the layers' compilation is another matter
+    finally:
+        torch._dynamo.reset()
 
 
 @pytest.mark.slow
@@ -587,9 +631,9 @@ def test_every_eos_id_stops_a_sampled_response(qwen_shaped_dir):
 # --- where it is exact, and copied alone ---
 def test_unsupported_reason():
     """Claim: Qwen2, Qwen3, Llama and Mistral with sdpa or eager attention are supported; a sliding window (Mistral's
-    sliding_window set, Qwen2's use_sliding_window), logit soft-capping, rope
-    scaling that depends on the sequence length, an attention implementation that ignores a 4-D mask or another
-    model type each get a one-line reason, and sample_groups refuses them."""
+    sliding_window set, Qwen2's use_sliding_window), logit soft-capping, rope scaling that depends on the sequence
+    length, an attention implementation that ignores a 4-D mask or another model type each get a one-line reason,
+    and sample_groups refuses them."""
     assert engine.unsupported_reason(random_model("qwen2")) is None
     assert engine.unsupported_reason(random_model("llama")) is None
     assert engine.unsupported_reason(random_model("qwen3")) is None

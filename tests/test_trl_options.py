@@ -606,6 +606,21 @@ def test_trls_batch_keys_give_way_or_are_refused(tmp_path, capsys):
         assert fragment in refusal(capsys, lambda: parse_yaml(tmp_path, text)), text
 
 
+@pytest.mark.parametrize("text, argv, batch, updates", [
+    ("per_device_train_batch_size: 4\n", ["--gradient-accumulation-steps", "4"], 16, 1),  # TRL: both, 4 x 4
+    ("num_generations: 4\n", ["--per-device-train-batch-size", "4"], 4, 1),  # the file's groups of 4, not our 8
+    ("updates_per_iteration: 2\n", ["--steps-per-generation", "4"], 32, 2),  # the file's own steps stay
+    ("per_device_train_batch_size: 16\ngradient_accumulation_steps: 2\n", ["--per_device_train_batch_size=4"], 8, 1),
+])
+def test_trls_batch_keys_typed_and_in_a_file_make_one_batch(text, argv, batch, updates, tmp_path):
+    """Claim: TRL's batch keys typed and in a --config file are translated together, as TRL takes them from its
+    command line and its config file (a typed key wins over the file's), with the file's num_generations and
+    updates_per_iteration: the same batch as TRL's. Before (this session's first version), the typed keys were
+    translated alone, the file's dropped as if --batch-size were given and its num_generations not seen."""
+    cfg = parse_yaml(tmp_path, text, *argv)
+    assert (cfg.batch_size, cfg.updates_per_iteration) == (batch, updates)
+
+
 @pytest.mark.parametrize("argv, batch, updates, said", [
     (["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "8"], 32, 1, "as --batch-size 32"),
     (["--per-device-train-batch-size=4", "--steps-per-generation", "8", "--gradient-accumulation-steps", "2"], 32, 4,
