@@ -416,9 +416,10 @@ class Rollouts:
             blocks = self.length // FLEX_BLOCK
             counts = torch.zeros(n, 1, 1, dtype=torch.int32, device=self.device)                      # (n, 1, 1)
             order = torch.arange(blocks, dtype=torch.int32, device=self.device).expand(n, 1, 1, blocks)  # (n, 1, 1, B)
+            forward_only = ({"compute_q_blocks": False}  # the backward's q-side blocks: not needed, not kept current
+                            if "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters else {})
             self.block_masks[n] = BlockMask.from_kv_blocks(counts, order.contiguous(), BLOCK_SIZE=FLEX_BLOCK,
-                                                           mask_mod=seen, seq_lengths=(1, self.length),
-                                                           compute_q_blocks=False)
+                                                           mask_mod=seen, seq_lengths=(1, self.length), **forward_only)
         mask = self.block_masks[n]
         mask.kv_num_blocks.copy_((positions // FLEX_BLOCK + 1).view(n, 1, 1))
         return mask
