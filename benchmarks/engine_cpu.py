@@ -99,7 +99,7 @@ class Stopwatch:
         setattr(owner, name, timed_call)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl",
                         help="GSM8K train.jsonl (the questions are the prompts)")
@@ -114,7 +114,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--no-split", action="store_true", help="skip the untimed iteration that splits the time")
     parser.add_argument("--compile", action="store_true", help="add the engine with its layers compiled (a third side)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -171,7 +171,7 @@ def split(model, run_engine, run_hf) -> None:
     watch = Stopwatch()
     watch.wrap(engine.Rollouts, "prefill", "engine prefill")
     watch.wrap(engine.Rollouts, "decode", "engine decode")
-    watch.wrap(engine.Rollouts, "draw", lambda self, logits, rows, lengths: "engine draws")
+    watch.wrap(engine.Rollouts, "draw", lambda *args, **kwargs: "engine draws")
     total = timed(run_engine)
     s = watch.seconds
     print(f"engine split: total {total:.2f} s = prefill {s['engine prefill']:.2f} (draw of the first tokens "

@@ -175,6 +175,24 @@ def test_train_step_layouts_compute_the_same_step(lengths):
     # --vary-lengths the reference is this repeat's plain rows themselves)
 
 
+def test_engine_cpu_benchmark_runs_and_splits_the_time(tmp_path, capsys):
+    """Claim (benchmarks/engine_cpu.py, the CPU target's command): it times the engine against `generate` and splits
+    each side's time, at a small size, so that a change in the engine's methods cannot break it unnoticed (one did:
+    Rollouts.draw took a new keyword and the split's stand-in refused it). Timings are not asserted, only that each
+    figure was printed."""
+    import json
+
+    from benchmarks import engine_cpu
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"question": f"Tom has {a} apples. How many now?", "answer": "#### 1"}) + "\n"
+                            for a in range(3)))
+    engine_cpu.main(["--data", str(data), "--layers", "1", "--vocab", "512", "--prompts", "2", "--group-size", "2",
+                     "--max-new-tokens", "3", "--rounds", "1"])
+    out = capsys.readouterr().out
+    assert "round 0: engine" in out and "ratio hf/engine" in out and "engine split: total" in out, out
+    assert "hf split: total" in out, out
+
+
 @pytest.mark.slow
 def test_gpu_table_runs_every_part_on_cpu(qwen_shaped_dir, tmp_path):
     """Claim (bench.py gpu, issue 31): the one-command GPU table's every part runs end to end, so that a lent GPU's
