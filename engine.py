@@ -342,8 +342,7 @@ def flex_decode_attention(module, query: torch.Tensor, key: torch.Tensor, value:
         try:
             return _COMPILED_FLEX[0](query, key, value, **args).transpose(1, 2), None                  # (n, 1, H, D)
         except torch._dynamo.exc.TorchDynamoException as error:
-            cause = getattr(error, "inner_exception", None) or error.__cause__ or error
-            FLEX_FAILED = f"{type(cause).__name__}: {(str(cause).strip() or '?').splitlines()[0]}"[:300]
+            FLEX_FAILED = failure_line(error)
             print(f"engine: compiling flex attention failed, attending with its eager form: {FLEX_FAILED}",
                   file=sys.stderr, flush=True)
     return flex_attention(query, key, value, **args).transpose(1, 2), None                          # (n, 1, H, D)
@@ -366,6 +365,7 @@ class Rollouts:
                  top_p: float, stop_ids: list[int], keys: list[tuple[int, ...]], slots: int, greedy: bool,
                  top_k: int = 0, min_p: float | None = None, pad_to_multiple_of: int = 1, compile_layers: bool = False,
                  attention: str = "sdpa"):
+        register_decode_attention()  # the decode step's attention, known to transformers by name
         weight = model.get_output_embeddings().weight
         decoder = model.get_decoder()  # the layers below the head (`base_model` would be peft's LoraModel, --use-peft)
         self.decoder, self.head, self.cache_argument = decoder, weight, cache_argument(decoder)
@@ -460,14 +460,13 @@ class Rollouts:
         """Each row's next token (checked_draw), through torch.compile if `compiled`: Inductor fuses the draw's
         passes over the (n, V) logits, ~0.4 ms of an H100 step eagerly at 128 rows (docs/benchmarks.md)."""
         args = (logits, self.seeds[rows], lengths, self.greedy, self.temperature, self.top_p, self.top_k, self.min_p)
+        drawn = None
         if compiled and COMPILE_FAILED is None:
             try:
-                new, finite = compiled_draw()(*args)
-                self.nonfinite.logical_or_(~finite)
-                return new
+                drawn = compiled_draw()(*args)
             except torch._dynamo.exc.TorchDynamoException as error:
                 compile_failed(error)
-        new, finite = checked_draw(*args)
+        new, finite = drawn or checked_draw(*args)
         self.nonfinite.logical_or_(~finite)  # read by the host when it looks (no sync here)
         return new
 
@@ -589,12 +588,17 @@ _COMPILED_DRAW: list[Callable] = []  # torch.compile of checked_draw, for the pr
 COMPILE_FAILED: str | None = None  # why torch.compile failed in this process (compile_failed), once it has
 
 
+def failure_line(error: Exception) -> str:
+    """What a torch.compile failure was, in one line: the backend's own error, not Dynamo's wrapper."""
+    cause = getattr(error, "inner_exception", None) or error.__cause__ or error
+    return f"{type(cause).__name__}: {(str(cause).strip() or '?').splitlines()[0]}"[:300]
+
+
 def compile_failed(error: Exception) -> None:
     """torch.compile failed (no C++ compiler for Inductor on CPU, no Triton on a GPU, an unsupported operation):
     one line on stderr, and the process decodes without it from then on (the same steps, only slower)."""
     global COMPILE_FAILED
-    cause = getattr(error, "inner_exception", None) or error.__cause__ or error  # what the backend raised
-    COMPILE_FAILED = f"{type(cause).__name__}: {(str(cause).strip() or '?').splitlines()[0]}"[:300]
+    COMPILE_FAILED = failure_line(error)
     print(f"engine: torch.compile failed, decoding without it: {COMPILE_FAILED}", file=sys.stderr, flush=True)
 
 
@@ -706,7 +710,6 @@ def sample_groups(model, prompts: list[list[int]], group_size: int, *, max_new_t
                          f"{temperature}, {top_p}, {top_k}, {min_p}")
     count = len(prompts)
     capacity = count * group_size if max_rows is None else max(group_size, min(max_rows, count * group_size))
-    register_decode_attention()
     rollouts = Rollouts(model, prompts, group_size, max_new_tokens, temperature, top_p, stop_ids, keys, capacity,
                         greedy, top_k, min_p, pad_to_multiple_of, compile_step, attention)
     on_cuda = rollouts.device.type == "cuda"

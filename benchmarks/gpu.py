@@ -147,6 +147,16 @@ def decode_workload(args: argparse.Namespace, device: torch.device) -> tuple[tor
                    gsm8k_prompts(args.data / "train.jsonl", args.prompts)]
 
 
+def fallen_back(compiled: bool, flex: bool) -> str | None:
+    """Why a side with compiled layers or flex attention no longer runs what it is named for: compilation failed in
+    this process, for it or another side (the engine then goes on without it: engine.COMPILE_FAILED, FLEX_FAILED)."""
+    if compiled and engine.COMPILE_FAILED:
+        return f"torch.compile failed: {engine.COMPILE_FAILED}"
+    if flex and engine.FLEX_FAILED:
+        return f"compiling flex attention failed: {engine.FLEX_FAILED}"
+    return None
+
+
 def decode_part(args: argparse.Namespace, device: torch.device) -> dict:
     model, prompts = decode_workload(args, device)
     rows, steps = len(prompts) * args.group_size, args.decode_tokens
@@ -162,22 +172,13 @@ def decode_part(args: argparse.Namespace, device: torch.device) -> dict:
     times: dict[str, dict[int, list[float]]] = {name: {1: [], half: [], steps: []} for name in sides}
     failed: dict[str, str] = {}
     first_call: dict[str, float] = {}
-    def fallen_back(name: str) -> str | None:
-        """Why `name` no longer runs what it is named for: compilation failed in this process, for this side or
-        another (the engine then decodes without it from there on: engine.COMPILE_FAILED, engine.FLEX_FAILED)."""
-        if "compiled" in name and engine.COMPILE_FAILED:
-            return f"torch.compile failed: {engine.COMPILE_FAILED}"
-        if "flex" in name and engine.FLEX_FAILED:
-            return f"compiling flex attention failed: {engine.FLEX_FAILED}"
-        return None
-
     with torch.no_grad():
         for name, sample in sides.items():  # warm-up: lazy initialisation, cuBLAS workspaces, allocator pools
             before = engine.COMPILE_FAILED
             try:
                 first_call[name] = seconds_of(lambda: sample(2), device)  # torch.compile's compilation, for one
-                if fallen_back(name):  # it fell back to eager layers or eager flex: not this side
-                    raise RuntimeError(fallen_back(name))
+                if fallen_back("compiled" in name, "flex" in name):  # eager layers or eager flex: not this side
+                    raise RuntimeError(fallen_back("compiled" in name, "flex" in name))
             except Exception as error:  # a side that cannot run here is reported, the others still measured
                 failed[name] = f"{type(error).__name__}: {error}".splitlines()[0][:300]
                 print(f"gpu decode: {name} failed: {failed[name]}", flush=True)
@@ -190,8 +191,8 @@ def decode_part(args: argparse.Namespace, device: torch.device) -> dict:
                 try:
                     for m in (1, half, steps):
                         times[name][m].append(seconds_of(lambda: sides[name](m), device))
-                    if fallen_back(name):  # a new shape's recompilation failed (or another side's compilation)
-                        raise RuntimeError(fallen_back(name))
+                    if fallen_back("compiled" in name, "flex" in name):  # a recompilation failed, or another side's
+                        raise RuntimeError(fallen_back("compiled" in name, "flex" in name))
                 except Exception as error:
                     failed[name] = f"{type(error).__name__}: {error}".splitlines()[0][:300]
                     print(f"gpu decode: {name} failed in round {round_}: {failed[name]}", flush=True)
@@ -293,8 +294,7 @@ def kernels_part(args: argparse.Namespace, device: torch.device) -> dict:
                 figures["sides"][name] = {"failed": f"{type(error).__name__}: {error}".splitlines()[0][:300]}
                 print(f"gpu kernels: {name} failed: {figures['sides'][name]['failed']}", flush=True)
                 continue
-            reason = (compiled and engine.COMPILE_FAILED and f"torch.compile failed: {engine.COMPILE_FAILED}"
-                      or attention == "flex" and engine.FLEX_FAILED and f"flex failed: {engine.FLEX_FAILED}")
+            reason = fallen_back(compiled, attention == "flex")
             if reason:  # the engine fell back to eager layers or eager flex: not the side named
                 print(f"gpu kernels: {name} failed: {reason}", flush=True)
                 figures["sides"][name] = {"failed": reason}

@@ -601,8 +601,7 @@ def with_config_file(argv: list[str] | None = None, prog: str = "trainer.py", sa
         path = config_file(argv)
         if path is None and typed:
             given = set(_values(build_parser(prog, defaults=False).parse_args(argv)))
-            group = next(f.default for f in dataclasses.fields(Config) if f.name == "group_size")
-            options = trl_batch_options(typed, {}, given, typed_note, group)
+            options = trl_batch_options(typed, {}, given, typed_note, Config.group_size)
             argv = [f"--{name.replace('_', '-')}={value}" for name, value in options.items()] + argv
     except ValueError as error:
         sys.stderr.write(f"{prog}: error: {error}\n")
