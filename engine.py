@@ -78,6 +78,10 @@ Departures, on purpose:
 11. attention="flex" (not yet a trainer option: the GPU table measures it first) attends with torch's
    flex_attention over the cache blocks each row has written (flex_decode_attention), where decode_attention
    reads the whole preallocated cache of every row; the cache length is then a multiple of FLEX_BLOCK.
+12. A model through fuse_projections (not yet a trainer option either) decodes with q|k|v and gate|up as one
+   matrix product each (fused_attention, fused_mlp: the layer's own attention and MLP forwards otherwise). A
+   BLAS may sum a fused product in another order than the separate ones: last-bit differences, so a token can
+   flip at a near-tie, as between batch shapes.
 """
 from __future__ import annotations
 
@@ -341,7 +345,7 @@ def flex_decode_attention(module, query: torch.Tensor, key: torch.Tensor, value:
             _COMPILED_FLEX.append(torch.compile(flex_attention))
         try:
             return _COMPILED_FLEX[0](query, key, value, **args).transpose(1, 2), None                  # (n, 1, H, D)
-        except torch._dynamo.exc.TorchDynamoException as error:
+        except compile_errors() as error:
             FLEX_FAILED = failure_line(error)
             print(f"engine: compiling flex attention failed, attending with its eager form: {FLEX_FAILED}",
                   file=sys.stderr, flush=True)
@@ -353,6 +357,114 @@ def register_decode_attention() -> None:
     from transformers import AttentionInterface
     AttentionInterface.register(DECODE_ATTENTION, decode_attention)
     AttentionInterface.register(FLEX_DECODE_ATTENTION, flex_decode_attention)
+
+
+# --- q|k|v and gate|up as one matrix product each (fuse_projections) ---
+FUSED = (("self_attn", ("q_proj", "k_proj", "v_proj"), "qkv"), ("mlp", ("gate_proj", "up_proj"), "gate_up"))
+
+
+def fuse_projections(model) -> str | None:
+    """Seat each decoder layer's q, k, v weights (and biases) as row blocks of one buffer, (H·D + 2·K·D, hidden),
+    and gate, up as blocks of another, (2·I, hidden), so that the engine's decode steps compute
+        [q | k | v] = x·[W_q; W_k; W_v]ᵀ + [b_q; b_k; b_v]        [gate | up] = x·[W_gate; W_up]ᵀ
+    as 2 matrix products where the layer's own forward runs 5 (4 products a layer instead of 7; on an H100,
+    24.8 against 34.5 us a layer at 128 rows, docs/benchmarks.md). The parameters become views of the buffers,
+    their values unchanged, so copying into them in place (Weights.load_into's param.copy_, a sampler's publish)
+    writes the buffers: no second copy of the weights, nothing to refresh. For a model that is only sampled
+    from (the inference side's own copy): safetensors refuses tensors that share memory, and moving the model
+    afterwards (.to) parts the buffers from the parameters, which sample_groups then refuses.
+
+    Returns None, or why not (one line) with the model left alone: a projection that is not a plain nn.Linear
+    (LoRA's wrappers, quantised layers), biases on some projections of a group and not others."""
+    layers = list(model.get_decoder().layers)
+    for layer in layers:
+        for owner, names, _ in FUSED:
+            linears = [getattr(getattr(layer, owner, None), name, None) for name in names]
+            if any(type(linear) is not torch.nn.Linear for linear in linears):
+                return f"{owner}.{'/'.join(names)} are not all plain nn.Linear"
+            if len({linear.bias is None for linear in linears}) > 1:
+                return f"{owner}.{'/'.join(names)}: biases on some and not others"
+    with torch.no_grad():
+        for layer in layers:
+            for owner, names, fused in FUSED:
+                module = getattr(layer, owner)
+                linears = [getattr(module, name) for name in names]
+                weight = torch.cat([linear.weight for linear in linears])                      # (Σ out, in)
+                bias = None if linears[0].bias is None else torch.cat([linear.bias for linear in linears])  # (Σ out,)
+                module.register_buffer(f"{fused}_weight", weight, persistent=False)
+                module.register_buffer(f"{fused}_bias", bias, persistent=False)
+                module.fused_sizes = tuple(linear.out_features for linear in linears)
+                start = 0
+                for linear in linears:
+                    rows = slice(start, start + linear.out_features)
+                    linear.weight = torch.nn.Parameter(weight[rows], requires_grad=linear.weight.requires_grad)
+                    if bias is not None:
+                        linear.bias = torch.nn.Parameter(bias[rows], requires_grad=linear.bias.requires_grad)
+                    start += linear.out_features
+            attention = layer.self_attn  # the model file's own rotary function (one per model type)
+            attention.fused_rotary = sys.modules[type(attention).__module__].apply_rotary_pos_emb
+    return None
+
+
+def projections_fused(decoder) -> bool:
+    """Whether fuse_projections seated this decoder's projections, and they still are its parameters' memory."""
+    layers = list(decoder.layers)
+    if not hasattr(layers[0].self_attn, "qkv_weight"):
+        return False
+    for layer in layers:
+        for owner, names, fused in FUSED:
+            module = getattr(layer, owner)
+            weight, start = getattr(module, f"{fused}_weight"), 0
+            for name in names:
+                linear = getattr(module, name)
+                if linear.weight.data_ptr() != weight[start:].data_ptr():
+                    raise ValueError("engine: the fused projections no longer share memory with the parameters (the "
+                                     "model was moved, or its parameters replaced, after fuse_projections)")
+                start += linear.out_features
+    return True
+
+
+def fused_attention(self, hidden_states: torch.Tensor, position_embeddings, attention_mask, *args, **kwargs
+                    ) -> tuple[torch.Tensor, None]:
+    """The forward of Qwen2's, Qwen3's, Llama's and Mistral's attention with q, k, v from one product
+    (fuse_projections), in a decode step: hidden (n, 1, hidden) -> (n, 1, hidden)."""
+    n, t, _ = hidden_states.shape
+    qkv = torch.nn.functional.linear(hidden_states, self.qkv_weight, self.qkv_bias)       # (n, t, (H + 2K)·D)
+    q, k, v = (x.view(n, t, -1, self.head_dim) for x in qkv.split(self.fused_sizes, dim=-1))  # (n, t, heads, D)
+    if hasattr(self, "q_norm"):  # Qwen3: RMSNorm of each head's q and k before rotating them
+        q, k = self.q_norm(q), self.k_norm(k)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)                   # (n, H, t, D), (n, K, t, D)
+    cos, sin = position_embeddings
+    q, k = self.fused_rotary(q, k, cos, sin)
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    k, v = cache.update(k, v, self.layer_idx)                                             # (n, K, L, D) each
+    attend = flex_decode_attention if self.config._attn_implementation == FLEX_DECODE_ATTENTION else decode_attention
+    out, _ = attend(self, q, k, v, attention_mask, scaling=self.scaling)                  # (n, t, H, D)
+    return self.o_proj(out.reshape(n, t, -1)), None                                       # (n, t, hidden)
+
+
+def fused_mlp(self, x: torch.Tensor) -> torch.Tensor:
+    """The gated MLP, down(act(gate(x)) · up(x)), with gate and up from one product (fuse_projections)."""
+    gate, up = torch.nn.functional.linear(x, self.gate_up_weight, self.gate_up_bias).split(self.fused_sizes, dim=-1)
+    return self.down_proj(self.act_fn(gate) * up)                                         # (n, t, hidden)
+
+
+@contextlib.contextmanager
+def fused_forwards(decoder):
+    """Inside, each layer's attention and MLP run fused_attention and fused_mlp; their own forwards again after."""
+    modules = [(layer.self_attn, fused_attention) for layer in decoder.layers] + [
+        (layer.mlp, fused_mlp) for layer in decoder.layers]
+    own = [vars(module).get("forward") for module, _ in modules]  # a forward set on the module itself, kept
+    for module, forward in modules:
+        module.forward = types.MethodType(forward, module)
+    try:
+        yield
+    finally:
+        for (module, _), forward in zip(modules, own):
+            if forward is None:
+                del module.forward
+            else:
+                module.forward = forward
 
 
 # --- one call's rows: prefill, decode, compaction, on the device ---
@@ -375,6 +487,7 @@ class Rollouts:
         self.pad_to_multiple_of = pad_to_multiple_of  # the cache length and each prefill row, rounded up (departure 9)
         self.compile_layers = compile_layers  # decode steps through compiled_layers (--engine compile)
         self.flex = attention == "flex"  # the decode step's attention: flex_decode_attention, else decode_attention
+        self.fused = projections_fused(decoder)  # decode steps through fused_forwards (fuse_projections was run)
         longest = max(len(prompt) for prompt in prompts) + max_new_tokens  # a stopped row writes one slot more
         self.length = round_up(longest, pad_to_multiple_of)
         self.length = round_up(self.length, FLEX_BLOCK) if self.flex else self.length  # flex: whole blocks
@@ -435,7 +548,8 @@ class Rollouts:
         inputs = dict(input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=True,
                       **{self.cache_argument: self.cache})
         try:
-            hidden = self.layers(inputs, compiled=decoding and self.compile_layers)  # (rows, T, H)
+            with fused_forwards(self.decoder) if decoding and self.fused else contextlib.nullcontext():
+                hidden = self.layers(inputs, compiled=decoding and self.compile_layers)  # (rows, T, H)
         finally:
             config._attn_implementation = implementation
         hidden = hidden[:, -1] if packed_ends is None else hidden[0, packed_ends]  # (rows, H) or (k, H)
@@ -451,7 +565,7 @@ class Rollouts:
             try:
                 with compiled_layers(self.decoder):
                     return self.decoder(**inputs).last_hidden_state
-            except torch._dynamo.exc.TorchDynamoException as error:
+            except compile_errors() as error:
                 compile_failed(error)
         return self.decoder(**inputs).last_hidden_state
 
@@ -463,8 +577,9 @@ class Rollouts:
         drawn = None
         if compiled and COMPILE_FAILED is None:
             try:
-                drawn = compiled_draw()(*args)
-            except torch._dynamo.exc.TorchDynamoException as error:
+                with compile_settings():
+                    drawn = compiled_draw()(*args)
+            except compile_errors() as error:
                 compile_failed(error)
         new, finite = drawn or checked_draw(*args)
         self.nonfinite.logical_or_(~finite)  # read by the host when it looks (no sync here)
@@ -586,6 +701,7 @@ class DecodeGraphs:
 _COMPILED_FORWARD: dict[type, Callable] = {}  # a layer class -> torch.compile of its forward, for the process
 _COMPILED_DRAW: list[Callable] = []  # torch.compile of checked_draw, for the process
 COMPILE_FAILED: str | None = None  # why torch.compile failed in this process (compile_failed), once it has
+RECOMPILE_LIMIT = 32  # compilations of one compiled function before compile_failed (compile_settings)
 
 
 def failure_line(error: Exception) -> str:
@@ -600,6 +716,22 @@ def compile_failed(error: Exception) -> None:
     global COMPILE_FAILED
     COMPILE_FAILED = failure_line(error)
     print(f"engine: torch.compile failed, decoding without it: {COMPILE_FAILED}", file=sys.stderr, flush=True)
+
+
+def compile_errors() -> tuple[type, ...]:
+    """What torch.compile raises when it cannot compile a step (or compile it once more: compile_settings)."""
+    from torch._dynamo import exc
+    return exc.TorchDynamoException, exc.FailOnRecompileLimitHit
+
+
+def compile_settings():
+    """Dynamo's settings for the engine's compiled code: the layer index update is given stays an input, not a
+    constant (allow_unspec_int_on_nn_module: one compilation for all layers), up to RECOMPILE_LIMIT compilations
+    of each function (row counts, cache lengths, thread counts on CPU, sampling settings each may add one), and
+    past it an exception (compile_failed says so in one line), where Dynamo would quietly run that code eagerly
+    from then on."""
+    return torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True, recompile_limit=RECOMPILE_LIMIT,
+                                      fail_on_recompile_limit_hit=True)
 
 
 def compiled_draw() -> Callable:
@@ -629,7 +761,7 @@ def compiled_layers(decoder):
     for layer in layers:
         layer.forward = types.MethodType(compiled, layer)
     try:
-        with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
+        with compile_settings():
             yield
     finally:
         for layer, forward in zip(layers, own):
@@ -697,6 +829,7 @@ def sample_groups(model, prompts: list[list[int]], group_size: int, *, max_new_t
     pad_to_multiple_of: the cache length and every prefill row rounded up to a multiple of this (departure 9).
     attention: the decode step's attention, "sdpa" (decode_attention: every row reads the whole cache) or "flex"
     (flex_decode_attention: each row reads the blocks it has written; compiled; measured by bench.py gpu).
+    A model through fuse_projections decodes with its fused products (departure 12).
     """
     reason = unsupported_reason(model)
     if reason is not None:

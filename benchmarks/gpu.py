@@ -3,9 +3,10 @@ finishes and all written to --json.
 
 1. decode: 16 GSM8K questions x 8 samples = 128 rows of the Qwen2.5-0.5B configuration (random weights, bfloat16,
    sdpa), sampled by the engine with CUDA graphs, with its decoder layers compiled, then captured (--engine compile),
-   without graphs, and Hugging Face `generate` (the hf path, rollout.sample_responses), interleaved over --rounds
-   rounds, after one untimed call each (its seconds printed: the compiled side's compilation). Each side runs 1,
-   M/2 and M new tokens:
+   without graphs, and Hugging Face `generate` (the hf path, rollout.sample_responses); then the compiled step with
+   what is not a trainer option until measured: q|k|v and gate|up as one product each (a copy of the model through
+   engine.fuse_projections), flex attention (attention="flex"), both; interleaved over --rounds rounds, after one
+   untimed call each (its seconds printed: the compiled sides' compilation). Each side runs 1, M/2 and M new tokens:
        prefill s     = T(1)                                   (the prompts, and the first token's draw)
        decode ms     = (T(M) - T(M/2)) / (M - M/2)            per step, 128 rows (graph captures cancel out)
        capture s     = T(M/2) - T(1) - (M/2 - 1)·decode       (the engine's one CUDA graph per call, else ~0)
@@ -14,7 +15,8 @@ finishes and all written to --json.
    keys and values of every row's context at mid-response, the logits written in float32) over the step's time,
    against the device's own copy bandwidth (a 1 GiB device-to-device copy, bytes read + written): the floor is
    those bytes at that bandwidth. Goal: 2 ms or less per step.
-2. kernels: what one decode step launches, eager and with --engine compile's fused layers (no graphs, so every
+2. kernels: what one decode step launches, eager, with --engine compile's fused layers, with flex attention, with
+   flex and fused projections (no graphs, so every
    kernel is seen): profiled calls of 2 and 2 + S new tokens, differenced, per kernel and by kind (matrix
    products, attention, indexing, draw, fused, elementwise): counts, and their summed GPU time, which is what a
    CUDA graph replays without the launch gaps. On CPU the operators the dispatcher runs, counted the same way.
@@ -31,6 +33,7 @@ every part runs, without CUDA graphs: tests/test_bench.py runs it so, so that a 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import subprocess
@@ -116,26 +119,36 @@ def decode_step_bytes(model, rows: int, context: int) -> int:
     return weights + cache + rows * config.vocab_size * 4
 
 
+def fused_copy(model):
+    """A copy of `model` with its projections concatenated (engine.fuse_projections), for the fused sides."""
+    fused = copy.deepcopy(model)
+    reason = engine.fuse_projections(fused)
+    if reason is not None:
+        raise RuntimeError(f"fuse_projections: {reason}")
+    return fused
+
+
 def decode_sides(model, prompts: list[list[int]], group_size: int, stops: list[int], device: torch.device) -> dict:
     """name -> sample(M): each side sampling the prompts' group_size rows with M new tokens."""
     keys = [(0, 0, j) for j in range(len(prompts))]
+    fused = fused_copy(model)
 
-    def engine_side(graphs: bool, compiled: bool = False, attention: str = "sdpa"):
-        return lambda m: engine.sample_groups(model, prompts, group_size, max_new_tokens=m, stop_ids=stops, keys=keys,
+    def engine_side(graphs: bool, compiled: bool = False, attention: str = "sdpa", on=model):
+        return lambda m: engine.sample_groups(on, prompts, group_size, max_new_tokens=m, stop_ids=stops, keys=keys,
                                               cuda_graphs=graphs, compile_step=compiled, attention=attention)
 
     def hf_side(m: int):
         settings = SimpleNamespace(temperature=1.0, top_p=1.0, top_k=0, min_p=None, max_new_tokens=m)
         return rollout.sample_responses(model, prompts, group_size, rollout.sampling_config(settings, stops, stops[1]),
                                         seed=0)
-    sides = {"engine, CUDA graphs": engine_side(True), "engine, compiled+graphs": engine_side(True, compiled=True),
-             "engine, eager": engine_side(False), "hf generate": hf_side,  # the flex sides last: see decode_part
-             "engine, graphs, flex": engine_side(True, attention="flex"),
-             "engine, compiled, flex": engine_side(True, compiled=True, attention="flex")}
     if device.type != "cuda":  # graphs: the same code as eager off CUDA; flex: compiled only there (engine.py)
-        for name in [name for name in sides if "graphs" in name or "flex" in name]:
-            del sides[name]
-    return sides
+        return {"engine, eager": engine_side(False), "hf generate": hf_side,
+                "engine, eager, fused": engine_side(False, on=fused)}
+    return {"engine, CUDA graphs": engine_side(True), "engine, compiled+graphs": engine_side(True, compiled=True),
+            "engine, eager": engine_side(False), "hf generate": hf_side,  # flex's sides last: see decode_part
+            "engine, compiled+graphs, fused": engine_side(True, compiled=True, on=fused),
+            "engine, compiled, flex": engine_side(True, compiled=True, attention="flex"),
+            "engine, compiled, flex, fused": engine_side(True, compiled=True, attention="flex", on=fused)}
 
 
 def decode_workload(args: argparse.Namespace, device: torch.device) -> tuple[torch.nn.Module, list[list[int]]]:
@@ -277,14 +290,15 @@ def kernels_part(args: argparse.Namespace, device: torch.device) -> dict:
     without fusing; their count is what fusing (--engine compile) cuts."""
     model, prompts = decode_workload(args, device)
     keys, stops, steps = [(0, 0, j) for j in range(len(prompts))], eos_ids(args.vocab), args.profile_steps
-    sides = {"engine, eager": (False, "sdpa"), "engine, compiled": (True, "sdpa"),
-             "engine, compiled, flex": (True, "flex")}
-    if device.type != "cuda":
-        del sides["engine, compiled"], sides["engine, compiled, flex"]  # CPU: benchmarks/engine_cpu.py --compile's
+    fused = fused_copy(model)
+    sides = {"engine, eager": (False, "sdpa", model), "engine, compiled": (True, "sdpa", model),
+             "engine, compiled, flex": (True, "flex", model), "engine, compiled, flex, fused": (True, "flex", fused)}
+    if device.type != "cuda":  # CPU: benchmarks/engine_cpu.py --compile's
+        sides = {"engine, eager": (False, "sdpa", model), "engine, eager, fused": (False, "sdpa", fused)}
     figures: dict = {"rows": len(prompts) * args.group_size, "steps": steps, "sides": {}}
-    for name, (compiled, attention) in sides.items():
+    for name, (compiled, attention, on) in sides.items():
         def run(m: int):
-            return lambda: engine.sample_groups(model, prompts, args.group_size, max_new_tokens=m, stop_ids=stops,
+            return lambda: engine.sample_groups(on, prompts, args.group_size, max_new_tokens=m, stop_ids=stops,
                                                 keys=keys, cuda_graphs=False, compile_step=compiled, check_every=1,
                                                 attention=attention)
         with torch.no_grad():

@@ -567,19 +567,91 @@ def test_the_compiled_layers_compile_once_whatever_the_depth():
     """Claim: --engine compile compiles one layer's code for all layers (regional compilation), so Qwen2.5-0.5B's 24
     layers cost about what 1 does. Measured as torch._dynamo's count of graphs compiled for a call from scratch:
     the same for a 2-layer and a 6-layer model. Teeth: the layer index reaching the compiled code (RowCache.update
-    compiled with it) recompiles per layer, up to torch's limit of 8, and the 6-layer count grows."""
+    compiled with it) recompiles per layer, up to torch's limit of 8, and the 6-layer count grows. The same with
+    fused projections (engine.fuse_projections: each layer's fused buffers are inputs too, not constants), whose
+    compiled steps sample what its eager ones do."""
     from torch._dynamo.utils import counters
 
-    def graphs_compiled(layers: int) -> int:
+    def graphs_compiled(layers: int, fused: bool) -> int:
         torch._dynamo.reset()
         counters.clear()
         model = random_model("qwen2", vocab=64, layers=layers)
-        engine.sample_groups(model, random_prompts([5, 9], 64), 2, max_new_tokens=4, stop_ids=[64], keys=keys(2),
-                             compile_step=True)  # stop id 64: no token of 0..63, so every step runs the same rows
+        if fused:
+            engine.fuse_projections(model)
+        args = (model, random_prompts([5, 9], 64), 2)
+        common = dict(max_new_tokens=4, stop_ids=[64], keys=keys(2))  # stop id 64: no token of 0..63, every step
+        compiled = engine.sample_groups(*args, compile_step=True, **common)  # runs the same rows
+        assert compiled == engine.sample_groups(*args, **common) and engine.COMPILE_FAILED is None
         return counters["stats"]["unique_graphs"]
 
-    shallow, deep = graphs_compiled(2), graphs_compiled(6)
-    assert shallow >= 1 and deep == shallow, (shallow, deep)
+    for fused in (False, True):
+        shallow, deep = graphs_compiled(2, fused), graphs_compiled(6, fused)
+        assert shallow >= 1 and deep == shallow, (fused, shallow, deep)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "llama"])
+def test_fused_projections_sample_what_the_layers_own_do_and_follow_a_publish(kind, monkeypatch):
+    """Claim (engine.fuse_projections): with q|k|v and gate|up each one matrix product, the decode steps sample the
+    tokens the layers' own forwards sample (Qwen2's biases, Qwen3's q/k norms, Llama's plain projections; greedy
+    and sampled, with compaction and refill), the parameters keep their values, and a weight copied into a
+    parameter in place (a publish) reaches the fused product: the fused model then samples what the model the
+    weights came from samples.
+
+    Tolerance: each fused output is the same dot product over K = 64 terms as the layer's own; a BLAS may sum it in
+    another order, each order within γ_K·Σ|x_i·w_i| of the exact value (γ_K = K·u / (1 - K·u), u = 2^-24), so
+    the two differ by at most 2·γ_K·(|x|·|W|ᵀ), checked per element. A token can then flip only where u·F(S)
+    lands within ~1e-6 of a boundary of F (test_a_compiled_decode_step_samples_what_the_eager_one_does's
+    reckoning: under 1% for these ~700 tokens, and the same outcome on every run of a machine). Teeth: the fused
+    forwards are counted (a fused model that decoded through the layers' own forwards would pass the rest)."""
+    model, other = random_model(kind, vocab=64), random_model(kind, vocab=64, seed=5)
+    fused = random_model(kind, vocab=64)
+    assert engine.fuse_projections(fused) is None
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fused.parameters(), strict=True))
+    attention = fused.get_decoder().layers[0].self_attn
+    x = torch.randn(8, 1, 64)                                                               # (n, 1, hidden)
+    own = torch.cat([attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)], dim=-1)   # (n, 1, (H + 2K)·D)
+    one = torch.nn.functional.linear(x, attention.qkv_weight, attention.qkv_bias)
+    unit = 2.0**-24
+    gamma = 64 * unit / (1 - 64 * unit)
+    bound = 2 * gamma * (x.abs() @ attention.qkv_weight.abs().t() + attention.qkv_bias.abs()  # bias: one term more
+                         if attention.qkv_bias is not None else x.abs() @ attention.qkv_weight.abs().t())
+    assert ((own - one).abs() <= bound).all()
+    calls = []
+    counted = engine.fused_attention
+    monkeypatch.setattr(engine, "fused_attention", lambda *a, **k: calls.append(1) or counted(*a, **k))
+    prompts = random_prompts([3, 17, 8, 12, 5], 64)
+    common = dict(max_new_tokens=12, temperature=1.0, stop_ids=[1, 2], keys=keys(5), max_rows=8)
+    for greedy in (True, False):
+        assert (engine.sample_groups(fused, prompts, 4, greedy=greedy, **common)
+                == engine.sample_groups(model, prompts, 4, greedy=greedy, **common))
+    assert calls, "the fused model decoded through the layers' own forwards"
+    layers = fused.get_decoder().layers
+    assert not any("forward" in vars(layer.self_attn) or "forward" in vars(layer.mlp) for layer in layers)
+    with torch.no_grad():
+        for target, source in zip(fused.parameters(), other.parameters(), strict=True):
+            target.copy_(source)  # as Weights.load_into publishes
+    assert (engine.sample_groups(fused, prompts, 4, **common) == engine.sample_groups(other, prompts, 4, **common)
+            != engine.sample_groups(model, prompts, 4, **common))
+
+
+def test_fused_projections_refuse_what_they_cannot_fuse_and_a_moved_model():
+    """Claim (engine.fuse_projections, reliability): a model whose projections are not plain nn.Linear (LoRA wraps
+    them) is left alone with one line saying why; a fused model moved afterwards (its parameters no longer views of
+    the fused buffers, so a publish would not reach them) is refused by sample_groups with one line, not sampled
+    from stale weights."""
+    model = random_model("qwen2", vocab=64)
+    wrapped = type("LoraLinear", (torch.nn.Linear,), {})(64, 64)
+    model.get_decoder().layers[1].self_attn.k_proj = wrapped
+    before = [p.data_ptr() for p in model.parameters()]
+    reason = engine.fuse_projections(model)
+    assert reason is not None and "self_attn.q_proj/k_proj/v_proj" in reason and "\n" not in reason, reason
+    assert [p.data_ptr() for p in model.parameters()] == before and not hasattr(
+        model.get_decoder().layers[0].self_attn, "qkv_weight")
+    moved = random_model("qwen2", vocab=64)
+    assert engine.fuse_projections(moved) is None
+    moved.to(torch.float64)
+    with pytest.raises(ValueError, match="no longer share memory"):
+        engine.sample_groups(moved, random_prompts([4], 64), 2, max_new_tokens=3, stop_ids=[1], keys=keys(1))
 
 
 def test_a_failed_compilation_decodes_without_it_and_says_so_once(monkeypatch, capsys):
@@ -608,6 +680,29 @@ def test_a_failed_compilation_decodes_without_it_and_says_so_once(monkeypatch, c
         engine.sample_groups(model, prompts, 2, compile_step=True, **common)  # the process has given up compiling
         assert not [line for line in capsys.readouterr().err.splitlines() if line.startswith("engine:")]
         assert not any("forward" in vars(layer) for layer in model.get_decoder().layers)
+    finally:
+        torch._dynamo.reset()
+
+
+def test_compiling_past_the_recompile_limit_says_so_and_decodes_eagerly(monkeypatch, capsys):
+    """Claim (--engine compile, reliability): a compiled function asked for more compilations than RECOMPILE_LIMIT
+    (each new row count, cache length, CPU thread count or sampling setting may add one) makes the engine say so in
+    one line and decode eagerly, the same tokens, for the rest of the process. Before, Dynamo quietly ran that
+    code eagerly from then on: a long run could lose its compiled speed with nothing said but Dynamo's log warning.
+    Here the limit is 1 and a second call samples (the first is greedy: the draw is compiled again)."""
+    torch._dynamo.reset()
+    monkeypatch.setattr(engine, "COMPILE_FAILED", None)
+    monkeypatch.setattr(engine, "RECOMPILE_LIMIT", 1)
+    model = random_model("qwen2", vocab=64)
+    prompts = random_prompts([3, 9], 64)
+    common = dict(max_new_tokens=5, temperature=1.0, stop_ids=[1, 2], keys=keys(2))
+    try:
+        for greedy in (True, False):
+            assert (engine.sample_groups(model, prompts, 2, compile_step=True, greedy=greedy, **common)
+                    == engine.sample_groups(model, prompts, 2, greedy=greedy, **common))
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("engine:")]
+        assert len(lines) == 1 and "recompile limit" in lines[0], lines
+        assert engine.COMPILE_FAILED is not None
     finally:
         torch._dynamo.reset()
 
