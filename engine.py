@@ -79,7 +79,8 @@ Departures, on purpose:
    flex_attention over the cache blocks each row has written (flex_decode_attention), where decode_attention
    reads the whole preallocated cache of every row; the cache length is then a multiple of FLEX_BLOCK.
 12. A model through fuse_projections (not yet a trainer option either) decodes with q|k|v and gate|up as one
-   matrix product each (fused_attention, fused_mlp: the layer's own attention and MLP forwards otherwise). A
+   matrix product each, and writes a layer's new keys and values with one kernel (fused_attention, fused_mlp:
+   the layer's own attention and MLP forwards otherwise; RowCache.update_both). A
    BLAS may sum a fused product in another order than the separate ones: last-bit differences, so a token can
    flip at a near-tie, as between batch shapes.
 """
@@ -244,7 +245,8 @@ def checked_draw(logits: torch.Tensor, seeds: torch.Tensor, lengths: torch.Tenso
 # --- the cache ---
 class RowCache:
     """Every row's keys and values, preallocated: (layers, rows, kv_heads, L, head_dim) each, L = P_max + M
-    (rounded up to a multiple of pad_to_multiple_of).
+    (rounded up to a multiple of pad_to_multiple_of), views of one tensor `both` (layers, rows, 2, kv_heads, L,
+    head_dim), so that a row's new key and value can be written by one indexing kernel (update_both).
 
     Hugging Face's attention layers call update(key, value, layer) with the new tokens' keys and values and
     attend over what it returns. Set before each forward:
@@ -259,9 +261,9 @@ class RowCache:
         config = model.config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         weight = model.get_output_embeddings().weight
-        shape = (config.num_hidden_layers, rows, config.num_key_value_heads, length, head_dim)
-        self.keys = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
-        self.values = torch.zeros_like(self.keys)
+        shape = (config.num_hidden_layers, rows, 2, config.num_key_value_heads, length, head_dim)
+        self.both = torch.zeros(shape, dtype=weight.dtype, device=weight.device)  # (layers, rows, 2, kv, L, D)
+        self.keys, self.values = self.both[:, :, 0], self.both[:, :, 1]            # (layers, rows, kv, L, D) views
         self.row_index = torch.arange(rows, device=weight.device)
         self.prefill_slots: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None
@@ -280,14 +282,21 @@ class RowCache:
         values[rows, :, self.positions] = value[:, :, 0]
         return keys, values
 
+    @torch.compiler.disable
+    def update_both(self, both: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode step's keys and values stacked, (n, 2, kv, D), written in one kernel (fused_attention stacks them
+        inside the compiled layer); the first n rows' keys and values returned, (n, kv, L, D) each."""
+        n = self.positions.shape[0]
+        self.both[layer, :n][self.row_index[:n], :, :, self.positions] = both  # (n, 2, kv, D) one slot per row
+        return self.keys[layer, :n], self.values[layer, :n]
+
     def get_seq_length(self, layer: int = 0) -> int:
         """transformers < 5 asks this to number the new tokens when no positions are given; ours are given."""
         return 0
 
     def compact(self, keep: torch.Tensor) -> None:
         """Move rows `keep` (m,) to the front, in order."""
-        self.keys[:, :len(keep)] = self.keys[:, keep]
-        self.values[:, :len(keep)] = self.values[:, keep]
+        self.both[:, :len(keep)] = self.both[:, keep]
 
 
 def cache_argument(module) -> str:
@@ -368,7 +377,8 @@ def fuse_projections(model) -> str | None:
     and gate, up as blocks of another, (2·I, hidden), so that the engine's decode steps compute
         [q | k | v] = x·[W_q; W_k; W_v]ᵀ + [b_q; b_k; b_v]        [gate | up] = x·[W_gate; W_up]ᵀ
     as 2 matrix products where the layer's own forward runs 5 (4 products a layer instead of 7; on an H100,
-    24.8 against 34.5 us a layer at 128 rows, docs/benchmarks.md). The parameters become views of the buffers,
+    24.8 against 34.5 us a layer at 128 rows, docs/benchmarks.md); a step's new keys and values, stacked inside
+    the layer, go into the cache in one kernel (RowCache.update_both). The parameters become views of the buffers,
     their values unchanged, so copying into them in place (Weights.load_into's param.copy_, a sampler's publish)
     writes the buffers: no second copy of the weights, nothing to refresh. For a model that is only sampled
     from (the inference side's own copy): safetensors refuses tensors that share memory, and moving the model
@@ -437,7 +447,7 @@ def fused_attention(self, hidden_states: torch.Tensor, position_embeddings, atte
     cos, sin = position_embeddings
     q, k = self.fused_rotary(q, k, cos, sin)
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    k, v = cache.update(k, v, self.layer_idx)                                             # (n, K, L, D) each
+    k, v = cache.update_both(torch.stack([k[:, :, 0], v[:, :, 0]], dim=1), self.layer_idx)  # (n, K, L, D) each
     attend = flex_decode_attention if self.config._attn_implementation == FLEX_DECODE_ATTENTION else decode_attention
     out, _ = attend(self, q, k, v, attention_mask, scaling=self.scaling)                  # (n, t, H, D)
     return self.o_proj(out.reshape(n, t, -1)), None                                       # (n, t, hidden)

@@ -198,7 +198,8 @@ def test_gpu_table_runs_every_part_on_cpu(qwen_shaped_dir, tmp_path):
     """Claim (bench.py gpu, issue 31): the one-command GPU table's every part runs end to end, so that a lent GPU's
     minutes go to measuring: on CPU (no CUDA graphs there) the decode part times the engine and `generate` at 1,
     M/2 and M new tokens and derives per-step figures from them, the kernels part counts what a decode step launches
-    (exactly: a 1-layer Qwen2 step makes 8 matrix products, 5 with fused projections), the pipeline part runs trainer.py sync and async on
+    (exactly: a 1-layer Qwen2 step makes 8 matrix products, 5 with fused projections, which also write
+    the layer's key and value in one kernel), the pipeline part runs trainer.py sync and async on
     a chat model with GSM8K-shaped data, and the peer part, given a Python without trl, is skipped with the reason
     (its TRL run is `bench.py peer`'s, tested above). Timings are not asserted, only that they were measured."""
     import json
@@ -231,5 +232,7 @@ def test_gpu_table_runs_every_part_on_cpu(qwen_shaped_dir, tmp_path):
     assert kernels["by_kind"]["matrix products"][0] == 8 and kernels["kernels_per_step"] > 8, kernels["by_kind"]
     fused = table["kernels"]["sides"]["engine, eager, fused"]  # q|k|v (with bias), o, gate|up, down, head
     assert fused["by_kind"]["matrix products"][0] == 5, fused["by_kind"]
+    writes = "indexing (cache writes, row bookkeeping)"  # and the layer's key and value written by one kernel
+    assert fused["by_kind"][writes][0] == kernels["by_kind"][writes][0] - 1, (fused["by_kind"], kernels["by_kind"])
     assert [len(seconds) for seconds in table["pipeline"]["seconds_per_iteration"].values()] == [1, 1]
     assert "skipped" in table["peer"] and "cannot import trl" in done.stdout
