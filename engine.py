@@ -245,8 +245,9 @@ def checked_draw(logits: torch.Tensor, seeds: torch.Tensor, lengths: torch.Tenso
 # --- the cache ---
 class RowCache:
     """Every row's keys and values, preallocated: (layers, rows, kv_heads, L, head_dim) each, L = P_max + M
-    (rounded up to a multiple of pad_to_multiple_of), views of one tensor `both` (layers, rows, 2, kv_heads, L,
-    head_dim), so that a row's new key and value can be written by one indexing kernel (update_both).
+    (rounded up to a multiple of pad_to_multiple_of). With `joint` (fused projections) they are views of one tensor
+    `both` (layers, rows, 2, kv_heads, L, head_dim), so that a row's new key and value are written by one indexing
+    kernel (update_both); else each is contiguous, as attention kernels read best.
 
     Hugging Face's attention layers call update(key, value, layer) with the new tokens' keys and values and
     attend over what it returns. Set before each forward:
@@ -257,13 +258,18 @@ class RowCache:
       positions (n,):     key (n, kv, 1, D), row r's written at slot positions[r]; the first n rows' whole
                           cache is returned (the mask hides the slots not yet written)."""
 
-    def __init__(self, model, rows: int, length: int):
+    def __init__(self, model, rows: int, length: int, joint: bool = False):
         config = model.config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         weight = model.get_output_embeddings().weight
         shape = (config.num_hidden_layers, rows, 2, config.num_key_value_heads, length, head_dim)
-        self.both = torch.zeros(shape, dtype=weight.dtype, device=weight.device)  # (layers, rows, 2, kv, L, D)
-        self.keys, self.values = self.both[:, :, 0], self.both[:, :, 1]            # (layers, rows, kv, L, D) views
+        if joint:
+            self.both = torch.zeros(shape, dtype=weight.dtype, device=weight.device)  # (layers, rows, 2, kv, L, D)
+            self.keys, self.values = self.both[:, :, 0], self.both[:, :, 1]            # (layers, rows, kv, L, D)
+        else:
+            self.both = None
+            self.keys = torch.zeros(shape[:2] + shape[3:], dtype=weight.dtype, device=weight.device)
+            self.values = torch.zeros_like(self.keys)                                  # (layers, rows, kv, L, D)
         self.row_index = torch.arange(rows, device=weight.device)
         self.prefill_slots: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None
@@ -296,7 +302,11 @@ class RowCache:
 
     def compact(self, keep: torch.Tensor) -> None:
         """Move rows `keep` (m,) to the front, in order."""
-        self.both[:, :len(keep)] = self.both[:, keep]
+        if self.both is not None:
+            self.both[:, :len(keep)] = self.both[:, keep]
+        else:
+            self.keys[:, :len(keep)] = self.keys[:, keep]
+            self.values[:, :len(keep)] = self.values[:, keep]
 
 
 def cache_argument(module) -> str:
@@ -497,11 +507,11 @@ class Rollouts:
         self.pad_to_multiple_of = pad_to_multiple_of  # the cache length and each prefill row, rounded up (departure 9)
         self.compile_layers = compile_layers  # decode steps through compiled_layers (--engine compile)
         self.flex = attention == "flex"  # the decode step's attention: flex_decode_attention, else decode_attention
-        self.fused = projections_fused(decoder)  # decode steps through fused_forwards (fuse_projections was run)
         longest = max(len(prompt) for prompt in prompts) + max_new_tokens  # a stopped row writes one slot more
         self.length = round_up(longest, pad_to_multiple_of)
         self.length = round_up(self.length, FLEX_BLOCK) if self.flex else self.length  # flex: whole blocks
-        self.cache = RowCache(model, slots, self.length)
+        self.fused = projections_fused(decoder)  # decode steps through fused_forwards (fuse_projections was run)
+        self.cache = RowCache(model, slots, self.length, joint=self.fused)
         rows = len(prompts) * group_size
         self.stand_in = rows
 

@@ -236,3 +236,26 @@ def test_gpu_table_runs_every_part_on_cpu(qwen_shaped_dir, tmp_path):
     assert fused["by_kind"][writes][0] == kernels["by_kind"][writes][0] - 1, (fused["by_kind"], kernels["by_kind"])
     assert [len(seconds) for seconds in table["pipeline"]["seconds_per_iteration"].values()] == [1, 1]
     assert "skipped" in table["peer"] and "cannot import trl" in done.stdout
+
+
+@pytest.mark.slow
+def test_decode_step_parts_run_every_variant_on_cpu(capsys):
+    """Claim (tools/decode_step_parts.py, issue 31): every variant of the step's pieces runs (on CPU, eagerly, at a
+    small size), so that a lent GPU's minutes go to measuring, and the agreement lines a GPU run reads are printed
+    and hold here: flex and sdpa on the joint cache's views agree with sdpa on contiguous keys and values (within
+    2e-4, test_engine.py's flex bound), the concatenated q|k|v with the separate products (two summation orders of
+    K = 896 float32 terms differ by at most 2·γ_K·Σ|x_i·w_i|, γ_K ≈ K·2^-24 = 5.3e-5, and Σ|x_i·w_i| ≈ 896 · 0.80
+    · 0.016 = 11.5 for x ~ N(0, 1), w ~ 0.02·N(0, 1): 1.3e-3), the compiled draw with the eager draw."""
+    import re
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import decode_step_parts
+    decode_step_parts.main(["--device", "cpu", "--rows", "8", "--vocab", "2048", "--length", "128", "--repeat", "1"])
+    out = capsys.readouterr().out
+    timed = re.findall(r"^    (\S.*?)\s+(\d+\.\d) us$", out, flags=re.M)
+    assert len(timed) >= 15, out  # attention 7 of 9 (cuDNN and memory-efficient are CUDA's), draw 6, projections 2
+    differences = [float(value) for value in re.findall(r"largest difference (\S+)$", out, flags=re.M)]
+    assert len(differences) == 4 and max(differences[:3]) < 2e-4 and differences[3] < 1.3e-3, out
+    agreed = re.search(r"compiled draw = eager draw: \[(\d+), (\d+), (\d+)\] of 8 tokens", out)
+    assert agreed and [int(count) for count in agreed.groups()] == [8, 8, 8], out

@@ -82,12 +82,24 @@ def attention_variants(rows: int, length: int, device, dtype) -> dict:
     difference = (flex(heads, key, value, block_mask=block_mask, enable_gqa=True).reshape(rows, kv_heads, per, dim)
                   - F.scaled_dot_product_attention(query, key, value, attn_mask=mask)).abs().max()
     print(f"    flex against sdpa: largest difference {float(difference):.2e}", flush=True)
+    both = torch.stack([key, value], dim=1)  # (n, 2, K, L, D): engine.RowCache's joint layout (fused projections)
+    joint_key, joint_value = both[:, 0], both[:, 1]                                                # (n, K, L, D) views
+    for name, out in [("sdpa", F.scaled_dot_product_attention(query, joint_key, joint_value, attn_mask=mask)),
+                      ("flex", flex(heads, joint_key, joint_value, block_mask=block_mask, enable_gqa=True
+                                    ).reshape(rows, kv_heads, per, dim))]:
+        joint = (out - F.scaled_dot_product_attention(query, key, value, attn_mask=mask)).abs().max()
+        print(f"    {name} on the joint cache's views against sdpa on contiguous keys and values: largest difference "
+              f"{float(joint):.2e}", flush=True)
     variants = {"sdpa, default order": lambda: F.scaled_dot_product_attention(query, key, value, attn_mask=mask),
                 "flex, the blocks each row has written": lambda: flex(heads, key, value, block_mask=block_mask,
                                                                       enable_gqa=True),
                 "sdpa, cuDNN": sdpa(SDPBackend.CUDNN_ATTENTION),
                 "sdpa, memory-efficient": sdpa(SDPBackend.EFFICIENT_ATTENTION),
                 "sdpa, math": sdpa(SDPBackend.MATH),
+                "sdpa, the joint cache's views": lambda: F.scaled_dot_product_attention(query, joint_key, joint_value,
+                                                                                       attn_mask=mask),
+                "flex, the joint cache's views": lambda: flex(heads, joint_key, joint_value, block_mask=block_mask,
+                                                              enable_gqa=True),
                 "two matrix products": products,
                 "two matrix products, compiled": torch.compile(products)}
     return variants
@@ -151,6 +163,8 @@ def projection_variants(rows: int, device, dtype) -> dict:
     def concatenated():
         return [F.linear(x, qkv, qkv_bias), F.linear(x, weights["o"]), F.linear(x, gate_up),
                 F.linear(y, weights["down"])]
+    difference = (torch.cat(separate()[:3], dim=-1) - concatenated()[0]).abs().max()
+    print(f"    q|k|v concatenated against separate: largest difference {float(difference):.2e}", flush=True)
     return {"7 products (one layer)": separate, "4 products, q|k|v and gate|up concatenated": concatenated}
 
 
