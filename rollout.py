@@ -325,6 +325,17 @@ def engine_reason(model, cfg: Config) -> str | None:
     return "--engine hf" if cfg.engine == "hf" else engine.unsupported_reason(model)
 
 
+def fuse_sampler(model, cfg: Config) -> bool:
+    """--engine compile off CPU: the sampler's q|k|v and gate|up as one matrix product each (engine.fuse_projections),
+    for a sampler that owns its parameters and receives θ_k by in-place copies (the inference process off CPU, a sync
+    sampler's copy in the compute dtype). Not on CPU, where the inference process's parameters *are* the trainer's
+    shared memory (weights.WeightBuffer.attach), nor on inference ranks, whose are views of the flat tensor θ_k
+    arrives in. Whether it fused."""
+    if cfg.engine != "compile" or next(model.parameters()).device.type == "cpu":
+        return False
+    return engine.fuse_projections(model) is None
+
+
 def sample_prompts(model, prompts: list[list[int]], num_samples: int, generation: GenerationConfig, cfg: Config,
                    iteration: int, first: int, on_done: Callable[[int, list[list[int]]], None] | None = None
                    ) -> list[list[list[int]]]:

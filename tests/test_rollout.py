@@ -226,3 +226,20 @@ def test_engine_compile_compiles_the_engines_decode_step(qwen_shaped_dir, monkey
     assert [call["compile_step"] for call in calls] == [False, True]
     assert {key: value for key, value in calls[0].items() if key != "compile_step"} == \
         {key: value for key, value in calls[1].items() if key != "compile_step"}
+
+
+def test_engine_compile_fuses_a_sampler_that_owns_its_weights_off_cpu(qwen_shaped_dir):
+    """Claim: --engine compile fuses the sampler's projections (engine.fuse_projections) only off CPU, where the
+    inference process and a sync sampler copy receive θ_k into their own parameters; never on CPU, where the
+    inference process's parameters are the trainer's shared memory and fusing would seat them elsewhere (θ_k would
+    then never reach the sampler), nor with --engine auto. The meta device stands in for a GPU (no memory)."""
+    import dataclasses
+
+    from rollout import fuse_sampler
+
+    compile_ = dataclasses.replace(SETTINGS, engine="compile")
+    model, _ = load_model(str(qwen_shaped_dir))
+    assert not fuse_sampler(model, compile_) and not hasattr(model.get_decoder().layers[0].self_attn, "qkv_weight")
+    off_cpu = load_model(str(qwen_shaped_dir))[0].to("meta")
+    assert not fuse_sampler(off_cpu, SETTINGS)
+    assert fuse_sampler(off_cpu, compile_) and hasattr(off_cpu.get_decoder().layers[0].self_attn, "qkv_weight")
