@@ -24,7 +24,7 @@ LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "cons
 MODES = ("async", "sync")
 ENGINES = ("auto", "compile", "hf")
 SIZES = ("probe", "rule")
-TRACKERS = ("none", "tensorboard", "wandb", "trackio")  # --report-to (infra/tracking.py)
+TRACKERS = ("none", "tensorboard", "wandb", "trackio", "all")  # --report-to (infra/tracking.py; all: those installed)
 DTYPES = ("auto", "float32", "bfloat16")
 # The offline models (models.TINY_RECIPES): name -> (the task it was warmed up on, its default --max-new-tokens)
 TINY_MODELS = {"tiny": ("arithmetic", 8), "tiny-chain": ("chain", 128)}
@@ -110,7 +110,7 @@ class Config:
                                             "512 otherwise)")
     temperature: float = _opt(1.0, "sampling temperature (log-probs are computed at the same temperature)")
     top_p: float = _opt(1.0, "nucleus sampling threshold (1.0 = sample from the full distribution)")
-    top_k: int = _opt(0, "keep only the k most likely tokens when sampling (0 = off; TRL's top_k)")
+    top_k: int = _opt(0, "keep only the k most likely tokens when sampling (0 or -1 = off; TRL's top_k)")
     min_p: float | None = _opt(None, "drop tokens less likely than min_p times the most likely one (TRL's min_p; "
                                      "typical 0.01-0.2)")
     engine: str = _opt("auto", "how rollouts are sampled. auto: engine.py (each prompt prefilled once, a static KV "
@@ -227,7 +227,8 @@ class Config:
     save: bool = _opt(True, "save the final policy as a Hugging Face model directory in <out>/policy")
     report_to: list[str] = _opt(["none"], "also send each metrics row to these trackers, named as TRL's (train/reward, "
                                           "eval/reward, ...; infra/tracking.py): tensorboard (<out>/runs), wandb, "
-                                          "trackio; several may be given", choices=TRACKERS, metavar="TRACKER")
+                                          "trackio; several may be given; all: each of these installed (TRL's "
+                                          "all)", choices=TRACKERS, metavar="TRACKER")
     log_completions: bool = _opt(False, "write every sampled completion to <out>/completions.jsonl (its prompt, "
                                         "text, each reward, advantage) and send each iteration's as a table to the "
                                         "--report-to trackers (TRL's log_completions; infra/completions.py)")

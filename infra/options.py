@@ -46,6 +46,7 @@ import typing
 from pathlib import Path
 
 from config import SECTIONS, SIZE_FIELDS, TINY_MODELS, Config
+from infra.tracking import installed_trackers
 from infra.trl_names import (TRL_ALIASES, TRL_BATCH_KEYS, TRL_DIFFERENT, TRL_FIXED, TRL_UNUSED, epilog,
                              trl_batch_options, trl_keys)
 
@@ -171,6 +172,8 @@ def derive(cfg: Config) -> Config:
         eval_size=cfg.eval_size if cfg.eval_size is not None else EVAL_SIZE if cfg.eval_every else 0,
         lr=cfg.lr if cfg.lr is not None else (1e-4 if cfg.is_tiny else 1e-6),
         reward_weights=cfg.reward_weights or [1.0] * len(cfg.reward),
+        report_to=installed_trackers() if cfg.report_to == ["all"] else cfg.report_to,
+        top_k=max(cfg.top_k, 0),  # -1: vLLM's off, which TRL passes on; 0 here
         groups_per_chunk=groups_per_chunk,
         micro_batch_tokens=cfg.micro_batch_tokens or (None if probed else MICRO_BATCH_TOKENS),
         pad_to_multiple_of=cfg.pad_to_multiple_of or (PAD_MULTIPLE_ACCELERATOR if on_accelerator
@@ -236,7 +239,8 @@ def validate(cfg: Config) -> list[str]:
     need(cfg.epsilon_low >= 0 and cfg.epsilon_high >= 0, "--epsilon-low and --epsilon-high must be >= 0")
     need(cfg.temperature > 0, f"--temperature must be positive (got {cfg.temperature})")
     need(0 < cfg.top_p <= 1, f"--top-p must be in (0, 1] (got {cfg.top_p})")
-    need(cfg.top_k >= 0, f"--top-k must be 0 (off) or a positive number of tokens (got {cfg.top_k})")
+    need(cfg.top_k >= -1, f"--top-k must be 0 or -1 (off: TRL's and vLLM's), or a positive number of tokens "
+         f"(got {cfg.top_k})")
     need(cfg.min_p is None or 0 <= cfg.min_p <= 1, f"--min-p must be in [0, 1] (got {cfg.min_p})")
     need(cfg.max_new_tokens is None or cfg.max_new_tokens >= 1,
          f"--max-new-tokens must be at least 1 (got {cfg.max_new_tokens})")
@@ -288,8 +292,9 @@ def validate(cfg: Config) -> list[str]:
          "(runs/latest may be another run by the time a job is resubmitted)")
     need(cfg.out is None or cfg.out.strip() != "", f"--out must name a directory (got {cfg.out!r})")
     need(cfg.trace is None or cfg.trace.strip() != "", f"--trace must name a file (got {cfg.trace!r})")
-    need("none" not in cfg.report_to or len(set(cfg.report_to)) == 1,
-         f"--report-to none cannot be combined with a tracker (got {' '.join(cfg.report_to)})")
+    for alone in ("none", "all"):
+        need(alone not in cfg.report_to or len(set(cfg.report_to)) == 1,
+             f"--report-to {alone} cannot be combined with a tracker (got {' '.join(cfg.report_to)})")
     if cfg.data is not None:
         from infra.data import looks_like_path  # a hub id is checked when loaded
         path = os.path.expanduser(cfg.data)
@@ -388,6 +393,29 @@ class _EpsilonHigh(argparse._StoreAction):
         namespace._epsilon_high_given = True
 
 
+BOOL_WORDS = {"true": True, "yes": True, "1": True, "on": True, "false": False, "no": False, "0": False, "off": False}
+
+
+class _Switch(argparse.BooleanOptionalAction):
+    """A yes/no option: --name and --no-name, or a value as TRL's parser takes it (--name true, --name False,
+    --name=0: transformers' HfArgumentParser, string_to_bool)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, **kwargs)
+        self.nargs = "?"  # BooleanOptionalAction takes no value
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        negated = option_string.startswith("--no-")
+        if values is None:
+            setattr(namespace, self.dest, not negated)
+        elif negated:
+            parser.error(f"{option_string} takes no value (got {values!r})")
+        elif values.lower() in BOOL_WORDS:
+            setattr(namespace, self.dest, BOOL_WORDS[values.lower()])
+        else:
+            parser.error(f"{option_string} takes true or false, or no value (got {values!r})")
+
+
 def _argument_type(annotation: str):
     """The scalar type of a field annotation such as 'int | None' or 'list[float] | None' (annotations are strings
     here), and whether it is a list."""
@@ -412,6 +440,8 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
     def _format_action_invocation(self, action: argparse.Action) -> str:
         aliases = {"--" + prefix + trl.replace("_", "-") for trl in TRL_ALIASES for prefix in ("", "no-")}
         shown = [string for string in action.option_strings if string not in aliases]
+        if isinstance(action, _Switch):  # as BooleanOptionalAction shows itself: --name, --no-name
+            return ", ".join(shown)
         listed = copy.copy(action)
         listed.option_strings = shown
         return super()._format_action_invocation(listed)
@@ -438,7 +468,7 @@ def build_parser(prog: str = "trainer.py", defaults: bool = True) -> argparse.Ar
                                help=help, choices=f.metadata.get("choices"),
                                metavar=f.metadata.get("metavar", f.name.upper().removesuffix("S")))
         elif kind is bool:
-            group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=default, help=help)
+            group.add_argument(*flags, action=_Switch, default=default, help=help)
         else:
             group.add_argument(*flags, type=f.metadata.get("type", kind), default=default, help=help,
                                choices=f.metadata.get("choices"), dest=f.name,
@@ -506,18 +536,21 @@ def file_arguments(path: str, skip: set[str] = frozenset(), note=lambda line: No
         raise ValueError("must hold a mapping from option names to values, e.g. {\"iterations\": 20}")
     fields = {f.name: f for f in dataclasses.fields(Config)}
     values = {str(key).replace("-", "_"): value for key, value in values.items()}
+    refusals: list[str] = []  # every refused key of the file, said in one line
     values = trl_keys(values, set(skip), note, known={*fields, *NOT_OPTIONS, *TRL_ALIASES, "epsilon"},
-                      group_size=fields["group_size"].default, typed_batch=typed_batch or {})
+                      group_size=fields["group_size"].default, typed_batch=typed_batch or {}, refusals=refusals)
     unknown = [key for key in values if key not in fields and key not in NOT_OPTIONS and key not in TRL_ALIASES
                and key != "epsilon"]
-    if unknown:
+    if unknown or refusals:
         names = [*fields, *TRL_ALIASES, "epsilon"]
-        reasons = [TRL_DIFFERENT.get(key) and f"{key} is TRL's and means something else here: use {TRL_DIFFERENT[key]}"
-                   or f"unknown option {key}" + "".join(f": did you mean {close}?" for close in
-                                                        filter(None, [closest_name(key, names)]))
-                   for key in unknown]
-        raise ValueError("; ".join(reasons) + " (the keys are trainer.py's options with _ for -, e.g. max_new_tokens, "
-                         "or TRL's names for them; see --help)")
+        refusals += [TRL_DIFFERENT.get(key) and f"{key} is TRL's and means something else here: use "
+                     f"{TRL_DIFFERENT[key]}" or f"unknown option {key}" + "".join(
+                         f": did you mean {close}?" for close in filter(None, [closest_name(key, names)]))
+                     for key in unknown]
+        raise ValueError(f"{len(refusals)} key{'s' if len(refusals) > 1 else ''} refused: " * (len(refusals) > 1)
+                         + "; ".join(refusals) + (" (the keys are trainer.py's options with _ for -, e.g. "
+                                                  "max_new_tokens, or TRL's names for them; see --help)" if unknown
+                                                  else ""))
     named = {}  # field -> the keys naming it (ours, TRL's)
     for key in values:
         named.setdefault(TRL_ALIASES.get(key, "epsilon_low" if key == "epsilon" else key), []).append(key)
@@ -545,6 +578,8 @@ def file_arguments(path: str, skip: set[str] = frozenset(), note=lambda line: No
                  "--log-completions keeps every completion in completions.jsonl")
             value = 0
         flag, kind = "--" + name.replace("_", "-"), fields[name].type
+        if value is None and kind.startswith("list["):  # TrainingArguments' report_to null (transformers < 5): ours
+            continue
         if value is None:  # an option left open: its default, which is None for every option that may be None
             if fields[name].default is not None:
                 raise ValueError(f"{name}: null is not a value of {flag}")

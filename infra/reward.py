@@ -151,6 +151,19 @@ TRL_REGISTRY = {"accuracy_reward": "trl.rewards.accuracy_reward",
 TRL_FACTORY_ARGUMENTS = {"get_soft_overlong_punishment": {"max_completion_len": 1280, "soft_punish_cache": 256}}
 
 
+def functions_in(path: Path) -> str:
+    """', with NAME one of: f, g' for the functions `path` defines at its top level (read, not run), or why not."""
+    import ast
+    try:
+        tree = ast.parse(path.read_text(), filename=str(path))
+    except OSError as error:
+        return f" (and {path} cannot be read: {error.strerror or error})"
+    except SyntaxError as error:
+        return f" (and {path} does not parse: line {error.lineno}: {error.msg})"
+    names = [node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    return f", with NAME one of: {', '.join(names)}" if names else f" (and {path} defines no function)"
+
+
 def load_reward(spec: str) -> Reward:
     """'math' -> `math_reward`; 'math-verify' -> `math_verify_reward`; 'package.module:function' (or TRL's
     'package.module.function', its CLI's reward_funcs) or 'path/to/file.py:function' -> that function; a name in
@@ -174,6 +187,13 @@ def load_reward(spec: str) -> Reward:
     module_name, sep, function_name = spec.rpartition(":")  # rpartition: Windows paths contain ':'
     if not sep and "." in spec and not spec.endswith(".py") and "/" not in spec:  # TRL's CLI: package.module.function
         module_name, sep, function_name = spec.rpartition(".")
+    if not sep and spec.endswith(".py"):  # a file without its function: name the functions it defines
+        raise RewardError(f"--reward {spec!r} names a file, not the function in it: use '{spec}:NAME'"
+                          + functions_in(Path(spec)))
+    if not sep and spec.count("/") == 1 and not Path(spec).exists():  # TRL also takes a reward model's hub id
+        raise RewardError(f"--reward {spec!r} looks like a model on the Hub: reward models are not supported here "
+                          "(TRL's reward_funcs takes them); a reward is a Python function, 'module:function' or "
+                          "'path/to/file.py:function', which may call such a model itself")
     if not sep or not module_name or not function_name:
         raise RewardError(f"--reward {spec!r} is not understood: use 'math' (built-in GSM8K/arithmetic "
                           "correctness), 'math-verify' (LaTeX answers), or 'module:function' / "

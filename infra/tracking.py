@@ -50,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import html
 import importlib
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -184,6 +185,13 @@ def import_tracker(name: str):
     except ImportError:
         raise TrackingError(f"--report-to {name} needs the {kind.package} package: pip install {kind.package}") \
             from None
+
+
+def installed_trackers() -> list[str]:
+    """--report-to all: each tracker whose package is installed (TRL's `all`: the installed integrations); ["none"] if
+    there is none."""
+    found = [name for name, kind in TRACKERS.items() if importlib.util.find_spec(kind.package) is not None]
+    return found or ["none"]
 
 
 class Trackers:

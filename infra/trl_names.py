@@ -298,7 +298,7 @@ def trl_batch_options(trl_batch_keys: dict, values: dict, skip: set[str], note, 
                          "--batch-size and --updates-per-iteration")
     else:
         line += (f" and {updates_from} as --updates-per-iteration {updates}; the size of a forward is "
-                 "--micro-batch-tokens'")
+                 "--micro-batch-tokens")
         options["updates_per_iteration"] = updates
     note(line)
     return options
@@ -320,20 +320,29 @@ def trainer_settings(keys: list[str]) -> dict:
                   else None) for key in keys if key in fields}
 
 
-def trl_keys(values: dict, skip: set[str], note, known: set[str], group_size: int, typed_batch: dict | None = None
-             ) -> dict:
+def trl_keys(values: dict, skip: set[str], note, known: set[str], group_size: int, typed_batch: dict | None = None,
+             refusals: list[str] | None = None) -> dict:
     """A --config file's `values` (keys spelled with _) with TRL's and transformers' keys dealt with, the rest returned
     (our options, TRL's aliases for them, and whatever is unknown, which the caller refuses). In order:
     TRL_FIXED keys at another value are refused; TRL_UNUSED keys, TRL_FIXED ones at their value and DERIVED_AT_NULL
     ones at null are dropped, named in one `note` line (FIXED_AS ones read as our option); TRL's batch keys become
     --batch-size and --updates-per-iteration (`trl_batch`, on WORLD_SIZE processes), with those typed on the
     command line (`typed_batch`; each wins over the file's), unless --batch-size is given (`skip`: the options
-    typed); transformers' TrainingArguments keys not `known` here are dropped at their defaults with a line and
-    refused at another value. ValueError with the reason for a refusal."""
-    refused = [fixed_refusal(key, value) for key, value in values.items()
-               if key in TRL_FIXED and not is_fixed_value(key, value)]
-    if refused:
-        raise ValueError("; ".join(refused))
+    typed); transformers' TrainingArguments keys not `known` here, and TRL_DIFFERENT ones, are dropped at their
+    defaults with a line and refused at another value. Each refusal's reason is appended to `refusals` (all of a
+    file's at once, not one per run), or, without that list, raised as ValueError."""
+    pending: list[str] = [] if refusals is None else refusals
+    if values.get("save_strategy") == "steps":  # TrainingArguments' default: a checkpoint every save_steps steps
+        values = dict(values)
+        del values["save_strategy"]
+        steps = values.pop("save_steps", trainer_settings(["save_steps"]).get("save_steps", 500))
+        if "save_every" not in values and "save_every" not in skip:
+            values = {"save_every": steps, **values}
+            note(f"took TRL's save_strategy 'steps', save_steps {steps} as --save-every {steps}: a checkpoint every "
+                 f"{steps} iterations (each TRL's steps when --updates-per-iteration and --num-iterations are 1)")
+    fixed = [key for key, value in values.items() if key in TRL_FIXED and not is_fixed_value(key, value)]
+    pending += [fixed_refusal(key, values[key]) for key in fixed]
+    values = {key: value for key, value in values.items() if key not in fixed}
     unused = {key: value for key, value in values.items()
               if key in TRL_UNUSED or key in TRL_FIXED or key in DERIVED_AT_NULL and value is None}
     if unused:
@@ -345,18 +354,20 @@ def trl_keys(values: dict, skip: set[str], note, known: set[str], group_size: in
     trl_batch_keys = {**{key: values.pop(key) for key in TRL_BATCH_KEYS if key in values}, **(typed_batch or {})}
     if trl_batch_keys:
         values = {**trl_batch_options(trl_batch_keys, values, skip, note, group_size), **values}
-    trainer_only = trainer_settings([key for key in values if key not in known and key not in TRL_DIFFERENT])
+    trainer_only = trainer_settings([key for key in values if key not in known])
     if trainer_only:  # transformers' TrainingArguments, for its Trainer: at their defaults they change nothing here
         at_default = [key for key in trainer_only if trainer_only[key] == values[key]
                       or values[key] in (None, "", [], {}) and trainer_only[key] in (None, "", [], {})]
-        changed = [key for key in trainer_only if key not in at_default]
-        if changed:
-            raise ValueError("; ".join(f"{key}: {values[key]!r} is a setting of transformers' Trainer, which this "
-                                       "trainer does not use (no equivalent here)" for key in changed)
-                             + " (see --help for what this trainer has)")
-        note(f"ignored transformers' TrainingArguments {', '.join(at_default)}: at their defaults, which change "
-             "nothing here (this trainer does not use transformers' Trainer)")
-        values = {key: value for key, value in values.items() if key not in trainer_only}
+        changed = [key for key in trainer_only if key not in at_default and key not in TRL_DIFFERENT]
+        pending += [f"{key}: {values[key]!r} is a setting of transformers' Trainer, which this trainer does not use "
+                    "(no equivalent here)" for key in changed]  # a TRL_DIFFERENT one: refused by the caller
+        if at_default:  # a whole TrainingArguments written out: ~90 keys, counted rather than named
+            named = ", ".join(at_default) if len(at_default) <= SAY_WHY_UP_TO else f"{len(at_default)} keys"
+            note(f"ignored transformers' TrainingArguments {named}: at their defaults, which change nothing here (this "
+                 "trainer does not use transformers' Trainer)")
+        values = {key: value for key, value in values.items() if key not in at_default and key not in changed}
+    if pending and refusals is None:
+        raise ValueError("; ".join(pending))
     return values
 
 

@@ -388,3 +388,24 @@ def test_weighted_rewards_are_logged_each_on_its_own_in_both_modes(tiny_model_di
     assert any(row["rewards/digit_count/mean"] > 0 for row in rows["sync"][:-1])  # the batched reward did score
     keys = [key for key in rows["sync"][0] if key.startswith("reward") or key == "eval_reward"]
     assert [[row.get(k) for k in keys] for row in rows["sync"]] == [[row.get(k) for k in keys] for row in rows["async"]]
+
+
+def test_a_reward_spec_missing_its_function_or_naming_a_model_says_what_to_write(tmp_path):
+    """Claim: `--reward file.py` (no function) names the functions the file defines, read without running it, so the
+    user can pick one; a Hub id (TRL's reward_funcs also takes a reward model's) says reward models are not supported
+    and what a reward is here. Before, both got the generic "is not understood" line."""
+    from infra.reward import RewardError, load_reward
+    (tmp_path / "rewards.py").write_text("import os\n\ndef accuracy(completions, **kw):\n    return [0.0]\n\n"
+                                         "async def length(completions, **kw):\n    return [1.0]\n\nos.exit(3)\n")
+    with pytest.raises(RewardError, match=r"names a file, not the function in it: use '.*rewards.py:NAME', with NAME "
+                                          r"one of: accuracy, length$"):
+        load_reward(str(tmp_path / "rewards.py"))
+    with pytest.raises(RewardError, match="looks like a model on the Hub: reward models are not supported here"):
+        load_reward("OpenAssistant/reward-model-deberta-v3-large-v2")
+
+
+def test_top_k_minus_one_is_off_as_in_trl():
+    """Claim: TRL's and vLLM's top_k -1 (off) is taken as 0, this trainer's off; -2 is refused."""
+    assert parse_args(["--top_k", "-1"]).top_k == 0
+    with pytest.raises(SystemExit):
+        parse_args(["--top-k", "-2"])

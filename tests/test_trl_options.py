@@ -473,7 +473,7 @@ def test_trl_eval_strategy_no_turns_evaluation_off(tmp_path, capsys):
 @pytest.mark.parametrize("text, fragment", [
     ("use_vllm: true", "use_vllm: True is not what this trainer does (sampling runs in this trainer's own engine"),
     ("fp16: true", "use --dtype bfloat16"),
-    ("save_strategy: steps", "use --save-every N"),
+    ("save_strategy: epoch", "use --save-every N"),
     ("eval_strategy: epoch", "use --eval-every N"),
     ("warmup_steps: 10", "use --warmup-ratio"),
     ("optim: adafactor", "torch.optim.AdamW"),
@@ -685,3 +685,91 @@ def test_an_unknown_key_gets_no_far_fetched_hint(key, tmp_path, capsys):
     assert f"unrecognized option --{key.replace('_', '-')} (see --help)" in err, err
     assert "did you mean max_new_tokens?" in refusal(capsys, lambda: parse_yaml(tmp_path, "max_new_token: 3\n"))
     assert "did you mean --num-iterations?" in refusal(capsys, lambda: parse_args(["--nun-iterations", "2"]))
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--gradient_checkpointing", "true", "--log_completions", "True"], (True, True, True)),
+    (["--gradient-checkpointing=false", "--disable_dropout", "no"], (False, False, False)),
+    (["--gradient-checkpointing", "--log-completions", "1", "--disable-dropout=off"], (True, True, False)),
+    (["--no-gradient-checkpointing", "--no-log-completions"], (False, False, True)),
+])
+def test_yes_no_options_take_trls_true_and_false(argv, expected):
+    """Claim: a yes/no option takes a value as TRL's launch scripts write it (`--gradient_checkpointing true`,
+    transformers' HfArgumentParser: true/false, yes/no, 1/0, any case), besides --name and --no-name. Before,
+    `--gradient_checkpointing true` ended in `unrecognized arguments: true`."""
+    cfg = parse_args(argv)
+    assert (cfg.gradient_checkpointing, cfg.log_completions, cfg.disable_dropout) == expected
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--gradient-checkpointing", "maybe"], "--gradient-checkpointing takes true or false, or no value (got 'maybe')"),
+    (["--no-log-completions", "true"], "--no-log-completions takes no value (got 'true')"),
+])
+def test_a_yes_no_option_with_another_value_is_one_line(argv, fragment, capsys):
+    """Claim: any other value, or a value after --no-name, is refused in one line (exit 2) naming the option."""
+    assert fragment in refusal(capsys, lambda: parse_args(argv))
+
+
+def whole_grpo_config() -> dict:
+    """A GRPOConfig written out whole, as TRL 1.16's `GRPOConfig(output_dir=...).to_dict()` does: transformers'
+    TrainingArguments at the installed version's defaults, TRL's base config's own defaults over them
+    (trl/trainer/base_config.py: logging_steps 10, gradient_checkpointing true, bf16 true after its __post_init__),
+    then GRPOConfig's fields (GRPO_CONFIG_DEFAULTS)."""
+    import json
+
+    from transformers import TrainingArguments
+    values = {}
+    for field in dataclasses.fields(TrainingArguments):
+        if field.init:
+            default = (field.default if field.default is not dataclasses.MISSING else field.default_factory()
+                       if field.default_factory is not dataclasses.MISSING else None)
+            try:
+                json.dumps(default)
+            except TypeError:
+                default = str(default)
+            values[field.name] = default
+    return {**values, "logging_steps": 10, "gradient_checkpointing": True, "bf16": True, "lr_scheduler_kwargs": None,
+            "use_liger_kernel": False, "torch_empty_cache_steps": None, **GRPO_CONFIG_DEFAULTS, "output_dir": "out"}
+
+
+def test_a_whole_grpo_config_written_out_runs_as_it_is(tmp_path, capsys):
+    """Claim: a GRPOConfig written out whole (~190 keys: transformers' TrainingArguments under it too) parses: the
+    Trainer's settings at their defaults are counted in one line (not named: ~80 of them), TRL's keys that mean
+    something else here are ignored at their defaults (max_steps -1, num_train_epochs 3.0, eval_steps null), and
+    TrainingArguments' default save_strategy 'steps' with save_steps 500 is read as --save-every 500, said in a line.
+    Before, save_strategy 'steps' was refused, and after it max_steps -1 and others, one per run."""
+    import json
+    (tmp_path / "grpo.json").write_text(json.dumps(whole_grpo_config()))
+    cfg = parse_args(["--config", str(tmp_path / "grpo.json")])
+    out = capsys.readouterr().out
+    assert (cfg.save_every, cfg.gradient_checkpointing, cfg.group_size, cfg.max_new_tokens) == (500, True, 8, 512)
+    assert "took TRL's save_strategy 'steps', save_steps 500 as --save-every 500" in out
+    assert max(len(line) for line in out.splitlines()) < 1600, out  # the 77 TRL keys named, without reasons
+
+
+def test_every_refused_key_of_a_file_is_said_at_once(tmp_path, capsys):
+    """Claim: a --config file's refused keys are all named in its one error line: a TRL switch at a value this
+    trainer does not do, a setting of transformers' Trainer at another value than its default, a TRL name that means
+    something else here at another value than TRL's default, and an unknown key. Before, each run named the first
+    kind found only (three runs for a reviewer's file)."""
+    text = ("model: tiny\nuse_vllm: true\nlabel_smoothing_factor: 0.1\nmax_steps: 100\nuse_liger_loss_typo: false\n")
+    (tmp_path / "trl.yaml").write_text(text)
+    err = refusal(capsys, lambda: parse_args(["--config", str(tmp_path / "trl.yaml")]))
+    assert "4 keys refused: " in err, err
+    for fragment in ("use_vllm: True is not what this trainer does", "label_smoothing_factor: 0.1 is a setting of "
+                     "transformers' Trainer", "max_steps is TRL's and means something else here",
+                     "unknown option use_liger_loss_typo"):
+        assert fragment in err, (fragment, err)
+
+
+def test_report_to_all_is_every_installed_tracker(monkeypatch, capsys):
+    """Claim: TRL's --report_to all reports to each tracker whose package is installed (here tensorboard, a
+    requirement; wandb and trackio when present), and to none when none is; it cannot be combined with a name."""
+    import importlib.util
+
+    from infra.tracking import TRACKERS
+    installed = [name for name, kind in TRACKERS.items() if importlib.util.find_spec(kind.package)]
+    assert "tensorboard" in installed and parse_args(["--report_to", "all"]).report_to == installed
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None)
+    assert parse_args(["--report-to", "all"]).report_to == ["none"]
+    assert "--report-to all cannot be combined" in refusal(capsys, lambda: parse_args(["--report-to", "all", "wandb"]))
