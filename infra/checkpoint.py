@@ -144,7 +144,8 @@ def schedule_spans_the_run(saved: dict) -> bool:
     decaying schedule, and a warmup given as a ratio of the steps (launch/setup.build_optimizer); not a constant
     rate, nor constant_with_warmup and inverse_sqrt without warmup (inverse_sqrt's timescale is then 10^4 steps)."""
     length_free = saved.get("lr_scheduler_type", "constant") == "constant" or (
-        saved.get("lr_scheduler_type") in ("constant_with_warmup", "inverse_sqrt") and not saved.get("warmup_ratio"))
+        saved.get("lr_scheduler_type") in ("constant_with_warmup", "inverse_sqrt") and not saved.get("warmup_ratio")
+        and not 0 < saved.get("warmup_steps", 0) < 1)  # a warm-up of whole steps does not depend on the run's length
     return not length_free
 
 
@@ -166,7 +167,8 @@ def resumed_config(cfg: Config, given: set[str], state: dict) -> Config:
             option = "--" + name.replace("_", "-")
             why = "" if name != "iterations" else (
                 f" (its learning-rate schedule, {saved.get('lr_scheduler_type')}"
-                f"{' with warmup' if saved.get('warmup_ratio') else ''}, spans the run's optimizer steps: another "
+                f"{' with warmup' if saved.get('warmup_ratio') or saved.get('warmup_steps') else ''}, spans the run's "
+                "optimizer steps: another "
                 "length gives other rates; a run at a constant rate can be extended)")
             raise CheckpointError(f"{option} {new} differs from the checkpoint's {saved[name]}: it would change "
                                   f"the run{why}, so it cannot be resumed with it (drop {option}, or start a new run)")

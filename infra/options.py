@@ -239,6 +239,10 @@ def validate(cfg: Config) -> list[str]:
     need(cfg.epsilon_low >= 0 and cfg.epsilon_high >= 0, "--epsilon-low and --epsilon-high must be >= 0")
     need(cfg.temperature > 0, f"--temperature must be positive (got {cfg.temperature})")
     need(0 < cfg.top_p <= 1, f"--top-p must be in (0, 1] (got {cfg.top_p})")
+    need(cfg.warmup_steps >= 0 and (cfg.warmup_steps < 1 or cfg.warmup_steps == int(cfg.warmup_steps)),
+         f"--warmup-steps must be a whole number of steps, or a fraction below 1 (got {cfg.warmup_steps})")
+    need(not (cfg.warmup_steps and cfg.warmup_ratio), "--warmup-steps and --warmup-ratio both set the warm-up: give "
+         "one")
     need(cfg.top_k >= -1, f"--top-k must be 0 or -1 (off: TRL's and vLLM's), or a positive number of tokens "
          f"(got {cfg.top_k})")
     need(cfg.min_p is None or 0 <= cfg.min_p <= 1, f"--min-p must be in [0, 1] (got {cfg.min_p})")

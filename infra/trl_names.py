@@ -101,8 +101,6 @@ TRL_FIXED = {
                       "--save-every N"),  # False: YAML 1.1 reads an unquoted no as false
     "eval_strategy": (("no", False), "a held-out evaluation every --eval-every iterations (default 10)",
                       "--eval-every N (0: none)"),
-    "warmup_steps": ((0,), "warm-up is --warmup-ratio's (default 0: none)",
-                     "--warmup-ratio: the fraction of the optimizer steps warmed up over"),
     "optim": (("adamw_torch", "adamw_torch_fused"), "the optimizer is torch.optim.AdamW (launch/setup.py; fused is "
                                                     "the same update in one kernel)", None),
     "adam_beta1": ((0.9,), "AdamW's betas are (0.9, 0.999), torch's and TrainingArguments' defaults", None),
@@ -214,7 +212,7 @@ def is_fixed_value(key: str, value) -> bool:
     """Whether a --config file's `value` for TRL's `key` is what this trainer does (`TRL_FIXED`): numbers compared as
     numbers (YAML reads 1e-8 as a string), booleans as booleans.
 
-    >>> is_fixed_value("adam_epsilon", "1e-8"), is_fixed_value("warmup_steps", False), is_fixed_value("fp16", 0)
+    >>> is_fixed_value("adam_epsilon", "1e-8"), is_fixed_value("adam_beta1", False), is_fixed_value("fp16", 0)
     (True, False, False)
     """
     def number(x):

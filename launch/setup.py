@@ -55,15 +55,16 @@ def build_tri_model(cfg, policy, pad_id: int) -> TriModel:
 def build_optimizer(cfg, policy) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LRScheduler]:
     """AdamW over the trainable parameters and its learning-rate schedule, as TRL builds them: transformers'
     `get_scheduler` over the run's optimizer steps (iterations x updates-per-iteration x num-iterations), warmed up
-    over the first ceil(warmup_ratio x steps) (transformers' `get_warmup_steps`); the learner steps it after
-    each optimizer step, and checkpoints keep its state."""
+    over the first ceil(warmup_ratio x steps) (transformers' `get_warmup_steps`), or warmup_steps of them (below 1:
+    a fraction, as transformers 5 reads it); the learner steps it after each optimizer step, and checkpoints keep
+    its state."""
     from transformers import get_scheduler  # here: transformers.trainer_utils imports peft (~10 s) when installed
 
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad],  # LoRA: the adapter's
                                   lr=cfg.lr, weight_decay=cfg.weight_decay)
     steps = cfg.iterations * cfg.updates_per_iteration * cfg.num_iterations
-    scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=math.ceil(steps * cfg.warmup_ratio),
-                              num_training_steps=steps)
+    warmup = cfg.warmup_steps if cfg.warmup_steps >= 1 else math.ceil(steps * (cfg.warmup_steps or cfg.warmup_ratio))
+    scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=int(warmup), num_training_steps=steps)
     return optimizer, scheduler
 
 

@@ -281,7 +281,8 @@ def test_the_share_of_responses_no_reward_scored_is_logged(tiny_model_dir):
 def test_learning_rate_schedule_as_transformers(tiny_model_dir):
     """Claim: --lr-scheduler-type and --warmup-ratio build transformers' schedule over iterations x
     updates-per-iteration x num-iterations optimizer steps, warmed up over ceil(ratio x steps) (TRL's defaults:
-    linear, no warmup); every offered schedule builds without further arguments; a ratio outside [0, 1] and an
+    linear, no warmup), or TRL's --warmup_steps (whole steps, or below 1 a fraction); both, or a fractional count of
+    steps above 1, are one usage line; every offered schedule builds without further arguments; a ratio outside [0, 1] and an
     unknown schedule are one usage line."""
     cfg = parse_args(["--model", str(tiny_model_dir), "--iterations", "5", "--batch-size", "8", "--group-size", "4",
                       "--updates-per-iteration", "2", "--num-iterations", "3", "--warmup-ratio", "0.25"])
@@ -298,11 +299,16 @@ def test_learning_rate_schedule_as_transformers(tiny_model_dir):
     warmup = math.ceil(30 * 0.25)  # 8 steps
     expected = [cfg.lr * s / warmup if s < warmup else cfg.lr * (30 - s) / (30 - warmup) for s in range(30)]
     assert rates == pytest.approx(expected, rel=1e-12, abs=0)
+    for warmup in (["--warmup_steps", "8"], ["--warmup-steps", "0.25"]):  # TRL's; below 1 a fraction (transformers 5)
+        steps_cfg = dataclasses.replace(cfg, warmup_ratio=0.0, warmup_steps=parse_args(warmup).warmup_steps)
+        optimizer, scheduler = setup.build_optimizer(steps_cfg, policy)
+        assert scheduler.lr_lambdas[0](3) == pytest.approx(3 / 8) and scheduler.lr_lambdas[0](8) == 1.0, warmup
     for name in LR_SCHEDULERS:
         setup.build_optimizer(dataclasses.replace(cfg, lr_scheduler_type=name), policy)
     assert parse_args(["--scale-rewards", "true"]).scale_rewards == "group"
     assert parse_args(["--scale-rewards", "False"]).scale_rewards == "none"
-    for argv in (["--warmup-ratio", "1.5"], ["--lr-scheduler-type", "reduce_lr_on_plateau"],
+    for argv in (["--warmup-ratio", "1.5"], ["--warmup-steps", "2.5"], ["--warmup-steps", "4", "--warmup-ratio", "0.1"],
+                 ["--lr-scheduler-type", "reduce_lr_on_plateau"],
                  ["--num-iterations", "0"], ["--scale-rewards", "sometimes"]):
         script = "import sys; from infra.options import parse_args; parse_args(sys.argv[1:])"
         result = subprocess.run([sys.executable, "-c", script, *argv], cwd=ROOT, capture_output=True, text=True)
@@ -434,11 +440,11 @@ def test_trl_bookkeeping_keys_are_skipped_with_a_line(tmp_path, capsys):
 
 @pytest.mark.parametrize("text", ["use_vllm: false", "fp16: false", "save_strategy: \"no\"", "save_strategy: no",
                                   "optim: adamw_torch", "optim: adamw_torch_fused", "adam_beta1: 0.9",
-                                  "adam_beta2: 0.999", "adam_epsilon: 1e-8", "warmup_steps: 0"])
+                                  "adam_beta2: 0.999", "adam_epsilon: 1e-8"])
 def test_trl_keys_at_what_this_trainer_does_are_skipped(text, tmp_path, capsys):
     """Claim: a TRL key at a value that is what this trainer does anyway (TRL's own defaults: use_vllm false, fp16
     false, save_strategy "no", optim adamw_torch(_fused): torch's AdamW, launch/setup.build_optimizer, at its
-    default betas (0.9, 0.999) and eps 1e-8, warmup_steps 0) is skipped with one line saying what this trainer
+    default betas (0.9, 0.999) and eps 1e-8) is skipped with one line saying what this trainer
     does (they were refused); the run is the one without it."""
     assert dataclasses.replace(parse_yaml(tmp_path, text + "\n"), config=None) == parse_args(["--model", "tiny"])
     out = capsys.readouterr().out
@@ -475,7 +481,6 @@ def test_trl_eval_strategy_no_turns_evaluation_off(tmp_path, capsys):
     ("fp16: true", "use --dtype bfloat16"),
     ("save_strategy: epoch", "use --save-every N"),
     ("eval_strategy: epoch", "use --eval-every N"),
-    ("warmup_steps: 10", "use --warmup-ratio"),
     ("optim: adafactor", "torch.optim.AdamW"),
     ("adam_beta2: 0.98", "adam_beta2: 0.98 is not what this trainer does (AdamW's betas are (0.9, 0.999)"),
     ("adam_epsilon: 1.0e-6", "no option changes it"),
