@@ -128,9 +128,9 @@ class Config:
                                             "as TRL's lr_scheduler_type; linear decays to 0", choices=LR_SCHEDULERS)
     warmup_ratio: float = _opt(0.0, "fraction of the optimizer steps over which the rate rises linearly from 0 "
                                     "(TRL's warmup_ratio; transformers 5's warmup_steps below 1)", type=_fraction)
-    warmup_steps: float = _opt(0, "optimizer steps over which the rate rises linearly from 0, instead of --warmup-ratio "
-                                  "(TRL's warmup_steps; below 1: a fraction of the steps, as transformers 5 reads "
-                                  "it)")
+    warmup_steps: float = _opt(0, "optimizer steps over which the rate rises linearly from 0, instead of "
+                                  "--warmup-ratio (TRL's warmup_steps; below 1: a fraction of the steps, as "
+                                  "transformers 5 reads it)")
     beta: float = _opt(0.04, "weight of the k3 KL penalty to the reference model (0 = no reference forward)")
     kl_bias_correction: bool = _opt(True, "multiply the per-token k3 KL by the importance ratio, so its gradient is "
                                           "that of KL(policy || reference) (TRL 1.16 default; see grpo.py)")

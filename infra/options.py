@@ -299,6 +299,10 @@ def validate(cfg: Config) -> list[str]:
     for alone in ("none", "all"):
         need(alone not in cfg.report_to or len(set(cfg.report_to)) == 1,
              f"--report-to {alone} cannot be combined with a tracker (got {' '.join(cfg.report_to)})")
+    model_path = os.path.expanduser(cfg.model)  # a local path that is not there: said before the data is loaded
+    need(not (cfg.model.startswith((".", "/", "~")) or cfg.model.count("/") > 1) or os.path.isdir(model_path),
+         f"--model {cfg.model!r} is not a directory (a local model is a folder with config.json; a hub id is "
+         "'org/name')")
     if cfg.data is not None:
         from infra.data import looks_like_path  # a hub id is checked when loaded
         path = os.path.expanduser(cfg.data)

@@ -247,3 +247,15 @@ def test_a_blank_data_option_is_refused(tiny_model_dir, tmp_path, data):
     assert result.stderr.strip().splitlines() == [f"error: --data {data!r} names no data (an unset shell variable?): "
                                                   "give 'arithmetic', 'chain', 'gsm8k', a hub dataset id, a file or a "
                                                   "directory, or leave --data out for the model's default"]
+
+
+@pytest.mark.parametrize("model", ["/nonexistent", "./models/nope", "~/no-such-model"])
+def test_a_local_model_path_that_is_not_there_is_said_first(model, capsys):
+    """Claim: a --model that is a local path (starts with /, ., ~ or has two slashes) and is not a directory gets one
+    usage line naming it, before anything loads. Before, with no --data, the run tried the hub's gsm8k first and
+    ended on the unreachable dataset, never naming the bad model path."""
+    from infra.options import parse_args
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--model", model])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and f"--model {model!r} is not a directory" in err
