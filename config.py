@@ -158,16 +158,20 @@ class Config:
                               "tiny-chain (offline, long responses), qwen2.5-0.5b, qwen2.5-7b, qwen3-0.6b, ...")
     data: str | None = _opt(None, "training prompts: 'arithmetic' or 'chain' (built-in, offline), 'gsm8k' (the hub's "
                                   "openai/gsm8k), a hub dataset id, or a local directory or .jsonl/.json/.parquet/.csv "
-                                  "file, loaded with Hugging Face datasets (infra/data.py); held out: its 'test' "
-                                  "split, else the last --eval-size rows; default: the tiny model's task, else gsm8k")
+                                  "file, loaded with Hugging Face datasets (infra/data.py); held out: --eval-split, "
+                                  "else its 'test' split, else 'validation', else the last --eval-size rows; default: "
+                                  "the tiny model's task, else gsm8k")
     data_config: str | None = _opt(None, "the dataset's configuration (load_dataset's name), e.g. 'main' of "
                                          "openai/gsm8k (the default for --data gsm8k)")
     split: str = _opt("train", "the split of --data to train on")
-    prompt_column: str = _opt("question", "the column of prompts: text (the user's message in the model's chat "
-                                          "template, raw without one), or a list of chat messages ([{'role', "
-                                          "'content'}], TRL's conversational format, rendered with the chat template "
-                                          "as it is); data without a 'question' column but with TRL's 'prompt' "
-                                          "column uses that")
+    eval_split: str | None = _opt(None, "the split of --data whose first --eval-size rows are held out for evaluation "
+                                        "(--split itself: its last rows, kept out of training); default: 'test', else "
+                                        "'validation', else the last --eval-size rows of --split")
+    prompt_column: str | None = _opt(None, "the column of prompts: text (the user's message in the model's chat "
+                                           "template, raw without one), or a list of chat messages ([{'role', "
+                                           "'content'}], TRL's conversational format, rendered with the chat "
+                                           "template as it is; a last message of the assistant's is continued); "
+                                           "default: TRL's 'prompt' column, else 'question' (GSM8K's)")
     answer_column: str = _opt("answer", "the column of gold answers: the number N of GSM8K's '... #### N', else the "
                                         "text as it is; data without it (prompt-only) loads when no reward needs "
                                         "an answer (math, math-verify and f(prompt, completion, answer) do)")

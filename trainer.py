@@ -75,12 +75,13 @@ def format_row(row: dict) -> str:
             f"overlap {num('overlap', '.0%')}  {num('tokens_per_s', '.0f')} tok/s")
 
 
-def prepare(cfg: Config) -> tuple[list, list, object, dict]:
-    """Check the devices, load the task and the rewards (a typo there fails in a second): (train examples,
-    held-out examples, reward functions and weights, how a model is loaded)."""
+def prepare(cfg: Config) -> tuple[Config, object, object, dict]:
+    """Check the devices, load the task and the rewards (a typo there fails in a second): (the options with the
+    prompt column read (config.json records it), the task (data.Task: train and held-out examples, what the first
+    line says of them), reward functions and weights, how a model is loaded)."""
     import torch
 
-    from infra.data import load_task
+    from infra.data import read_task
     from infra.reward import load_rewards
     for option in ("rollout_device", "train_device"):
         for device in getattr(cfg, option).split(","):  # --rollout-device: one per inference worker
@@ -89,10 +90,9 @@ def prepare(cfg: Config) -> tuple[list, list, object, dict]:
     load_kwargs = dict(device=cfg.rollout_device, dtype=getattr(torch, cfg.dtype),
                        attn_implementation=cfg.attn_implementation, cache_dir=cfg.cache_dir, lora=cfg.lora)
     rewards = load_rewards(cfg.reward, cfg.reward_weights)  # first: the data must hold what they need
-    train_examples, held_out = load_task(cfg.data, cfg.default_data, cfg.eval_size, cfg.data_config, cfg.split,
-                                         cfg.prompt_column, cfg.answer_column, cfg.system_prompt,
-                                         rewards.needed_columns())
-    return train_examples, held_out, rewards, load_kwargs
+    task = read_task(cfg.data, cfg.default_data, cfg.eval_size, cfg.data_config, cfg.split, cfg.prompt_column,
+                     cfg.answer_column, cfg.system_prompt, rewards.needed_columns(), cfg.eval_split)
+    return dataclasses.replace(cfg, prompt_column=task.prompt_column), task, rewards, load_kwargs
 
 
 def load_policy(cfg: Config, load_kwargs: dict, rollouts=None):
@@ -123,7 +123,8 @@ def started(cfg: Config, resume_from: Path | None = None, on_sized=None, ranks=N
     """
     from infra.tasks import check_prompt_lengths, template_kwargs
     from launch import setup
-    train_examples, held_out, rewards, load_kwargs = prepare(cfg)
+    cfg, task, rewards, load_kwargs = prepare(cfg)
+    train_examples, held_out = task.train, task.held_out
     Interrupted.check()  # a Ctrl-C that a C extension swallowed while torch was imported stops the run here
     from infra.distributed import Ranks
     ranks = ranks or Ranks()
@@ -134,7 +135,7 @@ def started(cfg: Config, resume_from: Path | None = None, on_sized=None, ranks=N
         check_prompt_lengths(tokenizer, train_examples + held_out, getattr(policy.config, "max_position_embeddings",
                                                                            None), cfg.max_new_tokens,
                              template_kwargs(cfg.chat_template_kwargs))
-        print(start_line(cfg, len(train_examples), len(held_out)), flush=True)
+        print(start_line(cfg, len(train_examples), len(held_out), task.notes), flush=True)
         rows = setup.train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs, rollouts,
                                  resume_from, on_sized, ranks, on_completions)
         with closing(rows):  # however the block ends, the schedule's own clean-up (the trace) runs here
@@ -225,11 +226,11 @@ def progress_line(done: int, total: int, elapsed: float, pace: float) -> str:
             f"~{tqdm.format_interval((total - done) * pace)} left")
 
 
-def start_line(cfg: Config, train: int, held_out: int) -> str:
-    """The run's first line: mode, model, the prompts (saying so when the held-out set is smaller than --eval-size
-    asked: a test split with fewer rows), the schedule and --out."""
-    fewer = f" (--eval-size {cfg.eval_size}: the test split has {held_out})" if held_out < (cfg.eval_size or 0) else ""
-    return (f"periodic-rl: {cfg.mode} | model {cfg.model} | {train} train / {held_out} held-out prompts{fewer} | "
+def start_line(cfg: Config, train: int, held_out: int, notes: tuple[str, ...] = ()) -> str:
+    """The run's first line: mode, model, the prompts (with `notes`, data.Task's: the column they come from when two
+    could be, the split held out, and that it has fewer rows than --eval-size asked), the schedule and --out."""
+    said = f" ({'; '.join(notes)})" if notes else ""
+    return (f"periodic-rl: {cfg.mode} | model {cfg.model} | {train} train / {held_out} held-out prompts{said} | "
             f"{cfg.iterations} iterations x {cfg.prompts_per_iteration} prompts x {cfg.group_size} | out {cfg.out}")
 
 
@@ -358,8 +359,8 @@ def device_split(cfg: Config, phases: list[tuple[float, float]], ranks=None) -> 
 def serve(cfg: Config, ranks) -> None:
     """An inference rank (--inference-ranks): the task and rewards as a trainer loads them, then remote.serve."""
     from launch import remote
-    train_examples, held_out, rewards, load_kwargs = prepare(cfg)
-    remote.serve(cfg, ranks, train_examples, held_out, rewards, load_kwargs)
+    cfg, task, rewards, load_kwargs = prepare(cfg)
+    remote.serve(cfg, ranks, task.train, task.held_out, rewards, load_kwargs)
 
 
 def rank_prefix(ranks=None) -> str:

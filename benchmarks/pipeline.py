@@ -97,7 +97,8 @@ def probed_sizes(argv: list[str]) -> tuple[list[str], list[str], float | None]:
     cfg = parse_args([*argv, "--mode", "async"])
     if cfg.sized:
         return [], [], None
-    train_examples, _, _, load_kwargs = trainer.prepare(cfg)
+    cfg, task, _, load_kwargs = trainer.prepare(cfg)
+    train_examples = task.train
     policy, tokenizer = trainer.load_policy(cfg, load_kwargs)  # the policy only, no inference process
     tri = setup.build_tri_model(cfg, policy, tokenizer.pad_token_id)
     chosen, _, gain = sizing.choose(cfg, tri, tokenizer, train_examples)

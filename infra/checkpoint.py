@@ -52,7 +52,7 @@ HARMLESS = {"iterations", "eval_every", "eval_samples", "trace", "save", "save_e
             "inference_workers",  # the groups reach the trainer in one worker's order (inference.in_call_order)
             "log_completions", "num_completions_to_print",
             "mode"}  # async and sync are the same run (bitwise, with equal thread counts: tests/test_pipeline.py)
-# (Not eval_size: for data without a test split the held-out rows are the last eval_size, kept out of training.)
+# (Not eval_size: for data without a held-out split the held-out rows are the last eval_size, kept out of training.)
 DEVICES = {"device", "rollout_device", "train_device"}  # given one, all three are this run's (derived together)
 THIS_RUN = {"out", "resume", "overwrite", "config",  # where the checkpoint was found and how
             "inference_ranks"}  # how this launch's torchrun ranks are used, never the saved run's

@@ -6,6 +6,11 @@ by `datasets.load_dataset`. Each row becomes
 
     Example(prompt=row[--prompt-column], answer=gold_answer(row[--answer-column]), columns=every other column)
 
+--prompt-column not given: TRL's 'prompt' column (which TRL's GRPOTrainer always reads), else GSM8K's 'question'
+(`PROMPT_COLUMNS`); with both, the run's first line says which (`Task.notes`). Held out: the --eval-split split (TRL's
+dataset_test_split), else the 'test' split, else 'validation' (`HELD_OUT_SPLITS`), else the last --eval-size rows of
+--split, kept out of training; the first line names the split.
+
 The prompt is text or a conversation (TRL's format: a list of {"role", "content"} messages; tasks.prompt_token_ids
 renders it with the model's chat template), with --system-prompt in front if one is given (tasks.with_system_prompt).
 The gold answer follows GSM8K's "... #### 72" -> "72"; any other answer is kept as text. Data without one (TRL's
@@ -15,11 +20,13 @@ math-verify): then it, and any other column a reward cannot be called without, i
 Deliberate departures from a plain `load_dataset` call:
 1. The hub is asked once without retries first (tasks.hub_error); when it cannot be reached, the dataset is
    loaded in datasets' offline mode, from its cache, instead of after ~25 s of retries.
-2. A train.<ext> file with a sibling test.<ext> loads as a 'train' and a 'test' split, as its directory would.
+2. A train.<ext> file with a sibling test.<ext> or validation.<ext> loads as a 'train' and a 'test' or
+   'validation' split, as its directory would.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from infra.tasks import (
@@ -36,6 +43,18 @@ from infra.tasks import (
 )
 
 DATA_FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}  # datasets' builders
+PROMPT_COLUMNS = ("prompt", "question")  # read without --prompt-column, the first the data has: TRL's, then GSM8K's
+HELD_OUT_SPLITS = ("test", "validation")  # held out without --eval-split: the first the data has (but --split)
+
+
+@dataclass(frozen=True)
+class Task:
+    """--data loaded: the examples, and what was read where the options left a choice."""
+    train: list[Example]
+    held_out: list[Example]
+    prompt_column: str | None  # the column the prompts came from (config.json records it); a built-in task: as given
+    notes: tuple[str, ...] = ()  # for the run's first line: which column, of two that could be the prompts; which
+    # split is held out (and how few rows it has, if fewer than --eval-size)
 
 
 def looks_like_path(data: str) -> bool:
@@ -77,9 +96,10 @@ def _hub_unreachable_reason(repo_id: str) -> str | None:
 def load_splits(data: str, data_config: str | None = None):
     """--data as a datasets.DatasetDict (split name -> rows).
 
-    A file: its format's builder, split 'train', plus 'test' from a sibling test.<ext> when the file is
-    train.<ext>. A directory: datasets infers the splits from the file names (train.jsonl, test.parquet, ...).
-    Anything else is a hub id; when the hub cannot be reached, the copy in the datasets cache is used.
+    A file: its format's builder, split 'train', plus 'test' and 'validation' from a sibling test.<ext> and
+    validation.<ext> when the file is train.<ext>. A directory: datasets infers the splits from the file names
+    (train.jsonl, test.parquet, ...). Anything else is a hub id; when the hub cannot be reached, the copy in the
+    datasets cache is used.
     """
     path, files, unreachable = Path(data).expanduser(), None, None
     if path.is_file():
@@ -90,9 +110,10 @@ def load_splits(data: str, data_config: str | None = None):
         if path.stat().st_size == 0:
             raise TaskError(f"--data {data!r} is empty: pass a file with at least one row.")
         files = {"train": str(path)}
-        sibling = path.with_name("test" + path.suffix)
-        if path.stem == "train" and sibling.is_file():
-            files["test"] = str(sibling)
+        for split in HELD_OUT_SPLITS:
+            sibling = path.with_name(split + path.suffix)
+            if path.stem == "train" and sibling.is_file():
+                files[split] = str(sibling)
     elif path.is_dir():
         source = str(path)
     elif looks_like_path(data):
@@ -136,13 +157,17 @@ def _is_conversation(prompt) -> bool:
                     for message in prompt))
 
 
-def _column(wanted: str, columns: list[str], where: str, option: str) -> str:
-    if wanted in columns:
-        return wanted
-    if option == "--prompt-column" and wanted == "question" and "prompt" in columns:
-        return "prompt"  # TRL's column
-    raise TaskError(f"{where} has no column {wanted!r}; its columns are {', '.join(map(repr, columns))}. "
-                    f"Pick one with {option}.")
+def prompt_column_of(wanted: str | None, columns: list[str], where: str) -> str:
+    """The column of prompts: --prompt-column (`wanted`), or when it is None the first of PROMPT_COLUMNS the data has
+    (TRL's 'prompt' before GSM8K's 'question'); TaskError with one line when the data has none of them."""
+    # 'question' given, TRL's column there: a config.json or checkpoint from when 'question' was the default
+    candidates = PROMPT_COLUMNS if wanted is None else (wanted, "prompt") if wanted == "question" else (wanted,)
+    for name in candidates:
+        if name in columns:
+            return name
+    named = " or ".join(map(repr, PROMPT_COLUMNS)) if wanted is None else repr(wanted)
+    raise TaskError(f"{where} has no column {named}; its columns are {', '.join(map(repr, columns))}. Pick one with "
+                    "--prompt-column.")
 
 
 def _check_needed(needed: dict[str, str], columns: list[str], prompt_column: str, answer_column: str,
@@ -169,7 +194,7 @@ def dataset_examples(rows, prompt_column: str, answer_column: str, where: str,
     (reward.Rewards.needed_columns: column -> the reward that cannot be called without it) is checked here.
     """
     columns = list(rows.column_names)
-    prompt_column = _column(prompt_column, columns, where, "--prompt-column")
+    prompt_column = prompt_column_of(prompt_column, columns, where)
     needed = needed or {}
     _check_needed(needed, columns, prompt_column, answer_column, where)
     try:
@@ -195,46 +220,85 @@ def dataset_examples(rows, prompt_column: str, answer_column: str, where: str,
     return examples
 
 
-def load_data(data: str, data_config: str | None, split: str, prompt_column: str, answer_column: str,
-              eval_size: int, system_prompt: str | None = None,
-              needed: dict[str, str] | None = None) -> tuple[list[Example], list[Example]]:
-    """(train, held-out) examples of `split` of --data; held out: the 'test' split's first `eval_size` rows when
-    there is one, else the last `eval_size` rows of `split`, kept out of training. `system_prompt`: a system message
-    for each prompt to start with (a preset's name or its text: tasks.system_prompt_text, tasks.with_system_prompt);
-    `needed`: as `dataset_examples`."""
+def held_out_note(split: str, rows: int, eval_size: int) -> str:
+    """What the run's first line says of a held-out split of `rows` rows: its name, and that it has fewer than
+    --eval-size asked, when it has."""
+    if rows < eval_size:
+        return f"--eval-size {eval_size}: the {split} split has {rows}"
+    return f"held out: the {split} split"
+
+
+def held_out_split(splits: list[str], split: str, eval_split: str | None, data: str) -> str | None:
+    """The split held out: --eval-split (`eval_split`) when given, else the first of HELD_OUT_SPLITS the data has
+    but --split; None for the last rows of --split (--eval-split naming --split itself asks for those)."""
+    if eval_split is None:
+        return next((name for name in HELD_OUT_SPLITS if name in splits and name != split), None)
+    if eval_split not in splits:
+        raise TaskError(f"--data {data!r} has the splits {', '.join(map(repr, splits))}, not {eval_split!r}: pick the "
+                        "held-out one with --eval-split (TRL's --dataset-test-split), or leave it out for 'test', "
+                        "else 'validation', else the last --eval-size rows of --split.")
+    return None if eval_split == split else eval_split
+
+
+def load_data(data: str, data_config: str | None, split: str, prompt_column: str | None, answer_column: str,
+              eval_size: int, system_prompt: str | None = None, needed: dict[str, str] | None = None,
+              eval_split: str | None = None) -> Task:
+    """The train and held-out examples of `split` of --data; held out: the first `eval_size` rows of the split
+    `held_out_split` picks (`eval_split`: --eval-split) when there is one, else the last `eval_size` rows of `split`,
+    kept out of training. `prompt_column`: None for TRL's 'prompt' column, else GSM8K's 'question'
+    (`prompt_column_of`). `system_prompt`: a system message for each prompt to start with (a preset's name or its
+    text: tasks.system_prompt_text, tasks.with_system_prompt); `needed`: as `dataset_examples`."""
     system = system_prompt_text(system_prompt)
     splits = load_splits(data, data_config)
     if split not in splits:
         raise TaskError(f"--data {data!r} has the splits {', '.join(map(repr, splits))}, not {split!r}: pick one "
                         "with --split.")
+    where = f"{data} ({split} split)"
+    columns = splits[split].column_names
+    column = prompt_column_of(prompt_column, columns, where)
+    notes = ()
+    if prompt_column is None and set(PROMPT_COLUMNS) <= set(columns):
+        notes = (f"prompts from column {column!r} (TRL's), not {PROMPT_COLUMNS[1]!r}",)
 
     def examples_of(rows, where: str) -> list[Example]:
         return [with_system_prompt(example, system, where)
-                for example in dataset_examples(rows, prompt_column, answer_column, where, needed)]
-    examples = examples_of(splits[split], f"{data} ({split} split)")
-    if "test" in splits and split != "test":
-        test = splits["test"]
-        return examples, (examples_of(test.select(range(min(eval_size, len(test)))), f"{data} (test split)")
-                          if eval_size else [])
+                for example in dataset_examples(rows, column, answer_column, where, needed)]
+    examples = examples_of(splits[split], where)
+    held_out = held_out_split(list(splits), split, eval_split, data) if eval_size else None
+    if held_out is not None:
+        rows = splits[held_out]
+        return Task(examples, examples_of(rows.select(range(min(eval_size, len(rows)))), f"{data} ({held_out} split)"),
+                    column, (*notes, held_out_note(held_out, len(rows), eval_size)))
     if len(examples) <= eval_size:
         raise TaskError(f"--data {data!r} has {len(examples)} examples, too few to hold out {eval_size} for evaluation "
-                        "and still train. Use more data, a smaller --eval-size, or a test split (e.g. a test.jsonl "
-                        "next to a train.jsonl).")
+                        "and still train. Use more data, a smaller --eval-size, or a test or validation split (e.g. a "
+                        "test.jsonl next to a train.jsonl).")
     cut = len(examples) - eval_size  # (eval_size 0: all of them train)
-    return examples[:cut], examples[cut:]
+    return Task(examples[:cut], examples[cut:], column, notes)
 
 
 # --- choosing a task ---
 def load_task(data: str | None, default: str = "gsm8k", eval_size: int = 64, data_config: str | None = None,
-              split: str = "train", prompt_column: str = "question", answer_column: str = "answer",
+              split: str = "train", prompt_column: str | None = None, answer_column: str = "answer",
               system_prompt: str | None = None,
               needed: dict[str, str] | None = None) -> tuple[list[Example], list[Example]]:
-    """(train, held-out) examples for `--data`; the held-out list has at most `eval_size` examples.
+    """(train, held-out) examples for `--data` (`read_task`'s, for a caller that needs only the examples)."""
+    task = read_task(data, default, eval_size, data_config, split, prompt_column, answer_column, system_prompt, needed)
+    return task.train, task.held_out
+
+
+def read_task(data: str | None, default: str = "gsm8k", eval_size: int = 64, data_config: str | None = None,
+              split: str = "train", prompt_column: str | None = None, answer_column: str = "answer",
+              system_prompt: str | None = None, needed: dict[str, str] | None = None,
+              eval_split: str | None = None) -> Task:
+    """The train and held-out examples for `--data`, the held-out list of at most `eval_size` examples, and the
+    choices made (`Task`).
 
     None -> `default` (the task a tiny model was warmed up on) or GSM8K; 'arithmetic'; 'chain'; 'gsm8k' (the hub's
     openai/gsm8k, config main); anything else through Hugging Face datasets (`load_data`: a hub id, a directory or a
-    file, its prompt and answer columns, held out: its 'test' split or the last `eval_size` rows). A blank --data
-    (`--data "$DATA"` with DATA unset) is refused: it names nothing, and the default would train on another task.
+    file, its prompt and answer columns, held out: --eval-split, its 'test' or 'validation' split, or the last
+    `eval_size` rows). A blank --data (`--data "$DATA"` with DATA unset) is refused: it names nothing, and the
+    default would train on another task.
     `system_prompt`: --system-prompt (a preset's name or a text; None: none), put in front of every prompt;
     `needed`: the columns the rewards cannot be called without (reward.Rewards.needed_columns), checked.
     """
@@ -249,8 +313,11 @@ def load_task(data: str | None, default: str = "gsm8k", eval_size: int = 64, dat
             raise TaskError(f"{needed[columns[0]]} takes a parameter {columns[0]!r} without a default, and --data "
                             f"{data} has no column but the prompt and the answer: give the parameter a default, or "
                             "pass data that has that column.")
-        return ([with_system_prompt(e, system, data) for e in builtin("train")],
-                [with_system_prompt(e, system, data) for e in builtin("eval")[:eval_size]])
+        held_out = builtin("eval")
+        notes = (held_out_note("eval", len(held_out), eval_size),) if len(held_out) < eval_size else ()
+        return Task([with_system_prompt(e, system, data) for e in builtin("train")],
+                    [with_system_prompt(e, system, data) for e in held_out[:eval_size]], prompt_column, notes)
     if data == "gsm8k":
         data, data_config = GSM8K_HUB[0], data_config or GSM8K_HUB[1]
-    return load_data(data, data_config, split, prompt_column, answer_column, eval_size, system_prompt, needed)
+    return load_data(data, data_config, split, prompt_column, answer_column, eval_size, system_prompt, needed,
+                     eval_split)

@@ -23,9 +23,10 @@ Two tasks are built in, and anything `datasets` loads can be used (infra/data.py
   after `####`.
 
 A plain-text prompt is fed raw to a model without a chat template (the tiny models), or as the user's message in
-the model's chat template; a conversation goes through the chat template as it is (`prompt_token_ids`). No system
-prompt is added unless asked for: `--system-prompt` (a text, or 'math' for SYSTEM_PROMPT, GSM8K's format) makes each
-prompt a conversation that starts with it (`with_system_prompt`), as a TRL user would map the dataset.
+the model's chat template; a conversation goes through the chat template as it is, a last message of the
+assistant's continued as TRL does (`prompt_text`). No system prompt is added unless asked for: `--system-prompt` (a
+text, or 'math' for SYSTEM_PROMPT, GSM8K's format) makes each prompt a conversation that starts with it
+(`with_system_prompt`), as a TRL user would map the dataset.
 
 Deliberate departures:
 1. Answers are compared as numbers (`18.00` == `18`, `1,080` == `1080`), not as strings, and the
@@ -341,7 +342,9 @@ def check_template_variables(tokenizer, template: dict) -> None:
 def prompt_text(tokenizer, prompt: str | list[dict], template: dict | None = None) -> str:
     """The text whose tokens are the prompt's (`prompt_token_ids`): raw, or rendered by the chat template (a text
     prompt as the user's message, with no system message but the template's own) given the variables `template`
-    (--chat-template-kwargs)."""
+    (--chat-template-kwargs). A conversation ends with the assistant's generation prompt, or, when its last message
+    is the assistant's (a prefilled "The answer is", "<think>"), with that message left open for the model to
+    continue, as TRL's maybe_apply_chat_template renders it (continue_final_message, no generation prompt)."""
     if isinstance(prompt, str):
         if not getattr(tokenizer, "chat_template", None):
             return prompt
@@ -350,14 +353,24 @@ def prompt_text(tokenizer, prompt: str | list[dict], template: dict | None = Non
         raise TaskError("the prompts are conversations (lists of chat messages, or text given a --system-prompt), but "
                         "the model's tokenizer has no chat template to turn them into text: use a chat model, or "
                         "plain-text prompts (--prompt-column) without --system-prompt.")
-    # tokenize=False then encode: the template's return type differs across transformers versions
-    return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, **(template or {}))
+    continued = prompt[-1]["role"] == "assistant"
+    try:  # tokenize=False then encode: the template's return type differs across transformers versions
+        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=not continued,
+                                             continue_final_message=continued, **(template or {}))
+    except ValueError as error:  # transformers: the template does not render the final message's text as it is
+        if not continued:
+            raise
+        raise TaskError(f"the model's chat template cannot continue the assistant's message "
+                        f"{str(prompt[-1]['content'])[:50]!r} that a prompt ends with ({one_line(error)}): end the "
+                        "prompts with the user's message, or use a template that renders the assistant's text as it "
+                        "is.") from None
 
 
 def prompt_token_ids(tokenizer, prompt: str | list[dict], template: dict | None = None) -> list[int]:
     """The prompt's token ids. Text: in the chat template as the user's message (instruct models), or raw (the tiny
-    model). A conversation (TRL's format): the chat template as-is, ending with the assistant's generation prompt.
-    `template`: the chat template's extra variables (--chat-template-kwargs)."""
+    model). A conversation (TRL's format): the chat template as-is, ending with the assistant's generation prompt,
+    or in the assistant's own last message (`prompt_text`). `template`: the chat template's extra variables
+    (--chat-template-kwargs)."""
     return tokenizer.encode(prompt_text(tokenizer, prompt, template), add_special_tokens=False)
 
 

@@ -33,6 +33,7 @@ TRL_ALIASES = {"num_generations": "group_size", "learning_rate": "lr", "max_comp
                "use_bias_correction_kl": "kl_bias_correction", "output_dir": "out", "save_total_limit":
                "keep_checkpoints", "resume_from_checkpoint": "resume", "model_name_or_path": "model",
                "dataset_name": "data", "dataset_config": "data_config", "dataset_train_split": "split",
+               "dataset_test_split": "eval_split",
                "reward_funcs": "reward",  # TRL's CLI: names or module.function paths, as --reward (infra/reward.py)
                "torch_dtype": "dtype"}  # transformers' and TRL's name for dtype before they renamed it
 # TRL names that mean something else here: the option to use instead, and why (one line each, after "use")
@@ -43,7 +44,6 @@ TRL_DIFFERENT = {
     "eval_steps": "--eval-every N: a held-out evaluation every N iterations",
     "per_device_eval_batch_size": "--eval-size and --eval-samples: held-out prompts and responses per prompt",
     "num_generations_eval": "--eval-samples: responses per held-out prompt",
-    "dataset_test_split": "--eval-size: held out is --data's 'test' split, else its last --eval-size rows",
 }
 # GRPOConfig's vLLM settings (TRL 1.16): unused with use_vllm false, as here, where use_vllm true is refused
 VLLM_KEYS = ("vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_server_base_url", "vllm_server_host",

@@ -446,9 +446,17 @@ def test_responses_no_reward_scored_are_warned_about_once(tmp_path, capsys):
 
 
 def test_the_first_line_says_when_the_test_split_is_smaller_than_eval_size():
-    """Claim: --eval-size larger than the data's test split holds out the whole split, and the run's first line says
-    so (it was capped silently); at or below it, the line only counts the prompts."""
+    """Claim: --eval-size larger than the data's held-out split holds out the whole split, and the run's first line
+    says so, naming the split (it was capped silently); at or below it, the line only counts the prompts of a
+    built-in task, and names the split of a dataset's."""
     import trainer
-    cfg = Config(eval_size=500)
+    from infra import data, tasks
     assert "1319 held-out prompts |" in trainer.start_line(Config(eval_size=1319), 7473, 1319)
-    assert "100 held-out prompts (--eval-size 500: the test split has 100) |" in trainer.start_line(cfg, 7473, 100)
+    assert data.held_out_note("test", 1319, 1319) == data.held_out_note("test", 1319, 64) == "held out: the test split"
+    notes = (data.held_out_note("test", 100, 500),)
+    assert "100 held-out prompts (--eval-size 500: the test split has 100) |" in \
+        trainer.start_line(Config(eval_size=500), 7473, 100, notes)
+    held_out = len(tasks.arithmetic_examples("eval"))
+    said = data.read_task("arithmetic", eval_size=10_000).notes
+    assert said == (f"--eval-size 10000: the eval split has {held_out}",)
+    assert data.read_task("arithmetic", eval_size=64).notes == ()  # the built-in task's own split: nothing to say

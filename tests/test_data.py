@@ -81,6 +81,36 @@ def test_a_train_file_uses_its_sibling_test_file(tmp_path):
         data.load_task(str(mine), eval_size=20)
 
 
+def test_a_validation_split_is_held_out_when_there_is_no_test_split(tmp_path):
+    """Claim: a directory of train and validation files (or a train.jsonl with a sibling validation.jsonl) holds
+    out the validation split, as a test split would be, and trains on every train row (it held out train's last rows
+    and left the validation split unread, silently); with both, the test split is held out; --eval-split (TRL's
+    --dataset-test-split) picks one, or --split itself for its last rows; a split the data lacks is one line. The run's
+    first line says which split is held out."""
+    folder = tmp_path / "gsm"
+    folder.mkdir()  # not tmp_path: the datasets cache is there, and a directory loads all its files
+    write_jsonl(folder / "train.jsonl", gsm8k_rows(30))
+    write_jsonl(folder / "validation.jsonl", gsm8k_rows(8, start=100))
+    for given in (folder, folder / "train.jsonl"):
+        train, held_out = data.load_task(str(given), eval_size=8)
+        assert len(train) == 30 and [e.answer for e in held_out] == [str(i) for i in range(101, 109)], given
+    assert data.read_task(str(folder), eval_size=8).notes == ("held out: the validation split",)
+    assert data.read_task(str(folder), eval_size=20).notes == ("--eval-size 20: the validation split has 8",)
+    write_jsonl(folder / "test.jsonl", gsm8k_rows(4, start=200))
+    task = data.read_task(str(folder), eval_size=8)
+    assert [e.answer for e in task.held_out][:1] == ["201"] and len(task.train) == 30
+    assert task.notes == ("--eval-size 8: the test split has 4",)
+    task = data.read_task(str(folder), eval_size=8, eval_split="validation")
+    assert [e.answer for e in task.held_out][:1] == ["101"] and task.notes == ("held out: the validation split",)
+    task = data.read_task(str(folder), eval_size=8, eval_split="train")  # --split's own last rows
+    assert (len(task.train), task.held_out[0].answer, task.notes) == (22, "23", ())
+    with pytest.raises(TaskError, match=r"has the splits 'train', 'validation', 'test', not 'dev': pick the held-out "
+                                        r"one with --eval-split") as error:
+        data.read_task(str(folder), eval_size=8, eval_split="dev")
+    assert "\n" not in str(error.value)
+    assert len(data.read_task(str(folder), eval_size=0, eval_split="dev").train) == 30  # nothing held out: not read
+
+
 def test_without_evaluation_no_prompt_is_held_out(tmp_path):
     """Claim: with --eval-every 0 (never evaluate) every prompt trains, held out none, whatever the data's size and
     --eval-size: 50 rows trained on 36 before (and were refused at 50 or fewer with the default --eval-size 64);
@@ -91,15 +121,15 @@ def test_without_evaluation_no_prompt_is_held_out(tmp_path):
     from infra.options import parse_args
     mine = write_jsonl(tmp_path / "mine.jsonl", gsm8k_rows(50))
     for data_name, rows in ((str(mine), 50), ("arithmetic", len(data.load_task("arithmetic", eval_size=0)[0]))):
-        train, held_out, _, _ = trainer.prepare(parse_args(["--data", data_name, "--eval-every", "0"]))
-        assert (len(train), held_out) == (rows, [])
+        _, task, _, _ = trainer.prepare(parse_args(["--data", data_name, "--eval-every", "0"]))
+        assert (len(task.train), task.held_out) == (rows, [])
     train, held_out = data.load_task(str(mine), eval_size=0)
     assert len(train) == 50 and held_out == []
     write_jsonl(tmp_path / "train.jsonl", gsm8k_rows(20))  # a test split: none of it read
     write_jsonl(tmp_path / "test.jsonl", gsm8k_rows(8, start=100))
     assert [len(examples) for examples in data.load_task(str(tmp_path / "train.jsonl"), eval_size=0)] == [20, 0]
-    train, held_out, _, _ = trainer.prepare(parse_args(["--data", str(mine), "--eval-size", "10"]))
-    assert (len(train), len(held_out)) == (40, 10)
+    _, task, _, _ = trainer.prepare(parse_args(["--data", str(mine), "--eval-size", "10"]))
+    assert (len(task.train), len(task.held_out)) == (40, 10)
 
 
 def test_the_real_gsm8k_files():
@@ -148,6 +178,31 @@ def test_a_conversational_prompt_column_goes_through_the_chat_template(tmp_path)
     plain = tokenizer.decode(tasks.prompt_token_ids(tokenizer, "What is 4+1?"))
     assert plain == ("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>"
                      "\n<|im_start|>user\nWhat is 4+1?<|im_end|>\n<|im_start|>assistant\n")  # Qwen's template's own
+
+
+def test_trls_prompt_column_wins_over_question(tmp_path):
+    """Claim: data with both GSM8K's 'question' and TRL's 'prompt' column (what `dataset.map(make_conversation)` makes
+    of GSM8K) trains on 'prompt' when --prompt-column is not given, as TRL reads it: its system message kept, the
+    rewards given the messages and the 'question' as a column (it trained on 'question', through the default chat
+    template, silently). The run's first line says which column, and the options config.json records name it;
+    --prompt-column question still picks the other, and GSM8K-only data reads 'question' without a word."""
+    import trainer
+    from infra.options import parse_args
+    rows = [{"question": f"What is {i}+1?", "answer": f"#### {i + 1}", "prompt": conversation(i)} for i in range(12)]
+    path = write_jsonl(tmp_path / "mapped.jsonl", rows)
+    train, held_out = data.load_task(str(path), eval_size=2)
+    assert train[4].prompt == conversation(4) and held_out[0].prompt == conversation(10)
+    assert train[4].answer == "5" and train[4].columns == {"question": "What is 4+1?", "answer": "#### 5"}
+    task = data.read_task(str(path), eval_size=2)
+    assert task.prompt_column == "prompt" and task.notes == ("prompts from column 'prompt' (TRL's), not 'question'",)
+    cfg, task, _, _ = trainer.prepare(parse_args(["--data", str(path), "--eval-size", "2"]))
+    assert cfg.prompt_column == "prompt" and parse_args([]).prompt_column is None  # recorded as used; auto
+    line = trainer.start_line(cfg, len(task.train), len(task.held_out), task.notes)
+    assert "10 train / 2 held-out prompts (prompts from column 'prompt' (TRL's), not 'question') |" in line
+    chosen = data.read_task(str(path), eval_size=2, prompt_column="question")
+    assert chosen.train[4].prompt == "What is 4+1?" and chosen.notes == ()
+    gsm8k = data.read_task(str(write_jsonl(tmp_path / "gsm.jsonl", gsm8k_rows(6))), eval_size=2)
+    assert (gsm8k.prompt_column, gsm8k.train[0].prompt, gsm8k.notes) == ("question", "What is 0 + 1?", ())
 
 
 # --- prompt-only data, every column, --system-prompt (issue #32, points 1 and 2) ---
@@ -316,8 +371,8 @@ def test_a_missing_column_lists_the_columns_there_are(tmp_path):
     """Claim: a prompt column, or an answer column a reward needs, that the data does not have is one line listing
     its columns and the option."""
     path = write_jsonl(tmp_path / "sums.jsonl", sum_rows(10))
-    with pytest.raises(TaskError, match=r"has no column 'question'; its columns are 'problem', 'solution', 'level'. "
-                                        r"Pick one with --prompt-column"):
+    with pytest.raises(TaskError, match=r"has no column 'prompt' or 'question'; its columns are 'problem', 'solution', "
+                                        r"'level'. Pick one with --prompt-column"):
         data.load_task(str(path), eval_size=2)
     with pytest.raises(TaskError, match=r"has no column 'answer' to take it from; its columns are 'problem', "
                                         r"'solution', 'level'. Name the column of answers with --answer-column"):

@@ -114,6 +114,65 @@ def test_prompt_token_ids_raw_text_or_chat_template():
     assert text == "<user>What is 2+2?\n<assistant>"
 
 
+def qwen_tokenizer():
+    """The tokenizer of conftest's Qwen-shaped model, with its chat template, without building the model."""
+    from conftest import QWEN_CHAT_TEMPLATE
+
+    from infra.models import tiny_tokenizer
+    tokenizer = tiny_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.chat_template = QWEN_CHAT_TEMPLATE
+    return tokenizer
+
+
+@pytest.mark.parametrize("prefill", ["The answer is", "<think>\n"])
+def test_a_prompt_ending_with_the_assistant_is_continued(prefill):
+    """Claim: a conversation whose last message is the assistant's (a prefilled "The answer is", "<think>") is
+    rendered as TRL's maybe_apply_chat_template renders it (continue_final_message, no generation prompt): the model
+    continues that message (it got a closed assistant turn and a new one); the length check counts those tokens, at
+    the context's edge exactly, as the inference side and the size probe feed them (both call prompt_token_ids)."""
+    tokenizer = qwen_tokenizer()
+    prompt = [{"role": "user", "content": "What is 4+1?"}, {"role": "assistant", "content": prefill}]
+    ids = tasks.prompt_token_ids(tokenizer, prompt)
+    assert tokenizer.decode(ids) == ("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
+                                     "assistant.<|im_end|>\n<|im_start|>user\nWhat is 4+1?<|im_end|>\n"
+                                     f"<|im_start|>assistant\n{prefill}")
+    trl = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=False,
+                                        continue_final_message=True)  # TRL's maybe_apply_chat_template
+    assert ids == tokenizer.encode(trl, add_special_tokens=False)
+    assert tasks.count_tokens(tokenizer, prompt, 10_000) == (len(ids), None)
+    tasks.check_prompt_lengths(tokenizer, [Example(prompt, "5")], len(ids) + 8, 8)
+    with pytest.raises(TaskError, match=f"the longest prompt is {len(ids)} tokens"):
+        tasks.check_prompt_lengths(tokenizer, [Example(prompt, "5")], len(ids) + 7, 8)
+    user_last = tokenizer.decode(tasks.prompt_token_ids(tokenizer, prompt[:1]))
+    assert user_last.endswith("What is 4+1?<|im_end|>\n<|im_start|>assistant\n")  # a generation prompt, as before
+
+
+def test_a_template_that_drops_the_assistants_text_is_one_line():
+    """Claim: a chat template that does not render the final assistant message's text (so it cannot be continued)
+    is refused in one line naming the prompt, not with transformers' ValueError and its traceback."""
+    tokenizer = qwen_tokenizer()
+    tokenizer.chat_template = ("{% for m in messages %}<{{ m.role }}>{% if m.role != 'assistant' %}{{ m.content }}"
+                               "{% endif %}\n{% endfor %}")
+    prompt = [{"role": "user", "content": "What is 4+1?"}, {"role": "assistant", "content": "The answer is"}]
+    with pytest.raises(TaskError, match=r"^the model's chat template cannot continue the assistant's message 'The "
+                                        r"answer is'") as error:
+        tasks.prompt_token_ids(tokenizer, prompt)
+    assert "\n" not in str(error.value)
+
+
+def test_every_prompt_is_rendered_in_one_place():
+    """Claim: tasks.prompt_text is the only caller of apply_chat_template in the trainer's code (the inference side,
+    the sampler, the size probe and the length check all tokenize through prompt_token_ids), so a prompt has one
+    rendering everywhere."""
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    files = [*root.glob("*.py"), *root.glob("infra/*.py"), *root.glob("launch/*.py")]
+    callers = [f.relative_to(root).as_posix() for f in files if ".apply_chat_template(" in f.read_text()]
+    assert callers == ["infra/tasks.py"]
+    assert (root / "infra/tasks.py").read_text().count(".apply_chat_template(") == 1
+
+
 def test_a_system_prompt_only_where_asked():
     """Claim: --system-prompt is none by default (None or blank), a text as given, or 'math' for the GSM8K preset
     (SYSTEM_PROMPT, which asks for the '#### N' extract_final_number reads); it makes a text prompt a [system, user]

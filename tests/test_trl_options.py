@@ -678,6 +678,15 @@ def test_reward_funcs_is_trls_name_for_reward(tmp_path, capsys):
         refusal(capsys, lambda: parse_yaml(tmp_path, "reward: [math]\nreward_funcs: [math]\n"))
 
 
+def test_dataset_test_split_is_trls_name_for_eval_split(tmp_path):
+    """Claim: TRL's dataset_test_split (the split evaluated on) is --eval-split, typed with - or _ or as a --config
+    key (it was refused as meaning something else here); not given, the held-out split is chosen from the data."""
+    assert parse_args(["--dataset_test_split", "validation"]).eval_split == "validation"
+    assert parse_args(["--dataset-test-split", "dev"]).eval_split == "dev"
+    assert parse_yaml(tmp_path, "dataset_test_split: validation\n").eval_split == "validation"
+    assert parse_args([]).eval_split is None
+
+
 @pytest.mark.parametrize("key", ["logging_strategyx", "reward_model_name_or_path", "ddp_timeoutx", "lora_task_kind",
                                  "vllm_enable_prefix_cachingx", "save_on_each_rank"])
 def test_an_unknown_key_gets_no_far_fetched_hint(key, tmp_path, capsys):

@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
         from infra.data import load_data
         if not getattr(tokenizer, "chat_template", None):
             raise SystemExit(f"error: {args.model} has no chat template; the GSM8K prompts are chat messages")
-        examples = load_data(args.data, None, "train", "question", "answer", 64, system_prompt="math")[0]  # its train
+        examples = load_data(args.data, None, "train", "question", "answer", 64, system_prompt="math").train
         prompts = [e.prompt for e in examples]
         # TRL tokenizes conversations with one apply_chat_template(tokenize=True) call (_tokenize_prompts)
         trl_ids = tokenizer.apply_chat_template(prompts[:64], add_generation_prompt=True, tokenize=True,
