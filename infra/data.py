@@ -269,10 +269,14 @@ def load_data(data: str, data_config: str | None, split: str, prompt_column: str
         rows = splits[held_out]
         return Task(examples, examples_of(rows.select(range(min(eval_size, len(rows)))), f"{data} ({held_out} split)"),
                     column, (*notes, held_out_note(held_out, len(rows), eval_size)))
-    if len(examples) <= eval_size:
-        raise TaskError(f"--data {data!r} has {len(examples)} examples, too few to hold out {eval_size} for evaluation "
-                        "and still train. Use more data, a smaller --eval-size, or a test or validation split (e.g. a "
-                        "test.jsonl next to a train.jsonl).")
+    if len(examples) <= eval_size:  # a small dataset: a fifth of it held out, said in the first line
+        if len(examples) // 5 < 1:
+            raise TaskError(f"--data {data!r} has {len(examples)} examples, too few to hold out any for evaluation "
+                            "and still train. Use more data, --eval-size 0 (no evaluation), or a test or validation "
+                            "split (e.g. a test.jsonl next to a train.jsonl).")
+        notes = (*notes, f"held out: the last {len(examples) // 5} of {len(examples)} rows, a fifth (--eval-size "
+                         f"{eval_size} would leave too few to train; 0: none)")
+        eval_size = len(examples) // 5
     cut = len(examples) - eval_size  # (eval_size 0: all of them train)
     return Task(examples[:cut], examples[cut:], column, notes)
 

@@ -69,7 +69,9 @@ def test_a_directory_holds_out_its_test_split(tmp_path):
 
 def test_a_train_file_uses_its_sibling_test_file(tmp_path):
     """Claim: --data .../train.jsonl trains on every line and evaluates on the sibling test.jsonl; a file with another
-    name keeps its last eval_size lines out of training instead, and refuses data too small to do both."""
+    name keeps its last eval_size lines out of training instead; data too small for that holds out its last fifth,
+    said in the first line (TRL evaluates nothing by default: a small dataset should run), and data too small for
+    even one held-out row is refused."""
     write_jsonl(tmp_path / "train.jsonl", gsm8k_rows(20))
     write_jsonl(tmp_path / "test.jsonl", gsm8k_rows(8, start=100))
     train, held_out = data.load_task(str(tmp_path / "train.jsonl"), eval_size=5)
@@ -77,8 +79,12 @@ def test_a_train_file_uses_its_sibling_test_file(tmp_path):
     mine = write_jsonl(tmp_path / "mine.jsonl", gsm8k_rows(20))
     train, held_out = data.load_task(str(mine), eval_size=5)
     assert len(train) == 15 and [e.answer for e in held_out] == ["16", "17", "18", "19", "20"]
-    with pytest.raises(TaskError, match="too few"):
-        data.load_task(str(mine), eval_size=20)
+    task = data.read_task(str(mine), eval_size=20)
+    assert (len(task.train), len(task.held_out)) == (16, 4)
+    assert "held out: the last 4 of 20 rows, a fifth (--eval-size 20 would leave too few to train" in task.notes[-1]
+    tiny = write_jsonl(tmp_path / "tiny.jsonl", gsm8k_rows(4))
+    with pytest.raises(TaskError, match="too few to hold out any"):
+        data.load_task(str(tiny), eval_size=20)
 
 
 def test_a_validation_split_is_held_out_when_there_is_no_test_split(tmp_path):
