@@ -329,7 +329,9 @@ def log_and_save(cfg: Config, rows, policy, tokenizer, resumed_at: int = 0, repo
         raise
     progress.close()
     final = {**row, "start_eval_reward": first_eval}
-    evaluated = ("no held-out evaluation ran" if first_eval is None and row["eval_reward"] is None else
+    unscored = "held-out rewards: none scored (every reward returned None for every held-out response)"
+    evaluated = (("no held-out evaluation ran" if not (cfg.eval_every and cfg.eval_size) else unscored)
+                 if first_eval is None and row["eval_reward"] is None else
                  f"held-out reward {first_eval if first_eval is None else round(first_eval, 3)}"
                  f" -> {row['eval_reward'] if row['eval_reward'] is None else round(row['eval_reward'], 3)}")
     say(f"done in {row['elapsed_s']:.1f}s: {evaluated}; metrics in {metrics_path}"
