@@ -76,7 +76,8 @@ def test_bad_output_path_fails_before_any_model_is_loaded(tmp_path, option, frag
     (tmp_path / "file").write_text("not a directory")
     (tmp_path / "folder").mkdir()
     paths = {"--out": tmp_path / "file", "--trace": tmp_path / "folder"}
-    args = ["--model", tmp_path / "no-such-model", "--out", paths["--out"] if option == "--out" else tmp_path / "run"]
+    args = ["--model", "periodic-rl-tests/no-such-model",  # a hub id that is not there: loading it would fail
+            "--out", paths["--out"] if option == "--out" else tmp_path / "run"]
     result = trainer_py(*args, *(["--trace", paths["--trace"]] if option == "--trace" else []))
     assert_one_error_line(result, fragment)
     assert "no-such-model" not in result.stderr
@@ -118,7 +119,7 @@ def test_a_busy_out_is_refused_naming_the_other_run(tmp_path):
     the lock is released when the first run ends."""
     cfg = Config(out=str(tmp_path))
     with outputs.claimed(cfg):
-        result = trainer_py("--model", tmp_path / "no-such-model", "--out", tmp_path)
+        result = trainer_py("--model", "periodic-rl-tests/no-such-model", "--out", tmp_path)
         assert_one_error_line(result, f"--out {tmp_path} is in use by another run (PID {os.getpid()})")
     with outputs.claimed(cfg):  # free again
         pass
