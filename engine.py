@@ -78,7 +78,7 @@ Departures, on purpose:
 11. attention="flex" (not yet a trainer option: the GPU table measures it first) attends with torch's
    flex_attention over the cache blocks each row has written (flex_decode_attention), where decode_attention
    reads the whole preallocated cache of every row; the cache length is then a multiple of FLEX_BLOCK.
-12. A model through fuse_projections (not yet a trainer option either) decodes with q|k|v and gate|up as one
+12. A model through fuse_projections (--engine compile off CPU: rollout.fuse_sampler) decodes with q|k|v and gate|up as one
    matrix product each, and writes a layer's new keys and values with one kernel (fused_attention, fused_mlp:
    the layer's own attention and MLP forwards otherwise; RowCache.update_both). A
    BLAS may sum a fused product in another order than the separate ones: last-bit differences, so a token can
