@@ -169,7 +169,7 @@ def test_trainer_shortens_openmp_spinning_before_torch_loads(given, expected, tm
              "        print('at torch import:', os.environ.get('GOMP_SPINCOUNT'))\n"
              "    return real_import(name, *args, **kwargs)\n"
              "__builtins__.__import__ = spy\n"
-             f"trainer.main(['--model', '/nonexistent/model', '--out', {str(tmp_path)!r}])\n")
+             f"trainer.main(['--model', 'periodic-rl-tests/no-such-model', '--out', {str(tmp_path)!r}])\n")
     env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")} | given
     result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True,
                             timeout=60)

@@ -241,7 +241,8 @@ def test_a_huge_prompt_is_refused_before_it_is_tokenized(tiny_model_dir, tmp_pat
 def test_a_blank_data_option_is_refused(tiny_model_dir, tmp_path, data):
     """Claim (#33 point 13): `--data ''` (`--data "$DATA"` with DATA unset) is one line, exit 1, before any model
     loads: it trained on the built-in task and exited 0."""
-    result = subprocess.run(trainer_args(tmp_path / "no-such-model", tmp_path / "out", "--data", data), cwd=ROOT,
+    model = "periodic-rl-tests/no-such-model"  # a hub id that is not there: loading it would fail
+    result = subprocess.run(trainer_args(model, tmp_path / "out", "--data", data), cwd=ROOT,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.strip().splitlines() == [f"error: --data {data!r} names no data (an unset shell variable?): "
