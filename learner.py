@@ -46,6 +46,7 @@ from grpo import ADVANTAGE_EPS, batch_std, grpo_loss, loss_normalizer, micro_bat
 from inference import PipelineError
 from infra import distributed
 from infra.distributed import Ranks
+from infra.stopping import stops_deferred
 from infra.timeline import TRAIN, Timeline
 from rollout import Group
 from tri_model import TriModel
@@ -301,8 +302,8 @@ class Learner:
     def step(self) -> None:
         """The current mini-batch's optimizer step: ∇ /= D, clip, AdamW, then the schedule's next rate. With ranks,
         ∇, D's counts and the loss are first summed over the ranks (infra/distributed.py): the same step on every
-        rank."""
-        self.stepping = True
+        rank. A stop signal inside the update itself waits for its end (milliseconds): θ, AdamW's state, the schedule
+        and the step count move together, so a stop checkpoint can hold them (`iterations_done`)."""
         with self.timeline.span(f"optimizer step {self.steps_done}"):
             counts = [self.minibatch_sequences, self.loss_tokens, self.minibatch_micro_batches]
             minibatch_loss = self.minibatch_loss
@@ -329,19 +330,22 @@ class Learner:
             if self.cfg.max_grad_norm > 0:
                 self.sums["grad_norm"] += torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm)
             self.learning_rate = self.optimizer.param_groups[0]["lr"]  # this step's (what transformers logs)
-            self.optimizer.step()
-            if self.scheduler is not None:
-                self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        self.sums["loss"] += minibatch_loss / normalizer  # this mini-batch's loss, as optimised
-        self.steps_done += 1
-        self.replayed = self.minibatch_sequences = self.minibatch_micro_batches = 0
-        self.minibatch_loss = torch.zeros((), device=self.device)
-        self.stepping = False
+            with stops_deferred():  # θ moves from here: whole or not at all
+                self.stepping = True
+                self.optimizer.step()
+                if self.scheduler is not None:
+                    self.scheduler.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                self.sums["loss"] += minibatch_loss / normalizer  # this mini-batch's loss, as optimised
+                self.steps_done += 1
+                self.replayed = self.minibatch_sequences = self.minibatch_micro_batches = 0
+                self.minibatch_loss = torch.zeros((), device=self.device)
+                self.stepping = False
 
     def iterations_done(self) -> int | None:
         """How many iterations the weights and AdamW's state hold exactly, or None half-way through an
-        iteration's steps (or inside one): what a checkpoint written now can claim."""
+        iteration's steps (or inside one, cut by a KeyboardInterrupt that no stop handler deferred): what a
+        checkpoint written now can claim."""
         if self.iteration is None or self.stepping:
             return None
         if self.steps_done == 0:

@@ -82,6 +82,17 @@ def record(timeline: Timeline, message) -> None:
         timeline.add(Span("evaluate", INFERENCE, message.start, message.end))
 
 
+def iteration_row(iteration: int, evaluation: float | None, learner: Learner, timeline: Timeline, start: float,
+                  first_span: int) -> dict:
+    """Iteration k's metrics: the held-out reward of θ_k (None if not due or not come), the learner's, the timings."""
+    timing = timeline.summary(start, time.perf_counter(), first_span)
+    row = {"iteration": iteration, "policy_version": iteration, "eval_reward": evaluation, **learner.metrics(),
+           **timing, "tokens_per_s": learner.all_tokens / timing["iteration_s"]}
+    if not all(math.isfinite(v) for v in row.values() if isinstance(v, float)):
+        raise PipelineError(f"iteration {iteration} produced a non-finite metric: {row}")
+    return row
+
+
 def train(cfg, policy, rollouts, learner: Learner, timeline: Timeline, first: int = 0, held_out: bool = True,
           tail_threads: int | None = None, in_turns: bool = False, ranks: Ranks = Ranks()) -> Iterator[dict]:
     """Run iterations first..cfg.iterations-1 and yield one metrics dict per iteration, then the final evaluation's.
@@ -93,6 +104,9 @@ def train(cfg, policy, rollouts, learner: Learner, timeline: Timeline, first: in
     (departure 3), or None.
     `in_turns`: take the inference side's whole iteration before computing (its threads and ours would overlap
     on too few cores). The last yielded dict has `"final": True` and only the evaluation of θ_final.
+    A stop (KeyboardInterrupt) after an iteration's last step still yields that iteration's row, then is raised
+    again: launch/setup.py keeps the iterations done in a checkpoint only once their rows are out (one rank only:
+    the row's metrics are a collective with ranks).
     """
     for iteration in range(first, cfg.iterations):
         start, first_span = time.perf_counter(), len(timeline.spans)
@@ -107,23 +121,25 @@ def train(cfg, policy, rollouts, learner: Learner, timeline: Timeline, first: in
         if in_turns:  # the inference side's whole iteration first, then training: each side on every core
             messages = list(messages)
         evaluation = None
-        for message in messages:
-            record(timeline, message)
-            if isinstance(message, Group):
-                learner.take(message)
-            elif isinstance(message, Evaluation):             # held-out reward of θ_k (if due)
-                evaluation, evaluating = held_out_reward(message, iteration), False
-            if tail_threads and learner.all_taken() and not evaluating:
-                torch.set_num_threads(tail_threads)           # sampling is done: every core trains the tail
-            for micro_batch in learner.ready():               # (then passes 2..μ over the stored batch)
-                learner.accumulate(micro_batch)               # forward, backward: ∇ accumulates
-                if learner.minibatch_done():
-                    learner.step()                            # optimizer step, one per mini-batch and pass
-        timing = timeline.summary(start, time.perf_counter(), first_span)
-        row = {"iteration": iteration, "policy_version": iteration, "eval_reward": evaluation, **learner.metrics(),
-               **timing, "tokens_per_s": learner.all_tokens / timing["iteration_s"]}
-        if not all(math.isfinite(v) for v in row.values() if isinstance(v, float)):
-            raise PipelineError(f"iteration {iteration} produced a non-finite metric: {row}")
+        try:
+            for message in messages:
+                record(timeline, message)
+                if isinstance(message, Group):
+                    learner.take(message)
+                elif isinstance(message, Evaluation):         # held-out reward of θ_k (if due)
+                    evaluation, evaluating = held_out_reward(message, iteration), False
+                if tail_threads and learner.all_taken() and not evaluating:
+                    torch.set_num_threads(tail_threads)       # sampling is done: every core trains the tail
+                for micro_batch in learner.ready():           # (then passes 2..μ over the stored batch)
+                    learner.accumulate(micro_batch)           # forward, backward: ∇ accumulates
+                    if learner.minibatch_done():
+                        learner.step()                        # optimizer step, one per mini-batch and pass
+            row = iteration_row(iteration, evaluation, learner, timeline, start, first_span)
+        except KeyboardInterrupt:  # a stop once the steps are done (awaiting the iteration's end or its evaluation)
+            if ranks.size > 1 or learner.iterations_done() != iteration + 1:
+                raise
+            yield iteration_row(iteration, evaluation, learner, timeline, start, first_span)  # its row first, without
+            raise                                             # what had not come: a stop checkpoint then holds θ_{k+1}
         yield row
     if ranks.size > 1:
         check_same_weights(policy, ranks)                     # every rank's θ_final: the same bits

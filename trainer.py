@@ -386,7 +386,7 @@ def shorten_openmp_spinning(environ=os.environ) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    Interrupted.received = None
+    Interrupted.received = Interrupted.held = None
     launcher = os.getppid()  # torchrun's agent, for a rank (distributed.die_with_launcher), read before anything loads
     ranks = None  # this process's ranks (distributed.Ranks) once the options are read: error lines name it
     cfg, failed_save = None, None  # the options once read; an output a stop could not write (its checkpoint)
@@ -473,7 +473,7 @@ def kept_on_stop(cfg: Config | None, ranks, failed_save: Exception | None) -> st
     if failed_save is not None:
         lost = f"the stop checkpoint could not be written ({failed_save})"
     elif k < done:
-        lost = f"no checkpoint holds iterations {k} to {done - 1}"  # a stop inside a step writes none (setup.train)
+        lost = f"no checkpoint holds iterations {k} to {done - 1}"  # a stop half-way through an iteration's steps
     elif newest is None:
         return "; no iteration was done, so no checkpoint was written"
     else:

@@ -2,6 +2,8 @@
 
     with stopped_by_signals():     # Ctrl-C (SIGINT), SIGTERM, SIGHUP -> Interrupted(signum), raised in the main thread
         ... the run ...
+        with stops_deferred():     # a block a stop does not cut (an optimizer step): raised as it ends
+            ...
     exit_without_lingering(code)   # sys.exit, but at most `grace` seconds for threads that are not daemons
 
 A stop signal becomes an exception like Ctrl-C's KeyboardInterrupt, so every `with` block on the way out (the
@@ -26,6 +28,8 @@ class Interrupted(KeyboardInterrupt):
     process on the way out, and the schedule may catch it at a safe point."""
 
     received: int | None = None  # the run's first stop signal, kept even if something swallowed its exception
+    deferring: int = 0  # how many `stops_deferred` blocks the main thread is in
+    held: int | None = None  # a stop signal that came inside one, raised as the outermost ends
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
@@ -47,6 +51,9 @@ def stopped_by_signals():
     ignores SIGHUP, a shell's background job SIGINT). The previous handlers come back afterwards."""
     def interrupt(signum, frame):
         Interrupted.received = Interrupted.received or signum
+        if Interrupted.deferring:
+            Interrupted.held = Interrupted.held or signum
+            return
         raise Interrupted(signum)
     previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
     for signum, handler in previous.items():
@@ -57,6 +64,22 @@ def stopped_by_signals():
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+@contextmanager
+def stops_deferred():
+    """A block that a stop signal does not cut: one arriving inside is raised as the block ends (as `Interrupted`, in
+    the main thread, where signals are handled). For a few milliseconds of work whose half-done state is worth
+    nothing, such as an optimizer step: θ and AdamW's state then change together or not at all, and a stop
+    checkpoint can hold them. Not for a wait: the stop would wait with it."""
+    Interrupted.deferring += 1
+    try:
+        yield
+    finally:
+        Interrupted.deferring -= 1
+    if not Interrupted.deferring and Interrupted.held is not None:
+        signum, Interrupted.held = Interrupted.held, None
+        raise Interrupted(signum)
 
 
 def exit_without_lingering(code: int, grace: float = 5.0) -> None:

@@ -191,8 +191,10 @@ def train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs
     `on_completions(records)`: with --log-completions, told each iteration's completions, every rank's, before its row
     (infra/completions.py; trainer.py writes them on rank 0).
     `ranks`: this process's trainer rank (infra/distributed.py): it samples and trains only its generate calls.
-    A stop signal (KeyboardInterrupt) between iterations keeps a checkpoint of the iterations done when
-    --save-every or --save-on-stop asks for one.
+    A stop signal (KeyboardInterrupt) at any moment keeps a checkpoint of the iterations done when --save-every or
+    --save-on-stop asks for one: the last completed iteration (its optimizer step done, its row out first; a stop
+    inside the step waits for its end, learner.py), never a half-done one (with N·μ > 1 steps per iteration, a stop
+    after its first step keeps none: θ_k and AdamW's state at k are gone).
     """
     if rollouts is None and samples_elsewhere(cfg, ranks):
         raise ValueError("async mode samples in the inference process: pass `rollouts` (see inference_side)")
@@ -254,19 +256,25 @@ def train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs
         with timeline.span(f"checkpoint {iterations_done}"), config_as_loaded(policy):
             checkpoint.save(cfg.out, iterations_done, policy, tokenizer, optimizer, cfg, theta_0, cfg.keep_checkpoints,
                             scheduler)
-    logged = first  # iterations whose row is out
+    logged, in_hand = first, None  # iterations whose row is out; a row not yet out
     try:
         for row in rows:
+            in_hand = row
             if cfg.log_completions and not row.get("final"):  # every rank's samples (under torchrun, a collective)
                 on_completions(completions.gathered(row["iteration"], learner.taken, tokenizer, learner.reward_names,
                                                     ranks))
             if not row.get("final"):
                 logged = row["iteration"] + 1
+            in_hand = None
             yield row
             if not row.get("final") and cfg.save_every and logged % cfg.save_every == 0:
                 save_checkpoint(logged)  # an exact resume point (after the row is out)
     except KeyboardInterrupt:  # a stop signal (trainer.py): keep the iterations done, if that state is exact
         done = learner.iterations_done()  # None half-way through an iteration's steps: not an exact state
+        if in_hand is not None and not in_hand.get("final") and done == in_hand["iteration"] + 1:
+            with contextlib.suppress(KeyboardInterrupt):  # the row of the iteration done goes out first (the caller
+                yield in_hand                             # writes it, then throws the stop back in)
+            logged = done
         if (cfg.save_every or cfg.save_on_stop) and done == logged != first:  # and each iteration's row is out
             save_checkpoint(done)
         raise

@@ -2,6 +2,7 @@
 import dataclasses
 import json
 import math
+import os
 import re
 import shutil
 import signal
@@ -39,9 +40,13 @@ def outcome(out: Path) -> tuple[list[dict], dict[str, torch.Tensor]]:
     return rows, load_file(out / "policy" / "model.safetensors")
 
 
-def assert_same_run(a: Path, b: Path) -> None:
+def assert_same_run(a: Path, b: Path, cut_short: int | None = None) -> None:
+    """The same metrics (timings aside) and bitwise the same policy; but row `cut_short` of `b` (a stop's last
+    iteration) may lack the held-out reward: the stop came before the evaluation of θ_k (launch/setup.train)."""
     rows_a, weights_a = outcome(a)
     rows_b, weights_b = outcome(b)
+    if cut_short is not None and rows_b[cut_short]["eval_reward"] is None:
+        rows_b[cut_short]["eval_reward"] = rows_a[cut_short]["eval_reward"]
     assert rows_a == rows_b
     assert weights_a.keys() == weights_b.keys() and all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
 
@@ -60,7 +65,8 @@ def test_a_stopped_run_resumed_equals_the_uninterrupted_one(tiny_model_dir, tmp_
     never interrupted, with equal thread counts, in sync and async mode, with 1 and 2 updates per iteration;
     metrics.jsonl continues. Rollouts are the same too: their rewards and lengths are in the metrics, and
     any other rollout would move the weights elsewhere. The learning-rate schedule (the default linear decay, a
-    warmed-up cosine over 2 passes per iteration) continues where it was: its state is in the checkpoint."""
+    warmed-up cosine over 2 passes per iteration) continues where it was: its state is in the checkpoint. (A stop
+    after an iteration's step but before θ_k's evaluation came keeps that iteration without its held-out reward.)"""
     run = ["--model", tiny_model_dir, *RUN, "--mode", mode, "--updates-per-iteration", updates, *extra]
     straight = subprocess.run(trainer(*run, "--out", tmp_path / "straight"), cwd=ROOT, capture_output=True, text=True,
                               timeout=300)
@@ -87,11 +93,12 @@ def test_a_stopped_run_resumed_equals_the_uninterrupted_one(tiny_model_dir, tmp_
         assert re.search(r"^interrupted by SIGTERM: .*; (.*checkpoint-(\d) holds the \2 iterations done|no checkpoint "
                          r"holds iterations \d to \d): --resume auto --out \S+ continues from", err.splitlines()[-1]), err
     assert not (out / "policy").exists()
+    kept = checkpoint.read_state(checkpoint.checkpoints(out)[-1])["iterations_done"]
     resumed = subprocess.run(trainer("--resume", "auto", "--out", out, "--model", tiny_model_dir), cwd=ROOT,
                              capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming from" in resumed.stdout
-    assert_same_run(tmp_path / "straight", out)
+    assert_same_run(tmp_path / "straight", out, kept - 1 if stop == signal.SIGTERM else None)
 
 
 def test_resume_refuses_options_that_change_the_run(tiny_model_dir):
@@ -285,6 +292,139 @@ def test_a_stop_writes_a_checkpoint_of_the_iterations_done(tiny_model_dir, tmp_p
     optimizer = torch.optim.AdamW(fresh.parameters(), lr=cfg.lr)
     assert checkpoint.restore(tmp_path / "checkpoint-1", fresh, optimizer, checkpoint.fingerprint(fresh)) == 1
     assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), policy.parameters()))
+
+
+STOPPED_AT = """
+import os, runpy, signal, sys
+import torch
+import learner
+from infra import completions
+owner, name = {"optimizer step": (torch.optim.AdamW, "step"), "after the step": (learner.Learner, "step"),
+               "writing completions": (completions.CompletionsLog, "write")}[os.environ["STOP_AT"]]
+signum, calls, real = int(os.environ["STOP_SIGNAL"]), [], getattr(owner, name)
+def patched(*args, **kwargs):
+    result = real(*args, **kwargs)
+    calls.append(1)
+    if len(calls) == 3:  # iteration 2's: the signal as Ctrl-C sends it (the whole group) or kill (the trainer alone)
+        os.killpg(0, signum) if signum == signal.SIGINT else os.kill(os.getpid(), signum)
+    return result
+setattr(owner, name, patched)
+sys.argv = sys.argv[1:]
+runpy.run_path("trainer.py", run_name="__main__")
+"""
+# Async (the inference process streams the groups), one step per iteration, no evaluation at iteration 2.
+ASYNC_RUN = ["--data", "arithmetic", "--iterations", "6", "--batch-size", "16", "--group-size", "4", "--max-new-tokens",
+             "4", "--eval-every", "4", "--eval-size", "4", "--groups-per-chunk", "2", "--micro-batch-tokens", "64",
+             "--rollout-threads", "1", "--train-threads", "1", "--log-completions"]
+
+
+def checkpoint_contents(path: Path) -> tuple[dict, dict, dict]:
+    """A checkpoint's θ, AdamW's state and the schedule's, to compare bitwise."""
+    optimizer = torch.load(path / "optimizer.pt", weights_only=True)
+    return (load_file(path / "policy" / "model.safetensors"), optimizer["state"],
+            torch.load(path / "scheduler.pt", weights_only=True))
+
+
+def same(a, b) -> bool:
+    """Bitwise equal: tensors, and the dicts, lists and tuples that hold them (a state_dict)."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(same, a, b))
+    return a == b
+
+
+@pytest.fixture(scope="module")
+def straight_async_run(tiny_model_dir, tmp_path_factory) -> Path:
+    """ASYNC_RUN run through, with --save-every 3: its checkpoint-3 is the state a stop after iteration 2 must keep."""
+    out = tmp_path_factory.mktemp("straight-async") / "run"
+    done = subprocess.run(trainer("--model", tiny_model_dir, *ASYNC_RUN, "--save-every", "3", "--out", out), cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where, signum", [("after the step", signal.SIGINT), ("optimizer step", signal.SIGTERM),
+                                           ("writing completions", signal.SIGINT)])
+def test_a_stop_at_any_moment_keeps_the_last_iteration_done(straight_async_run, tiny_model_dir, tmp_path, where,
+                                                            signum):
+    """Claim: with --save-on-stop, an async run stopped at any moment keeps a checkpoint of its last completed
+    iteration, bitwise the uninterrupted run's (θ, AdamW's state, the schedule's), and that iteration's row: a stop
+    right after iteration 2's optimizer step, while the trainer still waits for the iteration's end (Ctrl-C to the
+    group: the inference process dies with it), inside the step (SIGTERM after AdamW moved θ, before the schedule's
+    step: the stop waits for the step's end), or while iteration 2's completions are written. Each wrote no
+    checkpoint at all ("no checkpoint holds iterations 0 to 2": a stop between the step and the row was taken for a
+    half-done iteration)."""
+    out = tmp_path / "run"
+    with faults.Launch("--model", tiny_model_dir, *ASYNC_RUN, "--save-on-stop", "--out", out,
+                       launcher=("-c", STOPPED_AT), env={"STOP_AT": where, "STOP_SIGNAL": str(int(signum))}) as run:
+        run.assert_stopped(128 + signum, rf"^interrupted by {signum.name}: the run was stopped, nothing is left "
+                                         r"running; .*checkpoint-3 holds the 3 iterations done: --resume auto --out "
+                                         r"\S+ continues from there$", within=240)
+    assert [p.name for p in checkpoint.checkpoints(out)] == ["checkpoint-3"]
+    assert same(checkpoint_contents(out / "checkpoint-3"), checkpoint_contents(straight_async_run / "checkpoint-3"))
+    rows, _ = outcome(straight_async_run)
+    assert [{k: v for k, v in row.items() if not k.endswith(TIMINGS)} for row in
+            map(json.loads, (out / "metrics.jsonl").read_text().splitlines())] == rows[:3]
+
+
+def test_a_stop_between_the_step_and_the_row_keeps_that_iteration(tiny_model_dir, tmp_path, monkeypatch):
+    """Claim: with --save-on-stop, a stop right after iteration 1's optimizer step, before its row is out (where an
+    async trainer waits for the iteration's end, or its evaluation), still hands iteration 1's row out, then stops
+    and writes checkpoint-2 (θ_2, AdamW after two steps), which restores the weights the run had. It wrote no
+    checkpoint (the iterations done, 2, were taken for a half-done iteration against the 1 row out)."""
+    import learner
+    from launch import setup
+    from infra.data import load_task
+    from infra.reward import load_rewards
+    real_step, steps = learner.Learner.step, []
+
+    def step_then_stop(self):
+        real_step(self)
+        steps.append(self.iteration)
+        if len(steps) == 2:
+            raise KeyboardInterrupt  # as a signal handled right after the step would
+    monkeypatch.setattr(learner.Learner, "step", step_then_stop)
+    cfg = parse_args(["--model", str(tiny_model_dir), *RUN, "--mode", "sync", "--save-on-stop", "--out", str(tmp_path)])
+    policy, tokenizer = load_model(cfg.model)
+    train, held_out = load_task(cfg.data, eval_size=cfg.eval_size)
+    rows = setup.train(cfg, policy, tokenizer, train, held_out, load_rewards(cfg.reward), {})
+    handed_out = []
+    with pytest.raises(KeyboardInterrupt):
+        for row in rows:
+            handed_out.append(row["iteration"])
+    assert handed_out == [0, 1]
+    assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["checkpoint-2"]
+    fresh, _ = load_model(cfg.model)
+    optimizer = torch.optim.AdamW(fresh.parameters(), lr=cfg.lr)
+    assert checkpoint.restore(tmp_path / "checkpoint-2", fresh, optimizer, checkpoint.fingerprint(fresh)) == 2
+    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), policy.parameters()))
+
+
+def test_a_stop_inside_a_deferred_block_waits_for_its_end():
+    """Claim: a stop signal inside `stops_deferred` (the update of Learner.step: θ, AdamW's state and the schedule)
+    lets the block run to its end and is raised there, as `Interrupted`; outside such a block it is raised at once.
+    (A stop half-way through the update left a state no checkpoint could hold, and none was written.)"""
+    from infra.stopping import Interrupted, stopped_by_signals, stops_deferred
+    reached = []
+    try:
+        with stopped_by_signals():
+            with pytest.raises(Interrupted) as stop:
+                with stops_deferred():
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    time.sleep(0.05)
+                    reached.append("the block's end")
+            assert reached == ["the block's end"] and stop.value.signum == signal.SIGTERM
+            with pytest.raises(Interrupted):
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.05)
+                reached.append("past the signal")
+            assert reached == ["the block's end"]
+    finally:
+        Interrupted.received = Interrupted.held = None
 
 
 KILLED_WHILE_SAVING = """
