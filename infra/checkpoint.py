@@ -36,7 +36,7 @@ import torch
 from config import Config
 from infra.errors import UserError
 from infra.options import validate
-from infra.outputs import CHECKPOINT, save_atomically, writing
+from infra.outputs import checkpoints, save_atomically, writing
 from infra.records import absolute_paths
 
 # Options a resumed run may give anew: they decide how long, where, on what and how often to report, or change
@@ -97,22 +97,12 @@ def save(out: str | Path, iterations_done: int, policy, tokenizer, optimizer: to
     return target
 
 
-def checkpoints(out: str | Path) -> list[Path]:
-    """The complete checkpoints in `out`, oldest first (a torn write never has a checkpoint-<k> name)."""
-    found = [(int(m.group(1)), p) for p in Path(out).glob("checkpoint-*") if (m := CHECKPOINT.match(p.name))]
-    return [p for _, p in sorted(found) if (p / "state.json").is_file()]
-
-
-def find(resume: str, out: str | Path) -> Path:
-    """--resume PATH (a checkpoint directory) or auto (the newest complete one in --out)."""
+def find(resume: str, out: str | Path) -> Path | None:
+    """--resume PATH (a checkpoint directory) or auto (the newest complete one in --out; None if there is none yet:
+    the run starts from iteration 0, infra/outputs.claimed)."""
     if resume == "auto":
         found = checkpoints(out)
-        if not found:
-            raise CheckpointError(f"--resume auto: no checkpoint in {out} to continue its run from (they are written "
-                                  "by --save-every N, and by --save-on-stop when stopped): start it again with "
-                                  "--overwrite instead of --resume auto (it replaces the run there), or choose "
-                                  "another --out")
-        return found[-1]
+        return found[-1] if found else None
     path = Path(resume)
     if not (path / "state.json").is_file():
         raise CheckpointError(f"--resume {resume}: not a checkpoint directory (no state.json in it); "
@@ -178,11 +168,14 @@ def resumed_config(cfg: Config, given: set[str], state: dict) -> Config:
 
 
 def resumption(cfg: Config, given: set[str]) -> tuple[Config, Path | None]:
-    """--resume: (the config the checkpoint fixes, the checkpoint); (cfg, None) without --resume. A checkpoint named
-    by its path continues in its own run directory unless --out is given."""
+    """--resume: (the config the checkpoint fixes, the checkpoint); (cfg, None) without --resume, and with --resume
+    auto where --out holds no checkpoint yet. A checkpoint named by its path continues in its own run directory
+    unless --out is given."""
     if cfg.resume is None:
         return cfg, None
     path = find(cfg.resume, cfg.out)
+    if path is None:  # --resume auto before the run's first checkpoint: it starts (again) from iteration 0
+        return cfg, None
     state = read_state(path)
     if cfg.resume != "auto" and "out" not in given:
         cfg = dataclasses.replace(cfg, out=str(path.parent))

@@ -32,8 +32,10 @@ Rules (each a one-line `OutputError` when broken; trainer.py prints it and exits
    when two start in the same second), and runs/latest becomes a link to it (`link_latest`), so `python plot.py
    runs/latest` and `--config runs/latest/config.json` find the newest run, and any command can be run again. An
    explicit --out keeps rules 2 and 3. `--resume auto` needs --out (runs/latest may be another run by the time a
-   preempted job is resubmitted); where --out holds no run to continue it starts one (`resume_or_start`), so that
-   the same command serves every submission of a preemptible job.
+   preempted job is resubmitted); where --out holds no run to continue it starts one (`resume_or_start`), and
+   where it holds a run that stopped before its first checkpoint it starts that run again from iteration 0,
+   replacing its outputs (`claimed`, with a line; not a finished run, nor one that asked for no checkpoints), so
+   that the same command serves every submission of a preemptible job.
 
 Departure, on purpose: replacing an existing directory takes two renames (the old one aside, the new one
 in), as POSIX renames no directory over a non-empty one; a kill between the two (microseconds) leaves the
@@ -194,6 +196,13 @@ def run_files(out: Path) -> tuple[list[Path], list[Path]]:
     return ours, foreign
 
 
+def checkpoints(out: str | Path) -> list[Path]:
+    """The complete checkpoints in `out`, oldest first (a torn write never has a checkpoint-<k> name; written and
+    read by infra/checkpoint.py)."""
+    found = [(int(m.group(1)), p) for p in Path(out).glob("checkpoint-*") if (m := CHECKPOINT.match(p.name))]
+    return [p for _, p in sorted(found) if (p / "state.json").is_file()]
+
+
 def is_run(path: Path) -> bool:
     """Whether one of `run_files` makes a run (the records alone, config.json and an empty metrics.jsonl, do not)."""
     return path.name != "config.json" and (path.is_dir() or path.stat().st_size > 0)
@@ -279,6 +288,21 @@ def resume_or_start(cfg: Config) -> Config:
     return cfg
 
 
+def check_restartable(out: Path, found: list[Path]) -> None:
+    """Refuse to replace, for --resume auto, a run without checkpoints that did not stop before its first: a finished
+    one (its policy/), or one that never asked for any (no --save-every or --save-on-stop in its config.json)."""
+    if out / "policy" in found:
+        raise OutputError(f"--resume auto: --out {out} holds a finished run ({listed(found)}) and no checkpoint: there "
+                          "is nothing to continue; pass --overwrite instead of --resume auto to run it again, "
+                          "replacing it, or choose another --out")
+    record = out / "config.json"
+    options = json.loads(record.read_text()) if is_record(record) else {}
+    if not (options.get("save_every") or options.get("save_on_stop")):
+        raise OutputError(f"--resume auto: --out {out} holds a run ({listed(found)}) with no checkpoint, started "
+                          "without --save-every or --save-on-stop: there is nothing to continue; pass --overwrite "
+                          "instead of --resume auto to replace it, or choose another --out")
+
+
 @contextmanager
 def claimed(cfg: Config) -> Iterator[Path]:
     """`--out`, checked, locked for the run (rule 2) and free of any other run's files (rule 3)."""
@@ -301,20 +325,29 @@ def claimed(cfg: Config) -> Iterator[Path]:
         if foreign:
             raise OutputError(f"--out {out} holds {listed(foreign)}, not written by this trainer: a run writes there "
                               "and would replace it; move it away, or choose another --out")
-        found = [path for path in ours if is_run(path)]
+        found, kept = [path for path in ours if is_run(path)], checkpoints(out)
+        restarted = bool(cfg.resume == "auto" and found and not kept)  # a run stopped before its first checkpoint
+        if restarted:
+            check_restartable(out, found)
+            print(f"periodic-rl: --resume auto: no checkpoint in {out} yet: starting the run from iteration 0 "
+                  f"(replacing the outputs of the run that stopped before its first checkpoint: {listed(found)})",
+                  flush=True)
         if found and not cfg.overwrite and (cfg.resume is None or not continues_here(cfg, out)):
             if cfg.resume is None:
-                raise OutputError(f"--out {out} holds a previous run ({listed(found)}): pass --resume auto to "
-                                  "continue it, --overwrite to replace it, or choose another --out")
+                raise OutputError(f"--out {out} holds a previous run ({listed(found)}): "
+                                  + ("pass --resume auto to continue it, --overwrite to replace it" if kept else
+                                     "it has no checkpoint to continue from: pass --overwrite to replace it")
+                                  + ", or choose another --out")
             raise OutputError(f"--out {out} holds another run ({listed(found)}) than the one --resume {cfg.resume} "
                               "continues, and the two would mix: choose another --out, or pass --overwrite to "
                               "replace it")
-        if cfg.overwrite and cfg.resume is not None and continues_here(cfg, out):
+        if cfg.overwrite and cfg.resume is not None and continues_here(cfg, out) and not restarted:
             raise OutputError(f"--overwrite would delete the run in --out {out} that --resume {cfg.resume} continues, "
                               "its checkpoints included: drop --overwrite")
-        for path in [*tracker_files(out), *ours] if cfg.overwrite else []:  # (config.json names the trackers' files)
+        replacing = cfg.overwrite or restarted
+        for path in [*tracker_files(out), *ours] if replacing else []:  # (config.json names the trackers' files)
             remove(path)
-        for folder in (out / TENSORBOARD_DIR, out / WANDB_DIR) if cfg.overwrite else ():
+        for folder in (out / TENSORBOARD_DIR, out / WANDB_DIR) if replacing else ():
             for link in folder.iterdir() if folder.is_dir() else ():
                 if link.is_symlink() and not link.exists():  # wandb's debug.log links into a deleted run
                     link.unlink()

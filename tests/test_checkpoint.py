@@ -199,8 +199,7 @@ def test_checkpoints_are_atomic_pruned_and_checked(tiny_model_dir, tmp_path, mon
         checkpoint.restore(tmp_path / "checkpoint-3", fresh, fresh_optimizer, theta_0)
     with pytest.raises(checkpoint.CheckpointError, match="not a checkpoint"):
         checkpoint.find(str(tmp_path / "nothing"), tmp_path)
-    with pytest.raises(checkpoint.CheckpointError, match="no checkpoint"):
-        checkpoint.find("auto", tmp_path / "empty")
+    assert checkpoint.find("auto", tmp_path / "empty") is None  # none yet: the run starts from iteration 0
     (tmp_path / "checkpoint-2" / "state.json").write_text("{")
     with pytest.raises(checkpoint.CheckpointError, match="unreadable"):
         checkpoint.read_state(tmp_path / "checkpoint-2")
@@ -267,10 +266,7 @@ def test_a_bad_resume_is_one_line(tmp_path):
     assert result.stderr.strip().splitlines() == [f"error: --resume {tmp_path}: not a checkpoint directory (no "
                                                   f"state.json in it); pass a <out>/checkpoint-<k> directory or "
                                                   f"--resume auto"]
-    with pytest.raises(checkpoint.CheckpointError, match=r"^--resume auto: no checkpoint in .* start it again with "
-                                                          r"--overwrite instead of --resume auto \(it replaces the run there\), or "
-                                                          r"choose another --out$"):
-        checkpoint.find("auto", tmp_path)  # a run stopped before its first checkpoint: the line names the way out
+    assert checkpoint.find("auto", tmp_path) is None  # none yet: the run starts from iteration 0 (outputs.claimed)
 
 
 def test_a_stop_writes_a_checkpoint_of_the_iterations_done(tiny_model_dir, tmp_path):
@@ -464,6 +460,31 @@ def test_a_kill_while_a_checkpoint_is_written_leaves_the_previous_one(tiny_model
     assert checkpoint.find("auto", tmp_path).name == "checkpoint-1" and not (tmp_path / "checkpoint-2").exists()
     policy, _ = load_model(str(tiny_model_dir))
     assert checkpoint.restore(tmp_path / "checkpoint-1", policy, torch.optim.AdamW(policy.parameters()), "θ0") == 1
+
+
+@pytest.mark.slow
+def test_the_preemptible_recipe_survives_a_kill_before_the_first_checkpoint(tiny_model_dir, tmp_path):
+    """Claim: the README's preemptible recipe (`--save-every N --resume auto --out DIR`, the same command at every
+    submission) works when a job is killed before its first checkpoint: the next submission starts the run again
+    from iteration 0, saying so in one line, and finishes it (it ended with "error: --resume auto: no checkpoint in
+    DIR ...", exit 1, at every submission from then on)."""
+    out = tmp_path / "run"
+    command = ["--model", tiny_model_dir, *RUN, "--save-every", "3", "--resume", "auto", "--out", out]
+    with faults.Launch(*command) as first:
+        first.wait_for(r"^iter ")
+        deadline = time.monotonic() + 60
+        while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text()):
+            assert time.monotonic() < deadline, "\n".join(first.stderr)
+            time.sleep(0.01)
+        first.send(signal.SIGKILL)  # preempted: nothing can be saved
+        first.assert_stopped(None, None)
+    assert not checkpoint.checkpoints(out) and (out / "metrics.jsonl").read_text()
+    again = subprocess.run(trainer(*command), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert (f"periodic-rl: --resume auto: no checkpoint in {out} yet: starting the run from iteration 0 (replacing "
+            "the outputs of the run that stopped before its first checkpoint: metrics.jsonl") in again.stdout
+    assert metrics_iterations(out) == [0, 1, 2, 3, "final"] and [p.name for p in checkpoint.checkpoints(out)] == [
+        "checkpoint-3"] and (out / "policy" / "model.safetensors").is_file()
 
 
 # --- resuming: nothing lost, nothing mixed (issue #33) ---

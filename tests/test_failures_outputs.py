@@ -1,6 +1,7 @@
 """Outputs and saves fail cleanly (issue #13, part B): bad output paths are one line at start-up, one run per --out,
 no previous run mixed in or lost, the policy saved before anything that can still fail, and saved atomically."""
 import errno
+import fcntl
 import json
 import os
 import re
@@ -18,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import trainer
 from config import Config
-from infra import outputs
+from infra import checkpoint, outputs
 from infra.models import ensure_tiny_model
 from infra.options import derive, parse_args, validate
 
@@ -131,6 +132,7 @@ def test_a_previous_run_is_refused_unless_overwrite(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"iteration": 0}\n')
     (tmp_path / "policy").mkdir()
     (tmp_path / "checkpoint-2").mkdir()
+    (tmp_path / "checkpoint-2" / "state.json").write_text("{}")
     (tmp_path / "notes.txt").write_text("the user's own file")
     (tmp_path / ".policy.saving-123").mkdir()
     with pytest.raises(outputs.OutputError, match=r"holds a previous run \(metrics.jsonl, policy/, checkpoint-2/\): "
@@ -416,6 +418,59 @@ def test_resume_auto_needs_out_and_starts_a_run_where_there_is_none(tmp_path, mo
     assert outputs.resume_or_start(Config()) == Config()  # a new run's folder is made by rank 0 (trainer.main)
 
 
+def stopped_run(out: Path, **options) -> Path:
+    """What a run leaves when it stops before its first checkpoint: its record (with `options`) and a row."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps({"run_id": "run-0", "versions": {}, **options}))
+    (out / "metrics.jsonl").write_text('{"iteration": 0}\n')
+    return out
+
+
+def test_resume_auto_starts_again_a_run_that_stopped_before_its_first_checkpoint(tmp_path, capsys):
+    """Claim: `--resume auto` where --out holds a run that stopped before its first checkpoint (it asked for them:
+    --save-every or --save-on-stop) starts the run from iteration 0, replacing that run's outputs, with one line
+    saying so (it was "error: --resume auto: no checkpoint in X", so the preemptible recipe failed on every
+    submission after a first job killed early). It still refuses, touching nothing, a run that is finished (its
+    policy/) or asked for no checkpoints (only its rows would be lost, and --overwrite says so), and an --out in
+    use. Without --resume, such a run is refused without the advice to pass --resume auto (there is nothing to
+    continue)."""
+    out = stopped_run(tmp_path / "early", save_every=20)
+    cfg = Config(out=str(out), resume="auto", save_every=20)
+    assert checkpoint.resumption(cfg, {"out", "resume", "save_every"}) == (cfg, None)
+    with pytest.raises(outputs.OutputError, match=rf"^--out {out} holds a previous run \(metrics.jsonl\): it has no "
+                                                  r"checkpoint to continue from: pass --overwrite to replace it, or "
+                                                  r"choose another --out$"):
+        with outputs.claimed(Config(out=str(out))):
+            pass
+    with open(out / ".lock", "a+") as lock:  # in use by another run: refused, nothing said or removed
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        with pytest.raises(outputs.OutputError, match="is in use by another run"):
+            with outputs.claimed(cfg):
+                pass
+    assert not capsys.readouterr().out and (out / "metrics.jsonl").read_text()
+    with outputs.claimed(cfg):
+        assert sorted(p.name for p in out.iterdir()) == [".lock"]
+    assert capsys.readouterr().out == (f"periodic-rl: --resume auto: no checkpoint in {out} yet: starting the run from "
+                                       "iteration 0 (replacing the outputs of the run that stopped before its first "
+                                       "checkpoint: metrics.jsonl)\n")
+    on_stop = stopped_run(tmp_path / "on-stop", save_on_stop=True)
+    with outputs.claimed(Config(out=str(on_stop), resume="auto", overwrite=True)):  # --overwrite too: the same
+        assert not (on_stop / "metrics.jsonl").exists()
+    for refused, why in [(stopped_run(tmp_path / "no-checkpoints", save_every=0), "started without --save-every or "
+                                                                                  "--save-on-stop"),
+                         (stopped_run(tmp_path / "finished", save_every=20), "holds a finished run")]:
+        if refused.name == "finished":
+            (refused / "policy").mkdir()
+            (refused / "policy" / "config.json").write_text("{}")
+            (refused / "policy" / "model.safetensors").write_bytes(b"weights")
+        before = sorted(p.name for p in refused.iterdir())
+        with pytest.raises(outputs.OutputError, match=rf"^--resume auto: --out {refused} .*{why}.*; pass --overwrite "
+                                                      r"instead of --resume auto"):
+            with outputs.claimed(Config(out=str(refused), resume="auto")):
+                pass
+        assert sorted(p.name for p in refused.iterdir() if p.name != ".lock") == before
+
+
 def test_a_finished_lora_run_can_be_resumed_or_overwritten(tmp_path):
     """Claim: a finished --use-peft run's policy/ (peft's adapter_config.json and adapter_model.safetensors, no
     config.json) is this trainer's: its --out is continued by --resume auto and replaced by --overwrite, where it was
@@ -424,6 +479,8 @@ def test_a_finished_lora_run_can_be_resumed_or_overwritten(tmp_path):
     (tmp_path / "policy" / "adapter_config.json").write_text('{"peft_type": "LORA"}')
     (tmp_path / "policy" / "adapter_model.safetensors").write_bytes(b"adapter")
     (tmp_path / "metrics.jsonl").write_text('{"iteration": 0}\n')
+    (tmp_path / "checkpoint-2").mkdir()  # (without one, there would be nothing to continue)
+    (tmp_path / "checkpoint-2" / "state.json").write_text("{}")
     with outputs.claimed(Config(out=str(tmp_path), resume="auto")):
         assert (tmp_path / "policy" / "adapter_model.safetensors").is_file()
     with outputs.claimed(Config(out=str(tmp_path), overwrite=True)):
