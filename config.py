@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")  # grpo.LOSS_TYPES, repeated so that parsing options needs no torch
 SCALE_REWARDS = ("group", "batch", "none")  # grpo.SCALE_REWARDS (tested, as LOSS_TYPES)
-# transformers.get_scheduler's schedules that need no argument beyond warmup and length (tests/test_trl_options.py)
+# transformers.get_scheduler's schedules over a known length (tests/test_trl_options.py); the last three need
+# --lr-scheduler-kwargs (min_lr or min_lr_rate; num_decay_steps), as they do in TRL
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
-                 "inverse_sqrt")
+                 "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")
 MODES = ("async", "sync")
 ENGINES = ("auto", "compile", "hf")
 SIZES = ("probe", "rule")
@@ -126,6 +127,10 @@ class Config:
     lr_scheduler_type: str = _opt("linear", "learning-rate schedule over the run's optimizer steps (iterations x "
                                             "updates-per-iteration x num-iterations): transformers' get_scheduler, "
                                             "as TRL's lr_scheduler_type; linear decays to 0", choices=LR_SCHEDULERS)
+    lr_scheduler_kwargs: str | None = _opt(None, "the schedule's own arguments, as a JSON object: e.g. "
+                                                 "'{\"min_lr_rate\": 0.1}' for cosine_with_min_lr, "
+                                                 "'{\"num_cycles\": 2}' for cosine_with_restarts (TRL's "
+                                                 "lr_scheduler_kwargs; a config file may give the mapping itself)")
     warmup_ratio: float = _opt(0.0, "fraction of the optimizer steps over which the rate rises linearly from 0 "
                                     "(TRL's warmup_ratio; transformers 5's warmup_steps below 1)", type=_fraction)
     warmup_steps: float = _opt(0, "optimizer steps over which the rate rises linearly from 0, instead of "

@@ -187,6 +187,55 @@ def derive(cfg: Config) -> Config:
     )
 
 
+NEEDS_ARGUMENTS = ("cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")  # transformers' say so
+
+
+def schedule_arguments(text: str | None) -> dict:
+    """--lr-scheduler-kwargs as a mapping ({} when not given); ValueError when it is not a JSON object."""
+    try:
+        kwargs = {} if text is None else json.loads(text)
+    except ValueError:
+        kwargs = None
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"--lr-scheduler-kwargs must be a JSON object, e.g. '{{\"min_lr_rate\": 0.1}}' (got {text!r})")
+    return kwargs
+
+
+def schedule_lengths(cfg: Config) -> tuple[int, int]:
+    """(warm-up steps, optimizer steps) of the run's learning-rate schedule: iterations x updates-per-iteration x
+    num-iterations optimizer steps, warmed up over the first ceil(warmup_ratio x steps) (transformers'
+    `get_warmup_steps`), or warmup_steps of them (below 1: a fraction, as transformers 5 reads it)."""
+    steps = cfg.iterations * cfg.updates_per_iteration * cfg.num_iterations
+    warmup = cfg.warmup_steps if cfg.warmup_steps >= 1 else math.ceil(steps * (cfg.warmup_steps or cfg.warmup_ratio))
+    return int(warmup), steps
+
+
+def schedule_problem(cfg: Config) -> str | None:
+    """Why --lr-scheduler-type with --lr-scheduler-kwargs does not build, in one line (None: it does): the
+    schedule is built on a one-parameter optimizer, so transformers' own refusal (a missing min_lr_rate, an
+    argument the schedule does not take) comes before any model loads. constant and constant_with_warmup take
+    no arguments, and transformers would drop them silently: refused here."""
+    import torch  # here: parsing options needs no torch unless a schedule takes arguments
+    from transformers import get_scheduler
+
+    option = f"--lr-scheduler-type {cfg.lr_scheduler_type}"
+    try:
+        kwargs = schedule_arguments(cfg.lr_scheduler_kwargs)
+        if kwargs and cfg.lr_scheduler_type in ("constant", "constant_with_warmup"):
+            return f"{option} takes no --lr-scheduler-kwargs (got {cfg.lr_scheduler_kwargs})"
+        warmup, steps = schedule_lengths(cfg)
+        optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+        get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=max(steps, 1),
+                      scheduler_specific_kwargs=kwargs)
+    except (ValueError, TypeError) as error:
+        given = f" with --lr-scheduler-kwargs {cfg.lr_scheduler_kwargs}" if cfg.lr_scheduler_kwargs else ""
+        if str(error).startswith("--lr-scheduler-kwargs"):
+            return str(error)
+        hint = "" if given else " (--lr-scheduler-kwargs gives the schedule's arguments, as a JSON object)"
+        return f"{option}{given} does not build: {str(error).splitlines()[0]}{hint}"
+    return None
+
+
 def _is_device_name(name: str) -> bool:
     kind, _, index = name.partition(":")
     return kind in ("cpu", "cuda", "npu") and (index == "" or index.isdigit() and kind != "cpu")
@@ -243,6 +292,8 @@ def validate(cfg: Config) -> list[str]:
          f"--warmup-steps must be a whole number of steps, or a fraction below 1 (got {cfg.warmup_steps})")
     need(not (cfg.warmup_steps and cfg.warmup_ratio), "--warmup-steps and --warmup-ratio both set the warm-up: give "
          "one")
+    if cfg.lr_scheduler_kwargs is not None or cfg.lr_scheduler_type in NEEDS_ARGUMENTS:
+        need(schedule_problem(cfg) is None, schedule_problem(cfg))
     need(cfg.top_k >= -1, f"--top-k must be 0 or -1 (off: TRL's and vLLM's), or a positive number of tokens "
          f"(got {cfg.top_k})")
     need(cfg.min_p is None or 0 <= cfg.min_p <= 1, f"--min-p must be in [0, 1] (got {cfg.min_p})")
@@ -577,8 +628,10 @@ def file_arguments(path: str, skip: set[str] = frozenset(), note=lambda line: No
             value = 0
         if key == "pad_to_multiple_of" and value is None:  # TRL's "no padding"
             value = "none"
-        if name == "chat_template_kwargs" and isinstance(value, dict):  # the mapping itself: the option's JSON text
-            value = json.dumps(value)
+        if name in ("chat_template_kwargs", "lr_scheduler_kwargs") and isinstance(value, dict):  # the mapping
+            if not value:  # TrainingArguments' {} (transformers < 5): none
+                continue
+            value = json.dumps(value)  # itself: the option's JSON text
         if key == "epsilon_high" and value is None:  # TRL's "the same as epsilon": ours unless given, too
             continue
         if key == "num_completions_to_print" and value is None:  # TRL's "all": ours prints none (a departure)

@@ -20,7 +20,6 @@ The thread policy on CPU, where the two sides share the cores:
 from __future__ import annotations
 
 import contextlib
-import math
 import weakref
 from pathlib import Path
 from typing import Iterator
@@ -31,7 +30,7 @@ import periodic_rl
 from inference import AsyncRollouts, SyncRollouts
 from infra import checkpoint, completions, outputs
 from infra.distributed import Ranks
-from infra.options import available_cores
+from infra.options import available_cores, schedule_arguments, schedule_lengths
 from infra.reward import as_rewards
 from infra.timeline import Timeline
 from launch import sizing
@@ -54,17 +53,16 @@ def build_tri_model(cfg, policy, pad_id: int) -> TriModel:
 
 def build_optimizer(cfg, policy) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LRScheduler]:
     """AdamW over the trainable parameters and its learning-rate schedule, as TRL builds them: transformers'
-    `get_scheduler` over the run's optimizer steps (iterations x updates-per-iteration x num-iterations), warmed up
-    over the first ceil(warmup_ratio x steps) (transformers' `get_warmup_steps`), or warmup_steps of them (below 1:
-    a fraction, as transformers 5 reads it); the learner steps it after each optimizer step, and checkpoints keep
-    its state."""
+    `get_scheduler` over the run's optimizer steps, warmed up as `options.schedule_lengths` says, with the
+    schedule's own arguments (--lr-scheduler-kwargs); the learner steps it after each optimizer step, and
+    checkpoints keep its state."""
     from transformers import get_scheduler  # here: transformers.trainer_utils imports peft (~10 s) when installed
 
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad],  # LoRA: the adapter's
                                   lr=cfg.lr, weight_decay=cfg.weight_decay)
-    steps = cfg.iterations * cfg.updates_per_iteration * cfg.num_iterations
-    warmup = cfg.warmup_steps if cfg.warmup_steps >= 1 else math.ceil(steps * (cfg.warmup_steps or cfg.warmup_ratio))
-    scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=int(warmup), num_training_steps=steps)
+    warmup, steps = schedule_lengths(cfg)
+    scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=steps,
+                              scheduler_specific_kwargs=schedule_arguments(cfg.lr_scheduler_kwargs))
     return optimizer, scheduler
 
 

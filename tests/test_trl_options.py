@@ -20,7 +20,7 @@ import torch
 import grpo
 from config import LR_SCHEDULERS, SCALE_REWARDS
 from infra.models import load_model
-from infra.options import parse_args
+from infra.options import parse_args, with_config_file
 from infra.timeline import Timeline
 from launch import setup
 from learner import Learner, minibatch_of
@@ -278,12 +278,14 @@ def test_the_share_of_responses_no_reward_scored_is_logged(tiny_model_dir):
     assert metrics["reward_mean"] == pytest.approx(sum(scored) / 11)
 
 
-def test_learning_rate_schedule_as_transformers(tiny_model_dir):
+def test_learning_rate_schedule_as_transformers(tiny_model_dir, tmp_path):
     """Claim: --lr-scheduler-type and --warmup-ratio build transformers' schedule over iterations x
     updates-per-iteration x num-iterations optimizer steps, warmed up over ceil(ratio x steps) (TRL's defaults:
     linear, no warmup), or TRL's --warmup_steps (whole steps, or below 1 a fraction); both, or a fractional count of
-    steps above 1, are one usage line; every offered schedule builds without further arguments; a ratio outside [0, 1] and an
-    unknown schedule are one usage line."""
+    steps above 1, are one usage line; every offered schedule builds, with its arguments where transformers needs them;
+    TRL's lr_scheduler_kwargs (typed as JSON, or a --config file's mapping) reach transformers' schedule; a ratio
+    outside [0, 1], an unknown schedule, arguments a schedule refuses or needs, and arguments that are not a JSON
+    object are one usage line before any model loads."""
     cfg = parse_args(["--model", str(tiny_model_dir), "--iterations", "5", "--batch-size", "8", "--group-size", "4",
                       "--updates-per-iteration", "2", "--num-iterations", "3", "--warmup-ratio", "0.25"])
     defaults = parse_args([])
@@ -303,12 +305,30 @@ def test_learning_rate_schedule_as_transformers(tiny_model_dir):
         steps_cfg = dataclasses.replace(cfg, warmup_ratio=0.0, warmup_steps=parse_args(warmup).warmup_steps)
         optimizer, scheduler = setup.build_optimizer(steps_cfg, policy)
         assert scheduler.lr_lambdas[0](3) == pytest.approx(3 / 8) and scheduler.lr_lambdas[0](8) == 1.0, warmup
+    needed = {"cosine_with_min_lr": '{"min_lr_rate": 0.1}', "cosine_warmup_with_min_lr": '{"min_lr": 1e-6}',
+              "warmup_stable_decay": '{"num_decay_steps": 4}'}
     for name in LR_SCHEDULERS:
-        setup.build_optimizer(dataclasses.replace(cfg, lr_scheduler_type=name), policy)
+        setup.build_optimizer(dataclasses.replace(cfg, lr_scheduler_type=name, lr_scheduler_kwargs=needed.get(name)),
+                              policy)
+    # TRL's lr_scheduler_kwargs, typed or as a --config file's mapping, reach transformers' schedule
+    from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
+    config = tmp_path / "grpo.yaml"
+    config.write_text("lr_scheduler_type: cosine_with_min_lr\nlr_scheduler_kwargs:\n  min_lr_rate: 0.1\n")
+    typed = ["--lr-scheduler-type", "cosine_with_min_lr", "--lr-scheduler-kwargs", '{"min_lr_rate": 0.1}']
+    for argv in (typed, with_config_file(["--config", str(config)])):
+        min_cfg = dataclasses.replace(cfg, **{k: getattr(parse_args(argv), k)
+                                              for k in ("lr_scheduler_type", "lr_scheduler_kwargs")})
+        optimizer, scheduler = setup.build_optimizer(min_cfg, policy)
+        reference = get_cosine_with_min_lr_schedule_with_warmup(optimizer, 8, 30, min_lr_rate=0.1)
+        assert [scheduler.lr_lambdas[0](s) for s in range(31)] == [reference.lr_lambdas[0](s) for s in range(31)]
+        assert scheduler.lr_lambdas[0](30) == pytest.approx(0.1), argv
     assert parse_args(["--scale-rewards", "true"]).scale_rewards == "group"
     assert parse_args(["--scale-rewards", "False"]).scale_rewards == "none"
     for argv in (["--warmup-ratio", "1.5"], ["--warmup-steps", "2.5"], ["--warmup-steps", "4", "--warmup-ratio", "0.1"],
-                 ["--lr-scheduler-type", "reduce_lr_on_plateau"],
+                 ["--lr-scheduler-type", "reduce_lr_on_plateau"], ["--lr-scheduler-type", "cosine_with_min_lr"],
+                 ["--lr-scheduler-kwargs", '{"min_lr_rate": 0.1}'], ["--lr-scheduler-kwargs", "[1]"],
+                 ["--lr-scheduler-type", "constant", "--lr-scheduler-kwargs", '{"num_cycles": 2}'],
+                 ["--lr-scheduler-type", "warmup_stable_decay"],
                  ["--num-iterations", "0"], ["--scale-rewards", "sometimes"]):
         script = "import sys; from infra.options import parse_args; parse_args(sys.argv[1:])"
         result = subprocess.run([sys.executable, "-c", script, *argv], cwd=ROOT, capture_output=True, text=True)
