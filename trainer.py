@@ -459,14 +459,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def kept_on_stop(cfg: Config | None, ranks, failed_save: Exception | None) -> str:
-    """With --save-every or --save-on-stop, what a stop kept, for the end of its line: the checkpoint --resume auto
-    continues from against the iterations done (metrics.jsonl's rows), or why the stop checkpoint is missing; '' on
-    the ranks that do not write --out, and before the options are read."""
+    """What a stop kept, for the end of its line. With --save-every or --save-on-stop: the checkpoint --resume auto
+    continues from against the iterations done (metrics.jsonl's rows), or why the stop checkpoint is missing;
+    without them, that the iterations done were not saved and which option keeps them. '' on the ranks that do
+    not write --out, and before the options are read."""
     checkpoint = sys.modules.get("infra.checkpoint")  # imported once the options are read
-    if (cfg is None or cfg.out is None or not (cfg.save_every or cfg.save_on_stop) or checkpoint is None
-            or ranks and not ranks.is_main):
+    if cfg is None or cfg.out is None or checkpoint is None or ranks and not ranks.is_main:
         return ""
     done = len(earlier_rows(Path(cfg.out) / "metrics.jsonl", cfg.iterations))
+    if not (cfg.save_every or cfg.save_on_stop):
+        return (f"; the {done} iteration{'s' * (done > 1)} done {'were' if done > 1 else 'was'} not saved "
+                "(--save-on-stop keeps them when a run is stopped, --save-every N as it goes)") if done else ""
     found = checkpoint.checkpoints(cfg.out)
     newest = found[-1] if found else None
     k = checkpoint.read_state(newest)["iterations_done"] if newest else 0

@@ -26,11 +26,14 @@ def test_signal_mid_run_stops_like_ctrl_c(tiny_model_dir, tmp_path, signum, grou
     """Claim: SIGTERM (kill, timeout, Slurm, docker stop) and SIGHUP (terminal closed), to the trainer or to its
     whole process group, stop the run as Ctrl-C does: one line naming the signal, exit code 128 + signal,
     within 10 s, no process and no semaphore or segment in /dev/shm left behind (SIGHUP to the group also kills
-    multiprocessing's resource tracker, which then could not remove a Queue's semaphores)."""
+    multiprocessing's resource tracker, which then could not remove a Queue's semaphores). Without --save-every or
+    --save-on-stop the line says that the iterations done were not saved, and which option keeps them."""
     with endless(tiny_model_dir, tmp_path) as run:
         run.wait_for(r"^iter ")
         run.send(signum, group=group)
-        run.assert_stopped(128 + signum, rf"^interrupted by {signal.Signals(signum).name}")
+        run.assert_stopped(128 + signum, rf"^interrupted by {signal.Signals(signum).name}: the run was stopped, "
+                                         r"nothing is left running; the \d+ iterations? done (were|was) not saved "
+                                         r"\(--save-on-stop keeps them")
 
 
 def test_killed_trainer_takes_its_inference_process_along(tiny_model_dir, tmp_path):
