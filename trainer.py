@@ -135,7 +135,8 @@ def started(cfg: Config, resume_from: Path | None = None, on_sized=None, ranks=N
         check_prompt_lengths(tokenizer, train_examples + held_out, getattr(policy.config, "max_position_embeddings",
                                                                            None), cfg.max_new_tokens,
                              template_kwargs(cfg.chat_template_kwargs))
-        print(start_line(cfg, len(train_examples), len(held_out), task.notes), flush=True)
+        print(start_line(cfg, len(train_examples), len(held_out), task.notes, ranks.size, ranks.inference),
+              flush=True)
         rows = setup.train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs, rollouts,
                                  resume_from, on_sized, ranks, on_completions)
         with closing(rows):  # however the block ends, the schedule's own clean-up (the trace) runs here
@@ -226,12 +227,26 @@ def progress_line(done: int, total: int, elapsed: float, pace: float) -> str:
             f"~{tqdm.format_interval((total - done) * pace)} left")
 
 
-def start_line(cfg: Config, train: int, held_out: int, notes: tuple[str, ...] = ()) -> str:
-    """The run's first line: mode, model, the prompts (with `notes`, data.Task's: the column they come from when two
-    could be, the split held out, and that it has fewer rows than --eval-size asked), the schedule and --out."""
+def start_line(cfg: Config, train: int, held_out: int, notes: tuple[str, ...] = (), trainers: int = 1,
+               inference_ranks: int = 0) -> str:
+    """The run's first line: mode, model, the processes when there are several (torchrun's `trainers` ranks, each
+    with --inference-workers samplers, or `inference_ranks` samplers), the prompts (with `notes`, data.Task's: the
+    column they come from when two could be, the split held out, and that it has fewer rows than --eval-size
+    asked), the schedule and --out.
+
+    >>> start_line(Config(model="m", out="o"), 90, 10, trainers=2, inference_ranks=6)[:76]
+    'periodic-rl: async | model m | 2 trainer ranks, 6 inference ranks | 90 train'
+    """
     said = f" ({'; '.join(notes)})" if notes else ""
-    return (f"periodic-rl: {cfg.mode} | model {cfg.model} | {train} train / {held_out} held-out prompts{said} | "
-            f"{cfg.iterations} iterations x {cfg.prompts_per_iteration} prompts x {cfg.group_size} | out {cfg.out}")
+    samplers = (f"{inference_ranks} inference rank{'s' * (inference_ranks > 1)}" if inference_ranks else
+                f"{cfg.inference_workers} inference worker{'s' * (cfg.inference_workers > 1)}"
+                + (" each" if trainers > 1 else "") if cfg.mode == "async" else "")
+    processes = ", ".join(part for part in (f"{trainers} trainer ranks" if trainers > 1 else "",
+                                            samplers if trainers > 1 or inference_ranks
+                                            or cfg.inference_workers > 1 else "") if part)
+    return (f"periodic-rl: {cfg.mode} | model {cfg.model} | {processes + ' | ' if processes else ''}{train} train / "
+            f"{held_out} held-out prompts{said} | {cfg.iterations} iterations x {cfg.prompts_per_iteration} prompts "
+            f"x {cfg.group_size} | out {cfg.out}")
 
 
 def unscored_line(iteration: int, share: float) -> str:

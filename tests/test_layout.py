@@ -162,3 +162,18 @@ def test_the_schedule_and_the_top_level_stay_small():
     assert lines <= 200, f"periodic_rl.py has {lines} lines"
     top = sorted(path.name for path in ROOT.glob("*.py"))
     assert len(top) <= 15, f"{len(top)} .py files at the top level: {top}"
+
+
+EXAMPLES = sorted(name for name, path in {**FILES, **{module_name(path): path for folder in ("benchmarks", "tools")
+                                                       for path in (ROOT / folder).glob("*.py")}}.items()
+                  if ">>> " in path.read_text())
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_the_docstrings_examples_hold(name):
+    """Claim: every example in a docstring (`>>> ...`) still gives what it shows, so the usage a reader copies
+    from a function's docstring is checked like the rest (doctest, on the module as imported)."""
+    import doctest
+    import importlib
+    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0, f"{name}: {result.failed} of {result.attempted} failed"
