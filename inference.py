@@ -117,6 +117,8 @@ def inference_process(model_name: str, load_kwargs: dict, connection, heartbeat:
     workers alone and the run would end as if they had crashed).
     """
     die_with_parent()
+    mp.current_process().daemon = False  # the trainer's handle calls it a daemon, and multiprocessing refuses a
+    # daemon children: a reward's process pool (code execution) could not start. It dies with the trainer anyway.
     beating = Heartbeat(heartbeat)
     results = Outbox(connection)
     try:

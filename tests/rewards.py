@@ -58,3 +58,10 @@ async def length_reward(completions: list, target_len: list, trainer_state, **kw
 def step_reward(completions: list, trainer_state, **kwargs) -> list[float]:
     """trainer_state.global_step for every completion: the logs show which step each iteration's rewards saw."""
     return [float(trainer_state.global_step)] * len(completions)
+
+
+def pooled_length(completions: list, **kwargs) -> list[float]:
+    """A TRL-style reward that scores in a process pool of its own, as sandboxed code-execution rewards do."""
+    from concurrent.futures import ProcessPoolExecutor
+    with ProcessPoolExecutor(2) as pool:
+        return [float(n) for n in pool.map(len, completions)]

@@ -359,6 +359,26 @@ def test_a_prompt_only_dataset_with_trl_rewards_in_both_modes(tiny_model_dir, tm
 
 
 @pytest.mark.slow
+def test_a_reward_may_start_processes_of_its_own_in_both_modes(tiny_model_dir, tmp_path):
+    """Claim: a reward that scores in a process pool (ProcessPoolExecutor, as sandboxed code-execution rewards do)
+    runs in the inference process as in the trainer's: the same rewards in both modes. Before, the inference process
+    was a daemon, which multiprocessing forbids to have children: an async run stopped at the first group ("daemonic
+    processes are not allowed to have children") where the same run in sync mode, and in TRL, trained."""
+    args = [sys.executable, "trainer.py", "--model", str(tiny_model_dir), "--data", "arithmetic", "--iterations", "2",
+            "--batch-size", "8", "--group-size", "4", "--max-new-tokens", "4", "--eval-every", "0",
+            "--groups-per-chunk", "2", "--micro-batch-tokens", "16384", "--rollout-threads", "1", "--train-threads", "1", "--no-save",
+            "--reward", "tests/rewards.py:pooled_length"]
+    rows = {}
+    for mode in ("sync", "async"):
+        result = subprocess.run([*args, "--mode", mode, "--out", str(tmp_path / mode)], cwd=ROOT, capture_output=True,
+                                text=True, timeout=180)
+        assert result.returncode == 0, result.stderr
+        rows[mode] = [row["reward_mean"] for row in map(json.loads, (tmp_path / mode / "metrics.jsonl").open())
+                      if not row.get("final")]
+    assert rows["sync"] == rows["async"] and len(rows["sync"]) == 2 and all(r > 0 for r in rows["sync"])
+
+
+@pytest.mark.slow
 def test_weighted_rewards_are_logged_each_on_its_own_in_both_modes(tiny_model_dir, tmp_path):
     """Claim: a run with a plain reward, a TRL-style batched one and math-verify, weights 1 0.5 0.25, logs each
     reward's mean and std (TRL's `rewards/<name>/mean`) and trains on their weighted sum: reward_mean = Σ w_k mean_k
