@@ -41,7 +41,7 @@ Hugging Face's math-verify: \\boxed{}, fractions, LaTeX). Others are named `pack
 (`_importable`, `_load_file`). Each call goes through `score` (plain) or `score_batch`, which turn every way a
 user's function can fail into one `RewardError` line naming the function and the sample: it raised
 (SystemExit included), it ran past `--reward-timeout` (per call: a batched call scores a whole group), it
-returned something that is not one finite real number (a bool, a str, NaN), or, batched, not one value
+returned something that is not one finite real number (a str, NaN; a bool counts 1 or 0), or, batched, not one value
 per completion.
 
 Departures from TRL, on purpose:
@@ -385,12 +385,10 @@ class RewardClock:
 def not_a_reward(value) -> str | None:
     """What is wrong with a reward function's return value, or None if it is one finite real number.
 
-    Accepted: whatever `float()` converts, except bools, text and anything with dimensions: int, float,
-    numpy.float32 / int64, Decimal, Fraction, a 0-d array or tensor.
+    Accepted: whatever `float()` converts, except text and anything with dimensions: int, float, a bool (1 or 0:
+    TRL's float32 tensor of a list of bools), numpy.float32 / int64, Decimal, Fraction, a 0-d array or tensor.
     """
     kind = f"a {type(value).__name__}"
-    if isinstance(value, bool) or str(getattr(value, "dtype", "")).endswith("bool"):  # numpy.bool_, torch.bool too
-        return f"a bool ({value!r})"
     if isinstance(value, (str, bytes)):
         return f"{kind} ({reprlib.repr(value)})"
     if tuple(getattr(value, "shape", ())):

@@ -25,16 +25,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # --- reward functions, in-process ---
 @pytest.mark.parametrize("value", [np.float32(0.5), np.int64(1), torch.tensor(0.5), np.array(1.0), 1, 0.5,
-                                   fractions.Fraction(1, 2), decimal.Decimal("0.5")],
-                         ids=lambda v: type(v).__name__)
+                                   fractions.Fraction(1, 2), decimal.Decimal("0.5"), True, np.bool_(False),
+                                   torch.tensor(True)],
+                         ids=lambda v: f"{type(v).__name__}-{v}")
 def test_every_real_scalar_is_a_reward(value):
     """Claim: a reward may return any one real number: numpy's float32 and int64, a 0-d tensor or array, int,
-    float, Fraction, Decimal (numpy.float32 was refused as 'not a finite number' while numpy.float64 passed)."""
+    float, Fraction, Decimal (numpy.float32 was refused as 'not a finite number' while numpy.float64 passed), and a
+    bool as 1 or 0, as TRL takes a list of bools (`return predicted == gold`)."""
     assert score(lambda prompt, completion, answer: value, "1+1=", "2", "2") == float(value)
 
 
 @pytest.mark.parametrize("value, said", [
-    (True, "returned a bool (True)"), (np.bool_(False), "returned a bool"), ("1.0", "returned a str ('1.0')"),
+    ("1.0", "returned a str ('1.0')"),
     ([1.0], "returned a list ([1.0])"), (None, "returned None"), (np.ones(2), "returned an array of shape (2,)"),
     (float("nan"), "returned nan, not a finite number"), (np.float32("inf"), "returned inf, not a finite number"),
 ])

@@ -238,8 +238,7 @@ def test_a_plain_reward_is_called_once_per_completion():
     (np.ones((2, 2)), "returned an array of shape (2, 2)"),
     ([1.0, float("nan")], "returned nan, not a finite number for completion 1: return a real number, or None"),
     ([1.0, "x"], "returned a str ('x') for completion 1"),
-    ([True, 1.0], "returned a bool (True) for completion 0"),
-], ids=["short", "str", "float", "None", "2-d", "nan", "str-item", "bool-item"])
+], ids=["short", "str", "float", "None", "2-d", "nan", "str-item"])
 def test_a_wrong_batched_result_is_one_line(returned, said):
     """Claim: a batched reward that does not return one real number or None per completion is refused in one line
     naming the function, what it returned and the prompt (TRL would fail later, or train on NaN)."""
@@ -252,11 +251,14 @@ def test_a_wrong_batched_result_is_one_line(returned, said):
 
 
 @pytest.mark.parametrize("returned", [np.array([1.0, 0.5]), torch.tensor([1.0, 0.5]), (1, 0.5),
-                                      [np.float32(1.0), None]], ids=["numpy", "tensor", "tuple", "float32-None"])
+                                      [np.float32(1.0), None], [True, False], np.array([True, False])],
+                         ids=["numpy", "tensor", "tuple", "float32-None", "bools", "numpy-bools"])
 def test_batched_results_torch_would_take_are_taken(returned):
-    """Claim: what TRL turns into a tensor (a list, tuple, 1-d array or tensor of real numbers, None) is accepted."""
+    """Claim: what TRL turns into a tensor (a list, tuple, 1-d array or tensor of real numbers or bools, None) is
+    accepted; a bool counts 1 or 0, as in TRL's float32 tensor of the list."""
     values = score_group(Rewards([lambda completions, **kwargs: returned], [1.0]), "p", "a", {}, ["x", "y"], [[1], [2]])
-    assert values[0][0] == 1.0 and (values[0][1] == 0.5 or returned[1] is None and math.isnan(values[0][1]))
+    second = {0.5: 0.5, False: 0.0}.get(returned[1] if returned[1] is None else float(returned[1]))
+    assert values[0][0] == 1.0 and (values[0][1] == second or returned[1] is None and math.isnan(values[0][1]))
 
 
 def test_a_batched_reward_raising_or_hanging_is_one_line():
