@@ -66,6 +66,7 @@ import re
 import reprlib
 import signal
 import sys
+import sysconfig
 import threading
 import time
 import traceback
@@ -96,6 +97,20 @@ def _failing_line(error: BaseException) -> str:
         return f"{error.filename}, line {error.lineno}: {type(error).__name__}: {error.msg}"
     frame = traceback.extract_tb(error.__traceback__)[-1]
     return f"{frame.filename}, line {frame.lineno}: {type(error).__name__}: {error}"
+
+
+def _raised(name: str, error: BaseException, where: str) -> RewardError:
+    """The RewardError for a reward that raised `error`, naming the line that raised it: the innermost frame of the
+    user's own code (not the standard library's, an installed package's or this file's), else the innermost one."""
+    libraries = {os.path.realpath(sysconfig.get_paths()[key]) for key in ("stdlib", "platstdlib", "purelib", "platlib")}
+    frames = traceback.extract_tb(error.__traceback__)
+    own = [frame for frame in frames if frame.filename != __file__
+           and not any(os.path.realpath(frame.filename).startswith(folder + os.sep) for folder in libraries)]
+    frame = (own or frames or [None])[-1]
+    path = frame and (os.path.relpath(frame.filename) if frame.filename.startswith(os.getcwd() + os.sep)
+                      else frame.filename)  # as the user named it: from the working directory
+    at = f" (at {path}, line {frame.lineno}{': ' + frame.line if frame.line else ''})" if frame else ""
+    return RewardError(f"reward function {name!r} raised {type(error).__name__}: {error}{at} {where}")
 
 
 def _importable(folder: Path) -> None:
@@ -415,7 +430,7 @@ def _reported(reward_fn: Reward, time_limit: float, where: str):
     except RewardTimeout:
         raise _timed_out(name, time_limit, where) from None
     except (Exception, SystemExit) as error:  # sys.exit() in a reward is a broken reward, not the end of the run
-        raise RewardError(f"reward function {name!r} raised {type(error).__name__}: {error} {where}") from error
+        raise _raised(name, error, where) from error
 
 
 def _where(prompt, completion: str, answer) -> str:
@@ -562,7 +577,7 @@ def _await_all(awaitables: list[tuple[int, object]], time_limit: float, labels: 
     for (key, _), (name, where) in zip(awaitables, labels):
         finished, value = results[key]
         if not finished:
-            raise RewardError(f"reward function {name!r} raised {type(value).__name__}: {value} {where}") from value
+            raise _raised(name, value, where) from value
     return {key: value for key, (_, value) in results.items()}
 
 

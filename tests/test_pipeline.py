@@ -427,12 +427,13 @@ def run_trainer(*args, timeout=240):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("reward, fragment", [("tests/rewards.py:raising_reward", "broken on purpose"),
+@pytest.mark.parametrize("reward, fragment", [("tests/rewards.py:raising_reward",
+                                               "broken on purpose (at tests/rewards.py, line 14: raise ValueError"),
                                               ("tests/rewards.py:nan_reward", "not a finite number")])
 def test_bad_reward_stops_trainer_with_clear_message(tiny_model_dir, tmp_path, reward, fragment):
     """A reward function that raises or returns NaN (in the inference process) ends the run: exit code 1, a message
-    naming the function and the prompt, no traceback. (No hang: the subprocess's timeout; no wall-clock assertion,
-    the start-up alone takes 10-60 s on a loaded 2-core machine.)"""
+    naming the function, the line that raised and the prompt, no traceback. (No hang: the subprocess's timeout; no
+    wall-clock assertion, the start-up alone takes 10-60 s on a loaded 2-core machine.)"""
     result = run_trainer("--model", tiny_model_dir, "--data", "arithmetic", "--reward", reward,
                          "--max-new-tokens", "4", "--out", tmp_path, timeout=120)
     assert result.returncode == 1, result.stderr

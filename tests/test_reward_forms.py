@@ -190,9 +190,12 @@ def test_an_async_reward_that_fails_is_one_line_naming_it():
         await asyncio.sleep(0.1)
         return [1.0] * len(completions)
     group = ("p", "a", {}, ["x", "y"], [[1], [2]])
-    with pytest.raises(RewardError, match=r"broken' raised ValueError: broken on purpose \(prompt 'p', 2 completions"):
+    with pytest.raises(RewardError, match=r"broken' raised ValueError: broken on purpose \(at \S+test_reward_forms.py, "
+                                          r"line \d+: raise ValueError\(\"broken on purpose\"\)\) \(prompt 'p', 2 "
+                                          r"completions"):
         score_group(Rewards([fine, broken], [1.0, 1.0]), *group)
-    with pytest.raises(RewardError, match=r"exiting' raised SystemExit: 3 \(prompt 'p', completion 'x', answer 'a'\)"):
+    with pytest.raises(RewardError, match=r"exiting' raised SystemExit: 3 \(at \S+, line \d+: sys.exit\(3\)\) "
+                                          r"\(prompt 'p', completion 'x', answer 'a'\)"):
         score_group(Rewards([exiting], [1.0]), *group)
     start = time.monotonic()
     with pytest.raises(RewardError, match=r"stuck' did not return within 0.5 s \(--reward-timeout"):
@@ -268,7 +271,9 @@ def test_a_batched_reward_raising_or_hanging_is_one_line():
 
     def stuck(prompts, completions, **kwargs):
         time.sleep(60)
-    with pytest.raises(RewardError, match=r"broken' raised ValueError: broken on purpose \(prompt 'p', 2 completions"):
+    with pytest.raises(RewardError, match=r"broken' raised ValueError: broken on purpose \(at \S+test_reward_forms.py, "
+                                          r"line \d+: raise ValueError\(\"broken on purpose\"\)\) \(prompt 'p', 2 "
+                                          r"completions"):
         score_group(Rewards([broken], [1.0]), "p", "a", {}, ["x", "y"], [[1], [2]])
     start = time.monotonic()
     with pytest.raises(RewardError, match=r"stuck' did not return within 0.5 s \(--reward-timeout"):
