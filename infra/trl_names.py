@@ -42,7 +42,6 @@ TRL_DIFFERENT = {
     "num_train_epochs": "--iterations: a run counts batches of prompts, not passes over the data",
     "save_steps": "--save-every N: a checkpoint every N iterations",
     "eval_steps": "--eval-every N: a held-out evaluation every N iterations",
-    "per_device_eval_batch_size": "--eval-size and --eval-samples: held-out prompts and responses per prompt",
     "num_generations_eval": "--eval-samples: responses per held-out prompt",
 }
 # GRPOConfig's vLLM settings (TRL 1.16): unused with use_vllm false, as here, where use_vllm true is refused
@@ -84,6 +83,9 @@ TRL_UNUSED = {
     **dict.fromkeys(("bnb_4bit_quant_type", "bnb_4bit_quant_storage", "use_bnb_nested_quant"),
                     "TRL reads it only with load_in_4bit true"),
     "gradient_checkpointing_use_reentrant": "--gradient-checkpointing uses transformers' default",
+    "gradient_checkpointing_kwargs": "--gradient-checkpointing uses transformers' default (same gradients either way)",
+    "per_device_eval_batch_size": "a held-out evaluation samples --eval-size prompts x --eval-samples in the "
+                                  "sampler's own calls: no batch size of its own",
     "ignore_bias_buffers": "TRL reads it only under DistributedDataParallel, which this trainer does not use",
 }
 # TRL names that mean something else here but at null mean "derive it", as ours do: ignored at null with a line
@@ -330,14 +332,16 @@ def trl_keys(values: dict, skip: set[str], note, known: set[str], group_size: in
     defaults with a line and refused at another value. Each refusal's reason is appended to `refusals` (all of a
     file's at once, not one per run), or, without that list, raised as ValueError."""
     pending: list[str] = [] if refusals is None else refusals
-    if values.get("save_strategy") == "steps":  # TrainingArguments' default: a checkpoint every save_steps steps
-        values = dict(values)
-        del values["save_strategy"]
+    trls = [key for key in values if key not in known or key in TRL_ALIASES]  # the file is TRL's if it has these
+    if values.get("save_strategy", "steps" if "save_steps" in values else None) == "steps":  # TrainingArguments'
+        values = dict(values)  # default strategy: a checkpoint every save_steps steps
+        values.pop("save_strategy", None)
         steps = values.pop("save_steps", trainer_settings(["save_steps"]).get("save_steps", 500))
         if "save_every" not in values and "save_every" not in skip:
             values = {"save_every": steps, **values}
-            note(f"took TRL's save_strategy 'steps', save_steps {steps} as --save-every {steps}: a checkpoint every "
-                 f"{steps} iterations (each TRL's steps when --updates-per-iteration and --num-iterations are 1)")
+            note(f"took TRL's save_strategy 'steps' (transformers' default), save_steps {steps} as --save-every "
+                 f"{steps}: a checkpoint every {steps} iterations (each TRL's steps when --updates-per-iteration and "
+                 "--num-iterations are 1)")
     fixed = [key for key, value in values.items() if key in TRL_FIXED and not is_fixed_value(key, value)]
     pending += [fixed_refusal(key, values[key]) for key in fixed]
     values = {key: value for key, value in values.items() if key not in fixed}
@@ -366,7 +370,33 @@ def trl_keys(values: dict, skip: set[str], note, known: set[str], group_size: in
         values = {key: value for key, value in values.items() if key not in at_default and key not in changed}
     if pending and refusals is None:
         raise ValueError("; ".join(pending))
+    if trls:
+        line = departures_line({TRL_ALIASES.get(key, key) for key in values} | set(skip)
+                               | ({"batch_size"} if trl_batch_keys else set()))
+        if line:
+            note(line)
     return values
+
+
+# DEPARTURES that change what a run learns or what it costs: said when a TRL config file leaves them at ours
+RESULT_DEPARTURES = ("--beta", "--seed", "--disable-dropout", "--gradient-checkpointing", "--eval-every",
+                     "--save-every", "--batch-size")
+
+
+def departures_line(given: set[str]) -> str | None:
+    """For a TRL config file: which of this trainer's defaults that differ from TRL's (RESULT_DEPARTURES) apply,
+    because neither the file nor the command line sets them (`given`: option names, with _); None if none do.
+
+    >>> departures_line({"beta", "seed", "disable_dropout", "gradient_checkpointing", "eval_every", "batch_size"})
+    "defaults of this trainer that are not TRL's and that the file leaves to it: --save-every 0 (never) (TRL: ...)..."
+    """
+    left = [(option, ours, theirs) for option, ours, theirs, _ in DEPARTURES
+            if option in RESULT_DEPARTURES and option[2:].replace("-", "_") not in given]
+    if not left:
+        return None
+    return ("defaults of this trainer that are not TRL's and that the file leaves to it: "
+            + ", ".join(f"{option} {ours} (TRL: {theirs})" for option, ours, theirs in left)
+            + "; give them in the file to have TRL's (--help's end says why each differs)")
 
 
 def fixed_refusal(key: str, value) -> str:

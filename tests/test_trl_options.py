@@ -453,9 +453,14 @@ def test_trl_bookkeeping_keys_are_skipped_with_a_line(tmp_path, capsys):
     cfg = parse_yaml(tmp_path, keys + "num_generations: 4\nbatch_size: 16\n")
     assert (cfg.group_size, cfg.batch_size, cfg.overwrite) == (4, 16, False)
     out = capsys.readouterr().out
-    assert out.count("\n") == 1 and "ignored TRL's run_name: " in out, out
+    assert len(skipped_lines(out)) == 1 and "ignored TRL's run_name: " in out, out
     assert all(f"{line.split(':')[0]}: " in out for line in keys.splitlines())
     assert "--run-name is TRL's and has no use here" in refusal(capsys, lambda: parse_args(["--run-name", "x"]))
+
+
+def skipped_lines(out: str) -> list[str]:
+    """The lines a --config file's reading printed, but the one that names our defaults it leaves (tested below)."""
+    return [line for line in out.splitlines() if "defaults of this trainer that are not TRL's" not in line]
 
 
 @pytest.mark.parametrize("text", ["use_vllm: false", "fp16: false", "save_strategy: \"no\"", "save_strategy: no",
@@ -468,7 +473,7 @@ def test_trl_keys_at_what_this_trainer_does_are_skipped(text, tmp_path, capsys):
     does (they were refused); the run is the one without it."""
     assert dataclasses.replace(parse_yaml(tmp_path, text + "\n"), config=None) == parse_args(["--model", "tiny"])
     out = capsys.readouterr().out
-    assert out.count("\n") == 1 and f"ignored TRL's {text.split(':')[0]} " in out, out
+    assert len(skipped_lines(out)) == 1 and f"ignored TRL's {text.split(':')[0]} " in out, out
 
 
 def test_trls_vllm_settings_are_skipped_without_use_vllm(tmp_path, capsys):
@@ -479,7 +484,7 @@ def test_trls_vllm_settings_are_skipped_without_use_vllm(tmp_path, capsys):
     cfg = parse_yaml(tmp_path, "use_vllm: false\n" + vllm)
     assert dataclasses.replace(cfg, config=None) == parse_args(["--model", "tiny"])
     out = capsys.readouterr().out
-    assert out.count("\n") == 1 and ("vllm_mode, vllm_gpu_memory_utilization, vllm_tensor_parallel_size: TRL reads "
+    assert len(skipped_lines(out)) == 1 and ("vllm_mode, vllm_gpu_memory_utilization, vllm_tensor_parallel_size: TRL reads "
                                       "vLLM's settings only with use_vllm true") in out, out
     assert "use_vllm: True is not what this trainer does" in refusal(capsys, lambda: parse_yaml(
         tmp_path, "use_vllm: true\n" + vllm))
@@ -551,14 +556,15 @@ def test_a_grpo_config_at_its_defaults_runs_as_it_is(tmp_path, capsys):
     this trainer does: repetition_penalty 1.0, importance_sampling_level 'token', sync_ref_model false, ...; a setting
     read only by what is off: sapo_*, entropy_coef_*; TRL's nulls that mean "derive it": generation_batch_size,
     steps_per_generation, num_generations_eval; epsilon_high null is epsilon's value, num_completions_to_print null
-    is our 0, said in a second line). Before, 40 of the 78 keys were refused as unknown, one at a time. The line names
+    is our 0, said in a second line; a third names our defaults that GRPOConfig's own fields leave, such as the seed,
+    which TrainingArguments holds). Before, 40 of the 78 keys were refused as unknown, one at a time. The line names
     the ~58 keys without their reasons (which it gave for 8 or fewer: 3,000 characters here before), vLLM's 17 as
     vllm_*, but a key read as one of our options (eval_strategy 'no': --eval-every 0) says so."""
     import json
     (tmp_path / "grpo.json").write_text(json.dumps(GRPO_CONFIG_DEFAULTS))
     cfg = parse_args(["--config", str(tmp_path / "grpo.json")])
     out = capsys.readouterr().out
-    assert out.count("\n") == 2, out
+    assert out.count("\n") == 3 and "--seed 0 (TRL: 42)" in out and "--beta" not in out.splitlines()[1], out
     ours = {field.name for field in dataclasses.fields(cfg)} | {"learning_rate", "num_generations", "epsilon",
                                                                "max_completion_length", "use_bias_correction_kl"}
     skipped = [key for key in GRPO_CONFIG_DEFAULTS if key not in ours]
@@ -777,8 +783,29 @@ def test_a_whole_grpo_config_written_out_runs_as_it_is(tmp_path, capsys):
     cfg = parse_args(["--config", str(tmp_path / "grpo.json")])
     out = capsys.readouterr().out
     assert (cfg.save_every, cfg.gradient_checkpointing, cfg.group_size, cfg.max_new_tokens) == (500, True, 8, 512)
-    assert "took TRL's save_strategy 'steps', save_steps 500 as --save-every 500" in out
+    assert "took TRL's save_strategy 'steps' (transformers' default), save_steps 500 as --save-every 500" in out
     assert max(len(line) for line in out.splitlines()) < 1600, out  # the 77 TRL keys named, without reasons
+    assert "defaults of this trainer that are not TRL's" not in out  # the file sets every one of them
+
+
+def test_a_trl_file_is_told_which_of_our_defaults_it_runs_with(tmp_path, capsys):
+    """Claim: a TRL config file that leaves out an option whose default here is not TRL's and changes what the run
+    learns or costs (beta 0.04 against 0.0, seed, dropout, checkpointing, evaluation) gets one line naming each with
+    both values, since the run would silently differ from the same file under TRL; save_steps without save_strategy
+    is TRL's default strategy, 'steps': a checkpoint every save_steps (a reviewer's file with save_steps 500 kept no
+    checkpoint, said to "change nothing"). A file of our own option names, and the options set, are not named."""
+    (tmp_path / "trl.yaml").write_text("num_generations: 4\nlearning_rate: 1.0e-5\nsave_steps: 50\nseed: 42\n")
+    cfg = parse_args(["--config", str(tmp_path / "trl.yaml"), "--eval-every", "0"])
+    out = capsys.readouterr().out
+    assert cfg.save_every == 50 and "save_steps 50 as --save-every 50" in out
+    line = next(line for line in out.splitlines() if "defaults of this trainer that are not TRL's" in line)
+    for fragment in ("--beta 0.04 (TRL: 0.0)", "--gradient-checkpointing off (TRL: on)", "--disable-dropout on "
+                     "(TRL: off)", "--batch-size 128"):
+        assert fragment in line, (fragment, line)
+    assert "--seed" not in line and "--eval-every" not in line and "--save-every" not in line, line
+    (tmp_path / "ours.yaml").write_text("group_size: 4\nlr: 1.0e-5\n")
+    parse_args(["--config", str(tmp_path / "ours.yaml")])
+    assert "defaults of this trainer" not in capsys.readouterr().out
 
 
 def test_every_refused_key_of_a_file_is_said_at_once(tmp_path, capsys):
