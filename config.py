@@ -23,6 +23,7 @@ SCALE_REWARDS = ("group", "batch", "none")  # grpo.SCALE_REWARDS (tested, as LOS
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
                  "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")
 MODES = ("async", "sync")
+TEXT_PROMPTS = ("auto", "chat", "raw")  # --text-prompts (infra/tasks.raw_text_prompts)
 ENGINES = ("auto", "compile", "hf")
 SIZES = ("probe", "rule")
 TRACKERS = ("none", "tensorboard", "wandb", "trackio", "all")  # --report-to (infra/tracking.py; all: those installed)
@@ -172,11 +173,16 @@ class Config:
     eval_split: str | None = _opt(None, "the split of --data whose first --eval-size rows are held out for evaluation "
                                         "(--split itself: its last rows, kept out of training); default: 'test', else "
                                         "'validation', else the last --eval-size rows of --split")
-    prompt_column: str | None = _opt(None, "the column of prompts: text (the user's message in the model's chat "
-                                           "template, raw without one), or a list of chat messages ([{'role', "
-                                           "'content'}], TRL's conversational format, rendered with the chat "
-                                           "template as it is; a last message of the assistant's is continued); "
-                                           "default: TRL's 'prompt' column, else 'question' (GSM8K's)")
+    prompt_column: str | None = _opt(None, "the column of prompts: text (as --text-prompts says), or a list of "
+                                           "chat messages ([{'role', 'content'}], TRL's conversational format, "
+                                           "rendered with the chat template as it is; a last message of the "
+                                           "assistant's is continued); default: TRL's 'prompt' column, else "
+                                           "'question' (GSM8K's)")
+    text_prompts: str = _opt("auto", "how a text prompt becomes tokens: chat (the model's chat template, the text "
+                                     "as the user's message), raw (the text as it is); auto: raw for TRL's 'prompt' "
+                                     "column, as TRL uses its standard format, chat for any other column (GSM8K's "
+                                     "'question'). Conversations, and text given a --system-prompt, always take the "
+                                     "chat template; a model without one takes text raw", choices=TEXT_PROMPTS)
     answer_column: str = _opt("answer", "the column of gold answers: the number N of GSM8K's '... #### N', else the "
                                         "text as it is; data without it (prompt-only) loads when no reward needs "
                                         "an answer (math, math-verify and f(prompt, completion, answer) do)")

@@ -121,7 +121,7 @@ def started(cfg: Config, resume_from: Path | None = None, on_sized=None, ranks=N
     loads its own copy, so the two processes' imports and loads overlap; the `with` block owns it until
     it is stopped, however the block is left.
     """
-    from infra.tasks import check_prompt_lengths, template_kwargs
+    from infra.tasks import check_prompt_lengths, raw_text_prompts, template_kwargs
     from launch import setup
     cfg, task, rewards, load_kwargs = prepare(cfg)
     train_examples, held_out = task.train, task.held_out
@@ -132,11 +132,12 @@ def started(cfg: Config, resume_from: Path | None = None, on_sized=None, ranks=N
                                     ranks=ranks) as rollouts:
         policy, tokenizer = load_policy(cfg, load_kwargs, rollouts)
         Interrupted.check()  # and one swallowed while transformers' models were imported
+        raw = raw_text_prompts(cfg.text_prompts, cfg.prompt_column)
         check_prompt_lengths(tokenizer, train_examples + held_out, getattr(policy.config, "max_position_embeddings",
                                                                            None), cfg.max_new_tokens,
-                             template_kwargs(cfg.chat_template_kwargs))
-        print(start_line(cfg, len(train_examples), len(held_out), task.notes, ranks.size, ranks.inference),
-              flush=True)
+                             template_kwargs(cfg.chat_template_kwargs), raw)
+        notes = task.notes + text_prompts_note(tokenizer, train_examples, raw)
+        print(start_line(cfg, len(train_examples), len(held_out), notes, ranks.size, ranks.inference), flush=True)
         rows = setup.train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs, rollouts,
                                  resume_from, on_sized, ranks, on_completions)
         with closing(rows):  # however the block ends, the schedule's own clean-up (the trace) runs here
@@ -225,6 +226,16 @@ def progress_line(done: int, total: int, elapsed: float, pace: float) -> str:
     from tqdm import tqdm
     return (f"periodic-rl: progress {done}/{total} iterations, {tqdm.format_interval(elapsed)} elapsed, "
             f"~{tqdm.format_interval((total - done) * pace)} left")
+
+
+def text_prompts_note(tokenizer, examples, raw: bool) -> tuple[str, ...]:
+    """What the first line says of text prompts where the model has a chat template (--text-prompts): used as they
+    are, or rendered in it; () when there are none, or no template to choose."""
+    if not getattr(tokenizer, "chat_template", None) or not any(isinstance(e.prompt, str) for e in examples):
+        return ()
+    return ("text prompts as they are, as TRL takes its 'prompt' column; --text-prompts chat renders them in the "
+            "chat template",) if raw else ("text prompts in the model's chat template, as the user's message; "
+                                           "--text-prompts raw takes them as they are",)
 
 
 def start_line(cfg: Config, train: int, held_out: int, notes: tuple[str, ...] = (), trainers: int = 1,

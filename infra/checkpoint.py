@@ -120,6 +120,7 @@ def read_state(path: Path) -> dict:
             config.setdefault("reward_weights", [1.0])
         config.setdefault("tail_threads", config.get("train_threads"))  # written before --tail-threads: no switch
         config.setdefault("lr_scheduler_type", "constant")  # written before the schedule: the rate it ran at
+        config.setdefault("text_prompts", "chat")  # written before --text-prompts: text was always in the template
         if isinstance(config.get("scale_rewards"), bool):  # written before "batch": TRL's names for the booleans
             config["scale_rewards"] = "group" if config["scale_rewards"] else "none"
         return {"iterations_done": int(state["iterations_done"]), "config": config,

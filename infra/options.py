@@ -595,6 +595,8 @@ def file_arguments(path: str, skip: set[str] = frozenset(), note=lambda line: No
         raise ValueError("must hold a mapping from option names to values, e.g. {\"iterations\": 20}")
     fields = {f.name: f for f in dataclasses.fields(Config)}
     values = {str(key).replace("-", "_"): value for key, value in values.items()}
+    if "run_id" in values and "text_prompts" not in values:  # a run record written before --text-prompts: text
+        values["text_prompts"] = "chat"  # prompts were always in the chat template; the rerun is that run
     refusals: list[str] = []  # every refused key of the file, said in one line
     values = trl_keys(values, set(skip), note, known={*fields, *NOT_OPTIONS, *TRL_ALIASES, "epsilon"},
                       group_size=fields["group_size"].default, typed_batch=typed_batch or {}, refusals=refusals)

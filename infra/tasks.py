@@ -339,14 +339,26 @@ def check_template_variables(tokenizer, template: dict) -> None:
                         f"{', '.join(sorted(read - {'messages', 'add_generation_prompt'}))}): check the spelling")
 
 
-def prompt_text(tokenizer, prompt: str | list[dict], template: dict | None = None) -> str:
-    """The text whose tokens are the prompt's (`prompt_token_ids`): raw, or rendered by the chat template (a text
-    prompt as the user's message, with no system message but the template's own) given the variables `template`
-    (--chat-template-kwargs). A conversation ends with the assistant's generation prompt, or, when its last message
-    is the assistant's (a prefilled "The answer is", "<think>"), with that message left open for the model to
-    continue, as TRL's maybe_apply_chat_template renders it (continue_final_message, no generation prompt)."""
+def raw_text_prompts(text_prompts: str, prompt_column: str | None) -> bool:
+    """Whether text prompts are used as they are (--text-prompts): raw, or auto for TRL's 'prompt' column (TRL's
+    standard format, which TRL never renders with the chat template); chat, or auto for another column (GSM8K's
+    'question'), renders them as the user's message.
+
+    >>> raw_text_prompts("auto", "prompt"), raw_text_prompts("auto", "question"), raw_text_prompts("raw", "question")
+    (True, False, True)
+    """
+    return text_prompts == "raw" or text_prompts == "auto" and prompt_column == "prompt"
+
+
+def prompt_text(tokenizer, prompt: str | list[dict], template: dict | None = None, raw: bool = False) -> str:
+    """The text whose tokens are the prompt's (`prompt_token_ids`): a text prompt as it is (`raw`, or a model without
+    a chat template), or rendered by the chat template (a text prompt as the user's message, with no system message
+    but the template's own) given the variables `template` (--chat-template-kwargs). A conversation ends with the
+    assistant's generation prompt, or, when its last message is the assistant's (a prefilled "The answer is",
+    "<think>"), with that message left open for the model to continue, as TRL's maybe_apply_chat_template renders it
+    (continue_final_message, no generation prompt)."""
     if isinstance(prompt, str):
-        if not getattr(tokenizer, "chat_template", None):
+        if raw or not getattr(tokenizer, "chat_template", None):
             return prompt
         prompt = [{"role": "user", "content": prompt}]
     elif not getattr(tokenizer, "chat_template", None):
@@ -366,21 +378,22 @@ def prompt_text(tokenizer, prompt: str | list[dict], template: dict | None = Non
                         "is.") from None
 
 
-def prompt_token_ids(tokenizer, prompt: str | list[dict], template: dict | None = None) -> list[int]:
-    """The prompt's token ids. Text: in the chat template as the user's message (instruct models), or raw (the tiny
-    model). A conversation (TRL's format): the chat template as-is, ending with the assistant's generation prompt,
-    or in the assistant's own last message (`prompt_text`). `template`: the chat template's extra variables
-    (--chat-template-kwargs)."""
-    return tokenizer.encode(prompt_text(tokenizer, prompt, template), add_special_tokens=False)
+def prompt_token_ids(tokenizer, prompt: str | list[dict], template: dict | None = None, raw: bool = False
+                     ) -> list[int]:
+    """The prompt's token ids. Text: in the chat template as the user's message (instruct models), or as it is
+    (`raw`: TRL's standard format; the tiny model). A conversation (TRL's format): the chat template as-is, ending
+    with the assistant's generation prompt, or in the assistant's own last message (`prompt_text`). `template`: the
+    chat template's extra variables (--chat-template-kwargs)."""
+    return tokenizer.encode(prompt_text(tokenizer, prompt, template, raw), add_special_tokens=False)
 
 
-def count_tokens(tokenizer, prompt: str | list[dict], limit: int, template: dict | None = None
+def count_tokens(tokenizer, prompt: str | list[dict], limit: int, template: dict | None = None, raw: bool = False
                  ) -> tuple[int, int | None]:
     """(the prompt's tokens, None), or, for a text so long that its start alone has more than `limit` tokens, (the
     tokens of that start, its characters): a 10 MB prompt is refused after encoding kilobytes, not gigabytes of
     tokenizer state for all of it. The start is read in pieces of 4 (limit + 1), 16 (limit + 1), ... characters; a
     text has at least the tokens of its start (but for the few of the word cut in two)."""
-    text = prompt_text(tokenizer, prompt, template)
+    text = prompt_text(tokenizer, prompt, template, raw)
     size = 4 * (max(limit, 0) + 1)
     while size < len(text):
         tokens = len(tokenizer.encode(text[:size], add_special_tokens=False))
@@ -405,7 +418,7 @@ def _preview(prompt: str | list[dict]) -> str:
 
 
 def check_prompt_lengths(tokenizer, examples: list[Example], context: int | None, max_new_tokens: int,
-                         template: dict | None = None) -> None:
+                         template: dict | None = None, raw: bool = False) -> None:
     """Refuse, at start-up, prompts that leave no room for `max_new_tokens` in the model's context (its
     max_position_embeddings; None: unknown, nothing to check), conversations a model without a chat template
     cannot read, and chat-template variables (`template`, --chat-template-kwargs) for a model without one.
@@ -421,11 +434,11 @@ def check_prompt_lengths(tokenizer, examples: list[Example], context: int | None
         roles = _roles(example.prompt)
         if roles not in wrapper:
             empty = "" if roles is None else [{"role": role, "content": ""} for role in roles]
-            wrapper[roles] = len(prompt_token_ids(tokenizer, empty, template))
+            wrapper[roles] = len(prompt_token_ids(tokenizer, empty, template, raw))
     if context is None:
         return
     if max_new_tokens >= context:  # no prompt fits: the option is the fault, not the data
-        longest = max(count_tokens(tokenizer, example.prompt, context, template)[0] for example in examples)
+        longest = max(count_tokens(tokenizer, example.prompt, context, template, raw)[0] for example in examples)
         lower = (f"lower it to {context - longest} or less (the longest prompt has {longest} tokens)"
                  if longest < context else f"lower it, and drop the prompts of {context} tokens or more from the data")
         raise TaskError(f"--max-new-tokens {max_new_tokens} (--max-completion-length) leaves no room for a prompt in "
@@ -434,7 +447,7 @@ def check_prompt_lengths(tokenizer, examples: list[Example], context: int | None
     candidates = [e for e in examples if wrapper[_roles(e.prompt)] + _text_bytes(e.prompt) > limit]
     length, longest, start = 0, None, None
     for example in candidates:
-        tokens, start = count_tokens(tokenizer, example.prompt, limit, template)
+        tokens, start = count_tokens(tokenizer, example.prompt, limit, template, raw)
         if tokens > length or start is not None:
             length, longest = tokens, example
         if start is not None:  # too long, how much longer is not counted
