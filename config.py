@@ -98,6 +98,11 @@ class Config:
     mode: str = _opt("async", "async: periodic asynchrony (separate inference process); sync: generate, then train",
                      choices=MODES)
     iterations: int = _opt(60, "number of iterations (one weight version each)")
+    num_train_epochs: float | None = _opt(None, "passes over the training prompts, instead of --iterations: the run "
+                                                "takes ceil(E x train prompts / prompts per iteration) iterations, "
+                                                "counted once the data is loaded (TRL's num_train_epochs; --iterations "
+                                                "typed with a config file's num_train_epochs wins, as TRL's max_steps "
+                                                "does)")
     batch_size: int = _opt(128, "responses sampled per iteration (a multiple of --group-size)")
     group_size: int = _opt(8, "responses per prompt (GRPO's G)")
     updates_per_iteration: int = _opt(1, "optimizer steps per iteration: the batch is split into this many "

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import signal
 import sys
@@ -92,7 +93,22 @@ def prepare(cfg: Config) -> tuple[Config, object, object, dict]:
     rewards = load_rewards(cfg.reward, cfg.reward_weights)  # first: the data must hold what they need
     task = read_task(cfg.data, cfg.default_data, cfg.eval_size, cfg.data_config, cfg.split, cfg.prompt_column,
                      cfg.answer_column, cfg.system_prompt, rewards.needed_columns(), cfg.eval_split)
+    if cfg.num_train_epochs is not None:  # the run's length in passes over the training prompts (TRL's)
+        iterations = epoch_iterations(cfg.num_train_epochs, len(task.train), cfg.prompts_per_iteration)
+        cfg = dataclasses.replace(cfg, iterations=iterations)
+        task = dataclasses.replace(task, notes=(*task.notes, f"--num-train-epochs {cfg.num_train_epochs:g}: "
+                                                             f"{iterations} iterations"))
     return dataclasses.replace(cfg, prompt_column=task.prompt_column), task, rewards, load_kwargs
+
+
+def epoch_iterations(epochs: float, train_prompts: int, prompts_per_iteration: int) -> int:
+    """The iterations of `epochs` passes over the training prompts, the last one completed (TRL rounds a run's
+    steps up too), at least one.
+
+    >>> epoch_iterations(1, 7473, 16), epoch_iterations(0.5, 100, 16), epoch_iterations(3, 2255, 16)
+    (468, 4, 423)
+    """
+    return max(1, math.ceil(epochs * train_prompts / prompts_per_iteration))
 
 
 def load_policy(cfg: Config, load_kwargs: dict, rollouts=None):

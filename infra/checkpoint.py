@@ -165,6 +165,8 @@ def resumed_config(cfg: Config, given: set[str], state: dict) -> Config:
                                   f"the run{why}, so it cannot be resumed with it (drop {option}, or start a new run)")
         else:
             values[name] = saved[name]
+    if "iterations" in given and "num_train_epochs" not in given:  # a typed length wins over the saved epochs
+        values["num_train_epochs"] = None
     return dataclasses.replace(cfg, **values)
 
 

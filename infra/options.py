@@ -22,7 +22,7 @@ that means what one of ours means is accepted under TRL's name too, on the comma
 --epsilon-high is given, as TRL's); `--name_with_underscores` is read as `--name-with-underscores`, as TRL's parser
 reads both. TRL's batch keys (per_device_train_batch_size, gradient_accumulation_steps, ...), typed or in a file,
 become the --batch-size and --updates-per-iteration TRL's generation batch makes (`with_config_file`). A TRL name
-whose meaning differs here (max_steps, num_train_epochs, ...) is refused with one line naming the option to use and
+whose meaning differs here (max_steps, save_steps, ...) is refused with one line naming the option to use and
 why (`TRL_DIFFERENT`); one for what this trainer has no use for (logging_steps,
 push_to_hub, bf16, run_name, ...: `TRL_UNUSED`), or for what this trainer does one way only at a value that is that
 way (use_vllm false, fp16 false, optim adamw_torch, adam_beta2 0.999, ...: `TRL_FIXED`; another value is refused in
@@ -255,6 +255,8 @@ def validate(cfg: Config) -> list[str]:
     need(whole_groups,
          f"--batch-size must be a positive multiple of --group-size (got {cfg.batch_size} and {cfg.group_size})")
     need(cfg.iterations >= 1, f"--iterations must be at least 1 (got {cfg.iterations})")
+    need(cfg.num_train_epochs is None or cfg.num_train_epochs > 0,
+         f"--num-train-epochs must be positive (got {cfg.num_train_epochs})")
     need(cfg.updates_per_iteration >= 1,
          f"--updates-per-iteration must be at least 1 (got {cfg.updates_per_iteration})")
     if whole_groups and cfg.group_size >= 1 and cfg.updates_per_iteration >= 1:
@@ -551,6 +553,9 @@ def parse_args(argv: list[str] | None = None, prog: str = "trainer.py") -> Confi
     args = build_parser(prog).parse_args(with_config_file(argv, prog, say=True))
     cfg = Config(**_values(args))
     problems = validate(cfg)
+    if cfg.num_train_epochs is not None and "iterations" in given_options(argv):
+        problems.insert(0, f"--num-train-epochs {cfg.num_train_epochs:g} and --iterations {cfg.iterations} both set "
+                           "the run's length: give one")
     if problems:
         sys.stderr.write(f"{prog}: error: {problems[0]}\n")
         raise SystemExit(2)
@@ -597,6 +602,10 @@ def file_arguments(path: str, skip: set[str] = frozenset(), note=lambda line: No
     values = {str(key).replace("-", "_"): value for key, value in values.items()}
     if "run_id" in values and "text_prompts" not in values:  # a run record written before --text-prompts: text
         values["text_prompts"] = "chat"  # prompts were always in the chat template; the rerun is that run
+    if values.get("num_train_epochs") is not None and ("run_id" in values or "iterations" in skip):  # a record's
+        if values.pop("iterations" if "run_id" in values else "num_train_epochs") and "run_id" not in values:
+            note("num_train_epochs: --iterations, given, sets the run's length instead (TRL's max_steps wins over "
+                 "num_train_epochs too)")  # a record's count came from its epochs, counted again
     refusals: list[str] = []  # every refused key of the file, said in one line
     values = trl_keys(values, set(skip), note, known={*fields, *NOT_OPTIONS, *TRL_ALIASES, "epsilon"},
                       group_size=fields["group_size"].default, typed_batch=typed_batch or {}, refusals=refusals)

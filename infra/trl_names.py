@@ -39,7 +39,6 @@ TRL_ALIASES = {"num_generations": "group_size", "learning_rate": "lr", "max_comp
 # TRL names that mean something else here: the option to use instead, and why (one line each, after "use")
 TRL_DIFFERENT = {
     "max_steps": "--iterations: each samples one batch and takes --updates-per-iteration optimizer steps on it",
-    "num_train_epochs": "--iterations: a run counts batches of prompts, not passes over the data",
     "save_steps": "--save-every N: a checkpoint every N iterations",
     "eval_steps": "--eval-every N: a held-out evaluation every N iterations",
     "num_generations_eval": "--eval-samples: responses per held-out prompt",

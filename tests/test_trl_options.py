@@ -7,6 +7,7 @@ over the tiny model's 5 norms (1.2e-7 of the largest gradient element measured).
 each wrong normalisation or scale checked here is off by 3% or more (dapo's D of one mini-batch against the
 batch's / 2: 17 or 14 against 15.5 tokens; an unscaled A: std_batch + eps = 0.96)."""
 import copy
+import json
 import dataclasses
 import math
 import re
@@ -775,7 +776,8 @@ def whole_grpo_config() -> dict:
 def test_a_whole_grpo_config_written_out_runs_as_it_is(tmp_path, capsys):
     """Claim: a GRPOConfig written out whole (~190 keys: transformers' TrainingArguments under it too) parses: the
     Trainer's settings at their defaults are counted in one line (not named: ~80 of them), TRL's keys that mean
-    something else here are ignored at their defaults (max_steps -1, num_train_epochs 3.0, eval_steps null), and
+    something else here are ignored at their defaults (max_steps -1, eval_steps null), num_train_epochs 3.0 is three
+    passes over the data, as in TRL, and
     TrainingArguments' default save_strategy 'steps' with save_steps 500 is read as --save-every 500, said in a line.
     Before, save_strategy 'steps' was refused, and after it max_steps -1 and others, one per run."""
     import json
@@ -783,6 +785,7 @@ def test_a_whole_grpo_config_written_out_runs_as_it_is(tmp_path, capsys):
     cfg = parse_args(["--config", str(tmp_path / "grpo.json")])
     out = capsys.readouterr().out
     assert (cfg.save_every, cfg.gradient_checkpointing, cfg.group_size, cfg.max_new_tokens) == (500, True, 8, 512)
+    assert cfg.num_train_epochs == 3.0
     assert "took TRL's save_strategy 'steps' (transformers' default), save_steps 500 as --save-every 500" in out
     assert max(len(line) for line in out.splitlines()) < 1600, out  # the 77 TRL keys named, without reasons
     assert "defaults of this trainer that are not TRL's" not in out  # the file sets every one of them
@@ -834,3 +837,26 @@ def test_report_to_all_is_every_installed_tracker(monkeypatch, capsys):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None)
     assert parse_args(["--report-to", "all"]).report_to == ["none"]
     assert "--report-to all cannot be combined" in refusal(capsys, lambda: parse_args(["--report-to", "all", "wandb"]))
+
+
+def test_num_train_epochs_counts_the_runs_iterations_from_the_data(tmp_path, capsys):
+    """Claim (TRL's num_train_epochs, in every open-r1 recipe; it was refused as meaning something else): --num-train-
+    epochs E makes the run ceil(E x train prompts / prompts per iteration) iterations, counted once the data is
+    loaded and said in the first line; typed with --iterations it is one usage line; a config file's epochs give way
+    to a typed --iterations (TRL's max_steps wins over num_train_epochs), said in a line; a run record's iterations,
+    which its epochs counted, are counted again from them."""
+    import trainer
+    cfg = parse_args(["--num-train-epochs", "0.5", "--batch-size", "16", "--group-size", "4", "--eval-every", "0"])
+    prepared, task, _, _ = trainer.prepare(cfg)
+    assert prepared.iterations == math.ceil(0.5 * len(task.train) / 4) and len(task.train) > 100
+    assert f"--num-train-epochs 0.5: {prepared.iterations} iterations" in task.notes
+    assert "both set the run's length: give one" in refusal(capsys, lambda: parse_args(
+        ["--num-train-epochs", "1", "--iterations", "3"]))
+    (tmp_path / "trl.yaml").write_text("num_train_epochs: 1\n")
+    typed = parse_args(["--config", str(tmp_path / "trl.yaml"), "--iterations", "5"])
+    assert (typed.iterations, typed.num_train_epochs) == (5, None)
+    assert "num_train_epochs: --iterations, given, sets the run's length instead" in capsys.readouterr().out
+    (tmp_path / "config.json").write_text(json.dumps({**dataclasses.asdict(prepared), "run_id": "r"}))
+    from infra import options
+    flags = options.file_arguments(str(tmp_path / "config.json"))
+    assert "--num-train-epochs=0.5" in flags and not any(flag.startswith("--iterations") for flag in flags)
