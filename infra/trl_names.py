@@ -199,7 +199,9 @@ def epilog() -> str:
     lines += ["", "defaults that are not TRL 1.16's (GRPOConfig), and why:"]
     lines += [f"  {option} {ours} (TRL: {theirs}): {why}" for option, ours, theirs, why in DEPARTURES]
     lines += ["", "TRL's option names are accepted where they mean the same: " + ", ".join(
-        f"--{trl.replace('_', '-')}" for trl in [*TRL_ALIASES, "epsilon"]) + "."]
+        f"--{trl.replace('_', '-')}" for trl in [*TRL_ALIASES, "epsilon"]) + "; and TRL's batch keys, "
+        + ", ".join(f"--{key.replace('_', '-')}" for key in TRL_BATCH_KEYS) + ", which become --batch-size and "
+        "--updates-per-iteration as TRL derives its generation batch."]
     lines += ["In a --config file, TRL's keys for what this trainer has no use for are ignored, with a line: "
               + ", ".join([key for key in TRL_UNUSED if key not in VLLM_KEYS] + ["GRPOConfig's vllm_* settings"])
               + "; so are these at what this trainer does (another value is refused): "
