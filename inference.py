@@ -118,7 +118,8 @@ def inference_process(model_name: str, load_kwargs: dict, connection, heartbeat:
     """
     die_with_parent()
     mp.current_process().daemon = False  # the trainer's handle calls it a daemon, and multiprocessing refuses a
-    # daemon children: a reward's process pool (code execution) could not start. It dies with the trainer anyway.
+    # daemon children: a reward's process pool (code execution) could not start. This process dies with the trainer
+    # all the same (die_with_parent); a pool the reward leaves open is the reward's to close, as in sync mode.
     beating = Heartbeat(heartbeat)
     results = Outbox(connection)
     try:

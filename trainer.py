@@ -128,10 +128,11 @@ def load_policy(cfg: Config, load_kwargs: dict, rollouts=None):
 
 @contextmanager
 def started(cfg: Config, resume_from: Path | None = None, on_sized=None, ranks=None,
-            on_completions=lambda records: None):
+            on_completions=lambda records: None, on_prepared=lambda cfg: None):
     """The run as configured, ready to iterate: (rows, policy, tokenizer), rows being `periodic_rl.train`'s
-    (from the checkpoint `resume_from`, if given; `on_sized(cfg)` once its sizes are known; as trainer rank
-    `ranks`, if given: infra/distributed.py; `on_completions(records)` per iteration with --log-completions).
+    (from the checkpoint `resume_from`, if given; `on_prepared(cfg)` once the data is read: the options with
+    what it decides, such as --num-train-epochs' iterations; `on_sized(cfg)` once its sizes are known; as trainer
+    rank `ranks`, if given: infra/distributed.py; `on_completions(records)` per iteration with --log-completions).
 
     The inference process (async mode) is spawned before the trainer imports transformers' models and
     loads its own copy, so the two processes' imports and loads overlap; the `with` block owns it until
@@ -140,6 +141,7 @@ def started(cfg: Config, resume_from: Path | None = None, on_sized=None, ranks=N
     from infra.tasks import check_prompt_lengths, raw_text_prompts, template_kwargs
     from launch import setup
     cfg, task, rewards, load_kwargs = prepare(cfg)
+    on_prepared(cfg)
     train_examples, held_out = task.train, task.held_out
     Interrupted.check()  # a Ctrl-C that a C extension swallowed while torch was imported stops the run here
     from infra.distributed import Ranks
@@ -187,8 +189,9 @@ def run(cfg: Config, resume_from: Path | None = None, command: list[str] | None 
         history = resume_from.parent / "metrics.jsonl" if resume_from else None  # the run it continues
         samples = CompletionsLog(out, resumed_at, resume_from and resume_from.parent / COMPLETIONS,
                                  trackers.log_completions, cfg.num_completions_to_print, say)  # --log-completions
-        with started(cfg, resume_from, on_sized, ranks, samples.write) as (rows, policy, tokenizer):
-            return log_and_save(cfg, rows, policy, tokenizer, resumed_at, trackers.log, ranks, history)
+        prepared = [cfg]  # the options once the data is read (--num-train-epochs counts the iterations there)
+        with started(cfg, resume_from, on_sized, ranks, samples.write, prepared.append) as (rows, policy, tokenizer):
+            return log_and_save(prepared[-1], rows, policy, tokenizer, resumed_at, trackers.log, ranks, history)
 
 
 def save_policy(policy, tokenizer, path: Path) -> None:
@@ -508,7 +511,11 @@ def kept_on_stop(cfg: Config | None, ranks, failed_save: Exception | None) -> st
     checkpoint = sys.modules.get("infra.checkpoint")  # imported once the options are read
     if cfg is None or cfg.out is None or checkpoint is None or ranks and not ranks.is_main:
         return ""
-    done = len(earlier_rows(Path(cfg.out) / "metrics.jsonl", cfg.iterations))
+    iterations = cfg.iterations
+    if cfg.num_train_epochs is not None:  # counted once the data was read: config.json records the count
+        with suppress(OSError, ValueError, KeyError, TypeError):
+            iterations = int(json.loads((Path(cfg.out) / "config.json").read_text())["iterations"])
+    done = len(earlier_rows(Path(cfg.out) / "metrics.jsonl", iterations))
     if not (cfg.save_every or cfg.save_on_stop):
         return (f"; the {done} iteration{'s' * (done > 1)} done {'were' if done > 1 else 'was'} not saved "
                 "(--save-on-stop keeps them when a run is stopped, --save-every N as it goes)") if done else ""

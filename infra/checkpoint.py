@@ -45,10 +45,10 @@ from infra.records import absolute_paths
 # `resumed_config`: with --loss-type bnpo the micro-batches change the loss; and a learning-rate schedule that
 # spans the run's optimizer steps would be rebuilt over another --iterations' steps, changing every rate from the
 # checkpoint on: the resumed run would be neither the one it continues nor one started with that length.)
-HARMLESS = {"iterations", "eval_every", "eval_samples", "trace", "save", "save_every", "keep_checkpoints",
-            "save_on_stop", "sizes", "cache_dir", "reward_timeout", "gradient_checkpointing", "attn_implementation",
-            "micro_batch_tokens", "pad_to_multiple_of", "rollout_threads", "train_threads", "tail_threads", "report_to",
-            "collective_timeout",
+HARMLESS = {"iterations", "num_train_epochs", "eval_every", "eval_samples", "trace", "save", "save_every",
+            "keep_checkpoints", "save_on_stop", "sizes", "cache_dir", "reward_timeout", "gradient_checkpointing",
+            "attn_implementation", "micro_batch_tokens", "pad_to_multiple_of", "rollout_threads", "train_threads",
+            "tail_threads", "report_to", "collective_timeout",
             "inference_workers",  # the groups reach the trainer in one worker's order (inference.in_call_order)
             "log_completions", "num_completions_to_print",
             "mode"}  # async and sync are the same run (bitwise, with equal thread counts: tests/test_pipeline.py)
@@ -148,7 +148,7 @@ def resumed_config(cfg: Config, given: set[str], state: dict) -> Config:
     if saved.get("loss_type") == "bnpo":  # bnpo averages each micro-batch's own token mean
         harmless.discard("micro_batch_tokens")
     if schedule_spans_the_run(saved):  # the schedule's length is iterations x updates x μ optimizer steps
-        harmless.discard("iterations")
+        harmless -= {"iterations", "num_train_epochs"}
     for field in dataclasses.fields(Config):
         name, new = field.name, getattr(cfg, field.name)
         anew = name in given or name in DEVICES and bool(given & DEVICES)

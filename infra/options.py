@@ -294,8 +294,9 @@ def validate(cfg: Config) -> list[str]:
          f"--warmup-steps must be a whole number of steps, or a fraction below 1 (got {cfg.warmup_steps})")
     need(not (cfg.warmup_steps and cfg.warmup_ratio), "--warmup-steps and --warmup-ratio both set the warm-up: give "
          "one")
-    if cfg.lr_scheduler_kwargs is not None or cfg.lr_scheduler_type in NEEDS_ARGUMENTS:
-        need(schedule_problem(cfg) is None, schedule_problem(cfg))
+    problem = (schedule_problem(cfg) if cfg.lr_scheduler_kwargs is not None or cfg.lr_scheduler_type in NEEDS_ARGUMENTS
+               else None)
+    need(problem is None, problem)
     need(cfg.top_k >= -1, f"--top-k must be 0 or -1 (off: TRL's and vLLM's), or a positive number of tokens "
          f"(got {cfg.top_k})")
     need(cfg.min_p is None or 0 <= cfg.min_p <= 1, f"--min-p must be in [0, 1] (got {cfg.min_p})")
@@ -602,10 +603,12 @@ def file_arguments(path: str, skip: set[str] = frozenset(), note=lambda line: No
     values = {str(key).replace("-", "_"): value for key, value in values.items()}
     if "run_id" in values and "text_prompts" not in values:  # a run record written before --text-prompts: text
         values["text_prompts"] = "chat"  # prompts were always in the chat template; the rerun is that run
-    if values.get("num_train_epochs") is not None and ("run_id" in values or "iterations" in skip):  # a record's
-        if values.pop("iterations" if "run_id" in values else "num_train_epochs") and "run_id" not in values:
-            note("num_train_epochs: --iterations, given, sets the run's length instead (TRL's max_steps wins over "
-                 "num_train_epochs too)")  # a record's count came from its epochs, counted again
+    if "iterations" in skip and values.get("num_train_epochs") is not None:  # a typed length wins, as TRL's
+        values.pop("num_train_epochs")  # max_steps wins over its num_train_epochs
+        note("num_train_epochs: --iterations, given, sets the run's length instead (TRL's max_steps wins over "
+             "num_train_epochs too)")
+    elif "num_train_epochs" in skip or "run_id" in values and values.get("num_train_epochs") is not None:
+        values.pop("iterations", None)  # typed epochs win over a file's length; a record's came from its epochs
     refusals: list[str] = []  # every refused key of the file, said in one line
     values = trl_keys(values, set(skip), note, known={*fields, *NOT_OPTIONS, *TRL_ALIASES, "epsilon"},
                       group_size=fields["group_size"].default, typed_batch=typed_batch or {}, refusals=refusals)

@@ -338,7 +338,10 @@ def trl_keys(values: dict, skip: set[str], note, known: set[str], group_size: in
         values = dict(values)  # default strategy: a checkpoint every save_steps steps
         values.pop("save_strategy", None)
         steps = values.pop("save_steps", trainer_settings(["save_steps"]).get("save_steps", 500))
-        if "save_every" not in values and "save_every" not in skip:
+        if isinstance(steps, (int, float)) and 0 < steps < 1:  # transformers: a fraction of the run's steps
+            pending.append(f"save_steps: {steps} (a fraction of the run's steps) has no equivalent here: give "
+                           "--save-every N, a checkpoint every N iterations")
+        elif "save_every" not in values and "save_every" not in skip:
             values = {"save_every": steps, **values}
             note(f"took TRL's save_strategy 'steps' (transformers' default), save_steps {steps} as --save-every "
                  f"{steps}: a checkpoint every {steps} iterations (each TRL's steps when --updates-per-iteration and "
@@ -371,7 +374,7 @@ def trl_keys(values: dict, skip: set[str], note, known: set[str], group_size: in
         values = {key: value for key, value in values.items() if key not in at_default and key not in changed}
     if pending and refusals is None:
         raise ValueError("; ".join(pending))
-    if trls:
+    if trls and not pending:  # a file that runs: what it runs with
         line = departures_line({TRL_ALIASES.get(key, key) for key in values} | set(skip)
                                | ({"batch_size"} if trl_batch_keys else set()))
         if line:

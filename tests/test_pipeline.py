@@ -1,6 +1,7 @@
 """Periodic asynchrony (periodic_rl.py): async equals sync, stays on-policy, and fails loudly and cleanly."""
 import dataclasses
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -428,7 +429,7 @@ def run_trainer(*args, timeout=240):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("reward, fragment", [("tests/rewards.py:raising_reward",
-                                               "broken on purpose (at tests/rewards.py, line 14: raise ValueError"),
+                                               r"broken on purpose \(at tests/rewards.py, line \d+: raise ValueError"),
                                               ("tests/rewards.py:nan_reward", "not a finite number")])
 def test_bad_reward_stops_trainer_with_clear_message(tiny_model_dir, tmp_path, reward, fragment):
     """A reward function that raises or returns NaN (in the inference process) ends the run: exit code 1, a message
@@ -437,7 +438,7 @@ def test_bad_reward_stops_trainer_with_clear_message(tiny_model_dir, tmp_path, r
     result = run_trainer("--model", tiny_model_dir, "--data", "arithmetic", "--reward", reward,
                          "--max-new-tokens", "4", "--out", tmp_path, timeout=120)
     assert result.returncode == 1, result.stderr
-    assert fragment in result.stderr and reward.split(":")[1] in result.stderr and "prompt" in result.stderr
+    assert re.search(fragment, result.stderr) and reward.split(":")[1] in result.stderr and "prompt" in result.stderr
     assert "Traceback" not in result.stderr
 
 

@@ -809,6 +809,12 @@ def test_a_trl_file_is_told_which_of_our_defaults_it_runs_with(tmp_path, capsys)
     (tmp_path / "ours.yaml").write_text("group_size: 4\nlr: 1.0e-5\n")
     parse_args(["--config", str(tmp_path / "ours.yaml")])
     assert "defaults of this trainer" not in capsys.readouterr().out
+    (tmp_path / "fraction.yaml").write_text("num_generations: 4\nsave_steps: 0.1\n")  # transformers: 10% of the run
+    with pytest.raises(SystemExit):
+        parse_args(["--config", str(tmp_path / "fraction.yaml")])
+    said = capsys.readouterr()
+    assert "save_steps: 0.1 (a fraction of the run's steps) has no equivalent here" in said.err
+    assert "defaults of this trainer" not in said.out  # a refused file is not described
 
 
 def test_every_refused_key_of_a_file_is_said_at_once(tmp_path, capsys):
@@ -843,8 +849,8 @@ def test_num_train_epochs_counts_the_runs_iterations_from_the_data(tmp_path, cap
     """Claim (TRL's num_train_epochs, in every open-r1 recipe; it was refused as meaning something else): --num-train-
     epochs E makes the run ceil(E x train prompts / prompts per iteration) iterations, counted once the data is
     loaded and said in the first line; typed with --iterations it is one usage line; a config file's epochs give way
-    to a typed --iterations (TRL's max_steps wins over num_train_epochs), said in a line; a run record's iterations,
-    which its epochs counted, are counted again from them."""
+    to a typed --iterations (TRL's max_steps wins over num_train_epochs), said in a line, and a file's --iterations
+    to typed epochs; a run record's iterations, which its epochs counted, are counted again from them."""
     import trainer
     cfg = parse_args(["--num-train-epochs", "0.5", "--batch-size", "16", "--group-size", "4", "--eval-every", "0"])
     prepared, task, _, _ = trainer.prepare(cfg)
@@ -860,3 +866,31 @@ def test_num_train_epochs_counts_the_runs_iterations_from_the_data(tmp_path, cap
     from infra import options
     flags = options.file_arguments(str(tmp_path / "config.json"))
     assert "--num-train-epochs=0.5" in flags and not any(flag.startswith("--iterations") for flag in flags)
+    rerun = parse_args(["--config", str(tmp_path / "config.json"), "--iterations", "10"])  # typed wins over both
+    assert (rerun.iterations, rerun.num_train_epochs) == (10, None)
+    (tmp_path / "length.yaml").write_text("iterations: 7\n")
+    by_epochs = parse_args(["--config", str(tmp_path / "length.yaml"), "--num-train-epochs", "1"])
+    assert by_epochs.num_train_epochs == 1  # typed epochs win over a file's --iterations
+    capsys.readouterr()
+
+
+@pytest.mark.slow
+def test_a_run_by_epochs_trains_its_counted_iterations_and_saves_the_policy(tiny_model_dir, tmp_path):
+    """Claim: a run given --num-train-epochs trains the iterations counted from its data, not --iterations' default
+    60, to the end: one metrics row per counted iteration, then the final row and the policy saved. (Its saving
+    once read the unprepared options: a run of fewer than 60 iterations saved no policy.)"""
+    import json
+    import subprocess
+    import sys
+    out = tmp_path / "run"
+    result = subprocess.run([sys.executable, "trainer.py", "--model", str(tiny_model_dir), "--data", "arithmetic",
+                             "--num-train-epochs", "0.002", "--batch-size", "8", "--group-size", "4",
+                             "--max-new-tokens", "4", "--eval-every", "0", "--mode", "sync", "--groups-per-chunk", "2",
+                             "--micro-batch-tokens", "16384", "--rollout-threads", "1", "--train-threads", "1",
+                             "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    counted = json.loads((out / "config.json").read_text())["iterations"]
+    assert counted == math.ceil(0.002 * 2255 / 2) and "--num-train-epochs 0.002: 3 iterations" in result.stdout
+    assert [row["iteration"] for row in rows if not row.get("final")] == list(range(counted))
+    assert (out / "policy" / "config.json").exists() and "policy in" in result.stdout
