@@ -216,6 +216,7 @@ def earlier_rows(metrics_path: Path, before: int) -> list[dict]:
     return [rows[k] for k in sorted(rows)]
 
 
+PROCESS_STARTED = time.time()  # what a stop line compares --out's policy/ with: written by this run or before it
 STDOUT_CLOSED = ("standard output was closed inside the run (sys.stdout.close() in a reward function, or in a library "
                  "it calls): the log cannot be written; leave sys.stdout open")
 
@@ -517,6 +518,9 @@ def kept_on_stop(cfg: Config | None, ranks, failed_save: Exception | None) -> st
             iterations = int(json.loads((Path(cfg.out) / "config.json").read_text())["iterations"])
     done = len(earlier_rows(Path(cfg.out) / "metrics.jsonl", iterations))
     if not (cfg.save_every or cfg.save_on_stop):
+        policy = Path(cfg.out) / "policy"  # written atomically once training ended: by this process, if lately
+        if policy.is_dir() and policy.stat().st_mtime >= PROCESS_STARTED:
+            return f"; training had ended: the policy is in {policy}"
         return (f"; the {done} iteration{'s' * (done > 1)} done {'were' if done > 1 else 'was'} not saved "
                 "(--save-on-stop keeps them when a run is stopped, --save-every N as it goes)") if done else ""
     found = checkpoint.checkpoints(cfg.out)

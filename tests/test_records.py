@@ -468,3 +468,22 @@ def test_plot_writes_the_file_it_names_or_refuses_the_format(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith(f"error: -o {tmp_path / 'x.foo'}: matplotlib cannot write .foo files; name a file ending in ")
     assert ".png" in err and err.count("\n") == 1 and not (tmp_path / "x.foo").exists()
+
+
+def test_a_stop_without_save_options_says_what_was_not_kept(tmp_path):
+    """Claim: without --save-every or --save-on-stop, a stop's line ends with how many iterations were done and not
+    saved, and the option that keeps them; once training had ended (policy/ written by this process, the stop
+    coming during the final evaluation), that the policy is there; before any iteration, nothing more. A policy/ an
+    earlier run left in --out is not taken for this one's."""
+    import os
+    cfg = Config(out=str(tmp_path), iterations=5)
+    assert trainer.kept_on_stop(cfg, None, None) == ""
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"iteration": k}) + "\n" for k in range(3)))
+    not_saved = ("; the 3 iterations done were not saved (--save-on-stop keeps them when a run is stopped, "
+                 "--save-every N as it goes)")
+    assert trainer.kept_on_stop(cfg, None, None) == not_saved
+    (tmp_path / "policy").mkdir()
+    os.utime(tmp_path / "policy", (trainer.PROCESS_STARTED - 60,) * 2)  # an earlier run's
+    assert trainer.kept_on_stop(cfg, None, None) == not_saved
+    os.utime(tmp_path / "policy")  # written now
+    assert trainer.kept_on_stop(cfg, None, None) == f"; training had ended: the policy is in {tmp_path / 'policy'}"
