@@ -81,7 +81,7 @@ from infra.reward import (
     trainer_state,
     weighted_total,
 )
-from infra.tasks import Example, prompt_token_ids, raw_text_prompts, template_kwargs
+from infra.tasks import Example, run_prompt_ids
 from infra.timeline import INFERENCE, Span
 
 COMPACT_BELOW = 0.5  # a generate call restarts on its live rows once at most this share still decode
@@ -376,10 +376,9 @@ def evaluate(model, tokenizer, examples: list[Example], rewards: Rewards | Rewar
     responses some reward scored (None if none); `state`: as score_responses'."""
     rewards = as_rewards(rewards)
     generation = sampling_config(cfg, stop_token_ids(model, tokenizer), tokenizer.pad_token_id)
-    template, totals = template_kwargs(cfg.chat_template_kwargs), []
-    raw = raw_text_prompts(cfg.text_prompts, cfg.prompt_column)
+    totals = []
     for first, chunk in chunks(examples, cfg.groups_per_chunk):
-        prompts = [prompt_token_ids(tokenizer, example.prompt, template, raw) for example in chunk]
+        prompts = run_prompt_ids(tokenizer, chunk, cfg)
         responses = sample_prompts(model, prompts, cfg.eval_samples, generation, cfg, -1, first)
         for example, samples in zip(chunk, responses):
             totals += score_responses(rewards, tokenizer, example, samples, cfg, state)[0]
@@ -410,8 +409,6 @@ def rollout_iteration(model, tokenizer, train: list[Example], held_out: list[Exa
     rewards = as_rewards(rewards)
     generation = sampling_config(cfg, stop_token_ids(model, tokenizer), tokenizer.pad_token_id)
     state = trainer_state(cfg, iteration, len(train)) if any(rewards.batched) else None  # TRL-style rewards get it
-    template = template_kwargs(cfg.chat_template_kwargs)  # the chat template's extra variables (or none)
-    raw = raw_text_prompts(cfg.text_prompts, cfg.prompt_column)  # text prompts as they are, or in the template
     if train_prompts:
         examples = [train[i] for i in iteration_prompts(len(train), cfg.prompts_per_iteration, cfg.seed,
                                                          iteration)]
@@ -419,7 +416,7 @@ def rollout_iteration(model, tokenizer, train: list[Example], held_out: list[Exa
             if call % share[1] != share[0]:
                 continue  # another sampler's generate call
             start, version = time.perf_counter(), weights_version()
-            prompts = [prompt_token_ids(tokenizer, example.prompt, template, raw) for example in chunk]
+            prompts = run_prompt_ids(tokenizer, chunk, cfg)
 
             def score_and_send(offset: int, responses: list[list[int]]) -> None:  # called inside generate
                 totals, per_function = score_responses(rewards, tokenizer, chunk[offset], responses, cfg, state)

@@ -387,6 +387,13 @@ def prompt_token_ids(tokenizer, prompt: str | list[dict], template: dict | None 
     return tokenizer.encode(prompt_text(tokenizer, prompt, template, raw), add_special_tokens=False)
 
 
+def run_prompt_ids(tokenizer, examples: list[Example], cfg) -> list[list[int]]:
+    """The examples' prompt ids as a run (`cfg`, a Config) samples them: --chat-template-kwargs' variables, text as
+    it is or in the chat template (--text-prompts). The sampler, its evaluation and the sizing probe all call this."""
+    template, raw = template_kwargs(cfg.chat_template_kwargs), raw_text_prompts(cfg.text_prompts, cfg.prompt_column)
+    return [prompt_token_ids(tokenizer, example.prompt, template, raw) for example in examples]
+
+
 def count_tokens(tokenizer, prompt: str | list[dict], limit: int, template: dict | None = None, raw: bool = False
                  ) -> tuple[int, int | None]:
     """(the prompt's tokens, None), or, for a text so long that its start alone has more than `limit` tokens, (the

@@ -60,7 +60,7 @@ import torch
 
 from infra import distributed
 from infra.options import MICRO_BATCH_TOKENS, available_cores
-from infra.tasks import prompt_token_ids, raw_text_prompts, template_kwargs
+from infra.tasks import run_prompt_ids
 from learner import forward_backward, micro_batch_size
 from rollout import iteration_prompts, sample_prompts, sampling_config, stop_token_ids
 
@@ -213,9 +213,7 @@ def probe(cfg, tri, tokenizer, train_examples, threads: int) -> Probe:
     generation = sampling_config(cfg, stop_token_ids(policy, tokenizer), tokenizer.pad_token_id)
     examples = [train_examples[i] for i in iteration_prompts(len(train_examples), cfg.prompts_per_iteration,
                                                               cfg.seed, 0)]
-    template = template_kwargs(cfg.chat_template_kwargs)
-    raw = raw_text_prompts(cfg.text_prompts, cfg.prompt_column)  # as the run tokenizes them
-    prompts = [prompt_token_ids(tokenizer, e.prompt, template, raw) for e in examples]
+    prompts = run_prompt_ids(tokenizer, examples, cfg)  # as the run tokenizes them
     saved_threads, was_training = torch.get_num_threads(), policy.training
     torch.set_num_threads(threads)
     try:
