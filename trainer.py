@@ -31,7 +31,10 @@ from config import Config
 from infra import outputs
 from infra.errors import UserError
 from infra.options import given_options, parse_args
+from infra.processes import children_end_with_their_parent
 from infra.stopping import Interrupted, exit_without_lingering, stopped_by_signals
+
+children_end_with_their_parent()  # a reward's process pool ends with the run, SIGKILL included (spawned: here again)
 
 
 class DeviceError(UserError):

@@ -1,5 +1,6 @@
 """Process plumbing of the inference side: a child that dies with its parent, a heartbeat the parent can watch, a
-pipe that never blocks the sender, and SIGINT held off while a child starts (used by inference.py).
+pipe that never blocks the sender, and SIGINT held off while a child starts (used by inference.py); and the
+children a reward starts of its own (a process pool) ending with the process that started them (trainer.py).
 """
 from __future__ import annotations
 
@@ -7,16 +8,19 @@ import contextlib
 import ctypes
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.util
 import os
 import queue
 import signal
 import sys
 import threading
+import time
 
 POLL_SECONDS = 0.2  # how often a waiting trainer checks that its workers are alive
 HEARTBEAT_SECONDS = 1.0  # the worker's heartbeat thread counts once per second, whatever it computes
 STOPPED_SECONDS = 5.0  # no heartbeat for this long and state T (SIGSTOP, Ctrl-Z of that process alone): reported
 FROZEN_SECONDS = 60.0  # no heartbeat for this long in any state: hung (a native call holding the GIL, a dead disk)
+ORPHAN_SECONDS = 1.0  # how often a reward's pool worker checks that the process that started it is alive
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
@@ -64,6 +68,53 @@ def die_with_parent() -> None:
         return
     threading.Thread(target=lambda: (multiprocessing.connection.wait([parent.sentinel]), os._exit(1)),
                      daemon=True).start()
+
+
+def running(pid: int) -> bool:
+    """Whether process PID exists and has not exited (a zombie, exited but not yet reaped, has)."""
+    state = process_state(pid)
+    if state is not None:
+        return state not in ("Z", "X")
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def exit_when_orphaned(seconds: float = ORPHAN_SECONDS) -> None:
+    """End this process within `seconds` of its parent's death, in a daemon thread that watches the parent PID (it
+    changes when the kernel re-parents an orphan) and, for a child of a forkserver, the process that asked for it
+    (the forkserver lives as long as its children do). For multiprocessing's children that are not ours (a
+    reward's pool), where PR_SET_PDEATHSIG would fire when the *thread* that started the child ends."""
+    parent = os.getppid()
+    requester = multiprocessing.parent_process()  # None while a spawned child imports; a forkserver's client
+    asker = requester.pid if requester is not None else parent
+
+    def watch() -> None:
+        while os.getppid() == parent and running(asker):
+            time.sleep(seconds)
+        os._exit(1)
+    threading.Thread(target=watch, name="exit-when-orphaned", daemon=True).start()
+
+
+def children_end_with_their_parent() -> None:
+    """Every process multiprocessing starts from now on in this process exits within a second of its parent's death,
+    SIGKILL included: the workers of a reward's ProcessPoolExecutor would otherwise wait on their task queue forever.
+    Children by fork or a forkserver run multiprocessing's after-fork hooks; a spawned child skips them, but imports
+    the caller's main module, which calls this again (its process name is no longer MainProcess)."""
+    global _orphans_watched
+    if _orphans_watched:
+        return
+    _orphans_watched = True
+    multiprocessing.util.register_after_fork(exit_when_orphaned, lambda _: exit_when_orphaned())
+    if multiprocessing.current_process().name != "MainProcess":
+        exit_when_orphaned()
+
+
+_orphans_watched = False  # children_end_with_their_parent was called in this process
 
 
 class Heartbeat:

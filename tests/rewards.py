@@ -65,3 +65,19 @@ def pooled_length(completions: list, **kwargs) -> list[float]:
     from concurrent.futures import ProcessPoolExecutor
     with ProcessPoolExecutor(2) as pool:
         return [float(n) for n in pool.map(len, completions)]
+
+
+KEPT_POOL = None
+
+
+def kept_pool_length(completions: list, **kwargs) -> list[float]:
+    """A TRL-style reward that keeps one process pool for the whole run, started at its first call, as a reward that
+    starts its sandboxes once does; the pool's start method is $REWARD_POOL_START (fork, spawn, forkserver; unset:
+    Python's default)."""
+    import multiprocessing
+    import os
+    from concurrent.futures import ProcessPoolExecutor
+    global KEPT_POOL
+    if KEPT_POOL is None:
+        KEPT_POOL = ProcessPoolExecutor(2, mp_context=multiprocessing.get_context(os.environ.get("REWARD_POOL_START")))
+    return [float(n) for n in KEPT_POOL.map(len, completions)]
