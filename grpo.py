@@ -189,7 +189,9 @@ def grpo_loss(
     kl_bias_correction: multiply k3 by ρ (the module docstring says why); False = the plain k3 term.
     The returned stats are sums over the masked tokens, so they add up across micro-batches, as 0-d tensors (no
     host synchronisation): tokens, clipped tokens (low: ρ < 1 - ε_low with A < 0, high: ρ > 1 + ε_high with
-    A > 0, as TRL counts them) and the KL term as TRL logs it (ρ·k3 with the correction, else k3).
+    A > 0, as TRL counts them) and the KL term as TRL logs it (ρ·k3 with the correction, else k3); and two
+    extremes, which combine across micro-batches by min and max: the least low-clipped fraction of a response's
+    tokens and the most high-clipped one.
     """
     mask = mask.to(logp.dtype)  # (N, T)
     ratio = torch.exp(logp - old_logp)  # (N, T)
@@ -215,11 +217,17 @@ def grpo_loss(
         # A token is "clipped" when the clip is the active branch of the min (as TRL counts it).
         low = ((ratio < 1 - epsilon_low) & (adv < 0)).to(mask.dtype) * mask  # (N, T)
         high = ((ratio > 1 + epsilon_high) & (adv > 0)).to(mask.dtype) * mask  # (N, T)
+        lengths = mask.sum(1)  # (N,)
+        per_response = lengths.clamp(min=1)  # (N,)
         stats = {  # 0-d tensors on logp's device: reading them would make the host wait for the device
             "tokens": mask.sum(),
             "clipped_tokens": (low + high).sum(),  # TRL's region: the two are disjoint (A < 0, A > 0)
             "clipped_low": low.sum(),
             "clipped_high": high.sum(),
+            # the extremes over responses of their clipped fraction (TRL's clip_ratio/low_min and high_max); a
+            # response without loss tokens counts for neither (inf, -inf where there is none)
+            "clipped_low_min": torch.where(lengths > 0, low.sum(1) / per_response, torch.inf).min(),
+            "clipped_high_max": torch.where(lengths > 0, high.sum(1) / per_response, -torch.inf).max(),
             "kl_sum": (kl * mask).sum() if kl is not None else torch.full((), float("nan"), device=logp.device),
         }
     return loss, stats

@@ -28,11 +28,12 @@ the batch's rewards (a collective) as soon as its groups are all in, before it t
 every rank meets that collective first, then the steps' all-reduces, in the same order.
 
 Metrics, per iteration, as TRL 1.16 logs them (infra/tracking.py has the names): the clipped fractions (low,
-high, region) and the KL term (ρ·k3 with the bias correction) over every pass's loss tokens; the mean per-token
-entropy of the policy over the loss tokens (a truncated response left out under mask_truncated_completions, as
-TRL), from the logits its log-probs are taken from (attention.token_logprobs); the learning rate of the last
-step; frac_reward_zero_std; the response lengths (mean, min, max, of the terminated ones) and the truncated
-fraction.
+high, region) and the KL term (ρ·k3 with the bias correction) over every pass's loss tokens, and the extremes over
+responses of their clipped fraction (least low, most high); the mean per-token entropy of the policy over the loss
+tokens (a truncated response left out under mask_truncated_completions, as TRL), from the logits its log-probs are
+taken from (attention.token_logprobs); the learning rate of the last step; frac_reward_zero_std; the response
+lengths (mean, min, max; the same of the terminated ones) and the truncated fraction; the iteration's prompt
+(once per response) and response tokens, which trainer.py sums into TRL's num_tokens.
 """
 from __future__ import annotations
 
@@ -160,7 +161,10 @@ class Learner:
         self.trained: list[list[list[Group]]] = [[] for _ in range(updates)]  # the first pass's micro-batches
         self.replayed = 0  # micro-batches of the current mini-batch trained again in this pass (passes 2..μ)
         self.sums = {name: torch.zeros((), device=self.device) for name in SUMS}
+        self.low_min = torch.full((), torch.inf, device=self.device)  # the least low-clipped fraction of a response
+        self.high_max = torch.full((), -torch.inf, device=self.device)  # the most high-clipped one
         self.tokens = self.loss_tokens = 0  # response tokens of the iteration, and those in the loss (host counts)
+        self.prompt_tokens = 0  # the prompt's tokens once per response, as TRL counts its num_tokens
         self.metric_tokens = 0  # loss tokens the statistics are summed over, every pass
         self.minibatch_sequences = self.minibatch_micro_batches = 0
         self.minibatch_loss = torch.zeros((), device=self.device)  # partial sum, divided by its D at the step
@@ -188,6 +192,7 @@ class Learner:
         kept = [not (self.cfg.mask_truncated_completions and cut) for cut in truncated]  # --mask-truncated-completions
         self.kept[group.index] = kept
         self.tokens += sum(lengths)
+        self.prompt_tokens += len(group.prompt_ids) * len(group.responses)
         self.loss_tokens += sum(n for n, keep in zip(lengths, kept) if keep)
         self.rewards[group.index] = (group.rewards, group.rewards_per_function, lengths, truncated)
 
@@ -294,6 +299,8 @@ class Learner:
         for total, key in (("clipped_low", "clipped_low"), ("clipped_high", "clipped_high"), ("kl", "kl_sum"),
                            ("entropy", "entropy_sum")):
             self.sums[total] += stats[key]
+        self.low_min = torch.minimum(self.low_min, stats["clipped_low_min"])
+        self.high_max = torch.maximum(self.high_max, stats["clipped_high_max"])
         responses = [r for g in groups for r in g.responses]
         self.metric_tokens += sum(len(r) for r, keep in zip(responses, kept) if keep)
         self.minibatch_sequences += len(responses)
@@ -356,12 +363,15 @@ class Learner:
         if self.steps_done != self.steps:
             raise PipelineError(f"iteration {self.iteration} ended after {self.steps_done} of "
                                 f"{self.steps} optimizer steps: groups are missing")
-        loss, low, high, kl_sum, entropy, grad_norm = torch.stack(  # the iteration's one host synchronisation
-            [self.sums[name] for name in SUMS]).tolist()
-        counted, all_tokens, by_group = self.metric_tokens, self.tokens, self.rewards
+        loss, low, high, kl_sum, entropy, grad_norm, low_min, high_max = torch.stack(  # the one host synchronisation
+            [*(self.sums[name] for name in SUMS), self.low_min.to(self.sums["loss"].dtype),
+             self.high_max.to(self.sums["loss"].dtype)]).tolist()
+        counted, all_tokens, prompt_tokens, by_group = self.metric_tokens, self.tokens, self.prompt_tokens, self.rewards
         if self.ranks.size > 1:  # the whole iteration's (loss and grad_norm are already every rank's, from `step`)
-            low, high, kl_sum, entropy, counted, all_tokens = distributed.sum_values(
-                [low, high, kl_sum, entropy, counted, all_tokens], self.ranks, self.device)
+            low, high, kl_sum, entropy, counted, all_tokens, prompt_tokens = distributed.sum_values(
+                [low, high, kl_sum, entropy, counted, all_tokens, prompt_tokens], self.ranks, self.device)
+            low_min, high_max = distributed.max_values([-low_min, high_max], self.ranks, self.device)
+            low_min = -low_min
             by_group = distributed.gather_dicts(self.rewards, self.ranks)
         ordered = [by_group[index] for index in sorted(by_group)]  # (weighted sums, per reward, lengths, truncated)
         totals = [r for total, *_ in ordered for r in total]
@@ -387,11 +397,16 @@ class Learner:
             "clip_fraction": (low + high) / tokens,  # TRL's clip_ratio/region_mean
             "clip_fraction_low": low / tokens,
             "clip_fraction_high": high / tokens,
+            "clip_fraction_low_min": low_min if math.isfinite(low_min) else None,  # TRL's clip_ratio/low_min
+            "clip_fraction_high_max": high_max if math.isfinite(high_max) else None,  # TRL's clip_ratio/high_max
             "grad_norm": grad_norm / self.steps if self.cfg.max_grad_norm > 0 else None,  # before clipping
             "learning_rate": self.learning_rate,  # the last step's
             "response_length": all_tokens / len(lengths),
             "response_length_min": min(lengths),
             "response_length_max": max(lengths),
             "terminated_length": sum(terminated) / len(terminated) if terminated else 0.0,  # TRL: 0 if none
+            "terminated_length_min": min(terminated, default=0),
+            "terminated_length_max": max(terminated, default=0),
             "truncated_fraction": sum(truncated) / len(truncated),
+            "input_tokens": int(prompt_tokens + all_tokens),  # prompt (once per response) and response tokens
         }

@@ -32,7 +32,7 @@ from infra import outputs
 from infra.errors import UserError
 from infra.options import given_options, parse_args
 from infra.processes import children_end_with_their_parent
-from infra.stopping import Interrupted, exit_without_lingering, stopped_by_signals
+from infra.stopping import Interrupted, exit_without_lingering, stopped_by_signals, stops_deferred
 
 children_end_with_their_parent()  # a reward's process pool ends with the run, SIGKILL included (spawned: here again)
 
@@ -315,6 +315,7 @@ def log_and_save(cfg: Config, rows, policy, tokenizer, resumed_at: int = 0, repo
     first_eval = next((row["eval_reward"] for row in kept if row.get("eval_reward") is not None), None)
     start, trained, saved, phases, unscored_said = time.perf_counter(), False, False, [], False
     pending, continued = None, not resumed_at  # the row in hand, not yet written; whether the file is this run's
+    tokens_seen = kept[-1].get("num_tokens") if kept else 0  # None: the rows continued were written before it
 
     def write(row: dict) -> None:
         nonlocal continued
@@ -335,7 +336,11 @@ def log_and_save(cfg: Config, rows, policy, tokenizer, resumed_at: int = 0, repo
     noted, paced_from = start, None  # when the last progress line was written; (time, iterations) of the first row
     try:
         for row in rows:
-            pending = row
+            with stops_deferred():  # the row in hand and the count of tokens change together
+                pending = row
+                if "input_tokens" in row:  # TRL's num_tokens: the prompt and response tokens trained on so far
+                    tokens = row.pop("input_tokens")
+                    tokens_seen = row["num_tokens"] = None if tokens_seen is None else tokens_seen + tokens
             Interrupted.check()
             if first_eval is None and row.get("eval_reward") is not None:
                 first_eval = row["eval_reward"]

@@ -326,6 +326,14 @@ def sum_values(values: list[float | torch.Tensor], ranks: Ranks, device: torch.d
     return flat.tolist()
 
 
+def max_values(values: list[float | torch.Tensor], ranks: Ranks, device: torch.device) -> list[float]:
+    """max_r of each value (pass -x for a minimum)."""
+    flat = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])  # (n,)
+    with collective("the all-reduce of the iteration's extremes", ranks):
+        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=GROUPS.get("trainers"))
+    return flat.tolist()
+
+
 def gather_dicts(local: dict, ranks: Ranks) -> dict:
     """The union of every rank's dict (keys are disjoint: e.g. group index -> rewards)."""
     everyone: list[dict | None] = [None] * ranks.size

@@ -17,6 +17,12 @@ front by `rewrite_logs`), so dashboards of the two trainers line up. `tracker_na
     response_length_min,     train/completions/min_length,     completions/min_length, completions/max_length
     response_length_max      train/completions/max_length
     terminated_length        .../mean_terminated_length        completions/mean_terminated_length
+    terminated_length_min,   .../min_terminated_length, ...    completions/min_terminated_length, ..._max_...
+    terminated_length_max
+    clip_fraction_low_min,   train/clip_ratio/low_min, ...     clip_ratio/low_min, clip_ratio/high_max: the
+    clip_fraction_high_max                                     extremes over responses of their clipped fraction
+    num_tokens               train/num_tokens                  num_tokens: prompt (once per response) and
+                                                               response tokens trained on, the run's so far
     truncated_fraction       train/completions/clipped_ratio   completions/clipped_ratio (no EOS in the length)
     learning_rate, entropy,  train/<key>                       the same keys (learning_rate: transformers')
     frac_reward_zero_std     (frac_reward_unscored: ours)
@@ -67,6 +73,9 @@ TRL_NAMES = {"reward_mean": "train/reward", "reward_std": "train/reward_std", "k
              "response_length_min": "train/completions/min_length",
              "response_length_max": "train/completions/max_length",
              "terminated_length": "train/completions/mean_terminated_length",
+             "terminated_length_min": "train/completions/min_terminated_length",
+             "terminated_length_max": "train/completions/max_terminated_length",
+             "clip_fraction_low_min": "train/clip_ratio/low_min", "clip_fraction_high_max": "train/clip_ratio/high_max",
              "truncated_fraction": "train/completions/clipped_ratio"}
 
 

@@ -1,5 +1,6 @@
 """The command line: --help documents every Config field; bad values fail at start-up with one line, exit 2."""
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -426,6 +427,29 @@ def test_off_a_terminal_the_log_has_progress_lines(tmp_path, monkeypatch, capsys
     assert [line.split(",")[0] for line in err.splitlines()] == ["periodic-rl: progress 2/3 iterations",
                                                                 "periodic-rl: progress 3/3 iterations"], err
     assert out.count("\niter ") + out.startswith("iter ") == 3 and "final" not in out, out
+
+
+@pytest.mark.parametrize("earlier", [None, 1000, "before num_tokens"])
+def test_num_tokens_counts_the_runs_tokens_so_far(tmp_path, earlier):
+    """Claim: each row's num_tokens is TRL's: the prompt and response tokens of every iteration so far (the learner's
+    input_tokens, summed); a resumed run continues the count of the rows it continues, and one that continues
+    rows written before num_tokens existed logs none rather than a count that starts over."""
+    import trainer
+    cfg = Config(out=str(tmp_path), iterations=3, save=False, eval_every=0)
+    history = tmp_path / "before.jsonl"
+    if earlier is not None:
+        row = {"iteration": 0, "reward_mean": 0.5, "eval_reward": None}
+        history.write_text(json.dumps({**row, "num_tokens": earlier} if earlier == 1000 else row) + "\n")
+
+    def rows():
+        for k in range(1 if earlier else 0, 3):
+            yield {"iteration": k, "reward_mean": 0.5, "eval_reward": None, "input_tokens": 10 * (k + 1)}
+        yield {"final": True, "iteration": 3, "eval_reward": None, "policy_version": 3}
+    trainer.log_and_save(cfg, rows(), None, None, resumed_at=1 if earlier else 0, history=history)
+    logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all("input_tokens" not in row for row in logged)
+    expected = {None: [10, 30, 60], 1000: [1000, 1020, 1050], "before num_tokens": [None, None, None]}[earlier]
+    assert [row.get("num_tokens") for row in logged[:3]] == expected
 
 
 def test_responses_no_reward_scored_are_warned_about_once(tmp_path, capsys):

@@ -344,6 +344,8 @@ def test_every_rank_meets_the_collectives_in_the_same_order(tiny_model_dir, monk
     monkeypatch.setattr(distributed, "gather_dicts", lambda local, ranks: calls.append("gather") or dict(local))
     monkeypatch.setattr(distributed, "sum_values", lambda values, ranks, device: calls.append("sum values")
                         or [float(v) for v in values])
+    monkeypatch.setattr(distributed, "max_values", lambda values, ranks, device: calls.append("max values")
+                        or [float(v) for v in values])
 
     def sum_gradients(params, ranks):
         calls.append("sum gradients")

@@ -47,6 +47,27 @@ def test_loss_hand_computed_with_clipping():
     assert dr.item() == pytest.approx((t00 + t01 + t10) / (2 * 4))
 
 
+def test_clip_extremes_are_each_responses_clipped_fraction():
+    """Claim: clipped_low_min and clipped_high_max are the least and the most clipped fraction of one response's
+    loss tokens, low-clipped (ρ < 1 - ε, A < 0) and high-clipped (ρ > 1 + ε, A > 0): TRL's clip_ratio/low_min and
+    high_max (its masked_seq_mean, then nanmin and nanmax); a response without loss tokens counts for neither.
+    Exact: each fraction is k/n of small integers, computed the same way (one division)."""
+    up, down = math.log(1.5), math.log(0.5)  # ρ = 1.5 (> 1.2), ρ = 0.5 (< 0.8)
+    old = torch.zeros(4, 4)
+    logp = torch.tensor([[up, up, 0.0, 0.0],        # A > 0: 2 of 4 tokens high-clipped
+                         [up, 0.0, 0.0, 0.0],       # A > 0: 1 of 3 (the last token masked)
+                         [down, down, down, 0.0],   # A < 0: 3 of 4 low-clipped
+                         [down, down, down, down]])  # A < 0, no loss token: counts for neither
+    mask = torch.tensor([[1.0, 1, 1, 1], [1, 1, 1, 0], [1, 1, 1, 1], [0, 0, 0, 0]])
+    _, stats = grpo_loss(logp, old, None, torch.tensor([1.0, 1.0, -1.0, -1.0]), mask, beta=0.0)
+    assert stats["clipped_high_max"].item() == 2 / 4
+    assert stats["clipped_low_min"].item() == 0.0  # the responses with A > 0 have none, as in TRL
+    _, stats = grpo_loss(logp[2:], old[2:], None, torch.tensor([-1.0, -1.0]), mask[2:], beta=0.0)
+    assert stats["clipped_low_min"].item() == 3 / 4 and stats["clipped_high_max"].item() == 0.0
+    _, stats = grpo_loss(logp[3:], old[3:], None, torch.tensor([-1.0]), mask[3:], beta=0.0)
+    assert stats["clipped_low_min"].item() == math.inf and stats["clipped_high_max"].item() == -math.inf
+
+
 def test_ratio_one_gives_policy_gradient():
     """With old_logp = logp.detach() the ratio is 1 and the gradient is -A * ∇logp / D."""
     logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)

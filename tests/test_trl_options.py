@@ -225,7 +225,8 @@ def test_metrics_are_trls(tiny_model_dir):
     """Claim: the iteration's metrics are the numbers TRL logs, against references computed apart: the mean
     per-token entropy of softmax(logits / T) (from the model's full logits, one plain forward per response),
     the KL term and clipped fractions over the loss tokens, frac_reward_zero_std (1 of 4 groups all-equal), the
-    completion lengths (mean, min, max, of the terminated ones) and the truncated fraction, the learning rate of
+    completion lengths (mean, min, max; mean, min and max of the terminated ones) and the truncated fraction, the
+    tokens the step adds to TRL's num_tokens (each prompt once per response, and the responses), the learning rate of
     step (transformers' linear schedule over 2 steps, one of warmup: 0 at the first step, the full rate at the
     second, which the row logs), and no grad_norm with clipping off (transformers logs none then)."""
     cfg = config(tiny_model_dir, "--temperature", "0.7", "--updates-per-iteration", "2")
@@ -251,6 +252,7 @@ def test_metrics_are_trls(tiny_model_dir):
     assert metrics["entropy"] == pytest.approx(sum(entropies) / len(entropies), rel=1e-6)
     assert metrics["kl"] == pytest.approx(sum(kls) / len(kls), rel=1e-6)
     assert metrics["clip_fraction"] == metrics["clip_fraction_low"] == metrics["clip_fraction_high"] == 0.0
+    assert metrics["clip_fraction_low_min"] == metrics["clip_fraction_high_max"] == 0.0
     assert metrics["frac_reward_zero_std"] == 0.25
     lengths = [len(r) for group in RESPONSES for r in group]
     truncated = [len(r) == MAX_NEW and r[-1] != EOS for group in RESPONSES for r in group]
@@ -258,6 +260,8 @@ def test_metrics_are_trls(tiny_model_dir):
     assert (metrics["response_length_min"], metrics["response_length_max"]) == (2, 4)
     assert metrics["response_length"] == sum(lengths) / 16
     assert metrics["terminated_length"] == sum(terminated) / len(terminated)
+    assert (metrics["terminated_length_min"], metrics["terminated_length_max"]) == (min(terminated), max(terminated))
+    assert metrics["input_tokens"] == sum(len(p) * G for p in PROMPTS) + sum(lengths)  # TRL's num_tokens' step
     assert metrics["truncated_fraction"] == sum(truncated) / 16 == 5 / 16
     assert metrics["learning_rate"] == 0.2 and metrics["grad_norm"] is None
     assert metrics["frac_reward_unscored"] == 0.0
