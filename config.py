@@ -210,9 +210,10 @@ class Config:
                                        "think_format_reward, ...) load trl.rewards' (infra/reward.py; default: math)")
     reward_weights: list[float] | None = _opt(None, "one weight per --reward; the reward trained on is the weighted "
                                                     "sum, each reward is also logged alone (default: all 1.0)")
-    reward_timeout: float = _opt(10.0, "seconds one reward call may take (a TRL-style reward: one call per group); a "
-                                       "call that runs longer stops the run with an error naming the function "
-                                       "(0 = no limit)")
+    reward_timeout: float = _opt(300.0, "seconds one reward call may take (a TRL-style reward: one call per group); "
+                                        "a call that runs longer stops the run with an error naming the function "
+                                        "(0 = no limit). A bound on a hung reward, not on a slow one: an LLM judge "
+                                        "or a sandbox may well take tens of seconds (TRL has no limit)")
     dtype: str = _opt("auto", "compute dtype. bfloat16: the trainer keeps float32 master weights and optimizer state "
                               "and computes in bf16 (autocast); the inference side holds bf16 weights (half the "
                               "bytes to publish). auto: bfloat16 on GPUs/NPUs that support it, float32 on CPU. "
