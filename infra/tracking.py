@@ -23,6 +23,7 @@ front by `rewrite_logs`), so dashboards of the two trainers line up. `tracker_na
     clip_fraction_high_max                                     extremes over responses of their clipped fraction
     num_tokens               train/num_tokens                  num_tokens: prompt (once per response) and
                                                                response tokens trained on, the run's so far
+    epoch                    train/epoch                       epoch: passes over the training prompts so far
     truncated_fraction       train/completions/clipped_ratio   completions/clipped_ratio (no EOS in the length)
     learning_rate, entropy,  train/<key>                       the same keys (learning_rate: transformers')
     frac_reward_zero_std     (frac_reward_unscored: ours)

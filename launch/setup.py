@@ -258,6 +258,8 @@ def train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs
     try:
         for row in rows:
             in_hand = row
+            if not row.get("final"):  # TRL's epoch: passes over the training prompts so far (--num-train-epochs')
+                row["epoch"] = (row["iteration"] + 1) * cfg.prompts_per_iteration / len(train_examples)
             if cfg.log_completions and not row.get("final"):  # every rank's samples (under torchrun, a collective)
                 on_completions(completions.gathered(row["iteration"], learner.taken, tokenizer, learner.reward_names,
                                                     ranks))

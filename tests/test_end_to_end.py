@@ -1,5 +1,6 @@
 """The entry point end to end, in a subprocess: a 2-iteration run logs, writes metrics and saves a loadable model."""
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -39,6 +40,9 @@ def test_two_iterations_of_trainer_py(tiny_model_dir, tmp_path, mode):
     for key in ("reward_mean", "reward_std", "kl", "clip_fraction", "response_length", "generate_s", "train_s",
                 "idle_inference_s", "idle_training_s", "overlap", "tokens_per_s"):
         assert key in rows[0], key
+    train = int(re.search(r"\| (\d+) train / ", result.stdout)[1])  # TRL's epoch: 4 prompts an iteration
+    assert [r["epoch"] for r in rows[:2]] == [4 / train, 8 / train]
+    assert 0 < rows[0]["num_tokens"] < rows[1]["num_tokens"] and "input_tokens" not in rows[0]
     trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     names = {e["name"] for e in trace}
     assert "generate groups 0-1" in names and "train 2 groups" in names and "optimizer step 0" in names
