@@ -90,26 +90,35 @@ class RewardError(UserError):
 
 
 
-def _failing_line(error: BaseException) -> str:
-    """'path, line N: Type: message' for an error raised while importing a reward module (its innermost frame, or
-    the offending line of a SyntaxError)."""
+def _user_frame(error: BaseException) -> tuple[str, int, str] | None:
+    """(path, line number, source line) of the innermost frame of the user's own code in `error`'s traceback (not
+    the standard library's, an installed package's or this file's; else the innermost frame), the path as the user
+    named it (relative to the working directory when below it); the offending line of a SyntaxError; None without
+    a traceback."""
     if isinstance(error, SyntaxError):
-        return f"{error.filename}, line {error.lineno}: {type(error).__name__}: {error.msg}"
-    frame = traceback.extract_tb(error.__traceback__)[-1]
-    return f"{frame.filename}, line {frame.lineno}: {type(error).__name__}: {error}"
-
-
-def _raised(name: str, error: BaseException, where: str) -> RewardError:
-    """The RewardError for a reward that raised `error`, naming the line that raised it: the innermost frame of the
-    user's own code (not the standard library's, an installed package's or this file's), else the innermost one."""
+        return error.filename, error.lineno, (error.text or "").strip()
     libraries = {os.path.realpath(sysconfig.get_paths()[key]) for key in ("stdlib", "platstdlib", "purelib", "platlib")}
     frames = traceback.extract_tb(error.__traceback__)
     own = [frame for frame in frames if frame.filename != __file__
            and not any(os.path.realpath(frame.filename).startswith(folder + os.sep) for folder in libraries)]
     frame = (own or frames or [None])[-1]
-    path = frame and (os.path.relpath(frame.filename) if frame.filename.startswith(os.getcwd() + os.sep)
-                      else frame.filename)  # as the user named it: from the working directory
-    at = f" (at {path}, line {frame.lineno}{': ' + frame.line if frame.line else ''})" if frame else ""
+    if frame is None:
+        return None
+    path = os.path.relpath(frame.filename) if frame.filename.startswith(os.getcwd() + os.sep) else frame.filename
+    return path, frame.lineno, frame.line or ""
+
+
+def _failing_line(error: BaseException) -> str:
+    """'path, line N: Type: message' for an error raised while importing a reward module (`_user_frame`)."""
+    at = _user_frame(error)
+    message = error.msg if isinstance(error, SyntaxError) else error
+    return f"{at[0]}, line {at[1]}: {type(error).__name__}: {message}" if at else f"{type(error).__name__}: {message}"
+
+
+def _raised(name: str, error: BaseException, where: str) -> RewardError:
+    """The RewardError for a reward that raised `error`, naming the line that raised it (`_user_frame`)."""
+    at = _user_frame(error)
+    at = f" (at {at[0]}, line {at[1]}{': ' + at[2] if at[2] else ''})" if at else ""
     return RewardError(f"reward function {name!r} raised {type(error).__name__}: {error}{at} {where}")
 
 

@@ -40,10 +40,12 @@ def test_load_reward_errors_name_what_was_not_found(spec, mentioned):
     ("def reward(prompt, completion, answer):\n    return 1.0 +\n", "line 2: SyntaxError: invalid syntax"),
     ("import math\nimport no_such_module_xyz\n", "line 2: ModuleNotFoundError: No module named 'no_such_module_xyz'"),
     ("import sys\nsys.exit(3)\n", "line 2: SystemExit: 3"),
-], ids=["syntax", "import", "exit"])
+    ("import json\nTABLE = json.loads('{bad')\n", "line 2: JSONDecodeError: Expecting property name"),
+], ids=["syntax", "import", "exit", "in a library"])
 def test_a_reward_file_that_cannot_be_imported_names_its_line(tmp_path, source, said):
     """Claim: a reward file with a syntax error, a missing import or code that fails when imported is one RewardError
-    line naming the file and the line (it was a traceback)."""
+    line naming the file and the line (it was a traceback); the user's own line, also where the error is raised
+    inside a library it calls (it named json/decoder.py's line)."""
     path = tmp_path / "broken_reward.py"
     path.write_text(source)
     with pytest.raises(RewardError) as error:
