@@ -67,17 +67,18 @@ def pooled_length(completions: list, **kwargs) -> list[float]:
         return [float(n) for n in pool.map(len, completions)]
 
 
-KEPT_POOL = None
+KEPT_POOLS: list = []
 
 
 def kept_pool_length(completions: list, **kwargs) -> list[float]:
-    """A TRL-style reward that keeps one process pool for the whole run, started at its first call, as a reward that
-    starts its sandboxes once does; the pool's start method is $REWARD_POOL_START (fork, spawn, forkserver; unset:
-    Python's default)."""
+    """A TRL-style reward that keeps process pools for the whole run, started at its first call, as a reward that
+    starts its sandboxes once does: one per start method in $REWARD_POOL_START (comma-separated: fork, spawn,
+    forkserver; unset: one, Python's default), each scoring the completions."""
     import multiprocessing
     import os
     from concurrent.futures import ProcessPoolExecutor
-    global KEPT_POOL
-    if KEPT_POOL is None:
-        KEPT_POOL = ProcessPoolExecutor(2, mp_context=multiprocessing.get_context(os.environ.get("REWARD_POOL_START")))
-    return [float(n) for n in KEPT_POOL.map(len, completions)]
+    if not KEPT_POOLS:
+        KEPT_POOLS.extend(ProcessPoolExecutor(2, mp_context=multiprocessing.get_context(start or None))
+                          for start in os.environ.get("REWARD_POOL_START", "").split(","))
+    scores = [[float(n) for n in pool.map(len, completions)] for pool in KEPT_POOLS]
+    return scores[0]

@@ -229,15 +229,14 @@ def test_killed_torchrun_takes_its_ranks_along(tiny_model_dir, tmp_path):
         assert (tmp_path / "metrics.jsonl").read_text() == rows
 
 
-@pytest.mark.parametrize("mode, start", [("sync", "fork"), ("sync", "spawn"), ("sync", "forkserver"),
-                                         ("async", "fork")])
-def test_killed_trainer_takes_a_rewards_own_processes_along(tiny_model_dir, tmp_path, mode, start):
-    """Claim: a reward that keeps a process pool of its own (started by fork, spawn or a forkserver; in the trainer
+@pytest.mark.parametrize("mode, starts", [("sync", "fork,spawn,forkserver"), ("async", "fork")])
+def test_killed_trainer_takes_a_rewards_own_processes_along(tiny_model_dir, tmp_path, mode, starts):
+    """Claim: a reward that keeps process pools of its own (started by fork, spawn and a forkserver; in the trainer
     in sync mode, in the inference process in async mode) leaves no worker behind when the trainer is SIGKILLed.
-    Before, the pool's workers waited on their task queue forever, holding multiprocessing's resource tracker (and
+    Before, the pools' workers waited on their task queue forever, holding multiprocessing's resource tracker (and
     a forkserver, which lives as long as its children)."""
     with endless(tiny_model_dir, tmp_path, "--mode", mode, "--reward", "tests/rewards.py:kept_pool_length",
-                 env={"REWARD_POOL_START": start}) as run:
+                 env={"REWARD_POOL_START": starts}) as run:
         run.wait_for(r"^iter ")
         run.send(signal.SIGKILL)
         run.assert_stopped(-signal.SIGKILL, None)
