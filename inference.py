@@ -187,6 +187,7 @@ class Worker:
         self.heartbeat = shared(torch.zeros(1, dtype=torch.int64))  # (1,) beats of the worker
         self.last_beat, self.last_sign, self.last_check = 0, None, 0.0  # count last seen, when it last changed,
         # when it was last looked at (trainer's clock: `check_progress`)
+        self.reward_timeout = 0.0  # --reward-timeout (from `attach`): a reward may hold the GIL that long, and more
         self.process = context.Process(
             target=inference_process, name=f"periodic-rl-inference-{index}", daemon=True,
             args=(model_name, load_kwargs, child_end, self.heartbeat,
@@ -244,7 +245,8 @@ class Worker:
             self.failed = True
             raise PipelineError(f"{self.name} (PID {self.process.pid}) is stopped (state T: SIGSTOP, or "
                                 f"Ctrl-Z of that process alone) and has not run for {silent:.0f} s")
-        if beat > 0 and silent > FROZEN_SECONDS:  # 0: still importing, before its heartbeat starts
+        if beat > 0 and silent > FROZEN_SECONDS + self.reward_timeout:  # 0: still importing, before its heartbeat
+            # starts; a reward in C code that holds the GIL is stopped by --reward-timeout's clock first, if it can be
             self.failed = True
             raise PipelineError(f"{self.name} (PID {self.process.pid}) has shown no sign of life for "
                                 f"{silent:.0f} s (state {state}): it hangs, e.g. in a native call that never returns")
@@ -433,6 +435,7 @@ class AsyncRollouts:
         self.weights = WeightBuffer(policy, self.dtype)  # kept alive here: the receivers map the sender's memory
         self.calls = owned_calls(cfg.prompts_per_iteration, cfg.groups_per_chunk, self.share)
         for worker, worker_threads in zip(self.workers, split_threads(threads, len(self.workers))):
+            worker.reward_timeout = cfg.reward_timeout
             worker.send("attach", self.weights, cfg, worker_threads, *self.prompts)
         self._answers()  # ("ready", None) from each, once its model reads θ from the buffer
 

@@ -34,7 +34,7 @@ from infra.options import given_options, parse_args
 from infra.processes import children_end_with_their_parent
 from infra.stopping import Interrupted, exit_without_lingering, stopped_by_signals, stops_deferred
 
-children_end_with_their_parent()  # a reward's process pool ends with the run, SIGKILL included (spawned: here again)
+children_end_with_their_parent(spawned=__name__ == "__mp_main__")  # a reward's process pool ends with the run
 
 
 class DeviceError(UserError):
@@ -315,7 +315,8 @@ def log_and_save(cfg: Config, rows, policy, tokenizer, resumed_at: int = 0, repo
     first_eval = next((row["eval_reward"] for row in kept if row.get("eval_reward") is not None), None)
     start, trained, saved, phases, unscored_said = time.perf_counter(), False, False, [], False
     pending, continued = None, not resumed_at  # the row in hand, not yet written; whether the file is this run's
-    tokens_seen = kept[-1].get("num_tokens") if kept else 0  # None: the rows continued were written before it
+    tokens_seen = (kept[-1].get("num_tokens") if kept and kept[-1]["iteration"] == resumed_at - 1  # None: not known
+                   else None if resumed_at else 0)  # (rows written before num_tokens, or missing)
 
     def write(row: dict) -> None:
         nonlocal continued

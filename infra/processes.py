@@ -71,10 +71,12 @@ def die_with_parent() -> None:
 
 
 def running(pid: int) -> bool:
-    """Whether process PID exists and has not exited (a zombie, exited but not yet reaped, has)."""
+    """Whether process PID exists and has not exited (a zombie, exited but not yet reaped, has). POSIX."""
     state = process_state(pid)
     if state is not None:
         return state not in ("Z", "X")
+    if sys.platform == "win32":  # os.kill(pid, 0) would terminate it there
+        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -86,35 +88,41 @@ def running(pid: int) -> bool:
 
 def exit_when_orphaned(seconds: float = ORPHAN_SECONDS) -> None:
     """End this process within `seconds` of its parent's death, in a daemon thread that watches the parent PID (it
-    changes when the kernel re-parents an orphan) and, for a child of a forkserver, the process that asked for it
-    (the forkserver lives as long as its children do). For multiprocessing's children that are not ours (a
-    reward's pool), where PR_SET_PDEATHSIG would fire when the *thread* that started the child ends."""
-    parent = os.getppid()
-    requester = multiprocessing.parent_process()  # None while a spawned child imports; a forkserver's client
-    asker = requester.pid if requester is not None else parent
+    changes when the kernel re-parents an orphan) and the process multiprocessing names as the parent once it has
+    (`parent_process()`: for a child of a forkserver, the process that asked for it; the forkserver lives as long as
+    its children do; for a spawned child, the spawner, also when it died before this ran). For multiprocessing's
+    children that are not ours (a reward's pool), where PR_SET_PDEATHSIG would fire when the *thread* that started
+    the child ends. Once per process."""
+    global _watching
+    if _watching == os.getpid():
+        return
+    _watching, parent = os.getpid(), os.getppid()
 
     def watch() -> None:
-        while os.getppid() == parent and running(asker):
+        while os.getppid() == parent:
+            requester = multiprocessing.parent_process()  # None while a spawned child imports its parent's module
+            if requester is not None and not running(requester.pid):
+                break
             time.sleep(seconds)
         os._exit(1)
     threading.Thread(target=watch, name="exit-when-orphaned", daemon=True).start()
 
 
-def children_end_with_their_parent() -> None:
+def children_end_with_their_parent(spawned: bool = False) -> None:
     """Every process multiprocessing starts from now on in this process exits within a second of its parent's death,
     SIGKILL included: the workers of a reward's ProcessPoolExecutor would otherwise wait on their task queue forever.
     Children by fork or a forkserver run multiprocessing's after-fork hooks; a spawned child skips them, but imports
-    the caller's main module, which calls this again (its process name is no longer MainProcess)."""
-    global _orphans_watched
-    if _orphans_watched:
-        return
-    _orphans_watched = True
-    multiprocessing.util.register_after_fork(exit_when_orphaned, lambda _: exit_when_orphaned())
-    if multiprocessing.current_process().name != "MainProcess":
+    the caller's main module again (as __mp_main__), which calls this with `spawned=True`."""
+    global _hooked
+    if not _hooked:
+        multiprocessing.util.register_after_fork(exit_when_orphaned, lambda _: exit_when_orphaned())
+        _hooked = True
+    if spawned:
         exit_when_orphaned()
 
 
-_orphans_watched = False  # children_end_with_their_parent was called in this process
+_hooked = False  # the after-fork hook is registered in this process (a forked child inherits it)
+_watching: int | None = None  # the PID of the process whose parent a thread watches (a forked child's is not its)
 
 
 class Heartbeat:

@@ -21,6 +21,8 @@ front by `rewrite_logs`), so dashboards of the two trainers line up. `tracker_na
     terminated_length_max
     clip_fraction_low_min,   train/clip_ratio/low_min, ...     clip_ratio/low_min, clip_ratio/high_max: the
     clip_fraction_high_max                                     extremes over responses of their clipped fraction
+                                                               (ours over the iteration; TRL's the mean of each
+                                                               micro-batch's, which depends on its micro-batches)
     num_tokens               train/num_tokens                  num_tokens: prompt (once per response) and
                                                                response tokens trained on, the run's so far
     epoch                    train/epoch                       epoch: passes over the training prompts so far

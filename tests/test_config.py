@@ -429,15 +429,16 @@ def test_off_a_terminal_the_log_has_progress_lines(tmp_path, monkeypatch, capsys
     assert out.count("\niter ") + out.startswith("iter ") == 3 and "final" not in out, out
 
 
-@pytest.mark.parametrize("earlier", [None, 1000, "before num_tokens"])
+@pytest.mark.parametrize("earlier", [None, 1000, "before num_tokens", "lost"])
 def test_num_tokens_counts_the_runs_tokens_so_far(tmp_path, earlier):
     """Claim: each row's num_tokens is TRL's: the prompt and response tokens of every iteration so far (the learner's
     input_tokens, summed); a resumed run continues the count of the rows it continues, and one that continues
-    rows written before num_tokens existed logs none rather than a count that starts over."""
+    rows written before num_tokens existed, or whose earlier rows are lost, logs none rather than a count that
+    starts over."""
     import trainer
     cfg = Config(out=str(tmp_path), iterations=3, save=False, eval_every=0)
     history = tmp_path / "before.jsonl"
-    if earlier is not None:
+    if earlier is not None and earlier != "lost":
         row = {"iteration": 0, "reward_mean": 0.5, "eval_reward": None}
         history.write_text(json.dumps({**row, "num_tokens": earlier} if earlier == 1000 else row) + "\n")
 
@@ -448,8 +449,9 @@ def test_num_tokens_counts_the_runs_tokens_so_far(tmp_path, earlier):
     trainer.log_and_save(cfg, rows(), None, None, resumed_at=1 if earlier else 0, history=history)
     logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert all("input_tokens" not in row for row in logged)
-    expected = {None: [10, 30, 60], 1000: [1000, 1020, 1050], "before num_tokens": [None, None, None]}[earlier]
-    assert [row.get("num_tokens") for row in logged[:3]] == expected
+    expected = {None: [10, 30, 60], 1000: [1000, 1020, 1050], "before num_tokens": [None, None, None],
+                "lost": [None, None]}[earlier]
+    assert [row.get("num_tokens") for row in logged if not row.get("final")] == expected
 
 
 def test_responses_no_reward_scored_are_warned_about_once(tmp_path, capsys):

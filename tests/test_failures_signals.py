@@ -90,7 +90,8 @@ def test_inference_process_killed_or_stopped_is_reported(tiny_model_dir, tmp_pat
 def test_inference_process_without_heartbeat_is_reported_as_hung(tiny_model_dir, monkeypatch):
     """Claim: an inference process whose heartbeat stops (a thread counting once a second, which keeps counting
     during `generate`) is reported as hung after FROZEN_SECONDS instead of hanging the run forever; here a reward
-    stuck in a native call that holds the GIL, with the limit shortened from 60 s to 3 s."""
+    stuck in a native call that holds the GIL, with the limit shortened from 60 s to 3 s (past --reward-timeout,
+    here 0: no limit; a reward's own clock comes first where it can stop the call)."""
     import dataclasses
     import time
 
@@ -99,7 +100,8 @@ def test_inference_process_without_heartbeat_is_reported_as_hung(tiny_model_dir,
     from infra.models import load_model
     from infra.options import parse_args
     monkeypatch.setattr(inference, "FROZEN_SECONDS", 3.0)
-    cfg = dataclasses.replace(parse_args(["--model", str(tiny_model_dir), *ENDLESS]), max_new_tokens=2)
+    cfg = dataclasses.replace(parse_args(["--model", str(tiny_model_dir), *ENDLESS, "--reward-timeout", "0"]),
+                              max_new_tokens=2)
     policy, _ = load_model(cfg.model)
     train, held_out = load_task("arithmetic", eval_size=4)
     remote = inference.AsyncRollouts(cfg.model, {}, train, held_out, "tests/faults.py:frozen_reward")
