@@ -24,10 +24,11 @@ reads both. TRL's batch keys (per_device_train_batch_size, gradient_accumulation
 become the --batch-size and --updates-per-iteration TRL's generation batch makes (`with_config_file`). A TRL name
 whose meaning differs here (max_steps, save_steps, ...) is refused with one line naming the option to use and
 why (`TRL_DIFFERENT`); one for what this trainer has no use for (logging_steps,
-push_to_hub, bf16, run_name, ...: `TRL_UNUSED`), or for what this trainer does one way only at a value that is that
-way (use_vllm false, fp16 false, optim adamw_torch, adam_beta2 0.999, ...: `TRL_FIXED`; another value is refused in
-one line naming what to use), is ignored in a --config file with one line saying why, so that a TRL config file runs
-as it is, and refused on the command line; any other unknown option gets the name it misspells, if one is close
+push_to_hub, bf16, run_name, ...: `TRL_UNUSED`) is ignored with one line saying why, typed or in a --config file, so
+that a TRL command line or config file runs as it is; one for what this trainer does one way only, at a value that is
+that way (use_vllm false, fp16 false, optim adamw_torch, adam_beta2 0.999, ...: `TRL_FIXED`; another value is refused
+in one line naming what to use), is ignored in a --config file, and refused on the command line; any other unknown
+option gets the name it misspells, if one is close
 (`closest_name`; none for a name that merely shares words with one of ours).
 Abbreviations are not expanded (argparse's allow_abbrev), so --epsilon is never "ambiguous".
 """
@@ -696,6 +697,27 @@ def typed_trl_batch(argv: list[str]) -> tuple[dict, list[str]]:
     return found, rest
 
 
+def typed_unused(argv: list[str]) -> tuple[dict, list[str]]:
+    """(TRL's flags for what has no use here typed in argv (`TRL_UNUSED`), as {TRL's key: its value, True for a flag
+    alone}; the rest of argv). A flag's value is the next token unless that is another option (--bf16 alone).
+
+    >>> typed_unused(["--bf16", "--logging-steps", "10", "--lr", "1e-6", "--run-name=x"])
+    ({'bf16': True, 'logging_steps': '10', 'run_name': 'x'}, ['--lr', '1e-6'])
+    """
+    found, rest, tokens = {}, [], list(argv)
+    while tokens:
+        token = tokens.pop(0)
+        name, sep, value = token.partition("=")
+        key = name[2:].replace("-", "_") if name.startswith("--") else None
+        if key not in TRL_UNUSED:
+            rest.append(token)
+            continue
+        if not sep:
+            value = tokens.pop(0) if tokens and not tokens[0].startswith("--") else True
+        found[key] = value
+    return found, rest
+
+
 def with_config_file(argv: list[str] | None = None, prog: str = "trainer.py", say: bool = False) -> list[str]:
     """argv (default: sys.argv[1:]) with its --config file's options put before it, and TRL's batch flags, typed
     (typed_trl_batch) or the file's, as the --batch-size and --updates-per-iteration they make (trl_batch_options;
@@ -706,6 +728,12 @@ def with_config_file(argv: list[str] | None = None, prog: str = "trainer.py", sa
     def typed_note(line: str) -> None:
         if say and os.environ.get("RANK", "0") == "0":
             print(f"periodic-rl: {line}", flush=True)
+    unused, argv = typed_unused(argv)  # typed as for TRL (--bf16, --logging-steps 10): ignored, as a file's are
+    if unused:
+        reasons: dict[str, list[str]] = {}
+        for key in unused:
+            reasons.setdefault(TRL_UNUSED[key], []).append(f"--{key.replace('_', '-')}")
+        typed_note("ignored TRL's " + "; ".join(f"{', '.join(flags)}: {why}" for why, flags in reasons.items()))
     try:
         typed, argv = typed_trl_batch(argv)
         path = config_file(argv)

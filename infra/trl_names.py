@@ -14,8 +14,8 @@ Read from TRL 1.16: trl/trainer/grpo_config.py (GRPOConfig), transformers' Train
    (`TRL_BATCH_KEYS`: per_device_train_batch_size, gradient_accumulation_steps, ...), in a --config file or typed,
    are translated as TRL derives its generation batch (`trl_batch`), unless --batch-size is given.
 3. `TRL_UNUSED`: a TRL name for something this trainer has no use for (it logs every iteration, never cuts prompts):
-   a --config key is ignored with one line saying why, so that a TRL config file runs as it is; on the command line,
-   where it was typed for this trainer, it is refused with the same reason.
+   a --config key, or a flag typed as for TRL (--bf16, --logging-steps 10), is ignored with one line saying why, so
+   that a TRL config file or command line runs as it is.
    `TRL_FIXED`: a TRL name for what this trainer does one way only (AdamW's betas, no vLLM, no float16): a --config
    key at a value that is that way is ignored in the same line (eval_strategy "no" reads as --eval-every 0), any
    other value is refused in one line naming what to use instead; on the command line it is refused.
@@ -49,7 +49,7 @@ VLLM_KEYS = ("vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_ser
              "vllm_tensor_parallel_size", "vllm_max_model_length", "vllm_structured_outputs_regex",
              "vllm_importance_sampling_correction", "vllm_importance_sampling_mode", "vllm_importance_sampling_cap",
              "vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max")
-# TRL names for what this trainer has no use for, and why: ignored in a --config file (with a line), refused typed
+# TRL names for what this trainer has no use for, and why: ignored in a --config file or typed, with a line
 TRL_UNUSED = {
     "logging_steps": "every iteration is logged (a line and a metrics.jsonl row, sent to --report-to)",
     "push_to_hub": "<out>/policy is a Hugging Face model directory; upload it with `hf upload`",
@@ -151,6 +151,8 @@ TRL_FIXED = {
 FIXED_AS = {"eval_strategy": ("eval_every", 0)}  # TRL_FIXED keys read as one of our options at their fixed value
 # Our defaults that are not TRL 1.16's: (option, ours, TRL's, why), in --help's epilog and the README
 DEPARTURES = (
+    ("--iterations", "60", "3 epochs (num_train_epochs)", "a run's length here is a number of iterations, each "
+                                                           "θ_k's batch; --num-train-epochs 3 is TRL's"),
     ("--beta", "0.04", "0.0", "the reference θ_0 is one of the paper's three ideas (the tri-model); --beta 0 is TRL's "
                               "and makes no reference copy"),
     ("--lr", "1e-4 for tiny, tiny-chain", "1e-6", "a 0.33 M-parameter toy needs big steps; other models: 1e-6"),
@@ -383,17 +385,19 @@ def trl_keys(values: dict, skip: set[str], note, known: set[str], group_size: in
 
 
 # DEPARTURES that change what a run learns or what it costs: said when a TRL config file leaves them at ours
-RESULT_DEPARTURES = ("--beta", "--seed", "--disable-dropout", "--gradient-checkpointing", "--eval-every",
-                     "--save-every", "--batch-size")
+RESULT_DEPARTURES = ("--iterations", "--beta", "--seed", "--disable-dropout", "--gradient-checkpointing",
+                     "--eval-every", "--save-every", "--batch-size")
 
 
 def departures_line(given: set[str]) -> str | None:
     """For a TRL config file: which of this trainer's defaults that differ from TRL's (RESULT_DEPARTURES) apply,
     because neither the file nor the command line sets them (`given`: option names, with _); None if none do.
 
-    >>> departures_line({"beta", "seed", "disable_dropout", "gradient_checkpointing", "eval_every", "batch_size"})
+    >>> departures_line({"beta", "seed", "disable_dropout", "gradient_checkpointing", "eval_every", "batch_size",
+    ...                  "num_train_epochs"})
     "defaults of this trainer that are not TRL's and that the file leaves to it: --save-every 0 (never) (TRL: ...)..."
     """
+    given = set(given) | ({"iterations"} if "num_train_epochs" in given else set())  # either sets the run's length
     left = [(option, ours, theirs) for option, ours, theirs, _ in DEPARTURES
             if option in RESULT_DEPARTURES and option[2:].replace("-", "_") not in given]
     if not left:
@@ -411,6 +415,7 @@ def fixed_refusal(key: str, value) -> str:
 
 
 SAY_WHY_UP_TO = 8  # unused_line gives each key's reason for at most this many keys
+ALWAYS_SAID = ("overwrite_output_dir",)  # its reason is given among any number of keys (true: the run may stop there)
 
 
 def unused_line(values: dict, given: set[str] = frozenset()) -> str:
@@ -427,8 +432,8 @@ def unused_line(values: dict, given: set[str] = frozenset()) -> str:
     More than SAY_WHY_UP_TO keys (a whole GRPOConfig file: ~50) are named without their reasons, vLLM's as vllm_*:
     the line stays readable, and each reason is in TRL_UNUSED, TRL_FIXED and DERIVED_AT_NULL here.
     """
-    if len(values) > SAY_WHY_UP_TO:  # FIXED_AS keys set one of our options: said as one key is
-        read_as = {key: value for key, value in values.items() if key in FIXED_AS}
+    if len(values) > SAY_WHY_UP_TO:  # FIXED_AS keys set one of our options, and ALWAYS_SAID ones matter: said as one
+        read_as = {key: value for key, value in values.items() if key in FIXED_AS or key in ALWAYS_SAID and value}
         vllm = [key for key in values if key in VLLM_KEYS]
         names = [key for key in values if key not in VLLM_KEYS and key not in read_as]
         names += [f"vllm_* ({len(vllm)} key{'s' if len(vllm) > 1 else ''})"] if vllm else []

@@ -328,9 +328,6 @@ def test_trl_names_are_aliases_of_ours(tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--max_steps", "10"], "--max-steps is TRL's and means something else here; use --iterations"),
-    (["--per-device-eval-batch-size=4"], "--per-device-eval-batch-size is TRL's and has no use here: a held-out "
-                                         "evaluation samples --eval-size prompts x --eval-samples"),
-    (["--logging-steps", "10"], "--logging-steps is TRL's and has no use here: every iteration is logged"),
     (["--num-iterationz", "2"], "unrecognized option --num-iterationz: did you mean --num-iterations?"),
     (["--iteration", "3"], "unrecognized option --iteration: did you mean --iterations?"),
     (["--iter", "3"], "unrecognized option --iter"),  # an abbreviation is not expanded

@@ -452,7 +452,8 @@ def refusal(capsys, call) -> str:
 def test_trl_bookkeeping_keys_are_skipped_with_a_line(tmp_path, capsys):
     """Claim: TrainingArguments' bookkeeping keys that change nothing here (run_name, logging_dir, log_level,
     remove_unused_columns, logging_strategy, overwrite_output_dir, ...) are skipped in a --config file with one line
-    naming each and why (they were refused as unknown); typed on the command line, such a key is refused."""
+    naming each and why (they were refused as unknown); typed on the command line, as a TRL command line has them
+    (--bf16, --logging-steps 10, --run-name x), they are skipped with the same kind of line (they were refused)."""
     keys = ("run_name: my-run\nlogging_dir: logs\nlog_level: info\nremove_unused_columns: false\n"
             "logging_strategy: steps\nlogging_first_step: true\noverwrite_output_dir: true\ndisable_tqdm: true\n")
     cfg = parse_yaml(tmp_path, keys + "num_generations: 4\nbatch_size: 16\n")
@@ -460,7 +461,13 @@ def test_trl_bookkeeping_keys_are_skipped_with_a_line(tmp_path, capsys):
     out = capsys.readouterr().out
     assert len(skipped_lines(out)) == 1 and "ignored TRL's run_name: " in out, out
     assert all(f"{line.split(':')[0]}: " in out for line in keys.splitlines())
-    assert "--run-name is TRL's and has no use here" in refusal(capsys, lambda: parse_args(["--run-name", "x"]))
+    typed = parse_args(["--bf16", "--logging_steps", "10", "--run-name=x", "--per-device-eval-batch-size", "4",
+                        "--lr", "3e-6", "--push-to-hub"])
+    assert typed.lr == 3e-6 and typed.dtype == parse_args([]).dtype
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("periodic-rl: ignored TRL's --bf16: --dtype auto computes in bfloat16") and "\n" not in line
+    assert all(f"{flag}: " in line for flag in ("--logging-steps", "--run-name", "--per-device-eval-batch-size",
+                                                 "--push-to-hub")), line
 
 
 def skipped_lines(out: str) -> list[str]:
@@ -898,3 +905,15 @@ def test_a_run_by_epochs_trains_its_counted_iterations_and_saves_the_policy(tiny
     assert counted == math.ceil(0.002 * 2255 / 2) and "--num-train-epochs 0.002: 3 iterations" in result.stdout
     assert [row["iteration"] for row in rows if not row.get("final")] == list(range(counted))
     assert (out / "policy" / "config.json").exists() and "policy in" in result.stdout
+
+
+def test_overwrite_output_dir_is_explained_among_many_ignored_keys():
+    """Claim: among more keys than get their reasons (a whole GRPOConfig file), overwrite_output_dir true still gets
+    its own: a file never replaces a run, so the run may stop at a full --out, and the line says why (it was named
+    among keys "at a value that changes nothing here")."""
+    from infra.trl_names import SAY_WHY_UP_TO, TRL_UNUSED, unused_line
+    many = dict.fromkeys([key for key in TRL_UNUSED if key != "overwrite_output_dir"][:SAY_WHY_UP_TO + 1], 1)
+    line = unused_line({**many, "overwrite_output_dir": True})
+    assert line.endswith("; TRL's overwrite_output_dir: a --config file never replaces a run: --overwrite on the "
+                         "command line does") and f"ignored {SAY_WHY_UP_TO + 1} of TRL's keys" in line
+    assert "overwrite_output_dir" not in unused_line({**many, "overwrite_output_dir": False}).split("(why")[1]
