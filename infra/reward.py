@@ -507,8 +507,8 @@ def _batch_where(arguments: dict) -> str:
 
 
 def _batch_values(name: str, values, size: int, where: str) -> list[float]:
-    """A batched reward's result as one float per completion (None -> NaN), or the RewardError saying what is
-    wrong with it."""
+    """A batched reward's result as one float per completion (None or NaN -> NaN: skipped, as TRL skips both), or the
+    RewardError saying what is wrong with it."""
     if isinstance(values, (str, bytes, dict)) or not isinstance(values, Sized) or getattr(values, "ndim", 1) != 1:
         got = not_a_reward(values) or f"a {type(values).__name__} ({reprlib.repr(values)})"
         raise RewardError(f"reward function {name!r} returned {got}: return a list of {size} numbers (None to skip "
@@ -518,12 +518,22 @@ def _batch_values(name: str, values, size: int, where: str) -> list[float]:
                           f"one per completion {where}")
     scores = []
     for position, value in enumerate(values):
-        problem = None if value is None else not_a_reward(value)
+        problem = None if value is None or is_nan(value) else not_a_reward(value)  # NaN skips it too: TRL's nansum
         if problem is not None:
             raise RewardError(f"reward function {name!r} returned {problem} for completion {position}: return a "
                               f"real number, or None to skip it {where}")
         scores.append(math.nan if value is None else float(value))
     return scores
+
+
+def is_nan(value) -> bool:
+    """Whether `value` is a number that is NaN (float('nan'), numpy's, a 0-d tensor's; not the text 'nan')."""
+    if isinstance(value, (str, bytes)) or tuple(getattr(value, "shape", ())):
+        return False
+    try:
+        return math.isnan(float(value))
+    except (TypeError, ValueError):
+        return False
 
 
 def score_batch(reward_fn: Reward, arguments: dict, time_limit: float = 0.0) -> list[float]:

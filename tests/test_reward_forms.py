@@ -239,9 +239,10 @@ def test_a_plain_reward_is_called_once_per_completion():
     (0.5, "returned a float (0.5): return a list of 2 numbers"),
     (None, "returned None: return a list of 2 numbers"),
     (np.ones((2, 2)), "returned an array of shape (2, 2)"),
-    ([1.0, float("nan")], "returned nan, not a finite number for completion 1: return a real number, or None"),
+    ([1.0, float("inf")], "returned inf, not a finite number for completion 1: return a real number, or None"),
     ([1.0, "x"], "returned a str ('x') for completion 1"),
-], ids=["short", "str", "float", "None", "2-d", "nan", "str-item"])
+    ([1.0, "nan"], "returned a str ('nan') for completion 1"),
+], ids=["short", "str", "float", "None", "2-d", "inf", "str-item", "str-nan"])
 def test_a_wrong_batched_result_is_one_line(returned, said):
     """Claim: a batched reward that does not return one real number or None per completion is refused in one line
     naming the function, what it returned and the prompt (TRL would fail later, or train on NaN)."""
@@ -254,14 +255,17 @@ def test_a_wrong_batched_result_is_one_line(returned, said):
 
 
 @pytest.mark.parametrize("returned", [np.array([1.0, 0.5]), torch.tensor([1.0, 0.5]), (1, 0.5),
-                                      [np.float32(1.0), None], [True, False], np.array([True, False])],
-                         ids=["numpy", "tensor", "tuple", "float32-None", "bools", "numpy-bools"])
+                                      [np.float32(1.0), None], [True, False], np.array([True, False]),
+                                      [1.0, float("nan")], torch.tensor([1.0, float("nan")])],
+                         ids=["numpy", "tensor", "tuple", "float32-None", "bools", "numpy-bools", "nan", "tensor-nan"])
 def test_batched_results_torch_would_take_are_taken(returned):
     """Claim: what TRL turns into a tensor (a list, tuple, 1-d array or tensor of real numbers or bools, None) is
-    accepted; a bool counts 1 or 0, as in TRL's float32 tensor of the list."""
+    accepted; a bool counts 1 or 0, as in TRL's float32 tensor of the list; NaN skips the completion as None does
+    (TRL makes None NaN and sums with nansum: the two are one; it was refused)."""
     values = score_group(Rewards([lambda completions, **kwargs: returned], [1.0]), "p", "a", {}, ["x", "y"], [[1], [2]])
-    second = {0.5: 0.5, False: 0.0}.get(returned[1] if returned[1] is None else float(returned[1]))
-    assert values[0][0] == 1.0 and (values[0][1] == second or returned[1] is None and math.isnan(values[0][1]))
+    skipped = returned[1] is None or math.isnan(float(returned[1]))
+    second = None if skipped else {0.5: 0.5, False: 0.0}[float(returned[1])]
+    assert values[0][0] == 1.0 and (values[0][1] == second or skipped and math.isnan(values[0][1]))
 
 
 def test_a_batched_reward_raising_or_hanging_is_one_line():
