@@ -97,9 +97,9 @@ def load_splits(data: str, data_config: str | None = None):
     """--data as a datasets.DatasetDict (split name -> rows).
 
     A file: its format's builder, split 'train', plus 'test' and 'validation' from a sibling test.<ext> and
-    validation.<ext> when the file is train.<ext>. A directory: datasets infers the splits from the file names
-    (train.jsonl, test.parquet, ...). Anything else is a hub id; when the hub cannot be reached, the copy in the
-    datasets cache is used.
+    validation.<ext> when the file is train.<ext>. A directory: one save_to_disk wrote (load_from_disk), else
+    datasets infers the splits from the file names (train.jsonl, test.parquet, ...). Anything else is a hub id; when
+    the hub cannot be reached, the copy in the datasets cache is used.
     """
     path, files, unreachable = Path(data).expanduser(), None, None
     if path.is_file():
@@ -114,6 +114,8 @@ def load_splits(data: str, data_config: str | None = None):
             sibling = path.with_name(split + path.suffix)
             if path.stem == "train" and sibling.is_file():
                 files[split] = str(sibling)
+    elif path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
+        return _saved_to_disk(path, data)
     elif path.is_dir():
         source = str(path)
     elif looks_like_path(data):
@@ -135,6 +137,18 @@ def load_splits(data: str, data_config: str | None = None):
                             "becomes the held-out set), or use --data arithmetic.") from None
         raise TaskError(f"cannot load --data {data!r} with datasets ({one_line(error)}). Fix the data, or pass "
                         "--data arithmetic for the built-in offline task.") from None
+
+
+def _saved_to_disk(path: Path, data: str):
+    """A directory `Dataset.save_to_disk` or `DatasetDict.save_to_disk` wrote, as a DatasetDict (a Dataset alone:
+    the 'train' split), read with datasets.load_from_disk, as a TRL script loads it."""
+    try:
+        with _datasets_quietly(offline=True) as datasets:
+            loaded = datasets.load_from_disk(str(path))
+            return loaded if isinstance(loaded, datasets.DatasetDict) else datasets.DatasetDict(train=loaded)
+    except Exception as error:
+        raise TaskError(f"cannot load --data {data!r}, a folder written by save_to_disk, with datasets.load_from_disk "
+                        f"({one_line(error)}). Fix the data, or save it again.") from None
 
 
 def gold_answer(value) -> str | None:

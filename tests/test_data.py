@@ -67,6 +67,22 @@ def test_a_directory_holds_out_its_test_split(tmp_path):
     assert train[0] == Example("What is 0 + 1?", "1") and train[0].columns == {"answer": "0 + 1 = 1\n#### 1"}
 
 
+def test_a_folder_save_to_disk_wrote_loads(tmp_path):
+    """Claim: a folder written by `Dataset.save_to_disk` (one split: train, the last rows held out) or by
+    `DatasetDict.save_to_disk` (its test split held out) loads with datasets.load_from_disk, as a TRL script loads it;
+    a Dataset's folder was refused ("use load_from_disk instead", which --data could not do)."""
+    datasets.Dataset.from_list(gsm8k_rows(20)).save_to_disk(str(tmp_path / "one"))
+    train, held_out = data.load_task(str(tmp_path / "one"), eval_size=5)
+    assert len(train) == 15 and len(held_out) == 5 and train[0] == Example("What is 0 + 1?", "1")
+    datasets.DatasetDict(train=datasets.Dataset.from_list(gsm8k_rows(20)),
+                         test=datasets.Dataset.from_list(gsm8k_rows(8, start=1000))).save_to_disk(str(tmp_path / "two"))
+    train, held_out = data.load_task(str(tmp_path / "two"), eval_size=5)
+    assert len(train) == 20 and [e.answer for e in held_out] == ["1001", "1002", "1003", "1004", "1005"]
+    (tmp_path / "one" / "state.json").write_text("{")
+    with pytest.raises(TaskError, match=r"a folder written by save_to_disk, with datasets.load_from_disk \("):
+        data.load_task(str(tmp_path / "one"))
+
+
 def test_a_train_file_uses_its_sibling_test_file(tmp_path):
     """Claim: --data .../train.jsonl trains on every line and evaluates on the sibling test.jsonl; a file with another
     name keeps its last eval_size lines out of training instead; data too small for that holds out its last fifth,
