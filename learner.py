@@ -171,6 +171,7 @@ class Learner:
         self.divisor, self.learning_rate = None, None  # std(r_batch) + eps (scale_rewards="batch"), the last step's
         self.rewards: dict[int, tuple] = {}  # by group index: (weighted sums, [reward k][response], lengths,
         # truncated); metrics in index order, whatever the arrival
+        self.logged: dict[int, dict] = {}  # by group index: what its rewards logged (TRL's log_metric)
         self.kept: dict[int, list[bool]] = {}  # by group index, per response: whether it enters the loss
         self.arrivals: dict[int, Group] = {}  # this rank's groups of the iteration, by index
 
@@ -195,6 +196,7 @@ class Learner:
         self.prompt_tokens += len(group.prompt_ids) * len(group.responses)
         self.loss_tokens += sum(n for n, keep in zip(lengths, kept) if keep)
         self.rewards[group.index] = (group.rewards, group.rewards_per_function, lengths, truncated)
+        self.logged[group.index] = group.logged
 
     def advantages_of(self, group: Group) -> list[float]:
         """The advantages `group` is trained on: its own, or with scale_rewards="batch" its centred rewards /
@@ -366,13 +368,15 @@ class Learner:
         loss, low, high, kl_sum, entropy, grad_norm, low_min, high_max = torch.stack(  # the one host synchronisation
             [*(self.sums[name] for name in SUMS), self.low_min.to(self.sums["loss"].dtype),
              self.high_max.to(self.sums["loss"].dtype)]).tolist()
-        counted, all_tokens, prompt_tokens, by_group = self.metric_tokens, self.tokens, self.prompt_tokens, self.rewards
+        counted, all_tokens, prompt_tokens = self.metric_tokens, self.tokens, self.prompt_tokens
+        by_group, logged = self.rewards, self.logged
         if self.ranks.size > 1:  # the whole iteration's (loss and grad_norm are already every rank's, from `step`)
             low, high, kl_sum, entropy, counted, all_tokens, prompt_tokens = distributed.sum_values(
                 [low, high, kl_sum, entropy, counted, all_tokens, prompt_tokens], self.ranks, self.device)
             low_min, high_max = distributed.max_values([-low_min, high_max], self.ranks, self.device)
             low_min = -low_min
-            by_group = distributed.gather_dicts(self.rewards, self.ranks)
+            both = distributed.gather_dicts({i: (self.rewards[i], self.logged[i]) for i in self.rewards}, self.ranks)
+            by_group, logged = ({i: pair[0] for i, pair in both.items()}, {i: pair[1] for i, pair in both.items()})
         ordered = [by_group[index] for index in sorted(by_group)]  # (weighted sums, per reward, lengths, truncated)
         totals = [r for total, *_ in ordered for r in total]
         reward_mean, reward_std = mean_std(totals)
@@ -385,7 +389,11 @@ class Learner:
         terminated = [n for n, cut in zip(lengths, truncated) if not cut]
         self.all_tokens = all_tokens  # response tokens of the iteration, every rank's
         tokens = max(counted, 1)
-        return {
+        user = {}  # TRL's log_metric: each name's mean over the iteration's calls, in the groups' order
+        for index in sorted(logged):
+            for name, values in logged[index].items():
+                user.setdefault(name, []).extend(values)
+        return {**{name: sum(values) / len(values) for name, values in user.items()}, **{
             "reward_mean": reward_mean,  # of the weighted sum
             "reward_std": reward_std,
             **per_function,
@@ -409,4 +417,4 @@ class Learner:
             "terminated_length_max": max(terminated, default=0),
             "truncated_fraction": sum(truncated) / len(truncated),
             "input_tokens": int(prompt_tokens + all_tokens),  # prompt (once per response) and response tokens
-        }
+        }}  # (a name a reward logs that is one of ours gives way to ours)

@@ -75,6 +75,7 @@ from config import Config
 from infra.errors import UserError
 from infra.reward import (
     Reward,
+    RewardLogs,
     Rewards,
     as_rewards,
     score_group,
@@ -103,6 +104,8 @@ class Group:
     chunk: tuple[int, int] = (0, 1)  # (first prompt index, prompts) of the generate call that sampled it
     rewards_per_function: list[list[float]] = field(default_factory=list)  # [reward k][response i], unweighted
     # (`rewards` is their weighted sum; NaN: a batched reward returned None)
+    logged: dict = field(default_factory=dict)  # TRL's log_metric: name -> the values a reward logged scoring it
+    extra: dict = field(default_factory=dict)  # TRL's log_extra: column -> a value per response
 
 
 @dataclass
@@ -361,12 +364,12 @@ def chunks(examples: list[Example], size: int) -> list[tuple[int, list[Example]]
 
 
 def score_responses(rewards: Rewards, tokenizer, example: Example, responses: list[list[int]], cfg: Config,
-                    state=None) -> tuple[list[float], list[list[float]]]:
+                    state=None, logs: RewardLogs | None = None) -> tuple[list[float], list[list[float]]]:
     """(the weighted reward of each response, each reward's values [k][i]) for one prompt's responses; `state`: the
-    trainer_state TRL-style rewards get (reward.trainer_state)."""
+    trainer_state TRL-style rewards get (reward.trainer_state); `logs`: what they log (None: dropped)."""
     texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
     per_function = score_group(rewards, example.prompt, example.answer, example.columns, texts, responses,
-                               cfg.reward_timeout, state)
+                               cfg.reward_timeout, state, logs)
     return weighted_total(per_function, rewards.weights), per_function
 
 
@@ -419,11 +422,13 @@ def rollout_iteration(model, tokenizer, train: list[Example], held_out: list[Exa
             prompts = run_prompt_ids(tokenizer, chunk, cfg)
 
             def score_and_send(offset: int, responses: list[list[int]]) -> None:  # called inside generate
-                totals, per_function = score_responses(rewards, tokenizer, chunk[offset], responses, cfg, state)
+                logs = RewardLogs()
+                totals, per_function = score_responses(rewards, tokenizer, chunk[offset], responses, cfg, state, logs)
                 advantages = grpo.group_advantages(torch.tensor(totals), cfg.group_size, cfg.scale_rewards)
                 tag = version if weights_version() == version else -1  # -1: the weights changed while it sampled
                 send(Group(iteration, first + offset, tag, prompts[offset], responses, totals, advantages.tolist(),
-                           start, time.perf_counter(), chunk=(first, len(chunk)), rewards_per_function=per_function))
+                           start, time.perf_counter(), chunk=(first, len(chunk)), rewards_per_function=per_function,
+                           logged=logs.metrics, extra=logs.columns))
 
             sample_prompts(model, prompts, cfg.group_size, generation, cfg, iteration, first, on_done=score_and_send)
             last = first + len(chunk) - 1

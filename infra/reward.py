@@ -45,10 +45,10 @@ returned something that is not one finite real number (a str, NaN; a bool counts
 per completion.
 
 Departures from TRL, on purpose:
-1. NaN and inf are refused, in both forms (a reward that skips a completion says so with None, batched only;
-   a plain reward returning None is refused, as a forgotten `return` would be).
-2. No `log_extra`, `log_metric` or `environments` keyword: a reward that needs one fails with the TypeError it
-   raises, in one line.
+1. inf is refused in both forms, NaN in the plain one (a batched reward skips a completion with None or NaN, as
+   TRL's nansum does; a plain reward returning None is refused, as a forgotten `return` would be).
+2. No `environments` keyword: a reward that needs one fails with the TypeError it raises, in one line.
+   (`log_metric` and `log_extra` are TRL's: `RewardLogs`.)
 """
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ import time
 import traceback
 from collections.abc import Sized
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from inspect import Parameter
 from pathlib import Path
 from typing import Callable
@@ -266,7 +266,7 @@ def is_batched(function: Reward) -> bool:
     return "prompts" in parameters or "completions" in parameters or takes_keywords and "completion" not in parameters
 
 
-TRL_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state")  # what every batched call gets
+TRL_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra")  # every call
 
 
 def needed_columns(function: Reward) -> list[str]:
@@ -483,21 +483,38 @@ def trainer_state(cfg=None, iteration: int = 0, num_examples: int = 0):
                         train_batch_size=cfg.batch_size // cfg.updates_per_iteration)
 
 
+@dataclass
+class RewardLogs:
+    """What TRL-style rewards log through TRL's `log_metric(name, value)` and `log_extra(column, values)` keywords,
+    for one group: each metric's values (the trainer logs their mean over the iteration, as TRL over a logging step)
+    and each extra column's values, one per completion (completions.jsonl gets them, as TRL's completions table)."""
+    metrics: dict = field(default_factory=dict)  # name -> [value, ...]
+    columns: dict = field(default_factory=dict)  # column -> [value per completion]
+
+    def log_metric(self, name: str, value: float) -> None:
+        self.metrics.setdefault(str(name), []).append(float(value))
+
+    def log_extra(self, column: str, values: list) -> None:
+        self.columns.setdefault(str(column), []).extend(values)
+
+
 def trl_arguments(prompt, answer: str | None, columns: dict, completions: list[str],
-                  completion_ids: list[list[int]], state=None) -> dict:
+                  completion_ids: list[list[int]], state=None, logs: RewardLogs | None = None) -> dict:
     """The keywords TRL passes a batched reward for one prompt's G completions: prompts, completions (as messages
     when the prompt is a conversation), completion_ids, each dataset column as a list of G values (`answer`: the
-    gold answer, unless the row has its own column of that name or there is none), and trainer_state (`state`;
-    None: a fresh TrainerState)."""
+    gold answer, unless the row has its own column of that name or there is none), trainer_state (`state`;
+    None: a fresh TrainerState), and log_metric and log_extra (into `logs`; None: dropped)."""
     size = len(completions)
     if isinstance(prompt, list):  # a conversation: TRL hands each completion over as the assistant's message
         completions = [[{"role": "assistant", "content": text}] for text in completions]
     columns = {**({} if answer is None else {"answer": answer}), **columns}  # the row's own `answer` column, if it
     # has one, is passed as it is
-    reserved = ("prompt", "completion", "completion_ids", "trainer_state")  # TRL leaves these columns out
+    reserved = ("prompt", "completion", "completion_ids", "trainer_state", "log_metric", "log_extra")  # TRL's own
+    logs = RewardLogs() if logs is None else logs
     return dict(prompts=[prompt] * size, completions=completions, completion_ids=completion_ids,
                 **{key: [value] * size for key, value in columns.items() if key not in reserved},
-                trainer_state=trainer_state() if state is None else state)
+                trainer_state=trainer_state() if state is None else state, log_metric=logs.log_metric,
+                log_extra=logs.log_extra)
 
 
 def _batch_where(arguments: dict) -> str:
@@ -616,11 +633,13 @@ class _Pending:
 
 
 def score_group(rewards: Rewards, prompt, answer: str | None, columns: dict, completions: list[str],
-                completion_ids: list[list[int]], time_limit: float = 0.0, state=None) -> list[list[float]]:
+                completion_ids: list[list[int]], time_limit: float = 0.0, state=None,
+                logs: RewardLogs | None = None) -> list[list[float]]:
     """Every reward's value of each of one prompt's completions, [reward i][completion j] (NaN: not scored).
 
     Synchronous rewards are called in order; the coroutines of async ones are then awaited together (`_await_all`).
-    `state`: the batched rewards' trainer_state (`trainer_state`; None: a fresh one). A reward that needs the gold
+    `state`: the batched rewards' trainer_state (`trainer_state`; None: a fresh one); `logs`: where their log_metric
+    and log_extra calls go (None: nowhere). A reward that needs the gold
     answer (`needed_columns`) with `answer` None is a RewardError (data.load_task refuses such data first)."""
     arguments = None
     size = len(completions)
@@ -644,7 +663,8 @@ def score_group(rewards: Rewards, prompt, answer: str | None, columns: dict, com
                 raise RewardError(f"reward function {reward_name(reward_fn)!r} needs the gold answer, and the data "
                                   "has none: name its column with --answer-column, or use a reward that needs none")
             if batched:
-                arguments = arguments or trl_arguments(prompt, answer, columns, completions, completion_ids, state)
+                arguments = arguments or trl_arguments(prompt, answer, columns, completions, completion_ids, state,
+                                                       logs)
                 where = _batch_where(arguments)
                 values, name = called(reward_fn, where, i * size, **arguments)
                 per_reward.append(values if isinstance(values, _Pending) else _batch_values(name, values, size, where))

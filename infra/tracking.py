@@ -107,7 +107,8 @@ def tracker_names(row: dict) -> dict[str, float]:
 
 def completions_table(records: list[dict]) -> tuple[list[str], list[list]]:
     """(columns, rows) of an iteration's completions (infra/completions.py's records), TRL's table: a reward's
-    column is its name, or rewards/<name> where the name is one of the other columns'.
+    column is its name, or rewards/<name> where the name is one of the other columns'; then the columns rewards
+    added with TRL's log_extra (extra/<column> where the name is taken).
 
     Example: [{"iteration": 2, "group": 0, "sample": 1, "prompt": "1+1=", "completion": "2", "rewards": {"math": 1.0},
                "reward": 1.0, "advantage": 0.7}]
@@ -116,9 +117,12 @@ def completions_table(records: list[dict]) -> tuple[list[str], list[list]]:
     """
     fixed = ("step", "group", "sample", "prompt", "completion", "reward", "advantage")
     names = list(records[0]["rewards"]) if records else []
-    columns = [*fixed[:5], *(f"rewards/{name}" if name in fixed else name for name in names), *fixed[5:]]
+    extra = list(dict.fromkeys(column for r in records for column in r.get("extra", {})))  # TRL's log_extra columns
+    columns = [*fixed[:5], *(f"rewards/{name}" if name in fixed else name for name in names), *fixed[5:],
+               *(f"extra/{column}" if column in fixed or column in names else column for column in extra)]
     rows = [[r["iteration"], r["group"], r["sample"], r["prompt"], r["completion"],
-             *(r["rewards"][name] for name in names), r["reward"], r["advantage"]] for r in records]
+             *(r["rewards"][name] for name in names), r["reward"], r["advantage"],
+             *(r.get("extra", {}).get(column) for column in extra)] for r in records]
     return columns, rows
 
 

@@ -82,3 +82,11 @@ def kept_pool_length(completions: list, **kwargs) -> list[float]:
                           for start in os.environ.get("REWARD_POOL_START", "").split(","))
     scores = [[float(n) for n in pool.map(len, completions)] for pool in KEPT_POOLS]
     return scores[0]
+
+
+def logging_length(completions: list, log_metric, log_extra, **kwargs) -> list[float]:
+    """A TRL-style reward that logs with TRL's log_metric (the mean length) and log_extra (each length as text)."""
+    lengths = [float(len(text)) for text in completions]
+    log_metric("length/mean", sum(lengths) / len(lengths))
+    log_extra("length_text", [str(int(n)) for n in lengths])
+    return lengths

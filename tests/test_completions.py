@@ -161,19 +161,24 @@ class Tokenizer:
 
 def test_records_decode_each_group_in_index_order_and_write_nan_as_null():
     """Claim: a completion's record holds its prompt with special tokens (as the model read it), its text without
-    (as the rewards read it), each reward under its name, a reward that scored nothing as null (JSON has no NaN)."""
+    (as the rewards read it), each reward under its name, a reward that scored nothing as null (JSON has no NaN),
+    and the columns a reward added with TRL's log_extra (one value per completion), under "extra"; the table has
+    them after TRL's columns."""
     group = types.SimpleNamespace(prompt_ids=[ord("1"), ord("="), 0], responses=[[ord("2"), 0], [ord("3")]],
                                   rewards=[1.0, float("nan")], advantages=[0.5, -0.5],
-                                  rewards_per_function=[[1.0, float("nan")]])
-    later = types.SimpleNamespace(**{**vars(group), "prompt_ids": [ord("x")]})
+                                  rewards_per_function=[[1.0, float("nan")]], extra={})
+    later = types.SimpleNamespace(**{**vars(group), "prompt_ids": [ord("x")], "extra": {"judge": ["yes", "no"]}})
     found = records(4, {7: later, 2: group}, Tokenizer(), ["math"])
     assert found[:2] == [
         {"iteration": 4, "group": 2, "sample": 0, "prompt": "1=<eos>", "completion": "2", "rewards": {"math": 1.0},
          "reward": 1.0, "advantage": 0.5},
         {"iteration": 4, "group": 2, "sample": 1, "prompt": "1=<eos>", "completion": "3", "rewards": {"math": None},
          "reward": None, "advantage": -0.5}]
-    assert [(r["group"], r["prompt"]) for r in found[2:]] == [(7, "x"), (7, "x")]
+    assert [(r["group"], r["prompt"], r["extra"]) for r in found[2:]] == [(7, "x", {"judge": "yes"}),
+                                                                         (7, "x", {"judge": "no"})]
     assert "NaN" not in json.dumps(found)
+    columns, rows = completions_table(found)
+    assert columns[-1] == "judge" and [row[-1] for row in rows] == [None, None, "yes", "no"]
 
 
 RECORDS = [{"iteration": 5, "group": 0, "sample": i, "prompt": "1+1=", "completion": f"{i} | <b>\nx",

@@ -66,19 +66,25 @@ def test_a_batched_reward_gets_trls_keyword_lists(prompt, answer, columns, compl
     prompts and completions (a conversation's completions as assistant messages), completion_ids, each dataset
     column as a list of G values, and trainer_state; `answer` is the gold answer unless the row has its own `answer`
     column (passed as it is), and not there when the data has none (a prompt-only dataset); a column named
-    prompt/completion/completion_ids/trainer_state is left out, as TRL does. None means 'not scored' (NaN)."""
-    calls, state = [], object()
+    prompt/completion/completion_ids/trainer_state is left out, as TRL does; and TRL's log_metric and log_extra, into
+    the group's RewardLogs. None means 'not scored' (NaN)."""
+    from infra.reward import RewardLogs
+    calls, state, logs = [], object(), RewardLogs()
 
     def recorder(*args, **kwargs):  # **kwargs alone: the batched form
         calls.append((args, kwargs))
+        kwargs["log_metric"]("my/len", 2.0)
+        kwargs["log_extra"]("note", ["a", "b"])
         return [1.0, None]
-    values = score_group(Rewards([recorder], [1.0]), prompt, answer, columns, ["2", "3"], [[5, 0], [6]], state=state)
+    values = score_group(Rewards([recorder], [1.0]), prompt, answer, columns, ["2", "3"], [[5, 0], [6]], state=state,
+                         logs=logs)
     gold = {} if answer is None else {"answer": [answer] * 2}
     expected = {"prompts": [prompt, prompt], "completions": completions, "completion_ids": [[5, 0], [6]], **gold,
                 **{k: [v] * 2 for k, v in columns.items() if k not in ("prompt", "trainer_state")},
-                "trainer_state": state}
+                "trainer_state": state, "log_metric": logs.log_metric, "log_extra": logs.log_extra}
     assert calls == [((), expected)]
     assert values[0][0] == 1.0 and math.isnan(values[0][1])
+    assert (logs.metrics, logs.columns) == ({"my/len": [2.0]}, {"note": ["a", "b"]})
 
 
 def reward_len(completions, **kwargs):  # the issue's prompt-only example
@@ -440,3 +446,24 @@ def test_top_k_minus_one_is_off_as_in_trl():
     assert parse_args(["--top_k", "-1"]).top_k == 0
     with pytest.raises(SystemExit):
         parse_args(["--top-k", "-2"])
+
+
+@pytest.mark.slow
+def test_what_a_reward_logs_reaches_the_row_and_the_completions_in_both_modes(tiny_model_dir, tmp_path):
+    """Claim: TRL's log_metric and log_extra work as in TRL, in both modes (async: from the inference process): each
+    row has the logged metric's mean over the iteration (here the mean length, which is the reward's mean: the reward
+    is the length) and completions.jsonl has each completion's logged column. Before, a reward taking them was
+    refused at start-up as needing dataset columns of those names."""
+    args = [sys.executable, "trainer.py", "--model", str(tiny_model_dir), "--data", "arithmetic", "--iterations", "2",
+            "--batch-size", "8", "--group-size", "4", "--max-new-tokens", "4", "--eval-every", "0",
+            "--groups-per-chunk", "2", "--micro-batch-tokens", "16384", "--rollout-threads", "1", "--train-threads",
+            "1", "--no-save", "--log-completions", "--reward", "tests/rewards.py:logging_length"]
+    for mode in ("sync", "async"):
+        out = tmp_path / mode
+        result = subprocess.run([*args, "--mode", mode, "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                                timeout=180)
+        assert result.returncode == 0, result.stderr
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][:-1]
+        assert len(rows) == 2 and all(row["length/mean"] == pytest.approx(row["reward_mean"], abs=1e-9) for row in rows)
+        records = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+        assert len(records) == 16 and all(r["extra"]["length_text"] == str(len(r["completion"])) for r in records)

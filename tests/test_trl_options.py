@@ -917,3 +917,16 @@ def test_overwrite_output_dir_is_explained_among_many_ignored_keys():
     assert line.endswith("; TRL's overwrite_output_dir: a --config file never replaces a run: --overwrite on the "
                          "command line does") and f"ignored {SAY_WHY_UP_TO + 1} of TRL's keys" in line
     assert "overwrite_output_dir" not in unused_line({**many, "overwrite_output_dir": False}).split("(why")[1]
+
+
+def test_what_rewards_log_with_log_metric_is_in_the_row(tiny_model_dir):
+    """Claim: the values TRL-style rewards logged with TRL's log_metric while scoring the iteration's groups are in its
+    row, each name's mean over every call (TRL: the mean over a logging step), whatever order the groups arrived in;
+    a name that is one of the row's own keys gives way to it."""
+    import dataclasses
+    cfg = config(tiny_model_dir)
+    groups = make_groups("group")
+    logged = [{"judge/score": [1.0, 2.0]}, {}, {"judge/score": [6.0], "kl": [99.0]}, {"other": [0.5]}]
+    groups = [dataclasses.replace(group, logged=values) for group, values in zip(groups, logged)]
+    metrics, _ = learner_run(cfg, tri_model(cfg, tiny_model_dir), groups[::-1])
+    assert metrics["judge/score"] == 3.0 and metrics["other"] == 0.5 and metrics["kl"] != 99.0
