@@ -85,6 +85,12 @@ def _pad_multiple(text: str) -> int | None:
     return int(text)
 
 
+def _resume(text: str) -> str | None:
+    """--resume's argparse type: a checkpoint directory or auto; TRL's resume_from_checkpoint true reads as auto (the
+    newest checkpoint in --out), false as no resume."""
+    return {"true": "auto", "false": None}.get(text.lower(), text)
+
+
 def _opt(default, help: str, **extra):
     """A dataclass field with a help line (and optional argparse `choices`); a list default is copied per Config."""
     if isinstance(default, list):
@@ -271,7 +277,8 @@ class Config:
                                     "checkpoint's options apply; only those that do not change the result may be "
                                     "given anew: evaluation, outputs, devices, threads, micro-batch (not with bnpo), "
                                     "and iterations where the learning rate does not depend on the run's length "
-                                    "(constant, or constant_with_warmup and inverse_sqrt without warmup)")
+                                    "(constant, or constant_with_warmup and inverse_sqrt without warmup). TRL's "
+                                    "--resume-from-checkpoint true is auto", type=_resume)
     save_on_stop: bool = _opt(False, "on SIGTERM, SIGINT or SIGHUP write a checkpoint of the iterations done before "
                                      "stopping (always done when --save-every is set)")
     # --- scale: devices, processes, sizes and threads ---

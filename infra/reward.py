@@ -243,8 +243,12 @@ def load_reward(spec: str) -> Reward:
                           "importable (install it or run from its folder), or pass 'path/to/file.py:function'."
                         ) from None
     except (Exception, SystemExit) as error:  # a syntax error, or code that fails when the module is imported
-        raise RewardError(f"--reward {spec!r}: importing {module_name} failed: {_failing_line(error)}. "
-                          "Fix it there.") from None
+        relative = isinstance(error, ImportError) and "relative import" in str(error) and module_name.endswith(".py")
+        fix = (f"A file with relative imports is part of a package: name it as a module from the package's parent "
+               f"folder, e.g. --reward {'.'.join(Path(module_name).with_suffix('').parts[-2:])}:{function_name}"
+               if relative else "Fix it there.")
+        raise RewardError(f"--reward {spec!r}: importing {module_name} failed: {_failing_line(error)}. {fix}"
+                          ) from None
     function = getattr(module, function_name, None)
     if not callable(function):
         raise RewardError(f"--reward {spec!r}: {module_name} has no function {function_name!r}. Define "

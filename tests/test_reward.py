@@ -195,3 +195,21 @@ def test_trls_registry_names_load_trl_rewards(tmp_path, monkeypatch, own_imports
     assert reward.load_reward("accuracy_reward") is importlib.import_module("trl.rewards").accuracy_reward
     punishment = reward.load_reward("get_soft_overlong_punishment")
     assert punishment.__name__ == "soft_overlong_punishment_reward" and punishment([[1], [2]]) == [1536.0, 1536.0]
+
+
+def test_a_reward_file_with_relative_imports_says_to_name_its_module(tmp_path, monkeypatch):
+    """Claim: a reward file inside a package that imports relatively (`from .helper import X`), named by its path,
+    fails in one line that names the module form that works (`package.module:function` from the package's parent
+    folder), and that form loads."""
+    package = tmp_path / "myrewards"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "helper.py").write_text("X = 1.0\n")
+    (package / "rw.py").write_text("from .helper import X\n\ndef rel(completions, **kwargs):\n    return [X] * len(completions)\n")
+    with pytest.raises(RewardError) as error:
+        reward.load_reward(f"{package / 'rw.py'}:rel")
+    assert str(error.value).endswith("name it as a module from the package's parent folder, e.g. --reward "
+                                     "myrewards.rw:rel")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    assert reward.load_reward("myrewards.rw:rel")(completions=["a", "b"]) == [1.0, 1.0]

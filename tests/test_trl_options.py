@@ -930,3 +930,11 @@ def test_what_rewards_log_with_log_metric_is_in_the_row(tiny_model_dir):
     groups = [dataclasses.replace(group, logged=values) for group, values in zip(groups, logged)]
     metrics, _ = learner_run(cfg, tri_model(cfg, tiny_model_dir), groups[::-1])
     assert metrics["judge/score"] == 3.0 and metrics["other"] == 0.5 and metrics["kl"] != 99.0
+
+
+def test_trls_resume_from_checkpoint_true_is_auto():
+    """Claim: TRL's --resume-from-checkpoint true (resume from the newest checkpoint in the output folder) is
+    --resume auto, false is no resume, and a path stays a path (true was taken as a directory named "true")."""
+    assert parse_args(["--resume_from_checkpoint", "true", "--out", "o"]).resume == "auto"
+    assert parse_args(["--resume-from-checkpoint", "False"]).resume is None
+    assert parse_args(["--resume", "runs/x/checkpoint-3"]).resume == "runs/x/checkpoint-3"
