@@ -496,7 +496,10 @@ class RewardLogs:
     columns: dict = field(default_factory=dict)  # column -> [value per completion]
 
     def log_metric(self, name: str, value: float) -> None:
-        self.metrics.setdefault(str(name), []).append(float(value))
+        number = float(value)
+        if not math.isfinite(number):  # raised in the reward's call: one line naming it, as any error of a reward
+            raise ValueError(f"log_metric({name!r}, {value!r}): the value must be a finite number")
+        self.metrics.setdefault(str(name), []).append(number)
 
     def log_extra(self, column: str, values: list) -> None:
         self.columns.setdefault(str(column), []).extend(values)

@@ -85,6 +85,8 @@ def test_a_batched_reward_gets_trls_keyword_lists(prompt, answer, columns, compl
     assert calls == [((), expected)]
     assert values[0][0] == 1.0 and math.isnan(values[0][1])
     assert (logs.metrics, logs.columns) == ({"my/len": [2.0]}, {"note": ["a", "b"]})
+    with pytest.raises(ValueError, match=r"log_metric\('x', nan\): the value must be a finite number"):
+        logs.log_metric("x", float("nan"))
 
 
 def reward_len(completions, **kwargs):  # the prompt-only example
