@@ -320,17 +320,18 @@ def sum_gradients(params: list[torch.nn.Parameter], ranks: Ranks) -> list[torch.
 
 def sum_values(values: list[float | torch.Tensor], ranks: Ranks, device: torch.device) -> list[float]:
     """Σ_r of each value (counts, partial sums of the loss and statistics), in float64: integer counts stay exact."""
-    flat = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])  # (n,)
-    with collective("the all-reduce of the step's counts", ranks):
-        dist.all_reduce(flat, group=GROUPS.get("trainers"))
-    return flat.tolist()
+    return _all_reduce(values, ranks, device, dist.ReduceOp.SUM, "the all-reduce of the step's counts")
 
 
 def max_values(values: list[float | torch.Tensor], ranks: Ranks, device: torch.device) -> list[float]:
     """max_r of each value (pass -x for a minimum)."""
+    return _all_reduce(values, ranks, device, dist.ReduceOp.MAX, "the all-reduce of the iteration's extremes")
+
+
+def _all_reduce(values: list[float | torch.Tensor], ranks: Ranks, device: torch.device, op, what: str) -> list[float]:
     flat = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])  # (n,)
-    with collective("the all-reduce of the iteration's extremes", ranks):
-        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=GROUPS.get("trainers"))
+    with collective(what, ranks):
+        dist.all_reduce(flat, op=op, group=GROUPS.get("trainers"))
     return flat.tolist()
 
 

@@ -410,8 +410,9 @@ class RewardClock:
             cls._clock.deadline = None
 
 
-def not_a_reward(value) -> str | None:
-    """What is wrong with a reward function's return value, or None if it is one finite real number.
+def not_a_reward(value, nan: bool = False) -> str | None:
+    """What is wrong with a reward function's return value, or None if it is one finite real number (or NaN, with
+    `nan`: a batched reward's way to skip a completion, as TRL's nansum reads it).
 
     Accepted: whatever `float()` converts, except text and anything with dimensions: int, float, a bool (1 or 0:
     TRL's float32 tensor of a list of bools), numpy.float32 / int64, Decimal, Fraction, a 0-d array or tensor.
@@ -425,7 +426,7 @@ def not_a_reward(value) -> str | None:
         number = float(value)
     except (TypeError, ValueError):
         return "None" if value is None else f"{kind} ({reprlib.repr(value)})"
-    return None if math.isfinite(number) else f"{number}, not a finite number"
+    return None if math.isfinite(number) or nan and math.isnan(number) else f"{number}, not a finite number"
 
 
 def _timed_out(name: str, time_limit: float, where: str) -> RewardError:
@@ -542,22 +543,12 @@ def _batch_values(name: str, values, size: int, where: str) -> list[float]:
                           f"one per completion {where}")
     scores = []
     for position, value in enumerate(values):
-        problem = None if value is None or is_nan(value) else not_a_reward(value)  # NaN skips it too: TRL's nansum
+        problem = None if value is None else not_a_reward(value, nan=True)  # NaN skips it too: TRL's nansum
         if problem is not None:
             raise RewardError(f"reward function {name!r} returned {problem} for completion {position}: return a "
                               f"real number, or None to skip it {where}")
         scores.append(math.nan if value is None else float(value))
     return scores
-
-
-def is_nan(value) -> bool:
-    """Whether `value` is a number that is NaN (float('nan'), numpy's, a 0-d tensor's; not the text 'nan')."""
-    if isinstance(value, (str, bytes)) or tuple(getattr(value, "shape", ())):
-        return False
-    try:
-        return math.isnan(float(value))
-    except (TypeError, ValueError):
-        return False
 
 
 def score_batch(reward_fn: Reward, arguments: dict, time_limit: float = 0.0) -> list[float]:
