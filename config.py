@@ -104,8 +104,8 @@ class Config:
     mode: str = _opt("async", "async: periodic asynchrony (separate inference process); sync: generate, then train",
                      choices=MODES)
     iterations: int = _opt(60, "the run's length in iterations, each one weight version θ_k sampling one batch "
-                               "(TRL's max_steps when --updates-per-iteration and --num-iterations are 1; not "
-                               "--num-iterations, TRL's μ)")
+                               "(TRL's --max-steps N, counted in optimizer steps, is N / (--updates-per-iteration x "
+                               "--num-iterations) iterations; not --num-iterations, TRL's μ)")
     num_train_epochs: float | None = _opt(None, "passes over the training prompts, instead of --iterations: the run "
                                                 "takes ceil(E x train prompts / prompts per iteration) iterations, "
                                                 "counted once the data is loaded (TRL's num_train_epochs; --iterations "

@@ -21,9 +21,10 @@ that means what one of ours means is accepted under TRL's name too, on the comma
 (`TRL_ALIASES`: e.g. --num-generations is --group-size, --learning-rate --lr, --epsilon both clip ranges unless
 --epsilon-high is given, as TRL's); `--name_with_underscores` is read as `--name-with-underscores`, as TRL's parser
 reads both. TRL's batch keys (per_device_train_batch_size, gradient_accumulation_steps, ...), typed or in a file,
-become the --batch-size and --updates-per-iteration TRL's generation batch makes (`with_config_file`). A TRL name
-whose meaning differs here (max_steps, save_steps, ...) is refused with one line naming the option to use and
-why (`TRL_DIFFERENT`); one for what this trainer has no use for (logging_steps,
+become the --batch-size and --updates-per-iteration TRL's generation batch makes (`with_config_file`), and TRL's
+step counts (max_steps, save_steps, eval_steps: optimizer steps) the --iterations, --save-every and --eval-every they
+make (`trl_steps`). A TRL name whose meaning differs here (num_generations_eval) is refused with one line naming the
+option to use and why (`TRL_DIFFERENT`); one for what this trainer has no use for (logging_steps,
 push_to_hub, bf16, run_name, ...: `TRL_UNUSED`) is ignored with one line saying why, typed or in a --config file, so
 that a TRL command line or config file runs as it is; one for what this trainer does one way only, at a value that is
 that way (use_vllm false, fp16 false, optim adamw_torch, adam_beta2 0.999, ...: `TRL_FIXED`; another value is refused
@@ -48,8 +49,8 @@ from pathlib import Path
 
 from config import SECTIONS, SIZE_FIELDS, TINY_MODELS, Config
 from infra.tracking import installed_trackers
-from infra.trl_names import (TRL_ALIASES, TRL_BATCH_KEYS, TRL_DIFFERENT, TRL_FIXED, TRL_UNUSED, epilog,
-                             trl_batch_options, trl_keys)
+from infra.trl_names import (STEP_STRATEGIES, TRL_ALIASES, TRL_BATCH_KEYS, TRL_DIFFERENT, TRL_FIXED, TRL_STEP_KEYS,
+                             TRL_STEPS, TRL_UNUSED, epilog, trl_batch_options, trl_keys, trl_steps)
 
 GENERATE_CALLS = {"cpu": 2, "accelerator": 1}  # default generate calls per iteration (see derive)
 # Default training micro-batch: 16 toy groups (~1.5 k tokens) in one forward; 2-3 groups of 8 x (256 + 512) tokens
@@ -576,12 +577,16 @@ def config_file(argv: list[str]) -> str | None:
 
 
 def file_arguments(path: str, skip: set[str] = frozenset(), note=lambda line: None,
-                   typed_batch: dict | None = None) -> list[str]:
+                   typed_batch: dict | None = None, typed_steps: dict | None = None,
+                   steps: dict | None = None) -> list[str]:
     """The options in the JSON or YAML file `path` as command-line flags, but those in `skip` (and a run record's
     `RUN_OUTPUTS`: a rerun writes its own); ValueError with the reason if it cannot be read, is not a mapping, or
     names an unknown option. Keys may be TRL's names (TRL_ALIASES, epsilon) and may be spelled with - for _; TRL's
     keys for what has no use here (TRL_UNUSED) are left out, said in one line to `note`. `typed_batch`: TRL's batch
-    keys typed on the command line (typed_trl_batch), translated with the file's (each typed one wins).
+    keys typed on the command line (typed_trl_batch), translated with the file's (each typed one wins). TRL's step
+    counts (max_steps, save_steps, eval_steps and their strategies) go to `steps`, for `trl_step_flags`: a max_steps
+    gives way to a typed run length (--iterations, --num-train-epochs) and beats the file's num_train_epochs, as
+    TRL's does; a typed --max-steps (`typed_steps`) replaces the file's run length.
 
     Example: {"max_new_tokens": 8, "learning_rate": 1e-4, "save": false, "report_to": ["tensorboard"], "trace": null}
              -> ["--max-new-tokens=8", "--lr=0.0001", "--no-save", "--report-to", "tensorboard"]
@@ -604,6 +609,19 @@ def file_arguments(path: str, skip: set[str] = frozenset(), note=lambda line: No
     values = {str(key).replace("-", "_"): value for key, value in values.items()}
     if "run_id" in values and "text_prompts" not in values:  # a run record written before --text-prompts: text
         values["text_prompts"] = "chat"  # prompts were always in the chat template; the rerun is that run
+    if (typed_steps or {}).get("max_steps") not in (None, -1, "-1"):  # a typed --max-steps sets the run's length
+        for key in ("iterations", "num_train_epochs", "max_steps"):
+            values.pop(key, None)
+    if values.get("max_steps") not in (None, -1) and "run_id" not in values:  # TRL's run length, in optimizer steps
+        if "iterations" in skip or "num_train_epochs" in skip:  # a typed length wins
+            ours = "--iterations" if "iterations" in skip else "--num-train-epochs"
+            note(f"ignored TRL's max_steps {values.pop('max_steps')}: {ours}, given, sets the run's length instead")
+        elif "iterations" in values:
+            raise ValueError(f"max_steps {values['max_steps']} and iterations {values['iterations']} both set the "
+                             "run's length: keep one")
+        elif values.get("num_train_epochs") is not None:  # TRL's max_steps wins over its num_train_epochs
+            note(f"ignored TRL's num_train_epochs {values.pop('num_train_epochs')}: max_steps sets the run's length, "
+                 "as in TRL")
     if "iterations" in skip and values.get("num_train_epochs") is not None:  # a typed length wins, as TRL's
         values.pop("num_train_epochs")  # max_steps wins over its num_train_epochs
         note("num_train_epochs: --iterations, given, sets the run's length instead (TRL's max_steps wins over "
@@ -612,7 +630,8 @@ def file_arguments(path: str, skip: set[str] = frozenset(), note=lambda line: No
         values.pop("iterations", None)  # typed epochs win over a file's length; a record's came from its epochs
     refusals: list[str] = []  # every refused key of the file, said in one line
     values = trl_keys(values, set(skip), note, known={*fields, *NOT_OPTIONS, *TRL_ALIASES, "epsilon"},
-                      group_size=fields["group_size"].default, typed_batch=typed_batch or {}, refusals=refusals)
+                      group_size=fields["group_size"].default, typed_batch=typed_batch or {}, refusals=refusals,
+                      steps=steps)
     unknown = [key for key in values if key not in fields and key not in NOT_OPTIONS and key not in TRL_ALIASES
                and key != "epsilon"]
     if unknown or refusals:
@@ -672,36 +691,11 @@ def file_arguments(path: str, skip: set[str] = frozenset(), note=lambda line: No
     return flags
 
 
-def typed_trl_batch(argv: list[str]) -> tuple[dict, list[str]]:
-    """(TRL's batch flags typed in argv, as {TRL's key: whole number}; the rest of argv). The flags are
-    --per-device-train-batch-size, --gradient-accumulation-steps, --steps-per-generation and
-    --generation-batch-size, `=` or a separate value; ValueError with the reason for a bad value.
+def typed_trl(argv: list[str], keys) -> tuple[dict, list[str]]:
+    """(TRL's flags typed in argv for `keys`, as {TRL's key: its text, or True for a flag alone}; the rest of argv).
+    A flag's value follows its `=`, or is the next token unless that is another option (--bf16 alone).
 
-    Example: ["--per-device-train-batch-size", "8", "--gradient-accumulation-steps=4", "--lr", "1e-6"]
-             -> ({"per_device_train_batch_size": 8, "gradient_accumulation_steps": 4}, ["--lr", "1e-6"])
-    """
-    flags = {"--" + key.replace("_", "-"): key for key in TRL_BATCH_KEYS}
-    found, rest, tokens = {}, [], iter(argv)
-    for token in tokens:
-        name, sep, value = token.partition("=")
-        if name not in flags:
-            rest.append(token)
-            continue
-        value = value if sep else next(tokens, None)
-        if value is None:
-            raise ValueError(f"{name} needs a value (TRL's {flags[name]})")
-        try:
-            found[flags[name]] = int(value)
-        except ValueError:
-            raise ValueError(f"{name} takes a whole number (got {value!r})") from None
-    return found, rest
-
-
-def typed_unused(argv: list[str]) -> tuple[dict, list[str]]:
-    """(TRL's flags for what has no use here typed in argv (`TRL_UNUSED`), as {TRL's key: its value, True for a flag
-    alone}; the rest of argv). A flag's value is the next token unless that is another option (--bf16 alone).
-
-    >>> typed_unused(["--bf16", "--logging-steps", "10", "--lr", "1e-6", "--run-name=x"])
+    >>> typed_trl(["--bf16", "--logging-steps", "10", "--lr", "1e-6", "--run-name=x"], TRL_UNUSED)
     ({'bf16': True, 'logging_steps': '10', 'run_name': 'x'}, ['--lr', '1e-6'])
     """
     found, rest, tokens = {}, [], list(argv)
@@ -709,13 +703,52 @@ def typed_unused(argv: list[str]) -> tuple[dict, list[str]]:
         token = tokens.pop(0)
         name, sep, value = token.partition("=")
         key = name[2:].replace("-", "_") if name.startswith("--") else None
-        if key not in TRL_UNUSED:
+        if key not in keys:
             rest.append(token)
             continue
         if not sep:
             value = tokens.pop(0) if tokens and not tokens[0].startswith("--") else True
         found[key] = value
     return found, rest
+
+
+def typed_trl_batch(argv: list[str]) -> tuple[dict, list[str]]:
+    """(TRL's batch flags typed in argv, TRL_BATCH_KEYS: --per-device-train-batch-size, ..., as {TRL's key: whole
+    number}; the rest of argv); ValueError with the reason for a bad value.
+
+    >>> typed_trl_batch(["--per-device-train-batch-size", "8", "--gradient-accumulation-steps=4", "--lr", "1e-6"])
+    ({'per_device_train_batch_size': 8, 'gradient_accumulation_steps': 4}, ['--lr', '1e-6'])
+    """
+    found, rest = typed_trl(argv, TRL_BATCH_KEYS)
+    for key, value in found.items():
+        flag = f"--{key.replace('_', '-')}"
+        if value is True:
+            raise ValueError(f"{flag} needs a value (TRL's {key})")
+        try:
+            found[key] = int(value)
+        except ValueError:
+            raise ValueError(f"{flag} takes a whole number (got {value!r})") from None
+    return found, rest
+
+
+def trl_step_flags(steps: dict, argv: list[str], prog: str, note) -> list[str]:
+    """The flags TRL's step counts in `steps` (TRL_STEP_KEYS, typed or a --config file's) make for the command line
+    `argv` (`trl_steps`: counted in the optimizer steps of an iteration of argv's run); an option of ours for the same
+    thing in argv wins, said in a `note` line. ValueError where max_steps and --iterations, or --num-train-epochs,
+    are typed together (TRL has no --iterations; a file's num_train_epochs gave way in `file_arguments`)."""
+    given = set(_values(build_parser(prog, defaults=False).parse_args(argv)))
+    if steps.get("max_steps") not in (None, -1, "-1"):
+        if "iterations" in given or "num_train_epochs" in given:
+            ours = "--iterations" if "iterations" in given else "--num-train-epochs"
+            raise ValueError(f"--max-steps {steps['max_steps']} and {ours} both set the run's length: give one")
+    for key, ours in TRL_STEPS.items():
+        named = [k for k in (key, STEP_STRATEGIES.get(key)) if k in steps]
+        if ours in given and named:
+            note(f"ignored TRL's {', '.join(named)}: --{ours.replace('_', '-')} is given")
+            steps = {k: v for k, v in steps.items() if k not in named}
+    run = build_parser(prog).parse_args(argv)
+    options = trl_steps(steps, run.updates_per_iteration, run.num_iterations, note)
+    return [f"--{name.replace('_', '-')}={value}" for name, value in options.items()]
 
 
 def with_config_file(argv: list[str] | None = None, prog: str = "trainer.py", say: bool = False) -> list[str]:
@@ -728,7 +761,10 @@ def with_config_file(argv: list[str] | None = None, prog: str = "trainer.py", sa
     def typed_note(line: str) -> None:
         if say and os.environ.get("RANK", "0") == "0":
             print(f"periodic-rl: {line}", flush=True)
-    unused, argv = typed_unused(argv)  # typed as for TRL (--bf16, --logging-steps 10): ignored, as a file's are
+    unused, argv = typed_trl(argv, TRL_UNUSED)  # typed as for TRL (--bf16, --logging-steps 10): ignored, as a file's
+    typed_steps, argv = typed_trl(argv, TRL_STEP_KEYS)  # --max-steps, --save-steps ...: read as iterations below
+    if "logging_steps" in unused and "eval_steps" not in typed_steps:  # TRL's eval_steps null: every logging_steps
+        typed_steps["logging_steps"] = unused["logging_steps"]
     if unused:
         reasons: dict[str, list[str]] = {}
         for key in unused:
@@ -741,6 +777,8 @@ def with_config_file(argv: list[str] | None = None, prog: str = "trainer.py", sa
             given = set(_values(build_parser(prog, defaults=False).parse_args(argv)))
             options = trl_batch_options(typed, {}, given, typed_note, Config.group_size)
             argv = [f"--{name.replace('_', '-')}={value}" for name, value in options.items()] + argv
+        if path is None and typed_steps:
+            argv = trl_step_flags(typed_steps, argv, prog, typed_note) + argv
     except ValueError as error:
         sys.stderr.write(f"{prog}: error: {error}\n")
         raise SystemExit(2) from None
@@ -752,11 +790,16 @@ def with_config_file(argv: list[str] | None = None, prog: str = "trainer.py", sa
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun each rank places its own devices (distributed.py)
         skip |= {"train_device", "rollout_device"}
 
-    def note(line: str) -> None:
-        if say and os.environ.get("RANK", "0") == "0":
-            print(f"periodic-rl: --config {path}: {line}", flush=True)
+    lines: list[str] = []  # said once the file is read: a refused file is not described
     try:
-        return file_arguments(path, skip=skip, note=note, typed_batch=typed) + argv
+        file_steps: dict = {}
+        argv = file_arguments(path, skip=skip, note=lines.append, typed_batch=typed, typed_steps=typed_steps,
+                              steps=file_steps) + argv
+        steps = {**file_steps, **typed_steps}  # a count typed wins over the file's
+        argv = trl_step_flags(steps, argv, prog, lines.append) + argv if steps else argv
+        for line in lines:
+            typed_note(f"--config {path}: {line}")
+        return argv
     except ValueError as error:
         sys.stderr.write(f"{prog}: error: --config {path} {error}\n")
         raise SystemExit(2) from None

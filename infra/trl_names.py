@@ -12,7 +12,9 @@ Read from TRL 1.16: trl/trainer/grpo_config.py (GRPOConfig), transformers' Train
    Those of them that TRL derives when null (`DERIVED_AT_NULL`: generation_batch_size, ...) are ignored at null in a
    --config file, as ours are derived too: a GRPOConfig written out with its defaults runs as it is. TRL's batch keys
    (`TRL_BATCH_KEYS`: per_device_train_batch_size, gradient_accumulation_steps, ...), in a --config file or typed,
-   are translated as TRL derives its generation batch (`trl_batch`), unless --batch-size is given.
+   are translated as TRL derives its generation batch (`trl_batch`), unless --batch-size is given. TRL's step counts
+   (`TRL_STEPS`: max_steps, save_steps, eval_steps, with `STEP_STRATEGIES`), typed or in a file, count optimizer
+   steps: they become --iterations, --save-every and --eval-every (`trl_steps`).
 3. `TRL_UNUSED`: a TRL name for something this trainer has no use for (it logs every iteration, never cuts prompts):
    a --config key, or a flag typed as for TRL (--bf16, --logging-steps 10), is ignored with one line saying why, so
    that a TRL config file or command line runs as it is.
@@ -38,11 +40,12 @@ TRL_ALIASES = {"num_generations": "group_size", "learning_rate": "lr", "max_comp
                "torch_dtype": "dtype"}  # transformers' and TRL's name for dtype before they renamed it
 # TRL names that mean something else here: the option to use instead, and why (one line each, after "use")
 TRL_DIFFERENT = {
-    "max_steps": "--iterations: each samples one batch and takes --updates-per-iteration optimizer steps on it",
-    "save_steps": "--save-every N: a checkpoint every N iterations",
-    "eval_steps": "--eval-every N: a held-out evaluation every N iterations",
     "num_generations_eval": "--eval-samples: responses per held-out prompt",
 }
+# TRL's (transformers') step counts: optimizer steps, read as whole iterations (`trl_steps`), typed or in a file
+TRL_STEPS = {"max_steps": "iterations", "save_steps": "save_every", "eval_steps": "eval_every"}
+STEP_STRATEGIES = {"save_steps": "save_strategy", "eval_steps": "eval_strategy"}  # a count is read under its strategy
+TRL_STEP_KEYS = (*TRL_STEPS, *STEP_STRATEGIES.values())
 # GRPOConfig's vLLM settings (TRL 1.16): unused with use_vllm false, as here, where use_vllm true is refused
 VLLM_KEYS = ("vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_server_base_url", "vllm_server_host",
              "vllm_server_port", "vllm_server_timeout", "vllm_group_port", "vllm_gpu_memory_utilization",
@@ -91,17 +94,13 @@ TRL_UNUSED = {
 DERIVED_AT_NULL = {"generation_batch_size": "--batch-size", "steps_per_generation": "--updates-per-iteration",
                    "num_generations_eval": "--eval-samples"}  # TRL's key -> ours, which it is derived from here
 # TRL names for what this trainer does one way only: (the values that are that way, what it does, what to use for
-# another value or None where no option changes it). At one of those values a --config key is ignored with a line
-# (`FIXED_AS`: read as that option's value); another is refused with one line (`fixed_refusal`); typed, it is refused.
+# another value or None where no option changes it). At one of those values a --config key is ignored with a line;
+# another is refused with one line (`fixed_refusal`); typed, it is refused.
 TRL_FIXED = {
     "use_vllm": ((False,), "sampling runs in this trainer's own engine and processes",
                  "--engine, --inference-workers or --inference-ranks"),
     "fp16": ((False,), "no float16 training: it would need loss scaling, which this trainer does not do",
              "--dtype bfloat16"),
-    "save_strategy": (("no", False), "a checkpoint every --save-every N iterations (default 0: none)",
-                      "--save-every N"),  # False: YAML 1.1 reads an unquoted no as false
-    "eval_strategy": (("no", False), "a held-out evaluation every --eval-every iterations (default 10)",
-                      "--eval-every N (0: none)"),
     "optim": (("adamw_torch", "adamw_torch_fused"), "the optimizer is torch.optim.AdamW (launch/setup.py; fused is "
                                                     "the same update in one kernel)", None),
     "adam_beta1": ((0.9,), "AdamW's betas are (0.9, 0.999), torch's and TrainingArguments' defaults", None),
@@ -148,7 +147,6 @@ TRL_FIXED = {
     "lora_target_parameters": ((None,), "LoRA adapts the modules of --lora-target-modules", "--lora-target-modules"),
     "dataset_streaming": ((False,), "the data is loaded whole (datasets' load_dataset)", None),
 }
-FIXED_AS = {"eval_strategy": ("eval_every", 0)}  # TRL_FIXED keys read as one of our options at their fixed value
 # Our defaults that are not TRL 1.16's: (option, ours, TRL's, why), in --help's epilog and the README
 DEPARTURES = (
     ("--iterations", "60", "3 epochs (num_train_epochs)", "a run's length here is a number of iterations, each "
@@ -203,7 +201,10 @@ def epilog() -> str:
     lines += ["", "TRL's option names are accepted where they mean the same: " + ", ".join(
         f"--{trl.replace('_', '-')}" for trl in [*TRL_ALIASES, "epsilon"]) + "; and TRL's batch keys, "
         + ", ".join(f"--{key.replace('_', '-')}" for key in TRL_BATCH_KEYS) + ", which become --batch-size and "
-        "--updates-per-iteration as TRL derives its generation batch."]
+        "--updates-per-iteration as TRL derives its generation batch; and TRL's counts of optimizer steps, "
+        "--max-steps, --save-steps and --eval-steps (with --save-strategy and --eval-strategy), which become "
+        "--iterations, --save-every and --eval-every: divided by an iteration's optimizer steps "
+        "(--updates-per-iteration x --num-iterations)."]
     lines += ["In a --config file, TRL's keys for what this trainer has no use for are ignored, with a line: "
               + ", ".join([key for key in TRL_UNUSED if key not in VLLM_KEYS] + ["GRPOConfig's vllm_* settings"])
               + "; so are these at what this trainer does (another value is refused): "
@@ -324,41 +325,32 @@ def trainer_settings(keys: list[str]) -> dict:
 
 
 def trl_keys(values: dict, skip: set[str], note, known: set[str], group_size: int, typed_batch: dict | None = None,
-             refusals: list[str] | None = None) -> dict:
+             refusals: list[str] | None = None, steps: dict | None = None) -> dict:
     """A --config file's `values` (keys spelled with _) with TRL's and transformers' keys dealt with, the rest returned
     (our options, TRL's aliases for them, and whatever is unknown, which the caller refuses). In order:
     TRL_FIXED keys at another value are refused; TRL_UNUSED keys, TRL_FIXED ones at their value and DERIVED_AT_NULL
-    ones at null are dropped, named in one `note` line (FIXED_AS ones read as our option); TRL's batch keys become
+    ones at null are dropped, named in one `note` line; TRL's batch keys become
     --batch-size and --updates-per-iteration (`trl_batch`, on WORLD_SIZE processes), with those typed on the
     command line (`typed_batch`; each wins over the file's), unless --batch-size is given (`skip`: the options
     typed); transformers' TrainingArguments keys not `known` here, and TRL_DIFFERENT ones, are dropped at their
     defaults with a line and refused at another value. Each refusal's reason is appended to `refusals` (all of a
-    file's at once, not one per run), or, without that list, raised as ValueError."""
+    file's at once, not one per run), or, without that list, raised as ValueError. TRL's step counts and their
+    strategies (TRL_STEP_KEYS) go to `steps`, for `trl_steps` once the run's optimizer steps per iteration are known."""
     pending: list[str] = [] if refusals is None else refusals
     trls = [key for key in values if key not in known or key in TRL_ALIASES]  # the file is TRL's if it has these
-    if values.get("save_strategy", "steps" if "save_steps" in values else None) == "steps":  # TrainingArguments'
-        values = dict(values)  # default strategy: a checkpoint every save_steps steps
-        values.pop("save_strategy", None)
-        steps = values.pop("save_steps", trainer_settings(["save_steps"]).get("save_steps", 500))
-        if isinstance(steps, (int, float)) and 0 < steps < 1:  # transformers: a fraction of the run's steps
-            pending.append(f"save_steps: {steps} (a fraction of the run's steps) has no equivalent here: give "
-                           "--save-every N, a checkpoint every N iterations")
-        elif "save_every" not in values and "save_every" not in skip:
-            values = {"save_every": steps, **values}
-            note(f"took TRL's save_strategy 'steps' (transformers' default), save_steps {steps} as --save-every "
-                 f"{steps}: a checkpoint every {steps} iterations (each TRL's steps when --updates-per-iteration and "
-                 "--num-iterations are 1)")
+    steps = {} if steps is None else steps  # TRL's step counts, read once the optimizer steps per iteration are known
+    steps.update({key: values[key] for key in TRL_STEP_KEYS if key in values})
+    if "eval_steps" in steps and "logging_steps" in values:  # TRL's eval_steps null: every logging_steps
+        steps["logging_steps"] = values["logging_steps"]
+    values = {key: value for key, value in values.items() if key not in TRL_STEP_KEYS}
     fixed = [key for key, value in values.items() if key in TRL_FIXED and not is_fixed_value(key, value)]
     pending += [fixed_refusal(key, values[key]) for key in fixed]
     values = {key: value for key, value in values.items() if key not in fixed}
     unused = {key: value for key, value in values.items()
               if key in TRL_UNUSED or key in TRL_FIXED or key in DERIVED_AT_NULL and value is None}
     if unused:
-        note(unused_line(unused, given={key for key in values if key not in unused} | set(skip)))
+        note(unused_line(unused))
     values = {key: value for key, value in values.items() if key not in unused}
-    for key, (name, value) in FIXED_AS.items():  # e.g. eval_strategy "no": --eval-every 0, unless given otherwise
-        if key in unused and name not in values:
-            values = {name: value, **values}
     trl_batch_keys = {**{key: values.pop(key) for key in TRL_BATCH_KEYS if key in values}, **(typed_batch or {})}
     if trl_batch_keys:
         values = {**trl_batch_options(trl_batch_keys, values, skip, note, group_size), **values}
@@ -378,10 +370,100 @@ def trl_keys(values: dict, skip: set[str], note, known: set[str], group_size: in
         raise ValueError("; ".join(pending))
     if trls and not pending:  # a file that runs: what it runs with
         line = departures_line({TRL_ALIASES.get(key, key) for key in values} | set(skip)
-                               | ({"batch_size"} if trl_batch_keys else set()))
+                               | ({"batch_size"} if trl_batch_keys else set()) | steps_set(steps))
         if line:
             note(line)
     return values
+
+
+def number_of_steps(key: str, value) -> int | float:
+    """A TRL step count given as a number or typed as text (`--max-steps 100`); ValueError if it is neither.
+
+    >>> number_of_steps("save_steps", "0.25"), number_of_steps("max_steps", 100)
+    (0.25, 100)
+    """
+    if isinstance(value, str):
+        try:
+            value = float(value) if any(c in value for c in ".eE") else int(value)
+        except ValueError:
+            pass
+    if value is True:  # typed alone: --max-steps
+        raise ValueError(f"--{key.replace('_', '-')} needs a number of optimizer steps")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{key} takes a number of optimizer steps (got {value!r})")
+    return int(value) if isinstance(value, float) and value >= 1 and value == int(value) else value
+
+
+def steps_set(steps: dict) -> set[str]:
+    """Our options that TRL's step keys in `steps` (TRL_STEP_KEYS) set, for `departures_line`.
+
+    >>> sorted(steps_set({"max_steps": -1, "save_steps": 50, "eval_strategy": "no"}))
+    ['eval_every', 'save_every']
+    """
+    return ({"iterations"} if steps.get("max_steps") not in (None, -1) else set()) | {
+        ours for key, ours in TRL_STEPS.items() if key in STEP_STRATEGIES and (
+            key in steps or STEP_STRATEGIES[key] in steps)}
+
+
+def trl_steps(steps: dict, updates: int, passes: int, note) -> dict:
+    """Our {iterations, save_every, eval_every} from TRL's step counts in `steps` (TRL_STEP_KEYS, and logging_steps),
+    which count optimizer steps: an iteration here takes updates x passes of them (--updates-per-iteration x
+    --num-iterations, as TRL's generation batch takes steps_per_generation / gradient_accumulation_steps x
+    num_iterations). Each translation is said in one `note` line; ValueError with the reason where there is none.
+
+    - max_steps above 0 (transformers' -1: unset) is --iterations max_steps / (updates x passes); a count that is not
+      whole is refused, naming the two nearest that are: the run, and its learning-rate schedule, would not be TRL's.
+    - save_strategy 'steps' (transformers' default, where only save_steps is given) with save_steps (default 500),
+      and eval_strategy 'steps' with eval_steps (default: logging_steps, TRL's 10), are --save-every and --eval-every,
+      rounded up to whole iterations: a checkpoint or an evaluation comes at an iteration's end. Strategy 'no' is 0;
+      'epoch' and 'best', and a fraction of the run's steps, are refused.
+
+    >>> trl_steps({"max_steps": 100, "save_steps": 30, "eval_strategy": "no"}, 2, 2, lambda line: None)
+    {'iterations': 25, 'save_every': 8, 'eval_every': 0}
+    """
+    per_iteration, options = updates * passes, {}
+    each = (f"{per_iteration} optimizer steps each (--updates-per-iteration {updates} x --num-iterations {passes})"
+            if per_iteration > 1 else "1 optimizer step each")
+    total = number_of_steps("max_steps", steps.get("max_steps", -1))
+    if total != -1 and (not isinstance(total, int) or total < 1):
+        raise ValueError(f"max_steps must be a whole number of optimizer steps above 0, or -1 (got {total!r})")
+    if total != -1 and total % per_iteration:
+        below, above = total // per_iteration * per_iteration, -(-total // per_iteration) * per_iteration
+        raise ValueError(f"max_steps {total} is not a whole number of iterations of {each}: give max_steps "
+                         + (f"{below} or {above}" if below else f"{above}") + ", or --iterations")
+    if total != -1:
+        options["iterations"] = total // per_iteration
+        note(f"took TRL's max_steps {total} as --iterations {total // per_iteration}, of {each}")
+    for key, strategy_key in STEP_STRATEGIES.items():
+        ours = TRL_STEPS[key]
+        default_strategy = "steps" if key == "save_steps" and key in steps else None  # transformers' default
+        strategy = steps.get(strategy_key, default_strategy)
+        if strategy is None:
+            if steps.get(key) is not None:
+                note(f"ignored TRL's {key}: TRL reads it only with {strategy_key} 'steps'")
+            continue
+        option = f"--{ours.replace('_', '-')}"
+        if strategy in ("no", False):  # False: YAML 1.1 reads an unquoted no as false
+            options[ours] = 0
+            note(f"took TRL's {strategy_key} 'no' as {option} 0")
+            continue
+        if strategy != "steps":
+            raise ValueError(f"{strategy_key} {strategy!r} is not what this trainer does ({option} N: every N "
+                             f"iterations, each θ_k's batch): use {option} N, or {strategy_key} 'steps' with {key}")
+        count, default = steps.get(key), ""
+        if count is None:  # transformers' defaults: save_steps 500; eval_steps those of logging_steps (TRL's 10)
+            count = 500 if key == "save_steps" else steps.get("logging_steps", 10)
+            default = " (TRL's default" + (")" if key == "save_steps" else ": logging_steps)")
+        count = number_of_steps(key, count)
+        if not isinstance(count, int) or count < 1:
+            raise ValueError(f"{key} {count} " + ("(a fraction of the run's steps) has no equivalent here: give "
+                                                 if 0 < count < 1 else "is not a number of optimizer steps: give ")
+                             + f"{option} N, every N iterations")
+        options[ours] = -(-count // per_iteration)
+        note(f"took TRL's {strategy_key} 'steps', {key} {count}{default} as {option} {options[ours]}, of {each}"
+             + (f" ({key} {count} falls inside an iteration: rounded up to its end)" if count % per_iteration
+                else ""))
+    return options
 
 
 # DEPARTURES that change what a run learns or what it costs: said when a TRL config file leaves them at ours
@@ -418,7 +500,7 @@ SAY_WHY_UP_TO = 8  # unused_line gives each key's reason for at most this many k
 ALWAYS_SAID = ("overwrite_output_dir",)  # its reason is given among any number of keys (true: the run may stop there)
 
 
-def unused_line(values: dict, given: set[str] = frozenset()) -> str:
+def unused_line(values: dict) -> str:
     """The line a --config file with TRL's keys for what has no use here (`TRL_UNUSED`) or at what this trainer does
     (`TRL_FIXED`) gets, from those keys and their values.
 
@@ -432,26 +514,21 @@ def unused_line(values: dict, given: set[str] = frozenset()) -> str:
     More than SAY_WHY_UP_TO keys (a whole GRPOConfig file: ~50) are named without their reasons, vLLM's as vllm_*:
     the line stays readable, and each reason is in TRL_UNUSED, TRL_FIXED and DERIVED_AT_NULL here.
     """
-    if len(values) > SAY_WHY_UP_TO:  # FIXED_AS keys set one of our options, and ALWAYS_SAID ones matter: said as one
-        read_as = {key: value for key, value in values.items() if key in FIXED_AS or key in ALWAYS_SAID and value}
+    if len(values) > SAY_WHY_UP_TO:  # ALWAYS_SAID keys matter (true: the run may stop there): said as one
+        read_as = {key: value for key, value in values.items() if key in ALWAYS_SAID and value}
         vllm = [key for key in values if key in VLLM_KEYS]
         names = [key for key in values if key not in VLLM_KEYS and key not in read_as]
         names += [f"vllm_* ({len(vllm)} key{'s' if len(vllm) > 1 else ''})"] if vllm else []
         return (f"ignored {len(values) - len(read_as)} of TRL's keys, each at a value that changes nothing here or "
                 f"for what this trainer has no use: {', '.join(names)} (why, for each: infra/trl_names.py; a file "
                 f"with {SAY_WHY_UP_TO} or fewer of them says it)"
-                + (f"; {unused_line(read_as, given)[len('ignored '):]}" if read_as else ""))
+                + (f"; {unused_line(read_as)[len('ignored '):]}" if read_as else ""))
     reasons: dict[str, list[str]] = {}  # a reason -> the keys it answers (keys that share one are named together)
     for key, value in values.items():
         if key in DERIVED_AT_NULL and value is None:
             reasons.setdefault(f"null, derived here too, from {DERIVED_AT_NULL[key]}", []).append(key)
         elif key in TRL_UNUSED:
             reasons.setdefault(TRL_UNUSED[key], []).append(key)
-        elif key in FIXED_AS:  # read as our option at its value, unless that option is `given` (it wins)
-            name, fixed = FIXED_AS[key]
-            option = f"--{name.replace('_', '-')}"
-            reasons.setdefault(f"{option} is given" if name in given else f"taken as {option} {fixed}", []).append(
-                f"{key} {value!r}")
         else:
             reasons.setdefault(TRL_FIXED[key][1], []).append(f"{key} {value!r}")
     return "ignored TRL's " + "; ".join(f"{', '.join(keys)}: {reason}" for reason, keys in reasons.items())

@@ -327,7 +327,8 @@ def test_trl_names_are_aliases_of_ours(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--max_steps", "10"], "--max-steps is TRL's and means something else here; use --iterations"),
+    (["--num_generations_eval", "4"], "--num-generations-eval is TRL's and means something else here; use "
+                                      "--eval-samples"),
     (["--num-iterationz", "2"], "unrecognized option --num-iterationz: did you mean --num-iterations?"),
     (["--iteration", "3"], "unrecognized option --iteration: did you mean --iterations?"),
     (["--iter", "3"], "unrecognized option --iter"),  # an abbreviation is not expanded

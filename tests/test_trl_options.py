@@ -475,12 +475,11 @@ def skipped_lines(out: str) -> list[str]:
     return [line for line in out.splitlines() if "defaults of this trainer that are not TRL's" not in line]
 
 
-@pytest.mark.parametrize("text", ["use_vllm: false", "fp16: false", "save_strategy: \"no\"", "save_strategy: no",
-                                  "optim: adamw_torch", "optim: adamw_torch_fused", "adam_beta1: 0.9",
+@pytest.mark.parametrize("text", ["use_vllm: false", "fp16: false", "optim: adamw_torch", "optim: adamw_torch_fused", "adam_beta1: 0.9",
                                   "adam_beta2: 0.999", "adam_epsilon: 1e-8"])
 def test_trl_keys_at_what_this_trainer_does_are_skipped(text, tmp_path, capsys):
     """Claim: a TRL key at a value that is what this trainer does anyway (TRL's own defaults: use_vllm false, fp16
-    false, save_strategy "no", optim adamw_torch(_fused): torch's AdamW, launch/setup.build_optimizer, at its
+    false, optim adamw_torch(_fused): torch's AdamW, launch/setup.build_optimizer, at its
     default betas (0.9, 0.999) and eps 1e-8) is skipped with one line saying what this trainer
     does (they were refused); the run is the one without it."""
     assert dataclasses.replace(parse_yaml(tmp_path, text + "\n"), config=None) == parse_args(["--model", "tiny"])
@@ -502,15 +501,19 @@ def test_trls_vllm_settings_are_skipped_without_use_vllm(tmp_path, capsys):
         tmp_path, "use_vllm: true\n" + vllm))
 
 
-def test_trl_eval_strategy_no_turns_evaluation_off(tmp_path, capsys):
-    """Claim: eval_strategy "no" is skipped with a line and taken as TRL means it, --eval-every 0 (this trainer's
-    default evaluates every 10 iterations); eval_every in the file or on the command line wins, and the line says so."""
-    assert parse_yaml(tmp_path, "eval_strategy: 'no'\n").eval_every == 0
-    assert "ignored TRL's eval_strategy 'no': taken as --eval-every 0" in capsys.readouterr().out
-    assert parse_yaml(tmp_path, "eval_strategy: 'no'\neval_every: 5\n").eval_every == 5
-    assert "ignored TRL's eval_strategy 'no': --eval-every is given" in capsys.readouterr().out
-    assert parse_yaml(tmp_path, "eval_strategy: 'no'\n", "--eval-every", "3").eval_every == 3
-    assert "ignored TRL's eval_strategy 'no': --eval-every is given" in capsys.readouterr().out
+@pytest.mark.parametrize("strategy", ["'no'", "no"])  # YAML 1.1 reads an unquoted no as false
+def test_trl_strategy_no_turns_evaluation_and_checkpoints_off(strategy, tmp_path, capsys):
+    """Claim: eval_strategy and save_strategy "no" are taken as TRL means them, --eval-every 0 (this trainer's
+    default evaluates every 10 iterations) and --save-every 0, said in a line; eval_every in the file or on the
+    command line wins, and the line says so, also with TRL's eval_steps beside the strategy."""
+    cfg = parse_yaml(tmp_path, f"eval_strategy: {strategy}\nsave_strategy: {strategy}\nsave_steps: 7\n")
+    assert (cfg.eval_every, cfg.save_every) == (0, 0)
+    out = capsys.readouterr().out
+    assert "took TRL's eval_strategy 'no' as --eval-every 0" in out and "save_strategy 'no' as --save-every 0" in out
+    assert parse_yaml(tmp_path, f"eval_strategy: {strategy}\neval_every: 5\n").eval_every == 5
+    assert "ignored TRL's eval_strategy: --eval-every is given" in capsys.readouterr().out
+    assert parse_yaml(tmp_path, f"eval_strategy: {strategy}\neval_steps: 4\n", "--eval-every", "3").eval_every == 3
+    assert "ignored TRL's eval_steps, eval_strategy: --eval-every is given" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("text, fragment", [
@@ -571,7 +574,7 @@ def test_a_grpo_config_at_its_defaults_runs_as_it_is(tmp_path, capsys):
     is our 0, said in a second line; a third names our defaults that GRPOConfig's own fields leave, such as the seed,
     which TrainingArguments holds). Before, 40 of the 78 keys were refused as unknown, one at a time. The line names
     the ~58 keys without their reasons (which it gave for 8 or fewer: 3,000 characters here before), vLLM's 17 as
-    vllm_*, but a key read as one of our options (eval_strategy 'no': --eval-every 0) says so."""
+    vllm_*; a key read as one of our options (eval_strategy 'no': --eval-every 0) has a line of its own."""
     import json
     (tmp_path / "grpo.json").write_text(json.dumps(GRPO_CONFIG_DEFAULTS))
     cfg = parse_args(["--config", str(tmp_path / "grpo.json")])
@@ -585,7 +588,7 @@ def test_a_grpo_config_at_its_defaults_runs_as_it_is(tmp_path, capsys):
     assert "vllm_* (17 keys)" in out and len(out.splitlines()[0]) < 1300, out
     (tmp_path / "grpo.json").write_text(json.dumps({**GRPO_CONFIG_DEFAULTS, "eval_strategy": "no"}))
     assert parse_args(["--config", str(tmp_path / "grpo.json")]).eval_every == 0
-    assert "; TRL's eval_strategy 'no': taken as --eval-every 0" in capsys.readouterr().out
+    assert "took TRL's eval_strategy 'no' as --eval-every 0" in capsys.readouterr().out
     assert (cfg.lr, cfg.beta, cfg.epsilon_low, cfg.epsilon_high, cfg.group_size, cfg.max_new_tokens) == \
         (1e-6, 0.0, 0.2, 0.2, 8, 512)
     assert cfg.num_completions_to_print == 0 and "num_completions_to_print null" in out
@@ -787,17 +790,17 @@ def whole_grpo_config() -> dict:
 def test_a_whole_grpo_config_written_out_runs_as_it_is(tmp_path, capsys):
     """Claim: a GRPOConfig written out whole (~190 keys: transformers' TrainingArguments under it too) parses: the
     Trainer's settings at their defaults are counted in one line (not named: ~80 of them), TRL's keys that mean
-    something else here are ignored at their defaults (max_steps -1, eval_steps null), num_train_epochs 3.0 is three
-    passes over the data, as in TRL, and
-    TrainingArguments' default save_strategy 'steps' with save_steps 500 is read as --save-every 500, said in a line.
-    Before, save_strategy 'steps' was refused, and after it max_steps -1 and others, one per run."""
+    something else here are ignored at their defaults (max_steps -1: unset, eval_steps null under eval_strategy
+    'no'), num_train_epochs 3.0 is three passes over the data, as in TRL, and TrainingArguments' default
+    save_strategy 'steps' with save_steps 500 is read as --save-every 500 (one optimizer step per iteration here),
+    said in a line. Before, save_strategy 'steps' was refused, and after it max_steps -1 and others, one per run."""
     import json
     (tmp_path / "grpo.json").write_text(json.dumps(whole_grpo_config()))
     cfg = parse_args(["--config", str(tmp_path / "grpo.json")])
     out = capsys.readouterr().out
     assert (cfg.save_every, cfg.gradient_checkpointing, cfg.group_size, cfg.max_new_tokens) == (500, True, 8, 512)
     assert cfg.num_train_epochs == 3.0
-    assert "took TRL's save_strategy 'steps' (transformers' default), save_steps 500 as --save-every 500" in out
+    assert "took TRL's save_strategy 'steps', save_steps 500 as --save-every 500, of 1 optimizer step each" in out
     assert max(len(line) for line in out.splitlines()) < 1600, out  # the 77 TRL keys named, without reasons
     assert "defaults of this trainer that are not TRL's" not in out  # the file sets every one of them
 
@@ -811,7 +814,7 @@ def test_a_trl_file_is_told_which_of_our_defaults_it_runs_with(tmp_path, capsys)
     (tmp_path / "trl.yaml").write_text("num_generations: 4\nlearning_rate: 1.0e-5\nsave_steps: 50\nseed: 42\n")
     cfg = parse_args(["--config", str(tmp_path / "trl.yaml"), "--eval-every", "0"])
     out = capsys.readouterr().out
-    assert cfg.save_every == 50 and "save_steps 50 as --save-every 50" in out
+    assert cfg.save_every == 50 and "save_steps 50 as --save-every 50, of 1 optimizer step each" in out
     line = next(line for line in out.splitlines() if "defaults of this trainer that are not TRL's" in line)
     for fragment in ("--beta 0.04 (TRL: 0.0)", "--gradient-checkpointing off (TRL: on)", "--disable-dropout on "
                      "(TRL: off)", "--batch-size 128"):
@@ -824,7 +827,7 @@ def test_a_trl_file_is_told_which_of_our_defaults_it_runs_with(tmp_path, capsys)
     with pytest.raises(SystemExit):
         parse_args(["--config", str(tmp_path / "fraction.yaml")])
     said = capsys.readouterr()
-    assert "save_steps: 0.1 (a fraction of the run's steps) has no equivalent here" in said.err
+    assert "save_steps 0.1 (a fraction of the run's steps) has no equivalent here" in said.err
     assert "defaults of this trainer" not in said.out  # a refused file is not described
 
 
@@ -833,12 +836,13 @@ def test_every_refused_key_of_a_file_is_said_at_once(tmp_path, capsys):
     trainer does not do, a setting of transformers' Trainer at another value than its default, a TRL name that means
     something else here at another value than TRL's default, and an unknown key. Before, each run named the first
     kind found only (three runs for a reviewer's file)."""
-    text = ("model: tiny\nuse_vllm: true\nlabel_smoothing_factor: 0.1\nmax_steps: 100\nuse_liger_loss_typo: false\n")
+    text = ("model: tiny\nuse_vllm: true\nlabel_smoothing_factor: 0.1\nnum_generations_eval: 4\n"
+            "use_liger_loss_typo: false\n")
     (tmp_path / "trl.yaml").write_text(text)
     err = refusal(capsys, lambda: parse_args(["--config", str(tmp_path / "trl.yaml")]))
     assert "4 keys refused: " in err, err
     for fragment in ("use_vllm: True is not what this trainer does", "label_smoothing_factor: 0.1 is a setting of "
-                     "transformers' Trainer", "max_steps is TRL's and means something else here",
+                     "transformers' Trainer", "num_generations_eval is TRL's and means something else here",
                      "unknown option use_liger_loss_typo"):
         assert fragment in err, (fragment, err)
 
@@ -938,3 +942,73 @@ def test_trls_resume_from_checkpoint_true_is_auto():
     assert parse_args(["--resume_from_checkpoint", "true", "--out", "o"]).resume == "auto"
     assert parse_args(["--resume-from-checkpoint", "False"]).resume is None
     assert parse_args(["--resume", "runs/x/checkpoint-3"]).resume == "runs/x/checkpoint-3"
+
+
+def test_trls_max_steps_is_the_runs_optimizer_steps(tmp_path, capsys):
+    """Claim (TRL's max_steps, save_steps and eval_steps count optimizer steps; they were refused as meaning something
+    else here): --max-steps N runs N / (--updates-per-iteration x --num-iterations) iterations, so the learning-rate
+    schedule, and the TrainerState a reward sees, has TRL's N optimizer steps; said in a line. A count that is not a
+    whole number of iterations is one line naming the two nearest that are; typed beside --iterations or
+    --num-train-epochs it is one line; a bare --max-steps is one line."""
+    from infra.options import schedule_lengths
+    cfg = parse_args(["--max-steps", "40", "--updates-per-iteration", "4", "--batch-size", "32", "--group-size", "4"])
+    assert cfg.iterations == 10 and schedule_lengths(cfg)[1] == 40
+    assert "took TRL's max_steps 40 as --iterations 10, of 4 optimizer steps each (--updates-per-iteration 4 x " \
+           "--num-iterations 1)" in capsys.readouterr().out
+    cfg = parse_args(["--max_steps=12", "--num-iterations", "3"])
+    assert cfg.iterations == 4 and schedule_lengths(cfg)[1] == 12
+    assert "give max_steps 8 or 12, or --iterations" in refusal(capsys, lambda: parse_args(
+        ["--max-steps", "10", "--updates-per-iteration", "4", "--batch-size", "32", "--group-size", "4"]))
+    assert "give max_steps 4, or --iterations" in refusal(capsys, lambda: parse_args(
+        ["--max-steps", "3", "--num-iterations", "4"]))
+    for ours in (["--iterations", "3"], ["--num-train-epochs", "1"]):
+        assert "both set the run's length: give one" in refusal(capsys, lambda: parse_args(["--max-steps", "6", *ours]))
+    assert "--max-steps needs a number of optimizer steps" in refusal(capsys, lambda: parse_args(["--max-steps"]))
+    assert "max_steps takes a number of optimizer steps (got 'x')" in refusal(capsys, lambda: parse_args(
+        ["--max-steps", "x"]))
+
+
+def test_trls_max_steps_in_a_file_beats_its_epochs_and_gives_way_to_a_typed_length(tmp_path, capsys):
+    """Claim: in a --config file max_steps wins over num_train_epochs, as in TRL (a GRPOConfig written out holds
+    num_train_epochs 3.0 beside the max_steps that sets its run), said in a line, and is counted in the optimizer
+    steps the file's TRL batch keys make (steps_per_generation 4 / gradient_accumulation_steps 2 = 2 per iteration);
+    a typed --iterations wins over it, and a typed --max-steps over the file's iterations; max_steps beside
+    iterations in the same file is one line; -1 (TrainingArguments' default) is unset."""
+    text = ("num_train_epochs: 3.0\nmax_steps: 100\nper_device_train_batch_size: 8\ngradient_accumulation_steps: 2\n"
+            "steps_per_generation: 4\nnum_generations: 8\n")
+    cfg = parse_yaml(tmp_path, text)
+    out = capsys.readouterr().out
+    assert (cfg.iterations, cfg.num_train_epochs, cfg.updates_per_iteration, cfg.batch_size) == (50, None, 2, 32)
+    assert "ignored TRL's num_train_epochs 3.0: max_steps sets the run's length, as in TRL" in out
+    assert "max_steps 100 as --iterations 50, of 2 optimizer steps each" in out
+    assert "--iterations 60" not in out  # the departures line does not call the run's length ours
+    assert parse_yaml(tmp_path, "max_steps: 100\n", "--iterations", "5").iterations == 5
+    assert "ignored TRL's max_steps 100: --iterations, given, sets the run's length instead" in capsys.readouterr().out
+    assert parse_yaml(tmp_path, "iterations: 100\nnum_train_epochs: 2\n", "--max-steps", "8").iterations == 8
+    assert "max_steps 100 and iterations 3 both set the run's length: keep one" in refusal(
+        capsys, lambda: parse_yaml(tmp_path, "max_steps: 100\niterations: 3\n"))
+    assert parse_yaml(tmp_path, "max_steps: -1\n").iterations == 60
+
+
+def test_trls_save_and_eval_steps_are_whole_iterations(tmp_path, capsys):
+    """Claim: save_steps and eval_steps (under their strategy 'steps'; save_steps alone is transformers' default
+    strategy) are --save-every and --eval-every in iterations of updates x passes optimizer steps, rounded up where
+    a count falls inside an iteration (a checkpoint or an evaluation comes at an iteration's end), said in a line;
+    eval_strategy 'steps' without eval_steps evaluates every logging_steps (transformers' rule; TRL's 10); eval_steps
+    without a strategy is ignored with a line (transformers evaluates only under one); 'epoch', and a fraction of
+    the run, are one line."""
+    cfg = parse_args(["--num-iterations", "2", "--save-steps", "5", "--eval-strategy", "steps", "--eval-steps", "4"])
+    out = capsys.readouterr().out
+    assert (cfg.save_every, cfg.eval_every) == (3, 2)
+    assert "save_steps 5 as --save-every 3, of 2 optimizer steps each (--updates-per-iteration 1 x --num-iterations " \
+           "2) (save_steps 5 falls inside an iteration: rounded up to its end)" in out
+    assert "eval_steps 4 as --eval-every 2" in out and "eval_steps 4 falls" not in out
+    assert parse_args(["--eval-strategy", "steps", "--logging-steps", "5"]).eval_every == 5
+    assert "eval_steps 5 (TRL's default: logging_steps) as --eval-every 5" in capsys.readouterr().out
+    assert parse_yaml(tmp_path, "eval_strategy: steps\n").eval_every == 10
+    assert parse_yaml(tmp_path, "eval_steps: 3\n").eval_every == 10
+    assert "ignored TRL's eval_steps: TRL reads it only with eval_strategy 'steps'" in capsys.readouterr().out
+    assert "use --eval-every N, or eval_strategy 'steps' with eval_steps" in refusal(
+        capsys, lambda: parse_yaml(tmp_path, "eval_strategy: epoch\n"))
+    assert "save_steps 0.1 (a fraction of the run's steps) has no equivalent here" in refusal(
+        capsys, lambda: parse_args(["--save-steps", "0.1"]))
