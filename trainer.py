@@ -265,12 +265,14 @@ def start_line(cfg: Config, train: int, held_out: int, notes: tuple[str, ...] = 
                inference_ranks: int = 0) -> str:
     """The run's first line: mode, model, the processes when there are several (torchrun's `trainers` ranks, each
     with --inference-workers samplers, or `inference_ranks` samplers), the prompts (with `notes`, data.Task's: the
-    column they come from when two could be, the split held out, and that it has fewer rows than --eval-size
-    asked), the schedule and --out.
+    column they come from when two could be, the split held out, that it has fewer rows than --eval-size
+    asked, and that it is never evaluated), the schedule and --out.
 
     >>> start_line(Config(model="m", out="o"), 90, 10, trainers=2, inference_ranks=6)[:76]
     'periodic-rl: async | model m | 2 trainer ranks, 6 inference ranks | 90 train'
     """
+    if held_out and not cfg.eval_every:  # --eval-size given with --eval-every 0: kept out of training all the same
+        notes = (*notes, "held out, not evaluated: --eval-every 0")
     said = f" ({'; '.join(notes)})" if notes else ""
     samplers = (f"{inference_ranks} inference rank{'s' * (inference_ranks > 1)}" if inference_ranks else
                 f"{cfg.inference_workers} inference worker{'s' * (cfg.inference_workers > 1)}"

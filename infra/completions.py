@@ -61,8 +61,8 @@ def records(iteration: int, groups: dict, tokenizer, reward_names: list[str]) ->
                           "rewards": {name: number(parts[i]) for name, parts in
                                       zip(reward_names, group.rewards_per_function)},
                           "reward": number(group.rewards[i]), "advantage": group.advantages[i],
-                          **({"extra": {column: values[i] for column, values in group.extra.items()  # log_extra's
-                                        if len(values) == len(texts)}} if group.extra else {})})
+                          **({"extra": {column: values[i] for column, values in group.extra.items()}}  # log_extra's
+                             if group.extra else {})})
     return found
 
 

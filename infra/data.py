@@ -228,7 +228,7 @@ def dataset_examples(rows, prompt_column: str, answer_column: str, where: str,
                             f"answer for {needed['answer']} to reward. Fix or remove that row, or pick another column "
                             "with --answer-column.")
         others = {name: table[name][index] for name in columns if name != prompt_column}  # TRL passes all but 'prompt'
-        examples.append(Example(prompt, answer, others))
+        examples.append(Example(prompt, answer, others, source=f"{where}, row {index + 1}"))
     if not examples:
         raise TaskError(f"{where} holds no rows. Pass data with at least one.")
     return examples

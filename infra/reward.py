@@ -492,9 +492,12 @@ def trainer_state(cfg=None, iteration: int = 0, num_examples: int = 0):
 class RewardLogs:
     """What TRL-style rewards log through TRL's `log_metric(name, value)` and `log_extra(column, values)` keywords,
     for one group: each metric's values (the trainer logs their mean over the iteration, as TRL over a logging step)
-    and each extra column's values, one per completion (completions.jsonl gets them, as TRL's completions table)."""
+    and each extra column's values, one per completion (completions.jsonl gets them, as TRL's completions table).
+    A column of another length than the group's `size`, or logged twice, is refused in the reward's own line: its
+    values could not be matched to the completions (TRL's table would shift them)."""
     metrics: dict = field(default_factory=dict)  # name -> [value, ...]
     columns: dict = field(default_factory=dict)  # column -> [value per completion]
+    size: int | None = None  # completions in the group (set by trl_arguments)
 
     def log_metric(self, name: str, value: float) -> None:
         number = float(value)
@@ -503,7 +506,14 @@ class RewardLogs:
         self.metrics.setdefault(str(name), []).append(number)
 
     def log_extra(self, column: str, values: list) -> None:
-        self.columns.setdefault(str(column), []).extend(values)
+        values = list(values)
+        if self.size is not None and len(values) != self.size:
+            raise ValueError(f"log_extra({column!r}, ...) got {len(values)} values: it takes one per completion, "
+                             f"{self.size} here")
+        if str(column) in self.columns:
+            raise ValueError(f"log_extra({column!r}, ...) was called twice for one group (by one reward or two): give "
+                             "each column once")
+        self.columns[str(column)] = values
 
 
 def trl_arguments(prompt, answer: str | None, columns: dict, completions: list[str],
@@ -519,6 +529,7 @@ def trl_arguments(prompt, answer: str | None, columns: dict, completions: list[s
     # has one, is passed as it is
     reserved = ("prompt", "completion", "completion_ids", "trainer_state", "log_metric", "log_extra")  # TRL's own
     logs = RewardLogs() if logs is None else logs
+    logs.size = size
     return dict(prompts=[prompt] * size, completions=completions, completion_ids=completion_ids,
                 **{key: [value] * size for key, value in columns.items() if key not in reserved},
                 trainer_state=trainer_state() if state is None else state, log_metric=logs.log_metric,

@@ -62,6 +62,7 @@ class Example:
     # None: the data has none (a reward that needs one is refused at start-up: data.load_task)
     columns: dict = field(default_factory=dict, compare=False)  # the dataset row's other columns (TRL-style
     # rewards receive them as keyword lists)
+    source: str = field(default="", compare=False)  # where the row is, for an error line: "gsm8k (train split), row 7"
 
 
 class TaskError(UserError):
@@ -460,7 +461,7 @@ def check_prompt_lengths(tokenizer, examples: list[Example], context: int | None
         if start is not None:  # too long, how much longer is not counted
             break
     if length > limit:
-        preview = f"({_preview(longest.prompt)[:50]!r}...)"
+        preview = f"({_preview(longest.prompt)[:50]!r}..." + (f", {longest.source})" if longest.source else ")")
         found = (f"the longest prompt is {length} tokens {preview}" if start is None else
                  f"a prompt of {_text_bytes(longest.prompt)} bytes {preview} has {length} tokens in its first {start} "
                  "characters alone")

@@ -485,3 +485,16 @@ def test_the_first_line_says_when_the_test_split_is_smaller_than_eval_size():
     said = data.read_task("arithmetic", eval_size=10_000).notes
     assert said == (f"--eval-size 10000: the eval split has {held_out}",)
     assert data.read_task("arithmetic", eval_size=64).notes == ()  # the built-in task's own split: nothing to say
+
+
+def test_the_first_line_says_held_out_prompts_are_never_evaluated():
+    """Claim: --eval-size given with --eval-every 0 still keeps its prompts out of training (the same training
+    prompts as the run that evaluates), and the run's first line says they are never evaluated (they were held out
+    silently); with evaluation on, or nothing held out, it says nothing of it."""
+    import trainer
+    from infra.options import derive
+    cfg = derive(Config(eval_every=0, eval_size=50))
+    assert cfg.eval_size == 50
+    assert "50 held-out prompts (held out, not evaluated: --eval-every 0) |" in trainer.start_line(cfg, 7423, 50)
+    assert "not evaluated" not in trainer.start_line(derive(Config(eval_size=50)), 7423, 50)
+    assert "not evaluated" not in trainer.start_line(derive(Config(eval_every=0)), 7473, 0)

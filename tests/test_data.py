@@ -303,7 +303,8 @@ def test_examples_with_their_columns_survive_pickling(tmp_path):
 
 def test_conversations_need_a_chat_template_and_fit_the_context():
     """Claim: conversations with a model that has no chat template are refused at start-up in one line (even when the
-    context is unknown); with a template, a conversation too long for the context is found and its length named; a
+    context is unknown); with a template, a conversation too long for the context is found and its length and row
+    named; a
     --max-new-tokens that alone fills the context is named as the fault (it blamed the prompts)."""
     from infra.models import tiny_tokenizer
     tokenizer = tiny_tokenizer()  # one token per byte, no chat template
@@ -313,11 +314,15 @@ def test_conversations_need_a_chat_template_and_fit_the_context():
     assert "\n" not in str(error.value)
     tokenizer.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
                                "{% if add_generation_prompt %}<assistant>{% endif %}")
-    long = Example([{"role": "user", "content": "1+" * 60 + "1?"}], "61")
+    rows = datasets.Dataset.from_list([{"prompt": chat.prompt, "answer": chat.answer} for chat in chats]
+                                      + [{"prompt": [{"role": "user", "content": "1+" * 60 + "1?"}], "answer": "61"}])
+    *_, long = data.dataset_examples(rows, "prompt", "answer", "chats.jsonl (train split)")
+    assert long.source == "chats.jsonl (train split), row 4"
     tasks.check_prompt_lengths(tokenizer, chats + [long], 256, 8)
     length = len(tasks.prompt_token_ids(tokenizer, long.prompt))
     assert length == len("<user>" + "1+" * 60 + "1?\n<assistant>")  # byte-level: one token per character
-    with pytest.raises(TaskError, match=f"the longest prompt is {length} tokens"):
+    with pytest.raises(TaskError, match=rf"the longest prompt is {length} tokens \('.*'\.\.\., chats.jsonl \(train split\), "
+                                        r"row 4\)"):  # where it is, to remove it
         tasks.check_prompt_lengths(tokenizer, chats + [long], length + 7, 8)
     most = 256 - max(len(tasks.prompt_token_ids(tokenizer, chat.prompt)) for chat in chats)
     with pytest.raises(TaskError, match=r"^--max-new-tokens 300 \(--max-completion-length\) leaves no room for a "

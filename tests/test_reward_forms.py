@@ -67,7 +67,8 @@ def test_a_batched_reward_gets_trls_keyword_lists(prompt, answer, columns, compl
     column as a list of G values, and trainer_state; `answer` is the gold answer unless the row has its own `answer`
     column (passed as it is), and not there when the data has none (a prompt-only dataset); a column named
     prompt/completion/completion_ids/trainer_state is left out, as TRL does; and TRL's log_metric and log_extra, into
-    the group's RewardLogs. None means 'not scored' (NaN)."""
+    the group's RewardLogs, which refuses a column of another length than the group's, or one logged twice (its values
+    could not be matched to the completions: they were dropped). None means 'not scored' (NaN)."""
     from infra.reward import RewardLogs
     calls, state, logs = [], object(), RewardLogs()
 
@@ -87,6 +88,10 @@ def test_a_batched_reward_gets_trls_keyword_lists(prompt, answer, columns, compl
     assert (logs.metrics, logs.columns) == ({"my/len": [2.0]}, {"note": ["a", "b"]})
     with pytest.raises(ValueError, match=r"log_metric\('x', nan\): the value must be a finite number"):
         logs.log_metric("x", float("nan"))
+    with pytest.raises(ValueError, match=r"log_extra\('short', ...\) got 1 values: it takes one per completion, 2"):
+        logs.log_extra("short", ["a"])  # its values could not be matched to the completions (were dropped)
+    with pytest.raises(ValueError, match=r"log_extra\('note', ...\) was called twice for one group"):
+        logs.log_extra("note", ["c", "d"])
 
 
 def reward_len(completions, **kwargs):  # the issue's prompt-only example
