@@ -34,7 +34,9 @@ from infra.options import given_options, parse_args
 from infra.processes import children_end_with_their_parent
 from infra.stopping import Interrupted, exit_without_lingering, stopped_by_signals, stops_deferred
 
-children_end_with_their_parent(spawned=__name__ == "__mp_main__")  # a reward's process pool ends with the run
+# A reward's process pool ends with the run. A spawned process imports its parent's main module as __mp_main__:
+# trainer.py itself, or the script that called `train` (which imports this module).
+children_end_with_their_parent(spawned="__mp_main__" in sys.modules)
 
 
 class DeviceError(UserError):
@@ -442,6 +444,9 @@ def shorten_openmp_spinning(environ=os.environ) -> None:
         environ["GOMP_SPINCOUNT"] = "30000"
 
 
+LAST_RUN: list[str] = []  # the --out of main's last run in this process (`train` returns it)
+
+
 def main(argv: list[str] | None = None) -> int:
     Interrupted.received = Interrupted.held = None
     launcher = os.getppid()  # torchrun's agent, for a rank (distributed.die_with_launcher), read before anything loads
@@ -474,6 +479,7 @@ def main(argv: list[str] | None = None) -> int:
                         fresh = ranks.is_main and cfg.out is None  # a folder of its own, linked from runs/latest
                         if fresh:
                             cfg = dataclasses.replace(cfg, out=str(outputs.run_folder(cfg.model)))
+                        LAST_RUN[:] = [cfg.out]  # for `train`, a caller in Python
                         run(cfg, resume_from, ["trainer.py", *argv], ranks, link_latest=fresh)
             Interrupted.check()
             return 0
@@ -548,6 +554,119 @@ def kept_on_stop(cfg: Config | None, ranks, failed_save: Exception | None) -> st
     return f"; {lost}: " + (f"--resume auto --out {cfg.out} continues from {newest} ({k} of the {done} iterations "
                             "done)" if newest
                             else "there is no checkpoint to resume from")
+
+
+# --- from Python: TRL's GRPOTrainer(...).train(), as one call ---
+def reward_spec(function) -> str:
+    """The --reward spec every process finds `function` by: 'module:name' for a function at the top level of an
+    importable module, 'path/to/script.py:name' for one of the running script (spawned processes import it under
+    its own name, where `if __name__ == "__main__":` keeps its run from starting again); a str is one already.
+    ValueError for what no other process can find by name (a lambda, a nested function, an object).
+
+    >>> reward_spec("math"), reward_spec(json.dumps)
+    ('math', 'json:dumps')
+    """
+    if isinstance(function, str):
+        return function
+    name, module = getattr(function, "__qualname__", None), getattr(function, "__module__", None)
+    found = getattr(sys.modules.get(module), name, None) if name and module else None
+    if not (callable(function) and name and name.isidentifier() and found is function):
+        raise ValueError(f"reward {function!r}: give a function defined at the top level of a module or of the "
+                         "script (the inference process imports it by name), or its --reward spec")
+    if module != "__main__":
+        return f"{module}:{name}"
+    path = getattr(sys.modules["__main__"], "__file__", None)
+    if path is None:  # a notebook or an interactive session: nothing another process can import
+        raise ValueError(f"reward {name!r} is defined in an interactive session, which the inference process cannot "
+                         "import: put it in a .py file and give the function from there (or its 'file.py:name')")
+    return f"{path}:{name}"
+
+
+def data_folder(dataset, eval_dataset=None) -> str:
+    """A --data folder holding a datasets.Dataset (or DatasetDict) given in Python, with `eval_dataset` as its test
+    split: written once by datasets' save_to_disk under $PERIODIC_RL_CACHE/datasets, named by the data's
+    fingerprints (datasets' hash of its contents and history), so that every process, a resume and a rerun of
+    config.json read the same rows. A str or path is a --data value already."""
+    import hashlib
+
+    import datasets
+
+    from infra.models import cache_root
+    if isinstance(dataset, (str, os.PathLike)) and eval_dataset is None:
+        return str(dataset)
+    if eval_dataset is not None:
+        if not isinstance(dataset, datasets.Dataset) or not isinstance(eval_dataset, datasets.Dataset):
+            raise ValueError("eval_dataset goes with a train_dataset that is a datasets.Dataset: give both as "
+                             "Datasets, or one DatasetDict with a 'test' split")
+        dataset = datasets.DatasetDict({"train": dataset, "test": eval_dataset})
+    if isinstance(dataset, datasets.Dataset):
+        prints = [dataset._fingerprint]
+    elif isinstance(dataset, datasets.DatasetDict):
+        prints = [f"{split}={part._fingerprint}" for split, part in sorted(dataset.items())]
+    else:
+        raise ValueError(f"train_dataset is a {type(dataset).__name__}: give a datasets.Dataset or DatasetDict, or "
+                         "a --data value (a hub id, a folder, a file)")
+    folder = cache_root() / "datasets" / hashlib.sha1(" ".join(prints).encode()).hexdigest()[:16]
+    if not folder.exists():  # written beside, then renamed: a folder there is whole
+        partial = folder.with_name(f"{folder.name}.{os.getpid()}.partial")
+        dataset.save_to_disk(str(partial))
+        with suppress(OSError):  # another process's rename won: the same rows
+            partial.rename(folder)
+    return str(folder)
+
+
+def command_line(model: str | None = None, reward_funcs=None, train_dataset=None, eval_dataset=None,
+                 **options) -> list[str]:
+    """`train`'s arguments as trainer.py's command line: reward functions as their --reward specs (`reward_spec`),
+    a dataset as its --data folder (`data_folder`), each option as --name=value (True/False as true/false, a list
+    as its values, a mapping as JSON); None leaves an option at its default.
+
+    >>> command_line("tiny", "math", learning_rate=1e-5, log_completions=True, report_to=["none"])
+    ['--model=tiny', '--reward', 'math', '--learning-rate=1e-05', '--log-completions=true', '--report-to', 'none']
+    """
+    rewards = None if reward_funcs is None else [
+        reward_spec(f) for f in (reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])]
+    data = None if train_dataset is None else data_folder(train_dataset, eval_dataset)
+    argv = []
+    for key, value in {"model": model, "reward": rewards, "data": data, **options}.items():
+        flag = "--" + key.replace("_", "-")
+        if value is None:
+            continue
+        if value is True or value is False:  # --flag=true: TRL's flags of no use here are read so too (--bf16=false)
+            argv.append(f"{flag}={str(value).lower()}")
+        elif isinstance(value, (list, tuple)):
+            argv += [flag, *map(str, value)]
+        else:
+            argv.append(f"{flag}={json.dumps(value) if isinstance(value, dict) else value}")
+    return argv
+
+
+def train(model: str | None = None, reward_funcs=None, train_dataset=None, eval_dataset=None, **options) -> Path:
+    """Run the trainer from Python, as TRL's `GRPOTrainer(model, reward_funcs, args, train_dataset).train()` runs:
+    the run `python trainer.py` makes with these options (`command_line`); returns its --out folder.
+    `reward_funcs`: a function (defined at the top level of a module or of the script) or a --reward spec, or a list
+    of them; `train_dataset`: a datasets.Dataset or DatasetDict, or a --data value; `options`: any option of
+    `python trainer.py --help` with _ for -, ours or TRL's (learning_rate=1e-6, num_generations=8, max_steps=100,
+    per_device_train_batch_size=8, ...). A script that calls it needs `if __name__ == "__main__":` around the call,
+    as any script that starts processes with multiprocessing does. RuntimeError with the exit code where the run
+    fails; its `error:` line is on stderr, as on the command line.
+
+    Example: train("qwen2.5-0.5b", reward_funcs=[accuracy], train_dataset=load_dataset("openai/gsm8k", "main",
+             split="train"), learning_rate=1e-6, max_steps=100)
+    """
+    try:
+        argv = command_line(model, reward_funcs, train_dataset, eval_dataset, **options)
+    except ValueError as error:  # a reward or dataset no other process can find: the caller's mistake, said so
+        raise ValueError(f"train: {error}") from None
+    LAST_RUN.clear()
+    try:
+        code = main(argv)
+    except SystemExit as stop:  # a bad option: argparse's one line is on stderr
+        code = stop.code
+    if code:
+        raise RuntimeError(f"the run ended with exit code {code} (its error line is above): python trainer.py "
+                           + " ".join(argv))
+    return Path(LAST_RUN[0])
 
 
 if __name__ == "__main__":

@@ -156,6 +156,9 @@ def _load_file(path: Path):
     loaded = sys.modules.get(name)
     if loaded is not None and is_this_file(getattr(loaded, "__file__", None)):
         return loaded
+    script = sys.modules.get("__main__")  # the running script (trainer.train's caller; a spawned process's copy of it)
+    if script is not None and is_this_file(getattr(script, "__file__", None)):
+        return script  # not run a second time
     module_spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[name] = module

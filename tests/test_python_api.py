@@ -1,0 +1,143 @@
+"""trainer.train: the trainer from Python, as TRL's GRPOTrainer(...).train() is run: reward functions and datasets
+given as Python objects, options as keywords (ours or TRL's), the same run as the command line's."""
+import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+
+import rewards
+import trainer
+from infra.options import parse_args
+from infra.tasks import arithmetic_examples
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_options_are_keywords_ours_or_trls():
+    """Claim: train's keywords are trainer.py's options with _ for -, ours or TRL's (the batch keys, max_steps, a
+    flag of no use here such as bf16), booleans as true/false, lists as values, a mapping as JSON: the Config parsed
+    from them is the one the typed command line gives."""
+    argv = trainer.command_line("tiny", "math", learning_rate=1e-5, num_generations=4, per_device_train_batch_size=8,
+                                steps_per_generation=2, max_steps=6, log_completions=True, bf16=True,
+                                disable_dropout=False, report_to=["none"], chat_template_kwargs={"a": 1})
+    typed = ["--model", "tiny", "--reward", "math", "--learning-rate", "1e-5", "--num-generations", "4",
+             "--per-device-train-batch-size", "8", "--steps-per-generation", "2", "--max-steps", "6",
+             "--log-completions", "--bf16", "--no-disable-dropout", "--report-to", "none",
+             "--chat-template-kwargs", '{"a": 1}']
+    cfg = parse_args(argv)
+    assert cfg == parse_args(typed)
+    assert (cfg.lr, cfg.group_size, cfg.batch_size, cfg.updates_per_iteration, cfg.iterations, cfg.disable_dropout) \
+        == (1e-5, 4, 16, 2, 3, False)
+
+
+def test_a_reward_function_is_found_by_name_in_every_process():
+    """Claim: a reward function given as a Python object becomes the --reward spec the inference process imports it
+    by ('module:name'); a str is a spec already; what no other process can find by name (a lambda, a nested
+    function, a partial) is refused in one line saying what to give instead."""
+    assert trainer.reward_spec(rewards.digit_fraction) == "rewards:digit_fraction"
+    assert trainer.command_line(reward_funcs=[rewards.digit_count, "math"]) == ["--reward", "rewards:digit_count",
+                                                                               "math"]
+
+    def nested(prompt, completion, answer):
+        return 0.0
+    for function in (lambda prompt, completion, answer: 0.0, nested, functools.partial(rewards.digit_fraction)):
+        with pytest.raises(ValueError, match="give a function defined at the top level of a module or of the script"):
+            trainer.reward_spec(function)
+    with pytest.raises(ValueError, match="^train: reward .*: give a function defined at the top level"):
+        trainer.train("tiny", reward_funcs=nested)
+
+
+def test_a_dataset_is_written_once_where_every_process_reads_it(tmp_path, monkeypatch):
+    """Claim: a datasets.Dataset given in Python is saved once (save_to_disk) under $PERIODIC_RL_CACHE/datasets, in a
+    folder named by its fingerprint, which --data reads (load_from_disk gives its rows back); the same data again
+    reuses the folder, other data gets another; eval_dataset becomes its test split (the held-out prompts); a str is
+    a --data value already; anything else is refused in one line."""
+    monkeypatch.setenv("PERIODIC_RL_CACHE", str(tmp_path))
+    rows = [{"question": example.prompt, "answer": example.answer} for example in arithmetic_examples("train")[:8]]
+    dataset = datasets.Dataset.from_list(rows)
+    folder = Path(trainer.data_folder(dataset))
+    assert folder.parent == tmp_path / "datasets" and datasets.load_from_disk(str(folder)).to_list() == rows
+    written = folder.stat().st_mtime_ns
+    assert trainer.data_folder(datasets.Dataset.from_list(rows)) == str(folder) and folder.stat().st_mtime_ns == written
+    assert trainer.data_folder(datasets.Dataset.from_list(rows[:4])) != str(folder)
+    both = datasets.load_from_disk(trainer.data_folder(dataset, datasets.Dataset.from_list(rows[:2])))
+    assert sorted(both) == ["test", "train"] and both["test"].to_list() == rows[:2]
+    assert trainer.data_folder("gsm8k") == "gsm8k"
+    assert not list((tmp_path / "datasets").glob("*.partial"))
+    with pytest.raises(ValueError, match="train_dataset is a list: give a datasets.Dataset or DatasetDict"):
+        trainer.data_folder(rows)
+
+
+SCRIPT = '''
+import os
+import sys
+sys.path.insert(0, {root!r})
+import datasets
+import trainer
+
+with open(os.environ["IMPORTS_LOG"], "a") as log:  # once per process that imports this script
+    log.write(f"{{os.getpid()}}\\n")
+
+
+def exact(completions, answer, **kwargs):  # TRL's form: every column by keyword
+    return [float(text.strip() == gold) for text, gold in zip(completions, answer)]
+
+
+if __name__ == "__main__":
+    rows = [dict(question=q, answer=a) for q, a in {rows!r}]
+    print("OUT", trainer.train("tiny", exact, datasets.Dataset.from_list(rows), **{options!r}))
+'''
+
+
+@pytest.mark.slow  # process-level: two runs of trainer.py, each with its inference process
+def test_train_from_a_script_is_the_command_lines_run(tmp_path):
+    """Claim: a script that calls trainer.train with its own reward function and a datasets.Dataset, in async mode
+    (a spawned inference process, which imports the script by its path under the script's `__main__` guard), makes
+    bitwise the run `python trainer.py --reward script.py:exact --data rows.jsonl` makes with the same rows and
+    options: the same metrics rows (timings aside) and the same saved policy. The script runs once per process: the
+    trainer finds its reward in the running script, not by loading the file a second time."""
+    from test_checkpoint import RUN, outcome
+    examples = arithmetic_examples("train")[:64]
+    options = dict(mode="async", iterations=3, batch_size=16, group_size=4, max_new_tokens=4, eval_every=0,
+                   groups_per_chunk=2, micro_batch_tokens=64, rollout_threads=1, train_threads=1, seed=3)
+    assert set(options) - {"mode", "seed"} <= {flag[2:].replace("-", "_") for flag in RUN if flag.startswith("--")}
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT.format(root=str(ROOT), rows=[(e.prompt, e.answer) for e in examples],
+                                    options={**options, "out": str(tmp_path / "api")}))
+    env = {**os.environ, "IMPORTS_LOG": str(tmp_path / "api.log"), "PERIODIC_RL_CACHE":
+           os.environ.get("PERIODIC_RL_CACHE", str(ROOT / ".cache" / "periodic-rl"))}
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and f"OUT {tmp_path / 'api'}" in done.stdout, done.stderr[-2000:]
+    assert len((tmp_path / "api.log").read_text().split()) == 2  # the script's process and the inference process
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"question": e.prompt, "answer": e.answer}) + "\n"
+                                                 for e in examples))
+    typed = [f"--{key.replace('_', '-')}={value}" for key, value in options.items()]
+    env["IMPORTS_LOG"] = str(tmp_path / "cli.log")
+    done = subprocess.run([sys.executable, "trainer.py", "--reward", f"{script}:exact", "--data",
+                           str(tmp_path / "rows.jsonl"), "--model", "tiny", *typed, "--out", str(tmp_path / "cli")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (api_rows, api_policy), (cli_rows, cli_policy) = outcome(tmp_path / "api"), outcome(tmp_path / "cli")
+    assert api_rows == cli_rows and [row["iteration"] for row in api_rows if not row.get("final")] == [0, 1, 2]
+    assert api_policy.keys() == cli_policy.keys() and all(torch.equal(api_policy[k], cli_policy[k])
+                                                          for k in api_policy)
+    record = json.loads((tmp_path / "api" / "config.json").read_text())
+    assert record["reward"] == [f"{script}:exact"] and Path(record["data"]).parent.name == "datasets"
+
+
+def test_a_failed_run_raises_with_its_exit_code(tmp_path, capsys):
+    """Claim: a run that fails (here: an option out of range) raises RuntimeError naming its exit code and the
+    command line it ran, after the usual one `error:` line on stderr; nothing is left running."""
+    with pytest.raises(RuntimeError, match=r"exit code 2 .*: python trainer.py --model=tiny --reward math "
+                                           r"--iterations=0"):
+        trainer.train("tiny", "math", iterations=0, out=str(tmp_path / "run"))
+    said = capsys.readouterr().err
+    assert "--iterations" in said and said.count("\n") == 1, said
+    assert not (tmp_path / "run").exists()
