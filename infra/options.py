@@ -673,6 +673,8 @@ def file_arguments(path: str, skip: set[str] = frozenset(), note=lambda line: No
                  "--log-completions keeps every completion in completions.jsonl")
             value = 0
         flag, kind = "--" + name.replace("_", "-"), fields[name].type
+        if value == [] and kind.startswith("list["):  # TrainingArguments.to_dict()'s report_to 'none' (transformers 5)
+            value = ["none"] if name == "report_to" else None
         if value is None and kind.startswith("list["):  # TrainingArguments' report_to null (transformers < 5): ours
             continue
         if value is None:  # an option left open: its default, which is None for every option that may be None

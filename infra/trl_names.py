@@ -68,8 +68,15 @@ TRL_UNUSED = {
     "logging_dir": "--report-to tensorboard writes to <out>/runs",
     "remove_unused_columns": "every dataset column is kept and passed to a TRL-style reward by keyword",
     "overwrite_output_dir": "a --config file never replaces a run: --overwrite on the command line does",
-    **dict.fromkeys(("hub_model_id", "hub_strategy", "hub_private_repo"),
+    **dict.fromkeys(("hub_model_id", "hub_strategy", "hub_private_repo", "hub_token", "push_to_hub_token",
+                     "push_to_hub_model_id", "push_to_hub_organization"),
                     "nothing is pushed (push_to_hub); upload <out>/policy with `hf upload`"),
+    # what TrainingArguments.to_dict() writes at their defaults once __post_init__ has run (a GRPOConfig's dump)
+    "local_rank": "each rank's place comes from torchrun's environment (RANK, LOCAL_RANK: docs/distributed.md)",
+    "accelerator_config": "accelerate's DataLoader settings: this trainer draws and batches its own prompts",
+    "fsdp_config": "TRL reads it only with fsdp, which this trainer does not use",
+    "average_tokens_across_devices": "under torchrun the loss's normaliser is all-reduced: the update of one "
+                                     "process (docs/distributed.md)",
     **dict.fromkeys(VLLM_KEYS, "TRL reads vLLM's settings only with use_vllm true; this trainer samples with its own "
                                "engine (--engine), its processes set by --inference-workers or --inference-ranks"),
     "ds3_gather_for_generation": "TRL reads it only under DeepSpeed ZeRO-3, which this trainer does not use",
@@ -112,6 +119,8 @@ TRL_FIXED = {
     "model_init_kwargs": ((None,), "models load with --dtype and --attn-implementation",
                           "--dtype, --attn-implementation"),
     "router_aux_loss_coef": ((None,), "no mixture-of-experts auxiliary loss", None),
+    "activation_checkpointing": ((None, False), "no FSDP: --gradient-checkpointing checkpoints activations",
+                                 "--gradient-checkpointing"),
     "cast_lm_head_to_fp32": ((False,), "the output layer runs in the model's dtype (autocast)", "--dtype float32"),
     "shuffle_dataset": ((True,), "prompts are drawn in a seeded random order, a new one each pass (--seed)", None),
     "generation_kwargs": ((None,), "sampling takes --temperature, --top-p, --top-k and --min-p only",
