@@ -628,6 +628,9 @@ def file_arguments(path: str, skip: set[str] = frozenset(), note=lambda line: No
              "num_train_epochs too)")
     elif "num_train_epochs" in skip or "run_id" in values and values.get("num_train_epochs") is not None:
         values.pop("iterations", None)  # typed epochs win over a file's length; a record's came from its epochs
+    if "gradient_checkpointing" in values and values.get("activation_checkpointing") in (
+            None, values["gradient_checkpointing"]):  # transformers 5's to_dict() writes both names, the same value
+        values.pop("activation_checkpointing", None)
     refusals: list[str] = []  # every refused key of the file, said in one line
     values = trl_keys(values, set(skip), note, known={*fields, *NOT_OPTIONS, *TRL_ALIASES, "epsilon"},
                       group_size=fields["group_size"].default, typed_batch=typed_batch or {}, refusals=refusals,

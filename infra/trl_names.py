@@ -37,7 +37,8 @@ TRL_ALIASES = {"num_generations": "group_size", "learning_rate": "lr", "max_comp
                "dataset_name": "data", "dataset_config": "data_config", "dataset_train_split": "split",
                "dataset_test_split": "eval_split",
                "reward_funcs": "reward",  # TRL's CLI: names or module.function paths, as --reward (infra/reward.py)
-               "torch_dtype": "dtype"}  # transformers' and TRL's name for dtype before they renamed it
+               "torch_dtype": "dtype",  # transformers' and TRL's name for dtype before they renamed it
+               "activation_checkpointing": "gradient_checkpointing"}  # transformers 5's name (the other its alias)
 # TRL names that mean something else here: the option to use instead, and why (one line each, after "use")
 TRL_DIFFERENT = {
     "num_generations_eval": "--eval-samples: responses per held-out prompt",
@@ -93,6 +94,8 @@ TRL_UNUSED = {
                     "TRL reads it only with load_in_4bit true"),
     "gradient_checkpointing_use_reentrant": "--gradient-checkpointing uses transformers' default",
     "gradient_checkpointing_kwargs": "--gradient-checkpointing uses transformers' default (same gradients either way)",
+    "activation_checkpointing_kwargs": "--gradient-checkpointing uses transformers' default (same gradients either "
+                                       "way)",
     "per_device_eval_batch_size": "a held-out evaluation samples --eval-size prompts x --eval-samples in the "
                                   "sampler's own calls: no batch size of its own",
     "ignore_bias_buffers": "TRL reads it only under DistributedDataParallel, which this trainer does not use",
@@ -119,8 +122,6 @@ TRL_FIXED = {
     "model_init_kwargs": ((None,), "models load with --dtype and --attn-implementation",
                           "--dtype, --attn-implementation"),
     "router_aux_loss_coef": ((None,), "no mixture-of-experts auxiliary loss", None),
-    "activation_checkpointing": ((None, False), "no FSDP: --gradient-checkpointing checkpoints activations",
-                                 "--gradient-checkpointing"),
     "cast_lm_head_to_fp32": ((False,), "the output layer runs in the model's dtype (autocast)", "--dtype float32"),
     "shuffle_dataset": ((True,), "prompts are drawn in a seeded random order, a new one each pass (--seed)", None),
     "generation_kwargs": ((None,), "sampling takes --temperature, --top-p, --top-k and --min-p only",
@@ -267,10 +268,13 @@ def trl_batch(values: dict, processes: int) -> tuple[int, int, str, str]:
                for v in (per_device, accumulation, *(v for v in (steps, batch) if v is not None))):
         raise ValueError(f"TRL's {', '.join(key for key in TRL_BATCH_KEYS if key in values)} must be positive whole "
                          "numbers")
-    if steps is not None and batch is not None:
-        raise ValueError("steps_per_generation and generation_batch_size can't be both set (TRL refuses it too): "
-                         "keep one")
     per_step = per_device * processes  # completions per micro-step, all processes
+    if steps is not None and batch is not None:  # GRPOConfig.to_dict() writes both, as its __post_init__ derived them
+        if batch != per_step * steps:
+            raise ValueError(f"steps_per_generation {steps} and generation_batch_size {batch} are both set and "
+                             f"disagree (per_device_train_batch_size {per_device} x {processes} process(es) x "
+                             f"{steps} = {per_step * steps}; TRL refuses both set): keep one")
+        batch = None
     if batch is not None and batch % per_step:
         raise ValueError(f"generation_batch_size {batch} is not a multiple of per_device_train_batch_size {per_device} "
                          f"x {processes} process(es) (TRL refuses it too)")

@@ -632,7 +632,8 @@ def test_trls_batch_keys_in_a_file_become_our_batch(text, world, batch, updates,
 
 def test_trls_batch_keys_give_way_or_are_refused(tmp_path, capsys):
     """Claim: with --batch-size given (in the file or typed) TRL's batch keys are skipped with a line saying so; where
-    TRL refuses them (steps_per_generation and generation_batch_size together, a batch that does not divide), or the
+    TRL refuses them (steps_per_generation and generation_batch_size together, unless they agree, as a GRPOConfig's
+    to_dict() writes them; a batch that does not divide), or the
     steps would not divide into optimizer steps, or the trainer ranks are not the processes (--inference-ranks), the
     file is refused in one line."""
     assert parse_yaml(tmp_path, "per_device_train_batch_size: 4\nbatch_size: 64\n").batch_size == 64
@@ -642,7 +643,9 @@ def test_trls_batch_keys_give_way_or_are_refused(tmp_path, capsys):
     cfg = parse_yaml(tmp_path, "steps_per_generation: 4\nupdates_per_iteration: 2\n")  # ours wins, and is said to
     assert (cfg.batch_size, cfg.updates_per_iteration) == (32, 2)
     assert "as --batch-size 32 (TRL's generation batch) (--updates-per-iteration is given)" in capsys.readouterr().out
-    for text, fragment in [("steps_per_generation: 2\ngeneration_batch_size: 64\n", "can't be both set"),
+    cfg = parse_yaml(tmp_path, "steps_per_generation: 2\ngeneration_batch_size: 16\n")  # both, as to_dict() writes
+    assert (cfg.batch_size, cfg.updates_per_iteration) == (16, 2)  # them: 8 per device x 1 process x 2 steps
+    for text, fragment in [("steps_per_generation: 2\ngeneration_batch_size: 64\n", "are both set and disagree"),
                            ("per_device_train_batch_size: 6\ngeneration_batch_size: 64\n", "is not a multiple of"),
                            ("gradient_accumulation_steps: 4\nsteps_per_generation: 6\n", "give --batch-size and"),
                            ("per_device_train_batch_size: 4\ninference_ranks: 1\n", "with --inference-ranks give"),
@@ -810,19 +813,43 @@ def test_a_grpo_config_dumped_by_to_dict_runs_as_it_is(tmp_path, capsys):
     installed transformers: CI runs this on 5.x and on the 4.56 floor) under GRPOConfig's fields, parses: the values
     __post_init__ fills in (local_rank 0, accelerator_config's and fsdp_config's settings, activation_checkpointing
     false, average_tokens_across_devices) and the masked tokens ('<HUB_TOKEN>') are ignored with the other keys of
-    no use here, report_to [] is 'none'. Before, such a dump was refused for three to seven of those keys."""
+    no use here, report_to [] is 'none', and generation_batch_size beside steps_per_generation (both derived) is the
+    batch they agree on; activation_checkpointing, transformers 5's name for gradient_checkpointing, which to_dict()
+    writes beside it, is --gradient-checkpointing. Before, such a dump was refused for three to eight of those
+    keys (checked against TRL 1.16's own GRPOConfig(...).to_dict(), trl installed from its wheel)."""
     import json
 
     from transformers import TrainingArguments
     dumped = {**TrainingArguments(output_dir=str(tmp_path / "out")).to_dict(), **GRPO_CONFIG_DEFAULTS,
-              "output_dir": str(tmp_path / "out")}
+              "output_dir": str(tmp_path / "out"), "generation_batch_size": 8, "steps_per_generation": 1,
+              "gradient_checkpointing": True, "activation_checkpointing": True}  # TRL's base config: True
     assert dumped.get("hub_token") == "<HUB_TOKEN>"  # what to_dict writes in place of a token
     (tmp_path / "dumped.json").write_text(json.dumps(dumped))
     cfg = parse_args(["--config", str(tmp_path / "dumped.json")])
     assert (cfg.out, cfg.save_every, cfg.eval_every, cfg.num_train_epochs) == (str(tmp_path / "out"), 500, 0, 3.0)
+    assert (cfg.batch_size, cfg.updates_per_iteration, cfg.gradient_checkpointing) == (8, 1, True)
     assert cfg.report_to == (["none"] if dumped["report_to"] in ([], "none", ["none"]) else dumped["report_to"])
     out = capsys.readouterr().out
     assert "hub_token" in out and "local_rank" in out and "accelerator_config" in out, out
+    assert parse_yaml(tmp_path, "activation_checkpointing: true\n").gradient_checkpointing
+    assert "activation_checkpointing and gradient_checkpointing name the same option" in refusal(
+        capsys, lambda: parse_yaml(tmp_path, "activation_checkpointing: true\ngradient_checkpointing: false\n"))
+
+
+def test_trls_own_grpo_config_dump_runs_as_it_is(tmp_path, capsys):
+    """Claim: TRL's own `GRPOConfig(...).to_dict()` (where trl is installed; CI's set-up has none) runs with what it
+    sets: max_steps 20 as 20 iterations (1 optimizer step each), the batch its keys make, save_steps, the learning
+    rate and the group size, evaluation off, its num_train_epochs giving way to max_steps."""
+    trl = pytest.importorskip("trl")
+    import json
+    config = trl.GRPOConfig(output_dir=str(tmp_path / "out"), learning_rate=1e-5, num_generations=4,
+                            per_device_train_batch_size=8, gradient_accumulation_steps=2, max_steps=20, save_steps=10,
+                            bf16=False)
+    (tmp_path / "grpo.json").write_text(json.dumps(config.to_dict()))
+    cfg = parse_args(["--config", str(tmp_path / "grpo.json")])
+    assert (cfg.iterations, cfg.batch_size, cfg.updates_per_iteration, cfg.save_every, cfg.eval_every, cfg.lr,
+            cfg.group_size, cfg.num_train_epochs) == (20, 16, 1, 10, 0, 1e-5, 4, None)
+    assert "ignored TRL's num_train_epochs 3.0: max_steps sets the run's length" in capsys.readouterr().out
 
 
 def test_a_trl_file_is_told_which_of_our_defaults_it_runs_with(tmp_path, capsys):
