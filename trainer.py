@@ -615,11 +615,31 @@ def data_folder(dataset, eval_dataset=None) -> str:
     return str(folder)
 
 
-def command_line(model: str | None = None, reward_funcs=None, train_dataset=None, eval_dataset=None,
+def args_file(args) -> str:
+    """A --config file holding `args`, TRL's GRPOConfig (what its to_dict() writes) or a mapping of options: written
+    once under $PERIODIC_RL_CACHE/configs, named by its contents, so that a rerun of the run's command finds it."""
+    import hashlib
+
+    from infra.models import cache_root
+    values = args.to_dict() if hasattr(args, "to_dict") else args
+    if not isinstance(values, dict):
+        raise ValueError(f"args is a {type(args).__name__}: give TRL's GRPOConfig or a mapping of options")
+    text = json.dumps(values, sort_keys=True, default=str)
+    path = cache_root() / "configs" / f"{hashlib.sha1(text.encode()).hexdigest()[:16]}.json"
+    if not path.exists():
+        outputs.make_directory(path.parent, "the config cache ($PERIODIC_RL_CACHE)")
+        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        partial.write_text(text)
+        partial.rename(path)
+    return str(path)
+
+
+def command_line(model: str | None = None, reward_funcs=None, train_dataset=None, eval_dataset=None, args=None,
                  **options) -> list[str]:
     """`train`'s arguments as trainer.py's command line: reward functions as their --reward specs (`reward_spec`),
-    a dataset as its --data folder (`data_folder`), each option as --name=value (True/False as true/false, a list
-    as its values, a mapping as JSON); None leaves an option at its default.
+    a dataset as its --data folder (`data_folder`), `args` as a --config file (`args_file`), each option as
+    --name=value (True/False as true/false, a list as its values, a mapping as JSON), which wins over args' as a
+    typed option over a file's; None leaves an option at its default.
 
     >>> command_line("tiny", "math", learning_rate=1e-5, log_completions=True, report_to=["none"])
     ['--model=tiny', '--reward', 'math', '--learning-rate=1e-05', '--log-completions=true', '--report-to', 'none']
@@ -627,7 +647,7 @@ def command_line(model: str | None = None, reward_funcs=None, train_dataset=None
     rewards = None if reward_funcs is None else [
         reward_spec(f) for f in (reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])]
     data = None if train_dataset is None else data_folder(train_dataset, eval_dataset)
-    argv = []
+    argv = [] if args is None else ["--config", args_file(args)]
     for key, value in {"model": model, "reward": rewards, "data": data, **options}.items():
         flag = "--" + key.replace("_", "-")
         if value is None:
@@ -641,11 +661,13 @@ def command_line(model: str | None = None, reward_funcs=None, train_dataset=None
     return argv
 
 
-def train(model: str | None = None, reward_funcs=None, train_dataset=None, eval_dataset=None, **options) -> Path:
+def train(model: str | None = None, reward_funcs=None, train_dataset=None, eval_dataset=None, args=None,
+          **options) -> Path:
     """Run the trainer from Python, as TRL's `GRPOTrainer(model, reward_funcs, args, train_dataset).train()` runs:
     the run `python trainer.py` makes with these options (`command_line`); returns its --out folder.
     `reward_funcs`: a function (defined at the top level of a module or of the script) or a --reward spec, or a list
-    of them; `train_dataset`: a datasets.Dataset or DatasetDict, or a --data value; `options`: any option of
+    of them; `train_dataset`: a datasets.Dataset or DatasetDict, or a --data value; `args`: TRL's GRPOConfig (or
+    a mapping), read as a --config file is; `options`: any option of
     `python trainer.py --help` with _ for -, ours or TRL's (learning_rate=1e-6, num_generations=8, max_steps=100,
     per_device_train_batch_size=8, ...). A script that calls it needs `if __name__ == "__main__":` around the call,
     as any script that starts processes with multiprocessing does. RuntimeError with the exit code where the run
@@ -655,7 +677,7 @@ def train(model: str | None = None, reward_funcs=None, train_dataset=None, eval_
              split="train"), learning_rate=1e-6, max_steps=100)
     """
     try:
-        argv = command_line(model, reward_funcs, train_dataset, eval_dataset, **options)
+        argv = command_line(model, reward_funcs, train_dataset, eval_dataset, args, **options)
     except ValueError as error:  # a reward or dataset no other process can find: the caller's mistake, said so
         raise ValueError(f"train: {error}") from None
     LAST_RUN.clear()

@@ -6,9 +6,9 @@ a mapping from option names (Config's field names: `max_new_tokens` for --max-ne
 shape of config.json is accepted (its run_id, versions and command are skipped). The file's options become
 command-line flags placed before the command line's own (`with_config_file`), so argparse checks them as it
 checks typed ones and the command line wins (argparse keeps an option's last value; a list option given
-on the command line, such as --reward, replaces the file's instead of adding to it, and an option the file
-holds as derived from one given anew is derived again: `DERIVED_FROM`; under torchrun each rank places its
-own devices); they count as given:
+on the command line, such as --reward, replaces the file's instead of adding to it, and an option a run record
+(config.json) holds as derived from one given anew is derived again: `DERIVED_FROM`; under torchrun each rank
+places its own devices); they count as given:
 with --resume a result-changing one that differs from the checkpoint's is refused, like a typed flag.
 
 Departure, on purpose: `resume`, `overwrite` and `config` in a file are skipped; they act on what --out
@@ -578,7 +578,7 @@ def config_file(argv: list[str]) -> str | None:
 
 def file_arguments(path: str, skip: set[str] = frozenset(), note=lambda line: None,
                    typed_batch: dict | None = None, typed_steps: dict | None = None,
-                   steps: dict | None = None) -> list[str]:
+                   steps: dict | None = None, rederived: set[str] = frozenset()) -> list[str]:
     """The options in the JSON or YAML file `path` as command-line flags, but those in `skip` (and a run record's
     `RUN_OUTPUTS`: a rerun writes its own); ValueError with the reason if it cannot be read, is not a mapping, or
     names an unknown option. Keys may be TRL's names (TRL_ALIASES, epsilon) and may be spelled with - for _; TRL's
@@ -586,7 +586,9 @@ def file_arguments(path: str, skip: set[str] = frozenset(), note=lambda line: No
     keys typed on the command line (typed_trl_batch), translated with the file's (each typed one wins). TRL's step
     counts (max_steps, save_steps, eval_steps and their strategies) go to `steps`, for `trl_step_flags`: a max_steps
     gives way to a typed run length (--iterations, --num-train-epochs) and beats the file's num_train_epochs, as
-    TRL's does; a typed --max-steps (`typed_steps`) replaces the file's run length.
+    TRL's does; a typed --max-steps (`typed_steps`) replaces the file's run length. `rederived`: the options a run
+    record (a config.json) holds as derived from one typed anew (DERIVED_FROM), skipped there to be derived again;
+    another file's are what its author chose, and stay (but reward_weights, which go with the file's rewards).
 
     Example: {"max_new_tokens": 8, "learning_rate": 1e-4, "save": false, "report_to": ["tensorboard"], "trace": null}
              -> ["--max-new-tokens=8", "--lr=0.0001", "--no-save", "--report-to", "tensorboard"]
@@ -607,6 +609,9 @@ def file_arguments(path: str, skip: set[str] = frozenset(), note=lambda line: No
         raise ValueError("must hold a mapping from option names to values, e.g. {\"iterations\": 20}")
     fields = {f.name: f for f in dataclasses.fields(Config)}
     values = {str(key).replace("-", "_"): value for key, value in values.items()}
+    # a run record: what derive resolved from an option typed anew is derived again; any file: the weights of its
+    # rewards go with them (--reward typed anew replaces the file's list)
+    skip = set(skip) | {name for name in rederived if "run_id" in values or name == "reward_weights"}
     if "run_id" in values and "text_prompts" not in values:  # a run record written before --text-prompts: text
         values["text_prompts"] = "chat"  # prompts were always in the chat template; the rerun is that run
     if (typed_steps or {}).get("max_steps") not in (None, -1, "-1"):  # a typed --max-steps sets the run's length
@@ -791,7 +796,7 @@ def with_config_file(argv: list[str] | None = None, prog: str = "trainer.py", sa
         return argv
     argv = normalized(argv)
     given = set(_values(build_parser(prog, defaults=False).parse_args(argv)))  # a list option given on the command line
-    skip = given | {derived for option in given for derived in DERIVED_FROM.get(option, ())}  # replaces the file's
+    skip = set(given)  # the file's value of an option typed anew is replaced
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun each rank places its own devices (distributed.py)
         skip |= {"train_device", "rollout_device"}
 
@@ -799,7 +804,8 @@ def with_config_file(argv: list[str] | None = None, prog: str = "trainer.py", sa
     try:
         file_steps: dict = {}
         argv = file_arguments(path, skip=skip, note=lines.append, typed_batch=typed, typed_steps=typed_steps,
-                              steps=file_steps) + argv
+                              steps=file_steps, rederived={derived for option in given
+                                                           for derived in DERIVED_FROM.get(option, ())}) + argv
         steps = {**file_steps, **typed_steps}  # a count typed wins over the file's
         argv = trl_step_flags(steps, argv, prog, lines.append) + argv if steps else argv
         for line in lines:

@@ -141,3 +141,23 @@ def test_a_failed_run_raises_with_its_exit_code(tmp_path, capsys):
     said = capsys.readouterr().err
     assert "--iterations" in said and said.count("\n") == 1, said
     assert not (tmp_path / "run").exists()
+
+
+def test_args_are_a_config_file_and_keywords_win(tmp_path, monkeypatch):
+    """Claim: `args`, TRL's GRPOConfig or anything with its to_dict() (or a mapping), is read as a --config file is
+    (its TRL keys translated: max_steps, the batch keys), written once under $PERIODIC_RL_CACHE/configs, and a
+    keyword wins over it as a typed option wins over a file's; anything else is refused in one line."""
+    monkeypatch.setenv("PERIODIC_RL_CACHE", str(tmp_path))
+
+    class Args:  # what GRPOConfig offers: to_dict()
+        def to_dict(self):
+            return {"learning_rate": 1e-5, "num_generations": 4, "max_steps": 6, "per_device_train_batch_size": 8,
+                    "steps_per_generation": 2, "seed": 42}
+    argv = trainer.command_line("tiny", args=Args(), seed=7)
+    assert argv[0] == "--config" and Path(argv[1]).parent == tmp_path / "configs"
+    assert trainer.command_line("tiny", args=Args(), seed=7) == argv  # the same file, not another
+    cfg = parse_args(argv)
+    assert (cfg.lr, cfg.group_size, cfg.iterations, cfg.batch_size, cfg.updates_per_iteration, cfg.seed) == \
+        (1e-5, 4, 3, 16, 2, 7)
+    with pytest.raises(ValueError, match="args is a list: give TRL's GRPOConfig or a mapping of options"):
+        trainer.command_line("tiny", args=[1])

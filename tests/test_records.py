@@ -295,12 +295,19 @@ def test_options_derived_from_one_given_anew_are_derived_again(tmp_path, monkeyp
     """Claim: config.json holds derived values (lr, max_new_tokens, reward_weights, devices) as resolved; given the
     option they derive from anew on the command line, they are derived again instead of kept (a tiny run's file
     with --model qwen2.5-0.5b trains at the real model's lr and lengths); under torchrun each rank places its own
-    devices, so the file's are not kept."""
+    devices, so the file's are not kept. A file that is not a run record (no run_id) holds what its author chose:
+    its lr and lengths stay under a typed --model (they were dropped: a recipe's max_completion_length 1024 became
+    512), its reward weights go with its rewards."""
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({"model": "tiny", "lr": 1e-4, "max_new_tokens": 8, "reward": ["math"],
-                                "reward_weights": [1.0], "train_device": "cpu", "rollout_device": "cpu"}))
+    record = {"model": "tiny", "lr": 1e-4, "max_new_tokens": 8, "reward": ["math"], "reward_weights": [1.0],
+              "train_device": "cpu", "rollout_device": "cpu"}
+    path.write_text(json.dumps({**record, "run_id": "20261127-0001"}))
     cfg = parse_args(["--config", str(path), "--model", "qwen2.5-0.5b", "--reward", "math", "math-verify"])
     assert (cfg.lr, cfg.max_new_tokens, cfg.reward_weights) == (1e-6, 512, [1.0, 1.0])
+    (tmp_path / "recipe.json").write_text(json.dumps({**record, "max_new_tokens": 1024, "lr": 2e-5}))
+    cfg = parse_args(["--config", str(tmp_path / "recipe.json"), "--model", "qwen2.5-0.5b", "--reward", "math",
+                      "math-verify"])
+    assert (cfg.lr, cfg.max_new_tokens, cfg.reward_weights) == (2e-5, 1024, [1.0, 1.0])
     assert (parse_args(["--config", str(path)]).lr, parse_args(["--config", str(path), "--lr", "3e-4"]).lr) == \
         (1e-4, 3e-4)
     from infra.options import with_config_file
