@@ -609,7 +609,13 @@ def data_folder(dataset, eval_dataset=None) -> str:
     folder = cache_root() / "datasets" / hashlib.sha1(" ".join(prints).encode()).hexdigest()[:16]
     if not folder.exists():  # written beside, then renamed: a folder there is whole
         partial = folder.with_name(f"{folder.name}.{os.getpid()}.partial")
-        dataset.save_to_disk(str(partial))
+        shown = datasets.is_progress_bar_enabled()
+        datasets.disable_progress_bars()  # a copy into the cache: no bar of its own in the run's log
+        try:
+            dataset.save_to_disk(str(partial))
+        finally:
+            if shown:
+                datasets.enable_progress_bars()
         with suppress(OSError):  # another process's rename won: the same rows
             partial.rename(folder)
     return str(folder)
