@@ -21,6 +21,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 import time
@@ -479,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
                         fresh = ranks.is_main and cfg.out is None  # a folder of its own, linked from runs/latest
                         if fresh:
                             cfg = dataclasses.replace(cfg, out=str(outputs.run_folder(cfg.model)))
-                        LAST_RUN[:] = [cfg.out]  # for `train`, a caller in Python
+                        LAST_RUN[:] = [cfg.out]  # for `train`, a caller in Python (None on a rank but 0)
                         run(cfg, resume_from, ["trainer.py", *argv], ranks, link_latest=fresh)
             Interrupted.check()
             return 0
@@ -573,9 +574,9 @@ def reward_spec(function) -> str:
     if not (callable(function) and name and name.isidentifier() and found is function):
         raise ValueError(f"reward {function!r}: give a function defined at the top level of a module or of the "
                          "script (the inference process imports it by name), or its --reward spec")
-    if module != "__main__":
+    if module not in ("__main__", "__mp_main__"):  # __mp_main__: the script, imported again in a spawned process
         return f"{module}:{name}"
-    path = getattr(sys.modules["__main__"], "__file__", None)
+    path = getattr(sys.modules[module], "__file__", None)
     if path is None:  # a notebook or an interactive session: nothing another process can import
         raise ValueError(f"reward {name!r} is defined in an interactive session, which the inference process cannot "
                          "import: put it in a .py file and give the function from there (or its 'file.py:name')")
@@ -616,8 +617,10 @@ def data_folder(dataset, eval_dataset=None) -> str:
         finally:
             if shown:
                 datasets.enable_progress_bars()
-        with suppress(OSError):  # another process's rename won: the same rows
+        try:
             partial.rename(folder)
+        except OSError:  # another process's (a torchrun rank's) rename won: the same rows
+            shutil.rmtree(partial, ignore_errors=True)
     return str(folder)
 
 
@@ -656,7 +659,9 @@ def command_line(model: str | None = None, reward_funcs=None, train_dataset=None
     argv = [] if args is None else ["--config", args_file(args)]
     for key, value in {"model": model, "reward": rewards, "data": data, **options}.items():
         flag = "--" + key.replace("_", "-")
-        if value is None:
+        if value == [] and key == "report_to":  # TRL's report_to [] (or "none"): no tracker
+            value = ["none"]
+        if value is None or value == []:
             continue
         if value is True or value is False:  # --flag=true: TRL's flags of no use here are read so too (--bf16=false)
             argv.append(f"{flag}={str(value).lower()}")
@@ -668,9 +673,10 @@ def command_line(model: str | None = None, reward_funcs=None, train_dataset=None
 
 
 def train(model: str | None = None, reward_funcs=None, train_dataset=None, eval_dataset=None, args=None,
-          **options) -> Path:
+          **options) -> Path | None:
     """Run the trainer from Python, as TRL's `GRPOTrainer(model, reward_funcs, args, train_dataset).train()` runs:
-    the run `python trainer.py` makes with these options (`command_line`); returns its --out folder.
+    the run `python trainer.py` makes with these options (`command_line`); returns its --out folder (under torchrun,
+    on rank 0; a rank that writes no run returns None).
     `reward_funcs`: a function (defined at the top level of a module or of the script) or a --reward spec, or a list
     of them; `train_dataset`: a datasets.Dataset or DatasetDict, or a --data value; `args`: TRL's GRPOConfig (or
     a mapping), read as a --config file is; `options`: any option of
@@ -694,7 +700,7 @@ def train(model: str | None = None, reward_funcs=None, train_dataset=None, eval_
     if code:
         raise RuntimeError(f"the run ended with exit code {code} (its error line is above): python trainer.py "
                            + " ".join(argv))
-    return Path(LAST_RUN[0])
+    return Path(LAST_RUN[0]) if LAST_RUN and LAST_RUN[0] else None  # another rank than 0 (torchrun) writes none
 
 
 if __name__ == "__main__":

@@ -50,7 +50,8 @@ from pathlib import Path
 from config import SECTIONS, SIZE_FIELDS, TINY_MODELS, Config
 from infra.tracking import installed_trackers
 from infra.trl_names import (STEP_STRATEGIES, TRL_ALIASES, TRL_BATCH_KEYS, TRL_DIFFERENT, TRL_FIXED, TRL_STEP_KEYS,
-                             TRL_STEPS, TRL_UNUSED, epilog, trl_batch_options, trl_keys, trl_steps)
+                             TRL_STEPS, TRL_UNUSED, epilog, number_of_steps, trl_batch_options, trl_keys,
+                             trl_steps)
 
 GENERATE_CALLS = {"cpu": 2, "accelerator": 1}  # default generate calls per iteration (see derive)
 # Default training micro-batch: 16 toy groups (~1.5 k tokens) in one forward; 2-3 groups of 8 x (256 + 512) tokens
@@ -614,7 +615,10 @@ def file_arguments(path: str, skip: set[str] = frozenset(), note=lambda line: No
     skip = set(skip) | {name for name in rederived if "run_id" in values or name == "reward_weights"}
     if "run_id" in values and "text_prompts" not in values:  # a run record written before --text-prompts: text
         values["text_prompts"] = "chat"  # prompts were always in the chat template; the rerun is that run
-    if (typed_steps or {}).get("max_steps") not in (None, -1, "-1"):  # a typed --max-steps sets the run's length
+    typed_length = (typed_steps or {}).get("max_steps")
+    if typed_length == -1:  # typed TRL's "unset": the file's max_steps is not read (its num_train_epochs is)
+        values.pop("max_steps", None)
+    elif typed_length is not None:  # a typed --max-steps sets the run's length
         for key in ("iterations", "num_train_epochs", "max_steps"):
             values.pop(key, None)
     if values.get("max_steps") not in (None, -1) and "run_id" not in values:  # TRL's run length, in optimizer steps
@@ -741,24 +745,41 @@ def typed_trl_batch(argv: list[str]) -> tuple[dict, list[str]]:
     return found, rest
 
 
-def trl_step_flags(steps: dict, argv: list[str], prog: str, note) -> list[str]:
-    """The flags TRL's step counts in `steps` (TRL_STEP_KEYS, typed or a --config file's) make for the command line
-    `argv` (`trl_steps`: counted in the optimizer steps of an iteration of argv's run); an option of ours for the same
-    thing in argv wins, said in a `note` line. ValueError where max_steps and --iterations, or --num-train-epochs,
-    are typed together (TRL has no --iterations; a file's num_train_epochs gave way in `file_arguments`)."""
-    given = set(_values(build_parser(prog, defaults=False).parse_args(argv)))
-    if steps.get("max_steps") not in (None, -1, "-1"):
-        if "iterations" in given or "num_train_epochs" in given:
-            ours = "--iterations" if "iterations" in given else "--num-train-epochs"
-            raise ValueError(f"--max-steps {steps['max_steps']} and {ours} both set the run's length: give one")
+def trl_step_flags(file_steps: dict, typed_steps: dict, file_flags: list[str], typed: list[str], prog: str,
+                   note) -> list[str]:
+    """The command line: a --config file's flags, then the flags TRL's step counts make (TRL_STEP_KEYS: the file's
+    `file_steps`, and `typed_steps`, each typed key winning over the file's; `trl_steps`, counted in the optimizer
+    steps of an iteration of this run, or of the checkpoint's run it resumes), then the `typed` flags. An option of
+    ours for the same thing wins where it is typed, or where it is in the file and the TRL key is too (a typed TRL
+    key wins over the file's option), said in a `note` line. ValueError where --max-steps and --iterations, or
+    --num-train-epochs, are typed together (TRL has no --iterations; a file's num_train_epochs gave way in
+    `file_arguments`)."""
+    parser = build_parser(prog, defaults=False)
+    typed_given, file_given = set(_values(parser.parse_args(typed))), set(_values(parser.parse_args(file_flags)))
+    steps = {**file_steps, **typed_steps}
+    if typed_steps.get("max_steps", -1) != -1 and typed_given & {"iterations", "num_train_epochs"}:
+        ours = "--iterations" if "iterations" in typed_given else "--num-train-epochs"
+        raise ValueError(f"--max-steps {typed_steps['max_steps']} and {ours} both set the run's length: give one")
     for key, ours in TRL_STEPS.items():
         named = [k for k in (key, STEP_STRATEGIES.get(key)) if k in steps]
-        if ours in given and named:
+        beaten = ours in typed_given or ours in file_given and not any(k in typed_steps for k in named)
+        if named and beaten:
             note(f"ignored TRL's {', '.join(named)}: --{ours.replace('_', '-')} is given")
             steps = {k: v for k, v in steps.items() if k not in named}
-    run = build_parser(prog).parse_args(argv)
-    options = trl_steps(steps, run.updates_per_iteration, run.num_iterations, note)
-    return [f"--{name.replace('_', '-')}={value}" for name, value in options.items()]
+    run = build_parser(prog).parse_args(file_flags + typed)
+    updates, passes = run.updates_per_iteration, run.num_iterations
+    if run.resume is not None:  # a resumed run's iterations are its checkpoint's (infra/checkpoint.py), unless typed
+        from infra.outputs import checkpoints
+        found = (checkpoints(run.out)[-1:] if run.resume == "auto" and run.out else [Path(run.resume)]
+                 if run.resume != "auto" else [])
+        try:
+            saved = json.loads((found[0] / "state.json").read_text())["config"] if found else {}
+        except (OSError, ValueError, KeyError, TypeError):  # not a checkpoint: infra/checkpoint.py says so, later
+            saved = {}
+        updates = updates if "updates_per_iteration" in typed_given else saved.get("updates_per_iteration", updates)
+        passes = passes if "num_iterations" in typed_given else saved.get("num_iterations", passes)
+    options = trl_steps(steps, updates, passes, note)
+    return file_flags + [f"--{name.replace('_', '-')}={value}" for name, value in options.items()] + typed
 
 
 def with_config_file(argv: list[str] | None = None, prog: str = "trainer.py", say: bool = False) -> list[str]:
@@ -773,6 +794,12 @@ def with_config_file(argv: list[str] | None = None, prog: str = "trainer.py", sa
             print(f"periodic-rl: {line}", flush=True)
     unused, argv = typed_trl(argv, TRL_UNUSED)  # typed as for TRL (--bf16, --logging-steps 10): ignored, as a file's
     typed_steps, argv = typed_trl(argv, TRL_STEP_KEYS)  # --max-steps, --save-steps ...: read as iterations below
+    try:  # the counts as numbers: --max-steps=-1 is TRL's "unset", as -1 in a file
+        typed_steps = {key: number_of_steps(key, value) if key in TRL_STEPS else value
+                       for key, value in typed_steps.items()}
+    except ValueError as error:
+        sys.stderr.write(f"{prog}: error: {error}\n")
+        raise SystemExit(2) from None
     if "logging_steps" in unused and "eval_steps" not in typed_steps:  # TRL's eval_steps null: every logging_steps
         typed_steps["logging_steps"] = unused["logging_steps"]
     if unused:
@@ -788,7 +815,7 @@ def with_config_file(argv: list[str] | None = None, prog: str = "trainer.py", sa
             options = trl_batch_options(typed, {}, given, typed_note, Config.group_size)
             argv = [f"--{name.replace('_', '-')}={value}" for name, value in options.items()] + argv
         if path is None and typed_steps:
-            argv = trl_step_flags(typed_steps, argv, prog, typed_note) + argv
+            argv = trl_step_flags({}, typed_steps, [], argv, prog, typed_note)
     except ValueError as error:
         sys.stderr.write(f"{prog}: error: {error}\n")
         raise SystemExit(2) from None
@@ -803,11 +830,11 @@ def with_config_file(argv: list[str] | None = None, prog: str = "trainer.py", sa
     lines: list[str] = []  # said once the file is read: a refused file is not described
     try:
         file_steps: dict = {}
-        argv = file_arguments(path, skip=skip, note=lines.append, typed_batch=typed, typed_steps=typed_steps,
-                              steps=file_steps, rederived={derived for option in given
-                                                           for derived in DERIVED_FROM.get(option, ())}) + argv
-        steps = {**file_steps, **typed_steps}  # a count typed wins over the file's
-        argv = trl_step_flags(steps, argv, prog, lines.append) + argv if steps else argv
+        flags = file_arguments(path, skip=skip, note=lines.append, typed_batch=typed, typed_steps=typed_steps,
+                               steps=file_steps, rederived={derived for option in given
+                                                            for derived in DERIVED_FROM.get(option, ())})
+        argv = (trl_step_flags(file_steps, typed_steps, flags, argv, prog, lines.append)
+                if file_steps or typed_steps else flags + argv)
         for line in lines:
             typed_note(f"--config {path}: {line}")
         return argv

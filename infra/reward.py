@@ -132,7 +132,7 @@ def _importable(folder: Path) -> None:
         sys.path.append(str(folder))
 
 
-def _load_file(path: Path):
+def _load_file(path: Path, function_name: str | None = None):
     """The module of a reward file, registered in sys.modules before it runs, as `import` does (dataclasses, and
     `from __future__ import annotations` with them, look the module up there): under its stem when `import stem`
     finds this very file, else under a name of its own that no package has. Loaded once per process, as import is."""
@@ -157,8 +157,8 @@ def _load_file(path: Path):
     if loaded is not None and is_this_file(getattr(loaded, "__file__", None)):
         return loaded
     script = sys.modules.get("__main__")  # the running script (trainer.train's caller; a spawned process's copy of it)
-    if script is not None and is_this_file(getattr(script, "__file__", None)):
-        return script  # not run a second time
+    if script is not None and is_this_file(getattr(script, "__file__", None)) and hasattr(script, function_name or ""):
+        return script  # not run a second time (a function defined below its `if __name__` block is not there yet)
     module_spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[name] = module
@@ -235,7 +235,7 @@ def load_reward(spec: str) -> Reward:
     _importable(path.resolve().parent if module_name.endswith(".py") else Path.cwd())
     try:
         if module_name.endswith(".py"):
-            module = _load_file(path)
+            module = _load_file(path, function_name)
         else:
             module = importlib.import_module(module_name)
     except ModuleNotFoundError as error:
@@ -495,9 +495,10 @@ def trainer_state(cfg=None, iteration: int = 0, num_examples: int = 0):
 class RewardLogs:
     """What TRL-style rewards log through TRL's `log_metric(name, value)` and `log_extra(column, values)` keywords,
     for one group: each metric's values (the trainer logs their mean over the iteration, as TRL over a logging step)
-    and each extra column's values, one per completion (completions.jsonl gets them, as TRL's completions table).
-    A column of another length than the group's `size`, or logged twice, is refused in the reward's own line: its
-    values could not be matched to the completions (TRL's table would shift them)."""
+    and each extra column's values, one per completion (completions.jsonl gets them, as TRL's completions table),
+    added up over the group's calls as TRL extends them (all at once, or one call per completion). A column that
+    does not end the group with one value per completion is refused (`check`): its values could not be matched to
+    the completions (TRL's table would shift them)."""
     metrics: dict = field(default_factory=dict)  # name -> [value, ...]
     columns: dict = field(default_factory=dict)  # column -> [value per completion]
     size: int | None = None  # completions in the group (set by trl_arguments)
@@ -509,14 +510,17 @@ class RewardLogs:
         self.metrics.setdefault(str(name), []).append(number)
 
     def log_extra(self, column: str, values: list) -> None:
-        values = list(values)
-        if self.size is not None and len(values) != self.size:
-            raise ValueError(f"log_extra({column!r}, ...) got {len(values)} values: it takes one per completion, "
-                             f"{self.size} here")
-        if str(column) in self.columns:
-            raise ValueError(f"log_extra({column!r}, ...) was called twice for one group (by one reward or two): give "
-                             "each column once")
-        self.columns[str(column)] = values
+        self.columns.setdefault(str(column), []).extend(values)
+        if self.size is not None and len(self.columns[str(column)]) > self.size:  # said in the reward's own line
+            raise ValueError(f"log_extra({column!r}, ...): {len(self.columns[str(column)])} values for the group's "
+                             f"{self.size} completions: give one value per completion")
+
+    def check(self, where: str) -> None:
+        """RewardError if a column logged for the group (`where`) has not one value per completion."""
+        for column, values in self.columns.items():
+            if len(values) != self.size:
+                raise RewardError(f"log_extra({column!r}, ...) gave {len(values)} values for the {self.size} "
+                                  f"completions {where}: give one value per completion")
 
 
 def trl_arguments(prompt, answer: str | None, columns: dict, completions: list[str],
@@ -691,6 +695,8 @@ def score_group(rewards: Rewards, prompt, answer: str | None, columns: dict, com
         _close(awaitables)
         raise
     if not awaitables:
+        if logs is not None and arguments is not None:
+            logs.check(_batch_where(arguments))
         return per_reward
     done = _await_all(awaitables, time_limit, labels)
     for i, values in enumerate(per_reward):
@@ -699,6 +705,8 @@ def score_group(rewards: Rewards, prompt, answer: str | None, columns: dict, com
         else:
             per_reward[i] = [_plain_value(v.name, done[v.key], v.where) if isinstance(v, _Pending) else v
                              for v in values]
+    if logs is not None and arguments is not None:
+        logs.check(_batch_where(arguments))
     return per_reward
 
 

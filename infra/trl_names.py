@@ -19,8 +19,8 @@ Read from TRL 1.16: trl/trainer/grpo_config.py (GRPOConfig), transformers' Train
    a --config key, or a flag typed as for TRL (--bf16, --logging-steps 10), is ignored with one line saying why, so
    that a TRL config file or command line runs as it is.
    `TRL_FIXED`: a TRL name for what this trainer does one way only (AdamW's betas, no vLLM, no float16): a --config
-   key at a value that is that way is ignored in the same line (eval_strategy "no" reads as --eval-every 0), any
-   other value is refused in one line naming what to use instead; on the command line it is refused.
+   key at a value that is that way is ignored in the same line, any other value is refused in one line naming what
+   to use instead; on the command line it is refused.
 4. `DEPARTURES`: our defaults that are not TRL's, each with its reason.
 5. `trl_keys`: 1-3 applied to a --config file's keys, with transformers' TrainingArguments keys (`trainer_settings`)
    skipped at their defaults (infra/options.file_arguments calls it).
@@ -28,6 +28,7 @@ Read from TRL 1.16: trl/trainer/grpo_config.py (GRPOConfig), transformers' Train
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import textwrap
 
@@ -353,7 +354,8 @@ def trl_keys(values: dict, skip: set[str], note, known: set[str], group_size: in
     trls = [key for key in values if key not in known or key in TRL_ALIASES]  # the file is TRL's if it has these
     steps = {} if steps is None else steps  # TRL's step counts, read once the optimizer steps per iteration are known
     steps.update({key: values[key] for key in TRL_STEP_KEYS if key in values})
-    if "eval_steps" in steps and "logging_steps" in values:  # TRL's eval_steps null: every logging_steps
+    if ("eval_steps" in steps or "eval_strategy" in steps) and "logging_steps" in values:  # eval_steps unset: every
+        # logging_steps, as transformers reads it
         steps["logging_steps"] = values["logging_steps"]
     values = {key: value for key, value in values.items() if key not in TRL_STEP_KEYS}
     fixed = [key for key, value in values.items() if key in TRL_FIXED and not is_fixed_value(key, value)]
@@ -402,7 +404,7 @@ def number_of_steps(key: str, value) -> int | float:
             pass
     if value is True:  # typed alone: --max-steps
         raise ValueError(f"--{key.replace('_', '-')} needs a number of optimizer steps")
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"{key} takes a number of optimizer steps (got {value!r})")
     return int(value) if isinstance(value, float) and value >= 1 and value == int(value) else value
 

@@ -161,3 +161,28 @@ def test_args_are_a_config_file_and_keywords_win(tmp_path, monkeypatch):
         (1e-5, 4, 3, 16, 2, 7)
     with pytest.raises(ValueError, match="args is a list: give TRL's GRPOConfig or a mapping of options"):
         trainer.command_line("tiny", args=[1])
+
+
+def test_a_scripts_reward_is_found_in_a_spawned_process_too(tmp_path, monkeypatch):
+    """Claim (a review's findings): in a spawned process, where the script is `__mp_main__`, a function of the script
+    is still named by the script's path (config.json recorded '__mp_main__:f', which no command line can load);
+    a reward file that is the running script is not run again, unless the function is not there yet (defined below
+    its `if __name__ == "__main__":` block, which was running); report_to=[] is TRL's "no tracker"."""
+    import types
+
+    from infra.reward import load_reward
+    script = tmp_path / "script.py"
+    script.write_text("def f(prompt, completion, answer):\n    return 1.0\n\n\ndef g(prompt, completion, answer):\n"
+                      "    return 2.0\n")
+    running = types.ModuleType("__mp_main__")
+    running.__file__ = str(script)
+
+    def f(prompt, completion, answer):
+        return 3.0
+    f.__module__, f.__qualname__, running.f = "__mp_main__", "f", f
+    monkeypatch.setitem(sys.modules, "__mp_main__", running)
+    monkeypatch.setitem(sys.modules, "__main__", running)
+    assert trainer.reward_spec(f) == f"{script}:f"
+    assert load_reward(f"{script}:f") is f  # the running script's own function: the file is not run again
+    assert load_reward(f"{script}:g")("", "", "") == 2.0  # not defined in the running script yet: the file's
+    assert trainer.command_line(report_to=[]) == ["--report-to", "none"]

@@ -67,8 +67,9 @@ def test_a_batched_reward_gets_trls_keyword_lists(prompt, answer, columns, compl
     column as a list of G values, and trainer_state; `answer` is the gold answer unless the row has its own `answer`
     column (passed as it is), and not there when the data has none (a prompt-only dataset); a column named
     prompt/completion/completion_ids/trainer_state is left out, as TRL does; and TRL's log_metric and log_extra, into
-    the group's RewardLogs, which refuses a column of another length than the group's, or one logged twice (its values
-    could not be matched to the completions: they were dropped). None means 'not scored' (NaN)."""
+    the group's RewardLogs, where a column adds up over calls, as TRL extends it, and must end the group with one
+    value per completion (its values could not be matched to the completions: they were dropped). None means 'not
+    scored' (NaN)."""
     from infra.reward import RewardLogs
     calls, state, logs = [], object(), RewardLogs()
 
@@ -88,10 +89,22 @@ def test_a_batched_reward_gets_trls_keyword_lists(prompt, answer, columns, compl
     assert (logs.metrics, logs.columns) == ({"my/len": [2.0]}, {"note": ["a", "b"]})
     with pytest.raises(ValueError, match=r"log_metric\('x', nan\): the value must be a finite number"):
         logs.log_metric("x", float("nan"))
-    with pytest.raises(ValueError, match=r"log_extra\('short', ...\) got 1 values: it takes one per completion, 2"):
-        logs.log_extra("short", ["a"])  # its values could not be matched to the completions (were dropped)
-    with pytest.raises(ValueError, match=r"log_extra\('note', ...\) was called twice for one group"):
-        logs.log_extra("note", ["c", "d"])
+    with pytest.raises(ValueError, match=r"log_extra\('note', ...\): 3 values for the group's 2 completions"):
+        logs.log_extra("note", ["c"])  # its values could not be matched to the completions
+    one_by_one = RewardLogs()  # TRL extends a column: one call per completion adds up to the group's
+
+    def per_completion(completions, log_extra, **kwargs):
+        for text in completions:
+            log_extra("text", [text])
+        return [0.0] * len(completions)
+    score_group(Rewards([per_completion], [1.0]), prompt, answer, columns, ["2", "3"], [[5, 0], [6]], logs=one_by_one)
+    assert one_by_one.columns == {"text": completions}  # as the reward got them (messages for a conversation)
+
+    def short(completions, log_extra, **kwargs):
+        log_extra("short", completions[:1])
+        return [0.0] * len(completions)
+    with pytest.raises(RewardError, match=r"log_extra\('short', ...\) gave 1 values for the 2 completions"):
+        score_group(Rewards([short], [1.0]), prompt, answer, columns, ["2", "3"], [[5, 0], [6]], logs=RewardLogs())
 
 
 def reward_len(completions, **kwargs):  # the issue's prompt-only example

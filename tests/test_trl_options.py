@@ -1059,3 +1059,33 @@ def test_trls_save_and_eval_steps_are_whole_iterations(tmp_path, capsys):
         capsys, lambda: parse_yaml(tmp_path, "eval_strategy: epoch\n"))
     assert "save_steps 0.1 (a fraction of the run's steps) has no equivalent here" in refusal(
         capsys, lambda: parse_args(["--save-steps", "0.1"]))
+
+
+def test_trls_step_counts_against_a_file_a_record_and_a_resume(tmp_path, capsys):
+    """Claim (a review's findings): a typed TRL count wins over a --config file's option for the same thing (a run
+    record always holds save_every and eval_every: a typed --save-steps was ignored); a typed --max-steps -1 is TRL's
+    "unset", so the file's num_train_epochs set the run, not its max_steps; eval_strategy 'steps' in a file without
+    eval_steps evaluates every logging_steps; a resumed run counts in its checkpoint's optimizer steps per
+    iteration, not those of the command line (4 here: --max-steps 800 was 800 iterations, not 200); an infinite
+    count is one line, not a traceback."""
+    record = tmp_path / "config.json"
+    record.write_text(json.dumps({"run_id": "x", "model": "tiny", "save_every": 5, "eval_every": 10,
+                                  "iterations": 20}))
+    cfg = parse_args(["--config", str(record), "--save-steps", "100", "--eval-strategy", "no"])
+    assert (cfg.save_every, cfg.eval_every, cfg.iterations) == (100, 0, 20)
+    assert parse_yaml(tmp_path, "save_every: 5\nsave_steps: 100\n").save_every == 5  # in one file: ours wins
+    assert "ignored TRL's save_steps: --save-every is given" in capsys.readouterr().out
+    cfg = parse_yaml(tmp_path, "max_steps: 100\nnum_train_epochs: 3\n", "--max-steps=-1")
+    assert (cfg.num_train_epochs, cfg.iterations) == (3, 60)  # 60: counted from the data once it is read
+    assert parse_yaml(tmp_path, "eval_strategy: steps\nlogging_steps: 5\n").eval_every == 5
+    run = tmp_path / "run"
+    (run / "checkpoint-2").mkdir(parents=True)
+    (run / "checkpoint-2" / "state.json").write_text(json.dumps(
+        {"iterations_done": 2, "config": {"updates_per_iteration": 4, "num_iterations": 1}}))
+    cfg = parse_args(["--resume", "auto", "--out", str(run), "--max-steps", "800", "--save-steps", "100"])
+    assert (cfg.iterations, cfg.save_every) == (200, 25)
+    assert "max_steps 800 as --iterations 200, of 4 optimizer steps each" in capsys.readouterr().out
+    for argv in (["--max-steps", "1e400"], ["--max-steps", "inf"]):
+        assert "max_steps takes a number of optimizer steps" in refusal(capsys, lambda: parse_args(argv))
+    assert "max_steps takes a number of optimizer steps" in refusal(capsys, lambda: parse_yaml(
+        tmp_path, "max_steps: .inf\n"))
