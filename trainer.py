@@ -571,13 +571,20 @@ def reward_spec(function) -> str:
         return function
     name, module = getattr(function, "__qualname__", None), getattr(function, "__module__", None)
     found = getattr(sys.modules.get(module), name, None) if name and module else None
-    if not (callable(function) and name and name.isidentifier() and found is function):
-        raise ValueError(f"reward {function!r}: give a function defined at the top level of a module or of the "
-                         "script (the inference process imports it by name), or its --reward spec")
+    if not (name and name.isidentifier() and found is function) and callable(function):  # an object (a callable
+        # class's instance) at the top level of the script or of its class's module: found by that name
+        homes = [m for m in ("__main__", "__mp_main__", type(function).__module__) if m in sys.modules]
+        name, module = next(((attribute, home) for home in homes for attribute, value in vars(sys.modules[home]).items()
+                             if value is function and attribute.isidentifier()), (None, None))
+    if not (callable(function) and name):
+        raise ValueError(f"reward {function!r}: give a function (or a callable object) defined at the top level of a "
+                         "module or of the script, which the inference process imports by name (for a lambda or a "
+                         "partial: `def reward(completions, **kwargs): return ...` at the top level), or its "
+                         "--reward spec")
     if module not in ("__main__", "__mp_main__"):  # __mp_main__: the script, imported again in a spawned process
         return f"{module}:{name}"
     path = getattr(sys.modules[module], "__file__", None)
-    if path is None:  # a notebook or an interactive session: nothing another process can import
+    if path is None or not Path(path).is_file():  # a notebook, `python -c`, a script read from stdin
         raise ValueError(f"reward {name!r} is defined in an interactive session, which the inference process cannot "
                          "import: put it in a .py file and give the function from there (or its 'file.py:name')")
     return f"{path}:{name}"
@@ -657,6 +664,11 @@ def command_line(model: str | None = None, reward_funcs=None, train_dataset=None
         reward_spec(f) for f in (reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])]
     data = None if train_dataset is None else data_folder(train_dataset, eval_dataset)
     argv = [] if args is None else ["--config", args_file(args)]
+    values = (args.to_dict() if hasattr(args, "to_dict") else args) if args is not None else {}
+    if rewards is not None and values.get("reward_weights") is not None:  # the args' weights go with these rewards
+        options.setdefault("reward_weights", values["reward_weights"])  # (a typed --reward re-derives a file's)
+    if values.get("resume_from_checkpoint") not in (None, False):  # TRL's scripts pass it to trainer.train(): a
+        options.setdefault("resume_from_checkpoint", values["resume_from_checkpoint"])  # file alone never resumes
     for key, value in {"model": model, "reward": rewards, "data": data, **options}.items():
         flag = "--" + key.replace("_", "-")
         if value == [] and key == "report_to":  # TRL's report_to [] (or "none"): no tracker
@@ -693,12 +705,25 @@ def train(model: str | None = None, reward_funcs=None, train_dataset=None, eval_
     except ValueError as error:  # a reward or dataset no other process can find: the caller's mistake, said so
         raise ValueError(f"train: {error}") from None
     LAST_RUN.clear()
+    script = sys.modules.get("__main__")
+    unreadable = getattr(script, "__file__", None) and not Path(script.__file__).is_file()  # `python < script.py`
+    if unreadable:  # multiprocessing's spawn would run the script's path again: like `python -c`, it imports nothing
+        saved = script.__file__
+        del script.__file__
     try:
         code = main(argv)
     except SystemExit as stop:  # a bad option: argparse's one line is on stderr
         code = stop.code
+    finally:
+        if unreadable:
+            script.__file__ = saved
+    if code == 128 + signal.SIGINT:  # Ctrl-C: the run stopped (its line is above), as a script expects of Ctrl-C
+        raise KeyboardInterrupt
+    if code and code > 128:  # SIGTERM, SIGHUP: the process was asked to stop
+        raise SystemExit(code)
     if code:
-        raise RuntimeError(f"the run ended with exit code {code} (its error line is above): python trainer.py "
+        raise RuntimeError(f"the run ended with exit code {code} (its error line is above; the options it names are "
+                           "train's keywords, with _ for -: --resume auto is resume='auto'): python trainer.py "
                            + " ".join(argv))
     return Path(LAST_RUN[0]) if LAST_RUN and LAST_RUN[0] else None  # another rank than 0 (torchrun) writes none
 

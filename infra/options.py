@@ -50,8 +50,8 @@ from pathlib import Path
 from config import SECTIONS, SIZE_FIELDS, TINY_MODELS, Config
 from infra.tracking import installed_trackers
 from infra.trl_names import (STEP_STRATEGIES, TRL_ALIASES, TRL_BATCH_KEYS, TRL_DIFFERENT, TRL_FIXED, TRL_STEP_KEYS,
-                             TRL_STEPS, TRL_UNUSED, epilog, number_of_steps, trl_batch_options, trl_keys,
-                             trl_steps)
+                             TRL_STEPS, TRL_UNUSED, epilog, is_fixed_value, number_of_steps, trl_batch_options,
+                             trl_keys, trl_steps)
 
 GENERATE_CALLS = {"cpu": 2, "accelerator": 1}  # default generate calls per iteration (see derive)
 # Default training micro-batch: 16 toy groups (~1.5 k tokens) in one forward; 2-3 groups of 8 x (256 + 512) tokens
@@ -802,10 +802,29 @@ def with_config_file(argv: list[str] | None = None, prog: str = "trainer.py", sa
         raise SystemExit(2) from None
     if "logging_steps" in unused and "eval_steps" not in typed_steps:  # TRL's eval_steps null: every logging_steps
         typed_steps["logging_steps"] = unused["logging_steps"]
+    fixed, argv = typed_trl(argv, TRL_FIXED)  # --use-vllm false: ignored at what this trainer does, as in a file
+    for key, value in fixed.items():
+        value = BOOL_WORDS.get(value.lower(), value) if isinstance(value, str) else value
+        if not is_fixed_value(key, value):
+            sys.stderr.write(f"{prog}: error: {unknown_option('--' + key.replace('_', '-'))}\n")
+            raise SystemExit(2)
+        unused[key] = value
+    if typed_steps.get("max_steps", -1) != -1:  # TRL's max_steps wins over its num_train_epochs, typed too
+        epochs, argv = typed_trl(argv, ("num_train_epochs",))
+        if epochs:
+            typed_note(f"ignored --num-train-epochs {epochs['num_train_epochs']}: --max-steps sets the run's length, "
+                       "as in TRL")
+    if isinstance(unused.get("bf16"), str) and BOOL_WORDS.get(unused["bf16"].lower()) is False \
+            and not any(token.split("=")[0] in ("--dtype", "--torch-dtype") for token in argv):
+        argv = ["--dtype=float32", *argv]  # TRL computes in float32 then
+        typed_note("took TRL's --bf16 false as --dtype float32 (TRL computes in float32 then)")
+        del unused["bf16"]
     if unused:
         reasons: dict[str, list[str]] = {}
         for key in unused:
-            reasons.setdefault(TRL_UNUSED[key], []).append(f"--{key.replace('_', '-')}")
+            why = TRL_UNUSED[key] if key in TRL_UNUSED else f"here {TRL_FIXED[key][1]}"
+            reasons.setdefault(why, []).append(f"--{key.replace('_', '-')}" + (f" {unused[key]}" if key in fixed
+                                                                               else ""))
         typed_note("ignored TRL's " + "; ".join(f"{', '.join(flags)}: {why}" for why, flags in reasons.items()))
     try:
         typed, argv = typed_trl_batch(argv)

@@ -58,7 +58,8 @@ VLLM_KEYS = ("vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_ser
 TRL_UNUSED = {
     "logging_steps": "every iteration is logged (a line and a metrics.jsonl row, sent to --report-to)",
     "push_to_hub": "<out>/policy is a Hugging Face model directory; upload it with `hf upload`",
-    "bf16": "--dtype auto computes in bfloat16 where the device does so natively (--dtype bfloat16 forces it)",
+    "bf16": "--dtype auto computes in bfloat16 where the device does so natively (--dtype bfloat16 forces it; "
+            "bf16 false is --dtype float32)",
     "max_prompt_length": "prompts are never cut; one too long for the model is refused at start-up",
     "logging_strategy": "every iteration is logged (a line and a metrics.jsonl row, sent to --report-to)",
     "logging_first_step": "every iteration is logged, the first one too",
@@ -70,6 +71,9 @@ TRL_UNUSED = {
     "logging_dir": "--report-to tensorboard writes to <out>/runs",
     "remove_unused_columns": "every dataset column is kept and passed to a TRL-style reward by keyword",
     "overwrite_output_dir": "a --config file never replaces a run: --overwrite on the command line does",
+    **dict.fromkeys(("do_train", "do_eval", "do_predict"), "transformers' example scripts' switches, which its "
+                    "Trainer does not read (TrainingArguments sets do_eval under eval_strategy): evaluation here "
+                    "is --eval-every"),
     **dict.fromkeys(("hub_model_id", "hub_strategy", "hub_private_repo", "hub_token", "push_to_hub_token",
                      "push_to_hub_model_id", "push_to_hub_organization"),
                     "nothing is pushed (push_to_hub); upload <out>/policy with `hf upload`"),
@@ -366,6 +370,9 @@ def trl_keys(values: dict, skip: set[str], note, known: set[str], group_size: in
     if unused:
         note(unused_line(unused))
     values = {key: value for key, value in values.items() if key not in unused}
+    if unused.get("bf16") is False and not {"dtype", "torch_dtype"} & (set(values) | set(skip)):  # TRL: float32
+        values = {"dtype": "float32", **values}
+        note("took TRL's bf16 false as --dtype float32 (TRL computes in float32 then)")
     trl_batch_keys = {**{key: values.pop(key) for key in TRL_BATCH_KEYS if key in values}, **(typed_batch or {})}
     if trl_batch_keys:
         values = {**trl_batch_options(trl_batch_keys, values, skip, note, group_size), **values}

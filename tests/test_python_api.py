@@ -47,9 +47,9 @@ def test_a_reward_function_is_found_by_name_in_every_process():
     def nested(prompt, completion, answer):
         return 0.0
     for function in (lambda prompt, completion, answer: 0.0, nested, functools.partial(rewards.digit_fraction)):
-        with pytest.raises(ValueError, match="give a function defined at the top level of a module or of the script"):
+        with pytest.raises(ValueError, match=r"give a function \(or a callable object\) defined at the top level"):
             trainer.reward_spec(function)
-    with pytest.raises(ValueError, match="^train: reward .*: give a function defined at the top level"):
+    with pytest.raises(ValueError, match=r"^train: reward .*: give a function \(or a callable object\) defined"):
         trainer.train("tiny", reward_funcs=nested)
 
 
@@ -186,3 +186,61 @@ def test_a_scripts_reward_is_found_in_a_spawned_process_too(tmp_path, monkeypatc
     assert load_reward(f"{script}:f") is f  # the running script's own function: the file is not run again
     assert load_reward(f"{script}:g")("", "", "") == 2.0  # not defined in the running script yet: the file's
     assert trainer.command_line(report_to=[]) == ["--report-to", "none"]
+
+
+def test_a_callable_object_and_the_args_weights_and_resume(tmp_path, monkeypatch):
+    """Claim (a TRL user's findings): a callable object at the top level of a module is found by its name there (it
+    was refused); the args' reward_weights go with the rewards given to train (a typed --reward re-derives a file's
+    weights: they were dropped silently), and its resume_from_checkpoint resumes, as TRL's scripts pass it on to
+    trainer.train (a --config file alone never resumes)."""
+    from infra.reward import load_reward
+    assert trainer.reward_spec(rewards.scaled_half) == "rewards:scaled_half"
+    assert load_reward("rewards:scaled_half") is rewards.scaled_half
+    monkeypatch.setenv("PERIODIC_RL_CACHE", str(tmp_path))
+    argv = trainer.command_line("tiny", reward_funcs=["math", "math-verify"],
+                                args={"reward_weights": [1.0, 0.5], "resume_from_checkpoint": True,
+                                      "output_dir": str(tmp_path / "run")})
+    cfg = parse_args(argv)
+    assert (cfg.reward, cfg.reward_weights, cfg.resume) == (["math", "math-verify"], [1.0, 0.5], "auto")
+
+
+STDIN_SCRIPT = '''
+import sys
+sys.path.insert(0, {root!r})
+import trainer
+if __name__ == "__main__":
+    try:
+        trainer.train("tiny", "math", data="arithmetic", mode="async", iterations={iterations}, batch_size=16,
+                      group_size=4, max_new_tokens=4, eval_every=0, groups_per_chunk=2, micro_batch_tokens=64,
+                      rollout_threads=1, train_threads=1, out={out!r})
+    except KeyboardInterrupt:
+        print("KeyboardInterrupt", flush=True)
+        raise SystemExit(130)
+    print("OUT done")
+'''
+
+
+@pytest.mark.slow  # process-level: trainer.train with its inference process, from a script read on stdin
+def test_train_from_stdin_runs_and_ctrl_c_is_a_keyboard_interrupt(tmp_path):
+    """Claim (a TRL user's findings): a script read from stdin (`python < script.py`, as a notebook's cell is not a
+    file either) runs train in async mode: multiprocessing's spawn would run the script's path, '<stdin>', again, and
+    the inference process died with a traceback; Ctrl-C during train is the KeyboardInterrupt a script expects
+    (it was a RuntimeError naming exit code 130), after the run stopped and said so, nothing left running."""
+    import signal
+    import time
+    env = {**os.environ, "PERIODIC_RL_CACHE": os.environ.get("PERIODIC_RL_CACHE", str(ROOT / ".cache" / "periodic-rl"))}
+    done = subprocess.run([sys.executable], input=STDIN_SCRIPT.format(root=str(ROOT), iterations=2,
+                                                                      out=str(tmp_path / "a")),
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "OUT done" in done.stdout and "overlap" in done.stdout, done.stderr[-2000:]
+    (tmp_path / "long.py").write_text(STDIN_SCRIPT.format(root=str(ROOT), iterations=100_000,
+                                                          out=str(tmp_path / "b")))
+    run = subprocess.Popen([sys.executable, str(tmp_path / "long.py")], cwd=tmp_path, env=env, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "b" / "metrics.jsonl").exists() or not (tmp_path / "b" / "metrics.jsonl").read_text():
+        assert time.monotonic() < deadline and run.poll() is None
+        time.sleep(0.2)
+    run.send_signal(signal.SIGINT)
+    out, err = run.communicate(timeout=60)
+    assert run.returncode == 130 and "KeyboardInterrupt" in out and "interrupted by SIGINT" in err, (out, err)

@@ -697,12 +697,14 @@ def test_transformers_trainer_settings_at_their_defaults_are_skipped(tmp_path, c
     dataloader_num_workers, ...) are skipped at their defaults (read from the installed transformers) with one line,
     and refused at another value in one line naming each; TRL's ModelConfig keys at their defaults are skipped too
     (model_revision main, load_in_4bit false, ...) and torch_dtype is dtype. Before, each was an unknown option."""
-    cfg = parse_yaml(tmp_path, "do_eval: false\nuse_liger_kernel: false\ndataloader_num_workers: 0\n"
+    cfg = parse_yaml(tmp_path, "dataloader_pin_memory: true\nuse_liger_kernel: false\ndataloader_num_workers: 0\n"
                                "model_revision: main\nload_in_4bit: false\ntorch_dtype: float32\n")
     assert cfg.dtype == "float32"
     out = capsys.readouterr().out
-    assert "ignored transformers' TrainingArguments do_eval, use_liger_kernel, dataloader_num_workers: at their " \
-           "defaults" in out and "model_revision 'main'" in out, out
+    assert "ignored transformers' TrainingArguments dataloader_pin_memory, use_liger_kernel, dataloader_num_workers: " \
+           "at their defaults" in out and "model_revision 'main'" in out, out
+    assert parse_yaml(tmp_path, "eval_strategy: steps\ndo_eval: true\n").eval_every == 10  # as TrainingArguments
+    assert "ignored TRL's do_eval: transformers' example scripts' switches" in capsys.readouterr().out  # sets it
     err = refusal(capsys, lambda: parse_yaml(tmp_path, "use_liger_kernel: true\ntorch_compile: true\n"))
     assert "use_liger_kernel: True is a setting of transformers' Trainer" in err and "torch_compile: True" in err
     assert "hf download MODEL --revision R" in refusal(capsys, lambda: parse_yaml(tmp_path, "model_revision: v2\n"))
@@ -995,8 +997,8 @@ def test_trls_max_steps_is_the_runs_optimizer_steps(tmp_path, capsys):
     """Claim (TRL's max_steps, save_steps and eval_steps count optimizer steps; they were refused as meaning something
     else here): --max-steps N runs N / (--updates-per-iteration x --num-iterations) iterations, so the learning-rate
     schedule, and the TrainerState a reward sees, has TRL's N optimizer steps; said in a line. A count that is not a
-    whole number of iterations is one line naming the two nearest that are; typed beside --iterations or
-    --num-train-epochs it is one line; a bare --max-steps is one line."""
+    whole number of iterations is one line naming the two nearest that are; typed beside --iterations it is one line,
+    beside --num-train-epochs it wins, as in TRL; a bare --max-steps is one line."""
     from infra.options import schedule_lengths
     cfg = parse_args(["--max-steps", "40", "--updates-per-iteration", "4", "--batch-size", "32", "--group-size", "4"])
     assert cfg.iterations == 10 and schedule_lengths(cfg)[1] == 40
@@ -1008,8 +1010,11 @@ def test_trls_max_steps_is_the_runs_optimizer_steps(tmp_path, capsys):
         ["--max-steps", "10", "--updates-per-iteration", "4", "--batch-size", "32", "--group-size", "4"]))
     assert "give max_steps 4, or --iterations" in refusal(capsys, lambda: parse_args(
         ["--max-steps", "3", "--num-iterations", "4"]))
-    for ours in (["--iterations", "3"], ["--num-train-epochs", "1"]):
-        assert "both set the run's length: give one" in refusal(capsys, lambda: parse_args(["--max-steps", "6", *ours]))
+    assert "both set the run's length: give one" in refusal(capsys, lambda: parse_args(["--max-steps", "6",
+                                                                                        "--iterations", "3"]))
+    cfg = parse_args(["--max-steps", "6", "--num-train-epochs", "1"])  # TRL's max_steps wins, typed too
+    assert (cfg.iterations, cfg.num_train_epochs) == (6, None)
+    assert "ignored --num-train-epochs 1: --max-steps sets the run's length, as in TRL" in capsys.readouterr().out
     assert "--max-steps needs a number of optimizer steps" in refusal(capsys, lambda: parse_args(["--max-steps"]))
     assert "max_steps takes a number of optimizer steps (got 'x')" in refusal(capsys, lambda: parse_args(
         ["--max-steps", "x"]))
@@ -1089,3 +1094,18 @@ def test_trls_step_counts_against_a_file_a_record_and_a_resume(tmp_path, capsys)
         assert "max_steps takes a number of optimizer steps" in refusal(capsys, lambda: parse_args(argv))
     assert "max_steps takes a number of optimizer steps" in refusal(capsys, lambda: parse_yaml(
         tmp_path, "max_steps: .inf\n"))
+
+
+def test_trl_flags_typed_at_what_this_trainer_does_run(capsys):
+    """Claim (a TRL user's finding: the command line was stricter than a file): a TRL switch typed at what this
+    trainer does (--use_vllm false, --optim adamw_torch, --adam-beta1 0.9) is ignored with a line, as in a file;
+    at another value it is one line; --bf16 false, typed or in a file, is --dtype float32, as TRL computes then
+    (it was ignored: --dtype auto would compute in bf16 on a GPU); a --dtype given wins."""
+    assert parse_args(["--use_vllm", "false", "--optim", "adamw_torch", "--adam-beta1", "0.9"]).iterations == 60
+    out = capsys.readouterr().out
+    assert "ignored TRL's --use-vllm False: here sampling runs" in out and "--adam-beta1 0.9" in out, out
+    assert "--use-vllm is TRL's; here sampling runs" in refusal(capsys, lambda: parse_args(["--use-vllm", "true"]))
+    assert parse_args(["--bf16", "false", "--device", "cpu"]).dtype == "float32"
+    assert "took TRL's --bf16 false as --dtype float32" in capsys.readouterr().out
+    assert parse_args(["--bf16=False", "--dtype", "bfloat16"]).dtype == "bfloat16"
+    assert parse_args(["--bf16", "--dtype", "bfloat16"]).dtype == "bfloat16"
