@@ -21,7 +21,6 @@ import dataclasses
 import json
 import math
 import os
-import shutil
 import signal
 import sys
 import time
@@ -558,137 +557,11 @@ def kept_on_stop(cfg: Config | None, ranks, failed_save: Exception | None) -> st
 
 
 # --- from Python: TRL's GRPOTrainer(...).train(), as one call ---
-def reward_spec(function) -> str:
-    """The --reward spec every process finds `function` by: 'module:name' for a function at the top level of an
-    importable module, 'path/to/script.py:name' for one of the running script (spawned processes import it under
-    its own name, where `if __name__ == "__main__":` keeps its run from starting again); a str is one already.
-    ValueError for what no other process can find by name (a lambda, a nested function, an object).
-
-    >>> reward_spec("math"), reward_spec(json.dumps)
-    ('math', 'json:dumps')
-    """
-    if isinstance(function, str):
-        return function
-    name, module = getattr(function, "__qualname__", None), getattr(function, "__module__", None)
-    found = getattr(sys.modules.get(module), name, None) if name and module else None
-    if not (name and name.isidentifier() and found is function) and callable(function):  # an object (a callable
-        # class's instance) at the top level of the script or of its class's module: found by that name
-        homes = [m for m in ("__main__", "__mp_main__", type(function).__module__) if m in sys.modules]
-        name, module = next(((attribute, home) for home in homes for attribute, value in vars(sys.modules[home]).items()
-                             if value is function and attribute.isidentifier()), (None, None))
-    if not (callable(function) and name):
-        raise ValueError(f"reward {function!r}: give a function (or a callable object) defined at the top level of a "
-                         "module or of the script, which the inference process imports by name (for a lambda or a "
-                         "partial: `def reward(completions, **kwargs): return ...` at the top level), or its "
-                         "--reward spec")
-    if module not in ("__main__", "__mp_main__"):  # __mp_main__: the script, imported again in a spawned process
-        return f"{module}:{name}"
-    path = getattr(sys.modules[module], "__file__", None)
-    if path is None or not Path(path).is_file():  # a notebook, `python -c`, a script read from stdin
-        raise ValueError(f"reward {name!r} is defined in an interactive session, which the inference process cannot "
-                         "import: put it in a .py file and give the function from there (or its 'file.py:name')")
-    return f"{path}:{name}"
-
-
-def data_folder(dataset, eval_dataset=None) -> str:
-    """A --data folder holding a datasets.Dataset (or DatasetDict) given in Python, with `eval_dataset` as its test
-    split: written once by datasets' save_to_disk under $PERIODIC_RL_CACHE/datasets, named by the data's
-    fingerprints (datasets' hash of its contents and history), so that every process, a resume and a rerun of
-    config.json read the same rows. A str or path is a --data value already."""
-    import hashlib
-
-    import datasets
-
-    from infra.models import cache_root
-    if isinstance(dataset, (str, os.PathLike)) and eval_dataset is None:
-        return str(dataset)
-    if eval_dataset is not None:
-        if not isinstance(dataset, datasets.Dataset) or not isinstance(eval_dataset, datasets.Dataset):
-            raise ValueError("eval_dataset goes with a train_dataset that is a datasets.Dataset: give both as "
-                             "Datasets, or one DatasetDict with a 'test' split")
-        dataset = datasets.DatasetDict({"train": dataset, "test": eval_dataset})
-    if isinstance(dataset, datasets.Dataset):
-        prints = [dataset._fingerprint]
-    elif isinstance(dataset, datasets.DatasetDict):
-        prints = [f"{split}={part._fingerprint}" for split, part in sorted(dataset.items())]
-    else:
-        raise ValueError(f"train_dataset is a {type(dataset).__name__}: give a datasets.Dataset or DatasetDict, or "
-                         "a --data value (a hub id, a folder, a file)")
-    folder = cache_root() / "datasets" / hashlib.sha1(" ".join(prints).encode()).hexdigest()[:16]
-    if not folder.exists():  # written beside, then renamed: a folder there is whole
-        partial = folder.with_name(f"{folder.name}.{os.getpid()}.partial")
-        shown = datasets.is_progress_bar_enabled()
-        datasets.disable_progress_bars()  # a copy into the cache: no bar of its own in the run's log
-        try:
-            dataset.save_to_disk(str(partial))
-        finally:
-            if shown:
-                datasets.enable_progress_bars()
-        try:
-            partial.rename(folder)
-        except OSError:  # another process's (a torchrun rank's) rename won: the same rows
-            shutil.rmtree(partial, ignore_errors=True)
-    return str(folder)
-
-
-def args_file(args) -> str:
-    """A --config file holding `args`, TRL's GRPOConfig (what its to_dict() writes) or a mapping of options: written
-    once under $PERIODIC_RL_CACHE/configs, named by its contents, so that a rerun of the run's command finds it."""
-    import hashlib
-
-    from infra.models import cache_root
-    values = args.to_dict() if hasattr(args, "to_dict") else args
-    if not isinstance(values, dict):
-        raise ValueError(f"args is a {type(args).__name__}: give TRL's GRPOConfig or a mapping of options")
-    text = json.dumps(values, sort_keys=True, default=str)
-    path = cache_root() / "configs" / f"{hashlib.sha1(text.encode()).hexdigest()[:16]}.json"
-    if not path.exists():
-        outputs.make_directory(path.parent, "the config cache ($PERIODIC_RL_CACHE)")
-        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-        partial.write_text(text)
-        partial.rename(path)
-    return str(path)
-
-
-def command_line(model: str | None = None, reward_funcs=None, train_dataset=None, eval_dataset=None, args=None,
-                 **options) -> list[str]:
-    """`train`'s arguments as trainer.py's command line: reward functions as their --reward specs (`reward_spec`),
-    a dataset as its --data folder (`data_folder`), `args` as a --config file (`args_file`), each option as
-    --name=value (True/False as true/false, a list as its values, a mapping as JSON), which wins over args' as a
-    typed option over a file's; None leaves an option at its default.
-
-    >>> command_line("tiny", "math", learning_rate=1e-5, log_completions=True, report_to=["none"])
-    ['--model=tiny', '--reward', 'math', '--learning-rate=1e-05', '--log-completions=true', '--report-to', 'none']
-    """
-    rewards = None if reward_funcs is None else [
-        reward_spec(f) for f in (reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])]
-    data = None if train_dataset is None else data_folder(train_dataset, eval_dataset)
-    argv = [] if args is None else ["--config", args_file(args)]
-    values = (args.to_dict() if hasattr(args, "to_dict") else args) if args is not None else {}
-    if rewards is not None and values.get("reward_weights") is not None:  # the args' weights go with these rewards
-        options.setdefault("reward_weights", values["reward_weights"])  # (a typed --reward re-derives a file's)
-    if values.get("resume_from_checkpoint") not in (None, False):  # TRL's scripts pass it to trainer.train(): a
-        options.setdefault("resume_from_checkpoint", values["resume_from_checkpoint"])  # file alone never resumes
-    for key, value in {"model": model, "reward": rewards, "data": data, **options}.items():
-        flag = "--" + key.replace("_", "-")
-        if value == [] and key == "report_to":  # TRL's report_to [] (or "none"): no tracker
-            value = ["none"]
-        if value is None or value == []:
-            continue
-        if value is True or value is False:  # --flag=true: TRL's flags of no use here are read so too (--bf16=false)
-            argv.append(f"{flag}={str(value).lower()}")
-        elif isinstance(value, (list, tuple)):
-            argv += [flag, *map(str, value)]
-        else:
-            argv.append(f"{flag}={json.dumps(value) if isinstance(value, dict) else value}")
-    return argv
-
-
 def train(model: str | None = None, reward_funcs=None, train_dataset=None, eval_dataset=None, args=None,
           **options) -> Path | None:
     """Run the trainer from Python, as TRL's `GRPOTrainer(model, reward_funcs, args, train_dataset).train()` runs:
-    the run `python trainer.py` makes with these options (`command_line`); returns its --out folder (under torchrun,
-    on rank 0; a rank that writes no run returns None).
+    the run `python trainer.py` makes with these options (infra/python_args.command_line); returns its --out folder
+    (under torchrun, on rank 0; a rank that writes no run returns None).
     `reward_funcs`: a function (defined at the top level of a module or of the script) or a --reward spec, or a list
     of them; `train_dataset`: a datasets.Dataset or DatasetDict, or a --data value; `args`: TRL's GRPOConfig (or
     a mapping), read as a --config file is; `options`: any option of
@@ -701,6 +574,7 @@ def train(model: str | None = None, reward_funcs=None, train_dataset=None, eval_
              split="train"), learning_rate=1e-6, max_steps=100)
     """
     try:
+        from infra.python_args import command_line
         argv = command_line(model, reward_funcs, train_dataset, eval_dataset, args, **options)
     except ValueError as error:  # a reward or dataset no other process can find: the caller's mistake, said so
         raise ValueError(f"train: {error}") from None

@@ -13,6 +13,7 @@ import torch
 
 import rewards
 import trainer
+from infra import python_args
 from infra.options import parse_args
 from infra.tasks import arithmetic_examples
 
@@ -23,9 +24,10 @@ def test_options_are_keywords_ours_or_trls():
     """Claim: train's keywords are trainer.py's options with _ for -, ours or TRL's (the batch keys, max_steps, a
     flag of no use here such as bf16), booleans as true/false, lists as values, a mapping as JSON: the Config parsed
     from them is the one the typed command line gives."""
-    argv = trainer.command_line("tiny", "math", learning_rate=1e-5, num_generations=4, per_device_train_batch_size=8,
-                                steps_per_generation=2, max_steps=6, log_completions=True, bf16=True,
-                                disable_dropout=False, report_to=["none"], chat_template_kwargs={"a": 1})
+    argv = python_args.command_line("tiny", "math", learning_rate=1e-5, num_generations=4,
+                                    per_device_train_batch_size=8, steps_per_generation=2, max_steps=6,
+                                    log_completions=True, bf16=True, disable_dropout=False, report_to=["none"],
+                                    chat_template_kwargs={"a": 1})
     typed = ["--model", "tiny", "--reward", "math", "--learning-rate", "1e-5", "--num-generations", "4",
              "--per-device-train-batch-size", "8", "--steps-per-generation", "2", "--max-steps", "6",
              "--log-completions", "--bf16", "--no-disable-dropout", "--report-to", "none",
@@ -40,15 +42,15 @@ def test_a_reward_function_is_found_by_name_in_every_process():
     """Claim: a reward function given as a Python object becomes the --reward spec the inference process imports it
     by ('module:name'); a str is a spec already; what no other process can find by name (a lambda, a nested
     function, a partial) is refused in one line saying what to give instead."""
-    assert trainer.reward_spec(rewards.digit_fraction) == "rewards:digit_fraction"
-    assert trainer.command_line(reward_funcs=[rewards.digit_count, "math"]) == ["--reward", "rewards:digit_count",
+    assert python_args.reward_spec(rewards.digit_fraction) == "rewards:digit_fraction"
+    assert python_args.command_line(reward_funcs=[rewards.digit_count, "math"]) == ["--reward", "rewards:digit_count",
                                                                                "math"]
 
     def nested(prompt, completion, answer):
         return 0.0
     for function in (lambda prompt, completion, answer: 0.0, nested, functools.partial(rewards.digit_fraction)):
         with pytest.raises(ValueError, match=r"give a function \(or a callable object\) defined at the top level"):
-            trainer.reward_spec(function)
+            python_args.reward_spec(function)
     with pytest.raises(ValueError, match=r"^train: reward .*: give a function \(or a callable object\) defined"):
         trainer.train("tiny", reward_funcs=nested)
 
@@ -61,17 +63,18 @@ def test_a_dataset_is_written_once_where_every_process_reads_it(tmp_path, monkey
     monkeypatch.setenv("PERIODIC_RL_CACHE", str(tmp_path))
     rows = [{"question": example.prompt, "answer": example.answer} for example in arithmetic_examples("train")[:8]]
     dataset = datasets.Dataset.from_list(rows)
-    folder = Path(trainer.data_folder(dataset))
+    folder = Path(python_args.data_folder(dataset))
     assert folder.parent == tmp_path / "datasets" and datasets.load_from_disk(str(folder)).to_list() == rows
     written = folder.stat().st_mtime_ns
-    assert trainer.data_folder(datasets.Dataset.from_list(rows)) == str(folder) and folder.stat().st_mtime_ns == written
-    assert trainer.data_folder(datasets.Dataset.from_list(rows[:4])) != str(folder)
-    both = datasets.load_from_disk(trainer.data_folder(dataset, datasets.Dataset.from_list(rows[:2])))
+    assert python_args.data_folder(datasets.Dataset.from_list(rows)) == str(folder)
+    assert folder.stat().st_mtime_ns == written
+    assert python_args.data_folder(datasets.Dataset.from_list(rows[:4])) != str(folder)
+    both = datasets.load_from_disk(python_args.data_folder(dataset, datasets.Dataset.from_list(rows[:2])))
     assert sorted(both) == ["test", "train"] and both["test"].to_list() == rows[:2]
-    assert trainer.data_folder("gsm8k") == "gsm8k"
+    assert python_args.data_folder("gsm8k") == "gsm8k"
     assert not list((tmp_path / "datasets").glob("*.partial"))
     with pytest.raises(ValueError, match="train_dataset is a list: give a datasets.Dataset or DatasetDict"):
-        trainer.data_folder(rows)
+        python_args.data_folder(rows)
 
 
 SCRIPT = '''
@@ -80,6 +83,7 @@ import sys
 sys.path.insert(0, {root!r})
 import datasets
 import trainer
+from infra import python_args
 
 with open(os.environ["IMPORTS_LOG"], "a") as log:  # once per process that imports this script
     log.write(f"{{os.getpid()}}\\n")
@@ -153,14 +157,14 @@ def test_args_are_a_config_file_and_keywords_win(tmp_path, monkeypatch):
         def to_dict(self):
             return {"learning_rate": 1e-5, "num_generations": 4, "max_steps": 6, "per_device_train_batch_size": 8,
                     "steps_per_generation": 2, "seed": 42}
-    argv = trainer.command_line("tiny", args=Args(), seed=7)
+    argv = python_args.command_line("tiny", args=Args(), seed=7)
     assert argv[0] == "--config" and Path(argv[1]).parent == tmp_path / "configs"
-    assert trainer.command_line("tiny", args=Args(), seed=7) == argv  # the same file, not another
+    assert python_args.command_line("tiny", args=Args(), seed=7) == argv  # the same file, not another
     cfg = parse_args(argv)
     assert (cfg.lr, cfg.group_size, cfg.iterations, cfg.batch_size, cfg.updates_per_iteration, cfg.seed) == \
         (1e-5, 4, 3, 16, 2, 7)
     with pytest.raises(ValueError, match="args is a list: give TRL's GRPOConfig or a mapping of options"):
-        trainer.command_line("tiny", args=[1])
+        python_args.command_line("tiny", args=[1])
 
 
 def test_a_scripts_reward_is_found_in_a_spawned_process_too(tmp_path, monkeypatch):
@@ -182,10 +186,10 @@ def test_a_scripts_reward_is_found_in_a_spawned_process_too(tmp_path, monkeypatc
     f.__module__, f.__qualname__, running.f = "__mp_main__", "f", f
     monkeypatch.setitem(sys.modules, "__mp_main__", running)
     monkeypatch.setitem(sys.modules, "__main__", running)
-    assert trainer.reward_spec(f) == f"{script}:f"
+    assert python_args.reward_spec(f) == f"{script}:f"
     assert load_reward(f"{script}:f") is f  # the running script's own function: the file is not run again
     assert load_reward(f"{script}:g")("", "", "") == 2.0  # not defined in the running script yet: the file's
-    assert trainer.command_line(report_to=[]) == ["--report-to", "none"]
+    assert python_args.command_line(report_to=[]) == ["--report-to", "none"]
 
 
 def test_a_callable_object_and_the_args_weights_and_resume(tmp_path, monkeypatch):
@@ -194,10 +198,10 @@ def test_a_callable_object_and_the_args_weights_and_resume(tmp_path, monkeypatch
     weights: they were dropped silently), and its resume_from_checkpoint resumes, as TRL's scripts pass it on to
     trainer.train (a --config file alone never resumes)."""
     from infra.reward import load_reward
-    assert trainer.reward_spec(rewards.scaled_half) == "rewards:scaled_half"
+    assert python_args.reward_spec(rewards.scaled_half) == "rewards:scaled_half"
     assert load_reward("rewards:scaled_half") is rewards.scaled_half
     monkeypatch.setenv("PERIODIC_RL_CACHE", str(tmp_path))
-    argv = trainer.command_line("tiny", reward_funcs=["math", "math-verify"],
+    argv = python_args.command_line("tiny", reward_funcs=["math", "math-verify"],
                                 args={"reward_weights": [1.0, 0.5], "resume_from_checkpoint": True,
                                       "output_dir": str(tmp_path / "run")})
     cfg = parse_args(argv)
@@ -208,6 +212,7 @@ STDIN_SCRIPT = '''
 import sys
 sys.path.insert(0, {root!r})
 import trainer
+from infra import python_args
 if __name__ == "__main__":
     try:
         trainer.train("tiny", "math", data="arithmetic", mode="async", iterations={iterations}, batch_size=16,
