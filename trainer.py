@@ -568,7 +568,8 @@ def train(model: str | None = None, reward_funcs=None, train_dataset=None, eval_
     `python trainer.py --help` with _ for -, ours or TRL's (learning_rate=1e-6, num_generations=8, max_steps=100,
     per_device_train_batch_size=8, ...). A script that calls it needs `if __name__ == "__main__":` around the call,
     as any script that starts processes with multiprocessing does. RuntimeError with the exit code where the run
-    fails; its `error:` line is on stderr, as on the command line.
+    fails (its `error:` line is on stderr, as on the command line); KeyboardInterrupt where Ctrl-C stopped it,
+    SystemExit(128 + signal) where SIGTERM or SIGHUP did.
 
     Example: train("qwen2.5-0.5b", reward_funcs=[accuracy], train_dataset=load_dataset("openai/gsm8k", "main",
              split="train"), learning_rate=1e-6, max_steps=100)

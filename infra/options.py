@@ -28,7 +28,7 @@ option to use and why (`TRL_DIFFERENT`); one for what this trainer has no use fo
 push_to_hub, bf16, run_name, ...: `TRL_UNUSED`) is ignored with one line saying why, typed or in a --config file, so
 that a TRL command line or config file runs as it is; one for what this trainer does one way only, at a value that is
 that way (use_vllm false, fp16 false, optim adamw_torch, adam_beta2 0.999, ...: `TRL_FIXED`; another value is refused
-in one line naming what to use), is ignored in a --config file, and refused on the command line; any other unknown
+in one line naming what to use), is ignored with a line, typed or in a --config file; any other unknown
 option gets the name it misspells, if one is close
 (`closest_name`; none for a name that merely shares words with one of ours).
 Abbreviations are not expanded (argparse's allow_abbrev), so --epsilon is never "ambiguous".
@@ -705,6 +705,14 @@ def file_arguments(path: str, skip: set[str] = frozenset(), note=lambda line: No
     return flags
 
 
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
 def typed_trl(argv: list[str], keys) -> tuple[dict, list[str]]:
     """(TRL's flags typed in argv for `keys`, as {TRL's key: its text, or True for a flag alone}; the rest of argv).
     A flag's value follows its `=`, or is the next token unless that is another option (--bf16 alone).
@@ -721,7 +729,8 @@ def typed_trl(argv: list[str], keys) -> tuple[dict, list[str]]:
             rest.append(token)
             continue
         if not sep:
-            value = tokens.pop(0) if tokens and not tokens[0].startswith("--") else True
+            value = tokens.pop(0) if tokens and not (tokens[0].startswith("-") and not _is_number(tokens[0])) \
+                else True  # --max-steps -1 takes its value; --bf16 -h does not
         found[key] = value
     return found, rest
 
@@ -776,6 +785,8 @@ def trl_step_flags(file_steps: dict, typed_steps: dict, file_flags: list[str], t
             saved = json.loads((found[0] / "state.json").read_text())["config"] if found else {}
         except (OSError, ValueError, KeyError, TypeError):  # not a checkpoint: infra/checkpoint.py says so, later
             saved = {}
+        saved = {key: value for key, value in (saved if isinstance(saved, dict) else {}).items()
+                 if key in ("updates_per_iteration", "num_iterations") and isinstance(value, int) and value > 0}
         updates = updates if "updates_per_iteration" in typed_given else saved.get("updates_per_iteration", updates)
         passes = passes if "num_iterations" in typed_given else saved.get("num_iterations", passes)
     options = trl_steps(steps, updates, passes, note)
@@ -804,7 +815,8 @@ def with_config_file(argv: list[str] | None = None, prog: str = "trainer.py", sa
         typed_steps["logging_steps"] = unused["logging_steps"]
     fixed, argv = typed_trl(argv, TRL_FIXED)  # --use-vllm false: ignored at what this trainer does, as in a file
     for key, value in fixed.items():
-        value = BOOL_WORDS.get(value.lower(), value) if isinstance(value, str) else value
+        if isinstance(value, str) and all(isinstance(v, bool) for v in TRL_FIXED[key][0]):  # a switch: true/false
+            value = BOOL_WORDS.get(value.lower(), value)
         if not is_fixed_value(key, value):
             sys.stderr.write(f"{prog}: error: {unknown_option('--' + key.replace('_', '-'))}\n")
             raise SystemExit(2)
@@ -814,7 +826,10 @@ def with_config_file(argv: list[str] | None = None, prog: str = "trainer.py", sa
         if epochs:
             typed_note(f"ignored --num-train-epochs {epochs['num_train_epochs']}: --max-steps sets the run's length, "
                        "as in TRL")
-    if isinstance(unused.get("bf16"), str) and BOOL_WORDS.get(unused["bf16"].lower()) is False \
+    if isinstance(unused.get("bf16"), str) and unused["bf16"].lower() not in BOOL_WORDS:
+        sys.stderr.write(f"{prog}: error: --bf16 takes true or false, or no value (got {unused['bf16']!r})\n")
+        raise SystemExit(2)
+    if isinstance(unused.get("bf16"), str) and BOOL_WORDS[unused["bf16"].lower()] is False \
             and not any(token.split("=")[0] in ("--dtype", "--torch-dtype") for token in argv):
         argv = ["--dtype=float32", *argv]  # TRL computes in float32 then
         typed_note("took TRL's --bf16 false as --dtype float32 (TRL computes in float32 then)")
@@ -842,7 +857,8 @@ def with_config_file(argv: list[str] | None = None, prog: str = "trainer.py", sa
         return argv
     argv = normalized(argv)
     given = set(_values(build_parser(prog, defaults=False).parse_args(argv)))  # a list option given on the command line
-    skip = set(given)  # the file's value of an option typed anew is replaced
+    skip = set(given) | ({"bf16"} if "bf16" in unused else set())  # the file's value of an option typed anew is
+    # replaced (TRL's --bf16 too: the file's bf16 false does not make it float32)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun each rank places its own devices (distributed.py)
         skip |= {"train_device", "rollout_device"}
 

@@ -21,8 +21,9 @@ from infra import outputs
 def reward_spec(function) -> str:
     """The --reward spec every process finds `function` by: 'module:name' for a function at the top level of an
     importable module, 'path/to/script.py:name' for one of the running script (spawned processes import it under
-    its own name, where `if __name__ == "__main__":` keeps its run from starting again); a str is one already.
-    ValueError for what no other process can find by name (a lambda, a nested function, an object).
+    its own name, where `if __name__ == "__main__":` keeps its run from starting again); a callable object (or a
+    lambda, a partial) by the name it has at the top level of the script or of its module; a str is one already.
+    ValueError for what no other process can find by name (a nested function, an object bound nowhere there).
 
     >>> reward_spec("math"), reward_spec(json.dumps)
     ('math', 'json:dumps')
@@ -33,7 +34,8 @@ def reward_spec(function) -> str:
     found = getattr(sys.modules.get(module), name, None) if name and module else None
     if not (name and name.isidentifier() and found is function) and callable(function):  # an object (a callable
         # class's instance) at the top level of the script or of its class's module: found by that name
-        homes = [m for m in ("__main__", "__mp_main__", type(function).__module__) if m in sys.modules]
+        wrapped = getattr(getattr(function, "func", None), "__module__", None)  # a partial: its function's module
+        homes = [m for m in ("__main__", "__mp_main__", module, wrapped, type(function).__module__) if m in sys.modules]
         name, module = next(((attribute, home) for home in homes for attribute, value in vars(sys.modules[home]).items()
                              if value is function and attribute.isidentifier()), (None, None))
     if not (callable(function) and name):

@@ -20,7 +20,7 @@ Read from TRL 1.16: trl/trainer/grpo_config.py (GRPOConfig), transformers' Train
    that a TRL config file or command line runs as it is.
    `TRL_FIXED`: a TRL name for what this trainer does one way only (AdamW's betas, no vLLM, no float16): a --config
    key at a value that is that way is ignored in the same line, any other value is refused in one line naming what
-   to use instead; on the command line it is refused.
+   to use instead, typed or in a file.
 4. `DEPARTURES`: our defaults that are not TRL's, each with its reason.
 5. `trl_keys`: 1-3 applied to a --config file's keys, with transformers' TrainingArguments keys (`trainer_settings`)
    skipped at their defaults (infra/options.file_arguments calls it).
@@ -370,7 +370,8 @@ def trl_keys(values: dict, skip: set[str], note, known: set[str], group_size: in
     if unused:
         note(unused_line(unused))
     values = {key: value for key, value in values.items() if key not in unused}
-    if unused.get("bf16") is False and not {"dtype", "torch_dtype"} & (set(values) | set(skip)):  # TRL: float32
+    if unused.get("bf16") is False and not {"dtype", "torch_dtype", "bf16"} & (set(values) | set(skip)):  # TRL:
+        # float32 then (a typed --bf16, in `skip`, wins)
         values = {"dtype": "float32", **values}
         note("took TRL's bf16 false as --dtype float32 (TRL computes in float32 then)")
     trl_batch_keys = {**{key: values.pop(key) for key in TRL_BATCH_KEYS if key in values}, **(typed_batch or {})}

@@ -1,4 +1,5 @@
 """Reward functions used by the tests, loaded by the trainer as 'tests/rewards.py:NAME'."""
+import functools
 import os
 import sys
 import time
@@ -103,3 +104,10 @@ class Scaled:
 
 
 scaled_half = Scaled(0.5)  # found by this name in every process
+
+
+def _made(prompt: str, completion: str, answer: str) -> float:
+    return 1.0
+
+
+made_reward = functools.partial(_made)  # a partial at a module's top level: found by this name

@@ -199,6 +199,7 @@ def test_a_callable_object_and_the_args_weights_and_resume(tmp_path, monkeypatch
     trainer.train (a --config file alone never resumes)."""
     from infra.reward import load_reward
     assert python_args.reward_spec(rewards.scaled_half) == "rewards:scaled_half"
+    assert python_args.reward_spec(rewards.made_reward) == "rewards:made_reward"  # a partial, in the reward's module
     assert load_reward("rewards:scaled_half") is rewards.scaled_half
     monkeypatch.setenv("PERIODIC_RL_CACHE", str(tmp_path))
     argv = python_args.command_line("tiny", reward_funcs=["math", "math-verify"],

@@ -21,7 +21,8 @@ import torch
 import grpo
 from config import LR_SCHEDULERS, SCALE_REWARDS
 from infra.models import load_model
-from infra.options import parse_args, with_config_file
+from infra.options import parse_args, typed_trl, with_config_file
+from infra.trl_names import TRL_STEP_KEYS, TRL_UNUSED
 from infra.timeline import Timeline
 from launch import setup
 from learner import Learner, minibatch_of
@@ -1109,3 +1110,24 @@ def test_trl_flags_typed_at_what_this_trainer_does_run(capsys):
     assert "took TRL's --bf16 false as --dtype float32" in capsys.readouterr().out
     assert parse_args(["--bf16=False", "--dtype", "bfloat16"]).dtype == "bfloat16"
     assert parse_args(["--bf16", "--dtype", "bfloat16"]).dtype == "bfloat16"
+    # a review's findings: TRL's numeric defaults typed as 0 and 1 (they were read as booleans and refused), a typed
+    # --bf16 over a file's bf16 false, a --bf16 typo, and an option after --bf16 that is not its value
+    assert parse_args(["--entropy-coef", "0", "--repetition-penalty", "1"]).iterations == 60
+    assert "--entropy-coef 0: here no entropy bonus" in capsys.readouterr().out
+    assert "--bf16 takes true or false" in refusal(capsys, lambda: parse_args(["--bf16", "fals"]))
+    assert typed_trl(["--bf16", "-h"], TRL_UNUSED) == ({"bf16": True}, ["-h"])
+    assert typed_trl(["--max-steps", "-1"], TRL_STEP_KEYS) == ({"max_steps": "-1"}, [])
+
+
+def test_a_files_bf16_false_gives_way_to_a_typed_bf16_and_a_broken_checkpoint_is_one_line(tmp_path, capsys):
+    """Claim (a review's findings): a --config file's bf16 false is --dtype float32 unless --bf16 is typed (any
+    value: the typed one wins, as any typed option over a file's); a resumed checkpoint whose state.json holds no
+    usable options leaves TRL's counts to this command line's, and infra/checkpoint.py says what is wrong with it
+    (it was an AttributeError traceback)."""
+    (tmp_path / "bf.yaml").write_text("bf16: false\n")
+    assert "--dtype=float32" in with_config_file(["--config", str(tmp_path / "bf.yaml")])
+    assert not any("dtype" in flag for flag in with_config_file(["--config", str(tmp_path / "bf.yaml"), "--bf16"]))
+    (tmp_path / "ck" / "checkpoint-3").mkdir(parents=True)
+    (tmp_path / "ck" / "checkpoint-3" / "state.json").write_text('{"iterations_done": 3, "config": null}')
+    cfg = parse_args(["--max-steps", "8", "--resume", "auto", "--out", str(tmp_path / "ck")])
+    assert cfg.iterations == 8
