@@ -793,6 +793,48 @@ def trl_step_flags(file_steps: dict, typed_steps: dict, file_flags: list[str], t
     return file_flags + [f"--{name.replace('_', '-')}={value}" for name, value in options.items()] + typed
 
 
+def typed_trl_flags(argv: list[str], note) -> tuple[dict, dict, list[str]]:
+    """(TRL's flags typed for what has no use here or at what this trainer does, TRL_UNUSED and TRL_FIXED: {key:
+    value}; TRL's step counts, TRL_STEP_KEYS, as numbers, with logging_steps for eval_steps; the rest of argv).
+    A typed --max-steps drops a typed --num-train-epochs and --bf16 false adds --dtype float32 (unless --dtype is
+    typed), as TRL reads them; those and the flags ignored are said in `note` lines. ValueError for a bad count, a
+    TRL_FIXED key at another value (`unknown_option`'s line) or a --bf16 that is not a boolean."""
+    unused, argv = typed_trl(argv, TRL_UNUSED)  # typed as for TRL (--bf16, --logging-steps 10): ignored, as a file's
+    typed_steps, argv = typed_trl(argv, TRL_STEP_KEYS)  # --max-steps, --save-steps ...: read as iterations later
+    # the counts as numbers: --max-steps=-1 is TRL's "unset", as -1 in a file
+    typed_steps = {key: number_of_steps(key, value) if key in TRL_STEPS else value
+                   for key, value in typed_steps.items()}
+    if "logging_steps" in unused and "eval_steps" not in typed_steps:  # TRL's eval_steps null: every logging_steps
+        typed_steps["logging_steps"] = unused["logging_steps"]
+    fixed, argv = typed_trl(argv, TRL_FIXED)  # --use-vllm false: ignored at what this trainer does, as in a file
+    for key, value in fixed.items():
+        if isinstance(value, str) and all(isinstance(v, bool) for v in TRL_FIXED[key][0]):  # a switch: true/false
+            value = BOOL_WORDS.get(value.lower(), value)
+        if not is_fixed_value(key, value):
+            raise ValueError(unknown_option("--" + key.replace("_", "-")))
+        unused[key] = value
+    if typed_steps.get("max_steps", -1) != -1:  # TRL's max_steps wins over its num_train_epochs, typed too
+        epochs, argv = typed_trl(argv, ("num_train_epochs",))
+        if epochs:
+            note(f"ignored --num-train-epochs {epochs['num_train_epochs']}: --max-steps sets the run's length, as in "
+                 "TRL")
+    if isinstance(unused.get("bf16"), str) and unused["bf16"].lower() not in BOOL_WORDS:
+        raise ValueError(f"--bf16 takes true or false, or no value (got {unused['bf16']!r})")
+    if isinstance(unused.get("bf16"), str) and BOOL_WORDS[unused["bf16"].lower()] is False \
+            and not any(token.split("=")[0] in ("--dtype", "--torch-dtype") for token in argv):
+        argv = ["--dtype=float32", *argv]  # TRL computes in float32 then
+        note("took TRL's --bf16 false as --dtype float32 (TRL computes in float32 then)")
+        del unused["bf16"]
+    if unused:
+        reasons: dict[str, list[str]] = {}
+        for key in unused:
+            why = TRL_UNUSED[key] if key in TRL_UNUSED else f"here {TRL_FIXED[key][1]}"
+            reasons.setdefault(why, []).append(f"--{key.replace('_', '-')}" + (f" {unused[key]}" if key in fixed
+                                                                               else ""))
+        note("ignored TRL's " + "; ".join(f"{', '.join(flags)}: {why}" for why, flags in reasons.items()))
+    return unused, typed_steps, argv
+
+
 def with_config_file(argv: list[str] | None = None, prog: str = "trainer.py", say: bool = False) -> list[str]:
     """argv (default: sys.argv[1:]) with its --config file's options put before it, and TRL's batch flags, typed
     (typed_trl_batch) or the file's, as the --batch-size and --updates-per-iteration they make (trl_batch_options;
@@ -803,44 +845,11 @@ def with_config_file(argv: list[str] | None = None, prog: str = "trainer.py", sa
     def typed_note(line: str) -> None:
         if say and os.environ.get("RANK", "0") == "0":
             print(f"periodic-rl: {line}", flush=True)
-    unused, argv = typed_trl(argv, TRL_UNUSED)  # typed as for TRL (--bf16, --logging-steps 10): ignored, as a file's
-    typed_steps, argv = typed_trl(argv, TRL_STEP_KEYS)  # --max-steps, --save-steps ...: read as iterations below
-    try:  # the counts as numbers: --max-steps=-1 is TRL's "unset", as -1 in a file
-        typed_steps = {key: number_of_steps(key, value) if key in TRL_STEPS else value
-                       for key, value in typed_steps.items()}
+    try:
+        unused, typed_steps, argv = typed_trl_flags(argv, typed_note)
     except ValueError as error:
         sys.stderr.write(f"{prog}: error: {error}\n")
         raise SystemExit(2) from None
-    if "logging_steps" in unused and "eval_steps" not in typed_steps:  # TRL's eval_steps null: every logging_steps
-        typed_steps["logging_steps"] = unused["logging_steps"]
-    fixed, argv = typed_trl(argv, TRL_FIXED)  # --use-vllm false: ignored at what this trainer does, as in a file
-    for key, value in fixed.items():
-        if isinstance(value, str) and all(isinstance(v, bool) for v in TRL_FIXED[key][0]):  # a switch: true/false
-            value = BOOL_WORDS.get(value.lower(), value)
-        if not is_fixed_value(key, value):
-            sys.stderr.write(f"{prog}: error: {unknown_option('--' + key.replace('_', '-'))}\n")
-            raise SystemExit(2)
-        unused[key] = value
-    if typed_steps.get("max_steps", -1) != -1:  # TRL's max_steps wins over its num_train_epochs, typed too
-        epochs, argv = typed_trl(argv, ("num_train_epochs",))
-        if epochs:
-            typed_note(f"ignored --num-train-epochs {epochs['num_train_epochs']}: --max-steps sets the run's length, "
-                       "as in TRL")
-    if isinstance(unused.get("bf16"), str) and unused["bf16"].lower() not in BOOL_WORDS:
-        sys.stderr.write(f"{prog}: error: --bf16 takes true or false, or no value (got {unused['bf16']!r})\n")
-        raise SystemExit(2)
-    if isinstance(unused.get("bf16"), str) and BOOL_WORDS[unused["bf16"].lower()] is False \
-            and not any(token.split("=")[0] in ("--dtype", "--torch-dtype") for token in argv):
-        argv = ["--dtype=float32", *argv]  # TRL computes in float32 then
-        typed_note("took TRL's --bf16 false as --dtype float32 (TRL computes in float32 then)")
-        del unused["bf16"]
-    if unused:
-        reasons: dict[str, list[str]] = {}
-        for key in unused:
-            why = TRL_UNUSED[key] if key in TRL_UNUSED else f"here {TRL_FIXED[key][1]}"
-            reasons.setdefault(why, []).append(f"--{key.replace('_', '-')}" + (f" {unused[key]}" if key in fixed
-                                                                               else ""))
-        typed_note("ignored TRL's " + "; ".join(f"{', '.join(flags)}: {why}" for why, flags in reasons.items()))
     try:
         typed, argv = typed_trl_batch(argv)
         path = config_file(argv)

@@ -77,7 +77,8 @@ def data_folder(dataset, eval_dataset=None) -> str:
         raise ValueError(f"train_dataset is a {type(dataset).__name__}: give a datasets.Dataset or DatasetDict, or "
                          "a --data value (a hub id, a folder, a file)")
     folder = cache_root() / "datasets" / hashlib.sha1(" ".join(prints).encode()).hexdigest()[:16]
-    if not folder.exists():  # written beside, then renamed: a folder there is whole
+    if not folder.exists():  # written beside, then renamed: a folder there is whole (not outputs.save_atomically,
+        # which moves a folder there aside: another torchrun rank may be reading it)
         partial = folder.with_name(f"{folder.name}.{os.getpid()}.partial")
         shown = datasets.is_progress_bar_enabled()
         datasets.disable_progress_bars()  # a copy into the cache: no bar of its own in the run's log
@@ -93,22 +94,25 @@ def data_folder(dataset, eval_dataset=None) -> str:
     return str(folder)
 
 
-def args_file(args) -> str:
-    """A --config file holding `args`, TRL's GRPOConfig (what its to_dict() writes) or a mapping of options: written
-    once under $PERIODIC_RL_CACHE/configs, named by its contents, so that a rerun of the run's command finds it."""
-    import hashlib
-
-    from infra.models import cache_root
+def args_values(args) -> dict:
+    """The options in `args`: TRL's GRPOConfig (what its to_dict() writes) or a mapping of options."""
     values = args.to_dict() if hasattr(args, "to_dict") else args
     if not isinstance(values, dict):
         raise ValueError(f"args is a {type(args).__name__}: give TRL's GRPOConfig or a mapping of options")
+    return values
+
+
+def args_file(values: dict) -> str:
+    """A --config file holding `values` (`args_values`): written once under $PERIODIC_RL_CACHE/configs
+    (outputs.write_atomically), named by its contents, so that a rerun of the run's command finds it."""
+    import hashlib
+
+    from infra.models import cache_root
     text = json.dumps(values, sort_keys=True, default=str)
     path = cache_root() / "configs" / f"{hashlib.sha1(text.encode()).hexdigest()[:16]}.json"
     if not path.exists():
         outputs.make_directory(path.parent, "the config cache ($PERIODIC_RL_CACHE)")
-        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-        partial.write_text(text)
-        partial.rename(path)
+        outputs.write_atomically(path, text)
     return str(path)
 
 
@@ -125,8 +129,8 @@ def command_line(model: str | None = None, reward_funcs=None, train_dataset=None
     rewards = None if reward_funcs is None else [
         reward_spec(f) for f in (reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])]
     data = None if train_dataset is None else data_folder(train_dataset, eval_dataset)
-    argv = [] if args is None else ["--config", args_file(args)]
-    values = (args.to_dict() if hasattr(args, "to_dict") else args) if args is not None else {}
+    values = {} if args is None else args_values(args)
+    argv = [] if args is None else ["--config", args_file(values)]
     if rewards is not None and values.get("reward_weights") is not None:  # the args' weights go with these rewards
         options.setdefault("reward_weights", values["reward_weights"])  # (a typed --reward re-derives a file's)
     if values.get("resume_from_checkpoint") not in (None, False):  # TRL's scripts pass it to trainer.train(): a
