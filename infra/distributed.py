@@ -224,6 +224,7 @@ def process_group(cfg, ranks: Ranks) -> Iterator[None]:
     if kind != "cpu":
         getattr(torch, kind).set_device(device)
     timeout = timedelta(seconds=cfg.collective_timeout)
+    bind_world_defaults_first()
     dist.init_process_group("gloo" if ranks.inference else BACKENDS[kind], timeout=timeout)
     try:
         check_same_options(cfg, ranks)
@@ -240,6 +241,15 @@ def process_group(cfg, ranks: Ranks) -> Iterator[None]:
     finally:
         GROUPS.clear()
         dist.destroy_process_group()
+
+
+def bind_world_defaults_first() -> None:
+    """Import, before the process group exists, the torch modules whose functions take `group=group.WORLD` as a
+    default argument (torch.distributed.nn.functional: torch._dynamo imports it, and engine.py imports torch._dynamo
+    once the run has started): imported later, each default would hold the world group past destroy_process_group,
+    its gloo threads would still run when the interpreter exits, and their teardown then aborts the rank now and
+    then ("terminate called without an active exception", SIGABRT) after a run that succeeded."""
+    import torch.distributed.nn.functional  # noqa: F401
 
 
 def check_same_device_kind(kind: str, ranks: Ranks) -> None:

@@ -239,8 +239,8 @@ def test_two_ranks_write_every_ranks_completions_once(tiny_model_dir, tmp_path):
              "--micro-batch-tokens", "60", "--num-completions-to-print", "0"]
     single, ranks = tmp_path / "single", tmp_path / "ranks"
     train(tiny_model_dir, single, *extra)
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "trainer.py",
-                           "--model", str(tiny_model_dir), *RUN, "--out", str(ranks), *extra], cwd=ROOT,
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "trainer.py", "--model", str(tiny_model_dir), *RUN, "--out", str(ranks), *extra], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = read(ranks / COMPLETIONS)

@@ -407,3 +407,32 @@ def test_a_collective_that_fails_while_a_rank_is_still_dying_names_that_rank(mon
                 raise RuntimeError("[pair.cc:537] Read error [127.0.0.1]:1935: Connection reset by peer")
     finally:
         dying.wait()
+
+
+WORLD_FREED = """
+import os, sys
+sys.path.insert(0, {root!r})
+import torch
+import torch.distributed as dist
+from config import Config
+from infra import distributed
+with distributed.process_group(Config(train_device="cpu", rollout_device="cpu"), distributed.from_environment()):
+    import torch._dynamo  # noqa: F401  (engine.py's torch.compiler.disable imports it once a run has started)
+    dist.all_reduce(torch.ones(1))
+threads = [open(f"/proc/self/task/{{task}}/comm").read().strip() for task in os.listdir("/proc/self/task")]
+print("gloo threads after the block:", sorted(name for name in threads if "gloo" in name))
+"""
+
+
+@pytest.mark.slow  # process-level: torchrun
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads the threads from Linux's /proc")
+def test_the_world_group_is_freed_when_its_block_ends(tmp_path):
+    """Claim (a CI flake: a 2-rank run that had succeeded ended in SIGABRT, "terminate called without an active
+    exception"): once distributed.process_group's block ends, no gloo thread of its group is left, also when torch
+    modules that take `group=group.WORLD` as a default argument were first imported inside the block (as the run
+    imports them); else the group outlives destroy_process_group and its threads are torn down during the
+    interpreter's exit, which aborts now and then. Deterministic: the threads are counted, not the aborts."""
+    script = tmp_path / "world.py"
+    script.write_text(WORLD_FREED.format(root=str(ROOT)))
+    done = run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", str(script)], timeout=120)
+    assert done.stdout.count("gloo threads after the block: []") == 2, done.stdout
