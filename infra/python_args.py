@@ -52,6 +52,16 @@ def reward_spec(function) -> str:
     return f"{path}:{name}"
 
 
+def remove_abandoned_copies(cache: Path) -> None:
+    """Delete the half-written copies (NAME.PID.partial) in `cache` whose writer is gone (SIGKILL, a power cut):
+    a writer that ends otherwise removes its own."""
+    from infra.processes import running
+    for partial in cache.glob("*.partial") if cache.is_dir() else []:
+        pid = partial.name.rsplit(".", 2)[-2]
+        if pid.isdigit() and not running(int(pid)):
+            shutil.rmtree(partial, ignore_errors=True)
+
+
 def data_folder(dataset, eval_dataset=None) -> str:
     """A --data folder holding a datasets.Dataset (or DatasetDict) given in Python, with `eval_dataset` as its test
     split: written once by datasets' save_to_disk under $PERIODIC_RL_CACHE/datasets, named by the data's
@@ -79,11 +89,15 @@ def data_folder(dataset, eval_dataset=None) -> str:
     folder = cache_root() / "datasets" / hashlib.sha1(" ".join(prints).encode()).hexdigest()[:16]
     if not folder.exists():  # written beside, then renamed: a folder there is whole (not outputs.save_atomically,
         # which moves a folder there aside: another torchrun rank may be reading it)
+        remove_abandoned_copies(folder.parent)
         partial = folder.with_name(f"{folder.name}.{os.getpid()}.partial")
         shown = datasets.is_progress_bar_enabled()
         datasets.disable_progress_bars()  # a copy into the cache: no bar of its own in the run's log
         try:
             dataset.save_to_disk(str(partial))
+        except BaseException:  # a full disk, Ctrl-C: no half copy left behind
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
         finally:
             if shown:
                 datasets.enable_progress_bars()

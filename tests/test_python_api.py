@@ -77,6 +77,27 @@ def test_a_dataset_is_written_once_where_every_process_reads_it(tmp_path, monkey
         python_args.data_folder(rows)
 
 
+def test_a_copy_cut_short_leaves_nothing_behind(tmp_path, monkeypatch):
+    """Claim: a copy into the cache that fails half-way (a full disk, Ctrl-C) removes its half-written folder; one
+    whose writer was killed (SIGKILL: NAME.PID.partial, PID gone) is removed by the next copy; a living writer's
+    is left alone."""
+    monkeypatch.setenv("PERIODIC_RL_CACHE", str(tmp_path))
+    cache = tmp_path / "datasets"
+    abandoned, living = cache / "0123456789abcdef.4194305.partial", cache / f"fedcba9876543210.{os.getpid()}.partial"
+    for folder in (abandoned, living):  # 4194305 > Linux's largest PID (pid_max <= 2**22): no such process
+        folder.mkdir(parents=True)
+    dataset = datasets.Dataset.from_list([{"question": "1+1", "answer": "2"}])
+
+    def full_disk(self, path, **kwargs):
+        Path(path).mkdir()
+        (Path(path) / "data.arrow").write_text("half")
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(datasets.Dataset, "save_to_disk", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        python_args.data_folder(dataset)
+    assert sorted(path.name for path in cache.iterdir()) == [living.name]
+
+
 SCRIPT = '''
 import os
 import sys
