@@ -80,6 +80,7 @@ from infra.processes import (
     STOPPED_SECONDS,
     Heartbeat,
     Outbox,
+    children_end_with_their_parent,
     die_with_parent,
     next_command,
     process_state,
@@ -117,6 +118,9 @@ def inference_process(model_name: str, load_kwargs: dict, connection, heartbeat:
     workers alone and the run would end as if they had crashed).
     """
     die_with_parent()
+    children_end_with_their_parent()  # a reward's own pools: also where the trainer's script was not re-imported here
+    # (`python -c`, a script on stdin: multiprocessing's spawn imports no __mp_main__ then, so trainer.py's call
+    # did not run in this process)
     mp.current_process().daemon = False  # the trainer's handle calls it a daemon, and multiprocessing refuses a
     # daemon children: a reward's process pool (code execution) could not start. This process dies with the trainer
     # all the same (die_with_parent); a pool the reward leaves open is the reward's to close, as in sync mode.

@@ -98,7 +98,7 @@ def test_inference_process_without_heartbeat_is_reported_as_hung(tiny_model_dir,
     import inference
     from infra.data import load_task
     from infra.models import load_model
-    from infra.options import parse_args
+    from infra.command_line import parse_args
     monkeypatch.setattr(inference, "FROZEN_SECONDS", 3.0)
     cfg = dataclasses.replace(parse_args(["--model", str(tiny_model_dir), *ENDLESS, "--reward-timeout", "0"]),
                               max_new_tokens=2)
@@ -231,14 +231,20 @@ def test_killed_torchrun_takes_its_ranks_along(tiny_model_dir, tmp_path):
         assert (tmp_path / "metrics.jsonl").read_text() == rows
 
 
-@pytest.mark.parametrize("mode, starts", [("sync", "fork,spawn,forkserver"), ("async", "fork")])
-def test_killed_trainer_takes_a_rewards_own_processes_along(tiny_model_dir, tmp_path, mode, starts):
+FROM_C = ("-c", "import sys, trainer; sys.exit(trainer.main(sys.argv[2:]))")  # `python -c`: no script to re-import
+
+
+@pytest.mark.parametrize("mode, starts, launcher", [("sync", "fork,spawn,forkserver", ()), ("async", "fork", ()),
+                                                    ("async", "fork", FROM_C)],
+                         ids=["sync", "async", "async-python-c"])
+def test_killed_trainer_takes_a_rewards_own_processes_along(tiny_model_dir, tmp_path, mode, starts, launcher):
     """Claim: a reward that keeps process pools of its own (started by fork, spawn and a forkserver; in the trainer
-    in sync mode, in the inference process in async mode) leaves no worker behind when the trainer is SIGKILLed.
-    Before, the pools' workers waited on their task queue forever, holding multiprocessing's resource tracker (and
-    a forkserver, which lives as long as its children)."""
+    in sync mode, in the inference process in async mode) leaves no worker behind when the trainer is SIGKILLed,
+    also when the run was started from `python -c` (or a script on stdin: `trainer.train`), whose spawned inference
+    process imports no main module. Before, the pools' workers waited on their task queue forever, holding
+    multiprocessing's resource tracker (and a forkserver, which lives as long as its children)."""
     with endless(tiny_model_dir, tmp_path, "--mode", mode, "--reward", "tests/rewards.py:kept_pool_length",
-                 env={"REWARD_POOL_START": starts}) as run:
+                 env={"REWARD_POOL_START": starts}, launcher=launcher) as run:
         run.wait_for(r"^iter ")
         run.send(signal.SIGKILL)
         run.assert_stopped(-signal.SIGKILL, None)
