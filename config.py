@@ -4,8 +4,8 @@ Every option of `python trainer.py` is a field of `Config` below, grouped as --h
 method, model and data, the run, scale. Fields left at `None` are derived right after parsing
 (infra/options.py: `derive`), e.g. the learning rate and the response length depend on the model: the
 offline `tiny` model wants a large step and 8 new tokens, a real LLM a small step and 512. The command
-line, --config files and every check (`validate`, one line naming the option, the value and the fix)
-live in infra/options.py too.
+line's parser and every check (`validate`, one line naming the option, the value and the fix) live in
+infra/options.py too; --config files and TRL's flags are read in infra/command_line.py.
 
 Sizes: one iteration samples `batch_size` responses = `batch_size / group_size` prompts x
 `group_size` responses each (GRPO's group), and takes `updates_per_iteration` optimizer steps.

@@ -30,7 +30,7 @@ from pathlib import Path
 from config import Config
 from infra import outputs
 from infra.errors import UserError
-from infra.options import given_options, parse_args
+from infra.command_line import given_options, parse_args
 from infra.processes import children_end_with_their_parent
 from infra.stopping import Interrupted, exit_without_lingering, stopped_by_signals, stops_deferred
 

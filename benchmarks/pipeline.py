@@ -50,7 +50,7 @@ PHASE_KEYS = ("iteration_s", "generate_s", "generate_device_s", "train_s", "idle
 def time_schedule(argv: list[str], iterations: int) -> list[dict[str, float]]:
     """Run trainer.py's schedule in this process; the per-iteration figures, first iteration dropped."""
     import trainer
-    from infra.options import parse_args
+    from infra.command_line import parse_args
 
     cfg = parse_args([*argv, "--iterations", str(iterations + 1), "--eval-every", "0", "--no-save"])
     with trainer.started(cfg) as (schedule, _, _):  # the trainer's own start: devices, task, inference process, policy
@@ -91,7 +91,7 @@ def probed_sizes(argv: list[str]) -> tuple[list[str], list[str], float | None]:
     async's only; the probe's predicted speedup over taking turns at these sizes, None if nothing was probed)."""
     from launch import setup
     import trainer
-    from infra.options import parse_args
+    from infra.command_line import parse_args
     from launch import sizing
 
     cfg = parse_args([*argv, "--mode", "async"])
@@ -115,7 +115,7 @@ def async_workload(argv: list[str], iterations: int, rounds: int) -> dict:
     Seconds per iteration are means over all timed iterations of all rounds (what a long run would
     see); the speedup is their ratio, and each round's own ratio shows the spread.
     """
-    from infra.options import parse_args
+    from infra.command_line import parse_args
     calls, threads, predicted = probed_sizes(argv)
     argv = [*argv, *calls]
     runs: dict[str, list[list[dict]]] = {"sync": [], "async": []}

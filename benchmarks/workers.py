@@ -51,7 +51,7 @@ def workers_args(parser: argparse.ArgumentParser) -> None:
 
 def workers(args: argparse.Namespace) -> bool:
     """Seconds per iteration with 1 and 2 inference workers per trainer, against the prediction."""
-    from infra.options import parse_args
+    from infra.command_line import parse_args
     from launch import sizing
     argv = [*WORKLOAD, *THREADS, *shlex.split(args.trainer_args)]
     counts = (1, 2)

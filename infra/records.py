@@ -1,5 +1,5 @@
 """A run's record: every run writes <out>/config.json with the options it ran with; `--config FILE` reads one
-back (infra/options.py).
+back (infra/command_line.py).
 
     <out>/config.json   {every Config field as resolved, "run_id": ..., "versions": {...}, "command": [...]}
 

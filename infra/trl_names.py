@@ -23,7 +23,7 @@ Read from TRL 1.16: trl/trainer/grpo_config.py (GRPOConfig), transformers' Train
    to use instead, typed or in a file.
 4. `DEPARTURES`: our defaults that are not TRL's, each with its reason.
 5. `trl_keys`: 1-3 applied to a --config file's keys, with transformers' TrainingArguments keys (`trainer_settings`)
-   skipped at their defaults (infra/options.file_arguments calls it).
+   skipped at their defaults (infra/command_line.file_arguments calls it).
 """
 from __future__ import annotations
 

@@ -19,7 +19,8 @@ import faults
 from infra import checkpoint
 from infra.outputs import OutputError
 from infra.models import load_model
-from infra.options import given_options, parse_args, validate
+from infra.options import validate
+from infra.command_line import given_options, parse_args
 
 ROOT = Path(__file__).resolve().parents[1]
 # Sizes fixed, so that the probe's timing cannot pick other ones for the two runs compared.
@@ -427,7 +428,7 @@ KILLED_WHILE_SAVING = """
 import sys, time, torch
 from infra import checkpoint
 from infra.outputs import OutputError
-from infra.options import parse_args
+from infra.command_line import parse_args
 from infra.models import load_model
 out, model = sys.argv[1], sys.argv[2]
 policy, tokenizer = load_model(model)

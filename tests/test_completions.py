@@ -249,7 +249,7 @@ def test_two_ranks_write_every_ranks_completions_once(tiny_model_dir, tmp_path):
 
 def test_a_negative_number_to_print_is_one_line(capsys):
     """Claim: --num-completions-to-print below 0 is refused in one line, exit 2, as any bad option."""
-    from infra.options import parse_args
+    from infra.command_line import parse_args
     with pytest.raises(SystemExit) as exit_info:
         parse_args(["--num-completions-to-print", "-1"])
     err = capsys.readouterr().err

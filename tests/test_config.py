@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from config import Config
-from infra.options import build_parser, derive, parse_args, validate
+from infra.options import build_parser, derive, validate
+from infra.command_line import parse_args
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -260,13 +261,13 @@ def test_pad_to_multiple_of_reads_trls_values_and_pads_on_accelerators_only(monk
     """Claim: --pad-to-multiple-of takes TRL's values (auto, none or null = no padding, N; a TRL YAML's null is no
     padding too); auto derives 1 (none) with both sides on CPU and 128 with either on a GPU, and a run record's value
     is re-derived when the device is given anew."""
-    from infra import options
+    from infra import command_line, options
     monkeypatch.setattr(options, "detect_accelerator", lambda: "cpu")
     assert parse_args([]).pad_to_multiple_of == 1
     assert [parse_args(["--pad-to-multiple-of", value]).pad_to_multiple_of for value in ("none", "Null", "64")] \
         == [1, 1, 64]
     (tmp_path / "trl.yaml").write_text("pad_to_multiple_of: null\nlearning_rate: 1.0e-5\n")
-    assert options.file_arguments(str(tmp_path / "trl.yaml")) == ["--pad-to-multiple-of=none", "--lr=1e-05"]
+    assert command_line.file_arguments(str(tmp_path / "trl.yaml")) == ["--pad-to-multiple-of=none", "--lr=1e-05"]
     monkeypatch.setattr(options, "detect_accelerator", lambda: "cuda")
     monkeypatch.setattr(options, "accelerator_count", lambda _: 1)
     assert derive(Config()).pad_to_multiple_of == 128 and derive(Config(pad_to_multiple_of=8)).pad_to_multiple_of == 8
@@ -300,7 +301,7 @@ def test_trl_names_are_aliases_of_ours(tmp_path):
     """Claim: TRL's names for our options work on the command line (with - or _) and as --config keys (JSON or YAML),
     each meaning the same as ours; --epsilon sets both clip ranges unless --epsilon-high is given, in either order
     (TRL: epsilon_high None = epsilon); --help shows each under our name, saying TRL's."""
-    from infra.options import given_options
+    from infra.command_line import given_options
     cfg = parse_args(["--num-generations", "4", "--batch-size", "16", "--learning_rate", "3e-5",
                       "--max-completion-length", "64", "--no-use-bias-correction-kl", "--output-dir", "somewhere",
                       "--save-total-limit", "5"])

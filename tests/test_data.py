@@ -140,7 +140,7 @@ def test_without_evaluation_no_prompt_is_held_out(tmp_path):
     what decides, derived 0 from --eval-every 0: a checkpoint keeps it, so a resumed run trains on the same prompts;
     tests/test_checkpoint.py.)"""
     import trainer
-    from infra.options import parse_args
+    from infra.command_line import parse_args
     mine = write_jsonl(tmp_path / "mine.jsonl", gsm8k_rows(50))
     for data_name, rows in ((str(mine), 50), ("arithmetic", len(data.load_task("arithmetic", eval_size=0)[0]))):
         _, task, _, _ = trainer.prepare(parse_args(["--data", data_name, "--eval-every", "0"]))
@@ -209,7 +209,7 @@ def test_trls_prompt_column_wins_over_question(tmp_path):
     template, silently). The run's first line says which column, and the options config.json records name it;
     --prompt-column question still picks the other, and GSM8K-only data reads 'question' without a word."""
     import trainer
-    from infra.options import parse_args
+    from infra.command_line import parse_args
     rows = [{"question": f"What is {i}+1?", "answer": f"#### {i + 1}", "prompt": conversation(i)} for i in range(12)]
     path = write_jsonl(tmp_path / "mapped.jsonl", rows)
     train, held_out = data.load_task(str(path), eval_size=2)
@@ -343,7 +343,7 @@ def test_chat_template_kwargs_reach_the_template_and_a_misspelt_one_is_refused(t
     apply_chat_template's own arguments, a variable the template never reads (a misspelling would change nothing,
     silently; not checked in a template with transformers' own {% generation %} tag, which jinja2 alone cannot
     parse), a model without a chat template."""
-    from infra import options
+    from infra import command_line, options
     from infra.models import tiny_tokenizer
     tokenizer = tiny_tokenizer()
     tokenizer.chat_template = QWEN3_GENERATION
@@ -369,7 +369,7 @@ def test_chat_template_kwargs_reach_the_template_and_a_misspelt_one_is_refused(t
         tasks.check_prompt_lengths(tokenizer, [Example("1+1?", "2")], 256, 8, off)
     config = tmp_path / "grpo.yaml"
     config.write_text("chat_template_kwargs:\n  enable_thinking: false\n")
-    assert options.file_arguments(str(config)) == ['--chat-template-kwargs={"enable_thinking": false}']
+    assert command_line.file_arguments(str(config)) == ['--chat-template-kwargs={"enable_thinking": false}']
 
 
 # --- bad data: one line ---
@@ -460,7 +460,8 @@ def test_the_command_line_takes_every_form_of_data(tmp_path):
     """Claim: --data with a hub id or an existing directory parses (a hub id is checked when loaded), a path that does
     not exist is refused at parse time in one line, and the column and split options reach the Config."""
     from config import Config
-    from infra.options import parse_args, validate
+    from infra.options import validate
+    from infra.command_line import parse_args
     for given in ("openai/gsm8k", "gsm8k", "chain", str(tmp_path)):
         assert validate(Config(data=given)) == []
     for missing in (str(tmp_path / "absent.jsonl"), "no/such/dir", "./nowhere"):

@@ -181,7 +181,7 @@ def test_two_nodes_equal_the_single_process(tiny_model_dir, single_process, tmp_
 def test_learner_expects_only_its_ranks_groups(tiny_model_dir):
     """Claim: rank r expects the groups of the calls c % M == r in each mini-batch, and together the ranks expect
     every group once (4 prompts, calls of 2, two mini-batches: each rank owns one mini-batch whole)."""
-    from infra.options import parse_args
+    from infra.command_line import parse_args
     cfg = parse_args(["--model", str(tiny_model_dir), "--batch-size", "16", "--group-size", "4",
                       "--groups-per-chunk", "2", "--updates-per-iteration", "2", "--sizes", "rule"])
     expected = [Learner(None, None, cfg, torch.device("cpu"), None, Ranks(rank, 2)).groups_per_minibatch
@@ -197,7 +197,7 @@ def test_each_rank_gets_its_devices_and_only_rank_0_writes(monkeypatch):
     """Claim: on a node with 8 GPUs and 4 ranks, local rank l trains on cuda:l and samples on cuda:4+l (with 4 GPUs
     both on cuda:l); devices given by option stay as given; ranks other than 0 save nothing and write no trace."""
     from infra.distributed import place
-    from infra.options import parse_args
+    from infra.command_line import parse_args
     cfg = dataclasses.replace(parse_args(["--sizes", "rule", "--trace", "t.json"]), device="auto",
                               train_device="cuda:1", rollout_device="cuda:0")  # as derive picks with >= 2 GPUs
     for gpus, expected in ((8, ("cuda:2", "cuda:6")), (4, ("cuda:2", "cuda:2"))):
@@ -217,7 +217,7 @@ def test_every_worker_of_every_rank_gets_calls_and_a_device(monkeypatch):
     in one line."""
     from infra.distributed import check, place
     from infra.liveness import RanksError
-    from infra.options import parse_args
+    from infra.command_line import parse_args
     cfg = dataclasses.replace(parse_args(["--sizes", "rule", "--inference-workers", "3"]), device="auto",
                               train_device="cuda:1", rollout_device="cuda:0", groups_per_chunk=16)  # the GPU rule
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
@@ -238,7 +238,7 @@ def test_probing_sizes_with_inference_ranks_is_refused_in_one_line(tiny_model_di
     (the probe models a local inference process); with trainer ranks alone it passes the check (rank 0 probes and
     shares the sizes: the next test)."""
     from infra.distributed import check
-    from infra.options import parse_args
+    from infra.command_line import parse_args
     for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(name, value)
     assert trainer.main(["--model", str(tiny_model_dir), "--out", str(tmp_path), "--inference-ranks", "1"]) == 1
@@ -336,7 +336,7 @@ def test_every_rank_meets_the_collectives_in_the_same_order(tiny_model_dir, monk
     from conftest import learn_iteration
     from infra import distributed
     from infra.models import load_model
-    from infra.options import parse_args
+    from infra.command_line import parse_args
     from infra.timeline import Timeline
     from launch.setup import build_tri_model
     from rollout import Group

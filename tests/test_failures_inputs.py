@@ -258,7 +258,7 @@ def test_a_local_model_path_that_is_not_there_is_said_first(model, capsys):
     """Claim: a --model that is a local path (starts with /, ., ~ or has two slashes) and is not a directory gets one
     usage line naming it, before anything loads. Before, with no --data, the run tried the hub's gsm8k first and
     ended on the unreachable dataset, never naming the bad model path."""
-    from infra.options import parse_args
+    from infra.command_line import parse_args
     with pytest.raises(SystemExit) as exit_info:
         parse_args(["--model", model])
     err = capsys.readouterr().err

@@ -21,7 +21,8 @@ import trainer
 from config import Config
 from infra import checkpoint, outputs
 from infra.models import ensure_tiny_model
-from infra.options import derive, parse_args, validate
+from infra.options import derive, validate
+from infra.command_line import parse_args
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXED_SIZES = ["--groups-per-chunk", "2", "--micro-batch-tokens", "1000", "--rollout-threads", "1",

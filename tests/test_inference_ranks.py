@@ -48,7 +48,7 @@ def test_one_trainer_rank_and_one_inference_rank_are_the_single_process_bitwise(
     from types import SimpleNamespace
 
     import trainer
-    from infra.options import parse_args
+    from infra.command_line import parse_args
     cfg = parse_args([str(arg) for arg in options(tiny_model_dir, tmp_path, "5 calls")])
     split = trainer.device_split(cfg, [(5.4, 2.0)],
                                  SimpleNamespace(inference=1, size=1))
@@ -114,7 +114,7 @@ def test_roles_routing_and_refusals(tiny_model_dir, capsys):
     """Claim: K inference ranks are the last K of torchrun's ranks; a group goes to the trainer rank that owns its
     call, IterationDone to every trainer rank, spans to rank 0; K that leaves no trainer, sync mode or several
     inference workers per rank are refused in one line."""
-    from infra.options import parse_args
+    from infra.command_line import parse_args
     ranks = split_roles(Ranks(5, 6, 1, 2), 4)
     assert (ranks.size, ranks.inference, ranks.is_inference, ranks.name()) == (2, 4, True, "inference rank 3 of 4 (rank 5)")
     assert split_roles(Ranks(1, 6, 1, 2), 4).name() == "trainer rank 1 of 2"

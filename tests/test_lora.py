@@ -13,7 +13,7 @@ import engine  # noqa: E402
 import weights  # noqa: E402
 from infra.data import load_task  # noqa: E402
 from infra.models import load_model  # noqa: E402
-from infra.options import parse_args  # noqa: E402
+from infra.command_line import parse_args  # noqa: E402
 from infra.reward import load_rewards  # noqa: E402
 from launch import remote, setup  # noqa: E402
 from packing import batch_logprobs, logprobs_fn  # noqa: E402

@@ -20,7 +20,7 @@ from tri_model import TriModel
 import weights
 from infra.data import load_task
 from infra.models import load_model
-from infra.options import parse_args
+from infra.command_line import parse_args
 from infra.reward import load_reward, load_rewards
 from infra.timeline import Timeline
 from learner import Learner

@@ -14,7 +14,7 @@ import torch
 import rewards
 import trainer
 from infra import python_args
-from infra.options import parse_args
+from infra.command_line import parse_args
 from infra.tasks import arithmetic_examples
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,7 +16,7 @@ import trainer
 from config import Config
 from infra import outputs
 from infra.checkpoint import CheckpointError, resumption
-from infra.options import given_options, parse_args
+from infra.command_line import given_options, parse_args
 from infra.records import RunRecord, absolute_paths, git_commit
 from infra.tracking import TensorBoard, Trackers, TrackingError, tracker_names
 
@@ -310,7 +310,7 @@ def test_options_derived_from_one_given_anew_are_derived_again(tmp_path, monkeyp
     assert (cfg.lr, cfg.max_new_tokens, cfg.reward_weights) == (2e-5, 1024, [1.0, 1.0])
     assert (parse_args(["--config", str(path)]).lr, parse_args(["--config", str(path), "--lr", "3e-4"]).lr) == \
         (1e-4, 3e-4)
-    from infra.options import with_config_file
+    from infra.command_line import with_config_file
     assert "--train-device=cpu" in with_config_file(["--config", str(path)])
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert not any("device" in flag for flag in with_config_file(["--config", str(path)]))

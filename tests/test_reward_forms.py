@@ -17,7 +17,7 @@ import torch
 
 import grpo
 from infra import checkpoint
-from infra.options import parse_args
+from infra.command_line import parse_args
 from infra.reward import (
     RewardError,
     Rewards,

@@ -21,7 +21,7 @@ import torch
 import grpo
 from config import LR_SCHEDULERS, SCALE_REWARDS
 from infra.models import load_model
-from infra.options import parse_args, typed_trl, with_config_file
+from infra.command_line import parse_args, typed_trl, with_config_file
 from infra.trl_names import TRL_STEP_KEYS, TRL_UNUSED
 from infra.timeline import Timeline
 from launch import setup
@@ -336,7 +336,7 @@ def test_learning_rate_schedule_as_transformers(tiny_model_dir, tmp_path):
                  ["--lr-scheduler-type", "constant", "--lr-scheduler-kwargs", '{"num_cycles": 2}'],
                  ["--lr-scheduler-type", "warmup_stable_decay"],
                  ["--num-iterations", "0"], ["--scale-rewards", "sometimes"]):
-        script = "import sys; from infra.options import parse_args; parse_args(sys.argv[1:])"
+        script = "import sys; from infra.command_line import parse_args; parse_args(sys.argv[1:])"
         result = subprocess.run([sys.executable, "-c", script, *argv], cwd=ROOT, capture_output=True, text=True)
         assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
         assert argv[0] in result.stderr
@@ -928,8 +928,8 @@ def test_num_train_epochs_counts_the_runs_iterations_from_the_data(tmp_path, cap
     assert (typed.iterations, typed.num_train_epochs) == (5, None)
     assert "num_train_epochs: --iterations, given, sets the run's length instead" in capsys.readouterr().out
     (tmp_path / "config.json").write_text(json.dumps({**dataclasses.asdict(prepared), "run_id": "r"}))
-    from infra import options
-    flags = options.file_arguments(str(tmp_path / "config.json"))
+    from infra.command_line import file_arguments
+    flags = file_arguments(str(tmp_path / "config.json"))
     assert "--num-train-epochs=0.5" in flags and not any(flag.startswith("--iterations") for flag in flags)
     rerun = parse_args(["--config", str(tmp_path / "config.json"), "--iterations", "10"])  # typed wins over both
     assert (rerun.iterations, rerun.num_train_epochs) == (10, None)

@@ -14,7 +14,7 @@ import inference
 from launch import setup
 from infra.data import load_task
 from infra.models import load_model
-from infra.options import parse_args
+from infra.command_line import parse_args
 from infra.reward import load_reward, load_rewards
 from infra.timeline import Timeline
 from launch import sizing
