@@ -13,6 +13,7 @@ import torch
 
 import rewards
 import trainer
+from faults import as_from_a_terminal
 from infra import python_args
 from infra.command_line import parse_args
 from infra.tasks import arithmetic_examples
@@ -258,7 +259,8 @@ def test_train_from_stdin_runs_and_ctrl_c_is_a_keyboard_interrupt(tmp_path):
     import time
     env = {**os.environ, "PERIODIC_RL_CACHE": os.environ.get("PERIODIC_RL_CACHE", str(ROOT / ".cache" / "periodic-rl"))}
     run = subprocess.Popen([sys.executable], cwd=tmp_path, env=env, text=True, stdin=subprocess.PIPE,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # the script on stdin
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,  # the script on stdin
+                           preexec_fn=as_from_a_terminal())  # SIGINT at its default, wherever the suite was started
     run.stdin.write(STDIN_SCRIPT.format(root=str(ROOT), iterations=100_000, out=str(tmp_path / "b")))
     run.stdin.close()
     run.stdin = None  # closed: communicate must not flush it
