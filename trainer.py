@@ -479,7 +479,8 @@ def main(argv: list[str] | None = None) -> int:
                         fresh = ranks.is_main and cfg.out is None  # a folder of its own, linked from runs/latest
                         if fresh:
                             cfg = dataclasses.replace(cfg, out=str(outputs.run_folder(cfg.model)))
-                        LAST_RUN[:] = [cfg.out]  # for `train`, a caller in Python (None on a rank but 0)
+                        LAST_RUN[:] = [cfg.out if ranks.is_main else None]  # for `train`, a caller in Python
+                        # (None on a rank but 0, which writes nothing)
                         run(cfg, resume_from, ["trainer.py", *argv], ranks, link_latest=fresh)
             Interrupted.check()
             return 0

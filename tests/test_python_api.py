@@ -158,6 +158,30 @@ def test_train_from_a_script_is_the_command_lines_run(tmp_path):
     assert record["reward"] == [f"{script}:exact"] and Path(record["data"]).parent.name == "datasets"
 
 
+@pytest.mark.slow  # process-level: torchrun, two ranks each with its inference process
+def test_train_under_torchrun_runs_once_per_rank_and_returns_the_run_on_rank_0(tiny_model_dir, tmp_path):
+    """Claim: a script that calls trainer.train, launched by `torchrun --nproc-per-node 2` (as a TRL script is by
+    `accelerate launch`), makes one 2-rank run: each rank's train returns, rank 0 with the run's folder and rank 1
+    with None (it writes nothing); the script runs once in each of the four processes (two ranks, two inference
+    processes); the dataset is copied into the cache once, whole (the ranks race to write it: one rename wins)."""
+    examples = arithmetic_examples("train")[:32]
+    options = dict(mode="async", iterations=2, batch_size=16, group_size=4, max_new_tokens=4, eval_every=0,
+                   groups_per_chunk=1, micro_batch_tokens=64, rollout_threads=1, train_threads=1)
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT.format(root=str(ROOT), rows=[(e.prompt, e.answer) for e in examples],
+                                    options={**options, "out": str(tmp_path / "ranks")})
+                      .replace('trainer.train("tiny"', f"trainer.train({str(tiny_model_dir)!r}"))
+    env = {**os.environ, "IMPORTS_LOG": str(tmp_path / "imports.log"), "PERIODIC_RL_CACHE": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(line for line in done.stdout.splitlines() if line.startswith("OUT ")) == \
+        sorted([f"OUT {tmp_path / 'ranks'}", "OUT None"]), done.stdout
+    assert len((tmp_path / "imports.log").read_text().split()) == 4
+    assert sum(not row.get("final") for row in map(json.loads, (tmp_path / "ranks" / "metrics.jsonl").open())) == 2
+    assert [path.suffix for path in (tmp_path / "cache" / "datasets").iterdir()] == [""]  # one folder, no .partial
+
+
 def test_a_failed_run_raises_with_its_exit_code(tmp_path, capsys):
     """Claim: a run that fails (here: an option out of range) raises RuntimeError naming its exit code and the
     command line it ran, after the usual one `error:` line on stderr; nothing is left running."""
