@@ -444,7 +444,8 @@ def shorten_openmp_spinning(environ=os.environ) -> None:
         environ["GOMP_SPINCOUNT"] = "30000"
 
 
-LAST_RUN: list[str] = []  # the --out of main's last run in this process (`train` returns it)
+LAST_RUN: list[str | None] = []  # the --out of main's last run in this process (`train` returns it; None: a rank
+# that writes none)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -561,7 +562,7 @@ def kept_on_stop(cfg: Config | None, ranks, failed_save: Exception | None) -> st
 def train(model: str | None = None, reward_funcs=None, train_dataset=None, eval_dataset=None, args=None,
           **options) -> Path | None:
     """Run the trainer from Python, as TRL's `GRPOTrainer(model, reward_funcs, args, train_dataset).train()` runs:
-    the run `python trainer.py` makes with these options (infra/python_args.command_line); returns its --out folder
+    the run `python trainer.py` makes with these options (infra/python_args.train_argv); returns its --out folder
     (under torchrun, on rank 0; a rank that writes no run returns None).
     `reward_funcs`: a function (defined at the top level of a module or of the script) or a --reward spec, or a list
     of them; `train_dataset`: a datasets.Dataset or DatasetDict, or a --data value; `args`: TRL's GRPOConfig (or
@@ -576,8 +577,8 @@ def train(model: str | None = None, reward_funcs=None, train_dataset=None, eval_
              split="train"), learning_rate=1e-6, max_steps=100)
     """
     try:
-        from infra.python_args import command_line
-        argv = command_line(model, reward_funcs, train_dataset, eval_dataset, args, **options)
+        from infra.python_args import train_argv
+        argv = train_argv(model, reward_funcs, train_dataset, eval_dataset, args, **options)
     except ValueError as error:  # a reward or dataset no other process can find: the caller's mistake, said so
         raise ValueError(f"train: {error}") from None
     LAST_RUN.clear()

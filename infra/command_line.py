@@ -36,12 +36,39 @@ import os
 import sys
 from pathlib import Path
 
-from config import Config
-from infra.options import (BOOL_WORDS, COMMAND_LINE_ONLY, DERIVED_FROM, NOT_OPTIONS, RUN_OUTPUTS, build_parser,
-                           closest_name, derive, normalized, values_of, unknown_option, validate)
+from config import SIZE_FIELDS, Config
+from infra.options import BOOL_WORDS, build_parser, closest_name, derive, unknown_option, validate
 from infra.trl_names import (STEP_STRATEGIES, TRL_ALIASES, TRL_BATCH_KEYS, TRL_DIFFERENT, TRL_FIXED, TRL_STEP_KEYS,
                              TRL_STEPS, TRL_UNUSED, is_fixed_value, number_of_steps, trl_batch_options, trl_keys,
                              trl_steps)
+
+NOT_OPTIONS = ("run_id", "versions", "command")  # config.json's keys that are not options (run_id marks a record)
+COMMAND_LINE_ONLY = ("resume", "overwrite", "config")  # read from the command line only (module docstring)
+# Options config.json records as `derive` resolved them from another option: given anew on the command line, that
+# option re-derives them (a tiny run's config.json with --model qwen2.5-0.5b must not keep the tiny lr and lengths).
+DERIVED_FROM = {"model": ("lr", "max_new_tokens", *SIZE_FIELDS), "reward": ("reward_weights",),
+                "device": ("train_device", "rollout_device", "dtype", "pad_to_multiple_of", *SIZE_FIELDS),
+                "mode": ("rollout_device", *SIZE_FIELDS),
+                "batch_size": SIZE_FIELDS, "group_size": SIZE_FIELDS,
+                "inference_workers": ("rollout_device", *SIZE_FIELDS), "eval_every": ("eval_size",)}
+# A run record's options that name that run's outputs: a rerun of its config.json writes its own (unless given anew)
+RUN_OUTPUTS = ("out", "trace")
+
+
+def normalized(argv: list[str]) -> list[str]:
+    """argv with `--name_with_underscores` as `--name-with-underscores` (TRL's parser accepts both spellings)."""
+    def spelled(token: str) -> str:
+        if not token.startswith("--"):
+            return token
+        name, sep, value = token.partition("=")
+        return name.replace("_", "-") + sep + value
+    return [spelled(token) for token in argv]
+
+
+def values_of(namespace: argparse.Namespace) -> dict:
+    """The parsed options (argparse's namespace less the parser's own marks, such as `_epsilon_high_given`)."""
+    return {name: value for name, value in vars(namespace).items() if not name.startswith("_")}
+
 
 def given_options(argv: list[str] | None = None) -> set[str]:
     """The fields named on the command line, not left at their defaults (a resumed run tells them apart); the

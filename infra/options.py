@@ -23,7 +23,7 @@ import os
 import textwrap
 import typing
 
-from config import SECTIONS, SIZE_FIELDS, TINY_MODELS, Config
+from config import SECTIONS, TINY_MODELS, Config
 from infra.tracking import installed_trackers
 from infra.trl_names import TRL_ALIASES, TRL_DIFFERENT, TRL_FIXED, TRL_UNUSED, epilog
 
@@ -37,17 +37,6 @@ MICRO_BATCH_TOKENS = 16384
 # Neuron for the same reason (it compiles per shape).
 PAD_MULTIPLE_ACCELERATOR = 128
 EVAL_SIZE = 64  # held-out prompts per evaluation; none held out of training when nothing is evaluated (TRL's way)
-NOT_OPTIONS = ("run_id", "versions", "command")  # config.json's keys that are not options (run_id marks a record)
-COMMAND_LINE_ONLY = ("resume", "overwrite", "config")
-# Options config.json records as `derive` resolved them from another option: given anew on the command line, that
-# option re-derives them (a tiny run's config.json with --model qwen2.5-0.5b must not keep the tiny lr and lengths).
-DERIVED_FROM = {"model": ("lr", "max_new_tokens", *SIZE_FIELDS), "reward": ("reward_weights",),
-                "device": ("train_device", "rollout_device", "dtype", "pad_to_multiple_of", *SIZE_FIELDS),
-                "mode": ("rollout_device", *SIZE_FIELDS),
-                "batch_size": SIZE_FIELDS, "group_size": SIZE_FIELDS,
-                "inference_workers": ("rollout_device", *SIZE_FIELDS), "eval_every": ("eval_size",)}
-# A run record's options that name that run's outputs: a rerun of its config.json writes its own (unless given anew)
-RUN_OUTPUTS = ("out", "trace")
 
 
 def available_cores() -> int:
@@ -400,21 +389,6 @@ def closest_name(name: str, names: list[str]) -> str | None:
     return next((close for close in difflib.get_close_matches(name, names, n=3, cutoff=0.8) if near(close)), None)
 
 
-def normalized(argv: list[str]) -> list[str]:
-    """argv with `--name_with_underscores` as `--name-with-underscores` (TRL's parser accepts both spellings)."""
-    def spelled(token: str) -> str:
-        if not token.startswith("--"):
-            return token
-        name, sep, value = token.partition("=")
-        return name.replace("_", "-") + sep + value
-    return [spelled(token) for token in argv]
-
-
-def values_of(namespace: argparse.Namespace) -> dict:
-    """The parsed options (argparse's namespace less the parser's own marks, such as `_epsilon_high_given`)."""
-    return {name: value for name, value in vars(namespace).items() if not name.startswith("_")}
-
-
 class _Epsilon(argparse.Action):
     """TRL's --epsilon: both clip ranges, unless --epsilon-high is given (before or after it)."""
 
@@ -488,7 +462,7 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
 
 def build_parser(prog: str = "trainer.py", defaults: bool = True) -> argparse.ArgumentParser:
     """The command line of Config, its options grouped as config.SECTIONS; defaults=False leaves out every option
-    not given (see `given_options`)."""
+    not given (see infra/command_line.given_options)."""
     parser = _OneLineParser(prog=prog, usage="%(prog)s [options]", description="GRPO with periodic asynchrony "
                             "(arXiv 2511.18871). Every option, by group:",
                             formatter_class=_HelpFormatter, epilog=epilog())

@@ -5,13 +5,14 @@ args, train_dataset).train()` takes, turned into the options every process of th
   'module:name', or 'path/to/script.py:name' for the running script's own.
 - A datasets.Dataset becomes a --data folder (`data_folder`), saved once under $PERIODIC_RL_CACHE/datasets by its
   fingerprint; TRL's GRPOConfig becomes a --config file (`args_file`), written once under $PERIODIC_RL_CACHE/configs.
-- The other keywords are options, ours or TRL's, with _ for - (`command_line`).
+- The other keywords are options, ours or TRL's, with _ for - (`train_argv`).
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import socket
 import sys
 from pathlib import Path
 
@@ -52,13 +53,19 @@ def reward_spec(function) -> str:
     return f"{path}:{name}"
 
 
+def partial_copy(folder: Path) -> Path:
+    """Where this process writes `folder` before renaming it there: NAME.HOST.PID.partial (the host: a cache may be
+    shared by the nodes of a run, each writing the same data at once)."""
+    return folder.with_name(f"{folder.name}.{socket.gethostname()}.{os.getpid()}.partial")
+
+
 def remove_abandoned_copies(cache: Path) -> None:
-    """Delete the half-written copies (NAME.PID.partial) in `cache` whose writer is gone (SIGKILL, a power cut):
-    a writer that ends otherwise removes its own."""
+    """Delete the half-written copies in `cache` (`partial_copy`) whose writer, a process of this host, is gone
+    (SIGKILL, a power cut): a writer that ends otherwise removes its own; another host's copy is left alone."""
     from infra.processes import running
     for partial in cache.glob("*.partial") if cache.is_dir() else []:
-        pid = partial.name.rsplit(".", 2)[-2]
-        if pid.isdigit() and not running(int(pid)):
+        host, _, pid = partial.name.removesuffix(".partial").partition(".")[2].rpartition(".")
+        if host == socket.gethostname() and pid.isdigit() and not running(int(pid)):
             shutil.rmtree(partial, ignore_errors=True)
 
 
@@ -90,7 +97,7 @@ def data_folder(dataset, eval_dataset=None) -> str:
     if not folder.exists():  # written beside, then renamed: a folder there is whole (not outputs.save_atomically,
         # which moves a folder there aside: another torchrun rank may be reading it)
         remove_abandoned_copies(folder.parent)
-        partial = folder.with_name(f"{folder.name}.{os.getpid()}.partial")
+        partial = partial_copy(folder)
         shown = datasets.is_progress_bar_enabled()
         datasets.disable_progress_bars()  # a copy into the cache: no bar of its own in the run's log
         try:
@@ -130,14 +137,14 @@ def args_file(values: dict) -> str:
     return str(path)
 
 
-def command_line(model: str | None = None, reward_funcs=None, train_dataset=None, eval_dataset=None, args=None,
+def train_argv(model: str | None = None, reward_funcs=None, train_dataset=None, eval_dataset=None, args=None,
                  **options) -> list[str]:
     """`train`'s arguments as trainer.py's command line: reward functions as their --reward specs (`reward_spec`),
     a dataset as its --data folder (`data_folder`), `args` as a --config file (`args_file`), each option as
     --name=value (True/False as true/false, a list as its values, a mapping as JSON), which wins over args' as a
     typed option over a file's; None leaves an option at its default.
 
-    >>> command_line("tiny", "math", learning_rate=1e-5, log_completions=True, report_to=["none"])
+    >>> train_argv("tiny", "math", learning_rate=1e-5, log_completions=True, report_to=["none"])
     ['--model=tiny', '--reward', 'math', '--learning-rate=1e-05', '--log-completions=true', '--report-to', 'none']
     """
     rewards = None if reward_funcs is None else [

@@ -1,5 +1,6 @@
 """TRL's names for our options, TRL's defaults where ours differ, and the log's columns: what a TRL user reads in
---help's epilog (`epilog`) and what the parser (infra/options.py) accepts, refuses or ignores under TRL's names.
+--help's epilog (`epilog`) and what the parser (infra/options.py) accepts or refuses, and the command line
+(infra/command_line.py) ignores or translates, under TRL's names.
 
 Read from TRL 1.16: trl/trainer/grpo_config.py (GRPOConfig), transformers' TrainingArguments under it, and TRL's CLI
 (ScriptArguments, ModelConfig).

@@ -273,7 +273,7 @@ def test_pad_to_multiple_of_reads_trls_values_and_pads_on_accelerators_only(monk
     assert derive(Config()).pad_to_multiple_of == 128 and derive(Config(pad_to_multiple_of=8)).pad_to_multiple_of == 8
     assert derive(Config(device="cpu")).pad_to_multiple_of == 1
     assert derive(Config(device="cpu", train_device="cuda:0")).pad_to_multiple_of == 128  # either side on a GPU
-    assert "pad_to_multiple_of" in options.DERIVED_FROM["device"]
+    assert "pad_to_multiple_of" in command_line.DERIVED_FROM["device"]
 
 
 def test_our_defaults_are_trls_but_the_listed_departures():

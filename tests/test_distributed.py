@@ -410,7 +410,7 @@ def test_a_collective_that_fails_while_a_rank_is_still_dying_names_that_rank(mon
 
 
 WORLD_FREED = """
-import os, sys
+import gc, os, sys, weakref
 sys.path.insert(0, {root!r})
 import torch
 import torch.distributed as dist
@@ -418,8 +418,12 @@ from config import Config
 from infra import distributed
 with distributed.process_group(Config(train_device="cpu", rollout_device="cpu"), distributed.from_environment()):
     import torch._dynamo  # noqa: F401  (engine.py's torch.compiler.disable imports it once a run has started)
+    import torch.distributed.nn.functional  # noqa: F401  (what torch._dynamo imports that binds group.WORLD)
     dist.all_reduce(torch.ones(1))
+    world = weakref.ref(dist.group.WORLD)
+gc.collect()
 threads = [open(f"/proc/self/task/{{task}}/comm").read().strip() for task in os.listdir("/proc/self/task")]
+print("world group alive after the block:", world() is not None)
 print("gloo threads after the block:", sorted(name for name in threads if "gloo" in name))
 """
 
@@ -431,8 +435,10 @@ def test_the_world_group_is_freed_when_its_block_ends(tmp_path):
     exception"): once distributed.process_group's block ends, no gloo thread of its group is left, also when torch
     modules that take `group=group.WORLD` as a default argument were first imported inside the block (as the run
     imports them); else the group outlives destroy_process_group and its threads are torn down during the
-    interpreter's exit, which aborts now and then. Deterministic: the threads are counted, not the aborts."""
+    interpreter's exit, which aborts now and then. Deterministic: the group's liveness (a weak reference) and its
+    threads are checked, not the aborts."""
     script = tmp_path / "world.py"
     script.write_text(WORLD_FREED.format(root=str(ROOT)))
     done = run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", str(script)], timeout=120)
+    assert done.stdout.count("world group alive after the block: False") == 2, done.stdout
     assert done.stdout.count("gloo threads after the block: []") == 2, done.stdout

@@ -241,8 +241,10 @@ def test_killed_trainer_takes_a_rewards_own_processes_along(tiny_model_dir, tmp_
     """Claim: a reward that keeps process pools of its own (started by fork, spawn and a forkserver; in the trainer
     in sync mode, in the inference process in async mode) leaves no worker behind when the trainer is SIGKILLed,
     also when the run was started from `python -c` (or a script on stdin: `trainer.train`), whose spawned inference
-    process imports no main module. Before, the pools' workers waited on their task queue forever, holding
-    multiprocessing's resource tracker (and a forkserver, which lives as long as its children)."""
+    process imports no main module: there, pools started by fork (and a forkserver's) are covered, not spawned ones
+    (a spawned child of such a process imports nothing of ours that could watch its parent). Before, the pools'
+    workers waited on their task queue forever, holding multiprocessing's resource tracker (and a forkserver, which
+    lives as long as its children)."""
     with endless(tiny_model_dir, tmp_path, "--mode", mode, "--reward", "tests/rewards.py:kept_pool_length",
                  env={"REWARD_POOL_START": starts}, launcher=launcher) as run:
         run.wait_for(r"^iter ")

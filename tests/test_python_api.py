@@ -25,7 +25,7 @@ def test_options_are_keywords_ours_or_trls():
     """Claim: train's keywords are trainer.py's options with _ for -, ours or TRL's (the batch keys, max_steps, a
     flag of no use here such as bf16), booleans as true/false, lists as values, a mapping as JSON: the Config parsed
     from them is the one the typed command line gives."""
-    argv = python_args.command_line("tiny", "math", learning_rate=1e-5, num_generations=4,
+    argv = python_args.train_argv("tiny", "math", learning_rate=1e-5, num_generations=4,
                                     per_device_train_batch_size=8, steps_per_generation=2, max_steps=6,
                                     log_completions=True, bf16=True, disable_dropout=False, report_to=["none"],
                                     chat_template_kwargs={"a": 1})
@@ -44,7 +44,7 @@ def test_a_reward_function_is_found_by_name_in_every_process():
     by ('module:name'); a str is a spec already; what no other process can find by name (a lambda, a nested
     function, a partial) is refused in one line saying what to give instead."""
     assert python_args.reward_spec(rewards.digit_fraction) == "rewards:digit_fraction"
-    assert python_args.command_line(reward_funcs=[rewards.digit_count, "math"]) == ["--reward", "rewards:digit_count",
+    assert python_args.train_argv(reward_funcs=[rewards.digit_count, "math"]) == ["--reward", "rewards:digit_count",
                                                                                "math"]
 
     def nested(prompt, completion, answer):
@@ -80,12 +80,16 @@ def test_a_dataset_is_written_once_where_every_process_reads_it(tmp_path, monkey
 
 def test_a_copy_cut_short_leaves_nothing_behind(tmp_path, monkeypatch):
     """Claim: a copy into the cache that fails half-way (a full disk, Ctrl-C) removes its half-written folder; one
-    whose writer was killed (SIGKILL: NAME.PID.partial, PID gone) is removed by the next copy; a living writer's
-    is left alone."""
+    whose writer on this host was killed (SIGKILL: NAME.HOST.PID.partial, PID gone) is removed by the next copy; a
+    living writer's is left alone, and so is another host's (a cache shared by a run's nodes: its PID means
+    nothing here)."""
+    import socket
     monkeypatch.setenv("PERIODIC_RL_CACHE", str(tmp_path))
-    cache = tmp_path / "datasets"
-    abandoned, living = cache / "0123456789abcdef.4194305.partial", cache / f"fedcba9876543210.{os.getpid()}.partial"
-    for folder in (abandoned, living):  # 4194305 > Linux's largest PID (pid_max <= 2**22): no such process
+    cache, host = tmp_path / "datasets", socket.gethostname()
+    abandoned = cache / f"0123456789abcdef.{host}.4194305.partial"  # 4194305 > Linux's largest PID (pid_max <= 2**22)
+    living = [cache / f"fedcba9876543210.{host}.{os.getpid()}.partial",
+              cache / "0123456789abcdef.other-node.cluster.4194305.partial"]
+    for folder in (abandoned, *living):
         folder.mkdir(parents=True)
     dataset = datasets.Dataset.from_list([{"question": "1+1", "answer": "2"}])
 
@@ -96,7 +100,7 @@ def test_a_copy_cut_short_leaves_nothing_behind(tmp_path, monkeypatch):
     monkeypatch.setattr(datasets.Dataset, "save_to_disk", full_disk)
     with pytest.raises(OSError, match="No space left"):
         python_args.data_folder(dataset)
-    assert sorted(path.name for path in cache.iterdir()) == [living.name]
+    assert sorted(path.name for path in cache.iterdir()) == sorted(path.name for path in living)
 
 
 SCRIPT = '''
@@ -173,7 +177,7 @@ def test_train_under_torchrun_runs_once_per_rank_and_returns_the_run_on_rank_0(t
                       .replace('trainer.train("tiny"', f"trainer.train({str(tiny_model_dir)!r}"))
     env = {**os.environ, "IMPORTS_LOG": str(tmp_path / "imports.log"), "PERIODIC_RL_CACHE": str(tmp_path / "cache")}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                           str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert sorted(line for line in done.stdout.splitlines() if line.startswith("OUT ")) == \
         sorted([f"OUT {tmp_path / 'ranks'}", "OUT None"]), done.stdout
@@ -203,14 +207,14 @@ def test_args_are_a_config_file_and_keywords_win(tmp_path, monkeypatch):
         def to_dict(self):
             return {"learning_rate": 1e-5, "num_generations": 4, "max_steps": 6, "per_device_train_batch_size": 8,
                     "steps_per_generation": 2, "seed": 42}
-    argv = python_args.command_line("tiny", args=Args(), seed=7)
+    argv = python_args.train_argv("tiny", args=Args(), seed=7)
     assert argv[0] == "--config" and Path(argv[1]).parent == tmp_path / "configs"
-    assert python_args.command_line("tiny", args=Args(), seed=7) == argv  # the same file, not another
+    assert python_args.train_argv("tiny", args=Args(), seed=7) == argv  # the same file, not another
     cfg = parse_args(argv)
     assert (cfg.lr, cfg.group_size, cfg.iterations, cfg.batch_size, cfg.updates_per_iteration, cfg.seed) == \
         (1e-5, 4, 3, 16, 2, 7)
     with pytest.raises(ValueError, match="args is a list: give TRL's GRPOConfig or a mapping of options"):
-        python_args.command_line("tiny", args=[1])
+        python_args.train_argv("tiny", args=[1])
 
 
 def test_a_scripts_reward_is_found_in_a_spawned_process_too(tmp_path, monkeypatch):
@@ -235,7 +239,7 @@ def test_a_scripts_reward_is_found_in_a_spawned_process_too(tmp_path, monkeypatc
     assert python_args.reward_spec(f) == f"{script}:f"
     assert load_reward(f"{script}:f") is f  # the running script's own function: the file is not run again
     assert load_reward(f"{script}:g")("", "", "") == 2.0  # not defined in the running script yet: the file's
-    assert python_args.command_line(report_to=[]) == ["--report-to", "none"]
+    assert python_args.train_argv(report_to=[]) == ["--report-to", "none"]
 
 
 def test_a_callable_object_and_the_args_weights_and_resume(tmp_path, monkeypatch):
@@ -248,7 +252,7 @@ def test_a_callable_object_and_the_args_weights_and_resume(tmp_path, monkeypatch
     assert python_args.reward_spec(rewards.made_reward) == "rewards:made_reward"  # a partial, in the reward's module
     assert load_reward("rewards:scaled_half") is rewards.scaled_half
     monkeypatch.setenv("PERIODIC_RL_CACHE", str(tmp_path))
-    argv = python_args.command_line("tiny", reward_funcs=["math", "math-verify"],
+    argv = python_args.train_argv("tiny", reward_funcs=["math", "math-verify"],
                                 args={"reward_weights": [1.0, 0.5], "resume_from_checkpoint": True,
                                       "output_dir": str(tmp_path / "run")})
     cfg = parse_args(argv)
