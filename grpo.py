@@ -14,7 +14,7 @@ arXiv 2503.20783: the std favours easy/hard prompts); "batch" divides by the std
 batch instead (PPO Lite, arXiv 2508.08221), A_i = (r_i - mean(r_group)) / (std(r_batch) + eps), which is
 known only once the last group is in: `group_advantages` then returns the centred rewards and
 `batch_std` gives the divisor (see "scale_rewards='batch' while streaming" below).
-A reward of NaN marks a response no reward function scored (TRL's None, infra/reward.py): it is left out of its
+A reward of NaN marks a response no reward function scored (TRL's None, infra/scoring.py): it is left out of its
 group's mean and std, and its advantage is 0 (TRL since #5902).
 
 Per-token loss (TRL 1.16 `GRPOTrainer._compute_loss`, its defaults), with the ratio against the old

@@ -5,7 +5,7 @@ One iteration k of rollouts, with the policy weights θ_k:
     for each chunk of C prompts x_j of iteration k, in index order:
         o_j1..o_jG ~ π_θk(· | x_j), all j at once Hugging Face `generate`, KV cache, seeded per chunk
         as soon as all G responses of a prompt x_j have stopped (inside generate):
-            r_i = Σ_k w_k reward_k(x_j, o_ji, answer_j)   the --reward functions, checked (infra/reward.py)
+            r_i = Σ_k w_k reward_k(x_j, o_ji, answer_j)   the --reward functions, checked (infra/scoring.py)
             A_i = group_advantages(r)             grpo.py
             send(Group(...))                      -> the trainer, at once
     every `eval_every` iterations: held-out reward of θ_k
@@ -73,15 +73,8 @@ import engine
 import grpo
 from config import Config
 from infra.errors import UserError
-from infra.reward import (
-    Reward,
-    RewardLogs,
-    Rewards,
-    as_rewards,
-    score_group,
-    trainer_state,
-    weighted_total,
-)
+from infra.reward import Reward, Rewards, as_rewards
+from infra.scoring import RewardLogs, score_group, trainer_state, weighted_total
 from infra.tasks import Example, run_prompt_ids
 from infra.timeline import INFERENCE, Span
 
@@ -366,7 +359,7 @@ def chunks(examples: list[Example], size: int) -> list[tuple[int, list[Example]]
 def score_responses(rewards: Rewards, tokenizer, example: Example, responses: list[list[int]], cfg: Config,
                     state=None, logs: RewardLogs | None = None) -> tuple[list[float], list[list[float]]]:
     """(the weighted reward of each response, each reward's values [k][i]) for one prompt's responses; `state`: the
-    trainer_state TRL-style rewards get (reward.trainer_state); `logs`: what they log (None: dropped)."""
+    trainer_state TRL-style rewards get (scoring.trainer_state); `logs`: what they log (None: dropped)."""
     texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
     per_function = score_group(rewards, example.prompt, example.answer, example.columns, texts, responses,
                                cfg.reward_timeout, state, logs)

@@ -17,7 +17,7 @@ for `2\\sqrt{2}`. It is TRL's `trl.rewards.accuracy_reward` (a batched reward, i
 
 Timeouts: math-verify bounds each parse and comparison with SIGALRM, which only the main thread receives: on
 in the main thread (the trainer's in sync mode, the inference process's in async mode), off elsewhere, as TRL
-does. --reward-timeout's clock (reward.RewardClock) uses SIGUSR1 and raises a BaseException, which
+does. --reward-timeout's clock (scoring.RewardClock) uses SIGUSR1 and raises a BaseException, which
 math-verify's `except Exception` does not swallow: the two limits do not meet.
 """
 from __future__ import annotations

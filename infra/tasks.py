@@ -7,7 +7,8 @@ The reward is a plain function
 
     reward(prompt, completion, answer) -> float        # 1.0 correct, 0.0 wrong for `math_reward`
 
-so a user can swap in their own with `--reward my_rewards.py:score` (infra/reward.py loads and calls it).
+so a user can swap in their own with `--reward my_rewards.py:score` (infra/reward.py loads it, infra/scoring.py
+calls it).
 Two tasks are built in, and anything `datasets` loads can be used (infra/data.py):
 
 - `arithmetic` (offline): `"37+45="` -> `"82"` with operands in [0, 50). A fixed CRC32 of the operand

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from infra.reward import RewardError, score
+from infra.reward import RewardError
+from infra.scoring import score
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -8,7 +8,8 @@ from conftest import GSM8K_DIR
 
 from infra.data import dataset_examples, load_splits
 from infra.math_verify_reward import math_verify_reward
-from infra.reward import Rewards, load_reward, score_group
+from infra.reward import Rewards, load_reward
+from infra.scoring import score_group
 from infra.tasks import math_reward
 
 

@@ -18,19 +18,8 @@ import torch
 import grpo
 from infra import checkpoint
 from infra.command_line import parse_args
-from infra.reward import (
-    RewardError,
-    Rewards,
-    is_batched,
-    load_rewards,
-    needed_columns,
-    score,
-    score_batch,
-    score_group,
-    trainer_state,
-    trl_arguments,
-    weighted_total,
-)
+from infra.reward import RewardError, Rewards, is_batched, load_rewards, needed_columns
+from infra.scoring import score, score_batch, score_group, trainer_state, trl_arguments, weighted_total
 from learner import mean_std
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,7 +59,7 @@ def test_a_batched_reward_gets_trls_keyword_lists(prompt, answer, columns, compl
     the group's RewardLogs, where a column adds up over calls, as TRL extends it, and must end the group with one
     value per completion (its values could not be matched to the completions: they were dropped). None means 'not
     scored' (NaN)."""
-    from infra.reward import RewardLogs
+    from infra.scoring import RewardLogs
     calls, state, logs = [], object(), RewardLogs()
 
     def recorder(*args, **kwargs):  # **kwargs alone: the batched form

@@ -427,7 +427,7 @@ def test_trainer_state_counts_every_pass_as_trl():
     """Claim (review of #32, item 3): the trainer_state a batched reward gets counts TRL's optimizer steps, μ per
     mini-batch: before iteration k, k x updates-per-iteration x num-iterations (it left μ out), and max_steps is the
     run's, the schedule's length (launch/setup.build_optimizer)."""
-    from infra.reward import trainer_state
+    from infra.scoring import trainer_state
     cfg = parse_args(["--iterations", "10", "--updates-per-iteration", "2", "--num-iterations", "3"])
     state = trainer_state(cfg, 3, 32)
     assert (state.global_step, state.max_steps) == (3 * 2 * 3, 10 * 2 * 3)
