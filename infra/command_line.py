@@ -1,7 +1,8 @@
 """The command line read into a Config: a --config file's options placed before the typed ones, TRL's flags made
 ours, then parsed, validated and derived (infra/options.py: the parser, `validate`, `derive`).
 
-    parse_args(argv) = derive(validate(parser(with_config_file(argv))))
+    parse_args(argv) = derive(cfg),  cfg = Config(parser(with_config_file(argv))),  refused if validate(cfg) names a
+                                     problem (one line, exit 2)
 
 `--config FILE`: a JSON file (`.json`) or YAML (anything else; PyYAML, which transformers requires) holding
 a mapping from option names (Config's field names: `max_new_tokens` for --max-new-tokens) to values; the
