@@ -387,6 +387,14 @@ def fsync(path: Path | str) -> None:
         os.close(fd)
 
 
+def fsync_tree(root: Path | str) -> None:
+    """Flush every file under `root`, then each directory's names, contents first (before `root` is renamed into
+    place: the new name then never points at files still in the page cache)."""
+    for folder, _, files in os.walk(root, topdown=False):
+        for name in [*files, "."]:
+            fsync(os.path.join(folder, name))
+
+
 def save_atomically(target: Path, write: Callable[[Path], None]) -> None:
     """Rule 4: `write(folder)` fills a temporary sibling of `target`, which is synced and renamed to `target`.
 
@@ -401,9 +409,7 @@ def save_atomically(target: Path, write: Callable[[Path], None]) -> None:
     try:
         staging.mkdir()  # (not mkdtemp: the folder gets the usual permissions, as save_pretrained's files do)
         write(staging)
-        for folder, _, files in os.walk(staging, topdown=False):  # contents first, then the names
-            for name in [*files, "."]:
-                fsync(os.path.join(folder, name))
+        fsync_tree(staging)
         if target.exists():
             target.rename(aside)
         staging.rename(target)

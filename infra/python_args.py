@@ -102,6 +102,7 @@ def data_folder(dataset, eval_dataset=None) -> str:
         datasets.disable_progress_bars()  # a copy into the cache: no bar of its own in the run's log
         try:
             dataset.save_to_disk(str(partial))
+            outputs.fsync_tree(partial)  # whole on disk before the rename makes it the cache's
         except BaseException:  # a full disk, Ctrl-C: no half copy left behind
             shutil.rmtree(partial, ignore_errors=True)
             raise
@@ -110,6 +111,7 @@ def data_folder(dataset, eval_dataset=None) -> str:
                 datasets.enable_progress_bars()
         try:
             partial.rename(folder)
+            outputs.fsync(folder.parent)  # the rename itself
         except OSError:  # another process's (a torchrun rank's) rename won: the same rows
             shutil.rmtree(partial, ignore_errors=True)
     return str(folder)
