@@ -432,12 +432,15 @@ def run_trainer(*args, timeout=240):
                                                r"broken on purpose \(at tests/rewards.py, line \d+: raise ValueError"),
                                               ("tests/rewards.py:nan_reward", "not a finite number")])
 def test_bad_reward_stops_trainer_with_clear_message(tiny_model_dir, tmp_path, reward, fragment):
-    """A reward function that raises or returns NaN (in the inference process) ends the run: exit code 1, a message
-    naming the function, the line that raised and the prompt, no traceback. (No hang: the subprocess's timeout; no
-    wall-clock assertion, the start-up alone takes 10-60 s on a loaded 2-core machine.)"""
+    """A reward function that raises or returns NaN in the inference process ends the run: exit code 1, a message
+    naming the function, the line that raised and the prompt, no traceback. The sizes are given: on 2 cores the probe
+    picks turns in one process, and the claim is about the inference process's error reaching the trainer. (No hang:
+    the subprocess's timeout; no wall-clock assertion, the start-up alone takes 10-60 s on a loaded 2-core machine.)"""
     result = run_trainer("--model", tiny_model_dir, "--data", "arithmetic", "--reward", reward,
-                         "--max-new-tokens", "4", "--out", tmp_path, timeout=120)
+                         "--max-new-tokens", "4", "--out", tmp_path, "--groups-per-chunk", "4", "--micro-batch-tokens",
+                         "16384", *SAME_THREADS, timeout=120)
     assert result.returncode == 1, result.stderr
+    assert "the inference process" in result.stderr, result.stderr
     assert re.search(fragment, result.stderr) and reward.split(":")[1] in result.stderr and "prompt" in result.stderr
     assert "Traceback" not in result.stderr
 
