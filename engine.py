@@ -1,4 +1,4 @@
-"""One iteration's rollouts: each prompt prefilled once, a preallocated cache, a fixed-shape decode step, and
+"""One generate call's rollouts: each prompt prefilled once, a preallocated cache, a fixed-shape decode step, and
 random draws decided by the seed alone.
 
     responses = sample_groups(model, prompts, group_size=G, max_new_tokens=M, temperature=T, top_p=p,
@@ -78,11 +78,11 @@ Departures, on purpose:
 11. attention="flex" (not yet a trainer option: the GPU table measures it first) attends with torch's
    flex_attention over the cache blocks each row has written (flex_decode_attention), where decode_attention
    reads the whole preallocated cache of every row; the cache length is then a multiple of FLEX_BLOCK.
-12. A model through fuse_projections (--engine compile off CPU: rollout.fuse_sampler) decodes with q|k|v and gate|up as one
-   matrix product each, and writes a layer's new keys and values with one kernel (fused_attention, fused_mlp:
-   the layer's own attention and MLP forwards otherwise; RowCache.update_both). A
-   BLAS may sum a fused product in another order than the separate ones: last-bit differences, so a token can
-   flip at a near-tie, as between batch shapes.
+12. A model through fuse_projections (--engine compile off CPU: rollout.fuse_sampler) decodes with q|k|v and
+   gate|up as one matrix product each, and writes a layer's new keys and values with one kernel (fused_attention,
+   fused_mlp: the layer's own attention and MLP forwards otherwise; RowCache.update_both). A BLAS may
+   sum a fused product in another order than the separate ones: last-bit differences, so a token can flip at a
+   near-tie, as between batch shapes.
 """
 from __future__ import annotations
 
@@ -389,7 +389,7 @@ def fuse_projections(model) -> str | None:
     as 2 matrix products where the layer's own forward runs 5 (4 products a layer instead of 7; on an H100,
     24.8 against 34.5 us a layer at 128 rows, docs/benchmarks.md); a step's new keys and values, stacked inside
     the layer, go into the cache in one kernel (RowCache.update_both). The parameters become views of the buffers,
-    their values unchanged, so copying into them in place (Weights.load_into's param.copy_, a sampler's publish)
+    their values unchanged, so copying into them in place (WeightBuffer.load_into's param.copy_, a sampler's publish)
     writes the buffers: no second copy of the weights, nothing to refresh. For a model that is only sampled
     from (the inference side's own copy): safetensors refuses tensors that share memory, and moving the model
     afterwards (.to) parts the buffers from the parameters, which sample_groups then refuses.

@@ -72,7 +72,7 @@ from typing import Iterator
 import torch
 import torch.multiprocessing as mp
 
-from infra.errors import UserError
+from infra.errors import PipelineError, UserError
 from infra.options import available_cores
 from infra.processes import (
     FROZEN_SECONDS,
@@ -90,12 +90,8 @@ from infra.timeline import INFERENCE, TRAINING, Span, Timeline
 from rollout import Group, IterationDone, Message, fuse_sampler, rollout_iteration
 from weights import WeightBuffer, check_shared_memory, published, shared
 
-__all__ = ["AsyncRollouts", "PipelineError", "SyncRollouts", "in_call_order", "split_threads", "worker_devices",
-           "worker_shares"]
-
-
-class PipelineError(UserError):
-    """An inference worker failed or died; the message says which one and why."""
+__all__ = ["AsyncRollouts", "PipelineError", "SyncRollouts", "in_call_order", "owned_calls", "split_threads",
+           "worker_devices", "worker_shares"]
 
 
 # --- the inference process: the paper's second column ---
@@ -110,7 +106,7 @@ def inference_process(model_name: str, load_kwargs: dict, connection, heartbeat:
     (WeightBuffer), the run's config, its thread count and the prompts (sent here, not as the process's arguments:
     those are written while the trainer holds SIGINT off, and megabytes of prompts would hold it off for as long as
     the child takes to import torch and read them); answer ("ready", None).
-    Then wait for ("generate", k, final_iteration) (sent after θ_k is in `weights`), run `rollout_iteration` and send
+    Then wait for ("generate", k) (sent after θ_k is in `weights`), run `rollout_iteration` and send
     every message; ("evaluate", k) runs only the held-out evaluation; ("stop",) or a closed pipe ends, at any point.
     Any exception is sent as ("error", summary) before exiting non-zero. Ctrl-C (SIGINT to the process group) ends
     it as it ends the trainer, unless the trainer ignores SIGINT (`takes_sigint` False: started by `nohup` or as a
@@ -154,12 +150,12 @@ def inference_process(model_name: str, load_kwargs: dict, connection, heartbeat:
             command = next_command(connection)
             if command[0] == "stop":
                 break
-            kind, iteration, final_iteration = command
+            kind, iteration = command
             start = time.perf_counter()
             weights.load_into(model, expected_version=iteration)
             results.put(("message", Span(f"load θ_{iteration}", INFERENCE, start, time.perf_counter())))
             rollout_iteration(model, tokenizer, train, held_out, rewards, cfg, iteration, weights.version,
-                              final_iteration, send=lambda message: results.put(("message", message)),
+                              send=lambda message: results.put(("message", message)),
                               train_prompts=kind == "generate", share=share)
     except KeyboardInterrupt:  # Ctrl-C reaches the whole process group; the trainer stops too and reads no more
         results.close(discard=True)  # so what is not sent yet is dropped
@@ -364,14 +360,14 @@ class SyncRollouts:
                 target.copy_(source)  # casts to the sampler's dtype (with LoRA: the adapter; the base never moves)
         self.version = version
 
-    def generate(self, iteration: int, final_iteration: int, train_prompts: bool = True) -> None:
+    def generate(self, iteration: int, train_prompts: bool = True) -> None:
         """Sample iteration k whole, here and now (nothing overlaps in sync mode); `receive` hands it over."""
         self.sampler.eval()
         tokenizer, train, held_out, rewards, cfg = self.args
         self.messages = []
         for share in self.shares:
             rollout_iteration(self.sampler, tokenizer, train, held_out, rewards, cfg, iteration,
-                              lambda: self.version, final_iteration, self.messages.append, train_prompts, share)
+                              lambda: self.version, self.messages.append, train_prompts, share)
 
     def receive(self):
         yield from in_call_order(iter(self.messages), self.calls, len(self.shares))
@@ -447,10 +443,10 @@ class AsyncRollouts:
         with self.timeline.span(f"publish θ_{version}"):
             self.weights.publish(policy, version)
 
-    def generate(self, iteration: int, final_iteration: int, train_prompts: bool = True) -> None:
+    def generate(self, iteration: int, train_prompts: bool = True) -> None:
         """Tell every worker to sample its share of iteration k (θ_k is published); returns at once."""
         for worker in self.workers:
-            worker.send("generate" if train_prompts else "evaluate", iteration, final_iteration)
+            worker.send("generate" if train_prompts else "evaluate", iteration)
 
     def receive(self):
         """The iteration's messages as they arrive, groups in call order (`in_call_order`), up to IterationDone."""

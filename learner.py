@@ -3,13 +3,12 @@ mini-batch (the consumer of periodic_rl.py's pipeline).
 
     for each group as it arrives:    take(g)                       refused unless θ_k sampled it
         for each micro-batch ready:  accumulate(groups)            ∇ += Σ_g ∇S_g(θ)       (S_g: grpo.py, a sum)
-        once a mini-batch is whole:  step()                        ∇ /= D, clip, AdamW,   (D, all ranks': dapo
-                                                                   the rate's schedule     the batch's tokens / N
-                                                                                           steps; grpo, dr_grpo its
-                                                                                           sequences; bnpo its
-                                                                                           micro-batches)
+        once a mini-batch is whole:  step()                        ∇ /= D, clip, AdamW at the rate's schedule
     passes 2..μ (num_iterations):    the first pass's micro-batches again, mini-batch by mini-batch, each step
                                      with the ratio against θ_k (the tri-model's old copy)
+
+D, summed over the ranks, by loss type: dapo, the batch's tokens / N steps; grpo and dr_grpo, the mini-batch's
+sequences; bnpo, each micro-batch its own tokens, then the step its micro-batches (grpo.py has the formulas).
 
 Why the order of arrival does not change the update: mini-batch membership is fixed by prompt index
 (`minibatch_of`), D is known only once the mini-batch (dapo: the batch) is whole (so each partial sum is
@@ -34,6 +33,14 @@ tokens (a truncated response left out under mask_truncated_completions, as TRL),
 taken from (attention.token_logprobs); the learning rate of the last step; frac_reward_zero_std; the response
 lengths (mean, min, max; the same of the terminated ones) and the truncated fraction; the iteration's prompt
 (once per response) and response tokens, which trainer.py sums into TRL's num_tokens.
+
+Departures from TRL 1.16, on purpose:
+1. With N > 1 updates per iteration a mini-batch is a block of whole groups by prompt index (`minibatch_of`);
+   TRL shuffles the batch's rows before it splits them into steps, so its mini-batches split groups. Prompts are
+   already in a seeded random order, and membership must not depend on arrival order (above): the same update in
+   expectation, not for the same samples.
+2. The metrics are one iteration's, weighted by tokens over every micro-batch and pass (the extremes over all of
+   them); TRL logs a value per micro-step and averages those. With one micro-batch and one step they agree.
 """
 from __future__ import annotations
 
@@ -44,9 +51,9 @@ from typing import Iterator
 import torch
 
 from grpo import ADVANTAGE_EPS, batch_std, grpo_loss, loss_normalizer, micro_batch_normalizer
-from inference import PipelineError
 from infra import distributed
 from infra.distributed import Ranks
+from infra.errors import PipelineError
 from infra.stopping import stops_deferred
 from infra.timeline import TRAIN, Timeline
 from rollout import Group
@@ -387,7 +394,6 @@ class Learner:
         lengths = [n for *_, group_lengths, _ in ordered for n in group_lengths]
         truncated = [t for *_, flags in ordered for t in flags]
         terminated = [n for n, cut in zip(lengths, truncated) if not cut]
-        self.all_tokens = all_tokens  # response tokens of the iteration, every rank's
         tokens = max(counted, 1)
         user = {}  # TRL's log_metric: each name's mean over the iteration's calls, in the groups' order
         for index in sorted(logged):
@@ -417,4 +423,5 @@ class Learner:
             "terminated_length_max": max(terminated, default=0),
             "truncated_fraction": sum(truncated) / len(truncated),
             "input_tokens": int(prompt_tokens + all_tokens),  # prompt (once per response) and response tokens
+            "response_tokens": int(all_tokens),  # every rank's (the row's tokens_per_s: periodic_rl.iteration_row)
         }}  # (a name a reward logs that is one of ours gives way to ours)

@@ -197,7 +197,8 @@ def recomputes_attention(model: torch.nn.Module) -> bool:
 
 # Attention score pairs (forward + backward) that cost as much as one token's per-token work
 # (projections, MLP): least-squares fit of `packing_cost_ratio` to the `python bench.py shared-prompt`
-# grid (6 layers, hidden 256, sdpa, one CPU core; fitted 373, the bench prints its own fit). Per-token
+# grid (6 layers, hidden 256, sdpa, one CPU core; fits of 373 and 432 in two runs, docs/benchmarks.md: 400 between
+# them; the bench prints its own fit). Per-token
 # work grows as hidden^2 and attention per pair as hidden, so bigger models have a larger value:
 # this small-model one errs toward not packing, the safe side.
 ATTENTION_BREAK_EVEN_LEN = 400

@@ -58,8 +58,8 @@ from typing import Iterator
 
 import torch
 
-from inference import PipelineError
 from infra.distributed import Ranks, check_same_weights
+from infra.errors import PipelineError
 from infra.timeline import INFERENCE, Span, Timeline
 from learner import Learner
 from rollout import Evaluation, Group, is_eval_iteration
@@ -86,8 +86,10 @@ def iteration_row(iteration: int, evaluation: float | None, learner: Learner, ti
                   first_span: int) -> dict:
     """Iteration k's metrics: the held-out reward of θ_k (None if not due or not come), the learner's, the timings."""
     timing = timeline.summary(start, time.perf_counter(), first_span)
-    row = {"iteration": iteration, "policy_version": iteration, "eval_reward": evaluation, **learner.metrics(),
-           **timing, "tokens_per_s": learner.all_tokens / timing["iteration_s"]}
+    metrics = learner.metrics()
+    tokens = metrics.pop("response_tokens")                   # sampled and trained on, every rank's
+    row = {"iteration": iteration, "policy_version": iteration, "eval_reward": evaluation, **metrics, **timing,
+           "tokens_per_s": tokens / timing["iteration_s"]}
     if not all(math.isfinite(v) for v in row.values() if isinstance(v, float)):
         raise PipelineError(f"iteration {iteration} produced a non-finite metric: {row}")
     return row
@@ -110,13 +112,13 @@ def train(cfg, policy, rollouts, learner: Learner, timeline: Timeline, first: in
     """
     for iteration in range(first, cfg.iterations):
         start, first_span = time.perf_counter(), len(timeline.spans)
-        evaluating = held_out and is_eval_iteration(iteration, cfg.eval_every, cfg.iterations)
+        evaluation_pending = held_out and is_eval_iteration(iteration, cfg.eval_every, cfg.iterations)
         if tail_threads:
             torch.set_num_threads(cfg.train_threads)          # its share while the inference side samples
         learner.tri.start_iteration()                         # θ_old := θ_k (when N·μ > 1 steps)
         learner.start(iteration)
         rollouts.publish(policy, iteration)                   # θ_k -> the inference side
-        rollouts.generate(iteration, final_iteration=cfg.iterations)  # sample k with θ_k (async: returns at once)
+        rollouts.generate(iteration)                          # sample k with θ_k (async: returns at once)
         messages = rollouts.receive()                         # groups in completion order, then IterationDone
         if in_turns:  # the inference side's whole iteration first, then training: each side on every core
             messages = list(messages)
@@ -127,8 +129,8 @@ def train(cfg, policy, rollouts, learner: Learner, timeline: Timeline, first: in
                 if isinstance(message, Group):
                     learner.take(message)
                 elif isinstance(message, Evaluation):         # held-out reward of θ_k (if due)
-                    evaluation, evaluating = held_out_reward(message, iteration), False
-                if tail_threads and learner.all_taken() and not evaluating:
+                    evaluation, evaluation_pending = held_out_reward(message, iteration), False
+                if tail_threads and learner.all_taken() and not evaluation_pending:
                     torch.set_num_threads(tail_threads)       # sampling is done: every core trains the tail
                 for micro_batch in learner.ready():           # (then passes 2..μ over the stored batch)
                     learner.accumulate(micro_batch)           # forward, backward: ∇ accumulates
@@ -144,7 +146,7 @@ def train(cfg, policy, rollouts, learner: Learner, timeline: Timeline, first: in
     if ranks.size > 1:
         check_same_weights(policy, ranks)                     # every rank's θ_final: the same bits
     rollouts.publish(policy, cfg.iterations)                  # θ_final, for its evaluation only
-    rollouts.generate(cfg.iterations, final_iteration=cfg.iterations, train_prompts=False)  # evaluation only
+    rollouts.generate(cfg.iterations, train_prompts=False)    # evaluation only
     evaluation = None
     for message in rollouts.receive():
         record(timeline, message)

@@ -2,9 +2,9 @@
 
 One iteration k of rollouts, with the policy weights θ_k:
 
-    for each chunk of C prompts x_j of iteration k, in index order:
-        o_j1..o_jG ~ π_θk(· | x_j), all j at once Hugging Face `generate`, KV cache, seeded per chunk
-        as soon as all G responses of a prompt x_j have stopped (inside generate):
+    for each call of C prompts x_j of iteration k, in index order:
+        o_j1..o_jG ~ π_θk(· | x_j), the C prompts at once (`sample_prompts`: engine.py, else `generate`)
+        as soon as all G responses of a prompt x_j have stopped (inside the call):
             r_i = Σ_k w_k reward_k(x_j, o_ji, answer_j)   the --reward functions, checked (infra/scoring.py)
             A_i = group_advantages(r)             grpo.py
             send(Group(...))                      -> the trainer, at once
@@ -15,19 +15,22 @@ the trainer's own process; asynchronous mode runs the very same function in `inf
 whose `send` writes each message to a pipe. Same code, same seeds, so the same rollouts, in the same
 order.
 
-Chunks (`--groups-per-chunk C`; default: the whole iteration in one call on an accelerator, in two
-on CPU): one `generate` call samples C prompts x G responses, prompts left-padded to the longest.
-Groups leave the call in completion order: `CompletionOrder`, a `generate` streamer, sees every
-decode step's tokens and scores and sends a prompt's group the step its last response stops, while
-the other rows go on decoding. With long-tailed response lengths the trainer works on the short
-groups while the long ones are still being sampled, without giving up the batched call. Once half
-the rows have stopped, the call ends and `generate` goes on with the live rows alone, from their
-cache (`Compaction`): stopped rows no longer cost a decode step each (docs/benchmarks.md).
+Calls (`--groups-per-chunk C`; default: chosen by the probe, see --sizes): one call samples C prompts x G
+responses, and its groups leave in completion order, a prompt's group the step its last response stops,
+while the other rows go on decoding. With long-tailed response lengths the trainer works on the short
+groups while the long ones are still being sampled, without giving up the batched call. Two samplers:
 
-Reproducible sampling: each chunk is sampled right after `torch.manual_seed(prompt_seed(seed, k, j))`,
-j its first prompt, a function of (seed, iteration, prompt index) only, never of global RNG history,
-so a separate process (or a rerun) draws exactly the same tokens from the same weights. A prompt's
-samples do depend on C (its neighbours share the RNG stream), so compare runs at equal C.
+- engine.py (`--engine auto`, the default, wherever `engine.unsupported_reason` finds nothing): each
+  prompt prefilled once, a preallocated cache, stopped rows compacted away. Row i of prompt j draws its
+  token at step t from (seed, k, j, i, t) alone, so C, compaction, workers and ranks never change a token:
+  --seed decides the run.
+- Hugging Face `generate` (`--engine hf`, or a model the engine is not checked on: one line says why):
+  prompts left-padded to the longest; `CompletionOrder`, a `generate` streamer, sees every decode step's
+  tokens and sends a group the step its last response stops; once half the rows have stopped, the call
+  ends and `generate` goes on with the live rows alone, from their cache (`Compaction`). Each call runs
+  right after `torch.manual_seed(prompt_seed(seed, k, j))`, j its first prompt, never of global RNG
+  history, so a separate process (or a rerun) draws the same tokens from the same weights; but a prompt's
+  samples depend on C (its neighbours share the RNG stream), so compare such runs at equal C.
 
 Sampling is the distribution the trainer scores. The trainer's log-probs are those of
 softmax(logits / T) (top-k, top-p and min-p only truncate what can be drawn, as in TRL), so `generate`
@@ -43,14 +46,13 @@ the sampler's bf16 weights and the trainer's float32 masters under autocast give
 by rounding; see tri_model.py.)
 
 Departures, on purpose:
-1. No continuous batching: finished rows keep their slot (generate feeds them padding) until half
-   the call's rows have stopped; then they are dropped (`Compaction`), never refilled with new
-   prompts. Inference engines (vLLM, SGLang) refill finished slots; that is orthogonal to the
-   schedule this project is about. Compaction changes which random numbers a live row draws after
-   it (fewer rows share the stream): rollouts stay reproducible and equal in both modes, but differ
-   from one uncompacted call's.
-2. `top_k`, `repetition_penalty` and the rest of the model's shipped generation_config are
-   ignored (see above): only --temperature and --top-p shape sampling.
+1. No continuous batching on the `generate` path: finished rows keep their slot (generate feeds them
+   padding) until half the call's rows have stopped; then they are dropped (`Compaction`), never
+   refilled with new prompts (engine.py compacts, and can refill: its docstring says when each pays).
+   Compaction changes which random numbers a live row draws after it (fewer rows share the stream):
+   rollouts stay reproducible and equal in both modes, but differ from one uncompacted call's.
+2. `repetition_penalty` and the rest of the model's shipped generation_config are ignored (see
+   above): only --temperature, --top-p, --top-k and --min-p shape sampling.
 """
 from __future__ import annotations
 
@@ -134,8 +136,9 @@ def prompt_seed(seed: int, iteration: int, index: int) -> int:
     return ((seed * 1_000_003 + iteration) * 1_000_003 + index + 1) % 2**64
 
 
-def is_eval_iteration(iteration: int, eval_every: int, final_iteration: int) -> bool:
-    return eval_every > 0 and (iteration % eval_every == 0 or iteration == final_iteration)
+def is_eval_iteration(iteration: int, eval_every: int, iterations: int) -> bool:
+    """Whether θ_k is evaluated: every `eval_every` iterations, and θ_final (k = iterations) always."""
+    return eval_every > 0 and (iteration % eval_every == 0 or iteration == iterations)
 
 
 # --- sampling and scoring ---
@@ -308,12 +311,16 @@ class DivergedError(UserError):
 
 @contextmanager
 def diverged_is_one_line(iteration: int, cfg: Config):
-    """engine.py's FloatingPointError (NaN or inf logits) as one line naming the likely fix."""
+    """Non-finite logits as one line naming the likely fix: engine.py's FloatingPointError, or the RuntimeError
+    torch.multinomial raises inside `generate` (its probabilities are NaN then)."""
     try:
         yield
-    except FloatingPointError as error:
+    except (FloatingPointError, RuntimeError) as error:
+        if isinstance(error, RuntimeError) and "probability tensor contains" not in str(error):
+            raise
         what = "the held-out evaluation" if iteration < 0 else f"iteration {iteration}"
-        raise DivergedError(f"sampling {what}: {error}; lower --lr (got {cfg.lr}) or --max-grad-norm") from None
+        cause = error if isinstance(error, FloatingPointError) else "the model's logits are not finite (NaN or inf)"
+        raise DivergedError(f"sampling {what}: {cause}; lower --lr (got {cfg.lr}) or --max-grad-norm") from None
 
 
 def engine_reason(model, cfg: Config) -> str | None:
@@ -347,8 +354,9 @@ def sample_prompts(model, prompts: list[list[int]], num_samples: int, generation
                                         keys=[(cfg.seed, iteration, first + j) for j in range(len(prompts))],
                                         on_done=on_done, compile_step=cfg.engine == "compile",
                                         pad_to_multiple_of=cfg.pad_to_multiple_of or 1)
-    return sample_responses(model, prompts, num_samples, generation, prompt_seed(cfg.seed, iteration, first),
-                            on_done=on_done)
+    with diverged_is_one_line(iteration, cfg):
+        return sample_responses(model, prompts, num_samples, generation, prompt_seed(cfg.seed, iteration, first),
+                                on_done=on_done)
 
 
 def chunks(examples: list[Example], size: int) -> list[tuple[int, list[Example]]]:
@@ -387,8 +395,8 @@ Message = Union["Group", "Evaluation", "IterationDone", Span]
 
 
 def rollout_iteration(model, tokenizer, train: list[Example], held_out: list[Example], rewards: Rewards | Reward,
-                      cfg: Config, iteration: int, weights_version: Callable[[], int], final_iteration: int,
-                      send: Callable[[Message], None], train_prompts: bool = True,
+                      cfg: Config, iteration: int, weights_version: Callable[[], int], send: Callable[[Message], None],
+                      train_prompts: bool = True,
                       share: tuple[int, int] = (0, 1)) -> None:
     """Send iteration k's groups in completion order, each generate call's span, then the evaluation
     (if due), then IterationDone. Completion order depends only on the sampled tokens: it is the same
@@ -427,7 +435,7 @@ def rollout_iteration(model, tokenizer, train: list[Example], held_out: list[Exa
             last = first + len(chunk) - 1
             send(Span(f"generate group {first}" if last == first else f"generate groups {first}-{last}", INFERENCE,
                       start, time.perf_counter()))
-    if held_out and share[0] == 0 and is_eval_iteration(iteration, cfg.eval_every, final_iteration):
+    if held_out and share[0] == 0 and is_eval_iteration(iteration, cfg.eval_every, cfg.iterations):
         start, version = time.perf_counter(), weights_version()
         reward = evaluate(model, tokenizer, held_out, rewards, cfg, state)
         tag = version if weights_version() == version else -1  # as a group's: the weights that were evaluated

@@ -48,7 +48,7 @@ import torch
 from torch import Tensor, nn
 
 Groups = list[tuple[Tensor, list[Tensor]]]  # [(prompt_ids (P,), [response_ids (R_i,), ...]), ...]
-LogprobsFn = Callable[[nn.Module, Groups], tuple[Tensor, Tensor]]  # (model, groups) -> logp (N, T), mask (N, T)
+LogprobsFn = Callable[..., tuple[Tensor, ...]]  # (model, groups[, entropy=True]) -> logp (N, T), mask (N, T)[, entropy]
 AdapterOff = Callable[[], ContextManager]  # () -> a context inside which the policy computes as its base model
 
 

@@ -46,8 +46,9 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from inference import PipelineError, in_call_order, owned_calls
+from inference import in_call_order, owned_calls
 from infra.distributed import GROUPS, Ranks, collective, owner
+from infra.errors import PipelineError
 from infra.liveness import RanksError, check_neighbours, interruptibly
 from infra.processes import POLL_SECONDS
 from infra.reward import RewardError
@@ -144,18 +145,18 @@ class RemoteRollouts:
                 for view, p in zip(views(self.flat, policy), published(policy)):
                     view.copy_(p)  # casts to the inference dtype
 
-    def generate(self, iteration: int, final_iteration: int, train_prompts: bool = True) -> None:
+    def generate(self, iteration: int, train_prompts: bool = True) -> None:
         """Rank 0: send the command and θ_k to every inference rank (on gloo, until they have it; on NCCL/HCCL, until
         it is queued on the device); other trainer ranks: nothing."""
         if self.ranks.is_main:
             with self.timeline.span(f"broadcast θ_{iteration}"):
-                self._broadcast(GENERATE if train_prompts else EVALUATE, iteration, final_iteration)
+                self._broadcast(GENERATE if train_prompts else EVALUATE, iteration)
                 with collective(f"the broadcast of θ_{iteration} to the inference ranks", self.ranks):
                     dist.broadcast(self.flat, src=0, group=GROUPS["weights"])
 
-    def _broadcast(self, command: int, iteration: int = 0, final_iteration: int = 0) -> None:
-        header = torch.tensor([command, iteration, final_iteration, int(time.perf_counter() * 1e6)],
-                              dtype=torch.int64)  # (4,) on the CPU: the "commands" group is gloo
+    def _broadcast(self, command: int, iteration: int = 0) -> None:
+        header = torch.tensor([command, iteration, int(time.perf_counter() * 1e6)],
+                              dtype=torch.int64)  # (3,) on the CPU: the "commands" group is gloo
         with collective("the command to the inference ranks", self.ranks):
             dist.broadcast(header, src=0, group=GROUPS["commands"])
 
@@ -282,11 +283,11 @@ def serve(cfg, ranks: Ranks, train: list, held_out: list, rewards, load_kwargs: 
     sender = Sender(ranks)
     try:
         while True:
-            header = torch.zeros(4, dtype=torch.int64)  # (4,) command, k, final iteration, clock (us); gloo, CPU
+            header = torch.zeros(3, dtype=torch.int64)  # (3,) command, k, clock (us); gloo, CPU
             with collective("waiting for trainer rank 0's next command", ranks):  # (may wait long: interruptibly;
                 interruptibly(lambda: dist.broadcast(header, src=0, group=GROUPS["commands"]),  # trainer ranks > 0
                               "waiting for trainer rank 0's next command", watched={0})  # end first, normally
-            command, iteration, final_iteration, clock = header.tolist()
+            command, iteration, clock = header.tolist()
             if command == STOP:
                 break
             start = time.perf_counter()
@@ -298,8 +299,8 @@ def serve(cfg, ranks: Ranks, train: list, held_out: list, rewards, load_kwargs: 
             def send(message) -> None:
                 sender.put(("message", shifted(message, offset)), destination(message, ranks, cfg.groups_per_chunk))
             send(loaded)
-            rollout_iteration(model, tokenizer, train, held_out, rewards, cfg, iteration, lambda: iteration,
-                              final_iteration, send, train_prompts=command == GENERATE, share=share)
+            rollout_iteration(model, tokenizer, train, held_out, rewards, cfg, iteration, lambda: iteration, send,
+                              train_prompts=command == GENERATE, share=share)
         sender.flush()
     except (KeyboardInterrupt, RanksError):
         raise  # a stop signal (torchrun stops every rank), or a trainer rank is gone: nobody is left to tell

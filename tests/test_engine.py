@@ -629,7 +629,7 @@ def test_fused_projections_sample_what_the_layers_own_do_and_follow_a_publish(ki
     assert not any("forward" in vars(layer.self_attn) or "forward" in vars(layer.mlp) for layer in layers)
     with torch.no_grad():
         for target, source in zip(fused.parameters(), other.parameters(), strict=True):
-            target.copy_(source)  # as Weights.load_into publishes
+            target.copy_(source)  # as WeightBuffer.load_into publishes
     assert (engine.sample_groups(fused, prompts, 4, **common) == engine.sample_groups(other, prompts, 4, **common)
             != engine.sample_groups(model, prompts, 4, **common))
 

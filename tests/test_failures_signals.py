@@ -108,7 +108,7 @@ def test_inference_process_without_heartbeat_is_reported_as_hung(tiny_model_dir,
     try:
         remote.attach(policy, cfg, 1)
         remote.publish(policy, 0)
-        remote.generate(0, 1)
+        remote.generate(0)
         start = time.monotonic()
         with pytest.raises(inference.PipelineError, match=r"\(PID \d+\) has shown no sign of life for \d+ s"):
             list(remote.receive())

@@ -8,7 +8,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("infra", "launch")
-COPYABLE = ("attention", "grpo", "tri_model", "engine")  # engine once it exists: it must copy alone too
+COPYABLE = ("attention", "grpo", "tri_model", "engine")  # each imports nothing of the project
 SCRIPTS = ("trainer", "bench", "plot")  # the top-level files that are not the method's: entry point and scripts
 
 

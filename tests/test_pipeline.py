@@ -278,8 +278,8 @@ def test_async_groups_are_streamed_and_tagged_with_the_version(tiny_model_dir):
         for iteration in range(2):
             sync.publish(policy, iteration)
             remote.publish(policy, iteration)
-            sync.generate(iteration, 2)
-            remote.generate(iteration, 2)
+            sync.generate(iteration)
+            remote.generate(iteration)
             local = [m for m in sync.receive() if isinstance(m, Group)]
             received = list(remote.receive())
             streamed = [m for m in received if isinstance(m, Group)]
@@ -322,8 +322,7 @@ def test_a_publish_while_sampling_is_caught(tiny_model_dir):
     def sample_iteration_0(reward_fn) -> list[Group]:
         buffer.publish(policy, 0)
         messages = []
-        rollout_iteration(sampler, tokenizer, train, [], reward_fn, cfg, 0, buffer.version,
-                          1, messages.append)
+        rollout_iteration(sampler, tokenizer, train, [], reward_fn, cfg, 0, buffer.version, messages.append)
         return [m for m in messages if isinstance(m, Group)]
 
     assert [g.policy_version for g in sample_iteration_0(lambda *args: 0.0)] == [0] * cfg.prompts_per_iteration
@@ -342,7 +341,7 @@ def test_a_publish_while_sampling_is_caught(tiny_model_dir):
         learner.take(groups[0])
     buffer.publish(policy, 0)  # the held-out evaluation's tag is as honest as a group's
     messages = []
-    rollout_iteration(sampler, tokenizer, train, train[:2], publishes_early, cfg, 0, buffer.version, 1,
+    rollout_iteration(sampler, tokenizer, train, train[:2], publishes_early, cfg, 0, buffer.version,
                       messages.append, train_prompts=False)
     evaluation = next(m for m in messages if isinstance(m, Evaluation))
     with pytest.raises(weights.OffPolicyError, match="evaluation"):
@@ -392,7 +391,7 @@ def test_killed_inference_process_is_noticed_within_seconds(tiny_model_dir, when
             if when == "while loading":
                 remote.attach(policy, sampling, 1)
             remote.publish(policy, 0)
-            remote.generate(0, 1)
+            remote.generate(0)
             list(remote.receive())
         assert time.monotonic() - start < 10
     assert not remote.workers[0].process.is_alive()
@@ -414,7 +413,7 @@ def test_deferred_load_waits_for_the_trainer(tiny_model_dir, tmp_path):
         shutil.copytree(tiny_model_dir, later)
         remote.attach(policy, sampling, 1)  # sends ("load",), then the buffer
         remote.publish(policy, 0)
-        remote.generate(0, 1)
+        remote.generate(0)
         assert isinstance(list(remote.receive())[-1], IterationDone)
     idle = inference.AsyncRollouts(str(later), {}, train, held_out, DIGITS, Timeline(), load=False)
     start = time.monotonic()

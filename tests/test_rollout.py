@@ -35,7 +35,7 @@ def rollouts(model_dir) -> list[list[list[int]]]:
     model, tokenizer = load_model(str(model_dir))
     messages = []
     rollout_iteration(model, tokenizer, EXAMPLES, [], length_reward, SETTINGS, iteration=0, weights_version=lambda: 0,
-                      final_iteration=1, send=messages.append)
+                      send=messages.append)
     return [m.responses for m in sorted((m for m in messages if isinstance(m, Group)), key=lambda g: g.index)]
 
 
@@ -157,7 +157,7 @@ def test_rollouts_do_not_depend_on_the_call_sizes_with_the_engine(qwen_shaped_di
         cfg = dataclasses.replace(SETTINGS, batch_size=16 * 4, groups_per_chunk=chunk, engine=engine)
         messages = []
         rollout_iteration(model, tokenizer, examples, [], length_reward, cfg, iteration=3, weights_version=lambda: 0,
-                          final_iteration=5, send=messages.append)
+                          send=messages.append)
         groups = sorted((m for m in messages if isinstance(m, Group)), key=lambda g: g.index)
         assert [g.index for g in groups] == list(range(16))
         sampled[chunk] = [g.responses for g in groups]
@@ -167,9 +167,11 @@ def test_rollouts_do_not_depend_on_the_call_sizes_with_the_engine(qwen_shaped_di
         assert sampled[1] != sampled[16]
 
 
-def test_a_diverged_policy_is_one_line(qwen_shaped_dir):
+@pytest.mark.parametrize("engine", ["auto", "hf"])
+def test_a_diverged_policy_is_one_line(qwen_shaped_dir, engine):
     """Claim (issue 33, item 11): sampling from a policy whose weights diverged (NaN logits, as after --lr 1e10) ends
-    in a UserError naming the fix, the one line trainer.py prints, instead of an index error from deep inside."""
+    in a UserError naming the fix, the one line trainer.py prints, instead of an index error from deep inside (the
+    engine) or torch.multinomial's RuntimeError (`generate`, --engine hf)."""
     import dataclasses
 
     from rollout import DivergedError
@@ -177,10 +179,10 @@ def test_a_diverged_policy_is_one_line(qwen_shaped_dir):
     model, tokenizer = load_model(str(qwen_shaped_dir))
     with torch.no_grad():
         model.get_output_embeddings().weight.fill_(float("nan"))
-    cfg = dataclasses.replace(SETTINGS, lr=1e10)
-    with pytest.raises(DivergedError, match="iteration 0: engine: the model's logits are not finite.*lower --lr"):
+    cfg = dataclasses.replace(SETTINGS, lr=1e10, engine=engine)
+    with pytest.raises(DivergedError, match="iteration 0: (engine: )?the model's logits are not finite.*lower --lr"):
         rollout_iteration(model, tokenizer, EXAMPLES, [], length_reward, cfg, iteration=0, weights_version=lambda: 0,
-                          final_iteration=1, send=lambda message: None)
+                          send=lambda message: None)
 
 
 def test_top_k_reaches_both_samplers(qwen_shaped_dir):
@@ -197,7 +199,7 @@ def test_top_k_reaches_both_samplers(qwen_shaped_dir):
         messages = []
         cfg = dataclasses.replace(SETTINGS, batch_size=4 * 4, groups_per_chunk=4, **options)
         rollout_iteration(model, tokenizer, examples, [], length_reward, cfg, iteration=0, weights_version=lambda: 0,
-                          final_iteration=1, send=messages.append)
+                          send=messages.append)
         return [g.responses for g in sorted((m for m in messages if isinstance(m, Group)), key=lambda g: g.index)]
 
     assert sampled(engine="auto") != sampled(engine="hf")

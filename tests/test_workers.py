@@ -139,7 +139,7 @@ def test_rollouts_do_not_depend_on_the_number_of_workers(tiny_model_dir):
             received = []
             for rollouts in (one, shares_in_turn, two):
                 rollouts.publish(policy, iteration)
-                rollouts.generate(iteration, 2)
+                rollouts.generate(iteration)
                 received.append([m for m in rollouts.receive() if isinstance(m, Group)])
             assert len(received[0]) == cfg.prompts_per_iteration
             assert sampled(received[1]) == sampled(received[0])
