@@ -252,8 +252,9 @@ class Config:
                                   "stay); without it a directory holding a run is refused")
     seed: int = _opt(0, "seed for prompt order and for each prompt's sampling (0 to 2**64 - 1)")
     eval_every: int = _opt(10, "evaluate held-out reward every N iterations (and at the start and end; 0 = never)")
-    eval_size: int | None = _opt(None, "held-out prompts per evaluation (auto: 64; with --eval-every 0, 0: no prompt "
-                                       "is held out of training)")
+    eval_size: int | None = _opt(None, "held-out prompts per evaluation (auto: 64 of a test or validation split, else "
+                                       "the last rows, at most a fifth of them; with --eval-every 0, 0: no prompt is "
+                                       "held out of training)")
     eval_samples: int = _opt(4, "sampled responses per held-out prompt")
     trace: str | None = _opt(None, "write a Chrome trace-event JSON timeline of both processes to this path")
     save: bool = _opt(True, "save the final policy as a Hugging Face model directory in <out>/policy")

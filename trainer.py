@@ -103,7 +103,8 @@ def prepare(cfg: Config) -> tuple[Config, object, object, dict]:
         cfg = dataclasses.replace(cfg, iterations=iterations)
         task = dataclasses.replace(task, notes=(*task.notes, f"--num-train-epochs {cfg.num_train_epochs:g}: "
                                                              f"{iterations} iterations"))
-    return dataclasses.replace(cfg, prompt_column=task.prompt_column), task, rewards, load_kwargs
+    eval_size = len(task.held_out) if cfg.eval_size is None else cfg.eval_size  # what auto took (config.json says)
+    return dataclasses.replace(cfg, prompt_column=task.prompt_column, eval_size=eval_size), task, rewards, load_kwargs
 
 
 def epoch_iterations(epochs: float, train_prompts: int, prompts_per_iteration: int) -> int:
@@ -283,7 +284,8 @@ def start_line(cfg: Config, train: int, held_out: int, notes: tuple[str, ...] = 
                                             samplers if trainers > 1 or inference_ranks
                                             or cfg.inference_workers > 1 else "") if part)
     return (f"periodic-rl: {cfg.mode} | model {cfg.model} | {processes + ' | ' if processes else ''}{train} train / "
-            f"{held_out} held-out prompts{said} | {cfg.iterations} iterations x {cfg.prompts_per_iteration} prompts "
+            f"{held_out} held-out prompts{said} | {cfg.iterations} iteration{'s' * (cfg.iterations != 1)} x "
+            f"{cfg.prompts_per_iteration} prompts "
             f"x {cfg.group_size} | out {cfg.out}")
 
 
@@ -296,7 +298,7 @@ def unscored_line(iteration: int, share: float) -> str:
     """
     percent = f"{share:.0%}" if share >= 0.01 else "under 1%"
     return (f"periodic-rl: warning: iteration {iteration}: {percent} of the responses were scored by no reward "
-            f"(every --reward returned None for them): they count in no reward mean and get advantage 0"
+            f"(every --reward returned None, or NaN, for them): they count in no reward mean and get advantage 0"
             f"{', so this step learns nothing from the rewards' if share == 1 else ''}. Said once; each iteration's "
             f"share is frac_reward_unscored in metrics.jsonl.")
 

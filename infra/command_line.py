@@ -40,8 +40,8 @@ from pathlib import Path
 from config import SIZE_FIELDS, Config
 from infra.options import BOOL_WORDS, build_parser, closest_name, derive, unknown_option, validate
 from infra.trl_names import (STEP_STRATEGIES, TRL_ALIASES, TRL_BATCH_KEYS, TRL_DIFFERENT, TRL_FIXED, TRL_STEP_KEYS,
-                             TRL_STEPS, TRL_UNUSED, is_fixed_value, number_of_steps, trl_batch_options, trl_keys,
-                             trl_steps)
+                             TRL_STEPS, TRL_SWITCHES, TRL_UNUSED, is_fixed_value, number_of_steps, trl_batch_options,
+                             trl_keys, trl_steps)
 
 NOT_OPTIONS = ("run_id", "versions", "command")  # config.json's keys that are not options (run_id marks a record)
 COMMAND_LINE_ONLY = ("resume", "overwrite", "config")  # read from the command line only (module docstring)
@@ -351,6 +351,14 @@ def typed_trl_flags(argv: list[str], note) -> tuple[dict, dict, list[str]]:
         argv = ["--dtype=float32", *argv]  # TRL computes in float32 then
         note("took TRL's --bf16 false as --dtype float32 (TRL computes in float32 then)")
         del unused["bf16"]
+    for key, flag in TRL_SWITCHES.items():  # --use-cpu, --overwrite-output-dir: true, one of our options
+        value = unused.get(key)
+        value = BOOL_WORDS.get(value.lower(), value) if isinstance(value, str) else value
+        if value is True and not any(token.split("=")[0] == flag.split("=")[0] for token in argv):
+            argv = [flag, *argv]
+            note(f"took TRL's --{key.replace('_', '-')} as {flag.replace('=', ' ')}")
+        if value is True:
+            del unused[key]
     if unused:
         reasons: dict[str, list[str]] = {}
         for key in unused:

@@ -45,6 +45,7 @@ from infra.tasks import (
 DATA_FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}  # datasets' builders
 PROMPT_COLUMNS = ("prompt", "question")  # read without --prompt-column, the first the data has: TRL's, then GSM8K's
 HELD_OUT_SPLITS = ("test", "validation")  # held out without --eval-split: the first the data has (but --split)
+EVAL_SIZE = 64  # held-out prompts when --eval-size is not given (None); of the training rows, at most a fifth
 
 
 @dataclass(frozen=True)
@@ -255,7 +256,7 @@ def held_out_split(splits: list[str], split: str, eval_split: str | None, data: 
 
 
 def load_data(data: str, data_config: str | None, split: str, prompt_column: str | None, answer_column: str,
-              eval_size: int, system_prompt: str | None = None, needed: dict[str, str] | None = None,
+              eval_size: int | None, system_prompt: str | None = None, needed: dict[str, str] | None = None,
               eval_split: str | None = None) -> Task:
     """The train and held-out examples of `split` of --data; held out: the first `eval_size` rows of the split
     `held_out_split` picks (`eval_split`: --eval-split) when there is one, else the last `eval_size` rows of `split`,
@@ -278,12 +279,17 @@ def load_data(data: str, data_config: str | None, split: str, prompt_column: str
         return [with_system_prompt(example, system, where)
                 for example in dataset_examples(rows, column, answer_column, where, needed)]
     examples = examples_of(splits[split], where)
+    auto, eval_size = eval_size is None, EVAL_SIZE if eval_size is None else eval_size
     held_out = held_out_split(list(splits), split, eval_split, data) if eval_size else None
     if held_out is not None:
         rows = splits[held_out]
         return Task(examples, examples_of(rows.select(range(min(eval_size, len(rows)))), f"{data} ({held_out} split)"),
                     column, (*notes, held_out_note(held_out, len(rows), eval_size)))
-    if len(examples) <= eval_size:  # a small dataset: a fifth of it held out, said in the first line
+    if auto and eval_size > len(examples) // 5 >= 1:  # --eval-size not given: most of the rows train (TRL trains on
+        notes = (*notes, f"held out: the last {len(examples) // 5} of {len(examples)} rows, a fifth (no test "  # all)
+                         f"split; --eval-size sets how many, 0: none)")
+        eval_size = len(examples) // 5
+    elif len(examples) <= eval_size:  # a small dataset: a fifth of it held out, said in the first line
         if len(examples) // 5 < 1:
             raise TaskError(f"--data {data!r} has {len(examples)} examples, too few to hold out any for evaluation "
                             "and still train. Use more data, --eval-size 0 (no evaluation), or a test or validation "
@@ -296,7 +302,7 @@ def load_data(data: str, data_config: str | None, split: str, prompt_column: str
 
 
 # --- choosing a task ---
-def load_task(data: str | None, default: str = "gsm8k", eval_size: int = 64, data_config: str | None = None,
+def load_task(data: str | None, default: str = "gsm8k", eval_size: int | None = None, data_config: str | None = None,
               split: str = "train", prompt_column: str | None = None, answer_column: str = "answer",
               system_prompt: str | None = None,
               needed: dict[str, str] | None = None) -> tuple[list[Example], list[Example]]:
@@ -305,12 +311,12 @@ def load_task(data: str | None, default: str = "gsm8k", eval_size: int = 64, dat
     return task.train, task.held_out
 
 
-def read_task(data: str | None, default: str = "gsm8k", eval_size: int = 64, data_config: str | None = None,
+def read_task(data: str | None, default: str = "gsm8k", eval_size: int | None = None, data_config: str | None = None,
               split: str = "train", prompt_column: str | None = None, answer_column: str = "answer",
               system_prompt: str | None = None, needed: dict[str, str] | None = None,
               eval_split: str | None = None) -> Task:
-    """The train and held-out examples for `--data`, the held-out list of at most `eval_size` examples, and the
-    choices made (`Task`).
+    """The train and held-out examples for `--data`, the held-out list of at most `eval_size` examples (None:
+    EVAL_SIZE, and of the training rows at most a fifth), and the choices made (`Task`).
 
     None -> `default` (the task a tiny model was warmed up on) or GSM8K; 'arithmetic'; 'chain'; 'gsm8k' (the hub's
     openai/gsm8k, config main); anything else through Hugging Face datasets (`load_data`: a hub id, a directory or a
@@ -331,7 +337,7 @@ def read_task(data: str | None, default: str = "gsm8k", eval_size: int = 64, dat
             raise TaskError(f"{needed[columns[0]]} takes a parameter {columns[0]!r} without a default, and --data "
                             f"{data} has no column but the prompt and the answer: give the parameter a default, or "
                             "pass data that has that column.")
-        held_out = builtin("eval")
+        held_out, eval_size = builtin("eval"), EVAL_SIZE if eval_size is None else eval_size
         notes = (held_out_note("eval", len(held_out), eval_size),) if len(held_out) < eval_size else ()
         return Task([with_system_prompt(e, system, data) for e in builtin("train")],
                     [with_system_prompt(e, system, data) for e in held_out[:eval_size]], prompt_column, notes)

@@ -36,7 +36,6 @@ MICRO_BATCH_TOKENS = 16384
 # each; with lengths rounded up to 128 a few shapes recur (docs/benchmarks.md, "Shapes on a GPU"). TRL pads to 128 on
 # Neuron for the same reason (it compiles per shape).
 PAD_MULTIPLE_ACCELERATOR = 128
-EVAL_SIZE = 64  # held-out prompts per evaluation; none held out of training when nothing is evaluated (TRL's way)
 
 
 def available_cores() -> int:
@@ -135,7 +134,7 @@ def derive(cfg: Config) -> Config:
     return dataclasses.replace(
         cfg,
         max_new_tokens=cfg.max_new_tokens or (TINY_MODELS[cfg.model][1] if cfg.is_tiny else 512),
-        eval_size=cfg.eval_size if cfg.eval_size is not None else EVAL_SIZE if cfg.eval_every else 0,
+        eval_size=cfg.eval_size if cfg.eval_size is not None or cfg.eval_every else 0,  # None: trainer.prepare's
         lr=cfg.lr if cfg.lr is not None else (1e-4 if cfg.is_tiny else 1e-6),
         reward_weights=cfg.reward_weights or [1.0] * len(cfg.reward),
         report_to=installed_trackers() if cfg.report_to == ["all"] else cfg.report_to,

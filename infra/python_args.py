@@ -5,6 +5,9 @@ args, train_dataset).train()` takes, turned into the options every process of th
   'module:name', or 'path/to/script.py:name' for the running script's own.
 - A datasets.Dataset becomes a --data folder (`data_folder`), saved once under $PERIODIC_RL_CACHE/datasets by its
   fingerprint; TRL's GRPOConfig becomes a --config file (`args_file`), written once under $PERIODIC_RL_CACHE/configs.
+- TRL's `peft_config` (peft's LoraConfig) becomes --use-peft and TRL's --lora-* options (`peft_options`); a model
+  object or a `processing_class` is refused in one line, unless it names what --model loads (`model_name`): every
+  process of the run loads its own copy from a hub id or a folder.
 - The other keywords are options, ours or TRL's, with _ for - (`train_argv`).
 """
 from __future__ import annotations
@@ -50,7 +53,42 @@ def reward_spec(function) -> str:
     if path is None or not Path(path).is_file():  # a notebook, `python -c`, a script read from stdin
         raise ValueError(f"reward {name!r} is defined in an interactive session, which the inference process cannot "
                          "import: put it in a .py file and give the function from there (or its 'file.py:name')")
+    if name not in imported_names(Path(path).read_text()):
+        raise ValueError(f"reward {name!r} is defined under `if __name__ == \"__main__\":` in {path}, which the "
+                         "inference process imports without running that block: define it at the top level, "
+                         "above the block")
     return f"{path}:{name}"
+
+
+def imported_names(source: str) -> set[str]:
+    """The names a script defines when it is imported, not run: those bound at its top level (in an `if`, `try` or
+    `with` there too), except under `if __name__ == "__main__":`.
+
+    >>> sorted(imported_names("import os\\ndef f(): pass\\nif __name__ == '__main__':\\n    def g(): pass"))
+    ['f', 'os']
+    """
+    import ast
+
+    def main_guard(node: ast.AST) -> bool:
+        test = ast.unparse(node.test) if isinstance(node, ast.If) else ""
+        return "__name__" in test and "__main__" in test
+
+    names, todo = set(), list(ast.parse(source).body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((alias.asname or alias.name).partition(".")[0] for alias in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+        elif isinstance(node, ast.If):
+            todo += node.orelse if main_guard(node) else node.body + node.orelse
+        elif isinstance(node, (ast.Try, ast.With, ast.For, ast.While)):
+            todo += node.body + getattr(node, "orelse", []) + getattr(node, "finalbody", []) + [
+                statement for handler in getattr(node, "handlers", []) for statement in handler.body]
+    return names
 
 
 def partial_copy(folder: Path) -> Path:
@@ -86,6 +124,12 @@ def data_folder(dataset, eval_dataset=None) -> str:
             raise ValueError("eval_dataset goes with a train_dataset that is a datasets.Dataset: give both as "
                              "Datasets, or one DatasetDict with a 'test' split")
         dataset = datasets.DatasetDict({"train": dataset, "test": eval_dataset})
+    parts = {"train_dataset": dataset} if isinstance(dataset, datasets.Dataset) else {
+        "eval_dataset" if split == "test" and eval_dataset is not None else f"train_dataset's {split!r} split": part
+        for split, part in dataset.items()} if isinstance(dataset, datasets.DatasetDict) else {}
+    empty = [name for name, part in parts.items() if len(part) == 0]
+    if empty:  # (save_to_disk writes one, and load_from_disk fails on it with an IndexError)
+        raise ValueError(f"{empty[0]} has no rows: give data with at least one")
     if isinstance(dataset, datasets.Dataset):
         prints = [dataset._fingerprint]
     elif isinstance(dataset, datasets.DatasetDict):
@@ -115,6 +159,61 @@ def data_folder(dataset, eval_dataset=None) -> str:
         except OSError:  # another process's (a torchrun rank's) rename won: the same rows
             shutil.rmtree(partial, ignore_errors=True)
     return str(folder)
+
+
+def model_name(model, processing_class=None) -> str | None:
+    """--model for `train`'s `model` (a hub id, a folder, an alias), checking TRL's `processing_class` against it: a
+    tokenizer loaded from the same place is the one each process loads anyway. ValueError for a model object, or a
+    tokenizer from elsewhere: the inference process cannot receive either, it loads its own from --model.
+
+    >>> model_name("qwen2.5-0.5b")
+    'qwen2.5-0.5b'
+    """
+    if model is not None and not isinstance(model, (str, os.PathLike)):
+        name = getattr(getattr(model, "config", None), "_name_or_path", None)
+        raise ValueError(f"model is a {type(model).__name__} object; give its hub id or a folder (for a model changed "
+                         "in Python: model.save_pretrained(folder) and tokenizer.save_pretrained(folder), then "
+                         "model=folder): each process of the run loads its own copy"
+                         + (f" (this one was loaded from {name!r})" if name else ""))
+    if processing_class is not None:
+        source = processing_class if isinstance(processing_class, str) else getattr(processing_class,
+                                                                                       "name_or_path", None)
+        if model is None or str(source) != str(model):
+            raise ValueError(f"processing_class loaded from {source!r}: the tokenizer is loaded from --model's folder "
+                             f"({str(model)!r}); save yours there (tokenizer.save_pretrained(folder)) and give model="
+                             "folder")
+    return None if model is None else str(model)
+
+
+LORA_OPTIONS = {"r": "lora_r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",  # LoraConfig -> TRL's
+                "target_modules": "lora_target_modules", "use_rslora": "use_rslora", "use_dora": "use_dora",
+                "task_type": "lora_task_type", "modules_to_save": "lora_modules_to_save",
+                "target_parameters": "lora_target_parameters"}
+ALWAYS = ("r", "lora_alpha", "lora_dropout", "target_modules")
+LORA_BOOKKEEPING = ("peft_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
+                    "inference_mode", "runtime_config")  # set by peft as it saves or loads, not a choice
+
+
+def peft_options(peft_config) -> dict:
+    """TRL's options for `peft_config` (peft's LoraConfig, as GRPOTrainer takes it): --use-peft and its --lora-*
+    (whose own checks then refuse what LoRA here does not do: DoRA, rsLoRA, modules to save). ValueError for another
+    adapter type, or a LoraConfig field set to what no option here expresses (bias, init_lora_weights, ...)."""
+    import dataclasses
+    if not dataclasses.is_dataclass(peft_config) or type(peft_config).__name__ != "LoraConfig":
+        raise ValueError(f"peft_config is a {type(peft_config).__name__}: the adapter trained here is LoRA (give "
+                         "peft's LoraConfig, or use_peft=True with lora_r, lora_alpha, ...)")
+    default, options = type(peft_config)(), {"use_peft": True}
+    for field in dataclasses.fields(peft_config):
+        value = getattr(peft_config, field.name)
+        if field.name in LORA_OPTIONS:  # r, alpha, dropout, modules always (TRL's defaults are not peft's); the rest
+            if value is not None and (field.name in ALWAYS or value != getattr(default, field.name)) \
+                    and value != "CAUSAL_LM":  # when set (a task type other than a causal LM's is refused)
+                value = getattr(value, "value", value)  # peft's TaskType is an enum of str
+                options[LORA_OPTIONS[field.name]] = sorted(value) if isinstance(value, (set, frozenset)) else value
+        elif field.name not in LORA_BOOKKEEPING and value != getattr(default, field.name):
+            raise ValueError(f"peft_config: LoraConfig's {field.name}={value!r} has no option here (LoRA here takes r, "
+                             "lora_alpha, lora_dropout and target_modules; leave the rest at peft's defaults)")
+    return options
 
 
 def args_values(args) -> dict:
@@ -149,6 +248,10 @@ def train_argv(model: str | None = None, reward_funcs=None, train_dataset=None, 
     >>> train_argv("tiny", "math", learning_rate=1e-5, log_completions=True, report_to=["none"])
     ['--model=tiny', '--reward', 'math', '--learning-rate=1e-05', '--log-completions=true', '--report-to', 'none']
     """
+    model = model_name(model, options.pop("processing_class", None))
+    if options.get("peft_config") is not None:
+        options = {**peft_options(options.pop("peft_config")), **options}  # a keyword given too wins
+    options.pop("peft_config", None)
     rewards = None if reward_funcs is None else [
         reward_spec(f) for f in (reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])]
     data = None if train_dataset is None else data_folder(train_dataset, eval_dataset)

@@ -209,8 +209,9 @@ def load_reward(spec: str) -> Reward:
                           ) from None
     function = getattr(module, function_name, None)
     if not callable(function):
-        raise RewardError(f"--reward {spec!r}: {module_name} has no function {function_name!r}. Define "
-                          f"{function_name}(prompt, completion, answer) -> float there, or name another function.")
+        raise RewardError(f"--reward {spec!r}: {module_name} has no function {function_name!r} at its top level. "
+                          f"Define {function_name}(prompt, completion, answer) -> float there (or TRL's "
+                          f"{function_name}(completions, **kwargs) -> list[float]), or name another function.")
     return function
 
 

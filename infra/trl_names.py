@@ -72,6 +72,10 @@ TRL_UNUSED = {
     "logging_dir": "--report-to tensorboard writes to <out>/runs",
     "remove_unused_columns": "every dataset column is kept and passed to a TRL-style reward by keyword",
     "overwrite_output_dir": "a --config file never replaces a run: --overwrite on the command line does",
+    "use_cpu": "the device is --device (auto: a GPU or NPU where there is one); use_cpu true is --device cpu",
+    **dict.fromkeys(("dataloader_pin_memory", "dataloader_num_workers", "dataloader_drop_last",
+                     "dataloader_persistent_workers", "dataloader_prefetch_factor"),
+                    "this trainer has no DataLoader: it draws and batches its own prompts"),
     **dict.fromkeys(("do_train", "do_eval", "do_predict"), "transformers' example scripts' switches, which its "
                     "Trainer does not read (TrainingArguments sets do_eval under eval_strategy): evaluation here "
                     "is --eval-every"),
@@ -106,6 +110,9 @@ TRL_UNUSED = {
                                   "sampler's own calls: no batch size of its own",
     "ignore_bias_buffers": "TRL reads it only under DistributedDataParallel, which this trainer does not use",
 }
+# TRL's switches that, true, are one of our options (typed on the command line; in a file, use_cpu only: a file never
+# replaces a run)
+TRL_SWITCHES = {"use_cpu": "--device=cpu", "overwrite_output_dir": "--overwrite"}
 # TRL names that mean something else here but at null mean "derive it", as ours do: ignored at null with a line
 DERIVED_AT_NULL = {"generation_batch_size": "--batch-size", "steps_per_generation": "--updates-per-iteration",
                    "num_generations_eval": "--eval-samples"}  # TRL's key -> ours, which it is derived from here
@@ -157,7 +164,7 @@ TRL_FIXED = {
     "model_revision": (("main",), "the model loads at its default revision",
                        "a folder: `hf download MODEL --revision R --local-dir DIR`, then --model DIR"),
     **dict.fromkeys(("load_in_8bit", "load_in_4bit"), ((False,), "no quantised loading (bitsandbytes)", None)),
-    **dict.fromkeys(("use_rslora", "use_dora"), ((False,), "LoRA here is peft's plain LoRA (--use-peft)", None)),
+    **dict.fromkeys(("use_rslora", "use_dora"), ((False,), "LoRA is peft's plain LoRA (--use-peft)", None)),
     "lora_task_type": (("CAUSAL_LM",), "LoRA adapts a causal language model", None),
     "lora_modules_to_save": ((None,), "only the adapter is trained, published and saved", None),
     "lora_target_parameters": ((None,), "LoRA adapts the modules of --lora-target-modules", "--lora-target-modules"),
@@ -366,6 +373,9 @@ def trl_keys(values: dict, skip: set[str], note, known: set[str], group_size: in
     fixed = [key for key, value in values.items() if key in TRL_FIXED and not is_fixed_value(key, value)]
     pending += [fixed_refusal(key, values[key]) for key in fixed]
     values = {key: value for key, value in values.items() if key not in fixed}
+    if values.get("use_cpu") is True and not {"device"} & (set(values) | set(skip)):  # TRL_SWITCHES
+        values = {"device": "cpu", **{key: value for key, value in values.items() if key != "use_cpu"}}
+        note("took TRL's use_cpu true as --device cpu")
     unused = {key: value for key, value in values.items()
               if key in TRL_UNUSED or key in TRL_FIXED or key in DERIVED_AT_NULL and value is None}
     if unused:

@@ -103,6 +103,28 @@ def test_a_train_file_uses_its_sibling_test_file(tmp_path):
         data.load_task(str(tiny), eval_size=20)
 
 
+def test_without_eval_size_most_of_a_small_dataset_trains(tmp_path):
+    """Claim: with --eval-size not given (None) and no test split, at most a fifth of the rows is held out (the
+    default 64 once kept 1 of 65 rows for training, silently but for the counts in the first line), said in the first
+    line; with a test split, or 320 rows or more, the 64 of the default; trainer.prepare records what it took, so
+    config.json reruns the same split."""
+    import trainer
+    from infra.command_line import parse_args
+
+    for rows, expected in ((65, (52, 13)), (100, (80, 20)), (320, (256, 64)), (1000, (936, 64))):
+        task = data.read_task(str(write_jsonl(tmp_path / f"{rows}.jsonl", gsm8k_rows(rows))))
+        assert (len(task.train), len(task.held_out)) == expected
+        assert (f"held out: the last {expected[1]} of {rows} rows, a fifth" in " ".join(task.notes)) == (rows < 320)
+    (tmp_path / "split").mkdir()
+    write_jsonl(tmp_path / "split" / "train.jsonl", gsm8k_rows(65))
+    write_jsonl(tmp_path / "split" / "test.jsonl", gsm8k_rows(100, start=100))
+    assert [len(part) for part in data.load_task(str(tmp_path / "split"))] == [65, 64]
+    cfg = parse_args(["--model", "tiny", "--data", str(tmp_path / "65.jsonl"), "--reward", "math"])
+    assert cfg.eval_size is None
+    assert trainer.prepare(cfg)[0].eval_size == 13
+    assert parse_args(["--model", "tiny", "--data", str(tmp_path / "65.jsonl"), "--eval-every", "0"]).eval_size == 0
+
+
 def test_a_validation_split_is_held_out_when_there_is_no_test_split(tmp_path):
     """Claim: a directory of train and validation files (or a train.jsonl with a sibling validation.jsonl) holds
     out the validation split, as a test split would be, and trains on every train row (it held out train's last rows

@@ -300,3 +300,47 @@ def test_train_from_stdin_runs_and_ctrl_c_is_a_keyboard_interrupt(tmp_path):
     out, err = run.communicate(timeout=60)
     assert run.returncode == 130 and "KeyboardInterrupt" in out and "interrupted by SIGINT" in err, (out, err)
     assert "iter    0" in out  # trained from stdin (its inference process died before the first row)
+
+
+def test_trls_other_keywords_are_options_or_one_line(tmp_path, monkeypatch):
+    """Claim (a TRL user's findings): TRL's peft_config (peft's LoraConfig) is --use-peft with its r, alpha, dropout
+    and modules (the Config equals the typed one), a field no option expresses is one ValueError; a model object
+    and a processing_class from elsewhere are one ValueError naming what to give (each process loads its own copy:
+    the model object's printed form once became --model, and an error hundreds of characters long); a tokenizer
+    from --model's own place is accepted; an empty Dataset (or eval_dataset) is one ValueError, not an IndexError
+    from a cache folder the user never made; a reward defined under `if __name__ == "__main__":` is refused up front
+    (the inference process imports the script without running that block, and failed later)."""
+    import types
+
+    from peft import LoraConfig
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.05, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    assert parse_args(python_args.train_argv("tiny", "math", peft_config=lora)) == parse_args(
+        ["--model", "tiny", "--reward", "math", "--use-peft", "--lora-r", "4", "--lora-alpha", "8", "--lora-dropout",
+         "0.05", "--lora-target-modules", "q_proj", "v_proj"])
+    assert "--lora-r=2" in python_args.train_argv("tiny", peft_config=lora, lora_r=2)  # a keyword wins
+    with pytest.raises(ValueError, match="^train: peft_config: LoraConfig's bias='all' has no option here"):
+        trainer.train("tiny", "math", peft_config=LoraConfig(bias="all"))
+    with pytest.raises(ValueError, match="^train: model is a Linear object; give its hub id or a folder"):
+        trainer.train(torch.nn.Linear(2, 2), "math")
+    with pytest.raises(ValueError, match="^train: processing_class loaded from 'elsewhere': the tokenizer is loaded"):
+        trainer.train("tiny", "math", processing_class=types.SimpleNamespace(name_or_path="elsewhere"))
+    assert python_args.train_argv("tiny", processing_class=types.SimpleNamespace(name_or_path="tiny")) == \
+        ["--model=tiny"]
+    monkeypatch.setenv("PERIODIC_RL_CACHE", str(tmp_path / "cache"))
+    empty, one = (datasets.Dataset.from_dict({"prompt": rows, "answer": rows}) for rows in ([], ["1"]))
+    with pytest.raises(ValueError, match="^train: train_dataset has no rows"):
+        trainer.train("tiny", "math", train_dataset=empty)
+    with pytest.raises(ValueError, match="^train: eval_dataset has no rows"):
+        trainer.train("tiny", "math", train_dataset=one, eval_dataset=empty)
+    script = tmp_path / "script.py"
+    script.write_text("def top(prompt, completion, answer):\n    return 1.0\n\n\nif __name__ == '__main__':\n"
+                      "    def inner(completions, **kwargs):\n        return [1.0] * len(completions)\n")
+    running = types.ModuleType("__main__")
+    running.__file__ = str(script)
+    exec(compile(script.read_text(), str(script), "exec"), vars(running))
+    monkeypatch.setitem(sys.modules, "__main__", running)
+    for function in (running.top, running.inner):
+        function.__module__ = "__main__"
+    assert python_args.reward_spec(running.top) == f"{script}:top"
+    with pytest.raises(ValueError, match=r"reward 'inner' is defined under `if __name__ == \"__main__\":`"):
+        python_args.reward_spec(running.inner)

@@ -698,11 +698,11 @@ def test_transformers_trainer_settings_at_their_defaults_are_skipped(tmp_path, c
     dataloader_num_workers, ...) are skipped at their defaults (read from the installed transformers) with one line,
     and refused at another value in one line naming each; TRL's ModelConfig keys at their defaults are skipped too
     (model_revision main, load_in_4bit false, ...) and torch_dtype is dtype. Before, each was an unknown option."""
-    cfg = parse_yaml(tmp_path, "dataloader_pin_memory: true\nuse_liger_kernel: false\ndataloader_num_workers: 0\n"
+    cfg = parse_yaml(tmp_path, "tf32: null\nuse_liger_kernel: false\ntorch_compile: false\n"
                                "model_revision: main\nload_in_4bit: false\ntorch_dtype: float32\n")
     assert cfg.dtype == "float32"
     out = capsys.readouterr().out
-    assert "ignored transformers' TrainingArguments dataloader_pin_memory, use_liger_kernel, dataloader_num_workers: " \
+    assert "ignored transformers' TrainingArguments tf32, use_liger_kernel, torch_compile: " \
            "at their defaults" in out and "model_revision 'main'" in out, out
     assert parse_yaml(tmp_path, "eval_strategy: steps\ndo_eval: true\n").eval_every == 10  # as TrainingArguments
     assert "ignored TRL's do_eval: transformers' example scripts' switches" in capsys.readouterr().out  # sets it
@@ -1131,3 +1131,22 @@ def test_a_files_bf16_false_gives_way_to_a_typed_bf16_and_a_broken_checkpoint_is
     (tmp_path / "ck" / "checkpoint-3" / "state.json").write_text('{"iterations_done": 3, "config": null}')
     cfg = parse_args(["--max-steps", "8", "--resume", "auto", "--out", str(tmp_path / "ck")])
     assert cfg.iterations == 8
+
+
+def test_trls_use_cpu_and_overwrite_output_dir_are_our_options(tmp_path, capsys):
+    """Claim (a TRL user's findings): TRL's use_cpu true is --device cpu, typed or in a file (a dumped
+    GRPOConfig(use_cpu=True) was refused), unless --device is given; --overwrite-output-dir typed is --overwrite (it
+    was ignored, and the folder refused), while a file's still never replaces a run; the DataLoader's settings are
+    ignored with a line (no DataLoader here)."""
+    assert parse_args(["--use-cpu"]).device == "cpu" and parse_args(["--use_cpu", "true"]).device == "cpu"
+    assert "took TRL's --use-cpu as --device cpu" in capsys.readouterr().out
+    assert parse_args(["--use-cpu", "false"]).device == "auto"
+    assert parse_args(["--overwrite_output_dir"]).overwrite and not parse_args(["--overwrite-output-dir=false"]).overwrite
+    config = tmp_path / "grpo.yaml"
+    config.write_text("use_cpu: true\ndataloader_pin_memory: false\noverwrite_output_dir: true\n")
+    cfg = parse_args(["--config", str(config)])
+    assert cfg.device == "cpu" and not cfg.overwrite
+    out = capsys.readouterr().out
+    assert "took TRL's use_cpu true as --device cpu" in out and "dataloader_pin_memory: this trainer has no" in out
+    assert "use_cpu:" not in out, out  # taken, not also said to be ignored
+    assert parse_args(["--config", str(config), "--device", "auto"]).device == "auto"  # a typed --device wins
