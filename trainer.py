@@ -566,8 +566,9 @@ def train(model: str | None = None, reward_funcs=None, train_dataset=None, eval_
     """Run the trainer from Python, as TRL's `GRPOTrainer(model, reward_funcs, args, train_dataset).train()` runs:
     the run `python trainer.py` makes with these options (infra/python_args.train_argv); returns its --out folder
     (under torchrun, on rank 0; a rank that writes no run returns None).
+    `model`: a hub id, a folder or an alias (not a model object: each process loads its own copy);
     `reward_funcs`: a function (defined at the top level of a module or of the script) or a --reward spec, or a list
-    of them; `train_dataset`: a datasets.Dataset or DatasetDict, or a --data value; `args`: TRL's GRPOConfig (or
+    of them; `peft_config`: peft's LoraConfig, as --use-peft and its --lora-* options; `train_dataset`: a datasets.Dataset or DatasetDict, or a --data value; `args`: TRL's GRPOConfig (or
     a mapping), read as a --config file is; `options`: any option of
     `python trainer.py --help` with _ for -, ours or TRL's (learning_rate=1e-6, num_generations=8, max_steps=100,
     per_device_train_batch_size=8, ...). A script that calls it needs `if __name__ == "__main__":` around the call,

@@ -103,6 +103,11 @@ def config_file(argv: list[str]) -> str | None:
         return None
 
 
+def known_keys() -> set[str]:
+    """The keys a --config file may hold as options: Config's fields, a run record's own, TRL's aliases of ours."""
+    return {field.name for field in dataclasses.fields(Config)} | set(NOT_OPTIONS) | set(TRL_ALIASES) | {"epsilon"}
+
+
 def file_arguments(path: str, skip: set[str] = frozenset(), note=lambda line: None,
                    typed_batch: dict | None = None, typed_steps: dict | None = None,
                    steps: dict | None = None, rederived: set[str] = frozenset()) -> list[str]:
@@ -167,7 +172,7 @@ def file_arguments(path: str, skip: set[str] = frozenset(), note=lambda line: No
             None, values["gradient_checkpointing"]):  # transformers 5's to_dict() writes both names, the same value
         values.pop("activation_checkpointing", None)
     refusals: list[str] = []  # every refused key of the file, said in one line
-    values = trl_keys(values, set(skip), note, known={*fields, *NOT_OPTIONS, *TRL_ALIASES, "epsilon"},
+    values = trl_keys(values, set(skip), note, known=known_keys(),
                       group_size=fields["group_size"].default, typed_batch=typed_batch or {}, refusals=refusals,
                       steps=steps)
     unknown = [key for key in values if key not in fields and key not in NOT_OPTIONS and key not in TRL_ALIASES
@@ -414,8 +419,10 @@ def with_config_file(argv: list[str] | None = None, prog: str = "trainer.py", sa
                                                             for derived in DERIVED_FROM.get(option, ())})
         argv = (trl_step_flags(file_steps, typed_steps, flags, argv, prog, lines.append)
                 if file_steps or typed_steps else flags + argv)
+        from infra.models import cache_root  # where python_args.args_file writes train's args
+        source = "train's args" if Path(path).parent == cache_root() / "configs" else f"--config {path}"
         for line in lines:
-            typed_note(f"--config {path}: {line}")
+            typed_note(f"{source}: {line}")
         return argv
     except ValueError as error:
         sys.stderr.write(f"{prog}: error: --config {path} {error}\n")

@@ -237,6 +237,34 @@ def epilog() -> str:
                      for line in lines)
 
 
+EMPTY = (None, "", [], {}, False)  # a TrainingArguments field left unset, as to_dict() writes it
+SAID_AT_DEFAULT = ("logging_steps", "bf16")  # read even at their defaults (eval_steps' fallback, bf16 false's dtype)
+
+
+def unset_keys_dropped(values: dict, defaults: dict, known: set[str]) -> dict:
+    """A GRPOConfig object's `values` (its to_dict()) less the keys `trl_keys` would only ignore that are at the
+    class's `defaults`: TRL_UNUSED ones, TRL_FIXED ones, DERIVED_AT_NULL ones at null, transformers' TrainingArguments
+    settings not `known` as options. What the user did not set then says nothing (a GRPOConfig holds ~150 keys);
+    what they set is still taken, ignored with a line, or refused.
+
+    >>> unset_keys_dropped({"logging_strategy": "steps", "push_to_hub": True, "beta": 0.0},
+    ...                    {"logging_strategy": "steps", "push_to_hub": False, "beta": 0.0}, {"beta"})
+    {'push_to_hub': True, 'beta': 0.0}
+    """
+    trainer_only = trainer_settings([key for key in values if key not in known and key not in TRL_DIFFERENT
+                                     and key not in TRL_STEP_KEYS and key not in TRL_BATCH_KEYS])
+
+    def only_ignored(key: str, value) -> bool:
+        return (key in TRL_UNUSED or key in TRL_FIXED and is_fixed_value(key, value)
+                or key in DERIVED_AT_NULL and value is None or key in trainer_only)
+
+    def unset(key: str, value) -> bool:  # to_dict() writes None as [] or False for some, and hides tokens
+        return key in defaults and (value == defaults[key] or value in EMPTY and defaults[key] in EMPTY
+                                    or key.endswith("_token") and value == f"<{key.upper()}>")
+    return {key: value for key, value in values.items()
+            if key in SAID_AT_DEFAULT or not (unset(key, value) and only_ignored(key, value))}
+
+
 def is_fixed_value(key: str, value) -> bool:
     """Whether a --config file's `value` for TRL's `key` is what this trainer does (`TRL_FIXED`): numbers compared as
     numbers (YAML reads 1e-8 as a string), booleans as booleans.
@@ -376,15 +404,15 @@ def trl_keys(values: dict, skip: set[str], note, known: set[str], group_size: in
     if values.get("use_cpu") is True and not {"device"} & (set(values) | set(skip)):  # TRL_SWITCHES
         values = {"device": "cpu", **{key: value for key, value in values.items() if key != "use_cpu"}}
         note("took TRL's use_cpu true as --device cpu")
+    if values.get("bf16") is False and not {"dtype", "torch_dtype"} & set(values) \
+            and not {"dtype", "torch_dtype", "bf16"} & set(skip):  # TRL: float32 then (a typed --bf16 wins)
+        values = {"dtype": "float32", **{key: value for key, value in values.items() if key != "bf16"}}
+        note("took TRL's bf16 false as --dtype float32 (TRL computes in float32 then)")
     unused = {key: value for key, value in values.items()
               if key in TRL_UNUSED or key in TRL_FIXED or key in DERIVED_AT_NULL and value is None}
     if unused:
         note(unused_line(unused))
     values = {key: value for key, value in values.items() if key not in unused}
-    if unused.get("bf16") is False and not {"dtype", "torch_dtype", "bf16"} & (set(values) | set(skip)):  # TRL:
-        # float32 then (a typed --bf16, in `skip`, wins)
-        values = {"dtype": "float32", **values}
-        note("took TRL's bf16 false as --dtype float32 (TRL computes in float32 then)")
     trl_batch_keys = {**{key: values.pop(key) for key in TRL_BATCH_KEYS if key in values}, **(typed_batch or {})}
     if trl_batch_keys:
         values = {**trl_batch_options(trl_batch_keys, values, skip, note, group_size), **values}

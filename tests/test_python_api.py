@@ -344,3 +344,36 @@ def test_trls_other_keywords_are_options_or_one_line(tmp_path, monkeypatch):
     assert python_args.reward_spec(running.top) == f"{script}:top"
     with pytest.raises(ValueError, match=r"reward 'inner' is defined under `if __name__ == \"__main__\":`"):
         python_args.reward_spec(running.inner)
+
+
+def test_a_grpo_configs_unset_keys_say_nothing(tmp_path, monkeypatch, capsys):
+    """Claim (a TRL user's finding: train(args=GRPOConfig(...)) printed "ignored 85 of TRL's keys" and named a cache
+    file the user never wrote): keys of no use here left at the class's defaults are dropped before the file is
+    written; one of no use that the user set is still said; an option at TRL's default is still TRL's (beta 0.0, not
+    ours); the lines name train's args. A dataclass shaped as GRPOConfig stands in (trl is optional here)."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class GRPOConfig:
+        learning_rate: float = 1e-6
+        beta: float = 0.0
+        logging_strategy: str = "steps"
+        push_to_hub: bool = False
+        hub_strategy: str = "every_save"
+        hub_token: str | None = None
+        use_vllm: bool = False
+        disable_tqdm: bool | None = None
+        bf16: bool | None = None
+
+        def to_dict(self) -> dict:  # as TrainingArguments.to_dict: tokens hidden, bf16 and disable_tqdm resolved
+            return {**dataclasses.asdict(self), "hub_token": "<HUB_TOKEN>", "disable_tqdm": False, "bf16": False}
+
+    monkeypatch.setenv("PERIODIC_RL_CACHE", str(tmp_path))
+    assert python_args.args_values(GRPOConfig(push_to_hub=True)) == {"learning_rate": 1e-6, "beta": 0.0,
+                                                                     "push_to_hub": True, "bf16": False}
+    cfg = parse_args(python_args.train_argv("tiny", "math", args=GRPOConfig(push_to_hub=True)))
+    assert (cfg.beta, cfg.lr, cfg.dtype) == (0.0, 1e-6, "float32")
+    out = capsys.readouterr().out
+    assert "periodic-rl: train's args: ignored TRL's push_to_hub: <out>/policy is a Hugging Face model" in out, out
+    assert not any(key in out for key in ("hub_strategy", "use_vllm", "logging_strategy", "disable_tqdm", "bf16:",
+                                          str(tmp_path))), out
