@@ -77,12 +77,31 @@ def given_options(argv: list[str] | None = None) -> set[str]:
     return set(values_of(build_parser(defaults=False).parse_args(with_config_file(argv))))
 
 
+def named_twice(argv: list[str]) -> list[str]:
+    """The flags of the first option the command line names by two names, TRL's and ours (TRL_ALIASES), else [].
+
+    >>> named_twice(["--learning_rate", "1e-4", "--lr=2e-4", "--lr", "3e-4"]), named_twice(["--lr", "1", "--lr", "2"])
+    (['--learning-rate', '--lr'], [])
+    """
+    names: dict[str, list[str]] = {}  # field -> the flags naming it, in order
+    for token in normalized(argv):
+        if token == "--":
+            break
+        flag = token.partition("=")[0]
+        key = flag[2:].removeprefix("no-").replace("-", "_") if flag.startswith("--") else None
+        if key is not None and "--" + key.replace("_", "-") not in names.setdefault(TRL_ALIASES.get(key, key), []):
+            names[TRL_ALIASES.get(key, key)].append("--" + key.replace("_", "-"))
+    return next((flags for flags in names.values() if len(flags) > 1), [])
+
+
 def parse_args(argv: list[str] | None = None, prog: str = "trainer.py") -> Config:
     """Parse (a --config file's options first, the command line's after them), validate and derive; on invalid
     input print one line and exit with code 2."""
     args = build_parser(prog).parse_args(with_config_file(argv, prog, say=True))
     cfg = Config(**values_of(args))
     problems = validate(cfg)
+    if twice := named_twice(sys.argv[1:] if argv is None else argv):
+        problems.insert(0, f"{' and '.join(twice)} name the same option, TRL's name and ours: give one")
     if cfg.num_train_epochs is not None and "iterations" in given_options(argv):
         problems.insert(0, f"--num-train-epochs {cfg.num_train_epochs:g} and --iterations {cfg.iterations} both set "
                            "the run's length: give one")

@@ -1150,3 +1150,13 @@ def test_trls_use_cpu_and_overwrite_output_dir_are_our_options(tmp_path, capsys)
     assert "took TRL's use_cpu true as --device cpu" in out and "dataloader_pin_memory: this trainer has no" in out
     assert "use_cpu:" not in out, out  # taken, not also said to be ignored
     assert parse_args(["--config", str(config), "--device", "auto"]).device == "auto"  # a typed --device wins
+
+
+def test_one_option_typed_by_trls_name_and_ours_is_one_line(capsys):
+    """Claim (a TRL user's finding): `--learning_rate 1e-4 --lr 2e-4` took the last silently; an option typed by TRL's
+    name and ours is one line, as in a --config file; the same name twice is argparse's (the last wins)."""
+    assert "--learning-rate and --lr name the same option" in refusal(
+        capsys, lambda: parse_args(["--learning_rate", "1e-4", "--lr", "2e-4"]))
+    assert "--num-generations and --group-size name the same option" in refusal(
+        capsys, lambda: parse_args(["--num-generations=4", "--group-size", "8"]))
+    assert parse_args(["--lr", "1e-4", "--lr", "2e-4"]).lr == 2e-4
