@@ -199,7 +199,7 @@ DEPARTURES = (
     ("--num-completions-to-print", "0", "all", "--log-completions keeps every completion in completions.jsonl; "
                                                "printed, they would bury the log's lines"),
 )
-# The log's columns, one line per iteration (trainer.format_row); in --help's epilog
+# The log's columns, one line per iteration (console.format_row); in --help's epilog
 LOG_COLUMNS = (
     ("iter k", "the iteration: sampled with θ_k"),
     ("reward m±s", "training reward (the weighted sum of --reward): mean ± std over the iteration's responses"),

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from config import Config
+from infra import console
 from infra.options import build_parser, derive, validate
 from infra.command_line import parse_args
 
@@ -364,7 +365,7 @@ def test_help_explains_the_log_columns_and_the_departures():
     import trainer
     from infra.trl_names import DEPARTURES, LOG_COLUMNS
     text = build_parser().format_help()
-    row = trainer.format_row({"iteration": 3, "reward_mean": 0.5, "reward_std": 0.1, "eval_reward": None, "kl": 0.01,
+    row = console.format_row({"iteration": 3, "reward_mean": 0.5, "reward_std": 0.1, "eval_reward": None, "kl": 0.01,
                               "clip_fraction": 0.0, "response_length": 4.0, "generate_s": 1.0, "train_s": 0.5,
                               "idle_inference_s": 0.1, "idle_training_s": 0.6, "overlap": 0.5, "tokens_per_s": 100})
     for column, meaning in LOG_COLUMNS:
@@ -378,8 +379,8 @@ def test_the_final_line_is_left_out_without_an_evaluation():
     """Claim (#32 point 9): with evaluation off the final row prints nothing ("final held-out reward -" said
     nothing); with it, the held-out reward of θ_final."""
     import trainer
-    assert trainer.format_row({"final": True, "eval_reward": None, "policy_version": 4}) == ""
-    assert trainer.format_row({"final": True, "eval_reward": 0.5, "policy_version": 4}) == \
+    assert console.format_row({"final": True, "eval_reward": None, "policy_version": 4}) == ""
+    assert console.format_row({"final": True, "eval_reward": 0.5, "policy_version": 4}) == \
         "final  held-out reward 0.500 (θ_4)"
 
 
@@ -387,7 +388,7 @@ def test_off_a_terminal_progress_is_a_line():
     """Claim (#32 point 9): the progress bar's content as one line (for logs that are no terminal): iterations done,
     the time so far and the time left at the measured pace."""
     import trainer
-    assert trainer.progress_line(12, 60, 41.0, 3.4) == \
+    assert console.progress_line(12, 60, 41.0, 3.4) == \
         "periodic-rl: progress 12/60 iterations, 00:41 elapsed, ~02:43 left"
 
 
@@ -414,7 +415,7 @@ def test_off_a_terminal_the_log_has_progress_lines(tmp_path, monkeypatch, capsys
     every PROGRESS_EVERY_S (here 0: every iteration after the first, whose row sets the pace's origin), on stderr;
     the log on stdout has no final line when nothing was evaluated."""
     import trainer
-    monkeypatch.setattr(trainer, "PROGRESS_EVERY_S", 0.0)
+    monkeypatch.setattr(console, "PROGRESS_EVERY_S", 0.0)
     cfg = Config(out=str(tmp_path), iterations=3, save=False, eval_every=0)
 
     def rows():
@@ -467,7 +468,7 @@ def test_responses_no_reward_scored_are_warned_about_once(tmp_path, capsys):
         yield {"final": True, "iteration": 4, "eval_reward": None, "policy_version": 4}
     trainer.log_and_save(cfg, rows(), None, None)
     warnings = [line for line in capsys.readouterr().out.splitlines() if "warning" in line]
-    assert warnings == [trainer.unscored_line(1, 1.0)], warnings
+    assert warnings == [console.unscored_line(1, 1.0)], warnings
     assert "100% of the responses" in warnings[0] and "learns nothing from the rewards" in warnings[0]
 
 
@@ -477,11 +478,11 @@ def test_the_first_line_says_when_the_test_split_is_smaller_than_eval_size():
     built-in task, and names the split of a dataset's."""
     import trainer
     from infra import data, tasks
-    assert "1319 held-out prompts |" in trainer.start_line(Config(eval_size=1319), 7473, 1319)
+    assert "1319 held-out prompts |" in console.start_line(Config(eval_size=1319), 7473, 1319)
     assert data.held_out_note("test", 1319, 1319) == data.held_out_note("test", 1319, 64) == "held out: the test split"
     notes = (data.held_out_note("test", 100, 500),)
     assert "100 held-out prompts (--eval-size 500: the test split has 100) |" in \
-        trainer.start_line(Config(eval_size=500), 7473, 100, notes)
+        console.start_line(Config(eval_size=500), 7473, 100, notes)
     held_out = len(tasks.arithmetic_examples("eval"))
     said = data.read_task("arithmetic", eval_size=10_000).notes
     assert said == (f"--eval-size 10000: the eval split has {held_out}",)
@@ -496,6 +497,6 @@ def test_the_first_line_says_held_out_prompts_are_never_evaluated():
     from infra.options import derive
     cfg = derive(Config(eval_every=0, eval_size=50))
     assert cfg.eval_size == 50
-    assert "50 held-out prompts (held out, not evaluated: --eval-every 0) |" in trainer.start_line(cfg, 7423, 50)
-    assert "not evaluated" not in trainer.start_line(derive(Config(eval_size=50)), 7423, 50)
-    assert "not evaluated" not in trainer.start_line(derive(Config(eval_every=0)), 7473, 0)
+    assert "50 held-out prompts (held out, not evaluated: --eval-every 0) |" in console.start_line(cfg, 7423, 50)
+    assert "not evaluated" not in console.start_line(derive(Config(eval_size=50)), 7423, 50)
+    assert "not evaluated" not in console.start_line(derive(Config(eval_every=0)), 7473, 0)

@@ -12,7 +12,7 @@ import pytest
 from conftest import GSM8K_DIR, QWEN_CHAT_TEMPLATE
 from huggingface_hub import constants as hub_constants
 
-from infra import data, tasks
+from infra import console, data, tasks
 from infra.tasks import Example, TaskError
 
 
@@ -241,7 +241,7 @@ def test_trls_prompt_column_wins_over_question(tmp_path):
     assert task.prompt_column == "prompt" and task.notes == ("prompts from column 'prompt' (TRL's), not 'question'",)
     cfg, task, _, _ = trainer.prepare(parse_args(["--data", str(path), "--eval-size", "2"]))
     assert cfg.prompt_column == "prompt" and parse_args([]).prompt_column is None  # recorded as used; auto
-    line = trainer.start_line(cfg, len(task.train), len(task.held_out), task.notes)
+    line = console.start_line(cfg, len(task.train), len(task.held_out), task.notes)
     assert "10 train / 2 held-out prompts (prompts from column 'prompt' (TRL's), not 'question') |" in line
     chosen = data.read_task(str(path), eval_size=2, prompt_column="question")
     assert chosen.train[4].prompt == "What is 4+1?" and chosen.notes == ()
