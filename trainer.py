@@ -3,8 +3,9 @@
 Reads the config, claims the output directory (infra/outputs.py: checked, locked, no previous run mixed in),
 imports the trackers --report-to names (infra/tracking.py), records the options in <out>/config.json
 (infra/records.py), loads the policy and the task, runs the schedule of periodic_rl.py, prints one line per
-iteration (infra/console.py; it goes as JSON to <out>/metrics.jsonl too, and to the trackers), and saves θ_final, as soon as the last optimizer step is done, as a Hugging Face model directory <out>/policy
-that `AutoModelForCausalLM.from_pretrained` loads.
+iteration (infra/console.py; it goes as JSON to <out>/metrics.jsonl too, and to the trackers), and saves θ_final,
+as soon as the last optimizer step is done, as a Hugging Face model directory <out>/policy that
+`AutoModelForCausalLM.from_pretrained` loads.
 
 Any problem a user can fix (bad option, missing model or data, failing reward function, dead
 inference process) ends with one `error:` paragraph on stderr and a non-zero exit, no traceback.
