@@ -265,6 +265,30 @@ def unset_keys_dropped(values: dict, defaults: dict, known: set[str]) -> dict:
             if key in SAID_AT_DEFAULT or not (unset(key, value) and only_ignored(key, value))}
 
 
+MODEL_INIT_OPTIONS = {"torch_dtype": "dtype", "dtype": "dtype", "attn_implementation": "attn_implementation"}
+
+
+def model_init_options(kwargs: dict, given: set[str], note) -> dict:
+    """TRL's model_init_kwargs (from_pretrained's keywords) as our options: dtype (torch_dtype) and
+    attn_implementation, unless given; ValueError naming any other keyword (no option loads models otherwise).
+
+    >>> model_init_options({"torch_dtype": "bfloat16"}, set(), print)
+    took TRL's model_init_kwargs torch_dtype 'bfloat16' as --dtype bfloat16
+    {'dtype': 'bfloat16'}
+    """
+    other = [key for key in kwargs if key not in MODEL_INIT_OPTIONS]
+    if other:
+        raise ValueError(f"model_init_kwargs: {', '.join(other)}: models load with --dtype and --attn-implementation "
+                         "only (no option passes other keywords to from_pretrained)")
+    options = {}
+    for key, value in kwargs.items():
+        option = MODEL_INIT_OPTIONS[key]
+        if option not in given and option not in options and value is not None:
+            options[option] = str(value).removeprefix("torch.")  # torch.bfloat16 written as a string too
+            note(f"took TRL's model_init_kwargs {key} {value!r} as --{option.replace('_', '-')} {options[option]}")
+    return options
+
+
 def is_fixed_value(key: str, value) -> bool:
     """Whether a --config file's `value` for TRL's `key` is what this trainer does (`TRL_FIXED`): numbers compared as
     numbers (YAML reads 1e-8 as a string), booleans as booleans.
@@ -398,6 +422,9 @@ def trl_keys(values: dict, skip: set[str], note, known: set[str], group_size: in
         # logging_steps, as transformers reads it
         steps["logging_steps"] = values["logging_steps"]
     values = {key: value for key, value in values.items() if key not in TRL_STEP_KEYS}
+    if isinstance(values.get("model_init_kwargs"), dict):  # TRL's from_pretrained keywords: those that are options
+        values = {**model_init_options(values["model_init_kwargs"], set(values) | set(skip), note), **{
+            key: value for key, value in values.items() if key != "model_init_kwargs"}}
     fixed = [key for key, value in values.items() if key in TRL_FIXED and not is_fixed_value(key, value)]
     pending += [fixed_refusal(key, values[key]) for key in fixed]
     values = {key: value for key, value in values.items() if key not in fixed}

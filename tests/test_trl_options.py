@@ -1160,3 +1160,15 @@ def test_one_option_typed_by_trls_name_and_ours_is_one_line(capsys):
     assert "--num-generations and --group-size name the same option" in refusal(
         capsys, lambda: parse_args(["--num-generations=4", "--group-size", "8"]))
     assert parse_args(["--lr", "1e-4", "--lr", "2e-4"]).lr == 2e-4
+
+
+def test_trls_model_init_kwargs_are_our_dtype_and_attention(tmp_path, capsys):
+    """Claim (a TRL user's finding: TRL recipes carry model_init_kwargs {torch_dtype: bfloat16}, which was refused):
+    its torch_dtype (or dtype) and attn_implementation are --dtype and --attn-implementation, each said, unless typed;
+    any other from_pretrained keyword is one line naming it."""
+    cfg = parse_yaml(tmp_path, "model_init_kwargs:\n  torch_dtype: bfloat16\n  attn_implementation: eager\n")
+    assert (cfg.dtype, cfg.attn_implementation) == ("bfloat16", "eager")
+    assert "took TRL's model_init_kwargs torch_dtype 'bfloat16' as --dtype bfloat16" in capsys.readouterr().out
+    assert parse_yaml(tmp_path, "model_init_kwargs: {dtype: bfloat16}\n", "--dtype", "float32").dtype == "float32"
+    assert "model_init_kwargs: device_map: models load with --dtype and --attn-implementation only" in refusal(
+        capsys, lambda: parse_yaml(tmp_path, "model_init_kwargs: {device_map: auto}\n"))
