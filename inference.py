@@ -47,7 +47,7 @@ One worker, from spawn to stop:
     send ("load",)                          --->  load the model            ---> ("loaded", None)
     send ("attach", weights, cfg, threads,  --->  θ's buffer attached       ---> ("ready", None)
           train, held_out)
-    send ("generate" | "evaluate", k, K)    --->  rollout_iteration(share)  ---> ("message", Group | Span
+    send ("generate" | "evaluate", k)       --->  rollout_iteration(share)  ---> ("message", Group | Span
                                                                                   | Evaluation | IterationDone)
     poll: alive? stopped? heartbeat?              any exception             ---> ("error", summary), exit 1
     close: ("stop",), then SIGTERM, SIGKILL       ("stop",) or a closed pipe: exit

@@ -51,7 +51,8 @@ DERIVED_FROM = {"model": ("lr", "max_new_tokens", *SIZE_FIELDS), "reward": ("rew
                 "device": ("train_device", "rollout_device", "dtype", "pad_to_multiple_of", *SIZE_FIELDS),
                 "mode": ("rollout_device", *SIZE_FIELDS),
                 "batch_size": SIZE_FIELDS, "group_size": SIZE_FIELDS,
-                "inference_workers": ("rollout_device", *SIZE_FIELDS), "eval_every": ("eval_size",)}
+                "inference_workers": ("rollout_device", *SIZE_FIELDS), "eval_every": ("eval_size",),
+                **dict.fromkeys(("data", "split", "eval_split"), ("eval_size",))}  # auto: a fifth of small data
 # A run record's options that name that run's outputs: a rerun of its config.json writes its own (unless given anew)
 RUN_OUTPUTS = ("out", "trace")
 
@@ -120,6 +121,13 @@ def config_file(argv: list[str]) -> str | None:
         return finder.parse_known_args(normalized(argv))[0].config
     except argparse.ArgumentError:  # `--config` without a path: trainer.py's own parser says so
         return None
+
+
+def config_source(path: str) -> str:
+    """How the lines about a --config file name it: "train's args" for the file python_args.args_file wrote for
+    `trainer.train(args=...)` (the user never saw it), else "--config PATH"."""
+    from infra.outputs import cache_root  # (a light import)
+    return "train's args" if Path(path).parent == cache_root() / "configs" else f"--config {path}"
 
 
 def known_keys() -> set[str]:
@@ -438,11 +446,10 @@ def with_config_file(argv: list[str] | None = None, prog: str = "trainer.py", sa
                                                             for derived in DERIVED_FROM.get(option, ())})
         argv = (trl_step_flags(file_steps, typed_steps, flags, argv, prog, lines.append)
                 if file_steps or typed_steps else flags + argv)
-        from infra.models import cache_root  # where python_args.args_file writes train's args
-        source = "train's args" if Path(path).parent == cache_root() / "configs" else f"--config {path}"
+        source = config_source(path)
         for line in lines:
             typed_note(f"{source}: {line}")
         return argv
     except ValueError as error:
-        sys.stderr.write(f"{prog}: error: --config {path} {error}\n")
+        sys.stderr.write(f"{prog}: error: {config_source(path)} {error}\n")
         raise SystemExit(2) from None

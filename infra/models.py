@@ -74,7 +74,7 @@ from transformers import __version__ as transformers_version
 from config import MODEL_ALIASES
 from infra.data import load_task
 from infra.errors import UserError
-from infra.outputs import make_directory
+from infra.outputs import cache_root, make_directory
 from infra.tasks import chain_working, hub_unreachable_reason
 
 TINY = "tiny"
@@ -375,10 +375,6 @@ def warm_up_tiny(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, ste
         schedule.step()
     model.eval()
     return loss.item()
-
-
-def cache_root(cache_dir: str | Path | None = None) -> Path:
-    return Path(cache_dir or os.environ.get("PERIODIC_RL_CACHE") or "~/.cache/periodic-rl").expanduser()
 
 
 def sweep_stale_builds(root: Path) -> None:

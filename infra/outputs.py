@@ -112,6 +112,12 @@ def is_full(folder: Path) -> bool:
     return (usage.f_bfree if os.geteuid() == 0 else usage.f_bavail) * usage.f_frsize < FULL_BYTES
 
 
+def cache_root(cache_dir: str | Path | None = None) -> Path:
+    """Where built models, copied datasets and train's args files are kept: --cache-dir, else $PERIODIC_RL_CACHE,
+    else ~/.cache/periodic-rl."""
+    return Path(cache_dir or os.environ.get("PERIODIC_RL_CACHE") or "~/.cache/periodic-rl").expanduser()
+
+
 def make_directory(path: Path, what: str) -> Path:
     """Create `path` (and its parents) if needed; fail in one line unless it is a directory this user can write."""
     if path.exists() and not path.is_dir():

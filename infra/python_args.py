@@ -53,42 +53,66 @@ def reward_spec(function) -> str:
     if path is None or not Path(path).is_file():  # a notebook, `python -c`, a script read from stdin
         raise ValueError(f"reward {name!r} is defined in an interactive session, which the inference process cannot "
                          "import: put it in a .py file and give the function from there (or its 'file.py:name')")
-    if name not in imported_names(Path(path).read_text()):
+    if name in main_only_names(Path(path)):
         raise ValueError(f"reward {name!r} is defined under `if __name__ == \"__main__\":` in {path}, which the "
                          "inference process imports without running that block: define it at the top level, "
                          "above the block")
     return f"{path}:{name}"
 
 
-def imported_names(source: str) -> set[str]:
-    """The names a script defines when it is imported, not run: those bound at its top level (in an `if`, `try` or
-    `with` there too), except under `if __name__ == "__main__":`.
+def main_only_names(script: Path) -> set[str]:
+    """The names `script` binds only under `if __name__ == "__main__":` (or the else of `!=`), which a process that
+    imports it, not runs it, never has; empty when it cannot tell (a star import, a file it cannot parse).
 
-    >>> sorted(imported_names("import os\\ndef f(): pass\\nif __name__ == '__main__':\\n    def g(): pass"))
-    ['f', 'os']
+    >>> import tempfile; script = Path(tempfile.mkdtemp()) / "s.py"
+    >>> _ = script.write_text("def f(): pass\\nif __name__ == '__main__':\\n    def g(): pass\\n    f = 1")
+    >>> main_only_names(script)
+    {'g'}
     """
     import ast
 
-    def main_guard(node: ast.AST) -> bool:
-        test = ast.unparse(node.test) if isinstance(node, ast.If) else ""
-        return "__name__" in test and "__main__" in test
+    def bound(statements: list) -> set[str]:  # names a statement binds in the module's scope (not in functions)
+        names, todo = set(), list(statements)
+        while todo:
+            node = todo.pop()
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)  # (its body is another scope)
+                todo += node.decorator_list
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names.update((alias.asname or alias.name).partition(".")[0] for alias in node.names)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, (ast.ExceptHandler, ast.MatchAs, ast.MatchStar)) and node.name:
+                names.add(node.name)
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+                todo += list(ast.iter_child_nodes(node))
+        return names
 
-    names, todo = set(), list(ast.parse(source).body)
-    while todo:
-        node = todo.pop()
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            names.update((alias.asname or alias.name).partition(".")[0] for alias in node.names)
-        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
-            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
-                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
-        elif isinstance(node, ast.If):
-            todo += node.orelse if main_guard(node) else node.body + node.orelse
-        elif isinstance(node, (ast.Try, ast.With, ast.For, ast.While)):
-            todo += node.body + getattr(node, "orelse", []) + getattr(node, "finalbody", []) + [
-                statement for handler in getattr(node, "handlers", []) for statement in handler.body]
-    return names
+    def guard(node) -> str | None:  # "Eq" for `if __name__ == "__main__":`, "NotEq" for `!=`, else None
+        test = node.test if isinstance(node, ast.If) else None
+        if isinstance(test, ast.Compare) and len(test.ops) == 1:
+            sides = (test.left, test.comparators[0])
+            if any(isinstance(side, ast.Name) and side.id == "__name__" for side in sides) and any(
+                    isinstance(side, ast.Constant) and side.value == "__main__" for side in sides):
+                return type(test.ops[0]).__name__
+        return None
+
+    try:
+        body = ast.parse(script.read_bytes()).body
+    except (OSError, SyntaxError, ValueError):
+        return set()
+    outside, guarded = [], []
+    for node in body:
+        kind = guard(node)
+        if kind in ("Eq", "NotEq"):
+            guarded += node.body if kind == "Eq" else node.orelse
+            outside += node.orelse if kind == "Eq" else node.body
+        else:
+            outside.append(node)
+    if any(isinstance(node, ast.ImportFrom) and any(alias.name == "*" for alias in node.names)
+           for statement in outside for node in ast.walk(statement)):
+        return set()  # `from helpers import *` may bind any name
+    return bound(guarded) - bound(outside)
 
 
 def partial_copy(folder: Path) -> Path:
@@ -116,7 +140,7 @@ def data_folder(dataset, eval_dataset=None) -> str:
 
     import datasets
 
-    from infra.models import cache_root
+    from infra.outputs import cache_root
     if isinstance(dataset, (str, os.PathLike)) and eval_dataset is None:
         return str(dataset)
     if eval_dataset is not None:
@@ -176,12 +200,19 @@ def model_name(model, processing_class=None) -> str | None:
                          "model=folder): each process of the run loads its own copy"
                          + (f" (this one was loaded from {name!r})" if name else ""))
     if processing_class is not None:
+        from config import MODEL_ALIASES
         source = processing_class if isinstance(processing_class, str) else getattr(processing_class,
                                                                                        "name_or_path", None)
-        if model is None or str(source) != str(model):
+        places = {str(model), MODEL_ALIASES.get(str(model), str(model))} if model is not None else set()
+        if str(source) not in places and not (model is not None and source is not None and Path(str(source)).exists()
+                                              and Path(str(source)).resolve() == Path(str(model)).resolve()):
             raise ValueError(f"processing_class loaded from {source!r}: the tokenizer is loaded from --model's folder "
                              f"({str(model)!r}); save yours there (tokenizer.save_pretrained(folder)) and give model="
                              "folder")
+        if not isinstance(processing_class, str):
+            print("periodic-rl: processing_class: each process loads the tokenizer from --model's place, so changes "
+                  "made to this one in Python (its chat template, pad token) are not seen; to keep them, save it with "
+                  "the model (save_pretrained(folder)) and give model=folder", flush=True)
     return None if model is None else str(model)
 
 
@@ -238,7 +269,7 @@ def args_file(values: dict) -> str:
     (outputs.write_atomically), named by its contents, so that a rerun of the run's command finds it."""
     import hashlib
 
-    from infra.models import cache_root
+    from infra.outputs import cache_root
     text = json.dumps(values, sort_keys=True, default=str)
     path = cache_root() / "configs" / f"{hashlib.sha1(text.encode()).hexdigest()[:16]}.json"
     if not path.exists():
@@ -268,8 +299,9 @@ def train_argv(model: str | None = None, reward_funcs=None, train_dataset=None, 
     argv = [] if args is None else ["--config", args_file(values)]
     if rewards is not None and values.get("reward_weights") is not None:  # the args' weights go with these rewards
         options.setdefault("reward_weights", values["reward_weights"])  # (a typed --reward re-derives a file's)
-    if values.get("resume_from_checkpoint") not in (None, False):  # TRL's scripts pass it to trainer.train(): a
-        options.setdefault("resume_from_checkpoint", values["resume_from_checkpoint"])  # file alone never resumes
+    if values.get("resume_from_checkpoint") not in (None, False) and "resume" not in options:  # TRL's scripts pass
+        options.setdefault("resume_from_checkpoint", values["resume_from_checkpoint"])  # it to trainer.train(): a file
+        # alone never resumes; a resume= keyword wins
     for key, value in {"model": model, "reward": rewards, "data": data, **options}.items():
         flag = "--" + key.replace("_", "-")
         if value == [] and key == "report_to":  # TRL's report_to [] (or "none"): no tracker

@@ -71,7 +71,8 @@ TRL_UNUSED = {
     "run_name": "a tracker's run is named by config.json's run_id; the run's folder is --out",
     "logging_dir": "--report-to tensorboard writes to <out>/runs",
     "remove_unused_columns": "every dataset column is kept and passed to a TRL-style reward by keyword",
-    "overwrite_output_dir": "a --config file never replaces a run: --overwrite on the command line does",
+    "overwrite_output_dir": "a run in --out is refused, not written over; --overwrite, typed, replaces it (deleting "
+                            "its checkpoints and policy, which transformers' flag never did)",
     "use_cpu": "the device is --device (auto: a GPU or NPU where there is one); use_cpu true is --device cpu",
     **dict.fromkeys(("dataloader_pin_memory", "dataloader_num_workers", "dataloader_drop_last",
                      "dataloader_persistent_workers", "dataloader_prefetch_factor"),
@@ -108,11 +109,12 @@ TRL_UNUSED = {
                                        "way)",
     "per_device_eval_batch_size": "a held-out evaluation samples --eval-size prompts x --eval-samples in the "
                                   "sampler's own calls: no batch size of its own",
-    "ignore_bias_buffers": "TRL reads it only under DistributedDataParallel, which this trainer does not use",
+    **dict.fromkeys(("ignore_bias_buffers", "ddp_find_unused_parameters", "ddp_broadcast_buffers",
+                     "ddp_bucket_cap_mb"), "read only under DistributedDataParallel, which this trainer does not use"),
 }
-# TRL's switches that, true, are one of our options (typed on the command line; in a file, use_cpu only: a file never
-# replaces a run)
-TRL_SWITCHES = {"use_cpu": "--device=cpu", "overwrite_output_dir": "--overwrite"}
+# TRL's switches that, true, are one of our options, typed or in a file (not overwrite_output_dir: --overwrite deletes
+# the run in --out, which transformers' flag never did)
+TRL_SWITCHES = {"use_cpu": "--device=cpu"}
 # TRL names that mean something else here but at null mean "derive it", as ours do: ignored at null with a line
 DERIVED_AT_NULL = {"generation_batch_size": "--batch-size", "steps_per_generation": "--updates-per-iteration",
                    "num_generations_eval": "--eval-samples"}  # TRL's key -> ours, which it is derived from here
@@ -237,8 +239,7 @@ def epilog() -> str:
                      for line in lines)
 
 
-EMPTY = (None, "", [], {}, False)  # a TrainingArguments field left unset, as to_dict() writes it
-SAID_AT_DEFAULT = ("logging_steps", "bf16")  # read even at their defaults (eval_steps' fallback, bf16 false's dtype)
+RESOLVED_AT_INIT = ("disable_tqdm", "accelerator_config", "bf16")  # None in the class, set by __post_init__ if unset
 
 
 def unset_keys_dropped(values: dict, defaults: dict, known: set[str]) -> dict:
@@ -258,11 +259,18 @@ def unset_keys_dropped(values: dict, defaults: dict, known: set[str]) -> dict:
         return (key in TRL_UNUSED or key in TRL_FIXED and is_fixed_value(key, value)
                 or key in DERIVED_AT_NULL and value is None or key in trainer_only)
 
-    def unset(key: str, value) -> bool:  # to_dict() writes None as [] or False for some, and hides tokens
-        return key in defaults and (value == defaults[key] or value in EMPTY and defaults[key] in EMPTY
+    def unset(key: str, value) -> bool:  # to_dict() writes some None as [], resolves some, and hides tokens
+        default = defaults.get(key, ...)
+        return key in defaults and (value == default and isinstance(value, bool) == isinstance(default, bool)
+                                    and (value is None) == (default is None)  # (0 == False == 0.0; None is none)
+                                    or default in (None, "") and value in ([], {})
+                                    or default is None and key in RESOLVED_AT_INIT
                                     or key.endswith("_token") and value == f"<{key.upper()}>")
+    kept = (("bf16",) if values.get("bf16") is False else ()) + (  # bf16 false is float32; eval_steps unset: every
+        ("logging_steps",) if values.get("eval_strategy") == "steps" and values.get("eval_steps") is None else ())
+    # logging_steps
     return {key: value for key, value in values.items()
-            if key in SAID_AT_DEFAULT or not (unset(key, value) and only_ignored(key, value))}
+            if key in kept or not (unset(key, value) and only_ignored(key, value))}
 
 
 MODEL_INIT_OPTIONS = {"torch_dtype": "dtype", "dtype": "dtype", "attn_implementation": "attn_implementation"}

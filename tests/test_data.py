@@ -527,3 +527,15 @@ def test_text_prompts_are_taken_as_trl_takes_them(qwen_shaped_dir, tmp_path):
         assert re.fullmatch(r"<\|im_start\|>system\n.*<\|im_end\|>\n<\|im_start\|>user\nWhat is \d+\+1\?<\|im_end\|>\n"
                             r"<\|im_start\|>assistant\n", prompt, re.S), (column, prompt)
         assert "text prompts in the model's chat template" in first, first
+
+
+def test_a_new_data_rederives_what_auto_held_out(tmp_path):
+    """Claim (a review's finding): config.json records the held-out count auto took (13 of 65 rows); rerun with
+    another --data (or --split, --eval-split), the count is auto again, not the small data's 13."""
+    from infra.command_line import parse_args
+    record = tmp_path / "config.json"
+    small = write_jsonl(tmp_path / "a.jsonl", gsm8k_rows(65))
+    record.write_text(json.dumps({"model": "tiny", "data": str(small), "eval_size": 13, "run_id": "r"}))
+    big = write_jsonl(tmp_path / "big.jsonl", gsm8k_rows(400))
+    assert parse_args(["--config", str(record)]).eval_size == 13
+    assert parse_args(["--config", str(record), "--data", str(big)]).eval_size is None

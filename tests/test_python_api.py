@@ -257,6 +257,9 @@ def test_a_callable_object_and_the_args_weights_and_resume(tmp_path, monkeypatch
                                       "output_dir": str(tmp_path / "run")})
     cfg = parse_args(argv)
     assert (cfg.reward, cfg.reward_weights, cfg.resume) == (["math", "math-verify"], [1.0, 0.5], "auto")
+    again = python_args.train_argv("tiny", args={"resume_from_checkpoint": str(tmp_path / "c"),
+                                                 "output_dir": str(tmp_path / "run")}, resume="auto")
+    assert parse_args(again).resume == "auto"  # the keyword wins (both names typed were one line: refused)
 
 
 STDIN_SCRIPT = '''
@@ -302,7 +305,7 @@ def test_train_from_stdin_runs_and_ctrl_c_is_a_keyboard_interrupt(tmp_path):
     assert "iter    0" in out  # trained from stdin (its inference process died before the first row)
 
 
-def test_trls_other_keywords_are_options_or_one_line(tmp_path, monkeypatch):
+def test_trls_other_keywords_are_options_or_one_line(tmp_path, monkeypatch, capsys):
     """Claim (a TRL user's findings): TRL's peft_config (peft's LoraConfig) is --use-peft with its r, alpha, dropout
     and modules (the Config equals the typed one), a field no option expresses is one ValueError; a model object
     and a processing_class from elsewhere are one ValueError naming what to give (each process loads its own copy:
@@ -326,6 +329,8 @@ def test_trls_other_keywords_are_options_or_one_line(tmp_path, monkeypatch):
         trainer.train("tiny", "math", processing_class=types.SimpleNamespace(name_or_path="elsewhere"))
     assert python_args.train_argv("tiny", processing_class=types.SimpleNamespace(name_or_path="tiny")) == \
         ["--model=tiny"]
+    assert python_args.model_name("qwen2.5-0.5b", types.SimpleNamespace(name_or_path="Qwen/Qwen2.5-0.5B-Instruct"))
+    assert "changes made to this one in Python (its chat template, pad token) are not seen" in capsys.readouterr().out
     monkeypatch.setenv("PERIODIC_RL_CACHE", str(tmp_path / "cache"))
     empty, one = (datasets.Dataset.from_dict({"prompt": rows, "answer": rows}) for rows in ([], ["1"]))
     with pytest.raises(ValueError, match="^train: train_dataset has no rows"):
@@ -344,6 +349,11 @@ def test_trls_other_keywords_are_options_or_one_line(tmp_path, monkeypatch):
     assert python_args.reward_spec(running.top) == f"{script}:top"
     with pytest.raises(ValueError, match=r"reward 'inner' is defined under `if __name__ == \"__main__\":`"):
         python_args.reward_spec(running.inner)
+    for text, main_only in (("from helpers import *\nif __name__ == '__main__':\n    acc = 1\n", set()),  # any name
+                            ("if __name__ != '__main__':\n    def a(): pass\nelse:\n    def b(): pass\n", {"b"}),
+                            ("(acc := 1)\nif __name__ == '__main__':\n    acc = 2\n    def b(): pass\n", {"b"})):
+        script.write_text(text)
+        assert python_args.main_only_names(script) == main_only, text
 
 
 def test_a_grpo_configs_unset_keys_say_nothing(tmp_path, monkeypatch, capsys):
@@ -363,6 +373,7 @@ def test_a_grpo_configs_unset_keys_say_nothing(tmp_path, monkeypatch, capsys):
         hub_token: str | None = None
         use_vllm: bool = False
         disable_tqdm: bool | None = None
+        tf32: bool | None = None
         bf16: bool | None = None
 
         def to_dict(self) -> dict:  # as TrainingArguments.to_dict: tokens hidden, bf16 and disable_tqdm resolved
@@ -371,6 +382,8 @@ def test_a_grpo_configs_unset_keys_say_nothing(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PERIODIC_RL_CACHE", str(tmp_path))
     assert python_args.args_values(GRPOConfig(push_to_hub=True)) == {"learning_rate": 1e-6, "beta": 0.0,
                                                                      "push_to_hub": True, "bf16": False}
+    assert python_args.args_values(GRPOConfig(tf32=False))["tf32"] is False  # set: False is not None (the test
+    # `in (None, False)` once made it unset and dropped it silently, where a --config file refuses it)
     cfg = parse_args(python_args.train_argv("tiny", "math", args=GRPOConfig(push_to_hub=True)))
     assert (cfg.beta, cfg.lr, cfg.dtype) == (0.0, 1e-6, "float32")
     out = capsys.readouterr().out

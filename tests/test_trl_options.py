@@ -968,8 +968,9 @@ def test_overwrite_output_dir_is_explained_among_many_ignored_keys():
     from infra.trl_names import SAY_WHY_UP_TO, TRL_UNUSED, unused_line
     many = dict.fromkeys([key for key in TRL_UNUSED if key != "overwrite_output_dir"][:SAY_WHY_UP_TO + 1], 1)
     line = unused_line({**many, "overwrite_output_dir": True})
-    assert line.endswith("; TRL's overwrite_output_dir: a --config file never replaces a run: --overwrite on the "
-                         "command line does") and f"ignored {SAY_WHY_UP_TO + 1} of TRL's keys" in line
+    assert line.endswith("; TRL's overwrite_output_dir: a run in --out is refused, not written over; --overwrite, "
+                         "typed, replaces it (deleting its checkpoints and policy, which transformers' flag never "
+                         "did)") and f"ignored {SAY_WHY_UP_TO + 1} of TRL's keys" in line
     assert "overwrite_output_dir" not in unused_line({**many, "overwrite_output_dir": False}).split("(why")[1]
 
 
@@ -1133,15 +1134,16 @@ def test_a_files_bf16_false_gives_way_to_a_typed_bf16_and_a_broken_checkpoint_is
     assert cfg.iterations == 8
 
 
-def test_trls_use_cpu_and_overwrite_output_dir_are_our_options(tmp_path, capsys):
+def test_trls_use_cpu_is_our_device_and_overwrite_output_dir_says_what_overwrites(tmp_path, capsys):
     """Claim (a TRL user's findings): TRL's use_cpu true is --device cpu, typed or in a file (a dumped
-    GRPOConfig(use_cpu=True) was refused), unless --device is given; --overwrite-output-dir typed is --overwrite (it
-    was ignored, and the folder refused), while a file's still never replaces a run; the DataLoader's settings are
-    ignored with a line (no DataLoader here)."""
+    GRPOConfig(use_cpu=True) was refused), unless --device is given; --overwrite-output-dir, typed or in a file, is
+    ignored with a line saying what --overwrite does instead (it deletes the run in --out, which transformers' flag
+    never did: a recipe's habit must not delete a run); the DataLoader's settings are ignored with a line."""
     assert parse_args(["--use-cpu"]).device == "cpu" and parse_args(["--use_cpu", "true"]).device == "cpu"
     assert "took TRL's --use-cpu as --device cpu" in capsys.readouterr().out
     assert parse_args(["--use-cpu", "false"]).device == "auto"
-    assert parse_args(["--overwrite_output_dir"]).overwrite and not parse_args(["--overwrite-output-dir=false"]).overwrite
+    assert not parse_args(["--overwrite_output_dir"]).overwrite
+    assert "--overwrite, typed, replaces it (deleting its checkpoints and policy" in capsys.readouterr().out
     config = tmp_path / "grpo.yaml"
     config.write_text("use_cpu: true\ndataloader_pin_memory: false\noverwrite_output_dir: true\n")
     cfg = parse_args(["--config", str(config)])
