@@ -54,6 +54,15 @@ def _dtype_name(name: str) -> str:
     return name
 
 
+def _attention_name(name: str) -> str:
+    """--attn-implementation's argparse type: flash attention (TRL recipes name it) is refused with the reason."""
+    if name.startswith("flash"):
+        raise argparse.ArgumentTypeError(f"{name} cannot take the masks this trainer needs (a packed group's responses "
+                                         "see the prompt and themselves only; the engine's decode mask): use sdpa, "
+                                         "which runs fused kernels where the mask allows, or eager")
+    return name
+
+
 def _scale_rewards_name(name: str) -> str:
     """--scale-rewards' argparse type: TRL's booleans as its names (True -> group, False -> none)."""
     return {"true": "group", "false": "none"}.get(name.lower(), name)
@@ -225,7 +234,8 @@ class Config:
                               "bytes to publish). auto: bfloat16 on GPUs/NPUs that support it, float32 on CPU. "
                               "(float16 is not offered: it would need loss scaling)",
                       choices=DTYPES, type=_dtype_name)
-    attn_implementation: str = _opt("sdpa", "attention kernel of the Hugging Face model", choices=("sdpa", "eager"))
+    attn_implementation: str = _opt("sdpa", "attention kernel of the Hugging Face model (flash attention cannot take "
+                                            "the shared-prompt mask)", choices=("sdpa", "eager"), type=_attention_name)
     gradient_checkpointing: bool = _opt(False, "recompute each layer's activations in backward (real models: trades "
                                                "~30%% more training compute for far less activation memory)")
     use_peft: bool = _opt(False, "train a LoRA adapter (peft, pip install peft) instead of every weight (TRL's "

@@ -47,6 +47,7 @@ def test_help_lists_every_field_with_its_default():
     (["--seed", "-1"], "--seed must be from 0 to 2**64 - 1"),
     (["--device", "cpu:abc"], "--device must be auto, cpu"),
     (["--dtype", "float16"], "float16 is not supported: training in float16 needs loss scaling"),
+    (["--attn_implementation", "flash_attention_2"], "flash_attention_2 cannot take the masks this trainer needs"),
     (["--reward-timeout", "-1"], "--reward-timeout must be >= 0"),
     (["--reward", "math", "--reward", "math-verify", "--reward-weights", "1"],
      "--reward-weights has 1 number(s) but --reward names 2 function(s) (math math-verify): give one weight per reward"),
