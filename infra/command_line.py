@@ -40,8 +40,8 @@ from pathlib import Path
 from config import SIZE_FIELDS, Config
 from infra.options import BOOL_WORDS, build_parser, closest_name, derive, unknown_option, validate
 from infra.trl_names import (STEP_STRATEGIES, TRL_ALIASES, TRL_BATCH_KEYS, TRL_DIFFERENT, TRL_FIXED, TRL_STEP_KEYS,
-                             TRL_STEPS, TRL_SWITCHES, TRL_UNUSED, is_fixed_value, number_of_steps, trl_batch_options,
-                             trl_keys, trl_steps)
+                             TRL_STEPS, TRL_SWITCHES, TRL_UNUSED, is_fixed_value, number_of_steps, switch_line,
+                             switch_taken, trl_batch_options, trl_keys, trl_steps)
 
 NOT_OPTIONS = ("run_id", "versions", "command")  # config.json's keys that are not options (run_id marks a record)
 COMMAND_LINE_ONLY = ("resume", "overwrite", "config")  # read from the command line only (module docstring)
@@ -354,9 +354,10 @@ def trl_step_flags(file_steps: dict, typed_steps: dict, file_flags: list[str], t
 def typed_trl_flags(argv: list[str], note) -> tuple[dict, dict, list[str]]:
     """(TRL's flags typed for what has no use here or at what this trainer does, TRL_UNUSED and TRL_FIXED: {key:
     value}; TRL's step counts, TRL_STEP_KEYS, as numbers, with logging_steps for eval_steps; the rest of argv).
-    A typed --max-steps drops a typed --num-train-epochs and --bf16 false adds --dtype float32 (unless --dtype is
-    typed), as TRL reads them; those and the flags ignored are said in `note` lines. ValueError for a bad count, a
-    TRL_FIXED key at another value (`unknown_option`'s line) or a --bf16 that is not a boolean."""
+    A typed --max-steps drops a typed --num-train-epochs, and TRL's switches become our options (TRL_SWITCHES: --bf16
+    false is --dtype float32, --use-cpu --device cpu, unless that option is typed), as TRL reads them; those and the
+    flags ignored are said in `note` lines. ValueError for a bad count, a TRL_FIXED key at another value
+    (`unknown_option`'s line) or a --bf16 that is not a boolean."""
     unused, argv = typed_trl(argv, TRL_UNUSED)  # typed as for TRL (--bf16, --logging-steps 10): ignored, as a file's
     typed_steps, argv = typed_trl(argv, TRL_STEP_KEYS)  # --max-steps, --save-steps ...: read as iterations later
     # the counts as numbers: --max-steps=-1 is TRL's "unset", as -1 in a file
@@ -378,18 +379,13 @@ def typed_trl_flags(argv: list[str], note) -> tuple[dict, dict, list[str]]:
                  "TRL")
     if isinstance(unused.get("bf16"), str) and unused["bf16"].lower() not in BOOL_WORDS:
         raise ValueError(f"--bf16 takes true or false, or no value (got {unused['bf16']!r})")
-    if isinstance(unused.get("bf16"), str) and BOOL_WORDS[unused["bf16"].lower()] is False \
-            and not any(token.split("=")[0] in ("--dtype", "--torch-dtype") for token in argv):
-        argv = ["--dtype=float32", *argv]  # TRL computes in float32 then
-        note("took TRL's --bf16 false as --dtype float32 (TRL computes in float32 then)")
-        del unused["bf16"]
-    for key, flag in TRL_SWITCHES.items():  # --use-cpu, --overwrite-output-dir: true, one of our options
-        value = unused.get(key)
-        value = BOOL_WORDS.get(value.lower(), value) if isinstance(value, str) else value
-        if value is True and not any(token.split("=")[0] == flag.split("=")[0] for token in argv):
-            argv = [flag, *argv]
-            note(f"took TRL's --{key.replace('_', '-')} as {flag.replace('=', ' ')}")
-        if value is True:
+    typed = {token.split("=")[0][2:].replace("-", "_") for token in argv if token.startswith("--")}
+    for key, (when, option, value, _) in TRL_SWITCHES.items():  # --bf16 false, --use-cpu: our options
+        switch = unused.get(key)
+        if (BOOL_WORDS.get(switch.lower(), switch) if isinstance(switch, str) else switch) is when \
+                and switch_taken(key, typed):
+            argv = [f"--{option.replace('_', '-')}={value}", *argv]
+            note(switch_line(key, typed=True))
             del unused[key]
     if unused:
         reasons: dict[str, list[str]] = {}
@@ -433,7 +429,7 @@ def with_config_file(argv: list[str] | None = None, prog: str = "trainer.py", sa
     argv = normalized(argv)
     given = set(values_of(build_parser(prog, defaults=False).parse_args(argv)))  # a list option typed on the command
     # line replaces the file's
-    skip = set(given) | ({"bf16"} if "bf16" in unused else set())  # the file's value of an option typed anew is
+    skip = set(given) | (set(TRL_SWITCHES) & set(unused))  # the file's value of an option typed anew is
     # replaced (TRL's --bf16 too: the file's bf16 false does not make it float32)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun each rank places its own devices (distributed.py)
         skip |= {"train_device", "rollout_device"}

@@ -148,19 +148,18 @@ def data_folder(dataset, eval_dataset=None) -> str:
             raise ValueError("eval_dataset goes with a train_dataset that is a datasets.Dataset: give both as "
                              "Datasets, or one DatasetDict with a 'test' split")
         dataset = datasets.DatasetDict({"train": dataset, "test": eval_dataset})
-    parts = {"train_dataset": dataset} if isinstance(dataset, datasets.Dataset) else {
-        "eval_dataset" if split == "test" and eval_dataset is not None else f"train_dataset's {split!r} split": part
-        for split, part in dataset.items()} if isinstance(dataset, datasets.DatasetDict) else {}
-    empty = [name for name, part in parts.items() if len(part) == 0]
-    if empty:  # (save_to_disk writes one, and load_from_disk fails on it with an IndexError)
-        raise ValueError(f"{empty[0]} has no rows: give data with at least one")
     if isinstance(dataset, datasets.Dataset):
-        prints = [dataset._fingerprint]
+        parts, prints = {"train_dataset": dataset}, [dataset._fingerprint]
     elif isinstance(dataset, datasets.DatasetDict):
+        parts = {"eval_dataset" if split == "test" and eval_dataset is not None else f"train_dataset's {split!r} split":
+                 part for split, part in dataset.items()}
         prints = [f"{split}={part._fingerprint}" for split, part in sorted(dataset.items())]
     else:
         raise ValueError(f"train_dataset is a {type(dataset).__name__}: give a datasets.Dataset or DatasetDict, or "
                          "a --data value (a hub id, a folder, a file)")
+    empty = [name for name, part in parts.items() if len(part) == 0]
+    if empty:  # (save_to_disk writes one, and load_from_disk fails on it with an IndexError)
+        raise ValueError(f"{empty[0]} has no rows: give data with at least one")
     folder = cache_root() / "datasets" / hashlib.sha1(" ".join(prints).encode()).hexdigest()[:16]
     if not folder.exists():  # written beside, then renamed: a folder there is whole (not outputs.save_atomically,
         # which moves a folder there aside: another torchrun rank may be reading it)
@@ -201,11 +200,12 @@ def model_name(model, processing_class=None) -> str | None:
                          + (f" (this one was loaded from {name!r})" if name else ""))
     if processing_class is not None:
         from config import MODEL_ALIASES
+
+        def place(name) -> str:  # a folder by its path, an alias by its hub id
+            return str(Path(name).resolve()) if Path(name).exists() else MODEL_ALIASES.get(name, name)
         source = processing_class if isinstance(processing_class, str) else getattr(processing_class,
                                                                                        "name_or_path", None)
-        places = {str(model), MODEL_ALIASES.get(str(model), str(model))} if model is not None else set()
-        if str(source) not in places and not (model is not None and source is not None and Path(str(source)).exists()
-                                              and Path(str(source)).resolve() == Path(str(model)).resolve()):
+        if model is None or source is None or place(str(source)) != place(str(model)):
             raise ValueError(f"processing_class loaded from {source!r}: the tokenizer is loaded from --model's folder "
                              f"({str(model)!r}); save yours there (tokenizer.save_pretrained(folder)) and give model="
                              "folder")

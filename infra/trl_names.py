@@ -112,9 +112,26 @@ TRL_UNUSED = {
     **dict.fromkeys(("ignore_bias_buffers", "ddp_find_unused_parameters", "ddp_broadcast_buffers",
                      "ddp_bucket_cap_mb"), "read only under DistributedDataParallel, which this trainer does not use"),
 }
-# TRL's switches that, true, are one of our options, typed or in a file (not overwrite_output_dir: --overwrite deletes
-# the run in --out, which transformers' flag never did)
-TRL_SWITCHES = {"use_cpu": "--device=cpu"}
+# TRL's switches that at one value are one of our options, typed or in a file, unless that option (or TRL's name for
+# it) is given: (the value, our option, its value, why). Not overwrite_output_dir: --overwrite deletes the run in --out,
+# which transformers' flag never did.
+TRL_SWITCHES = {"bf16": (False, "dtype", "float32", " (TRL computes in float32 then)"),
+                "use_cpu": (True, "device", "cpu", "")}
+
+
+def switch_taken(key: str, given: set[str]) -> bool:
+    """Whether TRL's switch `key` may set its option (TRL_SWITCHES): neither that option, under our name or TRL's,
+    nor the switch itself is in `given`."""
+    option = TRL_SWITCHES[key][1]
+    return not ({option, key} | {trl for trl, ours in TRL_ALIASES.items() if ours == option}) & given
+
+
+def switch_line(key: str, typed: bool) -> str:
+    """The line a TRL switch taken as our option gets: "took TRL's bf16 false as --dtype float32 (...)", typed
+    "--bf16 false" ("--use-cpu" for a switch taken when true)."""
+    when, option, value, why = TRL_SWITCHES[key]
+    name = f"--{key.replace('_', '-')}" + ("" if when else " false") if typed else f"{key} {str(when).lower()}"
+    return f"took TRL's {name} as --{option} {value}{why}"
 # TRL names that mean something else here but at null mean "derive it", as ours do: ignored at null with a line
 DERIVED_AT_NULL = {"generation_batch_size": "--batch-size", "steps_per_generation": "--updates-per-iteration",
                    "num_generations_eval": "--eval-samples"}  # TRL's key -> ours, which it is derived from here
@@ -266,9 +283,9 @@ def unset_keys_dropped(values: dict, defaults: dict, known: set[str]) -> dict:
                                     or default in (None, "") and value in ([], {})
                                     or default is None and key in RESOLVED_AT_INIT
                                     or key.endswith("_token") and value == f"<{key.upper()}>")
-    kept = (("bf16",) if values.get("bf16") is False else ()) + (  # bf16 false is float32; eval_steps unset: every
-        ("logging_steps",) if values.get("eval_strategy") == "steps" and values.get("eval_steps") is None else ())
-    # logging_steps
+    kept = {key for key, (when, *_) in TRL_SWITCHES.items() if values.get(key) is when}  # taken as our options
+    if values.get("eval_strategy") == "steps" and values.get("eval_steps") is None:  # eval_steps unset: every
+        kept.add("logging_steps")                                                     # logging_steps
     return {key: value for key, value in values.items()
             if key in kept or not (unset(key, value) and only_ignored(key, value))}
 
@@ -436,13 +453,10 @@ def trl_keys(values: dict, skip: set[str], note, known: set[str], group_size: in
     fixed = [key for key, value in values.items() if key in TRL_FIXED and not is_fixed_value(key, value)]
     pending += [fixed_refusal(key, values[key]) for key in fixed]
     values = {key: value for key, value in values.items() if key not in fixed}
-    if values.get("use_cpu") is True and not {"device"} & (set(values) | set(skip)):  # TRL_SWITCHES
-        values = {"device": "cpu", **{key: value for key, value in values.items() if key != "use_cpu"}}
-        note("took TRL's use_cpu true as --device cpu")
-    if values.get("bf16") is False and not {"dtype", "torch_dtype"} & set(values) \
-            and not {"dtype", "torch_dtype", "bf16"} & set(skip):  # TRL: float32 then (a typed --bf16 wins)
-        values = {"dtype": "float32", **{key: value for key, value in values.items() if key != "bf16"}}
-        note("took TRL's bf16 false as --dtype float32 (TRL computes in float32 then)")
+    for key, (when, option, value, _) in TRL_SWITCHES.items():  # use_cpu true, bf16 false: our options
+        if values.get(key) is when and switch_taken(key, set(values) - {key} | set(skip)):
+            values = {option: value, **{name: v for name, v in values.items() if name != key}}
+            note(switch_line(key, typed=False))
     unused = {key: value for key, value in values.items()
               if key in TRL_UNUSED or key in TRL_FIXED or key in DERIVED_AT_NULL and value is None}
     if unused:
