@@ -19,7 +19,7 @@ already holds, so they are read from the command line only (a rerun of a config.
 --overwrite must not delete a run by itself). So are a run record's `out` and `trace` (`RUN_OUTPUTS`; a config.json,
 which has a run_id): a rerun writes a folder and a trace of its own unless --out and --trace are given.
 
-TRL's command line and files (infra/trl_names.py). TRL's batch keys (per_device_train_batch_size,
+TRL's command line and files (infra/trl_names.py, infra/trl_config.py). TRL's batch keys (per_device_train_batch_size,
 gradient_accumulation_steps, ...), typed or in a file, become the --batch-size and --updates-per-iteration TRL's
 generation batch makes (`with_config_file`), and TRL's step counts (max_steps, save_steps, eval_steps: optimizer
 steps) the --iterations, --save-every and --eval-every they make (`trl_step_flags`). A key for what this trainer has
@@ -39,9 +39,10 @@ from pathlib import Path
 
 from config import SIZE_FIELDS, Config
 from infra.options import BOOL_WORDS, build_parser, closest_name, derive, unknown_option, validate
+from infra.trl_config import (is_fixed_value, number_of_steps, switch_line, switch_taken, trl_batch_options, trl_keys,
+                              trl_steps)
 from infra.trl_names import (STEP_STRATEGIES, TRL_ALIASES, TRL_BATCH_KEYS, TRL_DIFFERENT, TRL_FIXED, TRL_STEP_KEYS,
-                             TRL_STEPS, TRL_SWITCHES, TRL_UNUSED, is_fixed_value, number_of_steps, switch_line,
-                             switch_taken, trl_batch_options, trl_keys, trl_steps)
+                             TRL_STEPS, TRL_SWITCHES, TRL_UNUSED)
 
 NOT_OPTIONS = ("run_id", "versions", "command")  # config.json's keys that are not options (run_id marks a record)
 COMMAND_LINE_ONLY = ("resume", "overwrite", "config")  # read from the command line only (module docstring)

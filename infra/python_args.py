@@ -249,14 +249,14 @@ def peft_options(peft_config) -> dict:
 
 def args_values(args) -> dict:
     """The options in `args`: TRL's GRPOConfig (what its to_dict() writes, less the keys of no use here that are at
-    the class's defaults: trl_names.unset_keys_dropped) or a mapping of options."""
+    the class's defaults: trl_config.unset_keys_dropped) or a mapping of options."""
     import dataclasses
     values = args.to_dict() if hasattr(args, "to_dict") else args
     if not isinstance(values, dict):
         raise ValueError(f"args is a {type(args).__name__}: give TRL's GRPOConfig or a mapping of options")
     if dataclasses.is_dataclass(args):
         from infra.command_line import known_keys
-        from infra.trl_names import unset_keys_dropped
+        from infra.trl_config import unset_keys_dropped
         defaults = {field.name: field.default if field.default is not dataclasses.MISSING else field.default_factory()
                     for field in dataclasses.fields(args)
                     if field.default is not dataclasses.MISSING or field.default_factory is not dataclasses.MISSING}

@@ -965,7 +965,8 @@ def test_overwrite_output_dir_is_explained_among_many_ignored_keys():
     """Claim: among more keys than get their reasons (a whole GRPOConfig file), overwrite_output_dir true still gets
     its own: a file never replaces a run, so the run may stop at a full --out, and the line says why (it was named
     among keys "at a value that changes nothing here")."""
-    from infra.trl_names import SAY_WHY_UP_TO, TRL_UNUSED, unused_line
+    from infra.trl_config import SAY_WHY_UP_TO, unused_line
+    from infra.trl_names import TRL_UNUSED
     many = dict.fromkeys([key for key in TRL_UNUSED if key != "overwrite_output_dir"][:SAY_WHY_UP_TO + 1], 1)
     line = unused_line({**many, "overwrite_output_dir": True})
     assert line.endswith("; TRL's overwrite_output_dir: a run in --out is refused, not written over; --overwrite, "
