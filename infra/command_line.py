@@ -39,6 +39,7 @@ from pathlib import Path
 
 from config import SIZE_FIELDS, Config
 from infra.options import BOOL_WORDS, build_parser, closest_name, derive, unknown_option, validate
+from infra.outputs import trained_policy
 from infra.trl_config import (is_fixed_value, number_of_steps, switch_line, switch_taken, trl_batch_options, trl_keys,
                               trl_steps)
 from infra.trl_names import (STEP_STRATEGIES, TRL_ALIASES, TRL_BATCH_KEYS, TRL_DIFFERENT, TRL_FIXED, TRL_STEP_KEYS,
@@ -107,9 +108,17 @@ def parse_args(argv: list[str] | None = None, prog: str = "trainer.py") -> Confi
     if cfg.num_train_epochs is not None and "iterations" in given_options(argv):
         problems.insert(0, f"--num-train-epochs {cfg.num_train_epochs:g} and --iterations {cfg.iterations} both set "
                            "the run's length: give one")
+    try:
+        policy = trained_policy(cfg.model)  # a run's or a checkpoint's folder: the model in it
+    except ValueError as error:
+        problems.insert(0, str(error))
     if problems:
         sys.stderr.write(f"{prog}: error: {problems[0]}\n")
         raise SystemExit(2)
+    if policy is not None:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"periodic-rl: --model {cfg.model}: a run's folder: took its trained policy, {policy}", flush=True)
+        cfg = dataclasses.replace(cfg, model=str(policy))
     return derive(cfg)
 
 

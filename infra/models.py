@@ -121,8 +121,12 @@ def _one_line(error: BaseException) -> str:
 def _from_pretrained(source: str, device: str, dtype: torch.dtype, attn_implementation: str,
                      local_files_only: bool) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn_implementation,
-                                                     local_files_only=local_files_only)  # first: clearest error
+        if is_adapter_directory(source):  # a --use-peft run's policy/: its base with the adapter merged in
+            model = merged_adapter(source, dtype=dtype, attn_implementation=attn_implementation,
+                                   local_files_only=local_files_only)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn_implementation,
+                                                         local_files_only=local_files_only)  # first: clearest error
     except SafetensorError as error:
         raise ModelError(f"the weights of model {source} cannot be read ({_one_line(error)}): the file is "
                          "truncated or corrupt; download or save the model again") from None
@@ -164,6 +168,10 @@ def load_model(name: str = TINY, device: str = "cpu", dtype: torch.dtype = torch
     hub models use the usual HF cache (HF_HOME). Raises ModelNotFoundError with what was tried.
     `lora`: `with_lora`'s settings (Config.lora, --use-peft): the model comes wrapped in a peft PeftModel.
     """
+    if lora and is_adapter_directory(resolve_model(name)):
+        raise ModelError(f"--use-peft with model {name}, a LoRA adapter (a --use-peft run's policy/): a new adapter "
+                         "on it would be saved against its base alone, without this one; leave out --use-peft to "
+                         "train every weight of it merged into its base")
     model, tokenizer = _load(name, device, dtype, attn_implementation, cache_dir)
     return (with_lora(model, **lora) if lora else model), tokenizer
 
@@ -207,6 +215,28 @@ def import_peft():
         raise PeftMissingError("--use-peft trains a LoRA adapter with peft, which is not installed: pip install peft"
                                ) from None
     return peft
+
+
+def is_adapter_directory(source: str) -> bool:
+    """A LoRA adapter's folder (peft's adapter_config.json, no config.json of a model): a --use-peft run's policy/."""
+    folder = Path(source)
+    return (folder / "adapter_config.json").is_file() and not (folder / "config.json").is_file()
+
+
+def merged_adapter(source: str, **load_kwargs) -> PreTrainedModel:
+    """The model a LoRA adapter's folder makes: its base (adapter_config.json's base_model_name_or_path, loaded with
+    `load_kwargs`) with the adapter merged in, W = W_0 + (alpha / r)·B A, as a plain model. A run started from a
+    --use-peft run's policy then starts from what that run learned (with --use-peft, a new adapter on top of it);
+    transformers alone would load the adapter unmerged and frozen (nothing to train)."""
+    try:
+        import peft
+    except ImportError:
+        raise PeftMissingError(f"model {source} is a LoRA adapter (adapter_config.json): loading it on its base "
+                               "needs peft, which is not installed: pip install peft") from None
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)  # (with_lora's)
+        merged = peft.AutoPeftModelForCausalLM.from_pretrained(source, **load_kwargs).merge_and_unload()
+    return merged.requires_grad_(True)  # peft loaded it for inference: every weight frozen
 
 
 def with_lora(model: PreTrainedModel, r: int, alpha: float, dropout: float, target_modules: list[str] | None,

@@ -214,6 +214,25 @@ def is_run(path: Path) -> bool:
     return path.name != "config.json" and (path.is_dir() or path.stat().st_size > 0)
 
 
+def trained_policy(model: str) -> Path | None:
+    """The Hugging Face directory inside `model` when it is a folder this trainer wrote: a run's --out (its
+    config.json a run record) -> <out>/policy, a checkpoint-<k>/ -> its policy/; None for any other path. A TRL user
+    passes the output_dir to from_pretrained; here the model is one folder down, beside the run's records. ValueError
+    for a run that has no trained policy yet (it stopped before its last iteration), naming what it has."""
+    folder = Path(os.path.expanduser(model))
+    if CHECKPOINT.match(folder.resolve().name) and is_checkpoint(folder) and is_model_directory(folder / "policy"):
+        return folder / "policy"
+    if not is_record(folder / "config.json"):
+        return None
+    if is_model_directory(folder / "policy") and any((folder / "policy").iterdir()):
+        return folder / "policy"
+    found = checkpoints(folder)
+    newest = (f"its newest checkpoint's is {found[-1] / 'policy'}; --resume auto --out {model} finishes the run"
+              if found else "it has no checkpoint either")
+    raise ValueError(f"--model {model}: a run's folder with no trained policy (policy/ is written after the last "
+                     f"iteration): {newest}")
+
+
 def tracker_files(out: Path) -> list[Path]:
     """The trackers' files of the run whose config.json is in `out`: TensorBoard's event files directly in <out>/runs
     (its log_dir: infra/tracking.py), wandb's folders named with that run's id in <out>/wandb and its latest-run
@@ -245,9 +264,12 @@ def run_folder(model: str, runs: Path = RUNS, now: float | None = None) -> Path:
     """A new, empty folder runs/<model>-<YYYYmmdd-HHMMSS> (-2, -3, ... when that second's is taken), created here:
     mkdir fails when the name exists, so two runs that start in the same second get two folders.
 
-    Example: run_folder("Qwen/Qwen2.5-0.5B") -> runs/Qwen2.5-0.5B-20261125-101500
+    Example: run_folder("Qwen/Qwen2.5-0.5B") -> runs/Qwen2.5-0.5B-20261125-101500; a run's policy/ (--model
+    runs/latest) is named after that run's folder.
     """
-    slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", Path(model.rstrip("/")).name).strip("-.") or "run"
+    path = Path(model.rstrip("/"))
+    name = path.parent.resolve().name if path.name == "policy" else path.name  # a run's policy/: that run's name
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-.") or "run"
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
     make_directory(runs, "the runs folder")
     for n in itertools.count(1):

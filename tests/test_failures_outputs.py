@@ -527,3 +527,37 @@ def test_the_readme_commands_run_again_and_rerun_from_another_folder(tiny_model_
     rerun = next(p for p in (other / "runs").iterdir() if p.name != "latest")
     assert f"out runs/{rerun.name}" in again.stdout
     assert json.loads((rerun / "config.json").read_text())["data"] == record["data"]
+
+
+def test_a_runs_folder_as_model_is_its_trained_policy(tmp_path, capsys):
+    """Claim: --model naming a folder this trainer wrote takes the model inside it, as a TRL user passes output_dir
+    to from_pretrained: a run's --out (config.json a run record) -> its policy/, a checkpoint-<k>/ -> its policy/;
+    a run with no policy/ yet is one line naming its newest checkpoint's (or saying it has none); any other folder
+    (a Hugging Face model directory) is left as it is."""
+    from infra.outputs import trained_policy
+    run = tmp_path / "run"
+    (run / "policy").mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"run_id": "r", "versions": {}}))
+    with pytest.raises(ValueError, match="no trained policy .*it has no checkpoint either"):
+        trained_policy(str(run))
+    checkpoint = run / "checkpoint-3"
+    (checkpoint / "policy").mkdir(parents=True)
+    (checkpoint / "state.json").write_text("{}")
+    for folder in (run / "policy", checkpoint / "policy"):
+        (folder / "config.json").write_text("{}")
+        (folder / "model.safetensors").write_bytes(b"")
+    assert trained_policy(str(checkpoint)) == checkpoint / "policy"
+    (run / "policy" / "model.safetensors").unlink()
+    (run / "policy" / "config.json").unlink()
+    with pytest.raises(ValueError, match=f"newest checkpoint's is {checkpoint / 'policy'}; --resume auto"):
+        trained_policy(str(run))
+    (run / "policy" / "config.json").write_text("{}")
+    (run / "policy" / "model.safetensors").write_bytes(b"")
+    assert trained_policy(str(run)) == run / "policy"
+    assert trained_policy(str(run / "policy")) is None  # a model directory: loaded as it is
+    from infra.command_line import parse_args
+    assert parse_args(["--model", str(run), "--data", "arithmetic"]).model == str(run / "policy")
+    assert f"--model {run}: a run's folder: took its trained policy, {run / 'policy'}" in capsys.readouterr().out
+    assert trained_policy(str(tmp_path / "missing")) is None and trained_policy("Qwen/Qwen2.5-0.5B-Instruct") is None
+    from infra import outputs
+    assert outputs.run_folder(str(run / "policy"), tmp_path / "runs", now=1.8e9).name.startswith("run-2027")

@@ -208,3 +208,28 @@ def test_without_peft_the_option_is_one_line(tiny_model_dir, tmp_path):
     result = subprocess.run([sys.executable, "-c", hide], cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert result.returncode == 1 and result.stderr.strip().splitlines() == [
         "error: --use-peft trains a LoRA adapter with peft, which is not installed: pip install peft"], result.stderr
+
+
+def test_a_lora_runs_policy_loads_as_its_base_with_the_adapter_merged(tiny_model_dir, tmp_path):
+    """Claim: a --use-peft run's policy/ (peft's adapter folder) given as --model loads as the model it makes, its
+    base with the adapter merged in (W_0 + (alpha / r)·B A), every weight trainable: transformers alone loads it
+    unmerged and frozen, and the run ended in "optimizer got an empty parameter list". Its logits equal the peft
+    model's up to the merge's rounding: W_0 x + s·B(A x) against (W_0 + s·B A) x in float32, each logit a sum over
+    128-wide dot products of O(1) terms, so a few float32 ulps of their magnitude (1e-5 relative, 1e-5 absolute).
+    With --use-peft it is refused in one line: a new adapter would be saved against the base alone, without it."""
+    from infra.models import ModelError
+    policy, tokenizer = load_model(str(tiny_model_dir), lora=LORA)
+    move_adapter(policy)
+    adapter_dir = tmp_path / "policy"
+    policy.save_pretrained(adapter_dir)
+    tokenizer.save_pretrained(adapter_dir)
+    merged, _ = load_model(str(adapter_dir))
+    assert not hasattr(merged, "peft_config") and all(p.requires_grad for p in merged.parameters())
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    base, _ = load_model(str(tiny_model_dir))
+    with torch.no_grad():
+        expected = policy(input_ids=ids).logits
+        assert torch.allclose(merged(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(base(input_ids=ids).logits, expected, rtol=1e-3, atol=1e-3)  # the adapter counts
+    with pytest.raises(ModelError, match="--use-peft with model .*a LoRA adapter"):
+        load_model(str(adapter_dir), lora=LORA)
