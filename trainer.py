@@ -32,7 +32,8 @@ from infra import outputs
 from infra.errors import UserError
 from infra.command_line import given_options, parse_args
 from infra import console
-from infra.console import STDOUT_CLOSED, format_row, progress_line, say, start_line, text_prompts_note, unscored_line
+from infra.console import (STDOUT_CLOSED, eval_summary, format_row, progress_line, say, start_line, text_prompts_note,
+                           unscored_line)
 from infra.processes import children_end_with_their_parent
 from infra.stopping import Interrupted, exit_without_lingering, stopped_by_signals, stops_deferred
 
@@ -299,11 +300,7 @@ def log_and_save(cfg: Config, rows, policy, tokenizer, resumed_at: int = 0, repo
         raise
     progress.close()
     final = {**row, "start_eval_reward": first_eval}
-    unscored = "held-out rewards: none scored (every reward returned None for every held-out response)"
-    evaluated = (("no held-out evaluation ran" if not (cfg.eval_every and cfg.eval_size) else unscored)
-                 if first_eval is None and row["eval_reward"] is None else
-                 f"held-out reward {first_eval if first_eval is None else round(first_eval, 3)}"
-                 f" -> {row['eval_reward'] if row['eval_reward'] is None else round(row['eval_reward'], 3)}")
+    evaluated = eval_summary(first_eval, row["eval_reward"], bool(cfg.eval_every and cfg.eval_size))
     say(f"done in {row['elapsed_s']:.1f}s: {evaluated}; metrics in {metrics_path}"
         + (f", policy in {policy_path}" if saved else ""))
     if phases and on_accelerator(cfg):  # (on CPU cores there is no device to move from one side to the other)
@@ -376,6 +373,9 @@ def main(argv: list[str] | None = None) -> int:
             given, ranks = given_options(argv), distributed.from_environment()  # torchrun's ranks; else one
             distributed.die_with_launcher(launcher)
             with open(os.devnull, "w") as devnull, redirect_stdout(devnull) if not ranks.is_main else nullcontext():
+                if line := outputs.finished(cfg, given):  # the same command resubmitted after the run's end
+                    print(f"periodic-rl: {line}", flush=True)
+                    return 0
                 cfg = outputs.resume_or_start(cfg)  # --resume auto where --out holds no run: a new one
                 cfg, resume_from = checkpoint.resumption(cfg, given)  # --resume: the checkpoint's options
                 ranks = distributed.split_roles(ranks, cfg.inference_ranks)  # trainer ranks, then inference ranks

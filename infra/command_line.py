@@ -116,10 +116,29 @@ def parse_args(argv: list[str] | None = None, prog: str = "trainer.py") -> Confi
         sys.stderr.write(f"{prog}: error: {problems[0]}\n")
         raise SystemExit(2)
     if policy is not None:
+        taken = trained_with(cfg, policy)
         if os.environ.get("RANK", "0") == "0":
-            print(f"periodic-rl: --model {cfg.model}: a run's folder: took its trained policy, {policy}", flush=True)
-        cfg = dataclasses.replace(cfg, model=str(policy))
+            print(f"periodic-rl: --model {cfg.model}: a run's folder: took its trained policy, {policy}"
+                  + ("".join(f", --{key.replace('_', '-')} {value}" for key, value in taken.items())
+                     + " (its model's defaults, not given)" if taken else ""), flush=True)
+        cfg = dataclasses.replace(cfg, model=str(policy), **taken)
     return derive(cfg)
+
+
+def trained_with(cfg: Config, policy: Path) -> dict:
+    """The options `derive` fills from the model's name (--data, --lr, --max-new-tokens), not given in `cfg`, at the
+    values of the run that trained `policy` (its config.json, or its checkpoint's state.json): a run started from a
+    tiny run's policy goes on with its task and rate, not with gsm8k and 1e-6 (the defaults of a model not tiny)."""
+    state = policy.parent / "state.json"
+    try:
+        options = (json.loads(state.read_text())["config"] if state.is_file()
+                   else json.loads((policy.parent / "config.json").read_text()))
+        source = Config(model=options["model"], data=options.get("data"))
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    taken = {"data": options.get("data") or source.default_data, "lr": options.get("lr"),
+             "max_new_tokens": options.get("max_new_tokens")}
+    return {key: value for key, value in taken.items() if getattr(cfg, key) is None and value is not None}
 
 
 # --- --config FILE ---

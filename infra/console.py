@@ -103,3 +103,21 @@ def unscored_line(iteration: int, share: float) -> str:
             f"(every --reward returned None, or NaN, for them): they count in no reward mean and get advantage 0"
             f"{', so this step learns nothing from the rewards' if share == 1 else ''}. Said once; each iteration's "
             f"share is frac_reward_unscored in metrics.jsonl.")
+
+
+def eval_summary(first: float | None, last: float | None, evaluating: bool) -> str:
+    """The done line's account of the held-out reward: at the run's first evaluation and at its end (None where no
+    evaluation ran or none of its responses was scored); `evaluating`: the run evaluates (--eval-every, --eval-size).
+
+    >>> eval_summary(0.391, 0.88, True), eval_summary(None, None, False)
+    ('held-out reward 0.391 -> 0.880', 'no held-out evaluation ran')
+    >>> eval_summary(0.0, None, False)  # resumed with --eval-every 0
+    'held-out reward 0.000 at the start; no final evaluation (--eval-every 0)'
+    """
+    if first is None and last is None:
+        return ("held-out rewards: none scored (every reward returned None for every held-out response)" if evaluating
+                else "no held-out evaluation ran")
+    if last is None:
+        end = "none scored at the end" if evaluating else "no final evaluation (--eval-every 0)"
+        return f"held-out reward {first:.3f} at the start; {end}"
+    return f"held-out reward {last:.3f} at the end" if first is None else f"held-out reward {first:.3f} -> {last:.3f}"

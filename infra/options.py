@@ -23,7 +23,7 @@ import os
 import textwrap
 import typing
 
-from config import SECTIONS, TINY_MODELS, Config
+from config import MODEL_ALIASES, SECTIONS, TINY_MODELS, Config
 from infra.tracking import installed_trackers
 from infra.trl_names import TRL_ALIASES, TRL_DIFFERENT, TRL_FIXED, TRL_UNUSED, epilog
 
@@ -228,6 +228,9 @@ def validate(cfg: Config) -> list[str]:
         need(cfg.prompts_per_iteration % cfg.updates_per_iteration == 0,
              f"--updates-per-iteration ({cfg.updates_per_iteration}) must divide the prompts per iteration "
              f"({cfg.prompts_per_iteration} = batch-size / group-size): mini-batches are whole groups")
+    if guess := misspelt_model(cfg.model):
+        problems.append(f"--model {cfg.model}: not a folder, nor a name this trainer knows: did you mean {guess}? (a "
+                        "hub id is org/name, e.g. Qwen/Qwen2.5-0.5B-Instruct)")
     need(cfg.groups_per_chunk is None or cfg.groups_per_chunk >= 1,
          f"--groups-per-chunk must be at least 1 (got {cfg.groups_per_chunk})")
     need(cfg.micro_batch_tokens is None or cfg.micro_batch_tokens >= 1,
@@ -367,6 +370,17 @@ def unknown_option(option: str, parser: argparse.ArgumentParser | None = None) -
              for string in action.option_strings if string.startswith("--") and string != "--help"]
     close = closest_name(name, known)
     return f"unrecognized option {option}" + (f": did you mean --{close.replace('_', '-')}?" if close else "")
+
+
+def misspelt_model(model: str) -> str | None:
+    """The offline model or alias `model` misspells ("tinyy" -> "tiny"), when it is neither a folder nor a hub id
+    (org/name) nor one of them; else None. Checked with the options, before the data (--model tinyy read gsm8k, the
+    default data of a model that is not tiny, and failed offline on the hub before the model was named)."""
+    if "/" in model or os.path.exists(os.path.expanduser(model)) or model.lower() in MODEL_ALIASES \
+            or model in TINY_MODELS:
+        return None
+    found = difflib.get_close_matches(model.lower(), [*TINY_MODELS, *MODEL_ALIASES], n=1, cutoff=0.8)
+    return found[0] if found else None
 
 
 def closest_name(name: str, names: list[str]) -> str | None:

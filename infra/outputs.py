@@ -202,6 +202,12 @@ def run_files(out: Path) -> tuple[list[Path], list[Path]]:
     return ours, foreign
 
 
+def checkpoint_number(path: Path) -> int:
+    """k of a checkpoint-<k> folder (-1 for another name)."""
+    match = CHECKPOINT.match(path.resolve().name)
+    return int(match.group(1)) if match else -1
+
+
 def checkpoints(out: str | Path) -> list[Path]:
     """The complete checkpoints in `out`, oldest first (a torn write never has a checkpoint-<k> name; written and
     read by infra/checkpoint.py)."""
@@ -316,6 +322,23 @@ def resume_or_start(cfg: Config) -> Config:
     return cfg
 
 
+def finished(cfg: Config, given: set[str]) -> str | None:
+    """With --resume auto, a line saying the run in --out is complete (its policy/ saved, metrics.jsonl's final row
+    written) when no --iterations or --num-train-epochs beyond it is given; else None. The same command resubmitted
+    after the run's end then exits 0 and rewrites nothing (it was refused without checkpoints, and with them re-ran
+    the final evaluation and rewrote the final row)."""
+    out = Path(cfg.out) if cfg.resume == "auto" and cfg.out and not cfg.overwrite else None  # (both: refused)
+    if out is None or not is_model_directory(out / "policy") or not any((out / "policy").iterdir()):
+        return None
+    rows = read_metrics(out / "metrics.jsonl") if is_metrics(out / "metrics.jsonl") else []
+    final = next((row for row in reversed(rows) if isinstance(row, dict) and row.get("final")), None)
+    if final is None or "num_train_epochs" in given or "iterations" in given and cfg.iterations > final["iteration"]:
+        return None
+    more = "; more --iterations go on from its newest checkpoint" if checkpoints(out) else ""
+    return (f"--resume auto: the run in {out} is complete ({final['iteration']} iterations, its policy in "
+            f"{out / 'policy'}): nothing to do{more}")
+
+
 def check_restartable(out: Path, found: list[Path]) -> None:
     """Refuse to replace, for --resume auto, a run without checkpoints that did not stop before its first: a finished
     one (its policy/), or one that never asked for any (no --save-every or --save-on-stop in its config.json)."""
@@ -369,6 +392,12 @@ def claimed(cfg: Config) -> Iterator[Path]:
             raise OutputError(f"--out {out} holds another run ({listed(found)}) than the one --resume {cfg.resume} "
                               "continues, and the two would mix: choose another --out, or pass --overwrite to "
                               "replace it")
+        newer = [path for path in kept if cfg.resume not in (None, "auto") and continues_here(cfg, out)
+                 and checkpoint_number(path) > checkpoint_number(Path(cfg.resume))]
+        if newer:  # continued here, it would rotate the newer checkpoints against its own and leave a gap in the rows
+            raise OutputError(f"--resume {cfg.resume}: the run in --out {out} went on past it ({listed(newer)}): "
+                              f"continue it from its newest with --resume auto, or branch from this checkpoint into "
+                              f"another folder, nothing lost: --resume {cfg.resume} --out NEW_FOLDER")
         if cfg.overwrite and cfg.resume is not None and continues_here(cfg, out) and not restarted:
             raise OutputError(f"--overwrite would delete the run in --out {out} that --resume {cfg.resume} continues, "
                               "its checkpoints included: drop --overwrite")

@@ -501,3 +501,20 @@ def test_the_first_line_says_held_out_prompts_are_never_evaluated():
     assert "50 held-out prompts (held out, not evaluated: --eval-every 0) |" in console.start_line(cfg, 7423, 50)
     assert "not evaluated" not in console.start_line(derive(Config(eval_size=50)), 7423, 50)
     assert "not evaluated" not in console.start_line(derive(Config(eval_every=0)), 7473, 0)
+
+
+def test_a_misspelt_model_is_named_before_the_data_is_read(tmp_path):
+    """Claim: --model tinyy (or qwen2.5-0.6b) is one line naming the model it misspells, with the options, exit 2:
+    it was an error about the hub's gsm8k (the default data of a model that is not tiny), the model never named. A
+    folder, a hub id (org/name), an alias or a name close to none is left to the loader."""
+    from infra.options import misspelt_model
+    assert misspelt_model("tinyy") == "tiny" and misspelt_model("qwen2.5-0.6b") == "qwen2.5-0.5b"
+    assert misspelt_model("Tiny-Chain") == "tiny-chain"  # the offline names are case-sensitive
+    (tmp_path / "tinyy").mkdir()
+    assert [misspelt_model(name) for name in ("tiny", "qwen2.5-0.5b", "Qwen/Qwen2.5-0.5B-Instruct", "gpt2",
+                                              str(tmp_path / "tinyy"))] == [None] * 5
+    result = subprocess.run([sys.executable, "trainer.py", "--model", "tinyy"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        "trainer.py: error: --model tinyy: not a folder, nor a name this trainer knows: did you mean tiny? (a hub id "
+        "is org/name, e.g. Qwen/Qwen2.5-0.5B-Instruct)"]

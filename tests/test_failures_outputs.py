@@ -558,6 +558,66 @@ def test_a_runs_folder_as_model_is_its_trained_policy(tmp_path, capsys):
     from infra.command_line import parse_args
     assert parse_args(["--model", str(run), "--data", "arithmetic"]).model == str(run / "policy")
     assert f"--model {run}: a run's folder: took its trained policy, {run / 'policy'}" in capsys.readouterr().out
+    # what derive fills from the model's name follows the run that trained it (a tiny run's: not gsm8k and 1e-6)
+    (run / "config.json").write_text(json.dumps({"run_id": "r", "versions": {}, "model": "tiny", "data": None,
+                                                 "lr": 1e-4, "max_new_tokens": 8}))
+    cfg = parse_args(["--model", str(run), "--lr", "3e-5"])
+    assert (cfg.model, cfg.data, cfg.lr, cfg.max_new_tokens) == (str(run / "policy"), "arithmetic", 3e-5, 8)
+    assert capsys.readouterr().out.endswith(f"took its trained policy, {run / 'policy'}, --data arithmetic, "
+                                            "--max-new-tokens 8 (its model's defaults, not given)\n")
     assert trained_policy(str(tmp_path / "missing")) is None and trained_policy("Qwen/Qwen2.5-0.5B-Instruct") is None
     from infra import outputs
     assert outputs.run_folder(str(run / "policy"), tmp_path / "runs", now=1.8e9).name.startswith("run-2027")
+
+
+def test_resuming_in_place_from_a_checkpoint_the_run_went_past_is_refused(tmp_path):
+    """Claim: --resume <out>/checkpoint-200 where the run in <out> went on to checkpoint-241 is refused in one line
+    naming the newer checkpoint and both ways on (--resume auto; the same checkpoint into another --out), nothing
+    touched: continued in place it rotated checkpoint-200 away against the stale checkpoint-241, and --resume auto
+    then jumped from 227 to 241, leaving iterations 227-240 out of metrics.jsonl for good. Resuming from the newest,
+    or branching into another folder, goes on as before."""
+    from config import Config
+    from infra import outputs
+    out = tmp_path / "run"
+    for k in (200, 241):
+        (out / f"checkpoint-{k}").mkdir(parents=True)
+        (out / f"checkpoint-{k}" / "state.json").write_text("{}")
+    (out / "metrics.jsonl").write_text(json.dumps({"iteration": 0}) + "\n")
+    (out / "config.json").write_text(json.dumps({"run_id": "r", "versions": {}}))
+    old = str(out / "checkpoint-200")
+    with pytest.raises(outputs.OutputError, match=rf"--resume {re.escape(old)}: the run in --out {re.escape(str(out))} "
+                       r"went on past it \(checkpoint-241/\): continue it from its newest with --resume auto, or "
+                       rf"branch .* --resume {re.escape(old)} --out NEW_FOLDER"):
+        with outputs.claimed(Config(out=str(out), resume=old)):
+            pass
+    assert sorted(p.name for p in out.iterdir() if p.name != ".lock") == [
+        "checkpoint-200", "checkpoint-241", "config.json", "metrics.jsonl"]
+    for resume, folder in ((str(out / "checkpoint-241"), out), ("auto", out), (old, tmp_path / "branch")):
+        with outputs.claimed(Config(out=str(folder), resume=resume)):
+            pass
+
+
+def test_resume_auto_on_a_complete_run_exits_0_and_rewrites_nothing(tmp_path, capsys):
+    """Claim: the preemptible recipe's command (--resume auto --out X) resubmitted after the run's end says the run
+    is complete and exits 0, every file as it was: it was refused with exit 1 when the run kept no checkpoints, and
+    with checkpoints it re-ran the final evaluation and rewrote the final row's elapsed_s. More --iterations than
+    the run did still go on (None: the resume proceeds)."""
+    import trainer
+    from config import Config
+    from infra import outputs
+    out = tmp_path / "run"
+    (out / "policy").mkdir(parents=True)
+    (out / "policy" / "config.json").write_text("{}")
+    (out / "policy" / "model.safetensors").write_bytes(b"")
+    (out / "config.json").write_text(json.dumps({"run_id": "r", "versions": {}}))
+    rows = [{"iteration": 0, "eval_reward": 0.5}, {"iteration": 1}, {"iteration": 2, "final": True, "elapsed_s": 18.7}]
+    (out / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    before = {path: path.read_bytes() for path in out.rglob("*") if path.is_file()}
+    assert trainer.main(["--resume", "auto", "--out", str(out), "--iterations", "2", "--data", "arithmetic"]) == 0
+    assert f"--resume auto: the run in {out} is complete (2 iterations, its policy in {out / 'policy'}): nothing to " \
+           "do" in capsys.readouterr().out
+    assert {path: path.read_bytes() for path in out.rglob("*") if path.is_file()} == before
+    assert outputs.finished(Config(out=str(out), resume="auto", iterations=3), {"iterations"}) is None
+    assert outputs.finished(Config(out=str(out), resume=None), set()) is None
+    (out / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows[:2]))  # stopped before the end
+    assert outputs.finished(Config(out=str(out), resume="auto"), set()) is None
