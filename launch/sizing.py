@@ -59,7 +59,7 @@ from dataclasses import dataclass
 import torch
 
 from infra import distributed
-from infra.options import MICRO_BATCH_TOKENS, available_cores
+from infra.options import GENERATE_CALLS, MICRO_BATCH_TOKENS, available_cores
 from infra.tasks import run_prompt_ids
 from learner import forward_backward, micro_batch_size
 from rollout import iteration_prompts, sample_prompts, sampling_config, stop_token_ids
@@ -68,6 +68,16 @@ AS_FAST = 1.05  # fewer calls (then bigger micro-batches) win unless the others 
 MICRO_BATCH_FRACTIONS = (1, 2, 4, 8, 16)  # candidate micro-batches: an iteration's tokens / these, under the cap
 REPEATS = 2  # the one-group forward/backward is timed this often (after a warm-up), the fastest kept
 PASSES = 2  # every call size is sampled this often, in turns (biggest first, then smallest first), the fastest kept
+PROBE_BUDGET_S, PROBE_SHARE = 30.0, 0.1  # a probe predicted to take longer than both this and this share of the
+# run's sampling (from its first timed call) stops there, and the sizes are the rule's (`rule_sizes`)
+
+
+class ProbeTooSlow(Exception):
+    """The probe's first timed call (one iteration's sampling, `seconds`) predicts `estimate` seconds of probing, over
+    its budget: a 0.5B-wide model on 2 cores spent 262 s probing a 344 s run."""
+    def __init__(self, seconds: float, estimate: float):
+        super().__init__(seconds, estimate)
+        self.seconds, self.estimate = seconds, estimate
 
 
 @dataclass(frozen=True)
@@ -204,11 +214,12 @@ def _timed_backward(tri, batch, cfg) -> float:
     return time.perf_counter() - start
 
 
-def probe(cfg, tri, tokenizer, train_examples, threads: int) -> Probe:
+def probe(cfg, tri, tokenizer, train_examples, threads: int, probes: int = 1) -> Probe:
     """Time iteration 0's generation at every candidate call size (when each group arrives) and its
     training (a forward/backward of one group, then of all in micro-batches of at most
     `cfg.micro_batch_tokens` or the default cap) at `threads` threads. Leaves the RNG, the weights and
-    the gradients as they were."""
+    the gradients as they were. ProbeTooSlow after the first timed call when all `probes` would take more than
+    PROBE_BUDGET_S and PROBE_SHARE of the run's sampling (each call size samples the whole iteration)."""
     policy = tri.policy
     generation = sampling_config(cfg, stop_token_ids(policy, tokenizer), tokenizer.pad_token_id)
     examples = [train_examples[i] for i in iteration_prompts(len(train_examples), cfg.prompts_per_iteration,
@@ -229,6 +240,9 @@ def probe(cfg, tri, tokenizer, train_examples, threads: int) -> Probe:
                     timeline, seconds, sampled = sample_timeline(policy, prompts, cfg.group_size, generation,
                                                                  cfg, size, hand_over)
                     runs.setdefault(size, []).append((seconds, sorted(timeline)))
+                    estimate = seconds * PASSES * len(order) * probes
+                    if len(runs) == 1 and estimate > max(PROBE_BUDGET_S, PROBE_SHARE * cfg.iterations * seconds):
+                        raise ProbeTooSlow(seconds, estimate)
                     tokens[size] = [cfg.group_size * len(p) + sum(len(r) for r in group)  # the same in every pass
                                     for p, group in zip(prompts, sampled)]
                     widths[size] = [len(p) + max(len(r) for r in group) for p, group in zip(prompts, sampled)]
@@ -288,20 +302,27 @@ def choose(cfg, tri, tokenizer, train_examples, cores: int | None = None, min_ca
     slower than taking turns at two), and keeps the faster prediction."""
     if cfg.sized:
         return cfg, "", 1.0
-    print("periodic-rl: probing sizes (5-25 s; pass the printed flags to skip) ...", flush=True)  # then silent
+    print(f"periodic-rl: probing sizes (the toy: 5-25 s; at most {PROBE_SHARE:.0%} of the run's sampling or "
+          f"{PROBE_BUDGET_S:.0f} s, else sizes by rule; pass the printed flags to skip) ...", flush=True)  # then silent
     started, cores, prompts = time.perf_counter(), cores or available_cores(), cfg.prompts_per_iteration
     cap = cfg.micro_batch_tokens or MICRO_BATCH_TOKENS
     given = math.ceil(prompts / cfg.groups_per_chunk) if cfg.groups_per_chunk else None
     split_open = cfg.mode == "async" and cores > 1 and not (cfg.rollout_threads or cfg.train_threads)
     elastic = split_open and cfg.inference_workers == 1 and cfg.tail_threads in (None, cores)
     tail = None  # the training tail's costs when the trainer takes every core once sampling is done
-    if cfg.mode == "sync" or not split_open:
-        threads = cfg.train_threads if cfg.mode == "async" else cores
-        result = full = probe(cfg, tri, tokenizer, train_examples, threads=threads or cores)
-    else:
-        result = probe(cfg, tri, tokenizer, train_examples, threads=max(1, cores // 2))
-        full = probe(cfg, tri, tokenizer, train_examples, threads=cores)
-        tail = full.train_seconds if elastic else None  # the tail at every core (launch.setup.elastic_threads)
+    try:
+        if cfg.mode == "sync" or not split_open:
+            threads = cfg.train_threads if cfg.mode == "async" else cores
+            result = full = probe(cfg, tri, tokenizer, train_examples, threads=threads or cores)
+        else:
+            result = probe(cfg, tri, tokenizer, train_examples, threads=max(1, cores // 2), probes=2)
+            full = probe(cfg, tri, tokenizer, train_examples, threads=cores)
+            tail = full.train_seconds if elastic else None  # the tail at every core (launch.setup.elastic_threads)
+    except ProbeTooSlow as slow:
+        return rule_sizes(cfg, cores, min_calls), (
+            f"probe: one iteration's sampling took {slow.seconds:.1f} s, so probing every size would take about "
+            f"{slow.estimate:.0f} s, over its budget: sizes by rule instead (--sizes rule); stopped after "
+            f"{time.perf_counter() - started:.1f} s"), 1.0
     if cfg.mode == "sync":
         calls, micro_tokens = in_turns(result, prompts, cap, given, min_calls)[0], cap
     else:
@@ -334,6 +355,20 @@ def choose(cfg, tri, tokenizer, train_examples, cores: int | None = None, min_ca
             f"{turns_note}); "
             f"probed in {time.perf_counter() - started:.1f} s")
     return chosen, note, gain
+
+
+def rule_sizes(cfg, cores: int, min_calls: int):
+    """`cfg` with the sizes still open filled as --sizes rule fills them on CPU (infra/options.derive): two generate
+    calls per iteration (at least `min_calls`), the default micro-batch cap, the cores split in half when the sides
+    overlap (all of them each when they take turns: sync, or a single call)."""
+    prompts = cfg.prompts_per_iteration
+    per_call = cfg.groups_per_chunk or math.ceil(prompts / max(GENERATE_CALLS["cpu"], min_calls))
+    take_turns = cfg.mode == "sync" or math.ceil(prompts / per_call) == 1
+    rollout = cfg.rollout_threads or (cores if take_turns else max(1, cores // 2))
+    train = cfg.train_threads or (cores if take_turns else max(1, cores - rollout))
+    return dataclasses.replace(cfg, groups_per_chunk=per_call, micro_batch_tokens=cfg.micro_batch_tokens or
+                               MICRO_BATCH_TOKENS, rollout_threads=rollout, train_threads=train,
+                               tail_threads=cfg.tail_threads or train)
 
 
 def choose_for_ranks(cfg, tri, tokenizer, train_examples, ranks) -> tuple[object, str]:

@@ -139,7 +139,8 @@ def test_probe_changes_nothing_and_choose_fills_only_open_sizes(tiny_model_dir, 
     before = [p.detach().clone() for p in policy.parameters()]
     rng = torch.get_rng_state()
     chosen, note, gain = sizing.choose(cfg, tri, tokenizer, train)
-    assert capsys.readouterr().out == "periodic-rl: probing sizes (5-25 s; pass the printed flags to skip) ...\n"
+    assert capsys.readouterr().out == ("periodic-rl: probing sizes (the toy: 5-25 s; at most 10% of the run's sampling "
+                                       "or 30 s, else sizes by rule; pass the printed flags to skip) ...\n")
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(torch.equal(p, q) for p, q in zip(policy.parameters(), before))
     assert all(p.grad is None for p in policy.parameters())
@@ -148,6 +149,18 @@ def test_probe_changes_nothing_and_choose_fills_only_open_sizes(tiny_model_dir, 
     assert 1 <= chosen.micro_batch_tokens <= 16384 and "probe:" in note
     assert chosen.rollout_threads >= 1 and chosen.train_threads >= 1
     assert chosen.rollout_threads + chosen.train_threads in (2, 4)  # split (1 + 1), or in turns (2 + 2)
+    # over its budget (a big model on CPU: 262 s of a 344 s run), the probe stops after its first timed call and the
+    # sizes are the rule's, nothing changed either
+    monkeypatch.setattr(sizing, "PROBE_BUDGET_S", 0.0)
+    monkeypatch.setattr(sizing, "PROBE_SHARE", 0.0)
+    ruled, note, gain = sizing.choose(cfg, tri, tokenizer, train)
+    assert "over its budget: sizes by rule instead (--sizes rule)" in note and gain == 1.0
+    assert (ruled.groups_per_chunk, ruled.micro_batch_tokens, ruled.rollout_threads, ruled.train_threads) == \
+        (4, 16384, 1, 1) == tuple(getattr(derive(dataclasses.replace(cfg, sizes="rule")), name) for name in
+                                  ("groups_per_chunk", "micro_batch_tokens", "rollout_threads", "train_threads"))
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(p, q) for p, q in zip(policy.parameters(), before))
+    assert all(p.grad is None for p in policy.parameters())
     # the predicted gain over taking turns at the same sizes: exactly 1 in turns; when it overlaps, the overlap beat
     # taking turns at the calls of least generation, which are at most AS_FAST slower to generate than these
     assert gain == 1.0 if chosen.train_threads == 2 else gain > 1 / sizing.AS_FAST
