@@ -172,7 +172,7 @@ def figure(rows: list[dict], title: str = "") -> Figure:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="plot.py", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="plot.py", description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("run_dir", metavar="RUN_DIR", nargs="?", default="runs/latest",
                         help="a run's --out directory (it holds metrics.jsonl; default: runs/latest, the newest run "
                              "started without --out)")

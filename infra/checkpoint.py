@@ -162,7 +162,8 @@ def resumed_config(cfg: Config, given: set[str], state: dict) -> Config:
                 "optimizer steps: another "
                 "length gives other rates; a run at a constant rate can be extended)")
             raise CheckpointError(f"{option} {new} differs from the checkpoint's {saved[name]}: it would change "
-                                  f"the run{why}, so it cannot be resumed with it (drop {option}, or start a new run)")
+                                  f"the run{why}, so it cannot be resumed with it (drop {option}, or start a new "
+                                  "run from the checkpoint's weights: --model and its folder, AdamW's state afresh)")
         else:
             values[name] = saved[name]
     if "iterations" in given and "num_train_epochs" not in given:  # a typed length wins over the saved epochs

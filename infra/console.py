@@ -15,6 +15,7 @@ def format_row(row: dict) -> str:
     row's when the run evaluated θ_final, else ''."""
     def num(key, spec):
         return "-" if row.get(key) is None else format(row[key], spec)
+    rate = row.get("tokens_per_s")  # three digits below 100 (a 0.5B-wide model on CPU: 2.37 tok/s, not 2)
     if row.get("final"):  # nothing to say without an evaluation
         evaluated = row.get("eval_reward") is not None
         return f"final  held-out reward {num('eval_reward', '.3f')} (θ_{row['policy_version']})" if evaluated else ""
@@ -22,7 +23,7 @@ def format_row(row: dict) -> str:
             f"eval {num('eval_reward', '.3f')}  kl {num('kl', '.4f')}  clip {num('clip_fraction', '.3f')}  "
             f"len {num('response_length', '.1f')}  gen {num('generate_s', '.2f')}s  train {num('train_s', '.2f')}s  "
             f"idle gen/train {num('idle_inference_s', '.2f')}/{num('idle_training_s', '.2f')}s  "
-            f"overlap {num('overlap', '.0%')}  {num('tokens_per_s', '.0f')} tok/s")
+            f"overlap {num('overlap', '.0%')}  {num('tokens_per_s', '.0f' if (rate or 0) >= 100 else '.3g')} tok/s")
 
 
 STDOUT_CLOSED = ("standard output was closed inside the run (sys.stdout.close() in a reward function, or in a library "

@@ -235,11 +235,13 @@ def dataset_examples(rows, prompt_column: str, answer_column: str, where: str,
     return examples
 
 
-def held_out_note(split: str, rows: int, eval_size: int) -> str:
+def held_out_note(split: str, rows: int, eval_size: int, auto: bool = False) -> str:
     """What the run's first line says of a held-out split of `rows` rows: its name, and that it has fewer than
-    --eval-size asked, when it has."""
-    if rows < eval_size:
+    --eval-size asked, when it has (`auto`: --eval-size not given, then the whole split is the held-out set)."""
+    if rows < eval_size and not auto:
         return f"--eval-size {eval_size}: the {split} split has {rows}"
+    if rows < eval_size:
+        return f"held out: the whole {split} split"
     return f"held out: the {split} split"
 
 
@@ -284,7 +286,7 @@ def load_data(data: str, data_config: str | None, split: str, prompt_column: str
     if held_out is not None:
         rows = splits[held_out]
         return Task(examples, examples_of(rows.select(range(min(eval_size, len(rows)))), f"{data} ({held_out} split)"),
-                    column, (*notes, held_out_note(held_out, len(rows), eval_size)))
+                    column, (*notes, held_out_note(held_out, len(rows), eval_size, auto)))
     if auto and eval_size > len(examples) // 5 >= 1:  # --eval-size not given: most of the rows train (TRL trains on
         notes = (*notes, f"held out: the last {len(examples) // 5} of {len(examples)} rows, a fifth (no test "  # all)
                          f"split; --eval-size sets how many, 0: none)")

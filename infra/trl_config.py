@@ -364,16 +364,16 @@ def departures_line(given: set[str]) -> str | None:
 
     >>> departures_line({"beta", "seed", "disable_dropout", "gradient_checkpointing", "eval_every", "batch_size",
     ...                  "num_train_epochs"})
-    "defaults of this trainer that are not TRL's and that the file leaves to it: --save-every 0 (never) (TRL: ...)..."
+    "defaults of this trainer that are not TRL's and that it leaves unset: --save-every 0 (never) (TRL: ...)..."
     """
     given = set(given) | ({"iterations"} if "num_train_epochs" in given else set())  # either sets the run's length
     left = [(option, ours, theirs) for option, ours, theirs, _ in DEPARTURES
             if option in RESULT_DEPARTURES and option[2:].replace("-", "_") not in given]
     if not left:
         return None
-    return ("defaults of this trainer that are not TRL's and that the file leaves to it: "
+    return ("defaults of this trainer that are not TRL's and that it leaves unset: "
             + ", ".join(f"{option} {ours} (TRL: {theirs})" for option, ours, theirs in left)
-            + "; give them in the file to have TRL's (--help's end says why each differs)")
+            + "; set them to have TRL's (--help's end says why each differs)")
 
 
 def fixed_refusal(key: str, value) -> str:

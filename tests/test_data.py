@@ -144,6 +144,7 @@ def test_a_validation_split_is_held_out_when_there_is_no_test_split(tmp_path):
     task = data.read_task(str(folder), eval_size=8)
     assert [e.answer for e in task.held_out][:1] == ["201"] and len(task.train) == 30
     assert task.notes == ("--eval-size 8: the test split has 4",)
+    assert data.read_task(str(folder)).notes == ("held out: the whole test split",)  # --eval-size not given (64)
     task = data.read_task(str(folder), eval_size=8, eval_split="validation")
     assert [e.answer for e in task.held_out][:1] == ["101"] and task.notes == ("held out: the validation split",)
     task = data.read_task(str(folder), eval_size=8, eval_split="train")  # --split's own last rows

@@ -268,7 +268,7 @@ def test_a_trl_config_file_runs_with_the_keys_of_no_use_here_ignored(tmp_path, c
     out = capsys.readouterr().out
     assert out.count("\n") == 2 and out.startswith(f"periodic-rl: --config {path}: ignored TRL's logging_steps: every "
                                                     "iteration is logged"), out
-    assert ("defaults of this trainer that are not TRL's and that the file leaves to it: --iterations 60 (TRL: 3 "
+    assert ("defaults of this trainer that are not TRL's and that it leaves unset: --iterations 60 (TRL: 3 "
             "epochs (num_train_epochs)), --beta 0.04") in out  # 2nd
     assert all(key in out for key in ("; push_to_hub: ", "; bf16: --dtype auto", "; max_prompt_length: "))
     assert given_options(["--config", str(path)]) == {"lr", "group_size", "batch_size", "config"}
