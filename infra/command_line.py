@@ -469,6 +469,12 @@ def with_config_file(argv: list[str] | None = None, prog: str = "trainer.py", sa
         flags = file_arguments(path, skip=skip, note=lines.append, typed_batch=typed, typed_steps=typed_steps,
                                steps=file_steps, rederived={derived for option in given
                                                             for derived in DERIVED_FROM.get(option, ())})
+        check = build_parser(prog, defaults=False)  # a value of the wrong type, named with the file
+        check.exit_on_error = False                    # (argparse's line alone left the file out)
+        try:
+            check.parse_known_args(flags)
+        except argparse.ArgumentError as error:
+            raise ValueError(str(error)) from None
         argv = (trl_step_flags(file_steps, typed_steps, flags, argv, prog, lines.append)
                 if file_steps or typed_steps else flags + argv)
         source = config_source(path)

@@ -518,3 +518,14 @@ def test_a_misspelt_model_is_named_before_the_data_is_read(tmp_path):
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [
         "trainer.py: error: --model tinyy: not a folder, nor a name this trainer knows: did you mean tiny? (a hub id "
         "is org/name, e.g. Qwen/Qwen2.5-0.5B-Instruct)"]
+
+
+def test_a_config_files_value_of_the_wrong_type_names_the_file(tmp_path, capsys):
+    """Claim: `iterations: two` in a --config file is one line naming the file and the option, exit 2 (argparse's
+    own line named the option alone, as if typed)."""
+    from infra.command_line import parse_args
+    (tmp_path / "run.yaml").write_text("iterations: two\n")
+    with pytest.raises(SystemExit) as stop:
+        parse_args(["--config", str(tmp_path / "run.yaml")])
+    assert stop.value.code == 2 and capsys.readouterr().err == (
+        f"trainer.py: error: --config {tmp_path / 'run.yaml'} argument --iterations: invalid int value: 'two'\n")
