@@ -111,7 +111,11 @@ def parse_args(argv: list[str] | None = None, prog: str = "trainer.py") -> Confi
     try:
         policy = trained_policy(cfg.model)  # a run's or a checkpoint's folder: the model in it
     except ValueError as error:
+        policy = None
         problems.insert(0, str(error))
+    if policy is not None and cfg.overwrite and cfg.out and Path(cfg.out).resolve() in policy.resolve().parents:
+        problems.insert(0, f"--model {cfg.model} is in --out {cfg.out}, whose run --overwrite deletes before the "
+                           "model loads: choose another --out")
     if problems:
         sys.stderr.write(f"{prog}: error: {problems[0]}\n")
         raise SystemExit(2)

@@ -558,6 +558,10 @@ def test_a_runs_folder_as_model_is_its_trained_policy(tmp_path, capsys):
     from infra.command_line import parse_args
     assert parse_args(["--model", str(run), "--data", "arithmetic"]).model == str(run / "policy")
     assert f"--model {run}: a run's folder: took its trained policy, {run / 'policy'}" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # --overwrite would delete the model before it loads
+        parse_args(["--model", str(run), "--out", str(run), "--overwrite"])
+    assert capsys.readouterr().err == (f"trainer.py: error: --model {run} is in --out {run}, whose run --overwrite "
+                                       "deletes before the model loads: choose another --out\n")
     # what derive fills from the model's name follows the run that trained it (a tiny run's: not gsm8k and 1e-6)
     (run / "config.json").write_text(json.dumps({"run_id": "r", "versions": {}, "model": "tiny", "data": None,
                                                  "lr": 1e-4, "max_new_tokens": 8}))
