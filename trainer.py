@@ -91,6 +91,10 @@ def prepare(cfg: Config) -> tuple[Config, object, object, dict]:
         cfg = dataclasses.replace(cfg, iterations=iterations)
         task = dataclasses.replace(task, notes=(*task.notes, f"--num-train-epochs {cfg.num_train_epochs:g}: "
                                                              f"{iterations} iterations"))
+    if len(task.train) < cfg.prompts_per_iteration:  # an iteration spans epochs (rollout.iteration_prompts)
+        task = dataclasses.replace(task, notes=(*task.notes, f"{len(task.train)} training prompt(s), fewer than the "
+                                                             f"{cfg.prompts_per_iteration} an iteration takes: each "
+                                                             "iteration samples some of them more than once"))
     eval_size = len(task.held_out) if cfg.eval_size is None else cfg.eval_size  # what auto took (config.json says)
     return dataclasses.replace(cfg, prompt_column=task.prompt_column, eval_size=eval_size), task, rewards, load_kwargs
 

@@ -540,3 +540,18 @@ def test_a_new_data_rederives_what_auto_held_out(tmp_path):
     big = write_jsonl(tmp_path / "big.jsonl", gsm8k_rows(400))
     assert parse_args(["--config", str(record)]).eval_size == 13
     assert parse_args(["--config", str(record), "--data", str(big)]).eval_size is None
+
+
+def test_fewer_training_prompts_than_an_iteration_takes_are_said(tmp_path):
+    """Claim: a training set smaller than an iteration's prompts (one row, two prompts per iteration) is said in the
+    run's first line: each iteration then samples some prompts more than once (it ran without a word)."""
+    import trainer
+    from config import Config
+    from infra.options import derive
+    write_jsonl(tmp_path / "one.jsonl", [{"prompt": "1+1=", "answer": "2"}])
+    cfg = derive(Config(data=str(tmp_path / "one.jsonl"), batch_size=16, group_size=8, eval_every=0))
+    _, task, _, _ = trainer.prepare(cfg)
+    assert task.notes[-1] == ("1 training prompt(s), fewer than the 2 an iteration takes: each iteration samples "
+                              "some of them more than once")
+    cfg = derive(Config(data=str(tmp_path / "one.jsonl"), batch_size=8, group_size=8, eval_every=0))
+    assert not any("fewer than" in note for note in trainer.prepare(cfg)[1].notes)
