@@ -34,6 +34,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -380,7 +381,13 @@ def trl_step_flags(file_steps: dict, typed_steps: dict, file_flags: list[str], t
                  if key in ("updates_per_iteration", "num_iterations") and isinstance(value, int) and value > 0}
         updates = updates if "updates_per_iteration" in typed_given else saved.get("updates_per_iteration", updates)
         passes = passes if "num_iterations" in typed_given else saved.get("num_iterations", passes)
-    options = trl_steps(steps, updates, passes, note)
+    try:
+        options = trl_steps(steps, updates, passes, note)
+    except ValueError as error:  # typed, TRL's keys are named as the flags typed (--max-steps 3, not max_steps 3)
+        if file_steps:
+            raise
+        raise ValueError(re.sub(r"\b(" + "|".join((*TRL_STEP_KEYS, "logging_steps")) + r")\b",
+                                lambda key: "--" + key.group(1).replace("_", "-"), str(error))) from None
     return file_flags + [f"--{name.replace('_', '-')}={value}" for name, value in options.items()] + typed
 
 

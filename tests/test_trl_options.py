@@ -1175,3 +1175,14 @@ def test_trls_model_init_kwargs_are_our_dtype_and_attention(tmp_path, capsys):
     assert parse_yaml(tmp_path, "model_init_kwargs: {dtype: bfloat16}\n", "--dtype", "float32").dtype == "float32"
     assert "model_init_kwargs: device_map: models load with --dtype and --attn-implementation only" in refusal(
         capsys, lambda: parse_yaml(tmp_path, "model_init_kwargs: {device_map: auto}\n"))
+
+
+def test_a_typed_step_count_is_refused_under_the_flag_typed(capsys):
+    """Claim: typed, a TRL step count that is refused is named as typed (--max-steps 3, --save-strategy), in a file as
+    the file's key (max_steps 3): the line named TRL's key for a flag the user typed."""
+    from infra.command_line import parse_args
+    assert refusal(capsys, lambda: parse_args(["--max-steps", "3", "--num-iterations", "2"])) == (
+        "trainer.py: error: --max-steps 3 is not a whole number of iterations of 2 optimizer steps each (--updates-per-iteration 1 x "
+        "--num-iterations 2): give --max-steps 2 or 4, or --iterations\n")
+    assert "--save-strategy 'epoch' is not what this trainer does" in refusal(
+        capsys, lambda: parse_args(["--save-strategy", "epoch"]))
