@@ -1009,9 +1009,9 @@ def test_trls_max_steps_is_the_runs_optimizer_steps(tmp_path, capsys):
            "--num-iterations 1)" in capsys.readouterr().out
     cfg = parse_args(["--max_steps=12", "--num-iterations", "3"])
     assert cfg.iterations == 4 and schedule_lengths(cfg)[1] == 12
-    assert "give max_steps 8 or 12, or --iterations" in refusal(capsys, lambda: parse_args(
+    assert "give --max-steps 8 or 12, or --iterations" in refusal(capsys, lambda: parse_args(
         ["--max-steps", "10", "--updates-per-iteration", "4", "--batch-size", "32", "--group-size", "4"]))
-    assert "give max_steps 4, or --iterations" in refusal(capsys, lambda: parse_args(
+    assert "give --max-steps 4, or --iterations" in refusal(capsys, lambda: parse_args(
         ["--max-steps", "3", "--num-iterations", "4"]))
     assert "both set the run's length: give one" in refusal(capsys, lambda: parse_args(["--max-steps", "6",
                                                                                         "--iterations", "3"]))
@@ -1065,7 +1065,7 @@ def test_trls_save_and_eval_steps_are_whole_iterations(tmp_path, capsys):
     assert "ignored TRL's eval_steps: TRL reads it only with eval_strategy 'steps'" in capsys.readouterr().out
     assert "use --eval-every N, or eval_strategy 'steps' with eval_steps" in refusal(
         capsys, lambda: parse_yaml(tmp_path, "eval_strategy: epoch\n"))
-    assert "save_steps 0.1 (a fraction of the run's steps) has no equivalent here" in refusal(
+    assert "--save-steps 0.1 (a fraction of the run's steps) has no equivalent here" in refusal(
         capsys, lambda: parse_args(["--save-steps", "0.1"]))
 
 
