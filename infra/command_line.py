@@ -114,7 +114,8 @@ def parse_args(argv: list[str] | None = None, prog: str = "trainer.py") -> Confi
     except ValueError as error:
         policy = None
         problems.insert(0, str(error))
-    if policy is not None and cfg.overwrite and cfg.out and Path(cfg.out).resolve() in policy.resolve().parents:
+    model = Path(os.path.expanduser(cfg.model)).resolve()
+    if cfg.overwrite and cfg.out and model.exists() and Path(cfg.out).resolve() in (model, *model.parents):
         problems.insert(0, f"--model {cfg.model} is in --out {cfg.out}, whose run --overwrite deletes before the "
                            "model loads: choose another --out")
     if problems:
@@ -122,11 +123,13 @@ def parse_args(argv: list[str] | None = None, prog: str = "trainer.py") -> Confi
         raise SystemExit(2)
     if policy is not None:
         taken = trained_with(cfg, policy)
-        if os.environ.get("RANK", "0") == "0":
-            print(f"periodic-rl: --model {cfg.model}: a run's folder: took its trained policy, {policy}"
-                  + ("".join(f", --{key.replace('_', '-')} {value}" for key, value in taken.items())
-                     + " (its model's defaults, not given)" if taken else ""), flush=True)
-        cfg = dataclasses.replace(cfg, model=str(policy), **taken)
+        said = ("".join(f", --{key.replace('_', '-')} {value}" for key, value in taken.items())
+                + " (the defaults its run had, not given)" if taken else "")
+        line = (f"a run's folder: took its trained policy, {policy}{said}" if policy != model else
+                f"a run's trained policy: took{said[1:]}" if taken else "")
+        if line and os.environ.get("RANK", "0") == "0":
+            print(f"periodic-rl: --model {cfg.model}: {line}", flush=True)
+        cfg = dataclasses.replace(cfg, model=str(policy), **taken)  # resolved: runs/latest moves on
     return derive(cfg)
 
 

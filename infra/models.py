@@ -226,8 +226,8 @@ def is_adapter_directory(source: str) -> bool:
 def merged_adapter(source: str, **load_kwargs) -> PreTrainedModel:
     """The model a LoRA adapter's folder makes: its base (adapter_config.json's base_model_name_or_path, loaded with
     `load_kwargs`) with the adapter merged in, W = W_0 + (alpha / r)·B A, as a plain model. A run started from a
-    --use-peft run's policy then starts from what that run learned (with --use-peft, a new adapter on top of it);
-    transformers alone would load the adapter unmerged and frozen (nothing to train)."""
+    --use-peft run's policy then starts from what that run learned, every weight trained (with --use-peft it is
+    refused: `load_model`); transformers alone would load the adapter unmerged and frozen (nothing to train)."""
     try:
         import peft
     except ImportError:

@@ -221,12 +221,15 @@ def is_run(path: Path) -> bool:
 
 
 def trained_policy(model: str) -> Path | None:
-    """The Hugging Face directory inside `model` when it is a folder this trainer wrote: a run's --out (its
-    config.json a run record) -> <out>/policy, a checkpoint-<k>/ -> its policy/; None for any other path. A TRL user
-    passes the output_dir to from_pretrained; here the model is one folder down, beside the run's records. ValueError
-    for a run that has no trained policy yet (it stopped before its last iteration), naming what it has."""
-    folder = Path(os.path.expanduser(model))
-    if CHECKPOINT.match(folder.resolve().name) and is_checkpoint(folder) and is_model_directory(folder / "policy"):
+    """The trained policy/ (resolved: runs/latest moves) that `model` names when this trainer wrote it: a run's --out
+    (its config.json a run record) -> <out>/policy, a checkpoint-<k>/ -> its policy/, either policy/ itself (what the
+    done line prints); None for any other path. A TRL user passes the output_dir to from_pretrained; here the model
+    is one folder down, beside the run's records. ValueError for a run that has no trained policy yet (it stopped
+    before its last iteration), naming what it has."""
+    folder = Path(os.path.expanduser(model)).resolve()
+    if folder.name == "policy" and (is_checkpoint(folder.parent) or is_record(folder.parent / "config.json")):
+        folder = folder.parent  # (is_checkpoint: an empty folder is one too; the policy/ check below decides)
+    if CHECKPOINT.match(folder.name) and is_checkpoint(folder) and is_model_directory(folder / "policy"):
         return folder / "policy"
     if not is_record(folder / "config.json"):
         return None
@@ -274,7 +277,10 @@ def run_folder(model: str, runs: Path = RUNS, now: float | None = None) -> Path:
     runs/latest) is named after that run's folder.
     """
     path = Path(model.rstrip("/"))
-    name = path.parent.resolve().name if path.name == "policy" else path.name  # a run's policy/: that run's name
+    if path.name == "policy":  # a run's policy/, or a checkpoint's: named after that run's folder
+        path = path.parent.resolve()
+        path = path.parent if CHECKPOINT.match(path.name) else path
+    name = path.name
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-.") or "run"
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
     make_directory(runs, "the runs folder")
@@ -324,15 +330,24 @@ def resume_or_start(cfg: Config) -> Config:
 
 def finished(cfg: Config, given: set[str]) -> str | None:
     """With --resume auto, a line saying the run in --out is complete (its policy/ saved, metrics.jsonl's final row
-    written) when no --iterations or --num-train-epochs beyond it is given; else None. The same command resubmitted
-    after the run's end then exits 0 and rewrites nothing (it was refused without checkpoints, and with them re-ran
-    the final evaluation and rewrote the final row)."""
+    written) when every option given is at the run's value (config.json); else None, and the resume goes on as
+    before: more --iterations continue the run, another value is refused. The same command resubmitted after the
+    run's end then exits 0 and rewrites nothing (it was refused without checkpoints, and with them re-ran the final
+    evaluation and rewrote the final row)."""
     out = Path(cfg.out) if cfg.resume == "auto" and cfg.out and not cfg.overwrite else None  # (both: refused)
     if out is None or not is_model_directory(out / "policy") or not any((out / "policy").iterdir()):
         return None
     rows = read_metrics(out / "metrics.jsonl") if is_metrics(out / "metrics.jsonl") else []
     final = next((row for row in reversed(rows) if isinstance(row, dict) and row.get("final")), None)
-    if final is None or "num_train_epochs" in given or "iterations" in given and cfg.iterations > final["iteration"]:
+    record = json.loads((out / "config.json").read_text()) if is_record(out / "config.json") else None
+    if final is None or record is None:
+        return None
+
+    def as_run_had(name: str) -> bool:  # a path given relative, or through a link, is the path it recorded
+        value, saved = getattr(cfg, name), record.get(name)
+        return value == saved or isinstance(value, str) and isinstance(saved, str) and os.path.exists(value) \
+            and Path(value).resolve() == Path(saved).resolve()
+    if not all(as_run_had(name) for name in given if name not in ("out", "resume", "config", "overwrite")):
         return None
     more = "; more --iterations go on from its newest checkpoint" if checkpoints(out) else ""
     return (f"--resume auto: the run in {out} is complete ({final['iteration']} iterations, its policy in "

@@ -13,9 +13,9 @@ Read from TRL 1.16: trl/trainer/grpo_config.py (GRPOConfig), transformers' Train
    Those of them that TRL derives when null (`DERIVED_AT_NULL`: generation_batch_size, ...) are ignored at null in a
    --config file, as ours are derived too: a GRPOConfig written out with its defaults runs as it is. TRL's batch keys
    (`TRL_BATCH_KEYS`: per_device_train_batch_size, gradient_accumulation_steps, ...), in a --config file or typed,
-   are translated as TRL derives its generation batch (`trl_batch`), unless --batch-size is given. TRL's step counts
-   (`TRL_STEPS`: max_steps, save_steps, eval_steps, with `STEP_STRATEGIES`), typed or in a file, count optimizer
-   steps: they become --iterations, --save-every and --eval-every (`trl_steps`).
+   are translated as TRL derives its generation batch (trl_config.trl_batch), unless --batch-size is given. TRL's
+   step counts (`TRL_STEPS`: max_steps, save_steps, eval_steps, with `STEP_STRATEGIES`), typed or in a file, count
+   optimizer steps: they become --iterations, --save-every and --eval-every (trl_config.trl_steps).
 3. `TRL_UNUSED`: a TRL name for something this trainer has no use for (it logs every iteration, never cuts prompts):
    a --config key, or a flag typed as for TRL (--bf16, --logging-steps 10), is ignored with one line saying why, so
    that a TRL config file or command line runs as it is.
@@ -43,7 +43,8 @@ TRL_ALIASES = {"num_generations": "group_size", "learning_rate": "lr", "max_comp
 TRL_DIFFERENT = {
     "num_generations_eval": "--eval-samples: responses per held-out prompt",
 }
-# TRL's (transformers') step counts: optimizer steps, read as whole iterations (`trl_steps`), typed or in a file
+# TRL's (transformers') step counts: optimizer steps, read as whole iterations (trl_config.trl_steps), typed or in
+# a file
 TRL_STEPS = {"max_steps": "iterations", "save_steps": "save_every", "eval_steps": "eval_every"}
 STEP_STRATEGIES = {"save_steps": "save_strategy", "eval_steps": "eval_strategy"}  # a count is read under its strategy
 TRL_STEP_KEYS = (*TRL_STEPS, *STEP_STRATEGIES.values())
@@ -126,7 +127,7 @@ DERIVED_AT_NULL = {"generation_batch_size": "--batch-size", "steps_per_generatio
 
 # TRL names for what this trainer does one way only: (the values that are that way, what it does, what to use for
 # another value or None where no option changes it). At one of those values a --config key is ignored with a line;
-# another is refused with one line (`fixed_refusal`); typed, it is refused.
+# another is refused with one line (trl_config.fixed_refusal); typed, it is refused.
 TRL_FIXED = {
     "use_vllm": ((False,), "sampling runs in this trainer's own engine and processes",
                  "--engine, --inference-workers or --inference-ranks"),

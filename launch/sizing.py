@@ -73,8 +73,9 @@ PROBE_BUDGET_S, PROBE_SHARE = 30.0, 0.1  # a probe predicted to take longer than
 
 
 class ProbeTooSlow(Exception):
-    """The probe's first timed call (one iteration's sampling, `seconds`) predicts `estimate` seconds of probing, over
-    its budget: a 0.5B-wide model on 2 cores spent 262 s probing a 344 s run."""
+    """The probe's first timed call (one iteration's sampling in one call, `seconds`) predicts `estimate` seconds of
+    probing, over its budget: a 0.5B-wide model on 2 cores spent 262 s probing a 344 s run. The estimate is a lower
+    bound: it costs every call size at the one-call time, and smaller calls cost more (the toy: 2.3x in all)."""
     def __init__(self, seconds: float, estimate: float):
         super().__init__(seconds, estimate)
         self.seconds, self.estimate = seconds, estimate
@@ -302,8 +303,9 @@ def choose(cfg, tri, tokenizer, train_examples, cores: int | None = None, min_ca
     slower than taking turns at two), and keeps the faster prediction."""
     if cfg.sized:
         return cfg, "", 1.0
-    print(f"periodic-rl: probing sizes (the toy: 5-25 s; at most {PROBE_SHARE:.0%} of the run's sampling or "
-          f"{PROBE_BUDGET_S:.0f} s, else sizes by rule; pass the printed flags to skip) ...", flush=True)  # then silent
+    print(f"periodic-rl: probing sizes (the toy: 5-25 s; by rule instead if its first call predicts more than "
+          f"{PROBE_BUDGET_S:.0f} s and {PROBE_SHARE:.0%} of the run's sampling; pass the printed flags to skip) ...",
+          flush=True)  # then silent
     started, cores, prompts = time.perf_counter(), cores or available_cores(), cfg.prompts_per_iteration
     cap = cfg.micro_batch_tokens or MICRO_BATCH_TOKENS
     given = math.ceil(prompts / cfg.groups_per_chunk) if cfg.groups_per_chunk else None
@@ -320,7 +322,7 @@ def choose(cfg, tri, tokenizer, train_examples, cores: int | None = None, min_ca
             tail = full.train_seconds if elastic else None  # the tail at every core (launch.setup.elastic_threads)
     except ProbeTooSlow as slow:
         return rule_sizes(cfg, cores, min_calls), (
-            f"probe: one iteration's sampling took {slow.seconds:.1f} s, so probing every size would take about "
+            f"probe: one iteration's sampling took {slow.seconds:.1f} s, so probing every size would take at least "
             f"{slow.estimate:.0f} s, over its budget: sizes by rule instead (--sizes rule); stopped after "
             f"{time.perf_counter() - started:.1f} s"), 1.0
     if cfg.mode == "sync":

@@ -243,7 +243,9 @@ def test_trls_prompt_column_wins_over_question(tmp_path):
     cfg, task, _, _ = trainer.prepare(parse_args(["--data", str(path), "--eval-size", "2"]))
     assert cfg.prompt_column == "prompt" and parse_args([]).prompt_column is None  # recorded as used; auto
     line = console.start_line(cfg, len(task.train), len(task.held_out), task.notes)
-    assert "10 train / 2 held-out prompts (prompts from column 'prompt' (TRL's), not 'question') |" in line
+    assert ("10 train / 2 held-out prompts (prompts from column 'prompt' (TRL's), not 'question'; 10 training "
+            "prompt(s), fewer than the 16 an iteration takes: each iteration samples some of them more than once) |"
+            in line)
     chosen = data.read_task(str(path), eval_size=2, prompt_column="question")
     assert chosen.train[4].prompt == "What is 4+1?" and chosen.notes == ()
     gsm8k = data.read_task(str(write_jsonl(tmp_path / "gsm.jsonl", gsm8k_rows(6))), eval_size=2)

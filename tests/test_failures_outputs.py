@@ -531,47 +531,62 @@ def test_the_readme_commands_run_again_and_rerun_from_another_folder(tiny_model_
 
 def test_a_runs_folder_as_model_is_its_trained_policy(tmp_path, capsys):
     """Claim: --model naming a folder this trainer wrote takes the model inside it, as a TRL user passes output_dir
-    to from_pretrained: a run's --out (config.json a run record) -> its policy/, a checkpoint-<k>/ -> its policy/;
-    a run with no policy/ yet is one line naming its newest checkpoint's (or saying it has none); any other folder
-    (a Hugging Face model directory) is left as it is."""
+    to from_pretrained: a run's --out (config.json a run record) -> its policy/, a checkpoint-<k>/ -> its policy/,
+    and either policy/ itself (the path the done line prints), resolved (runs/latest moves on: recorded through the
+    link, a resume or a rerun would take another run's weights); a run with no policy/ yet is one line naming its
+    newest checkpoint's (or saying it has none); any other folder is left as it is. What derive fills from the
+    model's name (--data, --lr, --max-new-tokens) follows the run that trained it, where not given. --overwrite of
+    an --out holding the model is refused: the run's deletion would come before the model loads."""
+    from infra import outputs
+    from infra.command_line import parse_args
     from infra.outputs import trained_policy
-    run = tmp_path / "run"
+    run = (tmp_path / "run").resolve()
     (run / "policy").mkdir(parents=True)
     (run / "config.json").write_text(json.dumps({"run_id": "r", "versions": {}}))
     with pytest.raises(ValueError, match="no trained policy .*it has no checkpoint either"):
         trained_policy(str(run))
     checkpoint = run / "checkpoint-3"
     (checkpoint / "policy").mkdir(parents=True)
-    (checkpoint / "state.json").write_text("{}")
+    (checkpoint / "state.json").write_text(json.dumps({"config": {"model": "tiny", "lr": 1e-4, "max_new_tokens": 8}}))
     for folder in (run / "policy", checkpoint / "policy"):
         (folder / "config.json").write_text("{}")
         (folder / "model.safetensors").write_bytes(b"")
-    assert trained_policy(str(checkpoint)) == checkpoint / "policy"
+    assert trained_policy(str(checkpoint)) == trained_policy(str(checkpoint / "policy") + "/") == checkpoint / "policy"
     (run / "policy" / "model.safetensors").unlink()
     (run / "policy" / "config.json").unlink()
     with pytest.raises(ValueError, match=f"newest checkpoint's is {checkpoint / 'policy'}; --resume auto"):
         trained_policy(str(run))
     (run / "policy" / "config.json").write_text("{}")
     (run / "policy" / "model.safetensors").write_bytes(b"")
-    assert trained_policy(str(run)) == run / "policy"
-    assert trained_policy(str(run / "policy")) is None  # a model directory: loaded as it is
-    from infra.command_line import parse_args
-    assert parse_args(["--model", str(run), "--data", "arithmetic"]).model == str(run / "policy")
-    assert f"--model {run}: a run's folder: took its trained policy, {run / 'policy'}" in capsys.readouterr().out
-    with pytest.raises(SystemExit):  # --overwrite would delete the model before it loads
-        parse_args(["--model", str(run), "--out", str(run), "--overwrite"])
-    assert capsys.readouterr().err == (f"trainer.py: error: --model {run} is in --out {run}, whose run --overwrite "
-                                       "deletes before the model loads: choose another --out\n")
-    # what derive fills from the model's name follows the run that trained it (a tiny run's: not gsm8k and 1e-6)
+    latest = tmp_path / "latest"
+    latest.symlink_to(run)
+    assert trained_policy(str(run)) == trained_policy(str(latest)) == trained_policy(str(run / "policy")) == \
+        trained_policy(str(latest / "policy")) == run / "policy"
+    assert trained_policy(str(tmp_path / "missing")) is None and trained_policy("Qwen/Qwen2.5-0.5B-Instruct") is None
+    model_folder = tmp_path / "model"  # a Hugging Face model directory of no run: loaded as it is
+    (model_folder / "policy").mkdir(parents=True)
+    assert trained_policy(str(model_folder)) is None and trained_policy(str(model_folder / "policy")) is None
+
+    assert parse_args(["--model", str(latest), "--data", "arithmetic"]).model == str(run / "policy")
+    assert f"--model {latest}: a run's folder: took its trained policy, {run / 'policy'}" in capsys.readouterr().out
+    for model in (run, run / "policy", latest):  # --overwrite would delete the model before it loads
+        with pytest.raises(SystemExit):
+            parse_args(["--model", str(model), "--out", str(latest), "--overwrite"])
+        assert capsys.readouterr().err == (f"trainer.py: error: --model {model} is in --out {latest}, whose run "
+                                           "--overwrite deletes before the model loads: choose another --out\n")
     (run / "config.json").write_text(json.dumps({"run_id": "r", "versions": {}, "model": "tiny", "data": None,
                                                  "lr": 1e-4, "max_new_tokens": 8}))
     cfg = parse_args(["--model", str(run), "--lr", "3e-5"])
     assert (cfg.model, cfg.data, cfg.lr, cfg.max_new_tokens) == (str(run / "policy"), "arithmetic", 3e-5, 8)
     assert capsys.readouterr().out.endswith(f"took its trained policy, {run / 'policy'}, --data arithmetic, "
-                                            "--max-new-tokens 8 (its model's defaults, not given)\n")
-    assert trained_policy(str(tmp_path / "missing")) is None and trained_policy("Qwen/Qwen2.5-0.5B-Instruct") is None
-    from infra import outputs
+                                            "--max-new-tokens 8 (the defaults its run had, not given)\n")
+    cfg = parse_args(["--model", str(checkpoint / "policy")])  # the policy/ itself, a checkpoint's
+    assert (cfg.model, cfg.data, cfg.lr, cfg.max_new_tokens) == (str(checkpoint / "policy"), "arithmetic", 1e-4, 8)
+    assert capsys.readouterr().out == (f"periodic-rl: --model {checkpoint / 'policy'}: a run's trained policy: took "
+                                       "--data arithmetic, --lr 0.0001, --max-new-tokens 8 (the defaults its run had, "
+                                       "not given)\n")
     assert outputs.run_folder(str(run / "policy"), tmp_path / "runs", now=1.8e9).name.startswith("run-2027")
+    assert outputs.run_folder(str(checkpoint / "policy"), tmp_path / "runs", now=1.8e9).name.startswith("run-2027")
 
 
 def test_resuming_in_place_from_a_checkpoint_the_run_went_past_is_refused(tmp_path):
@@ -604,8 +619,9 @@ def test_resuming_in_place_from_a_checkpoint_the_run_went_past_is_refused(tmp_pa
 def test_resume_auto_on_a_complete_run_exits_0_and_rewrites_nothing(tmp_path, capsys):
     """Claim: the preemptible recipe's command (--resume auto --out X) resubmitted after the run's end says the run
     is complete and exits 0, every file as it was: it was refused with exit 1 when the run kept no checkpoints, and
-    with checkpoints it re-ran the final evaluation and rewrote the final row's elapsed_s. More --iterations than
-    the run did still go on (None: the resume proceeds)."""
+    with checkpoints it re-ran the final evaluation and rewrote the final row's elapsed_s. Options given at the
+    run's values (config.json; --num-train-epochs too, a path through a link) are the same command; more
+    --iterations still go on, and another value is still refused by the resume (None: the resume proceeds)."""
     import trainer
     from config import Config
     from infra import outputs
@@ -613,7 +629,8 @@ def test_resume_auto_on_a_complete_run_exits_0_and_rewrites_nothing(tmp_path, ca
     (out / "policy").mkdir(parents=True)
     (out / "policy" / "config.json").write_text("{}")
     (out / "policy" / "model.safetensors").write_bytes(b"")
-    (out / "config.json").write_text(json.dumps({"run_id": "r", "versions": {}}))
+    (out / "config.json").write_text(json.dumps({"run_id": "r", "versions": {}, "iterations": 2, "data": "arithmetic",
+                                                 "lr": 1e-4, "num_train_epochs": 0.01, "model": str(out)}))
     rows = [{"iteration": 0, "eval_reward": 0.5}, {"iteration": 1}, {"iteration": 2, "final": True, "elapsed_s": 18.7}]
     (out / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     before = {path: path.read_bytes() for path in out.rglob("*") if path.is_file()}
@@ -621,7 +638,12 @@ def test_resume_auto_on_a_complete_run_exits_0_and_rewrites_nothing(tmp_path, ca
     assert f"--resume auto: the run in {out} is complete (2 iterations, its policy in {out / 'policy'}): nothing to " \
            "do" in capsys.readouterr().out
     assert {path: path.read_bytes() for path in out.rglob("*") if path.is_file()} == before
-    assert outputs.finished(Config(out=str(out), resume="auto", iterations=3), {"iterations"}) is None
+    assert outputs.finished(Config(out=str(out), resume="auto", iterations=3), {"iterations"}) is None  # goes on
+    assert outputs.finished(Config(out=str(out), resume="auto", lr=5e-5), {"lr"}) is None  # refused, as before
+    link = tmp_path / "link"
+    link.symlink_to(out)
+    assert outputs.finished(Config(out=str(out), resume="auto", lr=1e-4, num_train_epochs=0.01, model=str(link)),
+                            {"lr", "num_train_epochs", "model"})  # the run's own values (a path through a link)
     assert outputs.finished(Config(out=str(out), resume=None), set()) is None
     (out / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows[:2]))  # stopped before the end
     assert outputs.finished(Config(out=str(out), resume="auto"), set()) is None

@@ -139,8 +139,9 @@ def test_probe_changes_nothing_and_choose_fills_only_open_sizes(tiny_model_dir, 
     before = [p.detach().clone() for p in policy.parameters()]
     rng = torch.get_rng_state()
     chosen, note, gain = sizing.choose(cfg, tri, tokenizer, train)
-    assert capsys.readouterr().out == ("periodic-rl: probing sizes (the toy: 5-25 s; at most 10% of the run's sampling "
-                                       "or 30 s, else sizes by rule; pass the printed flags to skip) ...\n")
+    assert capsys.readouterr().out == ("periodic-rl: probing sizes (the toy: 5-25 s; by rule instead if its first "
+                                       "call predicts more than 30 s and 10% of the run's sampling; pass the printed "
+                                       "flags to skip) ...\n")
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(torch.equal(p, q) for p, q in zip(policy.parameters(), before))
     assert all(p.grad is None for p in policy.parameters())
