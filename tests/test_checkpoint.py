@@ -668,3 +668,41 @@ def test_another_iterations_is_refused_where_the_schedule_spans_the_run(schedule
         assert checkpoint.resumed_config(parse_args(argv), given_options(argv), state).iterations == 9
     argv = ["--iterations", "4"]
     assert checkpoint.resumed_config(parse_args(argv), given_options(argv), state).iterations == 4
+
+
+@pytest.mark.slow
+def test_a_run_starts_from_a_finished_runs_folder_through_a_link(finished_run, tmp_path):
+    """Claim: `--model runs/latest` (the README's way to go on from a finished run) trains from that run's saved
+    policy, end to end: the line names the resolved policy/ and the defaults taken from its run, the new run's
+    config.json records that resolved path (a link that moves on would hand a resume or a rerun another run's
+    weights), and its θ_0 is the finished run's policy (its checkpoint's fingerprint of θ_0 is that policy's, loaded
+    as the trainer loads it); the source run is untouched. A resubmission of the preemptible command on the finished
+    run exits 0, untouched."""
+    from infra.checkpoint import fingerprint
+    from infra.models import load_model
+    from safetensors.torch import load_file, save_file
+    source = copy_of(finished_run, tmp_path / "source")
+    weights = load_file(source / "policy" / "model.safetensors")  # (the untrained tiny model's rewards are all 0:
+    name = sorted(weights)[0]                                       # its 2 iterations left the base's weights)
+    save_file({**weights, name: weights[name] + 0.01}, source / "policy" / "model.safetensors", {"format": "pt"})
+    latest = tmp_path / "latest"
+    latest.symlink_to(source)
+    before = snapshot(source)
+    out = tmp_path / "next"
+    done = subprocess.run(trainer("--model", latest, "--iterations", "1", "--eval-every", "0", "--sizes", "rule",
+                                  "--save-every", "1", "--out", out), cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    policy = (source / "policy").resolve()
+    assert f"periodic-rl: --model {latest}: a run's folder: took its trained policy, {policy}" in done.stdout
+    record = json.loads((out / "config.json").read_text())
+    saved = json.loads((source / "config.json").read_text())
+    assert record["model"] == str(policy) and (record["lr"], record["max_new_tokens"]) == (saved["lr"],
+                                                                                          saved["max_new_tokens"])
+    theta_0 = json.loads((out / "checkpoint-1" / "state.json").read_text())["reference_fingerprint"]
+    assert theta_0 == fingerprint(load_model(str(policy))[0]) != fingerprint(load_model(saved["model"])[0])
+    assert snapshot(source) == before
+    again = subprocess.run(trainer("--resume", "auto", "--out", latest), cwd=ROOT, capture_output=True, text=True,
+                           timeout=120)
+    assert again.returncode == 0 and "is complete (2 iterations" in again.stdout, again.stderr
+    assert snapshot(source) == before
