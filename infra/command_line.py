@@ -121,16 +121,22 @@ def parse_args(argv: list[str] | None = None, prog: str = "trainer.py") -> Confi
     if problems:
         sys.stderr.write(f"{prog}: error: {problems[0]}\n")
         raise SystemExit(2)
-    if policy is not None:
-        taken = trained_with(cfg, policy)
-        said = ("".join(f", --{key.replace('_', '-')} {value}" for key, value in taken.items())
-                + " (the defaults its run had, not given)" if taken else "")
-        line = (f"a run's folder: took its trained policy, {policy}{said}" if policy != model else
-                f"a run's trained policy: took{said[1:]}" if taken else "")
-        if line and os.environ.get("RANK", "0") == "0":
-            print(f"periodic-rl: --model {cfg.model}: {line}", flush=True)
-        cfg = dataclasses.replace(cfg, model=str(policy), **taken)  # resolved: runs/latest moves on
-    return derive(cfg)
+    return derive(cfg if policy is None else from_trained_policy(cfg, policy))
+
+
+def from_trained_policy(cfg: Config, policy: Path) -> Config:
+    """`cfg` with --model the trained `policy` (outputs.trained_policy: resolved, as runs/latest moves on) and the
+    options its run had that `derive` would fill from the model's name (`trained_with`), said in one line on rank 0
+    when --model named the run's folder or something was taken."""
+    taken = trained_with(cfg, policy)
+    said = ("".join(f", --{key.replace('_', '-')} {value}" for key, value in taken.items())
+            + " (the defaults its run had, not given)" if taken else "")
+    line = (f"a run's folder: took its trained policy, {policy}{said}"
+            if policy != Path(os.path.expanduser(cfg.model)).resolve() else
+            f"a run's trained policy: took{said[1:]}" if taken else "")
+    if line and os.environ.get("RANK", "0") == "0":
+        print(f"periodic-rl: --model {cfg.model}: {line}", flush=True)
+    return dataclasses.replace(cfg, model=str(policy), **taken)
 
 
 def trained_with(cfg: Config, policy: Path) -> dict:
