@@ -373,11 +373,11 @@ def main(argv: list[str] | None = None) -> int:
             argv = sys.argv[1:] if argv is None else argv
             cfg = parse_args(argv)
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # two processes, each with its own threads
-            from infra import checkpoint, distributed
+            from infra import checkpoint, distributed, records
             given, ranks = given_options(argv), distributed.from_environment()  # torchrun's ranks; else one
             distributed.die_with_launcher(launcher)
             with open(os.devnull, "w") as devnull, redirect_stdout(devnull) if not ranks.is_main else nullcontext():
-                if line := outputs.finished(cfg, given):  # the same command resubmitted after the run's end
+                if line := records.finished(cfg, given):  # the same command resubmitted after the run's end
                     print(f"periodic-rl: {line}", flush=True)
                     return 0
                 cfg = outputs.resume_or_start(cfg)  # --resume auto where --out holds no run: a new one

@@ -56,7 +56,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Callable, Iterator
 
-from config import Config
+from config import MODEL_ALIASES, TINY_MODELS, Config
 from infra.errors import UserError
 from infra.tracking import TENSORBOARD_DIR
 
@@ -226,6 +226,8 @@ def trained_policy(model: str) -> Path | None:
     done line prints); None for any other path. A TRL user passes the output_dir to from_pretrained; here the model
     is one folder down, beside the run's records. ValueError for a run that has no trained policy yet (it stopped
     before its last iteration), naming what it has."""
+    if model in TINY_MODELS or model.lower() in MODEL_ALIASES:  # a name, even where a folder has it (records.py)
+        return None
     folder = Path(os.path.expanduser(model)).resolve()
     if folder.name == "policy" and (is_checkpoint(folder.parent) or is_record(folder.parent / "config.json")):
         folder = folder.parent  # (is_checkpoint: an empty folder is one too; the policy/ check below decides)
@@ -326,32 +328,6 @@ def resume_or_start(cfg: Config) -> Config:
         print(f"periodic-rl: --resume auto: {cfg.out} holds no run to continue; starting a new one", flush=True)
         return dataclasses.replace(cfg, resume=None)
     return cfg
-
-
-def finished(cfg: Config, given: set[str]) -> str | None:
-    """With --resume auto, a line saying the run in --out is complete (its policy/ saved, metrics.jsonl's final row
-    written) when every option given is at the run's value (config.json); else None, and the resume goes on as
-    before: more --iterations continue the run, another value is refused. The same command resubmitted after the
-    run's end then exits 0 and rewrites nothing (it was refused without checkpoints, and with them re-ran the final
-    evaluation and rewrote the final row)."""
-    out = Path(cfg.out) if cfg.resume == "auto" and cfg.out and not cfg.overwrite else None  # (both: refused)
-    if out is None or not is_model_directory(out / "policy") or not any((out / "policy").iterdir()):
-        return None
-    rows = read_metrics(out / "metrics.jsonl") if is_metrics(out / "metrics.jsonl") else []
-    final = next((row for row in reversed(rows) if isinstance(row, dict) and row.get("final")), None)
-    record = json.loads((out / "config.json").read_text()) if is_record(out / "config.json") else None
-    if final is None or record is None:
-        return None
-
-    def as_run_had(name: str) -> bool:  # a path given relative, or through a link, is the path it recorded
-        value, saved = getattr(cfg, name), record.get(name)
-        return value == saved or isinstance(value, str) and isinstance(saved, str) and os.path.exists(value) \
-            and Path(value).resolve() == Path(saved).resolve()
-    if not all(as_run_had(name) for name in given if name not in ("out", "resume", "config", "overwrite")):
-        return None
-    more = "; more --iterations go on from its newest checkpoint" if checkpoints(out) else ""
-    return (f"--resume auto: the run in {out} is complete ({final['iteration']} iterations, its policy in "
-            f"{out / 'policy'}): nothing to do{more}")
 
 
 def check_restartable(out: Path, found: list[Path]) -> None:

@@ -91,6 +91,34 @@ def absolute_paths(cfg: Config) -> Config:
         resume=absolute(cfg.resume) if cfg.resume not in (None, "auto") else cfg.resume)
 
 
+def finished(cfg: Config, given: set[str]) -> str | None:
+    """With --resume auto, a line saying the run in --out is complete (its policy/ saved, metrics.jsonl's final row
+    written) when every option given is at the run's value (config.json); else None, and the resume goes on as
+    before: more --iterations continue the run, another value is refused. The same command resubmitted after the
+    run's end then exits 0 and rewrites nothing (it was refused without checkpoints, and with them re-ran the final
+    evaluation and rewrote the final row)."""
+    out = Path(cfg.out) if cfg.resume == "auto" and cfg.out and not cfg.overwrite else None  # (both: refused)
+    if out is None or not outputs.is_model_directory(out / "policy") or not any((out / "policy").iterdir()):
+        return None
+    rows = outputs.read_metrics(out / "metrics.jsonl") if outputs.is_metrics(out / "metrics.jsonl") else []
+    final = next((row for row in reversed(rows) if isinstance(row, dict) and row.get("final")), None)
+    record = json.loads((out / "config.json").read_text()) if outputs.is_record(out / "config.json") else None
+    if final is None or record is None:
+        return None
+    recorded = absolute_paths(cfg)  # as config.json writes them: paths absolute, ~ expanded, rewards' files too
+
+    def as_run_had(name: str) -> bool:  # (a path through a link is the path it leads to)
+        value, saved = getattr(recorded, name), record.get(name)
+        return value == saved or isinstance(value, str) and isinstance(saved, str) and os.path.exists(value) \
+            and Path(value).resolve() == Path(saved).resolve()
+    if not all(as_run_had(name) for name in given if name not in ("out", "resume", "config", "overwrite")):
+        return None
+    more = "; more --iterations go on from its newest checkpoint" if outputs.checkpoints(out) else ""
+    done = final["iteration"]
+    return (f"--resume auto: the run in {out} is complete ({done} iteration{'s' * (done != 1)}, its policy in "
+            f"{out / 'policy'}): nothing to do{more}")
+
+
 class RunRecord:
     """<out>/config.json of one run: `write(cfg)` (again) whenever the run's options are final or change."""
 

@@ -676,8 +676,8 @@ def test_a_run_starts_from_a_finished_runs_folder_through_a_link(finished_run, t
     policy, end to end: the line names the resolved policy/ and the defaults taken from its run, the new run's
     config.json records that resolved path (a link that moves on would hand a resume or a rerun another run's
     weights), and its θ_0 is the finished run's policy (its checkpoint's fingerprint of θ_0 is that policy's, loaded
-    as the trainer loads it); the source run is untouched. A resubmission of the preemptible command on the finished
-    run exits 0, untouched."""
+    as the trainer loads it); the source run is untouched. The same command (--resume auto), resubmitted once the new
+    run is complete, exits 0 with every file as it was."""
     from infra.checkpoint import fingerprint
     from infra.models import load_model
     from safetensors.torch import load_file, save_file
@@ -689,9 +689,9 @@ def test_a_run_starts_from_a_finished_runs_folder_through_a_link(finished_run, t
     latest.symlink_to(source)
     before = snapshot(source)
     out = tmp_path / "next"
-    done = subprocess.run(trainer("--model", latest, "--iterations", "1", "--eval-every", "0", "--sizes", "rule",
-                                  "--save-every", "1", "--out", out), cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    command = trainer("--model", latest, "--iterations", "1", "--eval-every", "0", "--sizes", "rule", "--save-every",
+                      "1", "--out", out, "--resume", "auto")  # the preemptible recipe: the same command each time
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     policy = (source / "policy").resolve()
     assert f"periodic-rl: --model {latest}: a run's folder: took its trained policy, {policy}" in done.stdout
@@ -702,7 +702,7 @@ def test_a_run_starts_from_a_finished_runs_folder_through_a_link(finished_run, t
     theta_0 = json.loads((out / "checkpoint-1" / "state.json").read_text())["reference_fingerprint"]
     assert theta_0 == fingerprint(load_model(str(policy))[0]) != fingerprint(load_model(saved["model"])[0])
     assert snapshot(source) == before
-    again = subprocess.run(trainer("--resume", "auto", "--out", latest), cwd=ROOT, capture_output=True, text=True,
-                           timeout=120)
-    assert again.returncode == 0 and "is complete (2 iterations" in again.stdout, again.stderr
-    assert snapshot(source) == before
+    finished = snapshot(out)
+    again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)  # resubmitted at the end
+    assert again.returncode == 0 and f"the run in {out} is complete (1 iteration," in again.stdout, again.stderr
+    assert snapshot(out) == finished and snapshot(source) == before

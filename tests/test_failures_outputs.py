@@ -529,7 +529,7 @@ def test_the_readme_commands_run_again_and_rerun_from_another_folder(tiny_model_
     assert json.loads((rerun / "config.json").read_text())["data"] == record["data"]
 
 
-def test_a_runs_folder_as_model_is_its_trained_policy(tmp_path, capsys):
+def test_a_runs_folder_as_model_is_its_trained_policy(tmp_path, capsys, monkeypatch):
     """Claim: --model naming a folder this trainer wrote takes the model inside it, as a TRL user passes output_dir
     to from_pretrained: a run's --out (config.json a run record) -> its policy/, a checkpoint-<k>/ -> its policy/,
     and either policy/ itself (the path the done line prints), resolved (runs/latest moves on: recorded through the
@@ -587,6 +587,10 @@ def test_a_runs_folder_as_model_is_its_trained_policy(tmp_path, capsys):
                                        "not given)\n")
     assert outputs.run_folder(str(run / "policy"), tmp_path / "runs", now=1.8e9).name.startswith("run-2027")
     assert outputs.run_folder(str(checkpoint / "policy"), tmp_path / "runs", now=1.8e9).name.startswith("run-2027")
+    (tmp_path / "tiny").symlink_to(run)  # a run's folder named as the built-in model: the name wins, as it did
+    monkeypatch.chdir(tmp_path)
+    assert trained_policy("tiny") is None and parse_args(["--data", "arithmetic"]).model == "tiny"
+    assert parse_args(["--out", "tiny", "--overwrite", "--data", "arithmetic"]).model == "tiny"  # not refused
 
 
 def test_resuming_in_place_from_a_checkpoint_the_run_went_past_is_refused(tmp_path):
@@ -616,34 +620,40 @@ def test_resuming_in_place_from_a_checkpoint_the_run_went_past_is_refused(tmp_pa
             pass
 
 
-def test_resume_auto_on_a_complete_run_exits_0_and_rewrites_nothing(tmp_path, capsys):
+def test_resume_auto_on_a_complete_run_exits_0_and_rewrites_nothing(tmp_path, capsys, monkeypatch):
     """Claim: the preemptible recipe's command (--resume auto --out X) resubmitted after the run's end says the run
     is complete and exits 0, every file as it was: it was refused with exit 1 when the run kept no checkpoints, and
     with checkpoints it re-ran the final evaluation and rewrote the final row's elapsed_s. Options given at the
-    run's values (config.json; --num-train-epochs too, a path through a link) are the same command; more
-    --iterations still go on, and another value is still refused by the resume (None: the resume proceeds)."""
+    run's values (config.json, which writes paths absolute: a reward file and a ~ given as typed; --num-train-epochs
+    too, a path through a link) are the same command; more --iterations still go on, and another value is still
+    refused by the resume (None: the resume proceeds)."""
     import trainer
     from config import Config
-    from infra import outputs
+    from infra import records
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "rw.py").write_text("def length(prompt, completion, answer):\n    return float(len(completion))\n")
     out = tmp_path / "run"
     (out / "policy").mkdir(parents=True)
     (out / "policy" / "config.json").write_text("{}")
     (out / "policy" / "model.safetensors").write_bytes(b"")
-    (out / "config.json").write_text(json.dumps({"run_id": "r", "versions": {}, "iterations": 2, "data": "arithmetic",
-                                                 "lr": 1e-4, "num_train_epochs": 0.01, "model": str(out)}))
+    (out / "config.json").write_text(json.dumps({
+        "run_id": "r", "versions": {}, "iterations": 2, "data": "arithmetic", "lr": 1e-4, "num_train_epochs": 0.01,
+        "model": str(out), "reward": ["math", f"{tmp_path / 'rw.py'}:length"], "cache_dir": str(tmp_path / "home/hf")}))
     rows = [{"iteration": 0, "eval_reward": 0.5}, {"iteration": 1}, {"iteration": 2, "final": True, "elapsed_s": 18.7}]
     (out / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     before = {path: path.read_bytes() for path in out.rglob("*") if path.is_file()}
-    assert trainer.main(["--resume", "auto", "--out", str(out), "--iterations", "2", "--data", "arithmetic"]) == 0
-    assert f"--resume auto: the run in {out} is complete (2 iterations, its policy in {out / 'policy'}): nothing to " \
-           "do" in capsys.readouterr().out
+    assert trainer.main(["--resume", "auto", "--out", "run", "--iterations", "2", "--data", "arithmetic", "--reward",
+                         "math", "rw.py:length", "--cache-dir=~/hf"]) == 0
+    assert f"--resume auto: the run in run is complete (2 iterations, its policy in {Path('run/policy')}): nothing " \
+           "to do" in capsys.readouterr().out
     assert {path: path.read_bytes() for path in out.rglob("*") if path.is_file()} == before
-    assert outputs.finished(Config(out=str(out), resume="auto", iterations=3), {"iterations"}) is None  # goes on
-    assert outputs.finished(Config(out=str(out), resume="auto", lr=5e-5), {"lr"}) is None  # refused, as before
+    assert records.finished(Config(out=str(out), resume="auto", iterations=3), {"iterations"}) is None  # goes on
+    assert records.finished(Config(out=str(out), resume="auto", lr=5e-5), {"lr"}) is None  # refused, as before
     link = tmp_path / "link"
     link.symlink_to(out)
-    assert outputs.finished(Config(out=str(out), resume="auto", lr=1e-4, num_train_epochs=0.01, model=str(link)),
+    assert records.finished(Config(out=str(out), resume="auto", lr=1e-4, num_train_epochs=0.01, model=str(link)),
                             {"lr", "num_train_epochs", "model"})  # the run's own values (a path through a link)
-    assert outputs.finished(Config(out=str(out), resume=None), set()) is None
+    assert records.finished(Config(out=str(out), resume=None), set()) is None
     (out / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows[:2]))  # stopped before the end
-    assert outputs.finished(Config(out=str(out), resume="auto"), set()) is None
+    assert records.finished(Config(out=str(out), resume="auto"), set()) is None
