@@ -36,6 +36,13 @@ MODEL_ALIASES = {**{f"qwen2.5-{size}": f"Qwen/Qwen2.5-{size.upper()}-Instruct"
                     for size in ("0.5b", "1.5b", "3b", "7b", "14b", "32b", "72b")},
                  **{f"qwen3-{size}": f"Qwen/Qwen3-{size.upper()}"
                     for size in ("0.6b", "1.7b", "4b", "8b", "14b", "32b")}}
+
+
+def is_model_name(model: str) -> bool:
+    """Whether --model is an offline model's name or an alias: a name, even where a folder has it."""
+    return model in TINY_MODELS or model.lower() in MODEL_ALIASES
+
+
 # The sizes (fields below) that --sizes chooses when not given (`derive`, launch/sizing.py; distributed.share_sizes)
 SIZE_FIELDS = ("groups_per_chunk", "micro_batch_tokens", "rollout_threads", "train_threads", "tail_threads")
 

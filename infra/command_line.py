@@ -38,7 +38,7 @@ import re
 import sys
 from pathlib import Path
 
-from config import MODEL_ALIASES, SIZE_FIELDS, TINY_MODELS, Config
+from config import SIZE_FIELDS, Config, is_model_name
 from infra.options import BOOL_WORDS, build_parser, closest_name, derive, unknown_option, validate
 from infra.outputs import trained_policy
 from infra.trl_config import (is_fixed_value, number_of_steps, switch_line, switch_taken, trl_batch_options, trl_keys,
@@ -115,8 +115,8 @@ def parse_args(argv: list[str] | None = None, prog: str = "trainer.py") -> Confi
         policy = None
         problems.insert(0, str(error))
     model = Path(os.path.expanduser(cfg.model)).resolve()
-    named = cfg.model in TINY_MODELS or cfg.model.lower() in MODEL_ALIASES  # a name, even where a folder has it
-    inside = cfg.out and not named and model.exists() and Path(cfg.out).resolve() in (model, *model.parents)
+    inside = (cfg.out and not is_model_name(cfg.model) and model.exists()
+              and Path(cfg.out).resolve() in (model, *model.parents))
     if cfg.overwrite and inside:
         problems.insert(0, f"--model {cfg.model} is in --out {cfg.out}, whose run --overwrite deletes before the "
                            "model loads: choose another --out")

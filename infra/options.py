@@ -23,7 +23,7 @@ import os
 import textwrap
 import typing
 
-from config import MODEL_ALIASES, SECTIONS, TINY_MODELS, Config
+from config import MODEL_ALIASES, SECTIONS, TINY_MODELS, Config, is_model_name
 from infra.tracking import installed_trackers
 from infra.trl_names import TRL_ALIASES, TRL_DIFFERENT, TRL_FIXED, TRL_UNUSED, epilog
 
@@ -376,8 +376,7 @@ def misspelt_model(model: str) -> str | None:
     """The offline model or alias `model` misspells ("tinyy" -> "tiny"), when it is neither a folder nor a hub id
     (org/name) nor one of them; else None. Checked with the options, before the data (--model tinyy read gsm8k, the
     default data of a model that is not tiny, and failed offline on the hub before the model was named)."""
-    if "/" in model or os.path.exists(os.path.expanduser(model)) or model.lower() in MODEL_ALIASES \
-            or model in TINY_MODELS:
+    if "/" in model or os.path.exists(os.path.expanduser(model)) or is_model_name(model):
         return None
     found = difflib.get_close_matches(model.lower(), [*TINY_MODELS, *MODEL_ALIASES], n=1, cutoff=0.8)
     return found[0] if found else None

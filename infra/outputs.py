@@ -56,7 +56,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Callable, Iterator
 
-from config import MODEL_ALIASES, TINY_MODELS, Config
+from config import Config, is_model_name
 from infra.errors import UserError
 from infra.tracking import TENSORBOARD_DIR
 
@@ -184,6 +184,11 @@ def is_model_directory(path: Path) -> bool:
         name.endswith(".safetensors") for name in names)
 
 
+def has_policy(folder: Path) -> bool:
+    """Whether `folder` holds a trained policy/ (`is_model_directory`, not empty): a finished run's."""
+    return is_model_directory(folder / "policy") and any((folder / "policy").iterdir())
+
+
 def is_checkpoint(path: Path) -> bool:
     """A checkpoint-<k>/ of this trainer (it has state.json; a torn one never has the name), or empty."""
     return path.is_dir() and (not any(path.iterdir()) or (path / "state.json").is_file())
@@ -226,7 +231,7 @@ def trained_policy(model: str) -> Path | None:
     done line prints); None for any other path. A TRL user passes the output_dir to from_pretrained; here the model
     is one folder down, beside the run's records. ValueError for a run that has no trained policy yet (it stopped
     before its last iteration), naming what it has."""
-    if model in TINY_MODELS or model.lower() in MODEL_ALIASES:  # a name, even where a folder has it (records.py)
+    if is_model_name(model):
         return None
     folder = Path(os.path.expanduser(model)).resolve()
     if folder.name == "policy" and (is_checkpoint(folder.parent) or is_record(folder.parent / "config.json")):
@@ -235,7 +240,7 @@ def trained_policy(model: str) -> Path | None:
         return folder / "policy"
     if not is_record(folder / "config.json"):
         return None
-    if is_model_directory(folder / "policy") and any((folder / "policy").iterdir()):
+    if has_policy(folder):
         return folder / "policy"
     found = checkpoints(folder)
     newest = (f"its newest checkpoint's is {found[-1] / 'policy'}; --resume auto --out {model} finishes the run"

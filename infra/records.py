@@ -29,7 +29,7 @@ import secrets
 import subprocess
 from pathlib import Path
 
-from config import MODEL_ALIASES, TINY_MODELS, Config
+from config import Config, is_model_name
 from infra import outputs
 
 RECORD = "config.json"
@@ -80,8 +80,7 @@ def absolute_paths(cfg: Config) -> Config:
         module, sep, function = spec.rpartition(":")
         return absolute(module) + sep + function if module.endswith(".py") else spec
     # an alias names a hub model even where a folder has its name
-    local_model = (cfg.model not in TINY_MODELS and cfg.model.lower() not in MODEL_ALIASES
-                   and os.path.isdir(os.path.expanduser(cfg.model)))
+    local_model = not is_model_name(cfg.model) and os.path.isdir(os.path.expanduser(cfg.model))
     local_data = cfg.data is not None and looks_like_path(cfg.data) and os.path.exists(os.path.expanduser(cfg.data))
     optional = {name: absolute(getattr(cfg, name)) for name in ("cache_dir", "out", "trace", "config")
                 if getattr(cfg, name)}
@@ -98,7 +97,7 @@ def finished(cfg: Config, given: set[str]) -> str | None:
     run's end then exits 0 and rewrites nothing (it was refused without checkpoints, and with them re-ran the final
     evaluation and rewrote the final row)."""
     out = Path(cfg.out) if cfg.resume == "auto" and cfg.out and not cfg.overwrite else None  # (both: refused)
-    if out is None or not outputs.is_model_directory(out / "policy") or not any((out / "policy").iterdir()):
+    if out is None or not outputs.has_policy(out):
         return None
     rows = outputs.read_metrics(out / "metrics.jsonl") if outputs.is_metrics(out / "metrics.jsonl") else []
     final = next((row for row in reversed(rows) if isinstance(row, dict) and row.get("final")), None)
