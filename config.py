@@ -150,8 +150,7 @@ class Config:
                                "model, else Hugging Face generate with a line saying why; compile: auto with the "
                                "decoder layers of its decode step through one torch.compile shared by all layers, "
                                "and its draw (fused norms, rotary, activations and softmax; the first call compiles "
-                               "one layer; off CPU the sampler's q|k|v and gate|up also run as one product each, "
-                               "except on inference ranks; meant for GPUs, measured by bench.py gpu); hf: "
+                               "one layer; meant for GPUs, measured by bench.py gpu); hf: "
                                "generate always (the reference)", choices=ENGINES)
     lr: float | None = _opt(None, "AdamW learning rate (default: 1e-4 for tiny, 1e-6 otherwise)")
     lr_scheduler_type: str = _opt("linear", "learning-rate schedule over the run's optimizer steps (iterations x "

@@ -1,98 +1,62 @@
 """One generate call's rollouts: each prompt prefilled once, a preallocated cache, a fixed-shape decode step, and
-random draws decided by the seed alone.
+random draws decided by the seed alone. Only torch and transformers are imported: copy it alone.
 
-    responses = sample_groups(model, prompts, group_size=G, max_new_tokens=M, temperature=T, top_p=p,
-                              stop_ids=eos_ids, keys=[(seed, iteration, j) for j in prompt_indices])
+    >>> import torch, transformers
+    >>> model = transformers.AutoModelForCausalLM.from_config(transformers.Qwen2Config(vocab_size=32, hidden_size=16,
+    ...     intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)).eval()
+    >>> responses = sample_groups(model, [[1, 2, 3], [4]], group_size=2, max_new_tokens=3)
+    >>> [len(group) for group in responses], all(1 <= len(r) <= 3 for group in responses for r in group)
+    ([2, 2], True)
 
-returns responses[j][i], sample i of prompt j, cut after its first stop id (kept), and calls
-on_done(j, responses[j]) the moment prompt j's G responses have all stopped: the completion order that
-rollout.py's `generate` path streams groups in. Only torch and transformers are imported: copy it alone.
-
-One call, on the Hugging Face model's own layers:
+responses[j][i] is sample i of prompt j, cut after its first stop id (kept; default: the model's EOS ids);
+on_done(j, responses[j]) runs the moment prompt j's G responses have all stopped: the completion order
+rollout.py streams groups in. One call, on the Hugging Face model's own layers:
   1. Prefill: each prompt once, unpadded, its keys and values written straight into the cache rows of its
-     G samples: the paper's shared-prompt idea on the sampling side (`generate` computes every prompt G
-     times, padded to the longest). Short prompts are packed: one forward of shape (1, P_a + P_b + ...)
-     with a block-diagonal causal mask and position ids restarting at 0 per prompt, so each prompt sees
-     only itself. Each prompt's last logits give its samples' first tokens.
+     G samples (`generate` computes every prompt G times, padded to the longest). Short prompts are packed
+     in one forward (1, P_a + P_b + ...) with a block-diagonal causal mask, positions restarting per prompt.
   2. Decode: one forward of shape (n, 1) per step over the first n cache rows. Row r feeds its last token at
-     position P_r + t - 1 (explicit position ids), writes that token's keys and values at the cache slot of
-     the same number and attends to slots 0 .. P_r + t - 1 (an additive (n, 1, 1, L) mask over the whole
-     preallocated cache). Drawing, the stop test and the bookkeeping (tokens, lengths, the step at which
-     each row stopped) stay on the device.
-  3. Every `check_every` steps (1 on CPU, where reading the device costs nothing; else 8) the host reads
-     which rows stopped and at which step. Groups whose G rows have all stopped go to on_done ordered by
-     the step their last row stopped, then by prompt: the exact completion order, however late it looks.
+     position P_r + t - 1, writes its keys and values at the slot of that number and attends to slots
+     0 .. P_r + t - 1 (an additive (n, 1, 1, L) mask over the whole preallocated cache: a fixed shape).
+     Drawing, the stop test and the bookkeeping stay on the device.
+  3. Every `check_every` steps (1 on CPU, else 8) the host reads which rows stopped and when; groups whose G
+     rows have all stopped go to on_done, ordered by the step their last row stopped, then by prompt.
   4. Stopped rows are compacted away (the live rows' cache moves to the front, n shrinks), and the room
      this frees is refilled with whole prompts not yet started, up to `max_rows` rows in flight.
 
-The draw, and why chunk sizes never change a token. Row (j, i) at response step t, with logits z ∈ R^V:
+The draw. Row (j, i) at response step t, with logits z ∈ R^V:
     u     = U(key_j, i, t) ∈ [0, 1)   output t of a SplitMix64 stream seeded by a hash of (key_j..., i)
     p     = softmax(z / T)             what the trainer scores: its log-probs are log_softmax(z / T)
-    S     = the tokens transformers' warpers keep, in generate's order: the top_k most likely (ties with
-            the k-th kept; all when top_k = 0), of those the smallest top set holding top_p of their mass
-            (TopPLogitsWarper), of those the ones with p >= min_p · max p (MinPLogitsWarper); never empty
+    S     = the tokens transformers' warpers keep, in generate's order: top_k, then top_p, then min_p
     token = the s ∈ S with F(s⁻) <= u·F(S) < F(s), F the running sum of p over S
-            (in vocabulary order when S is all of V, else in descending order: any fixed order draws p|S)
-so P(token = s) = p_s / Σ_S p: the scored distribution truncated as asked, and nothing else. u is a
-function of (key, sample, step) alone, so which prompts share a call, the batch size, compaction, refill,
-workers and ranks never decide a token. (Logits can still differ in their last bits between batch shapes
-where a BLAS kernel blocks by size; a token then flips only if u·F(S) falls within that rounding of a
-boundary of F.) greedy=True takes argmax z instead; the tests compare it with `generate`.
-
-Stopped rows: compaction, with the freed room refilled by whole new prompts. On CPU a decode step costs
-a fixed overhead plus a share per row, so a stopped row left in the batch (refill in place, the fixed
-shape a CUDA graph likes) pays for nothing until a new prompt takes its slot, and in the iteration's last
-steps none will: with every row in flight at once (max_rows None, the default) there is nothing to refill
-with at all. Compaction decodes only live rows; admitting whole prompts into the room it frees keeps the
-batch full when max_rows bounds it, where compaction alone would wait for the whole batch (waves).
+so P(token = s) = p_s / Σ_S p, and u is a function of (key, sample, step) alone: which prompts share a call,
+the batch size, compaction, refill, workers and ranks never decide a token (logits may still differ in their
+last bits between batch shapes; a token then flips only if u·F(S) falls within that rounding of a boundary).
+greedy=True takes argmax z instead.
 
 Departures, on purpose:
-1. Another random stream than `generate`'s torch.multinomial: sampled tokens differ from the hf path's
-   (greedy ones are equal), and are reproducible from the keys alone.
-2. Only temperature, top-k, top-p and min-p shape the distribution (as in rollout.py): no repetition penalty.
-3. The inverse CDF runs in two levels (which block of BLOCK tokens, then which token in it): a float32
-   running sum over 151,936 tokens would blur the small probabilities (each step of it rounds to ~1e-7 of
-   the whole), and a float64 pass over all of them costs as much as the rest of the draw on CPU.
-4. On CPU the output layer is applied as W·hᵀ, (V, H)·(H, n): the same product as nn.Linear's h·Wᵀ, which
-   MKL runs markedly slower for a few rows on this project's (AMD) CPU. Elsewhere it is h·Wᵀ: the draw's
-   passes over (n, V) read it contiguously (the transposed view cost a 0.19 ms strided copy per H100 step).
-5. The decode step attends over the whole preallocated cache, masked: its shape never depends on the step.
-6. On CUDA the decode step is captured as a CUDA graph per row-count bucket (powers of two up to
-   max_rows) and replayed; graphs read the parameters where they are, so weights copied into them in
-   place (param.copy_) need no recapture. Captured once per call, not kept across calls;
-   cuda_graphs=False turns it off, and a capture that fails falls back to eager steps with a line saying so.
-7. Checked models: Qwen2, Qwen3, Llama and Mistral shapes with full causal attention (Mistral: sliding_window
-   None, as v0.2 onwards), sdpa or eager attention
+1. Another random stream than `generate`'s torch.multinomial: tokens differ from the hf path's (greedy ones are
+   equal), and are reproducible from the keys alone.
+2. Only temperature, top-k, top-p and min-p shape the distribution: no repetition penalty.
+3. The inverse CDF runs in two levels (which block of BLOCK tokens, then which token in it): a float32 running
+   sum over 151,936 tokens would blur the small probabilities, a float64 one over all of them costs the draw again.
+4. On CPU the output layer runs as W·hᵀ, (V, H)·(H, n), which MKL runs faster for a few rows than h·Wᵀ; elsewhere
+   h·Wᵀ, so that the draw reads the (n, V) logits contiguously.
+5. The decode step's attention is `decode_attention`, not the model's: the query heads of each key head folded
+   into one query, the cache read once (Hugging Face's sdpa path copies it per query head when given a mask).
+6. pad_to_multiple_of rounds the cache length and each packed prefill row up (the padding is masked and never
+   cached), so that the calls of a run share a few shapes (cuDNN builds a graph per shape).
+7. Checked models: Qwen2, Qwen3, Llama and Mistral shapes with full causal attention, sdpa or eager attention
    (`unsupported_reason` says why not otherwise).
-8. The decode step's attention is `decode_attention`, not the model's own: the query heads of each key
-   head folded into one query (Hugging Face's sdpa path copies the cache once per query head when a
-   mask is given; docs/benchmarks.md measures the difference). Prefill keeps the model's attention.
-9. pad_to_multiple_of rounds the cache length and each packed prefill row up (the padding is masked and
-   never cached), so the calls of a run share a few shapes: cuDNN's attention, the first choice of
-   torch's SDPA on recent GPUs, builds a graph for every new shape.
-10. compile_step (--engine compile) compiles the decoder layers, one compilation shared by all of them
-   (compiled_layers), and the decode step's draw (compiled_draw); the cache writes, the mask and the rows'
-   bookkeeping stay eager: the whole step compiled as one function recompiled as shapes changed and ran
-   slower than eager on an H100, and so did the layers with their cache writes (docs/benchmarks.md). If
-   compiling fails (no C++ compiler, no Triton), one line says so and the process decodes eagerly.
-11. attention="flex" (not yet a trainer option: the GPU table measures it first) attends with torch's
-   flex_attention over the cache blocks each row has written (flex_decode_attention), where decode_attention
-   reads the whole preallocated cache of every row; the cache length is then a multiple of FLEX_BLOCK.
-12. A model through fuse_projections (--engine compile off CPU: rollout.fuse_sampler) decodes with q|k|v and
-   gate|up as one matrix product each, and writes a layer's new keys and values with one kernel (fused_attention,
-   fused_mlp: the layer's own attention and MLP forwards otherwise; RowCache.update_both). A BLAS may
-   sum a fused product in another order than the separate ones: last-bit differences, so a token can flip at a
-   near-tie, as between batch shapes.
+8. `decode_step` may replace the eager step: infra/compiled_step.py compiles its layers and draw and captures
+   it in CUDA graphs (the same step: it reads and writes the same tensors of `Rollouts`).
 """
 from __future__ import annotations
 
-import contextlib
 import inspect
-import sys
-import types
 from typing import Callable
 
 import torch
+
 
 CHECKED_TYPES = ("qwen2", "qwen3", "llama", "mistral")
 RUNNING = 2**62  # the stop step of a row still decoding
@@ -245,9 +209,7 @@ def checked_draw(logits: torch.Tensor, seeds: torch.Tensor, lengths: torch.Tenso
 # --- the cache ---
 class RowCache:
     """Every row's keys and values, preallocated: (layers, rows, kv_heads, L, head_dim) each, L = P_max + M
-    (rounded up to a multiple of pad_to_multiple_of). With `joint` (fused projections) they are views of one tensor
-    `both` (layers, rows, 2, kv_heads, L, head_dim), so that a row's new key and value are written by one indexing
-    kernel (update_both); else each is contiguous, as attention kernels read best.
+    (rounded up to a multiple of pad_to_multiple_of).
 
     Hugging Face's attention layers call update(key, value, layer) with the new tokens' keys and values and
     attend over what it returns. Set before each forward:
@@ -258,23 +220,18 @@ class RowCache:
       positions (n,):     key (n, kv, 1, D), row r's written at slot positions[r]; the first n rows' whole
                           cache is returned (the mask hides the slots not yet written)."""
 
-    def __init__(self, model, rows: int, length: int, joint: bool = False):
+    def __init__(self, model, rows: int, length: int):
         config = model.config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         weight = model.get_output_embeddings().weight
-        shape = (config.num_hidden_layers, rows, 2, config.num_key_value_heads, length, head_dim)
-        if joint:
-            self.both = torch.zeros(shape, dtype=weight.dtype, device=weight.device)  # (layers, rows, 2, kv, L, D)
-            self.keys, self.values = self.both[:, :, 0], self.both[:, :, 1]            # (layers, rows, kv, L, D)
-        else:
-            self.both = None
-            self.keys = torch.zeros(shape[:2] + shape[3:], dtype=weight.dtype, device=weight.device)
-            self.values = torch.zeros_like(self.keys)                                  # (layers, rows, kv, L, D)
+        shape = (config.num_hidden_layers, rows, config.num_key_value_heads, length, head_dim)
+        self.keys = torch.zeros(shape, dtype=weight.dtype, device=weight.device)      # (layers, rows, kv, L, D)
+        self.values = torch.zeros_like(self.keys)                                      # (layers, rows, kv, L, D)
         self.row_index = torch.arange(rows, device=weight.device)
-        self.prefill_slots: torch.Tensor | None = None
+        self.prefill_slots: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.positions: torch.Tensor | None = None
 
-    @torch.compiler.disable  # under --engine compile: eager (compiled_layers says why)
+    @torch.compiler.disable  # eager inside compiled layers: compiled, its writes into a view copied the whole slice
     def update(self, key: torch.Tensor, value: torch.Tensor, layer: int, *args, **kwargs):
         if self.positions is None:
             rows, slots, sources = self.prefill_slots  # (N,) each: cache row, its slot, the packed position
@@ -288,25 +245,14 @@ class RowCache:
         values[rows, :, self.positions] = value[:, :, 0]
         return keys, values
 
-    @torch.compiler.disable
-    def update_both(self, both: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A decode step's keys and values stacked, (n, 2, kv, D), written in one kernel (fused_attention stacks them
-        inside the compiled layer); the first n rows' keys and values returned, (n, kv, L, D) each."""
-        n = self.positions.shape[0]
-        self.both[layer, :n][self.row_index[:n], :, :, self.positions] = both  # (n, 2, kv, D) one slot per row
-        return self.keys[layer, :n], self.values[layer, :n]
-
     def get_seq_length(self, layer: int = 0) -> int:
         """transformers < 5 asks this to number the new tokens when no positions are given; ours are given."""
         return 0
 
     def compact(self, keep: torch.Tensor) -> None:
         """Move rows `keep` (m,) to the front, in order."""
-        if self.both is not None:
-            self.both[:, :len(keep)] = self.both[:, keep]
-        else:
-            self.keys[:, :len(keep)] = self.keys[:, keep]
-            self.values[:, :len(keep)] = self.values[:, keep]
+        self.keys[:, :len(keep)] = self.keys[:, keep]
+        self.values[:, :len(keep)] = self.values[:, keep]
 
 
 def cache_argument(module) -> str:
@@ -326,8 +272,7 @@ def decode_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
 
     Query head h reads key head h // (H/K) (what repeat_kv builds), so the H/K query heads of a key head are
     folded into a query of H/K positions: softmax(q·kᵀ·scale + mask)·v over (n, K, H/K, D) x (n, K, L, D),
-    with no copy of the cache per query head (Hugging Face's sdpa path repeats it whenever a mask is given:
-    H/K copies of every layer's keys and values per step)."""
+    with no copy of the cache per query head."""
     n, heads, _, dim = query.shape
     groups = key.shape[1]
     folded = query.reshape(n, groups, heads // groups, dim)                                     # (n, K, H/K, D)
@@ -336,182 +281,30 @@ def decode_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     return out.reshape(n, 1, heads, dim), None                                                  # (n, 1, H, D)
 
 
-FLEX_DECODE_ATTENTION = "periodic_rl_flex_decode"
-FLEX_BLOCK = 128  # cache slots per block of flex_decode_attention's block mask
-_COMPILED_FLEX: list[Callable] = []  # torch.compile of flex_attention, for the process
-FLEX_FAILED: str | None = None  # why compiling flex_attention failed in this process, once it has
-FLEX_EAGER_DEVICES = ("cpu",)  # device types where flex_decode_attention runs eagerly outside compiled layers
-
-
-def flex_decode_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                          attention_mask, scaling: float | None = None, dropout: float = 0.0,
-                          **kwargs) -> tuple[torch.Tensor, None]:
-    """decode_attention that reads only the cache blocks a row has written: query (n, H, 1, D), key and value
-    (n, K, L, D), attention_mask a BlockMask (Rollouts.block_mask) listing row r's blocks 0 .. ⌊p_r / FLEX_BLOCK⌋
-    and masking slots > p_r inside the last -> (n, 1, H, D); grouped query heads read their key head in place
-    (enable_gqa). `decode_attention` reads all L slots of every row whatever its length: at 128 rows of prompts
-    96-445 tokens, 53% of what it reads is written (docs/benchmarks.md).
-
-    torch's flex_attention is compiled off CPU (its eager form is a slow reference): inside compiled layers
-    (--engine compile) with them, else through its own torch.compile. On CPU it runs eagerly unless the layers
-    are compiled (torch 2.13's Inductor failed to build its CPU kernel for some shapes). If compiling it fails,
-    one line says so and the process attends with the eager form (FLEX_FAILED): the same output, slower."""
-    global FLEX_FAILED
-    from torch.nn.attention.flex_attention import flex_attention
-    args = dict(block_mask=attention_mask, scale=scaling, enable_gqa=True)
-    if query.device.type not in FLEX_EAGER_DEVICES and FLEX_FAILED is None and not torch.compiler.is_compiling():
-        if not _COMPILED_FLEX:
-            _COMPILED_FLEX.append(torch.compile(flex_attention))
-        try:
-            return _COMPILED_FLEX[0](query, key, value, **args).transpose(1, 2), None                  # (n, 1, H, D)
-        except compile_errors() as error:
-            FLEX_FAILED = failure_line(error)
-            print(f"engine: compiling flex attention failed, attending with its eager form: {FLEX_FAILED}",
-                  file=sys.stderr, flush=True)
-    return flex_attention(query, key, value, **args).transpose(1, 2), None                          # (n, 1, H, D)
-
-
-def register_decode_attention() -> None:
-    """Make `decode_attention` and `flex_decode_attention` known to transformers (idempotent)."""
-    from transformers import AttentionInterface
-    AttentionInterface.register(DECODE_ATTENTION, decode_attention)
-    AttentionInterface.register(FLEX_DECODE_ATTENTION, flex_decode_attention)
-
-
-# --- q|k|v and gate|up as one matrix product each (fuse_projections) ---
-FUSED = (("self_attn", ("q_proj", "k_proj", "v_proj"), "qkv"), ("mlp", ("gate_proj", "up_proj"), "gate_up"))
-
-
-def fuse_projections(model) -> str | None:
-    """Seat each decoder layer's q, k, v weights (and biases) as row blocks of one buffer, (H·D + 2·K·D, hidden),
-    and gate, up as blocks of another, (2·I, hidden), so that the engine's decode steps compute
-        [q | k | v] = x·[W_q; W_k; W_v]ᵀ + [b_q; b_k; b_v]        [gate | up] = x·[W_gate; W_up]ᵀ
-    as 2 matrix products where the layer's own forward runs 5 (4 products a layer instead of 7; on an H100,
-    24.8 against 34.5 us a layer at 128 rows, docs/benchmarks.md); a step's new keys and values, stacked inside
-    the layer, go into the cache in one kernel (RowCache.update_both). The parameters become views of the buffers,
-    their values unchanged, so copying into them in place (WeightBuffer.load_into's param.copy_, a sampler's publish)
-    writes the buffers: no second copy of the weights, nothing to refresh. For a model that is only sampled
-    from (the inference side's own copy): safetensors refuses tensors that share memory, and moving the model
-    afterwards (.to) parts the buffers from the parameters, which sample_groups then refuses.
-
-    Returns None, or why not (one line) with the model left alone: a projection that is not a plain nn.Linear
-    (LoRA's wrappers, quantised layers), biases on some projections of a group and not others."""
-    layers = list(model.get_decoder().layers)
-    for layer in layers:
-        for owner, names, _ in FUSED:
-            linears = [getattr(getattr(layer, owner, None), name, None) for name in names]
-            if any(type(linear) is not torch.nn.Linear for linear in linears):
-                return f"{owner}.{'/'.join(names)} are not all plain nn.Linear"
-            if len({linear.bias is None for linear in linears}) > 1:
-                return f"{owner}.{'/'.join(names)}: biases on some and not others"
-    with torch.no_grad():
-        for layer in layers:
-            for owner, names, fused in FUSED:
-                module = getattr(layer, owner)
-                linears = [getattr(module, name) for name in names]
-                weight = torch.cat([linear.weight for linear in linears])                      # (Σ out, in)
-                bias = None if linears[0].bias is None else torch.cat([linear.bias for linear in linears])  # (Σ out,)
-                module.register_buffer(f"{fused}_weight", weight, persistent=False)
-                module.register_buffer(f"{fused}_bias", bias, persistent=False)
-                module.fused_sizes = tuple(linear.out_features for linear in linears)
-                start = 0
-                for linear in linears:
-                    rows = slice(start, start + linear.out_features)
-                    linear.weight = torch.nn.Parameter(weight[rows], requires_grad=linear.weight.requires_grad)
-                    if bias is not None:
-                        linear.bias = torch.nn.Parameter(bias[rows], requires_grad=linear.bias.requires_grad)
-                    start += linear.out_features
-            attention = layer.self_attn  # the model file's own rotary function (one per model type)
-            attention.fused_rotary = sys.modules[type(attention).__module__].apply_rotary_pos_emb
-    return None
-
-
-def projections_fused(decoder) -> bool:
-    """Whether fuse_projections seated this decoder's projections, and they still are its parameters' memory."""
-    layers = list(decoder.layers)
-    if not hasattr(layers[0].self_attn, "qkv_weight"):
-        return False
-    for layer in layers:
-        for owner, names, fused in FUSED:
-            module = getattr(layer, owner)
-            weight, start = getattr(module, f"{fused}_weight"), 0
-            for name in names:
-                linear = getattr(module, name)
-                if linear.weight.data_ptr() != weight[start:].data_ptr():
-                    raise ValueError("engine: the fused projections no longer share memory with the parameters (the "
-                                     "model was moved, or its parameters replaced, after fuse_projections)")
-                start += linear.out_features
-    return True
-
-
-def fused_attention(self, hidden_states: torch.Tensor, position_embeddings, attention_mask, *args, **kwargs
-                    ) -> tuple[torch.Tensor, None]:
-    """The forward of Qwen2's, Qwen3's, Llama's and Mistral's attention with q, k, v from one product
-    (fuse_projections), in a decode step: hidden (n, 1, hidden) -> (n, 1, hidden)."""
-    n, t, _ = hidden_states.shape
-    qkv = torch.nn.functional.linear(hidden_states, self.qkv_weight, self.qkv_bias)       # (n, t, (H + 2K)·D)
-    q, k, v = (x.view(n, t, -1, self.head_dim) for x in qkv.split(self.fused_sizes, dim=-1))  # (n, t, heads, D)
-    if hasattr(self, "q_norm"):  # Qwen3: RMSNorm of each head's q and k before rotating them
-        q, k = self.q_norm(q), self.k_norm(k)
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)                   # (n, H, t, D), (n, K, t, D)
-    cos, sin = position_embeddings
-    q, k = self.fused_rotary(q, k, cos, sin)
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    k, v = cache.update_both(torch.stack([k[:, :, 0], v[:, :, 0]], dim=1), self.layer_idx)  # (n, K, L, D) each
-    attend = flex_decode_attention if self.config._attn_implementation == FLEX_DECODE_ATTENTION else decode_attention
-    out, _ = attend(self, q, k, v, attention_mask, scaling=self.scaling)                  # (n, t, H, D)
-    return self.o_proj(out.reshape(n, t, -1)), None                                       # (n, t, hidden)
-
-
-def fused_mlp(self, x: torch.Tensor) -> torch.Tensor:
-    """The gated MLP, down(act(gate(x)) · up(x)), with gate and up from one product (fuse_projections)."""
-    gate, up = torch.nn.functional.linear(x, self.gate_up_weight, self.gate_up_bias).split(self.fused_sizes, dim=-1)
-    return self.down_proj(self.act_fn(gate) * up)                                         # (n, t, hidden)
-
-
-@contextlib.contextmanager
-def fused_forwards(decoder):
-    """Inside, each layer's attention and MLP run fused_attention and fused_mlp; their own forwards again after."""
-    modules = [(layer.self_attn, fused_attention) for layer in decoder.layers] + [
-        (layer.mlp, fused_mlp) for layer in decoder.layers]
-    own = [vars(module).get("forward") for module, _ in modules]  # a forward set on the module itself, kept
-    for module, forward in modules:
-        module.forward = types.MethodType(forward, module)
-    try:
-        yield
-    finally:
-        for (module, _), forward in zip(modules, own):
-            if forward is None:
-                del module.forward
-            else:
-                module.forward = forward
-
-
 # --- one call's rows: prefill, decode, compaction, on the device ---
 class Rollouts:
     """The state of one call on the device. Rows are numbered j·G + i (sample i of prompt j); row C·G is a
     stand-in that is always stopped, for slots with no row (fixed shapes). Slots are cache rows: slot k holds
-    row slot_rows[k], and only the first n slots are decoded."""
+    row slot_rows[k], and only the first n slots are decoded. `decode_layers` and `decode_draw` are the decode
+    step's forward and draw (infra/compiled_step.py swaps in compiled ones)."""
 
     def __init__(self, model, prompts: list[list[int]], group_size: int, max_new_tokens: int, temperature: float,
                  top_p: float, stop_ids: list[int], keys: list[tuple[int, ...]], slots: int, greedy: bool,
-                 top_k: int = 0, min_p: float | None = None, pad_to_multiple_of: int = 1, compile_layers: bool = False,
-                 attention: str = "sdpa"):
-        register_decode_attention()  # the decode step's attention, known to transformers by name
+                 top_k: int = 0, min_p: float | None = None, pad_to_multiple_of: int = 1):
+        from transformers import AttentionInterface
+        AttentionInterface.register(DECODE_ATTENTION, decode_attention)  # known to transformers by name
         weight = model.get_output_embeddings().weight
         decoder = model.get_decoder()  # the layers below the head (`base_model` would be peft's LoraModel, --use-peft)
         self.decoder, self.head, self.cache_argument = decoder, weight, cache_argument(decoder)
         self.device, self.dtype = weight.device, weight.dtype
         self.prompts, self.group_size, self.max_new_tokens = prompts, group_size, max_new_tokens
         self.temperature, self.top_p, self.top_k, self.min_p, self.greedy = temperature, top_p, top_k, min_p, greedy
-        self.pad_to_multiple_of = pad_to_multiple_of  # the cache length and each prefill row, rounded up (departure 9)
-        self.compile_layers = compile_layers  # decode steps through compiled_layers (--engine compile)
-        self.flex = attention == "flex"  # the decode step's attention: flex_decode_attention, else decode_attention
+        self.pad_to_multiple_of = pad_to_multiple_of  # the cache length and each prefill row, rounded up (departure 6)
         longest = max(len(prompt) for prompt in prompts) + max_new_tokens  # a stopped row writes one slot more
         self.length = round_up(longest, pad_to_multiple_of)
-        self.length = round_up(self.length, FLEX_BLOCK) if self.flex else self.length  # flex: whole blocks
-        self.fused = projections_fused(decoder)  # decode steps through fused_forwards (fuse_projections was run)
-        self.cache = RowCache(model, slots, self.length, joint=self.fused)
+        self.cache = RowCache(model, slots, self.length)
+        self.decode_layers: Callable[[dict], torch.Tensor] = lambda inputs: decoder(**inputs).last_hidden_state
+        self.decode_draw: Callable = checked_draw
         rows = len(prompts) * group_size
         self.stand_in = rows
 
@@ -531,31 +324,6 @@ class Rollouts:
         self.cache_slots = torch.arange(self.length, device=self.device)
         self.min = torch.finfo(self.dtype).min
         self.nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)  # any logit NaN or inf so far
-        self.last_slot = torch.zeros(slots, dtype=torch.long, device=self.device)  # flex: each slot's last cache slot
-        self.block_masks: dict = {}  # flex: n -> its BlockMask (torch.nn.attention.flex_attention), updated in place
-
-    def block_mask(self, n: int, positions: torch.Tensor):
-        """flex: the BlockMask of the first n slots, row r attending to cache slots 0 .. positions[r]: blocks
-        0 .. ⌊p_r / FLEX_BLOCK⌋, the last one masked past p_r. Built once per n; each step writes the row's
-        block count and last slot into its tensors in place (no new object, no host sync: CUDA graphs and
-        torch.compile's guards see the same mask)."""
-        from torch.nn.attention.flex_attention import BlockMask
-        self.last_slot[:n] = positions
-        if n not in self.block_masks:
-            last = self.last_slot
-
-            def seen(b, h, q_idx, kv_idx):
-                return kv_idx <= last[b]
-            blocks = self.length // FLEX_BLOCK
-            counts = torch.zeros(n, 1, 1, dtype=torch.int32, device=self.device)                      # (n, 1, 1)
-            order = torch.arange(blocks, dtype=torch.int32, device=self.device).expand(n, 1, 1, blocks)  # (n, 1, 1, B)
-            forward_only = ({"compute_q_blocks": False}  # the backward's q-side blocks: not needed, not kept current
-                            if "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters else {})
-            self.block_masks[n] = BlockMask.from_kv_blocks(counts, order.contiguous(), BLOCK_SIZE=FLEX_BLOCK,
-                                                           mask_mod=seen, seq_lengths=(1, self.length), **forward_only)
-        mask = self.block_masks[n]
-        mask.kv_num_blocks.copy_((positions // FLEX_BLOCK + 1).view(n, 1, 1))
-        return mask
 
     def logits(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
                packed_ends: torch.Tensor | None = None) -> torch.Tensor:
@@ -563,45 +331,26 @@ class Rollouts:
         mask; a packed prefill row (1, T) gives those of the positions `packed_ends` (k,) instead, (k, V)."""
         config, decoding = self.decoder.config, packed_ends is None
         implementation = config._attn_implementation
-        if decoding:  # the decode step's attention reads the cache once (decode_attention); prefill as the model does
-            config._attn_implementation = FLEX_DECODE_ATTENTION if self.flex else DECODE_ATTENTION
         inputs = dict(input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=True,
                       **{self.cache_argument: self.cache})
-        try:
-            with fused_forwards(self.decoder) if decoding and self.fused else contextlib.nullcontext():
-                hidden = self.layers(inputs, compiled=decoding and self.compile_layers)  # (rows, T, H)
-        finally:
-            config._attn_implementation = implementation
-        hidden = hidden[:, -1] if packed_ends is None else hidden[0, packed_ends]  # (rows, H) or (k, H)
+        if not decoding:  # prefill attends as the model does
+            hidden = self.decoder(**inputs).last_hidden_state[0, packed_ends]                  # (k, H)
+        else:
+            config._attn_implementation = DECODE_ATTENTION  # the cache read once (decode_attention)
+            try:
+                hidden = self.decode_layers(inputs)[:, -1]                                     # (rows, H)
+            finally:
+                config._attn_implementation = implementation
         if self.device.type == "cpu":
             return torch.mm(self.head, hidden.t()).t()  # (rows, V) = ((V, H)·(H, rows))ᵀ, departure 4
         return torch.mm(hidden, self.head.t())  # (rows, V) rows first: the draw reads it contiguously (departure 4)
 
-    def layers(self, inputs: dict, compiled: bool) -> torch.Tensor:
-        """The decoder's last hidden states, through compiled_layers if `compiled` (and compiling has not failed
-        in this process: compile_failed). Running a failed step again eagerly is exact: the cache writes it
-        repeats put the same keys at the same slots."""
-        if compiled and COMPILE_FAILED is None:
-            try:
-                with compiled_layers(self.decoder):
-                    return self.decoder(**inputs).last_hidden_state
-            except compile_errors() as error:
-                compile_failed(error)
-        return self.decoder(**inputs).last_hidden_state
-
-    def draw(self, logits: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor, compiled: bool = False
+    def draw(self, logits: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor, decoding: bool = False
              ) -> torch.Tensor:
-        """Each row's next token (checked_draw), through torch.compile if `compiled`: Inductor fuses the draw's
-        passes over the (n, V) logits, ~0.4 ms of an H100 step eagerly at 128 rows (docs/benchmarks.md)."""
-        args = (logits, self.seeds[rows], lengths, self.greedy, self.temperature, self.top_p, self.top_k, self.min_p)
-        drawn = None
-        if compiled and COMPILE_FAILED is None:
-            try:
-                with compile_settings():
-                    drawn = compiled_draw()(*args)
-            except compile_errors() as error:
-                compile_failed(error)
-        new, finite = drawn or checked_draw(*args)
+        """Each row's next token (checked_draw, or in a decode step `decode_draw`); a non-finite logit is flagged."""
+        draw = self.decode_draw if decoding else checked_draw
+        new, finite = draw(logits, self.seeds[rows], lengths, self.greedy, self.temperature, self.top_p, self.top_k,
+                           self.min_p)
         self.nonfinite.logical_or_(~finite)  # read by the host when it looks (no sync here)
         return new
 
@@ -651,15 +400,11 @@ class Rollouts:
         lengths = self.lengths[rows]                                                       # (n,)
         running = self.stop_step[rows] == RUNNING                                          # (n,)
         positions = self.prompt_lengths[rows] + lengths - 1                                # (n,) last token's slot
-        if self.flex:
-            mask = self.block_mask(n, positions)                                           # BlockMask (n, 1, 1, L)
-        else:
-            unseen = self.cache_slots > positions.unsqueeze(-1)                            # (n, L)
-            mask = torch.zeros(unseen.shape, dtype=self.dtype, device=self.device).masked_fill_(unseen, self.min)
-            mask = mask[:, None, None, :]                                                  # (n, 1, 1, L)
+        unseen = self.cache_slots > positions.unsqueeze(-1)                                # (n, L)
+        mask = torch.zeros(unseen.shape, dtype=self.dtype, device=self.device).masked_fill_(unseen, self.min)
         self.cache.positions = positions
-        logits = self.logits(self.last_token[:n, None], positions[:, None], mask)         # (n, V)
-        new = self.draw(logits, rows, lengths, compiled=self.compile_layers)                 # (n,)
+        logits = self.logits(self.last_token[:n, None], positions[:, None], mask[:, None, None, :])  # (n, V)
+        new = self.draw(logits, rows, lengths, decoding=True)                              # (n,)
         self.record(rows, lengths, running, new)
         self.last_token[:n] = new
 
@@ -670,125 +415,6 @@ class Rollouts:
         self.slot_rows[:len(keep)], self.last_token[:len(keep)] = self.slot_rows[index], self.last_token[index]
         self.slot_rows[len(keep):n] = self.stand_in
 
-
-class DecodeGraphs:
-    """CUDA graphs of `Rollouts.decode`, one per row count, captured the first time it is needed.
-
-    Warm-up and capture run with every slot pointing at the stand-in row (always stopped: nothing is
-    recorded, its key/value go to the cache's last slot, which no running row reads), and the slots, last
-    tokens and step counter are put back afterwards, also when capture fails: capturing never moves a real
-    row. A capture that fails (a model whose forward synchronises with the host, say) is said in one line on
-    stderr and the call decodes eagerly from there: the same steps, only slower."""
-
-    def __init__(self, rollouts: Rollouts):
-        self.rollouts, self.step, self.graphs, self.eager = rollouts, rollouts.decode, {}, False
-
-    def decode(self, n: int) -> None:
-        if not self.eager and n not in self.graphs:
-            try:
-                self.graphs[n] = self.capture(n)
-            except RuntimeError as error:
-                self.eager = True
-                print(f"engine: CUDA graph capture failed, decoding without graphs: {str(error).splitlines()[0]}",
-                      file=sys.stderr, flush=True)
-        if self.eager:
-            self.step(n)
-        else:
-            self.graphs[n].replay()
-
-    def capture(self, n: int) -> torch.cuda.CUDAGraph:
-        rollouts = self.rollouts
-        saved = rollouts.slot_rows[:n].clone(), rollouts.last_token[:n].clone(), rollouts.step.clone()
-        rollouts.slot_rows[:n] = rollouts.stand_in
-        try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up off the capture (lazy initialisations, cuBLAS workspaces)
-                for _ in range(2):
-                    self.step(n)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self.step(n)
-        finally:
-            rollouts.slot_rows[:n].copy_(saved[0])  # in place: the graph reads these addresses
-            rollouts.last_token[:n].copy_(saved[1])
-            rollouts.step.copy_(saved[2])
-        return graph
-
-
-# --- --engine compile: the decoder layers through torch.compile, one compilation for all of them ---
-_COMPILED_FORWARD: dict[type, Callable] = {}  # a layer class -> torch.compile of its forward, for the process
-_COMPILED_DRAW: list[Callable] = []  # torch.compile of checked_draw, for the process
-COMPILE_FAILED: str | None = None  # why torch.compile failed in this process (compile_failed), once it has
-RECOMPILE_LIMIT = 32  # compilations of one compiled function before compile_failed (compile_settings)
-
-
-def failure_line(error: Exception) -> str:
-    """What a torch.compile failure was, in one line: the backend's own error, not Dynamo's wrapper."""
-    cause = getattr(error, "inner_exception", None) or error.__cause__ or error
-    return f"{type(cause).__name__}: {(str(cause).strip() or '?').splitlines()[0]}"[:300]
-
-
-def compile_failed(error: Exception) -> None:
-    """torch.compile failed (no C++ compiler for Inductor on CPU, no Triton on a GPU, an unsupported operation):
-    one line on stderr, and the process decodes without it from then on (the same steps, only slower)."""
-    global COMPILE_FAILED
-    COMPILE_FAILED = failure_line(error)
-    print(f"engine: torch.compile failed, decoding without it: {COMPILE_FAILED}", file=sys.stderr, flush=True)
-
-
-def compile_errors() -> tuple[type, ...]:
-    """What torch.compile raises when it cannot compile a step (or compile it once more: compile_settings)."""
-    from torch._dynamo import exc
-    return exc.TorchDynamoException, exc.FailOnRecompileLimitHit
-
-
-def compile_settings():
-    """Dynamo's settings for the engine's compiled code: the layer index update is given stays an input, not a
-    constant (allow_unspec_int_on_nn_module: one compilation for all layers), up to RECOMPILE_LIMIT compilations
-    of each function (row counts, cache lengths, thread counts on CPU, sampling settings each may add one), and
-    past it an exception (compile_failed says so in one line), where Dynamo would quietly run that code eagerly
-    from then on."""
-    return torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True, recompile_limit=RECOMPILE_LIMIT,
-                                      fail_on_recompile_limit_hit=True)
-
-
-def compiled_draw() -> Callable:
-    """torch.compile of checked_draw, made once per process: its passes over the logits fused (--engine compile)."""
-    if not _COMPILED_DRAW:
-        _COMPILED_DRAW.append(torch.compile(checked_draw))
-    return _COMPILED_DRAW[0]
-
-
-@contextlib.contextmanager
-def compiled_layers(decoder):
-    """Inside, every layer of `decoder` runs through one torch.compile of its class's forward (regional
-    compilation): the layers share that code and differ only in their parameters, which the compiled code
-    takes as inputs, so a 24-layer model compiles about what one layer needs, once per process. Inductor
-    fuses each layer's elementwise chains (RMSNorm, rotary, SiLU·up, residual adds) around the matrix
-    products. RowCache.update runs outside it (torch.compiler.disable): compiled on an H100, its writes into a
-    view of the cache made Inductor copy the layer's whole cache slice back, +0.8 ms per step
-    (docs/benchmarks.md). The layer index update is given is an input of the compiled code, not a constant
-    (allow_unspec_int_on_nn_module), so the compilations do not grow with the depth. The model is left
-    as it was on the way out: its layers' own forward again."""
-    layers = list(decoder.layers)
-    kind = type(layers[0])
-    if kind not in _COMPILED_FORWARD:
-        _COMPILED_FORWARD[kind] = torch.compile(kind.forward)
-    compiled = _COMPILED_FORWARD[kind]
-    own = [vars(layer).get("forward") for layer in layers]  # a forward set on the layer itself (a hook), kept
-    for layer in layers:
-        layer.forward = types.MethodType(compiled, layer)
-    try:
-        with compile_settings():
-            yield
-    finally:
-        for layer, forward in zip(layers, own):
-            if forward is None:
-                del layer.forward
-            else:
-                layer.forward = forward
 
 
 def round_up(length: int, multiple: int) -> int:
@@ -824,52 +450,56 @@ def bucket(rows: int, capacity: int, fixed_shapes: bool) -> int:
     return min(capacity, 1 << (rows - 1).bit_length())
 
 
+def eos_ids(model) -> list[int]:
+    """The model's EOS ids: its generation config's, then its config's (each one id, a list, or None)."""
+    found: list[int] = []
+    for source in (getattr(model, "generation_config", None), model.config):
+        listed = getattr(source, "eos_token_id", None)
+        found += [] if listed is None else [listed] if isinstance(listed, int) else list(listed)
+    return list(dict.fromkeys(found))
+
+
 @torch.no_grad()
 def sample_groups(model, prompts: list[list[int]], group_size: int, *, max_new_tokens: int, temperature: float = 1.0,
-                  top_p: float = 1.0, top_k: int = 0, min_p: float | None = None, stop_ids: list[int],
-                  keys: list[tuple[int, ...]],
+                  top_p: float = 1.0, top_k: int = 0, min_p: float | None = None, stop_ids: list[int] | None = None,
+                  keys: list[tuple[int, ...]] | None = None,
                   on_done: Callable[[int, list[list[int]]], None] | None = None, max_rows: int | None = None,
                   greedy: bool = False, check_every: int | None = None, fixed_shapes: bool | None = None,
-                  cuda_graphs: bool = True, prefill_tokens: int | None = None, compile_step: bool = False,
-                  pad_to_multiple_of: int = 1, attention: str = "sdpa") -> list[list[list[int]]]:
+                  prefill_tokens: int | None = None, pad_to_multiple_of: int = 1,
+                  decode_step: Callable[[Rollouts], Callable[[int], None]] | None = None) -> list[list[list[int]]]:
     """group_size responses to each prompt: responses[j][i], cut after its first stop id (kept).
 
-    keys[j]: prompt j's key, e.g. (seed, iteration, prompt index): with the sample index and the step it
-    alone decides the row's random draws (module docstring). on_done(j, responses[j]) runs the moment
-    prompt j's responses have all stopped, in completion order. max_rows bounds the rows decoded at once
-    (at least group_size; None: all); prompts start in index order as room frees. greedy: argmax instead
-    of sampling. check_every: decode steps between the host's looks (default 1 on CPU, 8 elsewhere).
-    fixed_shapes: run steps at power-of-two row counts (default: on CUDA), captured as CUDA graphs there
-    unless cuda_graphs=False. prefill_tokens: prompts admitted together are prefilled packed in rows of at
-    most this many tokens (one forward each instead of one per prompt; a pack's attention costs its length
-    squared, so long prompts gain nothing from packing and go alone; default 512 on CPU, 8192 elsewhere).
-    compile_step: the decode step's layers through torch.compile (compiled_layers: Inductor fuses their
-    elementwise chains), then captured as before; the first steps of a process pay one layer's compilation (if it
-    fails: one line on stderr, and eager layers for the rest of the process).
-    pad_to_multiple_of: the cache length and every prefill row rounded up to a multiple of this (departure 9).
-    attention: the decode step's attention, "sdpa" (decode_attention: every row reads the whole cache) or "flex"
-    (flex_decode_attention: each row reads the blocks it has written; compiled; measured by bench.py gpu).
-    A model through fuse_projections decodes with its fused products (departure 12).
+    stop_ids: the ids that end a response (default: the model's EOS ids, `eos_ids`). keys[j]: prompt j's key,
+    e.g. (seed, iteration, prompt index): with the sample index and the step it alone decides the row's random
+    draws (default (j,): the same draws at every call). on_done(j, responses[j]) runs the moment prompt j's
+    responses have all stopped, in completion order. max_rows bounds the rows decoded at once (at least
+    group_size; None: all); prompts start in index order as room frees. greedy: argmax instead of sampling.
+    check_every: decode steps between the host's looks (default 1 on CPU, 8 elsewhere). fixed_shapes: run
+    steps at power-of-two row counts (default: on CUDA, where graphs replay them). prefill_tokens: prompts
+    admitted together are prefilled packed in rows of at most this many tokens (a pack's attention costs its
+    length squared, so long prompts go alone; default 512 on CPU, 8192 elsewhere). pad_to_multiple_of: the cache
+    length and every prefill row rounded up to a multiple of this (departure 6). decode_step(rollouts): the
+    call's decode step, n -> None (default: Rollouts.decode, eager; infra/compiled_step.py's is compiled).
     """
     reason = unsupported_reason(model)
     if reason is not None:
         raise ValueError(f"engine: {reason}")
+    stop_ids = eos_ids(model) if stop_ids is None else stop_ids
+    keys = [(j,) for j in range(len(prompts))] if keys is None else keys
     if len(keys) != len(prompts) or not all(prompts) or group_size < 1 or max_new_tokens < 1:
         raise ValueError("engine: one key per prompt, non-empty prompts, group_size and max_new_tokens >= 1")
-    if attention not in ("sdpa", "flex"):
-        raise ValueError(f"engine: attention must be 'sdpa' or 'flex', not {attention!r}")
     if not greedy and not (temperature > 0 and 0 < top_p <= 1 and top_k >= 0 and (min_p is None or 0 <= min_p <= 1)):
         raise ValueError(f"engine: temperature must be > 0, top_p in (0, 1], top_k >= 0 and min_p in [0, 1], not "
                          f"{temperature}, {top_p}, {top_k}, {min_p}")
     count = len(prompts)
     capacity = count * group_size if max_rows is None else max(group_size, min(max_rows, count * group_size))
     rollouts = Rollouts(model, prompts, group_size, max_new_tokens, temperature, top_p, stop_ids, keys, capacity,
-                        greedy, top_k, min_p, pad_to_multiple_of, compile_step, attention)
-    on_cuda = rollouts.device.type == "cuda"
-    check_every = check_every or (8 if rollouts.device.type != "cpu" else 1)
-    prefill_tokens = prefill_tokens or (PREFILL_TOKENS if rollouts.device.type == "cpu" else PREFILL_TOKENS_ACCELERATOR)
-    fixed_shapes = on_cuda if fixed_shapes is None else fixed_shapes
-    decode = DecodeGraphs(rollouts).decode if on_cuda and fixed_shapes and cuda_graphs else rollouts.decode
+                        greedy, top_k, min_p, pad_to_multiple_of)
+    on_cpu = rollouts.device.type == "cpu"
+    check_every = check_every or (1 if on_cpu else 8)
+    prefill_tokens = prefill_tokens or (PREFILL_TOKENS if on_cpu else PREFILL_TOKENS_ACCELERATOR)
+    fixed_shapes = rollouts.device.type == "cuda" if fixed_shapes is None else fixed_shapes
+    decode = rollouts.decode if decode_step is None else decode_step(rollouts)
     responses: list[list[list[int]]] = [[] for _ in range(count)]
     started, reported, n = 0, 0, 0  # prompts prefilled, groups handed over, slots decoded per step
     keep: list[int] = []  # the slots whose rows still run

@@ -87,7 +87,7 @@ from infra.processes import (
     sigint_ignored,
 )
 from infra.timeline import INFERENCE, TRAINING, Span, Timeline
-from rollout import Group, IterationDone, Message, fuse_sampler, rollout_iteration
+from rollout import Group, IterationDone, Message, rollout_iteration
 from weights import WeightBuffer, check_shared_memory, published, shared
 
 __all__ = ["AsyncRollouts", "PipelineError", "SyncRollouts", "in_call_order", "owned_calls", "split_threads",
@@ -144,7 +144,6 @@ def inference_process(model_name: str, load_kwargs: dict, connection, heartbeat:
         _, weights, cfg, threads, train, held_out = command
         torch.set_num_threads(threads)
         weights.attach(model)  # on CPU its parameters now *are* θ's shared memory
-        fuse_sampler(model, cfg)  # --engine compile off CPU: q|k|v and gate|up as one product each
         results.put(("ready", None))
         while True:
             command = next_command(connection)

@@ -61,6 +61,7 @@ import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, Union
 
 import torch
@@ -74,6 +75,7 @@ from transformers.generation.streamers import BaseStreamer
 import engine
 import grpo
 from config import Config
+from infra import compiled_step
 from infra.errors import UserError
 from infra.reward import Reward, Rewards, as_rewards
 from infra.scoring import RewardLogs, score_group, trainer_state, weighted_total
@@ -328,17 +330,6 @@ def engine_reason(model, cfg: Config) -> str | None:
     return "--engine hf" if cfg.engine == "hf" else engine.unsupported_reason(model)
 
 
-def fuse_sampler(model, cfg: Config) -> bool:
-    """--engine compile off CPU: the sampler's q|k|v and gate|up as one matrix product each (engine.fuse_projections),
-    for a sampler that owns its parameters and receives θ_k by in-place copies (the inference process off CPU, a sync
-    sampler's copy in the compute dtype). Not on CPU, where the inference process's parameters *are* the trainer's
-    shared memory (weights.WeightBuffer.attach), nor on inference ranks, whose are views of the flat tensor θ_k
-    arrives in. Whether it fused."""
-    if cfg.engine != "compile" or next(model.parameters()).device.type == "cpu":
-        return False
-    return engine.fuse_projections(model) is None
-
-
 def sample_prompts(model, prompts: list[list[int]], num_samples: int, generation: GenerationConfig, cfg: Config,
                    iteration: int, first: int, on_done: Callable[[int, list[list[int]]], None] | None = None
                    ) -> list[list[list[int]]]:
@@ -352,8 +343,9 @@ def sample_prompts(model, prompts: list[list[int]], num_samples: int, generation
                                         temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                         min_p=cfg.min_p, stop_ids=eos_ids,
                                         keys=[(cfg.seed, iteration, first + j) for j in range(len(prompts))],
-                                        on_done=on_done, compile_step=cfg.engine == "compile",
-                                        pad_to_multiple_of=cfg.pad_to_multiple_of or 1)
+                                        on_done=on_done, pad_to_multiple_of=cfg.pad_to_multiple_of or 1,
+                                        decode_step=partial(compiled_step.decode_step,
+                                                            compiled=cfg.engine == "compile"))
     with diverged_is_one_line(iteration, cfg):
         return sample_responses(model, prompts, num_samples, generation, prompt_seed(cfg.seed, iteration, first),
                                 on_done=on_done)

@@ -34,6 +34,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 import engine  # noqa: E402
 import rollout  # noqa: E402
+from infra import compiled_step  # noqa: E402
 
 
 
@@ -128,7 +129,8 @@ def main(argv: list[str] | None = None) -> None:
     def run_engine(compile_step: bool = False):
         return engine.sample_groups(model, prompts, args.group_size, max_new_tokens=args.max_new_tokens,
                                     temperature=args.temperature, top_p=args.top_p, stop_ids=stops,
-                                    keys=[(0, 0, j) for j in range(len(prompts))], compile_step=compile_step)
+                                    keys=[(0, 0, j) for j in range(len(prompts))],
+                                    decode_step=compiled_step.decode_step if compile_step else None)
 
     def run_hf():
         return rollout.sample_responses(model, prompts, args.group_size, generation, seed=0)

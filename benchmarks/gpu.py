@@ -3,10 +3,9 @@ finishes and all written to --json.
 
 1. decode: 16 GSM8K questions x 8 samples = 128 rows of the Qwen2.5-0.5B configuration (random weights, bfloat16,
    sdpa), sampled by the engine with CUDA graphs, with its decoder layers compiled, then captured (--engine compile),
-   without graphs, and Hugging Face `generate` (the hf path, rollout.sample_responses); then the compiled step with
-   what is not a trainer option until measured: q|k|v and gate|up as one product each (a copy of the model through
-   engine.fuse_projections), flex attention (attention="flex"), both; interleaved over --rounds rounds, after one
-   untimed call each (its seconds printed: the compiled sides' compilation). Each side runs 1, M/2 and M new tokens:
+   without graphs, and Hugging Face `generate` (the hf path, rollout.sample_responses); interleaved over --rounds
+   rounds, after one untimed call each (its seconds printed: the compiled side's compilation). Each side runs 1,
+   M/2 and M new tokens:
        prefill s     = T(1)                                   (the prompts, and the first token's draw)
        decode ms     = (T(M) - T(M/2)) / (M - M/2)            per step, 128 rows (graph captures cancel out)
        capture s     = T(M/2) - T(1) - (M/2 - 1)·decode       (the engine's one CUDA graph per call, else ~0)
@@ -15,8 +14,7 @@ finishes and all written to --json.
    keys and values of every row's context at mid-response, the logits written in float32) over the step's time,
    against the device's own copy bandwidth (a 1 GiB device-to-device copy, bytes read + written): the floor is
    those bytes at that bandwidth. Goal: 2 ms or less per step.
-2. kernels: what one decode step launches, eager, with --engine compile's fused layers, with flex attention, with
-   flex and fused projections (no graphs, so every
+2. kernels: what one decode step launches, eager and with --engine compile's fused layers (no graphs, so every
    kernel is seen): profiled calls of 2 and 2 + S new tokens, differenced, per kernel and by kind (matrix
    products, attention, indexing, draw, fused, elementwise): counts, and their summed GPU time, which is what a
    CUDA graph replays without the launch gaps. On CPU the operators the dispatcher runs, counted the same way.
@@ -33,7 +31,6 @@ every part runs, without CUDA graphs: tests/test_bench.py runs it so, so that a 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import statistics
 import subprocess
@@ -41,6 +38,7 @@ import sys
 import tempfile
 import time
 import traceback
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -48,6 +46,7 @@ import torch
 
 import engine
 import rollout
+from infra import compiled_step
 from benchmarks.common import write_json
 from benchmarks.engine_cpu import eos_ids, gsm8k_prompts, qwen_wide_model
 from benchmarks.peer import peer, peer_run
@@ -119,36 +118,23 @@ def decode_step_bytes(model, rows: int, context: int) -> int:
     return weights + cache + rows * config.vocab_size * 4
 
 
-def fused_copy(model):
-    """A copy of `model` with its projections concatenated (engine.fuse_projections), for the fused sides."""
-    fused = copy.deepcopy(model)
-    reason = engine.fuse_projections(fused)
-    if reason is not None:
-        raise RuntimeError(f"fuse_projections: {reason}")
-    return fused
-
-
 def decode_sides(model, prompts: list[list[int]], group_size: int, stops: list[int], device: torch.device) -> dict:
     """name -> sample(M): each side sampling the prompts' group_size rows with M new tokens."""
     keys = [(0, 0, j) for j in range(len(prompts))]
-    fused = fused_copy(model)
 
-    def engine_side(graphs: bool, compiled: bool = False, attention: str = "sdpa", on=model):
-        return lambda m: engine.sample_groups(on, prompts, group_size, max_new_tokens=m, stop_ids=stops, keys=keys,
-                                              cuda_graphs=graphs, compile_step=compiled, attention=attention)
+    def engine_side(graphs: bool, compiled: bool = False):
+        step = partial(compiled_step.decode_step, compiled=compiled, graphs=graphs)
+        return lambda m: engine.sample_groups(model, prompts, group_size, max_new_tokens=m, stop_ids=stops, keys=keys,
+                                              decode_step=step)
 
     def hf_side(m: int):
         settings = SimpleNamespace(temperature=1.0, top_p=1.0, top_k=0, min_p=None, max_new_tokens=m)
         return rollout.sample_responses(model, prompts, group_size, rollout.sampling_config(settings, stops, stops[1]),
                                         seed=0)
-    if device.type != "cuda":  # graphs: the same code as eager off CUDA; flex: compiled only there (engine.py)
-        return {"engine, eager": engine_side(False), "hf generate": hf_side,
-                "engine, eager, fused": engine_side(False, on=fused)}
-    return {"engine, CUDA graphs": engine_side(True), "engine, compiled+graphs": engine_side(True, compiled=True),
-            "engine, eager": engine_side(False), "hf generate": hf_side,  # flex's sides last: see decode_part
-            "engine, compiled+graphs, fused": engine_side(True, compiled=True, on=fused),
-            "engine, compiled, flex": engine_side(True, compiled=True, attention="flex"),
-            "engine, compiled, flex, fused": engine_side(True, compiled=True, attention="flex", on=fused)}
+    if device.type != "cuda":  # graphs: CUDA's alone
+        return {"engine, eager": engine_side(False), "hf generate": hf_side}
+    return {"engine, compiled+graphs": engine_side(True, compiled=True), "engine, CUDA graphs": engine_side(True),
+            "engine, eager": engine_side(False), "hf generate": hf_side}
 
 
 def decode_workload(args: argparse.Namespace, device: torch.device) -> tuple[torch.nn.Module, list[list[int]]]:
@@ -160,13 +146,11 @@ def decode_workload(args: argparse.Namespace, device: torch.device) -> tuple[tor
                    gsm8k_prompts(args.data / "train.jsonl", args.prompts)]
 
 
-def fallen_back(compiled: bool, flex: bool) -> str | None:
-    """Why a side with compiled layers or flex attention no longer runs what it is named for: compilation failed in
-    this process, for it or another side (the engine then goes on without it: engine.COMPILE_FAILED, FLEX_FAILED)."""
-    if compiled and engine.COMPILE_FAILED:
-        return f"torch.compile failed: {engine.COMPILE_FAILED}"
-    if flex and engine.FLEX_FAILED:
-        return f"compiling flex attention failed: {engine.FLEX_FAILED}"
+def fallen_back(compiled: bool) -> str | None:
+    """Why a side with compiled layers no longer runs what it is named for: compilation failed in this process (the
+    engine then goes on without it: compiled_step.COMPILE_FAILED)."""
+    if compiled and compiled_step.COMPILE_FAILED:
+        return f"torch.compile failed: {compiled_step.COMPILE_FAILED}"
     return None
 
 
@@ -187,25 +171,22 @@ def decode_part(args: argparse.Namespace, device: torch.device) -> dict:
     first_call: dict[str, float] = {}
     with torch.no_grad():
         for name, sample in sides.items():  # warm-up: lazy initialisation, cuBLAS workspaces, allocator pools
-            before = engine.COMPILE_FAILED
             try:
                 first_call[name] = seconds_of(lambda: sample(2), device)  # torch.compile's compilation, for one
-                if fallen_back("compiled" in name, "flex" in name):  # eager layers or eager flex: not this side
-                    raise RuntimeError(fallen_back("compiled" in name, "flex" in name))
+                if fallen_back("compiled" in name):  # eager layers: not this side
+                    raise RuntimeError(fallen_back("compiled" in name))
             except Exception as error:  # a side that cannot run here is reported, the others still measured
                 failed[name] = f"{type(error).__name__}: {error}".splitlines()[0][:300]
                 print(f"gpu decode: {name} failed: {failed[name]}", flush=True)
                 traceback.print_exc()
-                if "flex" in name:  # its compilation failing must not turn the (earlier) compiled side eager
-                    engine.COMPILE_FAILED = before
         for round_ in range(args.rounds):
             names = [name for name in sides if name not in failed]
             for name in names if round_ % 2 == 0 else names[::-1]:
                 try:
                     for m in (1, half, steps):
                         times[name][m].append(seconds_of(lambda: sides[name](m), device))
-                    if fallen_back("compiled" in name, "flex" in name):  # a recompilation failed, or another side's
-                        raise RuntimeError(fallen_back("compiled" in name, "flex" in name))
+                    if fallen_back("compiled" in name):  # a recompilation failed
+                        raise RuntimeError(fallen_back("compiled" in name))
                 except Exception as error:
                     failed[name] = f"{type(error).__name__}: {error}".splitlines()[0][:300]
                     print(f"gpu decode: {name} failed in round {round_}: {failed[name]}", flush=True)
@@ -235,8 +216,7 @@ def decode_part(args: argparse.Namespace, device: torch.device) -> dict:
 
 
 # --- part 2: kernels ---
-KINDS = (("attention", ("triton_tem", "flex")),  # first match wins: flex attention's Triton templates before fusions,
-         ("fused (torch.compile)", ("triton_", "cpp_fused")),  # attention before cutlass's GEMMs
+KINDS = (("fused (torch.compile)", ("triton_", "cpp_fused")),  # first match wins: attention before cutlass's GEMMs
          ("attention", ("fmha", "flash", "attention", "cudnn", "scaled_dot_product")),
          ("matrix products", ("gemm", "gemv", "nvjet", "xmma", "cutlass", "cublas", "splitk", "aten::mm", "aten::addmm",
                               "aten::bmm")),
@@ -290,17 +270,15 @@ def kernels_part(args: argparse.Namespace, device: torch.device) -> dict:
     without fusing; their count is what fusing (--engine compile) cuts."""
     model, prompts = decode_workload(args, device)
     keys, stops, steps = [(0, 0, j) for j in range(len(prompts))], eos_ids(args.vocab), args.profile_steps
-    fused = fused_copy(model)
-    sides = {"engine, eager": (False, "sdpa", model), "engine, compiled": (True, "sdpa", model),
-             "engine, compiled, flex": (True, "flex", model), "engine, compiled, flex, fused": (True, "flex", fused)}
+    sides = {"engine, eager": False, "engine, compiled": True}
     if device.type != "cuda":  # CPU: benchmarks/engine_cpu.py --compile's
-        sides = {"engine, eager": (False, "sdpa", model), "engine, eager, fused": (False, "sdpa", fused)}
+        sides = {"engine, eager": False}
     figures: dict = {"rows": len(prompts) * args.group_size, "steps": steps, "sides": {}}
-    for name, (compiled, attention, on) in sides.items():
+    for name, compiled in sides.items():
         def run(m: int):
-            return lambda: engine.sample_groups(on, prompts, args.group_size, max_new_tokens=m, stop_ids=stops,
-                                                keys=keys, cuda_graphs=False, compile_step=compiled, check_every=1,
-                                                attention=attention)
+            step = partial(compiled_step.decode_step, compiled=compiled, graphs=False)
+            return lambda: engine.sample_groups(model, prompts, args.group_size, max_new_tokens=m, stop_ids=stops,
+                                                keys=keys, decode_step=step, check_every=1)
         with torch.no_grad():
             try:
                 run(2)(), run(2 + steps)()  # compilation (both cache lengths), lazy initialisation
@@ -308,8 +286,8 @@ def kernels_part(args: argparse.Namespace, device: torch.device) -> dict:
                 figures["sides"][name] = {"failed": f"{type(error).__name__}: {error}".splitlines()[0][:300]}
                 print(f"gpu kernels: {name} failed: {figures['sides'][name]['failed']}", flush=True)
                 continue
-            reason = fallen_back(compiled, attention == "flex")
-            if reason:  # the engine fell back to eager layers or eager flex: not the side named
+            reason = fallen_back(compiled)
+            if reason:  # the engine fell back to eager layers: not the side named
                 print(f"gpu kernels: {name} failed: {reason}", flush=True)
                 figures["sides"][name] = {"failed": reason}
                 continue

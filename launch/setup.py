@@ -36,7 +36,7 @@ from infra.timeline import Timeline
 from launch import sizing
 from learner import Learner
 from packing import enable_activation_checkpointing, logprobs_fn
-from rollout import engine_reason, fuse_sampler, stop_token_ids
+from rollout import engine_reason, stop_token_ids
 from tri_model import TriModel
 
 
@@ -169,7 +169,6 @@ def sampler_here(cfg, policy, tokenizer, train_examples, held_out, rewards, load
         from infra.models import load_model
         device = str(next(policy.parameters()).device)
         sampler, _ = load_model(cfg.model, **{**load_kwargs, "dtype": compute_dtype, "device": device})
-        fuse_sampler(sampler, cfg)  # --engine compile off CPU: q|k|v and gate|up as one product each
     return SyncRollouts(policy, tokenizer, train_examples, held_out, rewards, cfg, sampler,
                         workers=cfg.inference_workers, share=ranks.share)  # the shares, one after another
 

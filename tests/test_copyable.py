@@ -1,5 +1,5 @@
 """The files people copy into their own trainers need nothing of this project: attention.py (the shared-prompt
-layout and mask), grpo.py (the loss) and tri_model.py (the three models behind one call)."""
+layout and mask), grpo.py (the loss), tri_model.py (the three models behind one call) and engine.py (the sampler)."""
 import shutil
 import subprocess
 import sys
@@ -20,6 +20,12 @@ USES = {
                     "score = lambda model, groups: (model(torch.ones(1, 2)), torch.ones(1, 2, dtype=torch.bool)); "
                     "tri = tri_model.TriModel(policy, score, use_reference=True, use_old=True); "
                     "logp, old_logp, ref_logp, mask = tri([]); assert torch.equal(ref_logp, old_logp)",
+    "engine.py": "import engine, transformers; "  # its docstring's five lines: a model, then one call
+                 "model = transformers.AutoModelForCausalLM.from_config(transformers.Qwen2Config(vocab_size=32, "
+                 "hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, "
+                 "num_key_value_heads=1)).eval(); "
+                 "responses = engine.sample_groups(model, [[1, 2, 3], [4]], 2, max_new_tokens=3); "
+                 "assert [len(group) for group in responses] == [2, 2]",
 }
 
 

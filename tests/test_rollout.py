@@ -210,7 +210,8 @@ def test_top_k_reaches_both_samplers(qwen_shaped_dir):
 
 def test_engine_compile_compiles_the_engines_decode_step(qwen_shaped_dir, monkeypatch):
     """Claim: --engine compile samples with engine.py (the same keys, sizes and settings as --engine auto) and asks it
-    for the compiled decode step; auto does not (the compiled step itself: tests/test_engine.py, slow tier)."""
+    for the compiled decode step (infra/compiled_step.py); auto on CPU does not (the compiled step itself:
+    tests/test_engine.py, slow tier)."""
     import dataclasses
 
     import engine
@@ -220,28 +221,11 @@ def test_engine_compile_compiles_the_engines_decode_step(qwen_shaped_dir, monkey
     calls = []
     sample_groups = engine.sample_groups
     monkeypatch.setattr(engine, "sample_groups", lambda *args, **kwargs: (calls.append(kwargs), sample_groups(
-        *args, **dict(kwargs, compile_step=False)))[1])
+        *args, **dict(kwargs, decode_step=None)))[1])
     prompts = [prompt_token_ids(tokenizer, e.prompt) for e in EXAMPLES]
     generation = sampling_config(SETTINGS, stop_token_ids(model, tokenizer), tokenizer.pad_token_id)
     for name in ("auto", "compile"):
         rollout.sample_prompts(model, prompts, 2, generation, dataclasses.replace(SETTINGS, engine=name), 0, 0)
-    assert [call["compile_step"] for call in calls] == [False, True]
-    assert {key: value for key, value in calls[0].items() if key != "compile_step"} == \
-        {key: value for key, value in calls[1].items() if key != "compile_step"}
-
-
-def test_engine_compile_fuses_a_sampler_that_owns_its_weights_off_cpu(qwen_shaped_dir):
-    """Claim: --engine compile fuses the sampler's projections (engine.fuse_projections) only off CPU, where the
-    inference process and a sync sampler copy receive θ_k into their own parameters; never on CPU, where the
-    inference process's parameters are the trainer's shared memory and fusing would seat them elsewhere (θ_k would
-    then never reach the sampler), nor with --engine auto. The meta device stands in for a GPU (no memory)."""
-    import dataclasses
-
-    from rollout import fuse_sampler
-
-    compile_ = dataclasses.replace(SETTINGS, engine="compile")
-    model, _ = load_model(str(qwen_shaped_dir))
-    assert not fuse_sampler(model, compile_) and not hasattr(model.get_decoder().layers[0].self_attn, "qkv_weight")
-    off_cpu = load_model(str(qwen_shaped_dir))[0].to("meta")
-    assert not fuse_sampler(off_cpu, SETTINGS)
-    assert fuse_sampler(off_cpu, compile_) and hasattr(off_cpu.get_decoder().layers[0].self_attn, "qkv_weight")
+    assert [call["decode_step"].keywords["compiled"] for call in calls] == [False, True]
+    assert {key: value for key, value in calls[0].items() if key != "decode_step"} == \
+        {key: value for key, value in calls[1].items() if key != "decode_step"}

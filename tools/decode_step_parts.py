@@ -1,12 +1,13 @@
-"""Time the pieces of one decode step alone, each way it could be written: which attention kernel, which draw,
-separate or concatenated projections. For the Qwen2.5-0.5B configuration at 128 rows (docs/benchmarks.md).
+"""Time the pieces of one decode step alone, each way it could be written: which attention kernel (flex attention
+over the blocks each row has written among them: not in the engine until it pays), which draw. For the Qwen2.5-0.5B
+configuration at 128 rows (docs/benchmarks.md).
 
     python tools/decode_step_parts.py                      # CUDA: each variant's GPU time, CUDA graphs
     python tools/decode_step_parts.py --device cpu --vocab 4096 --length 128    # a dry run of every variant
 
 Each variant runs `--repeat` times inside one CUDA graph, replayed `--replays` times; the figure is the median
 replay over the repeats, in microseconds per call: the GPU's time with the launches' gaps of a captured step,
-as engine.DecodeGraphs replays it. On CPU each variant runs eagerly (no graphs): a check that it runs.
+as infra/compiled_step.DecodeGraphs replays it. On CPU each variant runs eagerly (no graphs): a check that it runs.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import engine  # noqa: E402
+from infra import compiled_step  # noqa: E402
 
 
 def timed(fn, device: torch.device, repeat: int, replays: int) -> float:
@@ -82,24 +84,12 @@ def attention_variants(rows: int, length: int, device, dtype) -> dict:
     difference = (flex(heads, key, value, block_mask=block_mask, enable_gqa=True).reshape(rows, kv_heads, per, dim)
                   - F.scaled_dot_product_attention(query, key, value, attn_mask=mask)).abs().max()
     print(f"    flex against sdpa: largest difference {float(difference):.2e}", flush=True)
-    both = torch.stack([key, value], dim=1)  # (n, 2, K, L, D): engine.RowCache's joint layout (fused projections)
-    joint_key, joint_value = both[:, 0], both[:, 1]                                                # (n, K, L, D) views
-    for name, out in [("sdpa", F.scaled_dot_product_attention(query, joint_key, joint_value, attn_mask=mask)),
-                      ("flex", flex(heads, joint_key, joint_value, block_mask=block_mask, enable_gqa=True
-                                    ).reshape(rows, kv_heads, per, dim))]:
-        joint = (out - F.scaled_dot_product_attention(query, key, value, attn_mask=mask)).abs().max()
-        print(f"    {name} on the joint cache's views against sdpa on contiguous keys and values: largest difference "
-              f"{float(joint):.2e}", flush=True)
     variants = {"sdpa, default order": lambda: F.scaled_dot_product_attention(query, key, value, attn_mask=mask),
                 "flex, the blocks each row has written": lambda: flex(heads, key, value, block_mask=block_mask,
                                                                       enable_gqa=True),
                 "sdpa, cuDNN": sdpa(SDPBackend.CUDNN_ATTENTION),
                 "sdpa, memory-efficient": sdpa(SDPBackend.EFFICIENT_ATTENTION),
                 "sdpa, math": sdpa(SDPBackend.MATH),
-                "sdpa, the joint cache's views": lambda: F.scaled_dot_product_attention(query, joint_key, joint_value,
-                                                                                       attn_mask=mask),
-                "flex, the joint cache's views": lambda: flex(heads, joint_key, joint_value, block_mask=block_mask,
-                                                              enable_gqa=True),
                 "two matrix products": products,
                 "two matrix products, compiled": torch.compile(products)}
     return variants
@@ -131,7 +121,7 @@ def draw_variants(rows: int, vocab: int, device, dtype) -> dict:
 
 
 def draw_agrees(rows: int, vocab: int, device, dtype) -> str:
-    """Whether the compiled draw (engine.compiled_draw) picks the eager draw's tokens on this device, for the
+    """Whether the compiled draw (compiled_step.compiled(engine.checked_draw)) picks the eager draw's tokens on this device, for the
     plain draw and a truncated one: the uniforms are integer arithmetic (exact), the rest may round differently."""
     logits = torch.randn(rows, vocab, device=device).mul_(3).to(dtype)
     seeds = torch.randint(-2**62, 2**62, (rows,), device=device)
@@ -139,33 +129,8 @@ def draw_agrees(rows: int, vocab: int, device, dtype) -> str:
     same = []
     for settings in [(False, 1.0, 1.0, 0, None), (False, 0.7, 0.9, 0, None), (True, 1.0, 1.0, 0, None)]:
         eager = engine.checked_draw(logits, seeds, lengths, *settings)[0]
-        same.append(int((engine.compiled_draw()(logits, seeds, lengths, *settings)[0] == eager).sum()))
+        same.append(int((compiled_step.compiled(engine.checked_draw)(logits, seeds, lengths, *settings)[0] == eager).sum()))
     return f"compiled draw = eager draw: {same} of {rows} tokens (plain, T 0.7 top-p 0.9, greedy)"
-
-
-def projection_variants(rows: int, device, dtype) -> dict:
-    """A layer's seven products at 128 rows, separate (as Hugging Face's modules run them) or three concatenated."""
-    hidden, inner, kv = 896, 4864, 128
-    x = torch.randn(rows, hidden, device=device, dtype=dtype)
-    y = torch.randn(rows, inner, device=device, dtype=dtype)
-    weights = {name: torch.randn(out, into, device=device, dtype=dtype) * 0.02 for name, out, into in
-               [("q", hidden, hidden), ("k", kv, hidden), ("v", kv, hidden), ("o", hidden, hidden),
-                ("gate", inner, hidden), ("up", inner, hidden), ("down", hidden, inner)]}
-    bias = {name: torch.zeros(weights[name].shape[0], device=device, dtype=dtype) for name in "qkv"}
-    qkv = torch.cat([weights[name] for name in "qkv"])
-    qkv_bias = torch.cat([bias[name] for name in "qkv"])
-    gate_up = torch.cat([weights["gate"], weights["up"]])
-
-    def separate():
-        return ([F.linear(x, weights[name], bias[name]) for name in "qkv"] + [F.linear(x, weights["o"])]
-                + [F.linear(x, weights["gate"]), F.linear(x, weights["up"]), F.linear(y, weights["down"])])
-
-    def concatenated():
-        return [F.linear(x, qkv, qkv_bias), F.linear(x, weights["o"]), F.linear(x, gate_up),
-                F.linear(y, weights["down"])]
-    difference = (torch.cat(separate()[:3], dim=-1) - concatenated()[0]).abs().max()
-    print(f"    q|k|v concatenated against separate: largest difference {float(difference):.2e}", flush=True)
-    return {"7 products (one layer)": separate, "4 products, q|k|v and gate|up concatenated": concatenated}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -183,8 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     with torch.no_grad():
         for title, variants in [("attention, one layer", attention_variants(args.rows, args.length, device, dtype)),
-                                ("head and draw", draw_variants(args.rows, args.vocab, device, dtype)),
-                                ("projections", projection_variants(args.rows, device, dtype))]:
+                                ("head and draw", draw_variants(args.rows, args.vocab, device, dtype))]:
             print(f"{title} ({args.rows} rows, {device}, {dtype}):", flush=True)
             for name, fn in variants.items():
                 try:
