@@ -24,7 +24,7 @@ LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "cons
                  "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")
 MODES = ("async", "sync")
 TEXT_PROMPTS = ("auto", "chat", "raw")  # --text-prompts (infra/tasks.raw_text_prompts)
-ENGINES = ("auto", "compile", "hf")
+ENGINES = ("auto", "compile", "eager", "hf")
 SIZES = ("probe", "rule")
 TRACKERS = ("none", "tensorboard", "wandb", "trackio", "all")  # --report-to (infra/tracking.py; all: those installed)
 DTYPES = ("auto", "float32", "bfloat16")
@@ -41,6 +41,12 @@ MODEL_ALIASES = {**{f"qwen2.5-{size}": f"Qwen/Qwen2.5-{size.upper()}-Instruct"
 def is_model_name(model: str) -> bool:
     """Whether --model is an offline model's name or an alias: a name, even where a folder has it."""
     return model in TINY_MODELS or model.lower() in MODEL_ALIASES
+
+
+def engine_compiles(engine: str, device: str) -> bool:
+    """Whether engine.py's decode step runs compiled (infra/compiled_step.py) for --engine on `device`: always with
+    compile, on CUDA with auto (the fastest step measured there: docs/benchmarks.md), never with eager or hf."""
+    return engine == "compile" or engine == "auto" and device.startswith("cuda")
 
 
 # The sizes (fields below) that --sizes chooses when not given (`derive`, launch/sizing.py; distributed.share_sizes)
@@ -147,11 +153,11 @@ class Config:
     engine: str = _opt("auto", "how rollouts are sampled. auto: engine.py (each prompt prefilled once, a static KV "
                                "cache, one uniform per row and step from (seed, iteration, prompt, sample, step): the "
                                "tokens do not depend on the sizes, workers or ranks) wherever it is exact for the "
-                               "model, else Hugging Face generate with a line saying why; compile: auto with the "
-                               "decoder layers of its decode step through one torch.compile shared by all layers, "
-                               "and its draw (fused norms, rotary, activations and softmax; the first call compiles "
-                               "one layer; meant for GPUs, measured by bench.py gpu); hf: "
-                               "generate always (the reference)", choices=ENGINES)
+                               "model, else Hugging Face generate with a line saying why; on CUDA its decode step "
+                               "compiled (torch.compile of one decoder layer and the draw, paid once per process "
+                               "in the first call) and replayed as CUDA graphs; compile: compiled on every device; "
+                               "eager: never compiled (CUDA graphs still on CUDA); hf: generate always (the "
+                               "reference)", choices=ENGINES)
     lr: float | None = _opt(None, "AdamW learning rate (default: 1e-4 for tiny, 1e-6 otherwise)")
     lr_scheduler_type: str = _opt("linear", "learning-rate schedule over the run's optimizer steps (iterations x "
                                             "updates-per-iteration x num-iterations): transformers' get_scheduler, "

@@ -74,7 +74,7 @@ from transformers.generation.streamers import BaseStreamer
 
 import engine
 import grpo
-from config import Config
+from config import Config, engine_compiles
 from infra import compiled_step
 from infra.errors import UserError
 from infra.reward import Reward, Rewards, as_rewards
@@ -344,8 +344,8 @@ def sample_prompts(model, prompts: list[list[int]], num_samples: int, generation
                                         min_p=cfg.min_p, stop_ids=eos_ids,
                                         keys=[(cfg.seed, iteration, first + j) for j in range(len(prompts))],
                                         on_done=on_done, pad_to_multiple_of=cfg.pad_to_multiple_of or 1,
-                                        decode_step=partial(compiled_step.decode_step,
-                                                            compiled=cfg.engine == "compile"))
+                                        decode_step=partial(compiled_step.decode_step, compiled=engine_compiles(
+                                            cfg.engine, str(next(model.parameters()).device))))
     with diverged_is_one_line(iteration, cfg):
         return sample_responses(model, prompts, num_samples, generation, prompt_seed(cfg.seed, iteration, first),
                                 on_done=on_done)

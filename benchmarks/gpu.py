@@ -2,8 +2,8 @@
 finishes and all written to --json.
 
 1. decode: 16 GSM8K questions x 8 samples = 128 rows of the Qwen2.5-0.5B configuration (random weights, bfloat16,
-   sdpa), sampled by the engine with CUDA graphs, with its decoder layers compiled, then captured (--engine compile),
-   without graphs, and Hugging Face `generate` (the hf path, rollout.sample_responses); interleaved over --rounds
+   sdpa), sampled by the engine with its decoder layers compiled, then captured as CUDA graphs (the default on
+   CUDA), with CUDA graphs alone (--engine eager), without either, and Hugging Face `generate` (the hf path, rollout.sample_responses); interleaved over --rounds
    rounds, after one untimed call each (its seconds printed: the compiled side's compilation). Each side runs 1,
    M/2 and M new tokens:
        prefill s     = T(1)                                   (the prompts, and the first token's draw)
@@ -13,7 +13,7 @@ finishes and all written to --json.
    tokens/s = rows / decode step. Bandwidth: the bytes a decode step cannot avoid moving (every weight once, the
    keys and values of every row's context at mid-response, the logits written in float32) over the step's time,
    against the device's own copy bandwidth (a 1 GiB device-to-device copy, bytes read + written): the floor is
-   those bytes at that bandwidth. Goal: 2 ms or less per step.
+   those bytes at that bandwidth. Goal: 1.6 ms or less per step for the default side.
 2. kernels: what one decode step launches, eager and with --engine compile's fused layers (no graphs, so every
    kernel is seen): profiled calls of 2 and 2 + S new tokens, differenced, per kernel and by kind (matrix
    products, attention, indexing, draw, fused, elementwise): counts, and their summed GPU time, which is what a
@@ -53,7 +53,7 @@ from benchmarks.peer import peer, peer_run
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("decode", "kernels", "pipeline", "peer")
-GOAL_DECODE_MS = 2.0
+GOAL_DECODE_MS = 1.6
 
 
 def gpu_args(parser: argparse.ArgumentParser) -> None:
@@ -381,10 +381,10 @@ def gpu(args: argparse.Namespace) -> bool:
     ok = True
     if "decode" in parts:
         figures["decode"] = decode_part(args, device)
-        graphs = figures["decode"]["sides"].get("engine, CUDA graphs")
+        default = figures["decode"]["sides"].get("engine, compiled+graphs")
         if device.type == "cuda":
-            ok = graphs is not None and graphs["decode_ms"] <= GOAL_DECODE_MS
-            print(("PASS " if ok else "FAIL ") + f"engine decode step <= {GOAL_DECODE_MS} ms at "
+            ok = default is not None and default["decode_ms"] <= GOAL_DECODE_MS
+            print(("PASS " if ok else "FAIL ") + f"default engine decode step <= {GOAL_DECODE_MS} ms at "
                   f"{figures['decode']['rows']} rows", flush=True)
     if "kernels" in parts:
         figures["kernels"] = kernels_part(args, device)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 
-from config import Config
+from config import Config, engine_compiles
 from infra import outputs
 
 
@@ -72,7 +72,8 @@ def start_line(cfg: Config, train: int, held_out: int, notes: tuple[str, ...] = 
     """The run's first line: mode, model, the processes when there are several (torchrun's `trainers` ranks, each
     with --inference-workers samplers, or `inference_ranks` samplers), the prompts (with `notes`, data.Task's: the
     column they come from when two could be, the split held out, that it has fewer rows than --eval-size
-    asked, and that it is never evaluated), the schedule and --out.
+    asked, and that it is never evaluated), the schedule and --out; when the engine's decode step is compiled
+    (--engine auto on CUDA, or compile), the one-time cost of compiling it.
 
     >>> start_line(Config(model="m", out="o"), 90, 10, trainers=2, inference_ranks=6)[:76]
     'periodic-rl: async | model m | 2 trainer ranks, 6 inference ranks | 90 train'
@@ -86,10 +87,13 @@ def start_line(cfg: Config, train: int, held_out: int, notes: tuple[str, ...] = 
     processes = ", ".join(part for part in (f"{trainers} trainer ranks" if trainers > 1 else "",
                                             samplers if trainers > 1 or inference_ranks
                                             or cfg.inference_workers > 1 else "") if part)
+    compiled = (" | sampling compiled: each sampler's first generate call compiles one layer and the draw, once "
+                "(~10 s on a GPU; --engine eager skips it)"
+                if cfg.engine != "hf" and engine_compiles(cfg.engine, cfg.rollout_device or cfg.device) else "")
     return (f"periodic-rl: {cfg.mode} | model {cfg.model} | {processes + ' | ' if processes else ''}{train} train / "
             f"{held_out} held-out prompts{said} | {cfg.iterations} iteration{'s' * (cfg.iterations != 1)} x "
             f"{cfg.prompts_per_iteration} prompts "
-            f"x {cfg.group_size} | out {cfg.out}")
+            f"x {cfg.group_size} | out {cfg.out}{compiled}")
 
 
 def unscored_line(iteration: int, share: float) -> str:

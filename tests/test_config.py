@@ -529,3 +529,16 @@ def test_a_config_files_value_of_the_wrong_type_names_the_file(tmp_path, capsys)
         parse_args(["--config", str(tmp_path / "run.yaml")])
     assert stop.value.code == 2 and capsys.readouterr().err == (
         f"trainer.py: error: --config {tmp_path / 'run.yaml'} argument --iterations: invalid int value: 'two'\n")
+
+
+def test_the_first_line_says_the_engines_one_time_compilation():
+    """Claim: where the engine's decode step is compiled (--engine auto with the sampler on CUDA, --engine compile
+    anywhere), the run's first line says that its first generate call compiles once and how to skip it; with the
+    sampler on CPU under auto, or with --engine eager or hf, it says nothing of compiling."""
+    from infra.options import derive
+    said = "sampling compiled: each sampler's first generate call compiles one layer and the draw, once"
+    assert said in console.start_line(Config(rollout_device="cuda:0"), 10, 0)
+    assert said in console.start_line(Config(rollout_device="cpu", engine="compile"), 10, 0)
+    for quiet in (derive(Config(device="cpu")), Config(rollout_device="cuda:0", engine="eager"),
+                  Config(rollout_device="cuda:0", engine="hf")):
+        assert "compil" not in console.start_line(quiet, 10, 0), quiet.engine

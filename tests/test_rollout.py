@@ -210,8 +210,8 @@ def test_top_k_reaches_both_samplers(qwen_shaped_dir):
 
 def test_engine_compile_compiles_the_engines_decode_step(qwen_shaped_dir, monkeypatch):
     """Claim: --engine compile samples with engine.py (the same keys, sizes and settings as --engine auto) and asks it
-    for the compiled decode step (infra/compiled_step.py); auto on CPU does not (the compiled step itself:
-    tests/test_engine.py, slow tier)."""
+    for the compiled decode step (infra/compiled_step.py); auto on CPU and eager do not (auto on CUDA does:
+    config.engine_compiles, tests/test_config.py; the compiled step itself: tests/test_engine.py, slow tier)."""
     import dataclasses
 
     import engine
@@ -224,8 +224,8 @@ def test_engine_compile_compiles_the_engines_decode_step(qwen_shaped_dir, monkey
         *args, **dict(kwargs, decode_step=None)))[1])
     prompts = [prompt_token_ids(tokenizer, e.prompt) for e in EXAMPLES]
     generation = sampling_config(SETTINGS, stop_token_ids(model, tokenizer), tokenizer.pad_token_id)
-    for name in ("auto", "compile"):
+    for name in ("auto", "compile", "eager"):
         rollout.sample_prompts(model, prompts, 2, generation, dataclasses.replace(SETTINGS, engine=name), 0, 0)
-    assert [call["decode_step"].keywords["compiled"] for call in calls] == [False, True]
+    assert [call["decode_step"].keywords["compiled"] for call in calls] == [False, True, False]
     assert {key: value for key, value in calls[0].items() if key != "decode_step"} == \
         {key: value for key, value in calls[1].items() if key != "decode_step"}
