@@ -8,47 +8,42 @@ random draws decided by the seed alone. Only torch and transformers are imported
     >>> [len(group) for group in responses], all(1 <= len(r) <= 3 for group in responses for r in group)
     ([2, 2], True)
 
-responses[j][i] is sample i of prompt j, cut after its first stop id (kept; default: the model's EOS ids);
-on_done(j, responses[j]) runs the moment prompt j's G responses have all stopped: the completion order
-rollout.py streams groups in. One call, on the Hugging Face model's own layers:
-  1. Prefill: each prompt once, unpadded, its keys and values written straight into the cache rows of its
-     G samples (`generate` computes every prompt G times, padded to the longest). Short prompts are packed
-     in one forward (1, P_a + P_b + ...) with a block-diagonal causal mask, positions restarting per prompt.
-  2. Decode: one forward of shape (n, 1) per step over the first n cache rows. Row r feeds its last token at
-     position P_r + t - 1, writes its keys and values at the slot of that number and attends to slots
-     0 .. P_r + t - 1 (an additive (n, 1, 1, L) mask over the whole preallocated cache: a fixed shape).
-     Drawing, the stop test and the bookkeeping stay on the device.
-  3. Every `check_every` steps (1 on CPU, else 8) the host reads which rows stopped and when; groups whose G
-     rows have all stopped go to on_done, ordered by the step their last row stopped, then by prompt.
-  4. Stopped rows are compacted away (the live rows' cache moves to the front, n shrinks), and the room
-     this frees is refilled with whole prompts not yet started, up to `max_rows` rows in flight.
+responses[j][i] is sample i of prompt j, cut after its first stop id (kept); on_done(j, responses[j]) runs the
+moment prompt j's G responses have all stopped (the completion order rollout.py streams groups in). One call:
+  1. Prefill: each prompt once, unpadded, its keys and values written straight into the cache rows of its G
+     samples (`generate` computes it G times, padded). Short prompts are packed in one forward, (1, P_a + P_b
+     + ...), with a block-diagonal causal mask and positions restarting at 0 per prompt.
+  2. Decode: one forward of shape (n, 1) per step over the first n cache rows: row r feeds its last token at
+     position P_r + t - 1, writes its keys and values at that slot and attends to slots 0 .. P_r + t - 1 (an
+     additive (n, 1, 1, L) mask over the whole cache: a fixed shape). Draws and bookkeeping stay on the device.
+  3. Every `check_every` steps the host reads which rows stopped and when; groups whose G rows have all
+     stopped go to on_done, ordered by the step their last row stopped, then by prompt.
+  4. Stopped rows are compacted away (live rows' cache to the front, n shrinks), and the room this frees is
+     refilled with whole prompts not yet started, up to `max_rows` rows in flight.
 
 The draw. Row (j, i) at response step t, with logits z ∈ R^V:
     u     = U(key_j, i, t) ∈ [0, 1)   output t of a SplitMix64 stream seeded by a hash of (key_j..., i)
     p     = softmax(z / T)             what the trainer scores: its log-probs are log_softmax(z / T)
     S     = the tokens transformers' warpers keep, in generate's order: top_k, then top_p, then min_p
     token = the s ∈ S with F(s⁻) <= u·F(S) < F(s), F the running sum of p over S
-so P(token = s) = p_s / Σ_S p, and u is a function of (key, sample, step) alone: which prompts share a call,
-the batch size, compaction, refill, workers and ranks never decide a token (logits may still differ in their
-last bits between batch shapes; a token then flips only if u·F(S) falls within that rounding of a boundary).
-greedy=True takes argmax z instead.
+so P(token = s) = p_s / Σ_S p, and u depends on (key, sample, step) alone: which prompts share a call, batch
+sizes, compaction, workers and ranks never decide a token (logits may still differ in their last bits between
+batch shapes: a token flips only if u·F(S) falls that close to a boundary). greedy=True takes argmax z.
 
 Departures, on purpose:
 1. Another random stream than `generate`'s torch.multinomial: tokens differ from the hf path's (greedy ones are
-   equal), and are reproducible from the keys alone.
-2. Only temperature, top-k, top-p and min-p shape the distribution: no repetition penalty.
-3. The inverse CDF runs in two levels (which block of BLOCK tokens, then which token in it): a float32 running
+   equal), and are reproducible from the keys alone. No repetition penalty.
+2. The inverse CDF runs in two levels (which block of BLOCK tokens, then which token in it): a float32 running
    sum over 151,936 tokens would blur the small probabilities, a float64 one over all of them costs the draw again.
-4. On CPU the output layer runs as W·hᵀ, (V, H)·(H, n), which MKL runs faster for a few rows than h·Wᵀ; elsewhere
-   h·Wᵀ, so that the draw reads the (n, V) logits contiguously.
-5. The decode step's attention is `decode_attention`, not the model's: the query heads of each key head folded
-   into one query, the cache read once (Hugging Face's sdpa path copies it per query head when given a mask).
-6. pad_to_multiple_of rounds the cache length and each packed prefill row up (the padding is masked and never
-   cached), so that the calls of a run share a few shapes (cuDNN builds a graph per shape).
-7. Checked models: Qwen2, Qwen3, Llama and Mistral shapes with full causal attention, sdpa or eager attention
-   (`unsupported_reason` says why not otherwise).
-8. `decode_step` may replace the eager step: infra/compiled_step.py compiles its layers and draw and captures
-   it in CUDA graphs (the same step: it reads and writes the same tensors of `Rollouts`).
+3. The output layer runs as W·hᵀ on CPU (MKL runs it faster for a few rows than h·Wᵀ), elsewhere as h·Wᵀ (the
+   draw then reads the (n, V) logits contiguously).
+4. The decode step's attention is `decode_attention`: the query heads of each key head folded into one query,
+   the cache read once (Hugging Face's sdpa path copies it per query head when given a mask).
+5. pad_to_multiple_of rounds the cache length and each packed prefill row up (masked, never cached), so that
+   the calls of a run share a few shapes (cuDNN builds a graph per shape).
+6. Checked models: Qwen2, Qwen3, Llama and Mistral shapes with full causal attention, sdpa or eager attention.
+7. `decode_step` may replace the eager step: infra/compiled_step.py's compiles its layers and draw and replays it
+   as CUDA graphs, reading and writing the same tensors of `Rollouts`.
 """
 from __future__ import annotations
 
@@ -299,7 +294,7 @@ class Rollouts:
         self.device, self.dtype = weight.device, weight.dtype
         self.prompts, self.group_size, self.max_new_tokens = prompts, group_size, max_new_tokens
         self.temperature, self.top_p, self.top_k, self.min_p, self.greedy = temperature, top_p, top_k, min_p, greedy
-        self.pad_to_multiple_of = pad_to_multiple_of  # the cache length and each prefill row, rounded up (departure 6)
+        self.pad_to_multiple_of = pad_to_multiple_of  # the cache length and each prefill row, rounded up (departure 5)
         longest = max(len(prompt) for prompt in prompts) + max_new_tokens  # a stopped row writes one slot more
         self.length = round_up(longest, pad_to_multiple_of)
         self.cache = RowCache(model, slots, self.length)
@@ -342,8 +337,8 @@ class Rollouts:
             finally:
                 config._attn_implementation = implementation
         if self.device.type == "cpu":
-            return torch.mm(self.head, hidden.t()).t()  # (rows, V) = ((V, H)·(H, rows))ᵀ, departure 4
-        return torch.mm(hidden, self.head.t())  # (rows, V) rows first: the draw reads it contiguously (departure 4)
+            return torch.mm(self.head, hidden.t()).t()  # (rows, V) = ((V, H)·(H, rows))ᵀ, departure 3
+        return torch.mm(hidden, self.head.t())  # (rows, V) rows first: the draw reads it contiguously (departure 3)
 
     def draw(self, logits: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor, decoding: bool = False
              ) -> torch.Tensor:
@@ -451,12 +446,9 @@ def bucket(rows: int, capacity: int, fixed_shapes: bool) -> int:
 
 
 def eos_ids(model) -> list[int]:
-    """The model's EOS ids: its generation config's, then its config's (each one id, a list, or None)."""
-    found: list[int] = []
-    for source in (getattr(model, "generation_config", None), model.config):
-        listed = getattr(source, "eos_token_id", None)
-        found += [] if listed is None else [listed] if isinstance(listed, int) else list(listed)
-    return list(dict.fromkeys(found))
+    """The EOS ids of the model's generation config (it holds one id, a list, or None)."""
+    listed = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    return [] if listed is None else [listed] if isinstance(listed, int) else list(listed)
 
 
 @torch.no_grad()
@@ -478,7 +470,7 @@ def sample_groups(model, prompts: list[list[int]], group_size: int, *, max_new_t
     steps at power-of-two row counts (default: on CUDA, where graphs replay them). prefill_tokens: prompts
     admitted together are prefilled packed in rows of at most this many tokens (a pack's attention costs its
     length squared, so long prompts go alone; default 512 on CPU, 8192 elsewhere). pad_to_multiple_of: the cache
-    length and every prefill row rounded up to a multiple of this (departure 6). decode_step(rollouts): the
+    length and every prefill row rounded up to a multiple of this (departure 5). decode_step(rollouts): the
     call's decode step, n -> None (default: Rollouts.decode, eager; infra/compiled_step.py's is compiled).
     """
     reason = unsupported_reason(model)

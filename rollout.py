@@ -149,8 +149,7 @@ def stop_token_ids(model, tokenizer) -> list[int]:
 
     >>> # Qwen2.5-Instruct: generation_config [151645, 151643], tokenizer 151645 -> [151645, 151643]
     """
-    listed = getattr(model.generation_config, "eos_token_id", None)
-    listed = [] if listed is None else [listed] if isinstance(listed, int) else list(listed)
+    listed = engine.eos_ids(model)
     return list(dict.fromkeys(listed + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])))
 
 

@@ -263,6 +263,18 @@ def test_sample_groups_first_and_second_tokens_follow_the_model(top_p):
 
 
 # --- a row's tokens depend on its key alone ---
+def test_keys_and_stop_ids_default_to_prompt_indices_and_the_models_eos_ids():
+    """Claim: sample_groups without keys or stop_ids samples what it does given keys (j,) for prompt j and the
+    model's generation-config EOS ids; those ids stop a response (some rows end before max_new_tokens here)."""
+    model = random_model("qwen2", vocab=64)
+    model.generation_config.eos_token_id = [1, 2, 3]
+    prompts = random_prompts([3, 17, 8], 64)
+    default = engine.sample_groups(model, prompts, 4, max_new_tokens=16)
+    assert default == engine.sample_groups(model, prompts, 4, max_new_tokens=16, stop_ids=[1, 2, 3],
+                                           keys=[(0,), (1,), (2,)])
+    assert any(len(r) < 16 and r[-1] in (1, 2, 3) for group in default for r in group), default
+
+
 def test_rows_depend_only_on_their_keys():
     """Claim: the same 12 prompts sampled in one call, in calls of 4 and of 1 prompt (each with its own keys), with
     at most 4, 12 or 40 rows at once (refill), at fixed power-of-two shapes, with the host looking every 8 steps,
