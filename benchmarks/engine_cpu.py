@@ -1,5 +1,5 @@
 """Sampling seconds per iteration on CPU: the rollout engine (engine.py) against today's Hugging Face `generate` path
-(rollout.sample_responses with rollout.sampling_config), side by side in one process, interleaved.
+(hf_generate.sample_responses with hf_generate.sampling_config), side by side in one process, interleaved.
 
     python benchmarks/engine_cpu.py [--layers 2] [--prompts 4] [--group-size 8] [--max-new-tokens 48] [--rounds 3]
                                     [--compile]
@@ -33,8 +33,7 @@ import torch  # noqa: E402
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 import engine  # noqa: E402
-import rollout  # noqa: E402
-from infra import compiled_step  # noqa: E402
+from infra import compiled_step, hf_generate  # noqa: E402
 
 
 
@@ -124,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     settings = SimpleNamespace(temperature=args.temperature, top_p=args.top_p, top_k=0, min_p=None,
                                max_new_tokens=args.max_new_tokens)
     stops = eos_ids(args.vocab)
-    generation = rollout.sampling_config(settings, stops, stops[1])
+    generation = hf_generate.sampling_config(settings, stops, stops[1])
 
     def run_engine(compile_step: bool = False):
         return engine.sample_groups(model, prompts, args.group_size, max_new_tokens=args.max_new_tokens,
@@ -133,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
                                     decode_step=compiled_step.decode_step if compile_step else None)
 
     def run_hf():
-        return rollout.sample_responses(model, prompts, args.group_size, generation, seed=0)
+        return hf_generate.sample_responses(model, prompts, args.group_size, generation, seed=0)
 
     print(f"engine_cpu: Qwen2.5-0.5B-wide, {args.layers} layers, vocabulary {args.vocab}, float32, "
           f"{torch.get_num_threads()} threads | {len(prompts)} GSM8K prompts ({min(map(len, prompts))}-"

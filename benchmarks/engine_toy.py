@@ -21,6 +21,7 @@ import torch  # noqa: E402
 
 import engine  # noqa: E402
 import rollout  # noqa: E402
+from infra import hf_generate  # noqa: E402
 from infra.models import load_model  # noqa: E402
 from infra.tasks import arithmetic_examples  # noqa: E402
 
@@ -34,13 +35,13 @@ def main() -> None:
     prompts = [tokenizer.encode(example.prompt) for example in arithmetic_examples("train")[:16]]
     stops = rollout.stop_token_ids(model, tokenizer)
     settings = SimpleNamespace(temperature=1.0, top_p=1.0, top_k=0, min_p=None, max_new_tokens=8)
-    generation = rollout.sampling_config(settings, stops, tokenizer.pad_token_id)
+    generation = hf_generate.sampling_config(settings, stops, tokenizer.pad_token_id)
 
     def engine_side(prefill_tokens: int):
         return lambda: engine.sample_groups(model, prompts, 8, max_new_tokens=8, stop_ids=stops,
                                             keys=[(0, 0, j) for j in range(16)], prefill_tokens=prefill_tokens)
     sides = {"engine, packed prefill": engine_side(engine.PREFILL_TOKENS), "engine, one prefill per prompt":
-             engine_side(1), "generate": lambda: rollout.sample_responses(model, prompts, 8, generation, 0)}
+             engine_side(1), "generate": lambda: hf_generate.sample_responses(model, prompts, 8, generation, 0)}
     seconds: dict[str, list[float]] = {name: [] for name in sides}
     with torch.no_grad():
         for _ in range(args.rounds):

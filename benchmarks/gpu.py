@@ -3,9 +3,9 @@ finishes and all written to --json.
 
 1. decode: 16 GSM8K questions x 8 samples = 128 rows of the Qwen2.5-0.5B configuration (random weights, bfloat16,
    sdpa), sampled by the engine with its decoder layers compiled, then captured as CUDA graphs (the default on
-   CUDA), with CUDA graphs alone (--engine eager), without either, and Hugging Face `generate` (the hf path, rollout.sample_responses); interleaved over --rounds
-   rounds, after one untimed call each (its seconds printed: the compiled side's compilation). Each side runs 1,
-   M/2 and M new tokens:
+   CUDA), with CUDA graphs alone (--engine eager), without either, and Hugging Face `generate` (the hf path,
+   hf_generate.sample_responses); interleaved over --rounds rounds, after one untimed call each (its seconds
+   printed: the compiled side's compilation). Each side runs 1, M/2 and M new tokens:
        prefill s     = T(1)                                   (the prompts, and the first token's draw)
        decode ms     = (T(M) - T(M/2)) / (M - M/2)            per step, 128 rows (graph captures cancel out)
        capture s     = T(M/2) - T(1) - (M/2 - 1)·decode       (the engine's one CUDA graph per call, else ~0)
@@ -45,8 +45,7 @@ from types import SimpleNamespace
 import torch
 
 import engine
-import rollout
-from infra import compiled_step
+from infra import compiled_step, hf_generate
 from benchmarks.common import write_json
 from benchmarks.engine_cpu import eos_ids, gsm8k_prompts, qwen_wide_model
 from benchmarks.peer import peer, peer_run
@@ -129,7 +128,7 @@ def decode_sides(model, prompts: list[list[int]], group_size: int, stops: list[i
 
     def hf_side(m: int):
         settings = SimpleNamespace(temperature=1.0, top_p=1.0, top_k=0, min_p=None, max_new_tokens=m)
-        return rollout.sample_responses(model, prompts, group_size, rollout.sampling_config(settings, stops, stops[1]),
+        return hf_generate.sample_responses(model, prompts, group_size, hf_generate.sampling_config(settings, stops, stops[1]),
                                         seed=0)
     if device.type != "cuda":  # graphs: CUDA's alone
         return {"engine, eager": engine_side(False), "hf generate": hf_side}

@@ -59,10 +59,11 @@ from dataclasses import dataclass
 import torch
 
 from infra import distributed
+from infra.hf_generate import sampling_config
 from infra.options import GENERATE_CALLS, MICRO_BATCH_TOKENS, available_cores
 from infra.tasks import run_prompt_ids
 from learner import forward_backward, micro_batch_size
-from rollout import iteration_prompts, sample_prompts, sampling_config, stop_token_ids
+from rollout import iteration_prompts, sample_prompts, stop_token_ids
 
 AS_FAST = 1.05  # fewer calls (then bigger micro-batches) win unless the others are predicted > 5% faster
 MICRO_BATCH_FRACTIONS = (1, 2, 4, 8, 16)  # candidate micro-batches: an iteration's tokens / these, under the cap

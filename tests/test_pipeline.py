@@ -253,7 +253,7 @@ def test_chunked_sampling_continues_each_prompt(tiny_model_dir):
     prompt exactly as sampling it alone does (checked with greedy decoding, where both are deterministic)."""
     from transformers import GenerationConfig
 
-    from rollout import sample_responses
+    from infra.hf_generate import sample_responses
     model, tokenizer = load_model(str(tiny_model_dir))
     prompts = [tokenizer.encode(text, add_special_tokens=False) for text in ("1+2=", "31+45=", "100+2000=")]
     assert len({len(p) for p in prompts}) == 3, "the check needs prompts of different lengths"

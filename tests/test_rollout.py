@@ -7,14 +7,8 @@ from transformers import GenerationConfig
 from config import Config
 from infra.models import load_model
 from infra.tasks import Example, prompt_token_ids
-from rollout import (
-    Group,
-    own_sampling_only,
-    rollout_iteration,
-    sample_responses,
-    sampling_config,
-    stop_token_ids,
-)
+from infra.hf_generate import own_sampling_only, sample_responses, sampling_config
+from rollout import Group, rollout_iteration, stop_token_ids
 
 SETTINGS = Config(seed=0, group_size=4, batch_size=12, max_new_tokens=24, temperature=1.0, top_p=1.0, eval_every=0,
                   eval_samples=2, scale_rewards=True, groups_per_chunk=1)
