@@ -4,8 +4,10 @@ finishes and all written to --json.
 1. decode: 16 GSM8K questions x 8 samples = 128 rows of the Qwen2.5-0.5B configuration (random weights, bfloat16,
    sdpa), sampled by the engine with its decoder layers compiled, then captured as CUDA graphs (the default on
    CUDA), with CUDA graphs alone (--engine eager), without either, and Hugging Face `generate` (the hf path,
-   hf_generate.sample_responses); interleaved over --rounds rounds, after one untimed call each (its seconds
-   printed: the compiled side's compilation). Each side runs 1, M/2 and M new tokens:
+   hf_generate.sample_responses); interleaved over --rounds rounds. Each side runs 1, M/2 and M new tokens, each
+   length first called once untimed (its seconds printed: the compiled side's compilations; a compiled step's
+   first call at a new cache length compiles again, which timed would count as decoding); each round's decode
+   figure is printed beside the median:
        prefill s     = T(1)                                   (the prompts, and the first token's draw)
        decode ms     = (T(M) - T(M/2)) / (M - M/2)            per step, 128 rows (graph captures cancel out)
        capture s     = T(M/2) - T(1) - (M/2 - 1)·decode       (the engine's one CUDA graph per call, else ~0)
@@ -153,6 +155,11 @@ def fallen_back(compiled: bool) -> str | None:
     return None
 
 
+def decode_ms(long_s: float, short_s: float, steps: int, half: int) -> float:
+    """Milliseconds per decode step from calls of M and M/2 new tokens: (T(M) - T(M/2)) / (M - M/2)."""
+    return (long_s - short_s) / max(1, steps - half) * 1e3
+
+
 def decode_part(args: argparse.Namespace, device: torch.device) -> dict:
     model, prompts = decode_workload(args, device)
     rows, steps = len(prompts) * args.group_size, args.decode_tokens
@@ -169,9 +176,9 @@ def decode_part(args: argparse.Namespace, device: torch.device) -> dict:
     failed: dict[str, str] = {}
     first_call: dict[str, float] = {}
     with torch.no_grad():
-        for name, sample in sides.items():  # warm-up: lazy initialisation, cuBLAS workspaces, allocator pools
+        for name, sample in sides.items():  # every timed length once: compilations, cuBLAS workspaces, allocator pools
             try:
-                first_call[name] = seconds_of(lambda: sample(2), device)  # torch.compile's compilation, for one
+                first_call[name] = sum(seconds_of(lambda: sample(m), device) for m in (1, half, steps))
                 if fallen_back("compiled" in name):  # eager layers: not this side
                     raise RuntimeError(fallen_back("compiled" in name))
             except Exception as error:  # a side that cannot run here is reported, the others still measured
@@ -184,6 +191,9 @@ def decode_part(args: argparse.Namespace, device: torch.device) -> dict:
                 try:
                     for m in (1, half, steps):
                         times[name][m].append(seconds_of(lambda: sides[name](m), device))
+                    print(f"gpu decode: round {round_}: {name:24s} decode "
+                          f"{decode_ms(times[name][steps][-1], times[name][half][-1], steps, half):.2f} ms per step",
+                          flush=True)
                     if fallen_back("compiled" in name):  # a recompilation failed
                         raise RuntimeError(fallen_back("compiled" in name))
                 except Exception as error:
@@ -193,21 +203,24 @@ def decode_part(args: argparse.Namespace, device: torch.device) -> dict:
     figures = {"rows": rows, "decode_tokens": steps, "copy_bandwidth_GBps": bandwidth / 1e9,
                "step_bytes": step_bytes, "floor_ms": step_bytes / bandwidth * 1e3, "failed": failed, "sides": {}}
     print(f"{'side':24s} {'prefill s':>9s} {'prefill tok/s':>13s} {'decode ms':>9s} {'decode tok/s':>12s} "
-          f"{'GB/s':>7s} {'of copy':>7s} {'capture s':>9s} {'first call s':>12s}")
+          f"{'GB/s':>7s} {'of copy':>7s} {'capture s':>9s} {'first calls s':>13s}  decode ms each round")
     prompt_tokens = sum(map(len, prompts))
     for name, by_m in times.items():
         if name in failed:
             continue
         t1, th, tm = (statistics.median(by_m[m]) for m in (1, half, steps))
-        step = (tm - th) / max(1, steps - half)
+        step = decode_ms(tm, th, steps, half) / 1e3
+        rounds = [decode_ms(long, short, steps, half) for long, short in zip(by_m[steps], by_m[half])]
         row = {"prefill_s": t1, "prefill_tokens_per_s": prompt_tokens / t1, "decode_ms": step * 1e3,
                "decode_tokens_per_s": rows / step, "achieved_GBps": step_bytes / step / 1e9,
                "of_copy_bandwidth": step_bytes / step / bandwidth, "capture_s": th - t1 - (half - 1) * step,
-               "first_call_s": first_call[name], "seconds": {str(m): by_m[m] for m in by_m}}
+               "first_calls_s": first_call[name], "decode_ms_each_round": rounds,
+               "seconds": {str(m): by_m[m] for m in by_m}}
         figures["sides"][name] = row
         print(f"{name:24s} {t1:9.3f} {row['prefill_tokens_per_s']:13.0f} {row['decode_ms']:9.2f} "
               f"{row['decode_tokens_per_s']:12.0f} {row['achieved_GBps']:7.0f} {row['of_copy_bandwidth']:7.0%} "
-              f"{row['capture_s']:9.3f} {row['first_call_s']:12.1f}", flush=True)
+              f"{row['capture_s']:9.3f} {row['first_calls_s']:13.1f}  {', '.join(f'{ms:.2f}' for ms in rounds)}",
+              flush=True)
     if "hf generate" in figures["sides"]:
         for name, row in figures["sides"].items():
             row["decode_vs_hf"] = figures["sides"]["hf generate"]["decode_ms"] / row["decode_ms"]

@@ -224,8 +224,10 @@ def test_gpu_table_runs_every_part_on_cpu(qwen_shaped_dir, tmp_path):
     table = json.loads(figures.read_text())
     sides = table["decode"]["sides"]
     assert set(sides) == {"engine, eager", "hf generate"} and not table["decode"]["failed"]
-    for side in sides.values():
+    for name, side in sides.items():
         assert side["prefill_tokens_per_s"] > 0 and all(len(side["seconds"][m]) == 1 for m in ("1", "3", "6"))
+        each = side["decode_ms_each_round"]  # each round's figure, printed beside the median
+        assert len(each) == 1 and f"gpu decode: round 0: {name:24s} decode {each[0]:.2f} ms per step" in done.stdout
         assert math.isfinite(side["decode_ms"])  # a difference of two timings: its sign is the machine's load
     kernels = table["kernels"]["sides"]["engine, eager"]  # one layer: q, k, v (with bias), o, gate, up, down, head
     assert kernels["by_kind"]["matrix products"][0] == 8 and kernels["kernels_per_step"] > 8, kernels["by_kind"]
@@ -237,7 +239,8 @@ def test_gpu_table_runs_every_part_on_cpu(qwen_shaped_dir, tmp_path):
 def test_decode_step_parts_run_every_variant_on_cpu(capsys):
     """Claim (tools/decode_step_parts.py, issue 31): every variant of the step's pieces runs (on CPU, eagerly, at a
     small size), so that a lent GPU's minutes go to measuring, and the agreement lines a GPU run reads are printed
-    and hold here: flex attention over the written blocks agrees with sdpa under the mask (two float32 softmax
+    and hold here (each timing printed as the median beside its 5 rounds): flex attention over the written blocks
+    agrees with sdpa under the mask (two float32 softmax
     attentions over 128 slots of unit-variance scores: within 2e-4), the compiled draw with the eager draw."""
     import re
     import sys
@@ -246,9 +249,35 @@ def test_decode_step_parts_run_every_variant_on_cpu(capsys):
     import decode_step_parts
     decode_step_parts.main(["--device", "cpu", "--rows", "8", "--vocab", "2048", "--length", "128", "--repeat", "1"])
     out = capsys.readouterr().out
-    timed = re.findall(r"^    (\S.*?)\s+(\d+\.\d) us$", out, flags=re.M)
+    timed = re.findall(r"^    (\S.*?)\s+(\d+\.\d) us  \(each round: (?:\d+\.\d, ){4}\d+\.\d\)$", out, flags=re.M)
     assert len(timed) >= 11, out  # attention 5 of 7 (cuDNN and memory-efficient are CUDA's), draw 6
     differences = [float(value) for value in re.findall(r"largest difference (\S+)$", out, flags=re.M)]
     assert len(differences) == 1 and differences[0] < 2e-4, out
     agreed = re.search(r"compiled draw = eager draw: \[(\d+), (\d+), (\d+)\] of 8 tokens", out)
     assert agreed and [int(count) for count in agreed.groups()] == [8, 8, 8], out
+
+
+def test_the_decode_part_warms_every_timed_length_before_timing(monkeypatch, capsys):
+    """Claim (bench.py gpu --parts decode): each side is called once at every length it is timed at (1, M/2 and M new
+    tokens) before its first timed call, since a compiled step's first call at a new cache length compiles again and,
+    timed, would count as decoding; each round's decode figure is printed, and kept beside the median."""
+    import argparse
+
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from benchmarks import gpu
+    model = AutoModelForCausalLM.from_config(Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                                         num_hidden_layers=1, num_attention_heads=2,
+                                                         num_key_value_heads=1))
+    calls: list[int] = []
+    monkeypatch.setattr(gpu, "decode_workload", lambda args, device: (model, [[1, 2, 3], [4, 5]]))
+    monkeypatch.setattr(gpu, "copy_bandwidth", lambda device: 1e9)
+    monkeypatch.setattr(gpu, "decode_sides", lambda *args: {"side": calls.append})
+    parser = argparse.ArgumentParser()
+    gpu.gpu_args(parser)
+    args = parser.parse_args(["--device", "cpu", "--vocab", "32", "--decode-tokens", "6", "--rounds", "2"])
+    figures = gpu.decode_part(args, torch.device("cpu"))
+    assert calls == [1, 3, 6] * 3  # the untimed calls first, then two timed rounds
+    each = figures["sides"]["side"]["decode_ms_each_round"]
+    out = capsys.readouterr().out
+    assert len(each) == 2 and all(f"round {r}: side" in out for r in (0, 1)), out

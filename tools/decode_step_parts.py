@@ -5,9 +5,10 @@ configuration at 128 rows (docs/benchmarks.md).
     python tools/decode_step_parts.py                      # CUDA: each variant's GPU time, CUDA graphs
     python tools/decode_step_parts.py --device cpu --vocab 4096 --length 128    # a dry run of every variant
 
-Each variant runs `--repeat` times inside one CUDA graph, replayed `--replays` times; the figure is the median
-replay over the repeats, in microseconds per call: the GPU's time with the launches' gaps of a captured step,
-as infra/compiled_step.DecodeGraphs replays it. On CPU each variant runs eagerly (no graphs): a check that it runs.
+Each variant runs `--repeat` times inside one CUDA graph, replayed once untimed, then `--replays` times; the figure
+is the median replay over the repeats, in microseconds per call, printed beside each replay's: the GPU's time with
+the launches' gaps of a captured step, as infra/compiled_step.DecodeGraphs replays it. On CPU each variant runs
+eagerly (no graphs): a check that it runs.
 """
 from __future__ import annotations
 
@@ -26,15 +27,19 @@ import engine  # noqa: E402
 from infra import compiled_step  # noqa: E402
 
 
-def timed(fn, device: torch.device, repeat: int, replays: int) -> float:
-    """Median microseconds per call of fn(), captured `repeat` times in one CUDA graph (CPU: eager)."""
+def timed(fn, device: torch.device, repeat: int, replays: int) -> list[float]:
+    """Microseconds per call of fn() in each of `replays` rounds, after warm-up calls: on CUDA `repeat` calls
+    captured in one CUDA graph, replayed once untimed, then once per round; on CPU `repeat` eager calls a round."""
     for _ in range(3):
         fn()  # warm-up: compilation, cuBLAS workspaces, lazy initialisations
     if device.type != "cuda":
-        start = time.perf_counter()
-        for _ in range(repeat):
-            fn()
-        return (time.perf_counter() - start) / repeat * 1e6
+        rounds = []
+        for _ in range(replays):
+            start = time.perf_counter()
+            for _ in range(repeat):
+                fn()
+            rounds.append((time.perf_counter() - start) / repeat * 1e6)
+        return rounds
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -49,7 +54,7 @@ def timed(fn, device: torch.device, repeat: int, replays: int) -> float:
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / repeat)
-    return statistics.median(times)
+    return times
 
 
 def attention_variants(rows: int, length: int, device, dtype) -> dict:
@@ -152,7 +157,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{title} ({args.rows} rows, {device}, {dtype}):", flush=True)
             for name, fn in variants.items():
                 try:
-                    print(f"    {name:48s} {timed(fn, device, args.repeat, args.replays):9.1f} us", flush=True)
+                    rounds = timed(fn, device, args.repeat, args.replays)
+                    print(f"    {name:48s} {statistics.median(rounds):9.1f} us  (each round: "
+                          f"{', '.join(f'{us:.1f}' for us in rounds)})", flush=True)
                 except Exception as error:  # a kernel not eligible here (a backend that refuses the mask)
                     print(f"    {name:48s} failed: {str(error).splitlines()[0][:120]}", flush=True)
         print(draw_agrees(args.rows, args.vocab, device, dtype), flush=True)
