@@ -203,17 +203,12 @@ def checked_draw(logits: torch.Tensor, seeds: torch.Tensor, lengths: torch.Tenso
 
 # --- the cache ---
 class RowCache:
-    """Every row's keys and values, preallocated: (layers, rows, kv_heads, L, head_dim) each, L = P_max + M
-    (rounded up to a multiple of pad_to_multiple_of).
-
-    Hugging Face's attention layers call update(key, value, layer) with the new tokens' keys and values and
-    attend over what it returns. Set before each forward:
-      prefill_slots:      (rows, slots, sources), (N,) each: key (1, kv, T, D) of a packed row of prompts,
-                          its position sources[k] written at slot slots[k] of cache row rows[k] (each
-                          prompt's tokens into slots 0..P-1 of its G rows), and returned as it is (the
-                          packed prompts attend to themselves through the block-diagonal mask);
-      positions (n,):     key (n, kv, 1, D), row r's written at slot positions[r]; the first n rows' whole
-                          cache is returned (the mask hides the slots not yet written)."""
+    """Every row's keys and values, preallocated: (layers, rows, kv_heads, L, head_dim) each, L = P_max + M rounded
+    up. Hugging Face's attention layers call update(key, value, layer) and attend over what it returns; set first:
+      prefill_slots (rows, slots, sources), (N,) each: position sources[k] of a packed prompt row's key
+                    (1, kv, T, D) goes to slot slots[k] of cache row rows[k]; the key is returned as it is;
+      positions (n,): row r's new key, (n, kv, 1, D), goes to slot positions[r]; the first n rows' whole
+                    cache is returned (the mask hides the slots not yet written)."""
 
     def __init__(self, model, rows: int, length: int):
         config = model.config
@@ -409,7 +404,6 @@ class Rollouts:
         self.cache.compact(index)
         self.slot_rows[:len(keep)], self.last_token[:len(keep)] = self.slot_rows[index], self.last_token[index]
         self.slot_rows[len(keep):n] = self.stand_in
-
 
 
 def round_up(length: int, multiple: int) -> int:
