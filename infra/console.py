@@ -87,9 +87,11 @@ def start_line(cfg: Config, train: int, held_out: int, notes: tuple[str, ...] = 
     processes = ", ".join(part for part in (f"{trainers} trainer ranks" if trainers > 1 else "",
                                             samplers if trainers > 1 or inference_ranks
                                             or cfg.inference_workers > 1 else "") if part)
-    compiled = (" | sampling compiled: each sampler's first generate call compiles one layer and the draw, once "
-                "(~10 s on a GPU; --engine eager skips it)"
-                if cfg.engine != "hf" and engine_compiles(cfg.engine, cfg.rollout_device or cfg.device) else "")
+    sampler = cfg.rollout_device or cfg.device
+    cost = "about a minute on CPU" if sampler.startswith("cpu") else "~10 s on a GPU"
+    compiled = (f" | sampling compiled: each sampler's first generate call compiles one layer and the draw, once "
+                f"({cost}; --engine eager skips it)" if cfg.engine != "hf" and engine_compiles(cfg.engine, sampler)
+                else "")
     return (f"periodic-rl: {cfg.mode} | model {cfg.model} | {processes + ' | ' if processes else ''}{train} train / "
             f"{held_out} held-out prompts{said} | {cfg.iterations} iteration{'s' * (cfg.iterations != 1)} x "
             f"{cfg.prompts_per_iteration} prompts "
