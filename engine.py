@@ -1,7 +1,7 @@
 """One generate call's rollouts: each prompt prefilled once, a preallocated cache, a fixed-shape decode step, and
 random draws decided by the seed alone. Only torch and transformers are imported: copy it alone.
 
-    >>> import torch, transformers
+    >>> import transformers
     >>> model = transformers.AutoModelForCausalLM.from_config(transformers.Qwen2Config(vocab_size=32, hidden_size=16,
     ...     intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)).eval()
     >>> responses = sample_groups(model, [[1, 2, 3], [4]], group_size=2, max_new_tokens=3)
