@@ -154,10 +154,9 @@ def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """The index s with F(s⁻) <= u·F(V) < F(s), F the running sum of `weights` (n, V) >= 0; u (n,) in [0, 1).
 
     Two levels: the block of BLOCK weights holding u·F(V), then the weight inside it; each block summed in
-    float32 (vectorised; ~1e-7 of the block's mass, the rounding the probabilities carry anyway), the running
-    sums over blocks and inside the chosen block in float64. The chosen weight is positive: u <= 1 - 2^-32
-    keeps u·F(V) below F(V), and a rounding that would step past the block's last positive weight is clamped
-    to it."""
+    float32 (~1e-7 of its mass, the rounding the probabilities carry anyway), the running sums in float64. The
+    chosen weight is positive: u <= 1 - 2^-32 keeps u·F(V) below F(V), and a rounding that would step past the
+    block's last positive weight is clamped to it."""
     vocab = weights.shape[-1]
     whole = vocab - vocab % BLOCK
     block_sums = weights[:, :whole].unflatten(1, (-1, BLOCK)).sum(dim=-1)    # (n, B) the last block may be partial
@@ -455,18 +454,14 @@ def sample_groups(model, prompts: list[list[int]], group_size: int, *, max_new_t
                   decode_step: Callable[[Rollouts], Callable[[int], None]] | None = None) -> list[list[list[int]]]:
     """group_size responses to each prompt: responses[j][i], cut after its first stop id (kept).
 
-    stop_ids: the ids that end a response (default: the model's EOS ids, `eos_ids`). keys[j]: prompt j's key,
-    e.g. (seed, iteration, prompt index): with the sample index and the step it alone decides the row's random
-    draws (default (j,): the same draws at every call). on_done(j, responses[j]) runs the moment prompt j's
-    responses have all stopped, in completion order. max_rows bounds the rows decoded at once (at least
-    group_size; None: all); prompts start in index order as room frees. greedy: argmax instead of sampling.
-    check_every: decode steps between the host's looks (default 1 on CPU, 8 elsewhere). fixed_shapes: run
-    steps at power-of-two row counts (default: on CUDA, where graphs replay them). prefill_tokens: prompts
-    admitted together are prefilled packed in rows of at most this many tokens (a pack's attention costs its
-    length squared, so long prompts go alone; default 512 on CPU, 8192 elsewhere). pad_to_multiple_of: the cache
-    length and every prefill row rounded up to a multiple of this (departure 5). decode_step(rollouts): the
-    call's decode step, n -> None (default: Rollouts.decode, eager; infra/compiled_step.py's is compiled).
-    """
+    stop_ids: the ids that end a response (default: the model's EOS ids). keys[j]: prompt j's key, e.g. (seed,
+    iteration, prompt index), which with the sample index and the step alone decides the row's draws (default
+    (j,): the same draws at every call). on_done(j, responses[j]): as each group completes. max_rows: rows decoded
+    at once (at least group_size; None: all); prompts start in index order as room frees. check_every: decode
+    steps between the host's looks (default 1 on CPU, 8 elsewhere). fixed_shapes: power-of-two row counts
+    (default: on CUDA). prefill_tokens: the most tokens of a packed prefill row (default 512 on CPU, 8192
+    elsewhere). pad_to_multiple_of: departure 5. decode_step(rollouts): the call's step, n -> None (default:
+    Rollouts.decode; infra/compiled_step.py's is compiled)."""
     reason = unsupported_reason(model)
     if reason is not None:
         raise ValueError(f"engine: {reason}")
