@@ -259,3 +259,32 @@ def test_decode_step_parts_run_every_variant_on_cpu(capsys):
     assert len(differences) == 4 and max(differences[:3]) < 2e-4 and differences[3] < 1.3e-3, out
     agreed = re.search(r"compiled draw = eager draw: \[(\d+), (\d+), (\d+)\] of 8 tokens", out)
     assert agreed and [int(count) for count in agreed.groups()] == [8, 8, 8], out
+
+
+def test_the_benchmarks_tail_cuts_each_row_at_its_drawn_length():
+    """Claim (benchmarks/tail.py): with the tail on, row i of prompt j ends at L = tail_length((seed, k, j), i, M)
+    tokens, its last one a stop id, its first L - 1 those it draws without the tail, unless it stopped on its own
+    before L (then it is unchanged); the lengths spread (a tail, not one value); off, the engine is untouched. The
+    cut depends on the key alone: a call of one prompt cuts that prompt's rows as a call of two does."""
+    import engine
+    from benchmarks import tail
+    from benchmarks.engine_cpu import eos_ids, qwen_wide_model
+    model, stops, cap = qwen_wide_model(1, 256), eos_ids(256), 24
+    prompts, keys = [[5, 6, 7], [8, 9]], [(0, 3, 0), (0, 3, 1)]
+
+    def sample(on, count=2):
+        with tail.enabled(on):
+            return engine.sample_groups(model, prompts[:count], 8, max_new_tokens=cap, stop_ids=[stops[0]],
+                                        keys=keys[:count], temperature=1.0)
+    natural, cut = sample(False), sample(True)
+    assert sum(len(r) == cap for group in natural for r in group) > 8  # most rows run to the cap untailed
+    for j, group in enumerate(cut):
+        for i, response in enumerate(group):
+            drawn, own = tail.tail_length(keys[j], i, cap), natural[j][i]
+            if drawn < len(own):
+                assert response == own[:drawn - 1] + [stops[0]]
+            else:
+                assert response == own
+    assert len({len(r) for group in cut for r in group}) > 3
+    assert sample(True, count=1)[0] == cut[0]
+    assert not tail.is_on()
