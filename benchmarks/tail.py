@@ -22,15 +22,14 @@ Models sampled by Hugging Face `generate` (--engine hf) are not cut: the tail is
 
 A benchmark turns it on per run with `TAIL_ENV=1` in the environment (`enabled`): for a run in this process, and
 for the inference process it spawns, which inherits the variable and imports this module again as the spawned
-script's (bench.py's, or this file's with `python -m benchmarks.tail trainer.py ...`, which runs trainer.py with
-the patch installed).
+script's (bench.py's, or this module's with `python -m benchmarks.tail trainer.py ...`, which runs trainer.py's main
+with the patch installed).
 """
 from __future__ import annotations
 
 import contextlib
 import math
 import os
-import runpy
 import statistics
 import sys
 from typing import Iterator
@@ -102,7 +101,10 @@ def enabled(on: bool) -> Iterator[None]:
 
 install()  # in a spawned inference process too: it imports this module again as its script's, or through bench.py
 
-if __name__ == "__main__":  # python -m benchmarks.tail trainer.py ARGS: trainer.py's run, with the tail
+if __name__ == "__main__":  # python -m benchmarks.tail trainer.py ARGS: trainer.py's run, with the tail (this
+    # module stays the script, so that the spawned inference process imports it again, and patches its engine)
+    import trainer
+    if sys.argv[1:2] != ["trainer.py"]:
+        raise SystemExit("usage: python -m benchmarks.tail trainer.py [trainer options]")
     os.environ[TAIL_ENV] = "1"
-    sys.argv = sys.argv[1:]
-    runpy.run_path(sys.argv[0], run_name="__main__")
+    trainer.exit_without_lingering(trainer.main(sys.argv[2:]))

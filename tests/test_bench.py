@@ -288,3 +288,25 @@ def test_the_benchmarks_tail_cuts_each_row_at_its_drawn_length():
     assert len({len(r) for group in cut for r in group}) > 3
     assert sample(True, count=1)[0] == cut[0]
     assert not tail.is_on()
+
+
+@pytest.mark.slow
+def test_the_tail_reaches_the_inference_process(tiny_model_dir, tmp_path):
+    """Claim: `python -m benchmarks.tail trainer.py ...` cuts the rows in async mode's spawned inference process as
+    in sync mode's own: the two runs log the same (shorter) response lengths and losses, bitwise as without it."""
+    import json
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[1]
+
+    def run(mode, *launcher):
+        out = tmp_path / f"{mode}{len(launcher)}"
+        subprocess.run([sys.executable, *launcher, "trainer.py", "--model", str(tiny_model_dir), "--data",
+                        "arithmetic", "--mode", mode, "--rollout-threads", "1", "--train-threads", "1",
+                        "--iterations", "2", "--eval-every", "0", "--no-save", "--max-new-tokens", "16", "--sizes",
+                        "rule", "--out", str(out)], cwd=root, check=True, capture_output=True)
+        return [(row["response_length"], row["loss"]) for row in map(json.loads, open(out / "metrics.jsonl"))
+                if not row.get("final")]
+    tailed = run("async", "-m", "benchmarks.tail")
+    assert tailed == run("sync", "-m", "benchmarks.tail")
+    assert all(cut < whole for (cut, _), (whole, _) in zip(tailed, run("sync")))
