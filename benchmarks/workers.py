@@ -5,7 +5,8 @@ The same training run (tiny model, 16 prompts x 8 responses, evaluation off, eve
 calls of 4 prompts, so that two workers get two calls each) with --inference-workers 1 and 2, in `--rounds`
 interleaved runs (N = 1, N = 2, N = 1, ...) so that drifting machine load hits both alike; the first
 iteration of each run is dropped. From the N = 1 runs' busy times T_gen (inference) and T_train (training)
-the prediction for N workers, each on its own device (`predicted_seconds`), and the split of devices that
+the prediction for N workers, each on its own device (`sizing.split_seconds`: rounds of N calls side by
+side, fill and drain not overlapped), and the split of devices that
 would balance the two sides (sizing.balanced_split).
 
 What to expect on a CPU machine: the workers share its cores, so N = 2 is no faster (and its threads,
@@ -15,7 +16,6 @@ the prediction is what separate devices would give. No targets: a figure to read
 from __future__ import annotations
 
 import argparse
-import math
 import shlex
 import statistics
 
@@ -24,22 +24,6 @@ from benchmarks.pipeline import time_schedule
 
 WORKLOAD = ["--groups-per-chunk", "4", "--micro-batch-tokens", "16384"]  # tiny defaults otherwise: 16 prompts x 8
 THREADS = ["--rollout-threads", "1", "--train-threads", "1"]  # one per worker, one for the trainer
-
-
-def predicted_seconds(t_gen: float, t_train: float, calls: int, workers: int) -> float:
-    """Seconds per iteration with `workers` inference workers on devices of their own, from one worker's phase
-    times: a two-stage pipeline over rounds of `workers` calls sampled at once.
-
-    A round takes a = T_gen / calls to sample (one call's time; its calls run side by side) and
-    b = workers · T_train / calls to train; R = ceil(calls / workers) rounds take a + b + (R - 1) · max(a, b):
-    the first round's sampling (fill) and the last one's training (drain) overlap nothing. With one worker
-    this is benchmarks.pipeline's bound for `calls` chunks.
-
-    >>> predicted_seconds(4.0, 1.0, calls=4, workers=1), predicted_seconds(4.0, 1.0, calls=4, workers=2)
-    (4.25, 2.5)
-    """
-    a, b = t_gen / calls, workers * t_train / calls
-    return a + b + (math.ceil(calls / workers) - 1) * max(a, b)
 
 
 def workers_args(parser: argparse.ArgumentParser) -> None:
@@ -77,7 +61,7 @@ def workers(args: argparse.Namespace) -> bool:
         per_round = [mean(n, "iteration_s", r) for r in range(args.rounds)]
         row = figures["workers"][n] = {
             "s_per_iter": mean(n, "iteration_s"), "per_round": per_round,
-            "predicted": predicted_seconds(t_gen, t_train, calls, n),
+            "predicted": sizing.split_seconds(t_gen, t_train, calls, inference=n),
             "generate_device_s": mean(n, "generate_device_s"), "train_s": mean(n, "train_s"),
             "overlap": mean(n, "overlap")}
         print(f"{n:7d} {row['s_per_iter']:7.3f} {f'{min(per_round):.3f}-{max(per_round):.3f}':>13s} "

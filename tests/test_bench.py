@@ -9,7 +9,7 @@ from benchmarks.common import T_975, not_slower, ratio_interval
 from benchmarks.memory import LiveTensorBytes
 from benchmarks.pipeline import async_workload, pipeline_bound
 from benchmarks.shared_prompt import forward_macs, mac_ceiling, shared_prompt_cell
-from benchmarks.workers import predicted_seconds
+from launch.sizing import split_seconds
 
 
 def test_pipeline_bound():
@@ -41,12 +41,14 @@ def test_ratio_interval_fails_only_what_the_rounds_show():
     assert abs(1.96 + 2.4 / 31 - 2.040) < 0.005 and T_975[-1] == 2.042
 
 
-def test_workers_prediction():
-    """Claim: the N-worker prediction is the one-worker pipeline for N = 1 (its bound's denominator), and with a
-    worker per call the iteration is one call's sampling plus all the training (nothing left to overlap)."""
-    assert predicted_seconds(4.0, 1.0, 4, 1) == pytest.approx((4.0 + 1.0) / pipeline_bound(4.0, 1.0, 4))
-    assert predicted_seconds(4.0, 1.0, 4, 4) == pytest.approx(4.0 / 4 + 1.0)
-    assert predicted_seconds(4.0, 1.0, 4, 2) < predicted_seconds(4.0, 1.0, 4, 1)
+def test_split_prediction():
+    """Claim: the split model (sizing.split_seconds) is the one-device pipeline for 1 + 1 (its bound's denominator);
+    with a device per call the iteration is one call's sampling plus all the training (nothing left to overlap);
+    training devices divide the training."""
+    assert split_seconds(4.0, 1.0, 4) == pytest.approx((4.0 + 1.0) / pipeline_bound(4.0, 1.0, 4))
+    assert split_seconds(4.0, 1.0, 4, inference=4) == pytest.approx(4.0 / 4 + 1.0)
+    assert split_seconds(4.0, 1.0, 4, inference=2) < split_seconds(4.0, 1.0, 4)
+    assert split_seconds(1.0, 4.0, 4, training=4) == pytest.approx(split_seconds(1.0, 1.0, 4))
 
 
 @pytest.mark.slow
@@ -199,8 +201,8 @@ def test_gpu_table_runs_every_part_on_cpu(qwen_shaped_dir, tmp_path):
     minutes go to measuring: on CPU (no CUDA graphs there) the decode part times the engine and `generate` at 1,
     M/2 and M new tokens and derives per-step figures from them, the kernels part counts what a decode step launches
     (exactly: a 1-layer Qwen2 step makes 8 matrix products, 5 with fused projections, which also write
-    the layer's key and value in one kernel), the pipeline part runs trainer.py sync and async on
-    a chat model with GSM8K-shaped data, and the peer part, given a Python without trl, is skipped with the reason
+    the layer's key and value in one kernel), the pipeline part runs trainer.py sync, async and
+    auto, with rows to the cap and with the tail, on a chat model with GSM8K-shaped data, and the peer part, given a Python without trl, is skipped with the reason
     (its TRL run is `bench.py peer`'s, tested above). Timings are not asserted, only that they were measured."""
     import json
     import math
@@ -234,7 +236,11 @@ def test_gpu_table_runs_every_part_on_cpu(qwen_shaped_dir, tmp_path):
     assert fused["by_kind"]["matrix products"][0] == 5, fused["by_kind"]
     writes = "indexing (cache writes, row bookkeeping)"  # and the layer's key and value written by one kernel
     assert fused["by_kind"][writes][0] == kernels["by_kind"][writes][0] - 1, (fused["by_kind"], kernels["by_kind"])
-    assert [len(seconds) for seconds in table["pipeline"]["seconds_per_iteration"].values()] == [1, 1]
+    pipeline = table["pipeline"]  # sync, async and auto, to the cap and with the tail
+    assert sorted(pipeline["seconds_per_iteration"]) == ["async", "async +tail", "auto", "auto +tail", "sync",
+                                                         "sync +tail"]
+    assert [len(seconds) for seconds in pipeline["seconds_per_iteration"].values()] == [1] * 6
+    assert pipeline["auto"] == "async" and "--mode auto here: async" in done.stdout  # CPU: core groups
     assert "skipped" in table["peer"] and "cannot import trl" in done.stdout
 
 
