@@ -118,7 +118,8 @@ def peer_run(name: str, argv: list[str] | None, args: argparse.Namespace, tailed
         return statistics.mean(result["seconds_per_step"]), result["mean_completion_length"], "", 0.0
     with tempfile.TemporaryDirectory() as tmp:
         system = ["--system-prompt", "math"] if args.model is not None else []  # tools/trl_grpo_run.py's prompts
-        command = [sys.executable, *(["-m", "benchmarks.tail"] if tailed else []), "trainer.py", *argv, *common, *system, "--lr-scheduler-type", "constant",
+        launcher = ["-m", "benchmarks.tail"] if tailed else []
+        command = [sys.executable, *launcher, "trainer.py", *argv, *common, *system, "--lr-scheduler-type", "constant",
                    "--iterations", str(args.iterations + 1),
                    "--eval-every", "0", "--no-save", "--out", tmp, *shlex.split(args.trainer_args)]
         out = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)

@@ -31,8 +31,8 @@ the tail.
 Targets, on the default workload: async at least 90% of its `bound` (its seconds per iteration at most
 bound_s / 0.9); on every workload async not slower than sync: the 95% interval of the per-round speedups
 reaches 1x and their mean is at least 0.97x (`benchmarks.common.not_slower`); with the tail, async at least
-TAIL_TARGET x sync on the default workload. `--split-check`: measured within SPLIT_TOLERANCE of predicted. Where async takes turns (the
-toy's default on 2 cores) it runs sync's schedule in one process (`setup.colocated`): the two differ by the
+TAIL_TARGET x sync on the default workload. `--split-check`: measured within SPLIT_TOLERANCE of predicted. Where
+async takes turns (the toy's default on 2 cores) it runs sync's schedule in one process (`setup.colocated`): the two differ by the
 machine's noise alone, and a bare mean >= 1x would be a coin flip.
 """
 from __future__ import annotations

@@ -69,8 +69,9 @@ def text_prompts_note(tokenizer, examples, raw: bool) -> tuple[str, ...]:
 
 def start_line(cfg: Config, train: int, held_out: int, notes: tuple[str, ...] = (), trainers: int = 1,
                inference_ranks: int = 0) -> str:
-    """The run's first line: mode and how the hardware is shared (infra/sharing.py), model, the processes when there are several (torchrun's `trainers` ranks, each
-    with --inference-workers samplers, or `inference_ranks` samplers), the prompts (with `notes`, data.Task's: the
+    """The run's first line: mode and how the hardware is shared (infra/sharing.py), model, the processes when there
+    are several (torchrun's `trainers` ranks, each with --inference-workers samplers, or `inference_ranks` samplers),
+    the prompts (with `notes`, data.Task's: the
     column they come from when two could be, the split held out, that it has fewer rows than --eval-size
     asked, and that it is never evaluated), the schedule and --out.
 
@@ -86,7 +87,8 @@ def start_line(cfg: Config, train: int, held_out: int, notes: tuple[str, ...] = 
     processes = ", ".join(part for part in (f"{trainers} trainer ranks" if trainers > 1 else "",
                                             samplers if trainers > 1 or inference_ranks
                                             or cfg.inference_workers > 1 else "") if part)
-    return (f"periodic-rl: {cfg.mode} ({sharing.describe(cfg, inference_ranks)}) | model {cfg.model} | {processes + ' | ' if processes else ''}{train} train / "
+    return (f"periodic-rl: {cfg.mode} ({sharing.describe(cfg, inference_ranks)}) | model {cfg.model} | "
+            f"{processes + ' | ' if processes else ''}{train} train / "
             f"{held_out} held-out prompts{said} | {cfg.iterations} iteration{'s' * (cfg.iterations != 1)} x "
             f"{cfg.prompts_per_iteration} prompts "
             f"x {cfg.group_size} | out {cfg.out}")

@@ -313,8 +313,8 @@ def validate(cfg: Config) -> list[str]:
              "lower --groups-per-chunk")
     need(cfg.inference_ranks >= 0, f"--inference-ranks must be >= 0 (got {cfg.inference_ranks})")
     need(cfg.inference_ranks == 0 or cfg.mode != "sync" and cfg.inference_workers == 1,
-         "--inference-ranks samples on ranks of their own: it needs --mode async (or auto) and one --inference-workers (the "
-         "inference ranks are the workers)")
+         "--inference-ranks samples on ranks of their own: it needs --mode async (or auto) and one "
+         "--inference-workers (the inference ranks are the workers)")
     need(cfg.collective_timeout > 0, f"--collective-timeout must be positive (got {cfg.collective_timeout})")
     need(cfg.save_every >= 0 and cfg.keep_checkpoints >= 0, "--save-every and --keep-checkpoints must be >= 0")
     need(cfg.num_completions_to_print >= 0,

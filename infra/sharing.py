@@ -103,8 +103,9 @@ def describe(cfg, inference_ranks: int = 0) -> str:
                 if cfg.mode == "sync" else f"{train} shared through MPS, sampling held to {share}% of its SMs")
     if kind(train) != "cuda":
         return f"one side at a time on {train}" if cfg.mode == "sync" else f"{train} shared by two processes"
-    return (f"{'one side at a time on' if cfg.mode == 'sync' else 'two processes time-sliced on'} {train}: no NVIDIA MPS, "
-            f"so the sides cannot compute at once; `{MPS_START}` (as root) lets them, and --mode auto then runs async")
+    how = "one side at a time on" if cfg.mode == "sync" else "two processes time-sliced on"
+    return (f"{how} {train}: no NVIDIA MPS, so the sides cannot compute at once; `{MPS_START}` (as root) lets "
+            "them, and --mode auto then runs async")
 
 
 @contextlib.contextmanager

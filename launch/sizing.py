@@ -411,8 +411,8 @@ def split_seconds(generate_s: float, train_s: float, calls: int, inference: int 
     each side on one device (T_gen, T_train): each side's time divides by its devices (disjoint shares of the
     generate calls; data-parallel training), and the sides overlap as a two-stage pipeline over rounds of
     `inference` calls sampled side by side. A round samples in a = T_gen / calls (one call's time) and trains in
-    b = inference · T_train / (calls · training); R = ceil(calls / inference) rounds take a + b + (R - 1) · max(a, b):
-    the first round's sampling (fill) and the last one's training (drain) overlap nothing. Streaming by completion
+    b = inference · T_train / (calls · training); R = ceil(calls / inference) rounds take
+    a + b + (R - 1) · max(a, b): the first round's sampling (fill) and the last one's training (drain) overlap nothing. Streaming by completion
     inside a call is not counted (it only shortens the fill and the drain).
 
     >>> split_seconds(4.0, 1.0, calls=4), split_seconds(4.0, 1.0, calls=4, inference=2)

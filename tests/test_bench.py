@@ -201,9 +201,9 @@ def test_gpu_table_runs_every_part_on_cpu(qwen_shaped_dir, tmp_path):
     minutes go to measuring: on CPU (no CUDA graphs there) the decode part times the engine and `generate` at 1,
     M/2 and M new tokens and derives per-step figures from them, the kernels part counts what a decode step launches
     (exactly: a 1-layer Qwen2 step makes 8 matrix products, 5 with fused projections, which also write
-    the layer's key and value in one kernel), the pipeline part runs trainer.py sync, async and
-    auto, with rows to the cap and with the tail, on a chat model with GSM8K-shaped data, and the peer part, given a Python without trl, is skipped with the reason
-    (its TRL run is `bench.py peer`'s, tested above). Timings are not asserted, only that they were measured."""
+    the layer's key and value in one kernel), the pipeline part runs trainer.py sync, async and auto, with rows to
+    the cap and with the tail, on a chat model with GSM8K-shaped data, and the peer part, given a Python without
+    trl, is skipped with the reason (its TRL run is `bench.py peer`'s, tested above). Timings are not asserted, only that they were measured."""
     import json
     import math
     import subprocess
