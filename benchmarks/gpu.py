@@ -54,7 +54,7 @@ import rollout
 from benchmarks.common import write_json
 from benchmarks.engine_cpu import eos_ids, gsm8k_prompts, qwen_wide_model
 from benchmarks.peer import peer, peer_run
-from benchmarks.pipeline import TAILS
+from benchmarks.tail import TAILS, add_tail_option
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("decode", "kernels", "pipeline", "peer")
@@ -86,9 +86,7 @@ def gpu_args(parser: argparse.ArgumentParser) -> None:
                                                            "periodic-rl's runs (e.g. '--engine compile')")
     parser.add_argument("--trl-args", default="--micro-batch 16", help="peer part: extra tools/trl_grpo_run.py "
                                                                        "options")
-    parser.add_argument("--tail", choices=tuple(TAILS), default="both",
-                        help="pipeline part: rows to the cap (off), ended at lengths drawn from GSM8K's answer "
-                             "lengths (on: benchmarks/tail.py), or both")
+    add_tail_option(parser, "pipeline part: ")
     parser.add_argument("--json", metavar="FILE", help="write the figures as JSON to FILE")
 
 

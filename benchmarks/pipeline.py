@@ -42,12 +42,12 @@ import shlex
 import statistics
 
 from benchmarks import tail
+from benchmarks.tail import TAILS
 from benchmarks.common import SLOWER_FLOOR, not_slower, ratio_interval, write_json
 from infra.options import available_cores
 
 TAIL_TARGET = 1.3  # async over sync with the tail, default workload
 SPLIT_TOLERANCE = 0.15  # the split model's prediction against the measured seconds per iteration
-TAILS = {"both": (False, True), "on": (True,), "off": (False,)}
 
 ASYNC_WORKLOADS = {  # name -> trainer options on top of the tiny defaults (16 prompts x 8, <= 8 new tokens)
     "default": [],
@@ -81,9 +81,7 @@ def async_args(parser: argparse.ArgumentParser) -> None:
                              "e.g. \"--groups-per-chunk 8 --rollout-threads 2\"")
     parser.add_argument("--chunk-sweep", action="store_true",
                         help="instead: the default workload at 1, 2, 4, 8 and 16 prompts per chunk (no targets)")
-    parser.add_argument("--tail", choices=tuple(TAILS), default="both",
-                        help="rows to the cap (off), ended at lengths drawn from GSM8K's answer lengths (on: "
-                             "benchmarks/tail.py), or both, side by side")
+    tail.add_tail_option(parser)
     parser.add_argument("--split-check", action="store_true",
                         help="instead: the split model's prediction at one inference and one training core group "
                              "against the measured seconds per iteration, with and without the tail")

@@ -38,6 +38,7 @@ import torch
 
 import engine
 
+TAILS = {"both": (False, True), "on": (True,), "off": (False,)}  # --tail: the runs without it, with it
 SIGMA = 0.5    # spread of log length: GSM8K's reference solutions (0.487 in characters, 0.537 in words)
 Z_CAP = 3.09   # the cap sits at the log-normal's 99.9th percentile
 TAIL_ENV = "PERIODIC_RL_BENCH_TAIL"
@@ -52,6 +53,13 @@ def tail_length(key: tuple[int, ...], sample: int, max_new_tokens: int) -> int:
     u = ((engine.row_seed((*key, 1 << 20), sample) & ((1 << 53) - 1)) + 0.5) / (1 << 53)  # in (0, 1)
     z = statistics.NormalDist().inv_cdf(u)
     return max(1, min(max_new_tokens, math.ceil(max_new_tokens * math.exp(SIGMA * (z - Z_CAP)))))
+
+
+def add_tail_option(parser, part: str = "") -> None:
+    """A benchmark's --tail option (`TAILS`): rows to the cap, with the tail, or both side by side (the default)."""
+    parser.add_argument("--tail", choices=tuple(TAILS), default="both",
+                        help=f"{part}rows to the cap (off), ended at lengths drawn from GSM8K's answer lengths (on: "
+                             "benchmarks/tail.py), or both, side by side")
 
 
 def is_on() -> bool:

@@ -11,7 +11,8 @@ would balance the two sides (sizing.balanced_split).
 
 What to expect on a CPU machine: the workers share its cores, so N = 2 is no faster (and its threads,
 one per worker plus the trainer's, oversubscribe 2 cores, so the sides take turns: setup.takes_turns);
-the prediction is what separate devices would give. No targets: a figure to read.
+the prediction is what separate devices would give. No targets: a figure to read. `--tail` (default both): the
+table with rows to the cap, then with the tail (benchmarks/tail.py).
 """
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ import argparse
 import shlex
 import statistics
 
+from benchmarks import tail
 from benchmarks.common import write_json
 from benchmarks.pipeline import time_schedule
+from benchmarks.tail import TAILS
 
 WORKLOAD = ["--groups-per-chunk", "4", "--micro-batch-tokens", "16384"]  # tiny defaults otherwise: 16 prompts x 8
 THREADS = ["--rollout-threads", "1", "--train-threads", "1"]  # one per worker, one for the trainer
@@ -30,11 +33,23 @@ def workers_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iterations", type=int, default=8, help="timed iterations per run (one more is dropped)")
     parser.add_argument("--rounds", type=int, default=2, help="runs per worker count, interleaved")
     parser.add_argument("--trainer-args", default="", metavar="ARGS", help="trainer.py options added to every run")
+    tail.add_tail_option(parser)
     parser.add_argument("--json", metavar="FILE", help="write the figures as JSON to FILE")
 
 
 def workers(args: argparse.Namespace) -> bool:
     """Seconds per iteration with 1 and 2 inference workers per trainer, against the prediction."""
+    figures = {}
+    for tailed in TAILS[args.tail]:
+        print("with the tail (benchmarks/tail.py)" if tailed else "rows to the cap")
+        with tail.enabled(tailed):
+            figures["tail" if tailed else "to the cap"] = worker_counts(args)
+    write_json(args.json, figures)
+    return True
+
+
+def worker_counts(args: argparse.Namespace) -> dict:
+    """`workers`' runs and table, with the tail as it is set."""
     from infra.command_line import parse_args
     from launch import sizing
     argv = [*WORKLOAD, *THREADS, *shlex.split(args.trainer_args)]
@@ -52,7 +67,7 @@ def workers(args: argparse.Namespace) -> bool:
     t_gen, t_train = mean(1, "generate_s"), mean(1, "train_s")
     print(f"model {parse_args(argv).model}, {calls} generate calls per iteration, {args.rounds} interleaved runs "
           f"per N, {args.iterations} timed iterations each; N = 1 phase times: T_gen {t_gen:.3f} s, "
-          f"T_train {t_train:.3f} s")
+          f"T_train {t_train:.3f} s; mean response {mean(1, 'response_length'):.1f} tokens")
     print(f"{'workers':>7s} {'s/iter':>7s} {'per round':>13s} {'predicted':>9s} {'gen dev-s':>9s} {'T_train':>7s} "
           f"{'overlap':>7s}")
     figures = {"calls": calls, "t_gen": t_gen, "t_train": t_train, "iterations": args.iterations,
@@ -67,6 +82,5 @@ def workers(args: argparse.Namespace) -> bool:
         print(f"{n:7d} {row['s_per_iter']:7.3f} {f'{min(per_round):.3f}-{max(per_round):.3f}':>13s} "
               f"{row['predicted']:9.3f} {row['generate_device_s']:9.3f} {row['train_s']:7.3f} {row['overlap']:7.0%}",
               flush=True)
-    print(sizing.split_report(t_gen, t_train, 1, 1))
-    write_json(args.json, figures)
-    return True
+    print(sizing.split_report(t_gen, t_train, 1, 1, calls))
+    return figures
