@@ -9,11 +9,10 @@ iteration k stops at
 
 (M = --max-new-tokens) or at its own stop token, whichever comes first: a log-normal whose 99.9th percentile
 (Z_CAP = 3.09 standard deviations) fills the cap, so the median row uses exp(-σ·Z_CAP) = 21% of it and one row in
-a thousand reaches it. σ = SIGMA is the spread of log length of GSM8K's reference solutions
-(/work/shared/data/gsm8k/train.jsonl, 7473 answers: σ = 0.487 in characters, 0.537 in words; a log-normal's σ does
-not depend on the unit, so it holds in tokens too). Real instruct models answer GSM8K at greater length than
-its references (their median is a larger share of a 512-token cap); the shape, not the median, is what the
-references tell, and docs/benchmarks.md says so beside the figures.
+a thousand reaches it. σ = SIGMA is the spread of log length of GSM8K's reference solutions in its training split
+(measured in characters and in words: docs/benchmarks.md; a log-normal's σ does not depend on the unit, so it holds
+in tokens too). Real instruct models answer GSM8K at greater length than its references: the shape, not the
+median, is what the references tell.
 
 The stop is forced where the engine records a drawn token (engine.Rollouts.record, patched here, never in a
 training run): at step L the row's token becomes its first stop id, as if the model had stopped. L depends on
@@ -39,7 +38,7 @@ import torch
 import engine
 
 TAILS = {"both": (False, True), "on": (True,), "off": (False,)}  # --tail: the runs without it, with it
-SIGMA = 0.5    # spread of log length: GSM8K's reference solutions (0.487 in characters, 0.537 in words)
+SIGMA = 0.5    # spread of log length: GSM8K's reference solutions (between its values in characters and in words)
 Z_CAP = 3.09   # the cap sits at the log-normal's 99.9th percentile
 TAIL_ENV = "PERIODIC_RL_BENCH_TAIL"
 
