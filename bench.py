@@ -29,6 +29,7 @@ import trainer
 
 trainer.shorten_openmp_spinning()  # before the benchmarks import torch: as trainer.py runs
 from benchmarks import gpu, memory, peer, pipeline, publish, shared_prompt, tri_model_copies, workers  # noqa: E402
+from benchmarks import tail  # noqa: E402,F401  the tail's patch, also in the inference processes (they import bench.py)
 
 BENCHMARKS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], bool]]] = {
     "shared-prompt": (shared_prompt.shared_prompt_args, shared_prompt.shared_prompt),

@@ -22,7 +22,7 @@ SCALE_REWARDS = ("group", "batch", "none")  # grpo.SCALE_REWARDS (tested, as LOS
 # --lr-scheduler-kwargs (min_lr or min_lr_rate; num_decay_steps), as they do in TRL
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
                  "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")
-MODES = ("async", "sync")
+MODES = ("auto", "async", "sync")
 TEXT_PROMPTS = ("auto", "chat", "raw")  # --text-prompts (infra/tasks.raw_text_prompts)
 ENGINES = ("auto", "compile", "eager", "hf")
 SIZES = ("probe", "rule")
@@ -123,7 +123,10 @@ def _opt(default, help: str, **extra):
 @dataclass
 class Config:
     # --- the method: GRPO with periodic asynchrony ---
-    mode: str = _opt("async", "async: periodic asynchrony (separate inference process); sync: generate, then train",
+    mode: str = _opt("auto", "async: periodic asynchrony (separate inference process); sync: generate, then train; "
+                             "auto: async where the two sides can compute at once (separate devices, one GPU shared "
+                             "through NVIDIA MPS, CPU core groups), sync where they would only take turns (one GPU "
+                             "without MPS); the first line says which and why. Both are the same run bit for bit",
                      choices=MODES)
     iterations: int = _opt(60, "the run's length in iterations, each one weight version θ_k sampling one batch "
                                "(TRL's --max-steps N, counted in optimizer steps, is N / (--updates-per-iteration x "

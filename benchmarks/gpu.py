@@ -20,8 +20,11 @@ finishes and all written to --json.
    kernel is seen): profiled calls of 2 and 2 + S new tokens, differenced, per kernel and by kind (matrix
    products, attention, indexing, draw, fused, elementwise): counts, and their summed GPU time, which is what a
    CUDA graph replays without the launch gaps. On CPU the operators the dispatcher runs, counted the same way.
-3. pipeline: `trainer.py --mode sync` against `--mode async` on the one device, --groups-per-chunk 4 (4 generate
-   calls per iteration, so async has groups to overlap), seconds per iteration (first dropped).
+3. pipeline: `trainer.py --mode sync`, `--mode async` and `--mode auto` on the one device at the default sizes, with
+   rows to the cap and with the tail (`--tail`: benchmarks/tail.py, rows ended at lengths drawn from GSM8K's
+   answer-length spread, so groups stream early as with real weights), seconds per iteration (first dropped) and
+   overlap; the first line says whether MPS runs, and what auto picks. Targets (printed, not checked): with the
+   tail and MPS async >= 1.3x sync; without MPS auto = sync (>= 0.98x).
 4. peer: `bench.py peer --model DIR --data GSM8K --device cuda`: samples/s against TRL 1.16's GRPOTrainer with
    HF generate (goal: 3x or more), when --trl-python has trl (else skipped, and said why).
 
@@ -51,6 +54,7 @@ from infra import compiled_step, hf_generate
 from benchmarks.common import write_json
 from benchmarks.engine_cpu import eos_ids, gsm8k_prompts, qwen_wide_model
 from benchmarks.peer import peer, peer_run
+from benchmarks.tail import TAILS, add_tail_option
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("decode", "kernels", "pipeline", "peer")
@@ -82,6 +86,7 @@ def gpu_args(parser: argparse.ArgumentParser) -> None:
                                                            "periodic-rl's runs (e.g. '--engine compile')")
     parser.add_argument("--trl-args", default="--micro-batch 16", help="peer part: extra tools/trl_grpo_run.py "
                                                                        "options")
+    add_tail_option(parser, "pipeline part: ")
     parser.add_argument("--json", metavar="FILE", help="write the figures as JSON to FILE")
 
 
@@ -338,20 +343,35 @@ def model_directory(args: argparse.Namespace, scratch: Path) -> str:
 
 
 def pipeline_part(args: argparse.Namespace, model: str) -> dict:
-    """Seconds per iteration, sync against async, --groups-per-chunk 4, interleaved."""
+    """Seconds per iteration and overlap, sync, async and auto (what --mode auto picks here: infra/sharing.py), with
+    rows to the cap and with the tail (benchmarks/tail.py), interleaved."""
+    from infra import sharing
     run = SimpleNamespace(model=model, data=str(args.data), device=args.device, iterations=args.iterations,
-                          max_new_tokens=args.train_tokens, task=None,
-                          trainer_args=f"--groups-per-chunk 4 {args.trainer_args}")
-    modes = {"sync": ["--mode", "sync"], "async": ["--mode", "async"]}
-    seconds: dict[str, list[float]] = {mode: [] for mode in modes}
+                          max_new_tokens=args.train_tokens, task=None, trainer_args=args.trainer_args)
+    auto, why = sharing.auto_mode(args.device, args.device)
+    print(f"gpu pipeline: MPS {'running' if sharing.mps_running() else 'not running'}; --mode auto here: {auto} "
+          f"({why})", flush=True)
+    runs = [(mode, tailed) for tailed in TAILS[args.tail] for mode in ("sync", "async", "auto")]
+    seconds: dict[str, list[float]] = {}
+    overlaps: dict[str, list[float]] = {}
     for round_ in range(args.peer_rounds):
-        for mode, argv in modes.items():
-            seconds[mode].append(peer_run(f"periodic-rl {mode}", argv, run)[0])
-            print(f"gpu pipeline: round {round_}: {mode:5s} {seconds[mode][-1]:.2f} s per iteration", flush=True)
-    ratios = [s / a for s, a in zip(seconds["sync"], seconds["async"])]
-    print(f"gpu pipeline: async {statistics.mean(ratios):.2f}x sync (per round {min(ratios):.2f}-{max(ratios):.2f}x; "
-          f"4 generate calls per iteration, {args.train_tokens} new tokens)", flush=True)
-    return {"seconds_per_iteration": seconds, "async_vs_sync": ratios}
+        for mode, tailed in runs:
+            label = f"{mode} +tail" if tailed else mode
+            step_s, length, _, overlap = peer_run(f"periodic-rl {label}", ["--mode", mode], run, tailed)
+            seconds.setdefault(label, []).append(step_s)
+            overlaps.setdefault(label, []).append(overlap)
+            print(f"gpu pipeline: round {round_}: {label:11s} {step_s:.2f} s per iteration, overlap {overlap:.0%}, "
+                  f"mean response {length:.0f} tokens", flush=True)
+    ratios = {}
+    for tailed in TAILS[args.tail]:
+        plus = " +tail" if tailed else ""
+        for mode in ("async", "auto"):
+            ratios[mode + plus] = [s / a for s, a in zip(seconds["sync" + plus], seconds[mode + plus])]
+            print(f"gpu pipeline: {mode + plus} {statistics.mean(ratios[mode + plus]):.2f}x sync (per round "
+                  f"{min(ratios[mode + plus]):.2f}-{max(ratios[mode + plus]):.2f}x, overlap "
+                  f"{statistics.mean(overlaps[mode + plus]):.0%}; {args.train_tokens} new tokens)", flush=True)
+    return {"mps": sharing.mps_running(), "auto": auto, "seconds_per_iteration": seconds, "overlap": overlaps,
+            "vs_sync": ratios}
 
 
 def has_trl(python: str) -> str | None:

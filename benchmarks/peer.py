@@ -92,9 +92,11 @@ def workload(args: argparse.Namespace) -> tuple[str, int]:
     return (os.path.abspath(args.model) if os.path.exists(args.model) else args.model), 512
 
 
-def peer_run(name: str, argv: list[str] | None, args: argparse.Namespace) -> tuple[float, float, str]:
+def peer_run(name: str, argv: list[str] | None, args: argparse.Namespace, tailed: bool = False
+             ) -> tuple[float, float, str, float]:
     """One fresh process of a contender: its mean seconds per step (optimizer step = 128 samples), mean
-    response length in tokens (first step dropped) and the sizes it chose ('' for TRL)."""
+    response length in tokens (first step dropped), the sizes it chose ('' for TRL) and its mean overlap (0 for TRL).
+    `tailed`: periodic-rl's run through `python -m benchmarks.tail` (rows cut at drawn lengths)."""
     import subprocess
     import tempfile
     model, default_tokens = workload(args)
@@ -113,10 +115,11 @@ def peer_run(name: str, argv: list[str] | None, args: argparse.Namespace) -> tup
         if out.returncode != 0:
             raise SystemExit(f"TRL run failed (is trl==1.16.0 installed in {args.trl_python}?):\n{out.stderr[-2000:]}")
         result = json.loads(out.stdout.strip().splitlines()[-1])
-        return statistics.mean(result["seconds_per_step"]), result["mean_completion_length"], ""
+        return statistics.mean(result["seconds_per_step"]), result["mean_completion_length"], "", 0.0
     with tempfile.TemporaryDirectory() as tmp:
         system = ["--system-prompt", "math"] if args.model is not None else []  # tools/trl_grpo_run.py's prompts
-        command = [sys.executable, "trainer.py", *argv, *common, *system, "--lr-scheduler-type", "constant",
+        launcher = ["-m", "benchmarks.tail"] if tailed else []
+        command = [sys.executable, *launcher, "trainer.py", *argv, *common, *system, "--lr-scheduler-type", "constant",
                    "--iterations", str(args.iterations + 1),
                    "--eval-every", "0", "--no-save", "--out", tmp, *shlex.split(args.trainer_args)]
         out = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
@@ -125,7 +128,8 @@ def peer_run(name: str, argv: list[str] | None, args: argparse.Namespace) -> tup
         rows = [json.loads(line) for line in open(os.path.join(tmp, "metrics.jsonl"))]
     timed = [row for row in rows if not row.get("final") and row["iteration"] > 0]
     return (statistics.mean(row["iteration_s"] for row in timed),
-            statistics.mean(row["response_length"] for row in timed), chosen_sizes(out.stdout))
+            statistics.mean(row["response_length"] for row in timed), chosen_sizes(out.stdout),
+            statistics.mean(row["overlap"] for row in timed))
 
 
 def peer(args: argparse.Namespace) -> bool:
@@ -139,7 +143,7 @@ def peer(args: argparse.Namespace) -> bool:
           f"cores, device {args.device}), fresh process per run")
     for round_ in range(args.rounds):
         for name, argv in PEER_CONTENDERS.items():
-            seconds, length, sizes = peer_run(name, argv, args)
+            seconds, length, sizes, _ = peer_run(name, argv, args)
             times[name].append(seconds)
             lengths[name].append(length)
             print(f"round {round_}: {name:20s} {128 / seconds:7.0f} samples/s  (mean response {length:.1f} tokens)"

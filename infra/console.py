@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 
 from config import Config, engine_compiles
-from infra import outputs
+from infra import outputs, sharing
 
 
 def format_row(row: dict) -> str:
@@ -69,14 +69,15 @@ def text_prompts_note(tokenizer, examples, raw: bool) -> tuple[str, ...]:
 
 def start_line(cfg: Config, train: int, held_out: int, notes: tuple[str, ...] = (), trainers: int = 1,
                inference_ranks: int = 0) -> str:
-    """The run's first line: mode, model, the processes when there are several (torchrun's `trainers` ranks, each
-    with --inference-workers samplers, or `inference_ranks` samplers), the prompts (with `notes`, data.Task's: the
+    """The run's first line: mode and how the hardware is shared (infra/sharing.py), model, the processes when there
+    are several (torchrun's `trainers` ranks, each with --inference-workers samplers, or `inference_ranks` samplers),
+    the prompts (with `notes`, data.Task's: the
     column they come from when two could be, the split held out, that it has fewer rows than --eval-size
     asked, and that it is never evaluated), the schedule and --out; when the engine's decode step is compiled
     (--engine auto on CUDA, or compile), the one-time cost of compiling it.
 
-    >>> start_line(Config(model="m", out="o"), 90, 10, trainers=2, inference_ranks=6)[:76]
-    'periodic-rl: async | model m | 2 trainer ranks, 6 inference ranks | 90 train'
+    >>> start_line(Config(mode="async", model="m", out="o"), 90, 10, trainers=2, inference_ranks=6)[:95]
+    'periodic-rl: async (sampling on inference ranks) | model m | 2 trainer ranks, 6 inference ranks'
     """
     if held_out and not cfg.eval_every:  # --eval-size given with --eval-every 0: kept out of training all the same
         notes = (*notes, "held out, not evaluated: --eval-every 0")
@@ -92,7 +93,8 @@ def start_line(cfg: Config, train: int, held_out: int, notes: tuple[str, ...] = 
     compiled = (f" | sampling compiled: each sampler's first generate call compiles one layer and the draw, once "
                 f"({cost}; --engine eager skips it)" if cfg.engine != "hf" and engine_compiles(cfg.engine, sampler)
                 else "")
-    return (f"periodic-rl: {cfg.mode} | model {cfg.model} | {processes + ' | ' if processes else ''}{train} train / "
+    return (f"periodic-rl: {cfg.mode} ({sharing.describe(cfg, inference_ranks)}) | model {cfg.model} | "
+            f"{processes + ' | ' if processes else ''}{train} train / "
             f"{held_out} held-out prompts{said} | {cfg.iterations} iteration{'s' * (cfg.iterations != 1)} x "
             f"{cfg.prompts_per_iteration} prompts "
             f"x {cfg.group_size} | out {cfg.out}{compiled}")

@@ -24,6 +24,7 @@ import textwrap
 import typing
 
 from config import MODEL_ALIASES, SECTIONS, TINY_MODELS, Config, is_model_name
+from infra import sharing
 from infra.tracking import installed_trackers
 from infra.trl_names import TRL_ALIASES, TRL_DIFFERENT, TRL_FIXED, TRL_UNUSED, epilog
 
@@ -101,6 +102,11 @@ def pick_dtype(dtype: str, train_device: str) -> str:
 def derive(cfg: Config) -> Config:
     """Fill the model- and hardware-dependent defaults and the thread split; returns a new Config."""
     cores = available_cores()
+    if cfg.mode == "auto":  # async where the sides can compute at once, else sync (infra/sharing.py)
+        rollout_device, train_device = pick_devices(cfg.device, "async", cfg.inference_workers)
+        cfg = dataclasses.replace(cfg, mode=sharing.auto_mode(
+            cfg.rollout_device or rollout_device, cfg.train_device or train_device, cfg.inference_workers,
+            cfg.inference_ranks)[0])
     rollout_device, train_device = pick_devices(cfg.device, cfg.mode, cfg.inference_workers)
     rollout_device = cfg.rollout_device or rollout_device
     train_device = cfg.train_device or train_device
@@ -306,9 +312,9 @@ def validate(cfg: Config) -> list[str]:
              f"--groups-per-chunk {cfg.groups_per_chunk} makes {calls} of the {cfg.prompts_per_iteration} prompts: "
              "lower --groups-per-chunk")
     need(cfg.inference_ranks >= 0, f"--inference-ranks must be >= 0 (got {cfg.inference_ranks})")
-    need(cfg.inference_ranks == 0 or cfg.mode == "async" and cfg.inference_workers == 1,
-         "--inference-ranks samples on ranks of their own: it needs --mode async and one --inference-workers (the "
-         "inference ranks are the workers)")
+    need(cfg.inference_ranks == 0 or cfg.mode != "sync" and cfg.inference_workers == 1,
+         "--inference-ranks samples on ranks of their own: it needs --mode async (or auto) and one "
+         "--inference-workers (the inference ranks are the workers)")
     need(cfg.collective_timeout > 0, f"--collective-timeout must be positive (got {cfg.collective_timeout})")
     need(cfg.save_every >= 0 and cfg.keep_checkpoints >= 0, "--save-every and --keep-checkpoints must be >= 0")
     need(cfg.num_completions_to_print >= 0,

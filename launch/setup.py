@@ -28,7 +28,7 @@ import torch
 
 import periodic_rl
 from inference import AsyncRollouts, SyncRollouts
-from infra import checkpoint, completions, outputs
+from infra import checkpoint, completions, outputs, sharing
 from infra.distributed import Ranks
 from infra.options import available_cores, schedule_arguments, schedule_lengths
 from infra.reward import as_rewards
@@ -156,8 +156,9 @@ def inference_side(cfg, load_kwargs: dict, train_examples, held_out, load: bool 
         from launch.remote import RemoteRollouts
         return RemoteRollouts(ranks, getattr(torch, cfg.dtype))
     load_kwargs = {**load_kwargs, "dtype": getattr(torch, cfg.dtype)}  # its weights: the compute dtype
-    return AsyncRollouts(cfg.model, load_kwargs, train_examples, held_out, cfg.reward, load=load,
-                         workers=cfg.inference_workers, share=ranks.share, reward_weights=cfg.reward_weights)
+    with sharing.mps_share(cfg):  # one GPU through MPS: the inference process's share of the SMs, set at its spawn
+        return AsyncRollouts(cfg.model, load_kwargs, train_examples, held_out, cfg.reward, load=load,
+                             workers=cfg.inference_workers, share=ranks.share, reward_weights=cfg.reward_weights)
 
 
 def sampler_here(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs: dict, compute_dtype,
@@ -234,7 +235,8 @@ def train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs
         cores = available_cores()
         hint = (f" (--rollout-threads {cores // 2} --train-threads {cores - cores // 2} would run the two sides at "
                 "once, in two processes)") if cores > 1 else ""
-        print("periodic-rl: async at these sizes takes turns (more threads than cores): sampling in this process, "
+        print("periodic-rl: async -> sync: at these sizes the two sides would take turns (more threads than cores): "
+              "sampling in this process, "
               f"sync's schedule, no inference process{hint}", flush=True)
     if rollouts is not None:
         rollouts.attach(policy, cfg, cfg.rollout_threads)  # θ's buffer, the config, its threads

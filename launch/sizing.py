@@ -407,9 +407,28 @@ def balanced_split(generate_s: float, train_s: float, devices: int) -> tuple[int
     return inference, devices - inference
 
 
-def split_report(generate_s: float, train_s: float, inference: int, training: int) -> str:
-    """One line for the end of a run: how much slower one side is, and the split that balances them, on this
-    run's devices (`inference` + `training`) and on 8 (a node). `generate_s`, `train_s`: busy device-seconds
+def split_seconds(generate_s: float, train_s: float, calls: int, inference: int = 1, training: int = 1) -> float:
+    """Seconds per iteration predicted with `inference` + `training` devices, from the busy seconds per iteration of
+    each side on one device (T_gen, T_train): each side's time divides by its devices (disjoint shares of the
+    generate calls; data-parallel training), and the sides overlap as a two-stage pipeline over rounds of
+    `inference` calls sampled side by side. A round samples in a = T_gen / calls (one call's time) and trains in
+    b = inference · T_train / (calls · training); R = ceil(calls / inference) rounds take
+    a + b + (R - 1) · max(a, b): the first round's sampling (fill) and the last one's training (drain) overlap nothing. Streaming by completion
+    inside a call is not counted (it only shortens the fill and the drain).
+
+    >>> split_seconds(4.0, 1.0, calls=4), split_seconds(4.0, 1.0, calls=4, inference=2)
+    (4.25, 2.5)
+    >>> split_seconds(1.0, 4.0, calls=4, inference=1, training=2)
+    2.25
+    """
+    a, b = generate_s / calls, inference * train_s / (calls * training)
+    return a + b + (math.ceil(calls / inference) - 1) * max(a, b)
+
+
+def split_report(generate_s: float, train_s: float, inference: int, training: int, calls: int = 1) -> str:
+    """One line for the end of a run: how much slower one side is, the split that balances them, on this
+    run's devices (`inference` + `training`) and on 8 (a node), and the seconds per iteration `split_seconds`
+    predicts for each from this run's `calls` generate calls. `generate_s`, `train_s`: busy device-seconds
     per iteration, summed over the side's devices."""
     if min(generate_s, train_s) <= 0:
         return "split: one side was never busy: nothing to balance"
@@ -417,6 +436,11 @@ def split_report(generate_s: float, train_s: float, inference: int, training: in
                              else ("training", "inference", train_s / generate_s))
     here = balanced_split(generate_s, train_s, max(2, inference + training))
     node = balanced_split(generate_s, train_s, 8)
+    calls = max(calls, 1)
+
+    def predicted(split: tuple[int, int]) -> str:
+        return f"{split_seconds(generate_s, train_s, max(calls, split[0]), *split):.3g} s per iteration"
     return (f"split: {slower} {ratio:.1f}x slower than {faster} ({generate_s:.3f} s inference, {train_s:.3f} s "
             f"training busy device-seconds per iteration): with {sum(here)} devices, {here[0]} inference + {here[1]} "
-            f"training (this run: {inference} + {training}); with 8 devices, {node[0]} inference + {node[1]} training")
+            f"training, {predicted(here)} (this run: {inference} + {training}); with 8 devices, {node[0]} inference + "
+            f"{node[1]} training, {predicted(node)} (docs/distributed.md: the model)")

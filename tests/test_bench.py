@@ -9,7 +9,7 @@ from benchmarks.common import T_975, not_slower, ratio_interval
 from benchmarks.memory import LiveTensorBytes
 from benchmarks.pipeline import async_workload, pipeline_bound
 from benchmarks.shared_prompt import forward_macs, mac_ceiling, shared_prompt_cell
-from benchmarks.workers import predicted_seconds
+from launch.sizing import split_seconds
 
 
 def test_pipeline_bound():
@@ -41,12 +41,14 @@ def test_ratio_interval_fails_only_what_the_rounds_show():
     assert abs(1.96 + 2.4 / 31 - 2.040) < 0.005 and T_975[-1] == 2.042
 
 
-def test_workers_prediction():
-    """Claim: the N-worker prediction is the one-worker pipeline for N = 1 (its bound's denominator), and with a
-    worker per call the iteration is one call's sampling plus all the training (nothing left to overlap)."""
-    assert predicted_seconds(4.0, 1.0, 4, 1) == pytest.approx((4.0 + 1.0) / pipeline_bound(4.0, 1.0, 4))
-    assert predicted_seconds(4.0, 1.0, 4, 4) == pytest.approx(4.0 / 4 + 1.0)
-    assert predicted_seconds(4.0, 1.0, 4, 2) < predicted_seconds(4.0, 1.0, 4, 1)
+def test_split_prediction():
+    """Claim: the split model (sizing.split_seconds) is the one-device pipeline for 1 + 1 (its bound's denominator);
+    with a device per call the iteration is one call's sampling plus all the training (nothing left to overlap);
+    training devices divide the training."""
+    assert split_seconds(4.0, 1.0, 4) == pytest.approx((4.0 + 1.0) / pipeline_bound(4.0, 1.0, 4))
+    assert split_seconds(4.0, 1.0, 4, inference=4) == pytest.approx(4.0 / 4 + 1.0)
+    assert split_seconds(4.0, 1.0, 4, inference=2) < split_seconds(4.0, 1.0, 4)
+    assert split_seconds(1.0, 4.0, 4, training=4) == pytest.approx(split_seconds(1.0, 1.0, 4))
 
 
 @pytest.mark.slow
@@ -198,9 +200,10 @@ def test_gpu_table_runs_every_part_on_cpu(qwen_shaped_dir, tmp_path):
     """Claim (bench.py gpu, issue 31): the one-command GPU table's every part runs end to end, so that a lent GPU's
     minutes go to measuring: on CPU (no CUDA graphs there) the decode part times the engine and `generate` at 1,
     M/2 and M new tokens and derives per-step figures from them, the kernels part counts what a decode step launches
-    (exactly: a 1-layer Qwen2 step makes 8 matrix products), the pipeline part runs trainer.py sync and async on
-    a chat model with GSM8K-shaped data, and the peer part, given a Python without trl, is skipped with the reason
-    (its TRL run is `bench.py peer`'s, tested above). Timings are not asserted, only that they were measured."""
+    (exactly: a 1-layer Qwen2 step makes 8 matrix products), the pipeline part runs trainer.py sync, async and auto,
+    with rows to the cap and with the tail, on a chat model with GSM8K-shaped data, and the peer part, given a Python
+    without trl, is skipped with the reason (its TRL run is `bench.py peer`'s, tested above). Timings are not
+    asserted, only that they were measured."""
     import json
     import math
     import subprocess
@@ -231,7 +234,11 @@ def test_gpu_table_runs_every_part_on_cpu(qwen_shaped_dir, tmp_path):
         assert math.isfinite(side["decode_ms"])  # a difference of two timings: its sign is the machine's load
     kernels = table["kernels"]["sides"]["engine, eager"]  # one layer: q, k, v (with bias), o, gate, up, down, head
     assert kernels["by_kind"]["matrix products"][0] == 8 and kernels["kernels_per_step"] > 8, kernels["by_kind"]
-    assert [len(seconds) for seconds in table["pipeline"]["seconds_per_iteration"].values()] == [1, 1]
+    pipeline = table["pipeline"]  # sync, async and auto, to the cap and with the tail
+    assert sorted(pipeline["seconds_per_iteration"]) == ["async", "async +tail", "auto", "auto +tail", "sync",
+                                                         "sync +tail"]
+    assert [len(seconds) for seconds in pipeline["seconds_per_iteration"].values()] == [1] * 6
+    assert pipeline["auto"] == "async" and "--mode auto here: async" in done.stdout  # CPU: core groups
     assert "skipped" in table["peer"] and "cannot import trl" in done.stdout
 
 
@@ -281,3 +288,54 @@ def test_the_decode_part_warms_every_timed_length_before_timing(monkeypatch, cap
     each = figures["sides"]["side"]["decode_ms_each_round"]
     out = capsys.readouterr().out
     assert len(each) == 2 and all(f"round {r}: side" in out for r in (0, 1)), out
+
+
+def test_the_benchmarks_tail_cuts_each_row_at_its_drawn_length():
+    """Claim (benchmarks/tail.py): with the tail on, row i of prompt j ends at L = tail_length((seed, k, j), i, M)
+    tokens, its last one a stop id, its first L - 1 those it draws without the tail, unless it stopped on its own
+    before L (then it is unchanged); the lengths spread (a tail, not one value); off, the engine is untouched. The
+    cut depends on the key alone: a call of one prompt cuts that prompt's rows as a call of two does."""
+    import engine
+    from benchmarks import tail
+    from benchmarks.engine_cpu import eos_ids, qwen_wide_model
+    model, stops, cap = qwen_wide_model(1, 256), eos_ids(256), 24
+    prompts, keys = [[5, 6, 7], [8, 9]], [(0, 3, 0), (0, 3, 1)]
+
+    def sample(on, count=2):
+        with tail.enabled(on):
+            return engine.sample_groups(model, prompts[:count], 8, max_new_tokens=cap, stop_ids=[stops[0]],
+                                        keys=keys[:count], temperature=1.0)
+    natural, cut = sample(False), sample(True)
+    assert sum(len(r) == cap for group in natural for r in group) > 8  # most rows run to the cap untailed
+    for j, group in enumerate(cut):
+        for i, response in enumerate(group):
+            drawn, own = tail.tail_length(keys[j], i, cap), natural[j][i]
+            if drawn < len(own):
+                assert response == own[:drawn - 1] + [stops[0]]
+            else:
+                assert response == own
+    assert len({len(r) for group in cut for r in group}) > 3
+    assert sample(True, count=1)[0] == cut[0]
+    assert not tail.is_on()
+
+
+@pytest.mark.slow
+def test_the_tail_reaches_the_inference_process(tiny_model_dir, tmp_path):
+    """Claim: `python -m benchmarks.tail trainer.py ...` cuts the rows in async mode's spawned inference process as
+    in sync mode's own: the two runs log the same (shorter) response lengths and losses, bitwise as without it."""
+    import json
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[1]
+
+    def run(mode, *launcher):
+        out = tmp_path / f"{mode}{len(launcher)}"
+        subprocess.run([sys.executable, *launcher, "trainer.py", "--model", str(tiny_model_dir), "--data",
+                        "arithmetic", "--mode", mode, "--rollout-threads", "1", "--train-threads", "1",
+                        "--iterations", "2", "--eval-every", "0", "--no-save", "--max-new-tokens", "16", "--sizes",
+                        "rule", "--out", str(out)], cwd=root, check=True, capture_output=True)
+        return [(row["response_length"], row["loss"]) for row in map(json.loads, open(out / "metrics.jsonl"))
+                if not row.get("final")]
+    tailed = run("async", "-m", "benchmarks.tail")
+    assert tailed == run("sync", "-m", "benchmarks.tail")
+    assert all(cut < whole for (cut, _), (whole, _) in zip(tailed, run("sync")))

@@ -216,7 +216,8 @@ def test_balanced_split():
     assert "with 8 devices, 6 inference + 2 training" in line and "(this run: 2 + 1)" in line
     line = sizing.split_report(5.4, 2.0, 1, 1)
     assert "inference 2.7x slower than training" in line and "with 8 devices, 6 inference + 2 training" in line
-    assert "with 2 devices, 1 inference + 1 training (this run: 1 + 1)" in line
+    assert "with 2 devices, 1 inference + 1 training, 7.4 s per iteration (this run: 1 + 1)" in line  # no overlap
+    assert "with 8 devices, 6 inference + 2 training, 1.9 s per iteration" in line  # 6 calls at once, then training
 
 
 def test_a_worker_spawn_holds_ctrl_c_off_for_its_fork_and_exec_alone(tiny_model_dir, monkeypatch):
