@@ -1186,3 +1186,20 @@ def test_a_typed_step_count_is_refused_under_the_flag_typed(capsys):
         "--num-iterations 2): give --max-steps 2 or 4, or --iterations\n")
     assert "--save-strategy 'epoch' is not what this trainer does" in refusal(
         capsys, lambda: parse_args(["--save-strategy", "epoch"]))
+
+
+def test_open_r1_recipe_keys_are_mapped_or_skipped(tmp_path, capsys):
+    """Claim: an open-r1 recipe runs as it is: dataset_prompt_column is --prompt-column (typed too), the parameters of
+    open-r1's own rewards and its hub and wandb settings are ignored with the one line TRL's other keys get, and a
+    dataset_mixture, which would change the data, is refused naming --data."""
+    cfg = parse_yaml(tmp_path, "dataset_prompt_column: problem\ncosine_max_len: 1000\nrepetition_n_grams: 3\n"
+                               "code_provider: e2b\nmax_completion_len: 16384\nsoft_punish_cache: 4096\n"
+                               "wandb_project: r1\nbenchmarks: []\ndataset_mixture: null\n")
+    assert cfg.prompt_column == "problem"
+    out = capsys.readouterr().out
+    assert "ignored TRL's cosine_max_len, repetition_n_grams, code_provider, max_completion_len, soft_punish_cache: " \
+           "a setting of open-r1's reward functions" in out
+    assert "wandb_project: --report-to wandb reads WANDB_ENTITY" in out and "unknown" not in out
+    assert parse_args(["--dataset-prompt-column", "problem"]).prompt_column == "problem"
+    assert "dataset_mixture: {'datasets': []} is not what this trainer does (the data is one dataset (--data)): " \
+           "use --data" in refusal(capsys, lambda: parse_yaml(tmp_path, "dataset_mixture: {datasets: []}\n"))
