@@ -59,8 +59,11 @@ def progress_line(done: int, total: int, elapsed: float, pace: float) -> str:
 
 def text_prompts_note(tokenizer, examples, raw: bool) -> tuple[str, ...]:
     """What the first line says of text prompts where the model has a chat template (--text-prompts): used as they
-    are, or rendered in it; () when there are none, or no template to choose."""
-    if not getattr(tokenizer, "chat_template", None) or not any(isinstance(e.prompt, str) for e in examples):
+    are, or rendered in it; () when there are none, or no template to choose (none, or one that renders the user's
+    text as it is: the tiny model's)."""
+    text = next((e.prompt for e in examples if isinstance(e.prompt, str)), None)
+    if not getattr(tokenizer, "chat_template", None) or text is None or tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True) == text:
         return ()
     return ("text prompts as they are, as TRL takes its 'prompt' column; --text-prompts chat renders them in the "
             "chat template",) if raw else ("text prompts in the model's chat template, as the user's message; "

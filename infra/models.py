@@ -4,7 +4,8 @@ Every model, the tiny one included, is a Hugging Face directory loaded through
 `AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained`, so the training code has one
 path. A name is resolved in this order:
 
-    "tiny"            -> built once (20-40 s on 2 CPU cores) into $PERIODIC_RL_CACHE (~/.cache/periodic-rl)
+    "tiny"            -> built once (20-40 s on 2 CPU cores) into $PERIODIC_RL_CACHE (~/.cache/periodic-rl); its
+                         tokenizer gets TINY_CHAT_TEMPLATE on load (conversations as the plain text it knows)
     "tiny-chain"      -> the same model warmed up on the long-tailed `chain` task instead (a few minutes, once)
     alias             -> hub id, e.g. qwen2.5-0.5b -> Qwen/Qwen2.5-0.5B-Instruct (the paper's Qwen2.5 family)
     local directory   -> that directory
@@ -180,7 +181,10 @@ def _load(name: str, device: str, dtype: torch.dtype, attn_implementation: str, 
           ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     args = (device, dtype, attn_implementation)
     if name in TINY_RECIPES:
-        return _from_pretrained(str(ensure_tiny_model(cache_dir, TINY_RECIPES[name])), *args, local_files_only=True)
+        model, tokenizer = _from_pretrained(str(ensure_tiny_model(cache_dir, TINY_RECIPES[name])), *args,
+                                            local_files_only=True)
+        tokenizer.chat_template = TINY_CHAT_TEMPLATE  # set on load: the cached builds stay valid
+        return model, tokenizer
     source = resolve_model(name)
     tried = [f"alias {name!r} -> hub id {source!r}"] if name.lower() in MODEL_ALIASES else []
     if os.path.isdir(source):
@@ -299,6 +303,12 @@ TINY_RECIPE = TinyRecipe()
 TINY_CHAIN_RECIPE = TinyRecipe(task="chain", warmup_steps=2400, batch_size=32, commit_probability=1.0)
 TINY_RECIPES = {TINY: None, "tiny-chain": TINY_CHAIN_RECIPE}  # name -> recipe (None: TINY_RECIPE, read at call time)
 EOS, PAD = "<|endoftext|>", "<|pad|>"
+# The tiny model's chat template: a conversation (TRL's conversational format) as the plain text the model was warmed
+# up on: a system message and a newline, the user's text as it is, an assistant's text and EOS; the generation prompt
+# adds nothing. So [{"role": "user", "content": "37+45="}] is "37+45=", the same tokens as the text prompt.
+TINY_CHAT_TEMPLATE = ("{% for m in messages %}{% if m.role == 'system' %}{{ m.content }}\n"
+                      "{% elif m.role == 'assistant' %}{{ m.content }}{% if not loop.last %}" + EOS + "{% endif %}"
+                      "{% else %}{{ m.content }}{% endif %}{% endfor %}")
 
 
 def recipe_key(recipe: TinyRecipe) -> str:
