@@ -475,10 +475,11 @@ def kept_on_stop(cfg: Config | None, ranks, failed_save: Exception | None) -> st
 
 # --- from Python: TRL's GRPOTrainer(...).train(), as one call ---
 def train(model: str | None = None, reward_funcs=None, train_dataset=None, eval_dataset=None, args=None,
-          **options) -> Path | None:
+          **options):
     """Run the trainer from Python, as TRL's `GRPOTrainer(model, reward_funcs, args, train_dataset).train()` runs:
-    the run `python trainer.py` makes with these options (infra/python_args.train_argv); returns its --out folder
-    (under torchrun, on rank 0; a rank that writes no run returns None).
+    the run `python trainer.py` makes with these options (infra/python_args.train_argv); returns its --out folder, a
+    Path with TRL's `log_history`, `policy_path` and `save_model(dir)` (python_args.TrainedRun; under torchrun, on rank
+    0; a rank that writes no run returns None).
     `model`: a hub id, a folder or an alias (not a model object: each process loads its own copy);
     `reward_funcs`: a function (defined at the top level of a module or of the script) or a --reward spec, or a list
     of them; `peft_config`: peft's LoraConfig, as --use-peft and its --lora-* options; `train_dataset`: a
@@ -494,7 +495,7 @@ def train(model: str | None = None, reward_funcs=None, train_dataset=None, eval_
              split="train"), learning_rate=1e-6, max_steps=100)
     """
     try:
-        from infra.python_args import train_argv
+        from infra.python_args import TrainedRun, train_argv
         argv = train_argv(model, reward_funcs, train_dataset, eval_dataset, args, **options)
     except ValueError as error:  # a reward or dataset no other process can find: the caller's mistake, said so
         raise ValueError(f"train: {error}") from None
@@ -519,7 +520,7 @@ def train(model: str | None = None, reward_funcs=None, train_dataset=None, eval_
         raise RuntimeError(f"the run ended with exit code {code} (its error line is above; the options it names are "
                            "train's keywords, with _ for -: --resume auto is resume='auto'): python trainer.py "
                            + " ".join(argv))
-    return Path(LAST_RUN[0]) if LAST_RUN and LAST_RUN[0] else None  # another rank than 0 (torchrun) writes none
+    return TrainedRun(LAST_RUN[0]) if LAST_RUN and LAST_RUN[0] else None  # another rank than 0 (torchrun) writes none
 
 
 if __name__ == "__main__":
