@@ -30,7 +30,7 @@ from pathlib import Path
 from config import Config
 from infra import outputs
 from infra.errors import UserError
-from infra.command_line import given_options, parse_args
+from infra.command_line import given_options, named_as_typed, parse_args
 from infra import console
 from infra.console import (STDOUT_CLOSED, eval_summary, format_row, progress_line, say, start_line, text_prompts_note,
                            unscored_line)
@@ -381,7 +381,11 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"periodic-rl: {line}", flush=True)
                     return 0
                 cfg = outputs.resume_or_start(cfg)  # --resume auto where --out holds no run: a new one
-                cfg, resume_from = checkpoint.resumption(cfg, given)  # --resume: the checkpoint's options
+                try:
+                    cfg, resume_from = checkpoint.resumption(cfg, given)  # --resume: the checkpoint's options
+                except UserError as error:  # its options named as typed (--max-steps, --learning-rate)
+                    error.args = (named_as_typed(str(error), argv, cfg.iterations),)
+                    raise
                 ranks = distributed.split_roles(ranks, cfg.inference_ranks)  # trainer ranks, then inference ranks
                 cfg = distributed.place(cfg, ranks, given)  # (rank 0 alone logs, above, and writes --out)
                 distributed.check(cfg, ranks)

@@ -506,3 +506,28 @@ def with_config_file(argv: list[str] | None = None, prog: str = "trainer.py", sa
     except ValueError as error:
         sys.stderr.write(f"{prog}: error: {config_source(path)} {error}\n")
         raise SystemExit(2) from None
+
+
+def named_as_typed(text: str, argv: list[str], iterations: int) -> str:
+    """A message about our options (`text`) with each named as `argv` typed it: a TRL alias by its own flag
+    (--learning-rate for --lr), --iterations typed as TRL's --max-steps in optimizer steps (`iterations`: the count the
+    typed --max-steps made; a --config file's keys are named by the file's lines).
+
+    >>> named_as_typed("--iterations 3 differs from the checkpoint's 4 (drop --iterations)", ["--max-steps=6"], 3)
+    "--max-steps 6 (3 iterations of 2 optimizer steps) differs from the checkpoint's 8 (4 iterations) (drop --max-steps)"
+    >>> named_as_typed("--lr 0.1 differs", ["--learning_rate", "0.1"], 60)
+    '--learning-rate 0.1 differs'
+    """
+    typed = {token.partition("=")[0][2:].replace("-", "_") for token in normalized(argv) if token.startswith("--")}
+    for key in typed & set(TRL_ALIASES):
+        text = re.sub(rf"--{TRL_ALIASES[key].replace('_', '-')}\b(?!-)", f"--{key.replace('_', '-')}", text)
+    steps, _ = typed_trl(normalized(argv), ("max_steps",))
+    if "max_steps" in steps and "iterations" not in typed:
+        per = max(1, number_of_steps("max_steps", steps["max_steps"]) // max(1, iterations))  # optimizer steps each
+        if per > 1:  # the counts in optimizer steps, then in iterations
+            text = re.sub(r"--iterations (\d+) differs from the checkpoint's (\d+)",
+                          lambda m: f"--max-steps {int(m[1]) * per} ({m[1]} iterations of {per} optimizer steps) "
+                                    f"differs from the checkpoint's {int(m[2]) * per} ({m[2]} iterations)", text)
+        text = re.sub(r"--iterations( \d+)?\b", lambda m: "--max-steps" + (f" {int(m[1]) * per}" if m[1] else ""),
+                      text)
+    return text

@@ -1203,3 +1203,24 @@ def test_open_r1_recipe_keys_are_mapped_or_skipped(tmp_path, capsys):
     assert parse_args(["--dataset-prompt-column", "problem"]).prompt_column == "problem"
     assert "dataset_mixture: {'datasets': []} is not what this trainer does (the data is one dataset (--data)): " \
            "use --data" in refusal(capsys, lambda: parse_yaml(tmp_path, "dataset_mixture: {datasets: []}\n"))
+
+
+def test_a_refused_resume_names_the_options_as_typed(tmp_path, capsys):
+    """Claim: a resume refused for a changed option names it as the user typed it: --max-steps (in optimizer steps,
+    the iterations beside them where an iteration takes several), TRL's --learning-rate; not the --iterations and
+    --lr they were read as."""
+    import trainer
+    out = tmp_path / "run"
+    (out / "checkpoint-2").mkdir(parents=True)
+    saved = dataclasses.asdict(parse_args(["--iterations", "4", "--lr-scheduler-type", "cosine",
+                                           "--updates-per-iteration", "2", "--batch-size", "16"]))
+    (out / "checkpoint-2" / "state.json").write_text(json.dumps({"iterations_done": 2, "config": saved,
+                                                                 "reference_fingerprint": "x"}))
+    assert trainer.main(["--resume", "auto", "--out", str(out), "--max-steps", "6"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: --max-steps 6 (3 iterations of 2 optimizer steps) differs from the checkpoint's 8 "
+                          "(4 iterations): it would change the run (its learning-rate schedule, cosine,") and \
+        "(drop --max-steps," in err and "--iterations" not in err, err
+    assert trainer.main(["--resume", "auto", "--out", str(out), "--learning-rate", "1e-3"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: --learning-rate 0.001 differs from the checkpoint's") and "--lr " not in err, err
