@@ -3,8 +3,8 @@
 Reads the config, claims the output directory (infra/outputs.py: checked, locked, no previous run mixed in),
 imports the trackers --report-to names (infra/tracking.py), records the options in <out>/config.json
 (infra/records.py), loads the policy and the task, runs the schedule of periodic_rl.py, prints one line per
-iteration (infra/console.py; it goes as JSON to <out>/metrics.jsonl too, and to the trackers), and saves θ_final,
-as soon as the last optimizer step is done, as a Hugging Face model directory <out>/policy that
+iteration (infra/console.py; it goes as JSON to <out>/metrics.jsonl too, under TRL's keys, and to the trackers),
+and saves θ_final, as soon as the last optimizer step is done, as a Hugging Face model directory <out>/policy that
 `AutoModelForCausalLM.from_pretrained` loads.
 
 Any problem a user can fix (bad option, missing model or data, failing reward function, dead
@@ -137,7 +137,7 @@ def started(cfg: Config, resume_from: Path | None = None, on_sized=None, ranks=N
     it is stopped, however the block is left.
     """
     from infra.tasks import check_prompt_lengths, raw_text_prompts, template_kwargs
-    from launch import setup
+    from launch import setup, sizing
     cfg, task, rewards, load_kwargs = prepare(cfg)
     on_prepared(cfg)
     train_examples, held_out = task.train, task.held_out
@@ -153,7 +153,10 @@ def started(cfg: Config, resume_from: Path | None = None, on_sized=None, ranks=N
                                                                            None), cfg.max_new_tokens,
                              template_kwargs(cfg.chat_template_kwargs), raw)
         notes = task.notes + text_prompts_note(tokenizer, train_examples, raw)
-        print(start_line(cfg, len(train_examples), len(held_out), notes, ranks.size, ranks.inference), flush=True)
+        memory = sizing.memory_estimate(cfg, sum(p.numel() for p in policy.parameters()),
+                                        sum(p.numel() for p in policy.parameters() if p.requires_grad))
+        print(start_line(cfg, len(train_examples), len(held_out), notes, ranks.size, ranks.inference, memory),
+              flush=True)
         rows = setup.train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs, rollouts,
                                  resume_from, on_sized, ranks, on_completions)
         with closing(rows):  # however the block ends, the schedule's own clean-up (the trace) runs here
@@ -192,14 +195,19 @@ def run(cfg: Config, resume_from: Path | None = None, command: list[str] | None 
             return log_and_save(prepared[-1], rows, policy, tokenizer, resumed_at, trackers.log, ranks, history)
 
 
-def save_policy(policy, tokenizer, path: Path) -> None:
+def save_policy(policy, tokenizer, path: Path, dtype=None) -> None:
     """A Hugging Face model directory that `from_pretrained` loads, written atomically (outputs.save_atomically), with
-    the model's own config (its dropout rates as loaded: launch/setup.config_as_loaded)."""
+    the model's own config (its dropout rates as loaded: launch/setup.config_as_loaded); its weights in `dtype`
+    (--save-dtype model: the dtype it was stored in, infra/models.weights_in), else as trained (float32)."""
+    from infra.models import mark_dtype, weights_in
     from launch.setup import config_as_loaded
 
     def write(folder: Path) -> None:
+        weights = weights_in(policy, dtype)  # None: as trained
         with config_as_loaded(policy):
-            policy.save_pretrained(folder, safe_serialization=True)
+            policy.save_pretrained(folder, safe_serialization=True, state_dict=weights)
+        if weights is not None:
+            mark_dtype(folder / "config.json", dtype)
         tokenizer.save_pretrained(folder)
     with outputs.writing("the trained policy to", path):
         outputs.save_atomically(path, write)
@@ -229,9 +237,11 @@ def log_and_save(cfg: Config, rows, policy, tokenizer, resumed_at: int = 0, repo
     a stop checkpoint (launch/setup.py) never holds an iteration whose row is missing."""
     from tqdm import tqdm
 
+    from infra.tracking import trl_keys
+
     out = Path(cfg.out)
     metrics_path, policy_path = out / "metrics.jsonl", out / "policy"
-    kept = earlier_rows(history, resumed_at) if history and resumed_at else []
+    kept = [trl_keys(row) for row in earlier_rows(history, resumed_at)] if history and resumed_at else []
     first_eval = next((row["eval_reward"] for row in kept if row.get("eval_reward") is not None), None)
     start, trained, saved, phases, unscored_said = time.perf_counter(), False, False, [], False
     pending, continued = None, not resumed_at  # the row in hand, not yet written; whether the file is this run's
@@ -245,7 +255,7 @@ def log_and_save(cfg: Config, rows, policy, tokenizer, resumed_at: int = 0, repo
                 outputs.write_atomically(metrics_path, "".join(json.dumps(r) + "\n" for r in kept))
                 continued = True
             with metrics_path.open("a") as f:
-                f.write(json.dumps(row) + "\n")
+                f.write(json.dumps(trl_keys(row)) + "\n")  # TRL's keys, as the trackers name them
 
     def keep_pending() -> None:  # an iteration's row in hand when the run stops or fails: written if it can be
         if pending is not None and not pending.get("final"):
@@ -284,7 +294,8 @@ def log_and_save(cfg: Config, rows, policy, tokenizer, resumed_at: int = 0, repo
             if "generate_device_s" in row:  # an iteration's row (not the final evaluation's): both sides' busy time
                 phases.append((row["generate_device_s"], row["train_s"]))
             if cfg.save and trained and not saved:  # before anything else can fail: the evaluation, the trace
-                save_policy(policy, tokenizer, policy_path)
+                save_policy(policy, tokenizer, policy_path,
+                            getattr(policy, "stored_dtype", None) if cfg.save_dtype == "model" else None)
                 saved = True
             write(row)
             pending = None

@@ -45,7 +45,7 @@ from infra.records import absolute_paths
 # `resumed_config`: with --loss-type bnpo the micro-batches change the loss; and a learning-rate schedule that
 # spans the run's optimizer steps would be rebuilt over another --iterations' steps, changing every rate from the
 # checkpoint on: the resumed run would be neither the one it continues nor one started with that length.)
-HARMLESS = {"iterations", "num_train_epochs", "eval_every", "eval_samples", "trace", "save", "save_every",
+HARMLESS = {"iterations", "num_train_epochs", "eval_every", "eval_samples", "trace", "save", "save_dtype", "save_every",
             "keep_checkpoints", "save_on_stop", "sizes", "cache_dir", "reward_timeout", "gradient_checkpointing",
             "attn_implementation", "micro_batch_tokens", "pad_to_multiple_of", "rollout_threads", "train_threads",
             "tail_threads", "report_to", "collective_timeout",

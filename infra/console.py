@@ -71,11 +71,12 @@ def text_prompts_note(tokenizer, examples, raw: bool) -> tuple[str, ...]:
 
 
 def start_line(cfg: Config, train: int, held_out: int, notes: tuple[str, ...] = (), trainers: int = 1,
-               inference_ranks: int = 0) -> str:
+               inference_ranks: int = 0, memory: tuple[float, float] = (0.0, 0.0)) -> str:
     """The run's first line: mode, model, the processes when there are several (torchrun's `trainers` ranks, each
     with --inference-workers samplers, or `inference_ranks` samplers), the prompts (with `notes`, data.Task's: the
     column they come from when two could be, the split held out, that it has fewer rows than --eval-size
-    asked, and that it is never evaluated), the schedule and --out.
+    asked, and that it is never evaluated), the schedule, the `memory` to expect (the trainer's and the inference
+    side's bytes: launch/sizing.memory_estimate; said from 0.1 GB on) and --out.
 
     >>> start_line(Config(model="m", out="o"), 90, 10, trainers=2, inference_ranks=6)[:76]
     'periodic-rl: async | model m | 2 trainer ranks, 6 inference ranks | 90 train'
@@ -92,7 +93,10 @@ def start_line(cfg: Config, train: int, held_out: int, notes: tuple[str, ...] = 
     return (f"periodic-rl: {cfg.mode} | model {cfg.model} | {processes + ' | ' if processes else ''}{train} train / "
             f"{held_out} held-out prompts{said} | {cfg.iterations} iteration{'s' * (cfg.iterations != 1)} x "
             f"{cfg.prompts_per_iteration} prompts "
-            f"x {cfg.group_size} | out {cfg.out}")
+            f"x {cfg.group_size} | "
+            + (f"memory ~{memory[0] / 1e9:.1f} GB trainer, ~{memory[1] / 1e9:.1f} GB inference (an estimate from the "
+               "parameters, activations aside) | " if sum(memory) >= 1e8 else "")
+            + f"out {cfg.out}")
 
 
 def unscored_line(iteration: int, share: float) -> str:

@@ -62,6 +62,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers
 from tokenizers import models as tokenizer_models
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     PreTrainedModel,
@@ -144,11 +145,41 @@ def _from_pretrained(source: str, device: str, dtype: torch.dtype, attn_implemen
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # generation pads finished rows; they are masked out anyway
     model = model.to(device)
+    model.stored_dtype = stored_dtype(source, local_files_only)  # what --save-dtype model saves policy/ in
     if not is_causal(model):
         raise ModelError(f"model {source} ({type(model).__name__}) is not a causal language model: its prediction "
                          "at a position depends on the tokens after it. GRPO samples left to right: use a "
                          "decoder-only model (Qwen2, Llama, ...)")
     return model, tokenizer
+
+
+def stored_dtype(source: str, local_files_only: bool) -> torch.dtype | None:
+    """The dtype the model at `source` was stored in (its config.json's dtype; None where it names none, or
+    `source` is an adapter, whose base says it)."""
+    try:
+        dtype = AutoConfig.from_pretrained(source, local_files_only=local_files_only).dtype
+    except (OSError, ValueError):
+        return None
+    dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
+
+
+def weights_in(model: PreTrainedModel, dtype: torch.dtype | None) -> dict[str, torch.Tensor] | None:
+    """The model's state_dict with its floating-point tensors in `dtype` (tied ones stay one tensor: the embeddings
+    and the output layer), for save_pretrained; None to save as trained: no `dtype`, float32 (the masters' own), or
+    a peft model (its adapter is saved as trained)."""
+    if dtype is None or dtype == torch.float32 or hasattr(model, "peft_config"):
+        return None
+    cast: dict[int, torch.Tensor] = {}  # one copy per storage
+    return {name: cast.setdefault(tensor.data_ptr(), tensor.to(dtype)) if tensor.is_floating_point() else tensor
+            for name, tensor in model.state_dict().items()}
+
+
+def mark_dtype(config_json: Path, dtype: torch.dtype) -> None:
+    """config.json's dtype set to that of the weights saved beside it (save_pretrained writes the model's own)."""
+    config = json.loads(config_json.read_text())
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    config_json.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 @torch.no_grad()

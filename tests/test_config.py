@@ -529,3 +529,21 @@ def test_a_config_files_value_of_the_wrong_type_names_the_file(tmp_path, capsys)
         parse_args(["--config", str(tmp_path / "run.yaml")])
     assert stop.value.code == 2 and capsys.readouterr().err == (
         f"trainer.py: error: --config {tmp_path / 'run.yaml'} argument --iterations: invalid int value: 'two'\n")
+
+
+def test_the_first_line_says_the_memory_to_expect():
+    """Claim: the first line estimates the memory a run needs from the model's parameters (launch/sizing.py's sum:
+    float32 masters, gradients and AdamW's moments, the frozen float32 copies, each sampler's copy and the shared
+    buffer), said as an estimate; LoRA trains and copies the adapter alone; a toy's few MB are not said."""
+    from launch.sizing import memory_estimate
+    qwen = 494_032_768  # Qwen2.5-0.5B's parameters
+    cfg = Config(model="qwen2.5-0.5b", dtype="float32", out="o")  # on CPU: sampling in float32
+    trainer, inference = memory_estimate(cfg, qwen, qwen)
+    assert (trainer, inference) == (20 * qwen, 8 * qwen)  # 16 + the reference; one worker + the buffer
+    line = console.start_line(cfg, 7000, 64, memory=(trainer, inference))
+    assert "| memory ~9.9 GB trainer, ~4.0 GB inference (an estimate from the parameters, activations aside) |" in line
+    two_steps = memory_estimate(dataclasses.replace(cfg, updates_per_iteration=2, beta=0.0, mode="sync"), qwen, qwen)
+    assert two_steps == (20 * qwen, 4 * qwen)  # the old copy instead of the reference; sync: no buffer
+    lora = memory_estimate(Config(dtype="bfloat16", use_peft=True), qwen, 1_000_000)
+    assert lora == (4 * qwen + 12 * 1_000_000 + 4 * 1_000_000, 4 * qwen)
+    assert "memory" not in console.start_line(cfg, 7000, 64, memory=memory_estimate(cfg, 330_000, 330_000))
