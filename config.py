@@ -273,7 +273,11 @@ class Config:
     eval_size: int | None = _opt(None, "held-out prompts per evaluation (auto: 64 of a test or validation split, else "
                                        "the last rows, at most a fifth of them; with --eval-every 0, 0: no prompt is "
                                        "held out of training)")
-    eval_samples: int = _opt(4, "sampled responses per held-out prompt")
+    eval_every_epoch: bool = _opt(False, "evaluate after each pass over the training prompts (TRL's eval_strategy "
+                                         "'epoch'), in place of --eval-every")
+    eval_samples: int | None = _opt(None, "sampled responses per held-out prompt (default: 4 for tiny and tiny-chain, "
+                                          "1 for other models, so that evaluating costs a small share of a run's "
+                                          "sampling: the first line says how much)")
     trace: str | None = _opt(None, "write a Chrome trace-event JSON timeline of both processes to this path")
     save: bool = _opt(True, "save the final policy as a Hugging Face model directory in <out>/policy")
     save_dtype: str = _opt("model", "the dtype of <out>/policy's weights: model, the one the model was stored in "

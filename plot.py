@@ -11,8 +11,9 @@ Panels, one x axis (the iteration k, the version of the weights that sampled it)
    (before clipping), the learning rate, the entropy, the fraction of clipped tokens (TRL's clip ratios).
 
 6. each process's seconds per iteration, busy and idle: a bar per side, busy at the bottom (inference:
-   generate_s, training: train_s), idle stacked on it (idle_inference_s, idle_training_s); both bars are
-   the iteration's wall time, so the idle part is what the other side made it wait (infra/timeline.py).
+   generate_s and its held-out evaluation's eval_s, training: train_s), idle stacked on it (idle_inference_s,
+   idle_training_s); both bars are the iteration's wall time, so the idle part is what the other side made it wait
+   (infra/timeline.py).
 
 The rows' keys are TRL's, as trainer.py writes them (an older run's, reward_mean, response_length, ..., are read
 as TRL's: infra/tracking.trl_keys).
@@ -168,7 +169,7 @@ def figure(rows: list[dict], title: str = "") -> Figure:
     width = 0.4
     for offset, busy, idle, side, color in ((-width / 2, "generate_s", "idle_inference_s", "inference", "C0"),
                                             (width / 2, "train_s", "idle_training_s", "training", "C1")):
-        busy_s = [row.get(busy) or 0.0 for row in steps]
+        busy_s = [(row.get(busy) or 0.0) + (side == "inference" and row.get("eval_s") or 0.0) for row in steps]
         idle_s = [row.get(idle) or 0.0 for row in steps]
         x = [i + offset for i in k]
         seconds.bar(x, busy_s, width, color=color, label=f"{side} busy")

@@ -91,6 +91,10 @@ def prepare(cfg: Config) -> tuple[Config, object, object, dict]:
         cfg = dataclasses.replace(cfg, iterations=iterations)
         task = dataclasses.replace(task, notes=(*task.notes, f"--num-train-epochs {cfg.num_train_epochs:g}: "
                                                              f"{iterations} iterations"))
+    if cfg.eval_every_epoch:  # TRL's eval_strategy 'epoch': every pass over the training prompts
+        eval_every = epoch_iterations(1, len(task.train), cfg.prompts_per_iteration)
+        cfg = dataclasses.replace(cfg, eval_every=eval_every)
+        task = dataclasses.replace(task, notes=(*task.notes, f"--eval-every-epoch: every {eval_every} iterations"))
     if len(task.train) < cfg.prompts_per_iteration:  # an iteration spans epochs (rollout.iteration_prompts)
         task = dataclasses.replace(task, notes=(*task.notes, f"{len(task.train)} training prompt(s), fewer than the "
                                                              f"{cfg.prompts_per_iteration} an iteration takes: each "

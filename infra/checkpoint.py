@@ -45,12 +45,12 @@ from infra.records import absolute_paths
 # `resumed_config`: with --loss-type bnpo the micro-batches change the loss; and a learning-rate schedule that
 # spans the run's optimizer steps would be rebuilt over another --iterations' steps, changing every rate from the
 # checkpoint on: the resumed run would be neither the one it continues nor one started with that length.)
-HARMLESS = {"iterations", "num_train_epochs", "eval_every", "eval_samples", "trace", "save", "save_dtype", "save_every",
+HARMLESS = {"iterations", "num_train_epochs", "eval_every", "eval_samples", "trace", "save", "save_every",
             "keep_checkpoints", "save_on_stop", "sizes", "cache_dir", "reward_timeout", "gradient_checkpointing",
             "attn_implementation", "micro_batch_tokens", "pad_to_multiple_of", "rollout_threads", "train_threads",
             "tail_threads", "report_to", "collective_timeout",
             "inference_workers",  # the groups reach the trainer in one worker's order (inference.in_call_order)
-            "log_completions", "num_completions_to_print",
+            "log_completions", "num_completions_to_print", "eval_every_epoch", "save_dtype",
             "mode"}  # async and sync are the same run (bitwise, with equal thread counts: tests/test_pipeline.py)
 # (Not eval_size: for data without a held-out split the held-out rows are the last eval_size, kept out of training.)
 DEVICES = {"device", "rollout_device", "train_device"}  # given one, all three are this run's (derived together)

@@ -50,7 +50,7 @@ NOT_OPTIONS = ("run_id", "versions", "command")  # config.json's keys that are n
 COMMAND_LINE_ONLY = ("resume", "overwrite", "config")  # read from the command line only (module docstring)
 # Options config.json records as `derive` resolved them from another option: given anew on the command line, that
 # option re-derives them (a tiny run's config.json with --model qwen2.5-0.5b must not keep the tiny lr and lengths).
-DERIVED_FROM = {"model": ("lr", "max_new_tokens", *SIZE_FIELDS), "reward": ("reward_weights",),
+DERIVED_FROM = {"model": ("lr", "max_new_tokens", "eval_samples", *SIZE_FIELDS), "reward": ("reward_weights",),
                 "device": ("train_device", "rollout_device", "dtype", "pad_to_multiple_of", *SIZE_FIELDS),
                 "mode": ("rollout_device", *SIZE_FIELDS),
                 "batch_size": SIZE_FIELDS, "group_size": SIZE_FIELDS,
@@ -399,7 +399,8 @@ def trl_step_flags(file_steps: dict, typed_steps: dict, file_flags: list[str], t
             raise
         raise ValueError(re.sub(r"\b(" + "|".join((*TRL_STEP_KEYS, "logging_steps")) + r")\b",
                                 lambda key: "--" + key.group(1).replace("_", "-"), str(error))) from None
-    return file_flags + [f"--{name.replace('_', '-')}={value}" for name, value in options.items()] + typed
+    return file_flags + [f"--{name.replace('_', '-')}" + ("" if value is True else f"={value}")
+                         for name, value in options.items()] + typed
 
 
 def typed_trl_flags(argv: list[str], note) -> tuple[dict, dict, list[str]]:

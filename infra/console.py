@@ -21,7 +21,8 @@ def format_row(row: dict) -> str:
         return f"final  held-out reward {num('eval_reward', '.3f')} (θ_{row['policy_version']})" if evaluated else ""
     return (f"iter {row['iteration']:4d}  reward {num('reward_mean', '.3f')}±{num('reward_std', '.2f')}  "
             f"eval {num('eval_reward', '.3f')}  kl {num('kl', '.4f')}  clip {num('clip_fraction', '.3f')}  "
-            f"len {num('response_length', '.1f')}  gen {num('generate_s', '.2f')}s  train {num('train_s', '.2f')}s  "
+            f"len {num('response_length', '.1f')}  gen {num('generate_s', '.2f')}s  "
+            + (f"(+{row['eval_s']:.2f}s eval)  " if row.get("eval_s") else "") + f"train {num('train_s', '.2f')}s  "
             f"idle gen/train {num('idle_inference_s', '.2f')}/{num('idle_training_s', '.2f')}s  "
             f"overlap {num('overlap', '.0%')}  {num('tokens_per_s', '.0f' if (rate or 0) >= 100 else '.3g')} tok/s")
 
@@ -83,6 +84,8 @@ def start_line(cfg: Config, train: int, held_out: int, notes: tuple[str, ...] = 
     """
     if held_out and not cfg.eval_every:  # --eval-size given with --eval-every 0: kept out of training all the same
         notes = (*notes, "held out, not evaluated: --eval-every 0")
+    if held_out and cfg.eval_every and cfg.eval_samples:  # what evaluating costs, against training's sampling
+        notes = (*notes, eval_cost(cfg, held_out))
     said = f" ({'; '.join(notes)})" if notes else ""
     samplers = (f"{inference_ranks} inference rank{'s' * (inference_ranks > 1)}" if inference_ranks else
                 f"{cfg.inference_workers} inference worker{'s' * (cfg.inference_workers > 1)}"
@@ -97,6 +100,20 @@ def start_line(cfg: Config, train: int, held_out: int, notes: tuple[str, ...] = 
             + (f"memory ~{memory[0] / 1e9:.1f} GB trainer, ~{memory[1] / 1e9:.1f} GB inference (an estimate from the "
                "parameters, activations aside) | " if sum(memory) >= 1e8 else "")
             + f"out {cfg.out}")
+
+
+def eval_cost(cfg: Config, held_out: int) -> str:
+    """The held-out evaluation's responses (θ_0, every --eval-every iterations, θ_final) as a share of those training
+    samples.
+
+    >>> eval_cost(Config(iterations=60, batch_size=128, eval_every=10, eval_samples=1), 64)
+    'evaluated every 10 iterations and at the end, 1 response per prompt: 448 responses, 6% of the 7680 trained on'
+    """
+    evaluated = held_out * cfg.eval_samples * (-(-cfg.iterations // cfg.eval_every) + 1)
+    trained = cfg.batch_size * cfg.iterations
+    return (f"evaluated every {cfg.eval_every} iterations and at the end, {cfg.eval_samples} "
+            f"response{'s' * (cfg.eval_samples > 1)} per prompt: {evaluated} responses, {evaluated / trained:.0%} of "
+            f"the {trained} trained on")
 
 
 def unscored_line(iteration: int, share: float) -> str:

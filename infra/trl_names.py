@@ -48,7 +48,7 @@ TRL_DIFFERENT = {
 # a file
 TRL_STEPS = {"max_steps": "iterations", "save_steps": "save_every", "eval_steps": "eval_every"}
 STEP_STRATEGIES = {"save_steps": "save_strategy", "eval_steps": "eval_strategy"}  # a count is read under its strategy
-TRL_STEP_KEYS = (*TRL_STEPS, *STEP_STRATEGIES.values())
+TRL_STEP_KEYS = (*TRL_STEPS, *STEP_STRATEGIES.values(), "do_eval")  # do_eval false: no evaluation, as in TRL
 # GRPOConfig's vLLM settings (TRL 1.16): unused with use_vllm false, as here, where use_vllm true is refused
 VLLM_KEYS = ("vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_server_base_url", "vllm_server_host",
              "vllm_server_port", "vllm_server_timeout", "vllm_group_port", "vllm_gpu_memory_utilization",
@@ -87,9 +87,8 @@ TRL_UNUSED = {
     **dict.fromkeys(("dataloader_pin_memory", "dataloader_num_workers", "dataloader_drop_last",
                      "dataloader_persistent_workers", "dataloader_prefetch_factor"),
                     "this trainer has no DataLoader: it draws and batches its own prompts"),
-    **dict.fromkeys(("do_train", "do_eval", "do_predict"), "transformers' example scripts' switches, which its "
-                    "Trainer does not read (TrainingArguments sets do_eval under eval_strategy): evaluation here "
-                    "is --eval-every"),
+    **dict.fromkeys(("do_train", "do_predict"), "transformers' example scripts' switches, which its Trainer does not "
+                    "read"),
     **dict.fromkeys(("hub_model_id", "hub_strategy", "hub_private_repo", "hub_token", "push_to_hub_token",
                      "push_to_hub_model_id", "push_to_hub_organization"),
                     "nothing is pushed (push_to_hub); upload <out>/policy with `hf upload`"),
@@ -213,6 +212,8 @@ DEPARTURES = (
     ("--batch-size", "128 (16 prompts x 8)", "8 per device", "the pipeline overlaps generating with training inside "
                                                              "an iteration: it needs several groups"),
     ("--eval-every", "10", "no evaluation", "the held-out reward shows what the run learnt; 0 turns it off"),
+    ("--eval-samples", "4 for tiny, tiny-chain; 1 for other models", "num_generations (num_generations_eval)",
+     "evaluating costs a small share of the sampling (the first line says it)"),
     ("log", "every iteration", "every 10 steps", "each line is the pipeline's measurement (busy and idle seconds)"),
     ("--gradient-checkpointing", "off", "on", "~30% more training compute, which small models need not pay; the "
                                               "README's real-model command turns it on"),
@@ -240,6 +241,7 @@ LOG_COLUMNS = (
     ("clip", "fraction of response tokens whose probability ratio was clipped (PPO's clip)"),
     ("len", "mean response length in tokens"),
     ("gen, train", "seconds each side was busy: the inference side sampling and scoring, the trainer training"),
+    ("(+ eval)", "seconds the inference side spent on the held-out evaluation, apart from gen (eval_s)"),
     ("idle gen/train", "seconds each side waited for the other, out of the iteration's wall time"),
     ("overlap", "share of the less busy side's time that ran while the other side was busy (100% = hidden)"),
     ("tok/s", "response tokens per second of the iteration's wall time"),

@@ -367,8 +367,9 @@ def test_help_explains_the_log_columns_and_the_departures():
     from infra.trl_names import DEPARTURES, LOG_COLUMNS
     text = build_parser().format_help()
     row = console.format_row({"iteration": 3, "reward_mean": 0.5, "reward_std": 0.1, "eval_reward": None, "kl": 0.01,
-                              "clip_fraction": 0.0, "response_length": 4.0, "generate_s": 1.0, "train_s": 0.5,
-                              "idle_inference_s": 0.1, "idle_training_s": 0.6, "overlap": 0.5, "tokens_per_s": 100})
+                              "clip_fraction": 0.0, "response_length": 4.0, "generate_s": 1.0, "eval_s": 2.0,
+                              "train_s": 0.5, "idle_inference_s": 0.1, "idle_training_s": 0.6, "overlap": 0.5,
+                              "tokens_per_s": 100})
     for column, meaning in LOG_COLUMNS:
         assert f"  {column}  " in text and meaning.split()[0] in text
         assert all(part.split()[0].rstrip(",") in row for part in column.split(", ")), (column, row)

@@ -418,6 +418,8 @@ def test_metrics_jsonl_holds_trls_keys_as_the_trackers_name_them(run_dir):
             "clip_ratio/low_mean", "clip_ratio/high_mean", "completions/mean_length", "completions/clipped_ratio",
             "completions/mean_terminated_length", "num_tokens", "epoch", "eval_reward"} <= set(step)
     assert not set(TRL_KEYS) & {key for row in rows for key in row}
+    # the held-out evaluation (every 2 iterations here) is timed apart from the sampling of the training batch
+    assert rows[0]["eval_s"] > 0 and rows[1]["eval_s"] == 0 and rows[0]["eval_reward"] is not None
     for key in tracker_names(step):
         assert key.partition("/")[2] in step or key == "eval/reward", key
 
