@@ -244,7 +244,9 @@ def test_trls_prompt_column_wins_over_question(tmp_path):
     assert cfg.prompt_column == "prompt" and parse_args([]).prompt_column is None  # recorded as used; auto
     line = console.start_line(cfg, len(task.train), len(task.held_out), task.notes)
     assert ("10 train / 2 held-out prompts (prompts from column 'prompt' (TRL's), not 'question'; 10 training "
-            "prompt(s), fewer than the 16 an iteration takes: each iteration samples some of them more than once) |"
+            "prompt(s), fewer than the 16 an iteration takes: each iteration samples some of them more than once; "
+            "evaluated every 10 iterations and at the end, 4 responses per prompt: 56 responses, 1% of the 7680 trained "
+            "on) |"
             in line)
     chosen = data.read_task(str(path), eval_size=2, prompt_column="question")
     assert chosen.train[4].prompt == "What is 4+1?" and chosen.notes == ()
