@@ -8,6 +8,7 @@ import sys
 
 from config import Config
 from infra import outputs
+from infra.tasks import prompt_text
 
 
 def format_row(row: dict) -> str:
@@ -63,8 +64,7 @@ def text_prompts_note(tokenizer, examples, raw: bool) -> tuple[str, ...]:
     are, or rendered in it; () when there are none, or no template to choose (none, or one that renders the user's
     text as it is: the tiny model's)."""
     text = next((e.prompt for e in examples if isinstance(e.prompt, str)), None)
-    if not getattr(tokenizer, "chat_template", None) or text is None or tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True) == text:
+    if not getattr(tokenizer, "chat_template", None) or text is None or prompt_text(tokenizer, text) == text:
         return ()
     return ("text prompts as they are, as TRL takes its 'prompt' column; --text-prompts chat renders them in the "
             "chat template",) if raw else ("text prompts in the model's chat template, as the user's message; "
