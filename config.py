@@ -28,6 +28,7 @@ ENGINES = ("auto", "compile", "eager", "hf")
 SIZES = ("probe", "rule")
 TRACKERS = ("none", "tensorboard", "wandb", "trackio", "all")  # --report-to (infra/tracking.py; all: those installed)
 DTYPES = ("auto", "float32", "bfloat16")
+SAVE_DTYPES = ("model", "float32")  # --save-dtype
 # The offline models (models.TINY_RECIPES): name -> (the task it was warmed up on, its default --max-new-tokens)
 TINY_MODELS = {"tiny": ("arithmetic", 8), "tiny-chain": ("chain", 128)}
 # --model's short names for hub models (infra/models.resolve_model): qwen2.5-7b -> Qwen/Qwen2.5-7B-Instruct,
@@ -280,9 +281,16 @@ class Config:
     eval_size: int | None = _opt(None, "held-out prompts per evaluation (auto: 64 of a test or validation split, else "
                                        "the last rows, at most a fifth of them; with --eval-every 0, 0: no prompt is "
                                        "held out of training)")
-    eval_samples: int = _opt(4, "sampled responses per held-out prompt")
+    eval_every_epoch: bool = _opt(False, "evaluate after each pass over the training prompts (TRL's eval_strategy "
+                                         "'epoch'), in place of --eval-every")
+    eval_samples: int | None = _opt(None, "sampled responses per held-out prompt (default: 4 for tiny and tiny-chain, "
+                                          "1 for other models, so that evaluating costs a small share of a run's "
+                                          "sampling: the first line says how much)")
     trace: str | None = _opt(None, "write a Chrome trace-event JSON timeline of both processes to this path")
     save: bool = _opt(True, "save the final policy as a Hugging Face model directory in <out>/policy")
+    save_dtype: str = _opt("model", "the dtype of <out>/policy's weights: model, the one the model was stored in "
+                                    "(bfloat16 for Qwen2.5: half float32's size), or float32, the trainer's masters "
+                                    "(checkpoints always keep them, so a resume is exact)", choices=SAVE_DTYPES)
     report_to: list[str] = _opt(["none"], "also send each metrics row to these trackers, named as TRL's (train/reward, "
                                           "eval/reward, ...; infra/tracking.py): tensorboard (<out>/runs), wandb, "
                                           "trackio; several may be given; all: each of these installed (TRL's "

@@ -60,7 +60,7 @@ import torch
 
 from infra.distributed import Ranks, check_same_weights
 from infra.errors import PipelineError
-from infra.timeline import INFERENCE, Span, Timeline
+from infra.timeline import EVALUATE, INFERENCE, Span, Timeline
 from learner import Learner
 from rollout import Evaluation, Group, is_eval_iteration
 from weights import OffPolicyError
@@ -79,7 +79,7 @@ def record(timeline: Timeline, message) -> None:
     if isinstance(message, Span):
         timeline.add(message)
     elif isinstance(message, Evaluation):
-        timeline.add(Span("evaluate", INFERENCE, message.start, message.end))
+        timeline.add(Span(EVALUATE, INFERENCE, message.start, message.end))
 
 
 def iteration_row(iteration: int, evaluation: float | None, learner: Learner, timeline: Timeline, start: float,

@@ -6,12 +6,17 @@ Panels, one x axis (the iteration k, the version of the weights that sampled it)
    held-out reward of θ_k where it was evaluated (the last point is θ_final, the row marked "final");
 2. with several --reward functions, each one alone (rewards/<name>/mean ± its std, unweighted);
 3. KL to the reference (TRL's term: mean ρ·k3 per loss token, k3 without the bias correction; absent with --beta 0);
-4. response length (mean tokens per sampled response; with TRL's completions/<x>_length where the rows hold them);
+4. response length (mean tokens per sampled response, and of those that ended with EOS);
 5. what else the rows hold, each panel only where some row has a value (`CURVES`): the loss, the gradient norm
-   (before clipping), the learning rate, the entropy, the fraction of clipped tokens (TRL's clip ratios);
+   (before clipping), the learning rate, the entropy, the fraction of clipped tokens (TRL's clip ratios).
+
 6. each process's seconds per iteration, busy and idle: a bar per side, busy at the bottom (inference:
-   generate_s, training: train_s), idle stacked on it (idle_inference_s, idle_training_s); both bars are
-   the iteration's wall time, so the idle part is what the other side made it wait (infra/timeline.py).
+   generate_s and its held-out evaluation's eval_s, training: train_s), idle stacked on it (idle_inference_s,
+   idle_training_s); both bars are the iteration's wall time, so the idle part is what the other side made it wait
+   (infra/timeline.py).
+
+The rows' keys are TRL's, as trainer.py writes them (an older run's, reward_mean, response_length, ..., are read
+as TRL's: infra/tracking.trl_keys).
 
 Drawn on matplotlib's Figure directly (no pyplot, no display: the PNG is written by the Agg canvas). A metrics
 file that is not one (not UTF-8, not JSON objects, no iteration, text where a number is drawn) and an output format
@@ -28,17 +33,19 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
+from infra.tracking import TRL_KEYS, trl_keys
+
 REWARD, SECONDS = "reward", "seconds per iteration: busy and idle"
 REWARD_OF = re.compile(r"^rewards/(.+)/(mean|std)$")  # one reward's statistics (learner.py: TRL's names)
 # (title, the keys drawn, a name or an fnmatch pattern; whether the panel is drawn when no row has a value)
 CURVES = (("KL to the reference", ("kl",), True),
-          ("response length (tokens)", ("response_length", "completions/*_length"), True),
+          ("response length (tokens)", ("completions/mean_length", "completions/mean_terminated_length"), True),
           ("loss", ("loss",), False),
           ("grad norm (before clipping)", ("grad_norm",), False),
           ("learning rate", ("learning_rate", "lr"), False),
           ("entropy (mean per token)", ("entropy",), False),
-          ("clipped tokens (fraction)", ("clip_fraction", "clip_ratio/*"), False))
-DRAWN = ("reward_mean", "reward_std", "eval_reward", "generate_s", "idle_inference_s", "train_s",
+          ("clipped tokens (fraction)", ("clip_ratio/*_mean",), False))
+DRAWN = ("reward", "reward_std", "eval_reward", "generate_s", "idle_inference_s", "train_s",
          "idle_training_s")  # with CURVES' and REWARD_OF's, the keys `figure` draws: numbers, or null if not measured
 JSON_TYPES = {list: "an array", str: "a string", bool: "true or false", type(None): "null", int: "a number",
               float: "a number"}
@@ -82,7 +89,7 @@ def read_rows(path: Path) -> list[dict]:
         if not isinstance(row.get("iteration"), int) or isinstance(row["iteration"], bool):
             raise PlotError(f"{where} has no iteration number (\"iteration\": {json.dumps(row.get('iteration'))})")
         for key, value in row.items():
-            if value is not None and not is_number(value) and is_drawn(key):
+            if value is not None and not is_number(value) and is_drawn(TRL_KEYS.get(key, key)):
                 raise PlotError(f"{where} has {JSON_TYPES.get(type(value), type(value).__name__)} "
                                    f"{json.dumps(value)[:40]} under {key!r}, not a number")
         rows[row["iteration"], bool(row.get("final"))] = row
@@ -128,6 +135,7 @@ def with_band(axes, steps: list[dict], mean_key: str, std_key: str, label: str, 
 
 def figure(rows: list[dict], title: str = "") -> Figure:
     """The run's panels (the module docstring's list, top to bottom) from its metrics rows."""
+    rows = [trl_keys(row) for row in rows]  # an older run's names read as TRL's
     steps = [row for row in rows if not row.get("final")]
     keys = list(dict.fromkeys(key for row in steps for key, value in row.items() if value is not None))
     rewards = list(dict.fromkeys(REWARD_OF.match(key)[1] for key in keys if REWARD_OF.match(key)))
@@ -143,7 +151,7 @@ def figure(rows: list[dict], title: str = "") -> Figure:
     fig.suptitle(title)
     reward, seconds = panels[0], panels[-1]
 
-    with_band(reward, steps, "reward_mean", "reward_std", "train (mean over samples)", "C0")
+    with_band(reward, steps, "reward", "reward_std", "train (mean over samples)", "C0")
     reward.plot(*series(rows, "eval_reward"), "o-", color="C1", label="held-out (θ_k)")
     reward.legend(loc="best", fontsize=8)
     for axes, name in zip(panels[1:], rewards):
@@ -161,7 +169,7 @@ def figure(rows: list[dict], title: str = "") -> Figure:
     width = 0.4
     for offset, busy, idle, side, color in ((-width / 2, "generate_s", "idle_inference_s", "inference", "C0"),
                                             (width / 2, "train_s", "idle_training_s", "training", "C1")):
-        busy_s = [row.get(busy) or 0.0 for row in steps]
+        busy_s = [(row.get(busy) or 0.0) + (side == "inference" and row.get("eval_s") or 0.0) for row in steps]
         idle_s = [row.get(idle) or 0.0 for row in steps]
         x = [i + offset for i in k]
         seconds.bar(x, busy_s, width, color=color, label=f"{side} busy")

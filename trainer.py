@@ -3,8 +3,8 @@
 Reads the config, claims the output directory (infra/outputs.py: checked, locked, no previous run mixed in),
 imports the trackers --report-to names (infra/tracking.py), records the options in <out>/config.json
 (infra/records.py), loads the policy and the task, runs the schedule of periodic_rl.py, prints one line per
-iteration (infra/console.py; it goes as JSON to <out>/metrics.jsonl too, and to the trackers), and saves θ_final,
-as soon as the last optimizer step is done, as a Hugging Face model directory <out>/policy that
+iteration (infra/console.py; it goes as JSON to <out>/metrics.jsonl too, under TRL's keys, and to the trackers),
+and saves θ_final, as soon as the last optimizer step is done, as a Hugging Face model directory <out>/policy that
 `AutoModelForCausalLM.from_pretrained` loads.
 
 Any problem a user can fix (bad option, missing model or data, failing reward function, dead
@@ -30,7 +30,7 @@ from pathlib import Path
 from config import Config
 from infra import outputs
 from infra.errors import UserError
-from infra.command_line import given_options, parse_args
+from infra.command_line import given_options, named_as_typed, parse_args
 from infra import console
 from infra.console import (STDOUT_CLOSED, eval_summary, format_row, progress_line, say, start_line, text_prompts_note,
                            unscored_line)
@@ -91,6 +91,10 @@ def prepare(cfg: Config) -> tuple[Config, object, object, dict]:
         cfg = dataclasses.replace(cfg, iterations=iterations)
         task = dataclasses.replace(task, notes=(*task.notes, f"--num-train-epochs {cfg.num_train_epochs:g}: "
                                                              f"{iterations} iterations"))
+    if cfg.eval_every_epoch:  # TRL's eval_strategy 'epoch': every pass over the training prompts
+        eval_every = epoch_iterations(1, len(task.train), cfg.prompts_per_iteration)
+        cfg = dataclasses.replace(cfg, eval_every=eval_every)
+        task = dataclasses.replace(task, notes=(*task.notes, f"--eval-every-epoch: every {eval_every} iterations"))
     if len(task.train) < cfg.prompts_per_iteration:  # an iteration spans epochs (rollout.iteration_prompts)
         task = dataclasses.replace(task, notes=(*task.notes, f"{len(task.train)} training prompt(s), fewer than the "
                                                              f"{cfg.prompts_per_iteration} an iteration takes: each "
@@ -137,7 +141,7 @@ def started(cfg: Config, resume_from: Path | None = None, on_sized=None, ranks=N
     it is stopped, however the block is left.
     """
     from infra.tasks import check_prompt_lengths, raw_text_prompts, template_kwargs
-    from launch import setup
+    from launch import setup, sizing
     cfg, task, rewards, load_kwargs = prepare(cfg)
     on_prepared(cfg)
     train_examples, held_out = task.train, task.held_out
@@ -153,7 +157,10 @@ def started(cfg: Config, resume_from: Path | None = None, on_sized=None, ranks=N
                                                                            None), cfg.max_new_tokens,
                              template_kwargs(cfg.chat_template_kwargs), raw)
         notes = task.notes + text_prompts_note(tokenizer, train_examples, raw)
-        print(start_line(cfg, len(train_examples), len(held_out), notes, ranks.size, ranks.inference), flush=True)
+        memory = sizing.memory_estimate(cfg, sum(p.numel() for p in policy.parameters()),
+                                        sum(p.numel() for p in policy.parameters() if p.requires_grad))
+        print(start_line(cfg, len(train_examples), len(held_out), notes, ranks.size, ranks.inference, memory),
+              flush=True)
         rows = setup.train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs, rollouts,
                                  resume_from, on_sized, ranks, on_completions)
         with closing(rows):  # however the block ends, the schedule's own clean-up (the trace) runs here
@@ -192,14 +199,19 @@ def run(cfg: Config, resume_from: Path | None = None, command: list[str] | None 
             return log_and_save(prepared[-1], rows, policy, tokenizer, resumed_at, trackers.log, ranks, history)
 
 
-def save_policy(policy, tokenizer, path: Path) -> None:
+def save_policy(policy, tokenizer, path: Path, dtype=None) -> None:
     """A Hugging Face model directory that `from_pretrained` loads, written atomically (outputs.save_atomically), with
-    the model's own config (its dropout rates as loaded: launch/setup.config_as_loaded)."""
+    the model's own config (its dropout rates as loaded: launch/setup.config_as_loaded); its weights in `dtype`
+    (--save-dtype model: the dtype it was stored in, infra/models.weights_in), else as trained (float32)."""
+    from infra.models import mark_dtype, weights_in
     from launch.setup import config_as_loaded
 
     def write(folder: Path) -> None:
+        weights = weights_in(policy, dtype)  # None: as trained
         with config_as_loaded(policy):
-            policy.save_pretrained(folder, safe_serialization=True)
+            policy.save_pretrained(folder, safe_serialization=True, state_dict=weights)
+        if weights is not None:
+            mark_dtype(folder / "config.json", dtype)
         tokenizer.save_pretrained(folder)
     with outputs.writing("the trained policy to", path):
         outputs.save_atomically(path, write)
@@ -229,9 +241,11 @@ def log_and_save(cfg: Config, rows, policy, tokenizer, resumed_at: int = 0, repo
     a stop checkpoint (launch/setup.py) never holds an iteration whose row is missing."""
     from tqdm import tqdm
 
+    from infra.tracking import trl_keys
+
     out = Path(cfg.out)
     metrics_path, policy_path = out / "metrics.jsonl", out / "policy"
-    kept = earlier_rows(history, resumed_at) if history and resumed_at else []
+    kept = [trl_keys(row) for row in earlier_rows(history, resumed_at)] if history and resumed_at else []
     first_eval = next((row["eval_reward"] for row in kept if row.get("eval_reward") is not None), None)
     start, trained, saved, phases, unscored_said = time.perf_counter(), False, False, [], False
     pending, continued = None, not resumed_at  # the row in hand, not yet written; whether the file is this run's
@@ -245,7 +259,7 @@ def log_and_save(cfg: Config, rows, policy, tokenizer, resumed_at: int = 0, repo
                 outputs.write_atomically(metrics_path, "".join(json.dumps(r) + "\n" for r in kept))
                 continued = True
             with metrics_path.open("a") as f:
-                f.write(json.dumps(row) + "\n")
+                f.write(json.dumps(trl_keys(row)) + "\n")  # TRL's keys, as the trackers name them
 
     def keep_pending() -> None:  # an iteration's row in hand when the run stops or fails: written if it can be
         if pending is not None and not pending.get("final"):
@@ -284,7 +298,8 @@ def log_and_save(cfg: Config, rows, policy, tokenizer, resumed_at: int = 0, repo
             if "generate_device_s" in row:  # an iteration's row (not the final evaluation's): both sides' busy time
                 phases.append((row["generate_device_s"], row["train_s"]))
             if cfg.save and trained and not saved:  # before anything else can fail: the evaluation, the trace
-                save_policy(policy, tokenizer, policy_path)
+                save_policy(policy, tokenizer, policy_path,
+                            getattr(policy, "stored_dtype", None) if cfg.save_dtype == "model" else None)
                 saved = True
             write(row)
             pending = None
@@ -382,7 +397,11 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"periodic-rl: {line}", flush=True)
                     return 0
                 cfg = outputs.resume_or_start(cfg)  # --resume auto where --out holds no run: a new one
-                cfg, resume_from = checkpoint.resumption(cfg, given)  # --resume: the checkpoint's options
+                try:
+                    cfg, resume_from = checkpoint.resumption(cfg, given)  # --resume: the checkpoint's options
+                except UserError as error:  # its options named as typed (--max-steps, --learning-rate)
+                    error.args = (named_as_typed(str(error), argv, cfg.iterations),)
+                    raise
                 ranks = distributed.split_roles(ranks, cfg.inference_ranks)  # trainer ranks, then inference ranks
                 cfg = distributed.place(cfg, ranks, given)  # (rank 0 alone logs, above, and writes --out)
                 distributed.check(cfg, ranks)
@@ -476,10 +495,11 @@ def kept_on_stop(cfg: Config | None, ranks, failed_save: Exception | None) -> st
 
 # --- from Python: TRL's GRPOTrainer(...).train(), as one call ---
 def train(model: str | None = None, reward_funcs=None, train_dataset=None, eval_dataset=None, args=None,
-          **options) -> Path | None:
+          **options):
     """Run the trainer from Python, as TRL's `GRPOTrainer(model, reward_funcs, args, train_dataset).train()` runs:
-    the run `python trainer.py` makes with these options (infra/python_args.train_argv); returns its --out folder
-    (under torchrun, on rank 0; a rank that writes no run returns None).
+    the run `python trainer.py` makes with these options (infra/python_args.train_argv); returns its --out folder, a
+    Path with TRL's `log_history`, `policy_path` and `save_model(dir)` (python_args.TrainedRun; under torchrun, on rank
+    0; a rank that writes no run returns None).
     `model`: a hub id, a folder or an alias (not a model object: each process loads its own copy);
     `reward_funcs`: a function (defined at the top level of a module or of the script) or a --reward spec, or a list
     of them; `peft_config`: peft's LoraConfig, as --use-peft and its --lora-* options; `train_dataset`: a
@@ -495,7 +515,7 @@ def train(model: str | None = None, reward_funcs=None, train_dataset=None, eval_
              split="train"), learning_rate=1e-6, max_steps=100)
     """
     try:
-        from infra.python_args import train_argv
+        from infra.python_args import TrainedRun, train_argv
         argv = train_argv(model, reward_funcs, train_dataset, eval_dataset, args, **options)
     except ValueError as error:  # a reward or dataset no other process can find: the caller's mistake, said so
         raise ValueError(f"train: {error}") from None
@@ -520,7 +540,7 @@ def train(model: str | None = None, reward_funcs=None, train_dataset=None, eval_
         raise RuntimeError(f"the run ended with exit code {code} (its error line is above; the options it names are "
                            "train's keywords, with _ for -: --resume auto is resume='auto'): python trainer.py "
                            + " ".join(argv))
-    return Path(LAST_RUN[0]) if LAST_RUN and LAST_RUN[0] else None  # another rank than 0 (torchrun) writes none
+    return TrainedRun(LAST_RUN[0]) if LAST_RUN and LAST_RUN[0] else None  # another rank than 0 (torchrun) writes none
 
 
 if __name__ == "__main__":

@@ -128,7 +128,7 @@ def peer_run(name: str, argv: list[str] | None, args: argparse.Namespace, tailed
         rows = [json.loads(line) for line in open(os.path.join(tmp, "metrics.jsonl"))]
     timed = [row for row in rows if not row.get("final") and row["iteration"] > 0]
     return (statistics.mean(row["iteration_s"] for row in timed),
-            statistics.mean(row["response_length"] for row in timed), chosen_sizes(out.stdout),
+            statistics.mean(row["completions/mean_length"] for row in timed), chosen_sizes(out.stdout),
             statistics.mean(row["overlap"] for row in timed))
 
 

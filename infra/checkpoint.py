@@ -50,7 +50,7 @@ HARMLESS = {"iterations", "num_train_epochs", "eval_every", "eval_samples", "tra
             "attn_implementation", "micro_batch_tokens", "pad_to_multiple_of", "rollout_threads", "train_threads",
             "tail_threads", "report_to", "collective_timeout",
             "inference_workers",  # the groups reach the trainer in one worker's order (inference.in_call_order)
-            "log_completions", "num_completions_to_print",
+            "log_completions", "num_completions_to_print", "eval_every_epoch", "save_dtype",
             "mode"}  # async and sync are the same run (bitwise, with equal thread counts: tests/test_pipeline.py)
 # (Not eval_size: for data without a held-out split the held-out rows are the last eval_size, kept out of training.)
 DEVICES = {"device", "rollout_device", "train_device"}  # given one, all three are this run's (derived together)

@@ -50,7 +50,7 @@ NOT_OPTIONS = ("run_id", "versions", "command")  # config.json's keys that are n
 COMMAND_LINE_ONLY = ("resume", "overwrite", "config")  # read from the command line only (module docstring)
 # Options config.json records as `derive` resolved them from another option: given anew on the command line, that
 # option re-derives them (a tiny run's config.json with --model qwen2.5-0.5b must not keep the tiny lr and lengths).
-DERIVED_FROM = {"model": ("lr", "max_new_tokens", *SIZE_FIELDS), "reward": ("reward_weights",),
+DERIVED_FROM = {"model": ("lr", "max_new_tokens", "eval_samples", *SIZE_FIELDS), "reward": ("reward_weights",),
                 "device": ("train_device", "rollout_device", "dtype", "pad_to_multiple_of", *SIZE_FIELDS),
                 "mode": ("rollout_device", *SIZE_FIELDS),
                 "batch_size": SIZE_FIELDS, "group_size": SIZE_FIELDS,
@@ -399,7 +399,8 @@ def trl_step_flags(file_steps: dict, typed_steps: dict, file_flags: list[str], t
             raise
         raise ValueError(re.sub(r"\b(" + "|".join((*TRL_STEP_KEYS, "logging_steps")) + r")\b",
                                 lambda key: "--" + key.group(1).replace("_", "-"), str(error))) from None
-    return file_flags + [f"--{name.replace('_', '-')}={value}" for name, value in options.items()] + typed
+    return file_flags + [f"--{name.replace('_', '-')}" + ("" if value is True else f"={value}")
+                         for name, value in options.items()] + typed
 
 
 def typed_trl_flags(argv: list[str], note) -> tuple[dict, dict, list[str]]:
@@ -506,3 +507,28 @@ def with_config_file(argv: list[str] | None = None, prog: str = "trainer.py", sa
     except ValueError as error:
         sys.stderr.write(f"{prog}: error: {config_source(path)} {error}\n")
         raise SystemExit(2) from None
+
+
+def named_as_typed(text: str, argv: list[str], iterations: int) -> str:
+    """A message about our options (`text`) with each named as `argv` typed it: a TRL alias by its own flag
+    (--learning-rate for --lr), --iterations typed as TRL's --max-steps in optimizer steps (`iterations`: the count the
+    typed --max-steps made; a --config file's keys are named by the file's lines).
+
+    >>> named_as_typed("--iterations 3 differs from the checkpoint's 4 (drop --iterations)", ["--max-steps=6"], 3)[50:]
+    "differs from the checkpoint's 8 (4 iterations) (drop --max-steps)"
+    >>> named_as_typed("--lr 0.1 differs", ["--learning_rate", "0.1"], 60)
+    '--learning-rate 0.1 differs'
+    """
+    typed = {token.partition("=")[0][2:].replace("-", "_") for token in normalized(argv) if token.startswith("--")}
+    for key in typed & set(TRL_ALIASES):
+        text = re.sub(rf"--{TRL_ALIASES[key].replace('_', '-')}\b(?!-)", f"--{key.replace('_', '-')}", text)
+    steps, _ = typed_trl(normalized(argv), ("max_steps",))
+    if "max_steps" in steps and "iterations" not in typed:
+        per = max(1, number_of_steps("max_steps", steps["max_steps"]) // max(1, iterations))  # optimizer steps each
+        if per > 1:  # the counts in optimizer steps, then in iterations
+            text = re.sub(r"--iterations (\d+) differs from the checkpoint's (\d+)",
+                          lambda m: f"--max-steps {int(m[1]) * per} ({m[1]} iterations of {per} optimizer steps) "
+                                    f"differs from the checkpoint's {int(m[2]) * per} ({m[2]} iterations)", text)
+        text = re.sub(r"--iterations( \d+)?\b", lambda m: "--max-steps" + (f" {int(m[1]) * per}" if m[1] else ""),
+                      text)
+    return text

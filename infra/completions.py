@@ -10,7 +10,7 @@ table per iteration on the trackers, and the first few in the log.
 index), `i` the response's index in its group; a reward that scored nothing is null (NaN in the run). A_ji is the
 advantage the learner trained on (learner.Learner.taken): with --scale-rewards batch the centred reward divided by
 std(r_batch) + eps, known once the iteration's last group is in, as it is when the lines are written. Per iteration,
-"reward" averages (over the non-null) to the row's reward_mean and "rewards"[name] to its rewards/<name>/mean
+"reward" averages (over the non-null) to the row's reward and "rewards"[name] to its rewards/<name>/mean
 (metrics.jsonl), and the advantages of a group sum to 0 (grpo.group_advantages).
 
 Who writes: the trainer process, as soon as the loop yields the iteration's metrics row, before that row is written and

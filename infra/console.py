@@ -8,6 +8,7 @@ import sys
 
 from config import Config, engine_compiles
 from infra import outputs, sharing
+from infra.tasks import prompt_text
 
 
 def format_row(row: dict) -> str:
@@ -21,7 +22,8 @@ def format_row(row: dict) -> str:
         return f"final  held-out reward {num('eval_reward', '.3f')} (θ_{row['policy_version']})" if evaluated else ""
     return (f"iter {row['iteration']:4d}  reward {num('reward_mean', '.3f')}±{num('reward_std', '.2f')}  "
             f"eval {num('eval_reward', '.3f')}  kl {num('kl', '.4f')}  clip {num('clip_fraction', '.3f')}  "
-            f"len {num('response_length', '.1f')}  gen {num('generate_s', '.2f')}s  train {num('train_s', '.2f')}s  "
+            f"len {num('response_length', '.1f')}  gen {num('generate_s', '.2f')}s  "
+            + (f"(+{row['eval_s']:.2f}s eval)  " if row.get("eval_s") else "") + f"train {num('train_s', '.2f')}s  "
             f"idle gen/train {num('idle_inference_s', '.2f')}/{num('idle_training_s', '.2f')}s  "
             f"overlap {num('overlap', '.0%')}  {num('tokens_per_s', '.0f' if (rate or 0) >= 100 else '.3g')} tok/s")
 
@@ -59,8 +61,10 @@ def progress_line(done: int, total: int, elapsed: float, pace: float) -> str:
 
 def text_prompts_note(tokenizer, examples, raw: bool) -> tuple[str, ...]:
     """What the first line says of text prompts where the model has a chat template (--text-prompts): used as they
-    are, or rendered in it; () when there are none, or no template to choose."""
-    if not getattr(tokenizer, "chat_template", None) or not any(isinstance(e.prompt, str) for e in examples):
+    are, or rendered in it; () when there are none, or no template to choose (none, or one that renders the user's
+    text as it is: the tiny model's)."""
+    text = next((e.prompt for e in examples if isinstance(e.prompt, str)), None)
+    if not getattr(tokenizer, "chat_template", None) or text is None or prompt_text(tokenizer, text) == text:
         return ()
     return ("text prompts as they are, as TRL takes its 'prompt' column; --text-prompts chat renders them in the "
             "chat template",) if raw else ("text prompts in the model's chat template, as the user's message; "
@@ -68,19 +72,21 @@ def text_prompts_note(tokenizer, examples, raw: bool) -> tuple[str, ...]:
 
 
 def start_line(cfg: Config, train: int, held_out: int, notes: tuple[str, ...] = (), trainers: int = 1,
-               inference_ranks: int = 0) -> str:
+               inference_ranks: int = 0, memory: tuple[float, float] = (0.0, 0.0)) -> str:
     """The run's first line: mode and how the hardware is shared (infra/sharing.py), model, the processes when there
     are several (torchrun's `trainers` ranks, each with --inference-workers samplers, or `inference_ranks` samplers),
-    the prompts (with `notes`, data.Task's: the
-    column they come from when two could be, the split held out, that it has fewer rows than --eval-size
-    asked, and that it is never evaluated), the schedule and --out; when the engine's decode step is compiled
-    (--engine auto on CUDA, or compile), the one-time cost of compiling it.
+    the prompts (with `notes`, data.Task's: the column they come from when two could be, the split held out, that it
+    has fewer rows than --eval-size asked, and that it is never evaluated), the schedule, the `memory` to expect (the
+    trainer's and the inference side's bytes: launch/sizing.memory_estimate; said from 0.1 GB on), --out, and when the
+    engine's decode step is compiled (--engine auto on CUDA, or compile), the one-time cost of compiling it.
 
     >>> start_line(Config(mode="async", model="m", out="o"), 90, 10, trainers=2, inference_ranks=6)[:95]
     'periodic-rl: async (sampling on inference ranks) | model m | 2 trainer ranks, 6 inference ranks'
     """
     if held_out and not cfg.eval_every:  # --eval-size given with --eval-every 0: kept out of training all the same
         notes = (*notes, "held out, not evaluated: --eval-every 0")
+    if held_out and cfg.eval_every and cfg.eval_samples:  # what evaluating costs, against training's sampling
+        notes = (*notes, eval_cost(cfg, held_out))
     said = f" ({'; '.join(notes)})" if notes else ""
     samplers = (f"{inference_ranks} inference rank{'s' * (inference_ranks > 1)}" if inference_ranks else
                 f"{cfg.inference_workers} inference worker{'s' * (cfg.inference_workers > 1)}"
@@ -97,7 +103,24 @@ def start_line(cfg: Config, train: int, held_out: int, notes: tuple[str, ...] = 
             f"{processes + ' | ' if processes else ''}{train} train / "
             f"{held_out} held-out prompts{said} | {cfg.iterations} iteration{'s' * (cfg.iterations != 1)} x "
             f"{cfg.prompts_per_iteration} prompts "
-            f"x {cfg.group_size} | out {cfg.out}{compiled}")
+            f"x {cfg.group_size} | "
+            + (f"memory ~{memory[0] / 1e9:.1f} GB trainer, ~{memory[1] / 1e9:.1f} GB inference (an estimate from the "
+               "parameters, activations aside) | " if sum(memory) >= 1e8 else "")
+            + f"out {cfg.out}{compiled}")
+
+
+def eval_cost(cfg: Config, held_out: int) -> str:
+    """The held-out evaluation's responses (θ_0, every --eval-every iterations, θ_final) as a share of those training
+    samples.
+
+    >>> eval_cost(Config(iterations=60, batch_size=128, eval_every=10, eval_samples=1), 64)
+    'evaluated every 10 iterations and at the end, 1 response per prompt: 448 responses, 6% of the 7680 trained on'
+    """
+    evaluated = held_out * cfg.eval_samples * (-(-cfg.iterations // cfg.eval_every) + 1)
+    trained = cfg.batch_size * cfg.iterations
+    return (f"evaluated every {cfg.eval_every} iterations and at the end, {cfg.eval_samples} "
+            f"response{'s' * (cfg.eval_samples > 1)} per prompt: {evaluated} responses, {evaluated / trained:.0%} of "
+            f"the {trained} trained on")
 
 
 def unscored_line(iteration: int, share: float) -> str:

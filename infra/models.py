@@ -4,7 +4,8 @@ Every model, the tiny one included, is a Hugging Face directory loaded through
 `AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained`, so the training code has one
 path. A name is resolved in this order:
 
-    "tiny"            -> built once (20-40 s on 2 CPU cores) into $PERIODIC_RL_CACHE (~/.cache/periodic-rl)
+    "tiny"            -> built once (20-40 s on 2 CPU cores) into $PERIODIC_RL_CACHE (~/.cache/periodic-rl); its
+                         tokenizer gets TINY_CHAT_TEMPLATE on load (conversations as the plain text it knows)
     "tiny-chain"      -> the same model warmed up on the long-tailed `chain` task instead (a few minutes, once)
     alias             -> hub id, e.g. qwen2.5-0.5b -> Qwen/Qwen2.5-0.5B-Instruct (the paper's Qwen2.5 family)
     local directory   -> that directory
@@ -61,6 +62,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers
 from tokenizers import models as tokenizer_models
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     PreTrainedModel,
@@ -143,11 +145,41 @@ def _from_pretrained(source: str, device: str, dtype: torch.dtype, attn_implemen
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # generation pads finished rows; they are masked out anyway
     model = model.to(device)
+    model.stored_dtype = stored_dtype(source, local_files_only)  # what --save-dtype model saves policy/ in
     if not is_causal(model):
         raise ModelError(f"model {source} ({type(model).__name__}) is not a causal language model: its prediction "
                          "at a position depends on the tokens after it. GRPO samples left to right: use a "
                          "decoder-only model (Qwen2, Llama, ...)")
     return model, tokenizer
+
+
+def stored_dtype(source: str, local_files_only: bool) -> torch.dtype | None:
+    """The dtype the model at `source` was stored in (its config.json's dtype; None where it names none, or
+    `source` is an adapter, whose base says it)."""
+    try:
+        dtype = AutoConfig.from_pretrained(source, local_files_only=local_files_only).dtype
+    except (OSError, ValueError):
+        return None
+    dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
+
+
+def weights_in(model: PreTrainedModel, dtype: torch.dtype | None) -> dict[str, torch.Tensor] | None:
+    """The model's state_dict with its floating-point tensors in `dtype` (tied ones stay one tensor: the embeddings
+    and the output layer), for save_pretrained; None to save as trained: no `dtype`, float32 (the masters' own), or
+    a peft model (its adapter is saved as trained)."""
+    if dtype is None or dtype == torch.float32 or hasattr(model, "peft_config"):
+        return None
+    cast: dict[int, torch.Tensor] = {}  # one copy per storage
+    return {name: cast.setdefault(tensor.data_ptr(), tensor.to(dtype)) if tensor.is_floating_point() else tensor
+            for name, tensor in model.state_dict().items()}
+
+
+def mark_dtype(config_json: Path, dtype: torch.dtype) -> None:
+    """config.json's dtype set to that of the weights saved beside it (save_pretrained writes the model's own)."""
+    config = json.loads(config_json.read_text())
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    config_json.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 @torch.no_grad()
@@ -180,7 +212,10 @@ def _load(name: str, device: str, dtype: torch.dtype, attn_implementation: str, 
           ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     args = (device, dtype, attn_implementation)
     if name in TINY_RECIPES:
-        return _from_pretrained(str(ensure_tiny_model(cache_dir, TINY_RECIPES[name])), *args, local_files_only=True)
+        model, tokenizer = _from_pretrained(str(ensure_tiny_model(cache_dir, TINY_RECIPES[name])), *args,
+                                            local_files_only=True)
+        tokenizer.chat_template = TINY_CHAT_TEMPLATE  # set on load: the cached builds stay valid
+        return model, tokenizer
     source = resolve_model(name)
     tried = [f"alias {name!r} -> hub id {source!r}"] if name.lower() in MODEL_ALIASES else []
     if os.path.isdir(source):
@@ -299,6 +334,12 @@ TINY_RECIPE = TinyRecipe()
 TINY_CHAIN_RECIPE = TinyRecipe(task="chain", warmup_steps=2400, batch_size=32, commit_probability=1.0)
 TINY_RECIPES = {TINY: None, "tiny-chain": TINY_CHAIN_RECIPE}  # name -> recipe (None: TINY_RECIPE, read at call time)
 EOS, PAD = "<|endoftext|>", "<|pad|>"
+# The tiny model's chat template: a conversation (TRL's conversational format) as the plain text the model was warmed
+# up on: a system message and a newline, the user's text as it is, an assistant's text and EOS; the generation prompt
+# adds nothing. So [{"role": "user", "content": "37+45="}] is "37+45=", the same tokens as the text prompt.
+TINY_CHAT_TEMPLATE = ("{% for m in messages %}{% if m.role == 'system' %}{{ m.content }}\n"
+                      "{% elif m.role == 'assistant' %}{{ m.content }}{% if not loop.last %}" + EOS + "{% endif %}"
+                      "{% else %}{{ m.content }}{% endif %}{% endfor %}")
 
 
 def recipe_key(recipe: TinyRecipe) -> str:

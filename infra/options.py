@@ -142,6 +142,7 @@ def derive(cfg: Config) -> Config:
         max_new_tokens=cfg.max_new_tokens or (TINY_MODELS[cfg.model][1] if cfg.is_tiny else 512),
         eval_size=cfg.eval_size if cfg.eval_size is not None or cfg.eval_every else 0,  # None: trainer.prepare's
         lr=cfg.lr if cfg.lr is not None else (1e-4 if cfg.is_tiny else 1e-6),
+        eval_samples=cfg.eval_samples if cfg.eval_samples is not None else (4 if cfg.is_tiny else 1),
         reward_weights=cfg.reward_weights or [1.0] * len(cfg.reward),
         report_to=installed_trackers() if cfg.report_to == ["all"] else cfg.report_to,
         top_k=max(cfg.top_k, 0),  # -1: vLLM's off, which TRL passes on; 0 here
@@ -277,7 +278,8 @@ def validate(cfg: Config) -> list[str]:
     need(cfg.max_new_tokens is None or cfg.max_new_tokens >= 1,
          f"--max-new-tokens must be at least 1 (got {cfg.max_new_tokens})")
     need(cfg.max_grad_norm >= 0, f"--max-grad-norm must be >= 0 (got {cfg.max_grad_norm})")
-    need(cfg.eval_every >= 0 and (cfg.eval_size is None or cfg.eval_size >= 0) and cfg.eval_samples >= 1,
+    need(cfg.eval_every >= 0 and (cfg.eval_size is None or cfg.eval_size >= 0)
+         and (cfg.eval_samples is None or cfg.eval_samples >= 1),
          "--eval-every and --eval-size must be >= 0, --eval-samples >= 1")
     need(not cfg.eval_every or cfg.eval_size != 0, f"--eval-every {cfg.eval_every} evaluates held-out prompts, and "
          "--eval-size is 0 (a run started with --eval-every 0 holds none out of training): give --eval-size N, or "

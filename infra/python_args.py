@@ -315,3 +315,28 @@ def train_argv(model: str | None = None, reward_funcs=None, train_dataset=None, 
         else:
             argv.append(f"{flag}={json.dumps(value) if isinstance(value, dict) else value}")
     return argv
+
+
+class TrainedRun(type(Path())):  # PosixPath or WindowsPath: a subclass of Path itself needs Python 3.12
+    """What `trainer.train` returns: the run's folder (--out), a Path as before (str(), /, ==, open), with what TRL's
+    trainer offers once trained: `log_history` (metrics.jsonl's rows, one dict per iteration, TRL's keys),
+    `policy_path` (<out>/policy, None with --no-save) and `save_model(output_dir)` (a copy of the policy there)."""
+
+    @property
+    def log_history(self) -> list[dict]:
+        return outputs.read_metrics(Path(self) / "metrics.jsonl")
+
+    @property
+    def policy_path(self) -> Path | None:
+        return Path(self) / "policy" if outputs.has_policy(Path(self)) else None
+
+    def save_model(self, output_dir: str | os.PathLike) -> Path:
+        """Copy the trained policy (a Hugging Face model directory, or peft's adapter) to `output_dir`, written
+        atomically; returns it. ValueError where the run saved none (--no-save)."""
+        if self.policy_path is None:
+            raise ValueError(f"save_model: the run in {self} saved no policy (save=False); run it with saving on")
+        target = Path(output_dir)
+        with outputs.writing("the trained policy to", target):
+            outputs.save_atomically(target, lambda folder: shutil.copytree(self.policy_path, folder,
+                                                                          dirs_exist_ok=True))
+        return target

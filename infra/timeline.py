@@ -7,7 +7,8 @@ Per iteration, over its wall time W (from publishing θ_k to the optimizer step 
 
     busy_p   = |union of p's work spans|             p ∈ {inference, training}
     idle_p   = W - busy_p
-    generate_device_s = Σ_w busy of inference worker w   (device-seconds; = busy_inference with one worker)
+    generate_s = busy_inference less its held-out evaluation, eval_s = |union of the evaluation's spans|
+    generate_device_s = Σ_w generate_s of inference worker w   (device-seconds; = generate_s with one worker)
     overlap  = |busy_inference ∩ busy_training| / min(busy_inference, busy_training)
 
 overlap = 1 means the shorter side was completely hidden behind the longer one (the ideal of the
@@ -33,6 +34,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 INFERENCE, TRAINING = "inference", "training"
+EVALUATE = "evaluate"  # the inference side's span of a held-out evaluation: eval_s, apart from generate_s
 
 
 @dataclass
@@ -112,25 +114,29 @@ class Timeline:
         linear in its length. Exact, because a span is added once it has ended: any span that ends
         after `start` was added after `start`.
         """
-        def busy(process: str, lane: int | None = None) -> list[tuple[float, float]]:
+        def busy(process: str, lane: int | None = None, names=lambda name: True) -> list[tuple[float, float]]:
             clipped = [(max(s.start, start), min(s.end, end)) for s in self.spans[first:]
                        if s.process == process and not s.wait and s.end > start and s.start < end
-                       and lane in (None, s.lane)]
+                       and lane in (None, s.lane) and names(s.name)]
             return merge(clipped)
+
+        def sampling(name: str) -> bool:  # the inference side's work but the held-out evaluation
+            return name != EVALUATE
 
         inference, training = busy(INFERENCE), busy(TRAINING)
         wall = end - start
         micro_batches = [s.start for s in self.spans[first:] if s.process == TRAINING and s.name.startswith(TRAIN)
                          and start <= s.start < end]
-        gen, train = length(inference), length(training)
-        shorter = min(gen, train)
+        gen, train = length(busy(INFERENCE, names=sampling)), length(training)
+        shorter = min(length(inference), train)
         lanes = {s.lane for s in self.spans[first:] if s.process == INFERENCE}
         return {
             "iteration_s": wall,
             "generate_s": gen,
-            "generate_device_s": sum(length(busy(INFERENCE, lane)) for lane in lanes),
+            "generate_device_s": sum(length(busy(INFERENCE, lane, sampling)) for lane in lanes),
+            "eval_s": length(busy(INFERENCE, names=lambda name: name == EVALUATE)),
             "train_s": train,
-            "idle_inference_s": wall - gen,
+            "idle_inference_s": wall - length(inference),
             "idle_training_s": wall - train,
             "overlap": intersection(inference, training) / shorter if shorter > 0 else 0.0,
             "bound_s": pipeline_bound(start, inference, training, micro_batches) if micro_batches else wall,

@@ -1,10 +1,10 @@
 """Send each metrics row to the experiment trackers `--report-to` names: TensorBoard, Weights & Biases, Trackio.
 
-metrics.jsonl stays the run's record (trainer.py writes it first); a tracker gets the same numbers, named as
-TRL 1.16's GRPOTrainer logs them through transformers' integrations (its keys, with `train/` or `eval/` put in
-front by `rewrite_logs`), so dashboards of the two trainers line up. `tracker_names` maps a row:
+metrics.jsonl stays the run's record (trainer.py writes it first, under TRL's keys: `trl_keys`); a tracker gets the
+same numbers, named as TRL 1.16's GRPOTrainer logs them through transformers' integrations (its keys, with `train/`
+or `eval/` put in front by `rewrite_logs`), so dashboards of the two trainers line up. `tracker_names` maps a row:
 
-    metrics.jsonl key        tracker name                      TRL's key (GRPOTrainer._metrics)
+    learner's row key        tracker name                      TRL's key (GRPOTrainer._metrics), metrics.jsonl's
     reward_mean              train/reward                      reward
     reward_std               train/reward_std                  reward_std
     kl                       train/kl                          kl
@@ -69,17 +69,24 @@ from infra.errors import UserError
 TENSORBOARD_DIR = "runs"  # <out>/runs: `tensorboard --logdir <out>/runs`
 PROJECT = os.environ.get("WANDB_PROJECT", "periodic-rl")  # the wandb / trackio project
 NOT_LOGGED = {"iteration", "policy_version", "final"}
-TRL_NAMES = {"reward_mean": "train/reward", "reward_std": "train/reward_std", "kl": "train/kl", "loss": "train/loss",
-             "clip_fraction": "train/clip_ratio/region_mean", "grad_norm": "train/grad_norm",
-             "response_length": "train/completions/mean_length", "eval_reward": "eval/reward",
-             "clip_fraction_low": "train/clip_ratio/low_mean", "clip_fraction_high": "train/clip_ratio/high_mean",
-             "response_length_min": "train/completions/min_length",
-             "response_length_max": "train/completions/max_length",
-             "terminated_length": "train/completions/mean_terminated_length",
-             "terminated_length_min": "train/completions/min_terminated_length",
-             "terminated_length_max": "train/completions/max_terminated_length",
-             "clip_fraction_low_min": "train/clip_ratio/low_min", "clip_fraction_high_max": "train/clip_ratio/high_max",
-             "truncated_fraction": "train/completions/clipped_ratio"}
+# metrics.jsonl's keys for what TRL names otherwise: our name in the learner's rows -> TRL's key (the rest are TRL's)
+TRL_KEYS = {"reward_mean": "reward", "clip_fraction": "clip_ratio/region_mean",
+            "response_length": "completions/mean_length", "clip_fraction_low": "clip_ratio/low_mean",
+            "clip_fraction_high": "clip_ratio/high_mean", "response_length_min": "completions/min_length",
+            "response_length_max": "completions/max_length", "terminated_length": "completions/mean_terminated_length",
+            "terminated_length_min": "completions/min_terminated_length",
+            "terminated_length_max": "completions/max_terminated_length",
+            "clip_fraction_low_min": "clip_ratio/low_min", "clip_fraction_high_max": "clip_ratio/high_max",
+            "truncated_fraction": "completions/clipped_ratio"}
+
+
+def trl_keys(row: dict) -> dict:
+    """A row under TRL's keys, as metrics.jsonl holds it (TRL_KEYS; a row already so, or an older run's, is read too).
+
+    >>> trl_keys({"iteration": 3, "reward_mean": 0.5, "kl": 0.1, "response_length": 4.0})
+    {'iteration': 3, 'reward': 0.5, 'kl': 0.1, 'completions/mean_length': 4.0}
+    """
+    return {TRL_KEYS.get(key, key): value for key, value in row.items()}
 
 
 class TrackingError(UserError):
@@ -87,9 +94,8 @@ class TrackingError(UserError):
 
 
 def tracker_name(key: str) -> str:
-    """A metrics.jsonl key's name on a tracker (the module docstring's table)."""
-    if key in TRL_NAMES:
-        return TRL_NAMES[key]
+    """A row's key's name on a tracker (the module docstring's table): TRL's key under train/, eval/ or time/."""
+    key = TRL_KEYS.get(key, key)
     if key.endswith("_s") or key == "overlap":
         return f"time/{key}"
     return f"eval/{key.removeprefix('eval_')}" if key.startswith("eval_") else f"train/{key}"

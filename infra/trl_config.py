@@ -281,6 +281,15 @@ def number_of_steps(key: str, value) -> int | float:
     return int(value) if isinstance(value, float) and value >= 1 and value == int(value) else value
 
 
+def is_false(value) -> bool:
+    """Whether a TRL switch's `value` (a --config file's boolean, or the text typed after the flag) is false.
+
+    >>> is_false(False), is_false("False"), is_false(True), is_false(None)
+    (True, True, False, False)
+    """
+    return value is False or isinstance(value, str) and value.lower() in ("false", "0", "no")
+
+
 def steps_set(steps: dict) -> set[str]:
     """Our options that TRL's step keys in `steps` (TRL_STEP_KEYS) set, for `departures_line`.
 
@@ -289,7 +298,8 @@ def steps_set(steps: dict) -> set[str]:
     """
     return ({"iterations"} if steps.get("max_steps") not in (None, -1) else set()) | {
         ours for key, ours in TRL_STEPS.items() if key in STEP_STRATEGIES and (
-            key in steps or STEP_STRATEGIES[key] in steps)}
+            key in steps or STEP_STRATEGIES[key] in steps)} | ({"eval_every"} if is_false(steps.get("do_eval"))
+                                                                else set())
 
 
 def trl_steps(steps: dict, updates: int, passes: int, note) -> dict:
@@ -303,7 +313,10 @@ def trl_steps(steps: dict, updates: int, passes: int, note) -> dict:
     - save_strategy 'steps' (transformers' default, where only save_steps is given) with save_steps (default 500),
       and eval_strategy 'steps' with eval_steps (default: logging_steps, TRL's 10), are --save-every and --eval-every,
       rounded up to whole iterations: a checkpoint or an evaluation comes at an iteration's end. Strategy 'no' is 0;
-      'epoch' and 'best', and a fraction of the run's steps, are refused.
+      eval_strategy 'epoch' is --eval-every-epoch (once per pass over the training prompts); save_strategy 'epoch',
+      'best', and a fraction of the run's steps, are refused.
+    - do_eval false with eval_strategy unset (transformers' 'no') is --eval-every 0: TRL would not evaluate. (Where
+      eval_strategy is not 'no', transformers sets do_eval true: the strategy decides.)
 
     >>> trl_steps({"max_steps": 100, "save_steps": 30, "eval_strategy": "no"}, 2, 2, lambda line: None)
     {'iterations': 25, 'save_every': 8, 'eval_every': 0}
@@ -325,14 +338,23 @@ def trl_steps(steps: dict, updates: int, passes: int, note) -> dict:
         ours = TRL_STEPS[key]
         default_strategy = "steps" if key == "save_steps" and key in steps else None  # transformers' default
         strategy = steps.get(strategy_key, default_strategy)
+        option = f"--{ours.replace('_', '-')}"
+        if strategy is None and key == "eval_steps" and is_false(steps.get("do_eval")):  # TRL's eval_strategy 'no'
+            options[ours] = 0
+            note(f"took TRL's do_eval false, with eval_strategy unset (TRL's 'no'), as {option} 0")
+            continue
         if strategy is None:
             if steps.get(key) is not None:
                 note(f"ignored TRL's {key}: TRL reads it only with {strategy_key} 'steps'")
             continue
-        option = f"--{ours.replace('_', '-')}"
         if strategy in ("no", False):  # False: YAML 1.1 reads an unquoted no as false
             options[ours] = 0
             note(f"took TRL's {strategy_key} 'no' as {option} 0")
+            continue
+        if strategy == "epoch" and key == "eval_steps":  # once the data is read: trainer.prepare
+            options["eval_every_epoch"] = True
+            note(f"took TRL's {strategy_key} 'epoch' as --eval-every-epoch: an evaluation after each pass over the "
+                 "training prompts")
             continue
         if strategy != "steps":
             raise ValueError(f"{strategy_key} {strategy!r} is not what this trainer does ({option} N: every N "

@@ -3,7 +3,7 @@ reads in --help's epilog (`epilog`) and what the parser (infra/options.py) accep
 (infra/command_line.py, through infra/trl_config.py) ignores or translates, under TRL's names.
 
 Read from TRL 1.16: trl/trainer/grpo_config.py (GRPOConfig), transformers' TrainingArguments under it, and TRL's CLI
-(ScriptArguments, ModelConfig).
+(ScriptArguments, ModelConfig), and open-r1's recipes (GRPOScriptArguments, its GRPOConfig).
 
 1. `TRL_ALIASES`: the same meaning under another name, accepted as an alias on the command line and as a --config key.
    Same names need none (beta, temperature, top_p, top_k, min_p, loss_type, scale_rewards, max_grad_norm,
@@ -34,6 +34,7 @@ TRL_ALIASES = {"num_generations": "group_size", "learning_rate": "lr", "max_comp
                "keep_checkpoints", "resume_from_checkpoint": "resume", "model_name_or_path": "model",
                "dataset_name": "data", "dataset_config": "data_config", "dataset_train_split": "split",
                "dataset_test_split": "eval_split",
+               "dataset_prompt_column": "prompt_column",  # open-r1's recipes (GRPOScriptArguments)
                "reward_funcs": "reward",  # TRL's CLI: names or module.function paths, as --reward (infra/reward.py)
                "torch_dtype": "dtype",  # transformers' and TRL's name for dtype before they renamed it
                "activation_checkpointing": "gradient_checkpointing"}  # transformers 5's name (the other its alias)
@@ -47,13 +48,21 @@ TRL_DIFFERENT = {
 # a file
 TRL_STEPS = {"max_steps": "iterations", "save_steps": "save_every", "eval_steps": "eval_every"}
 STEP_STRATEGIES = {"save_steps": "save_strategy", "eval_steps": "eval_strategy"}  # a count is read under its strategy
-TRL_STEP_KEYS = (*TRL_STEPS, *STEP_STRATEGIES.values())
+TRL_STEP_KEYS = (*TRL_STEPS, *STEP_STRATEGIES.values(), "do_eval")  # do_eval false: no evaluation, as in TRL
 # GRPOConfig's vLLM settings (TRL 1.16): unused with use_vllm false, as here, where use_vllm true is refused
 VLLM_KEYS = ("vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_server_base_url", "vllm_server_host",
              "vllm_server_port", "vllm_server_timeout", "vllm_group_port", "vllm_gpu_memory_utilization",
              "vllm_tensor_parallel_size", "vllm_max_model_length", "vllm_structured_outputs_regex",
              "vllm_importance_sampling_correction", "vllm_importance_sampling_mode", "vllm_importance_sampling_cap",
              "vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max")
+
+
+# open-r1's parameters of its reward functions (cosine, repetition, code execution, soft overlong punishment)
+OPEN_R1_REWARD_KEYS = ("cosine_min_value_wrong", "cosine_max_value_wrong", "cosine_min_value_correct",
+                       "cosine_max_value_correct", "cosine_max_len", "repetition_n_grams", "repetition_max_penalty",
+                       "code_language", "code_eval_test_batch_size", "code_eval_scoring_mode", "code_provider",
+                       "ioi_provider", "parallel_code_exec_per_proc", "e2b_router_url", "morph_router_url",
+                       "max_completion_len", "soft_punish_cache")
 
 
 # TRL names for what this trainer has no use for, and why: ignored in a --config file or typed, with a line
@@ -78,9 +87,8 @@ TRL_UNUSED = {
     **dict.fromkeys(("dataloader_pin_memory", "dataloader_num_workers", "dataloader_drop_last",
                      "dataloader_persistent_workers", "dataloader_prefetch_factor"),
                     "this trainer has no DataLoader: it draws and batches its own prompts"),
-    **dict.fromkeys(("do_train", "do_eval", "do_predict"), "transformers' example scripts' switches, which its "
-                    "Trainer does not read (TrainingArguments sets do_eval under eval_strategy): evaluation here "
-                    "is --eval-every"),
+    **dict.fromkeys(("do_train", "do_predict"), "transformers' example scripts' switches, which its Trainer does not "
+                    "read"),
     **dict.fromkeys(("hub_model_id", "hub_strategy", "hub_private_repo", "hub_token", "push_to_hub_token",
                      "push_to_hub_model_id", "push_to_hub_organization"),
                     "nothing is pushed (push_to_hub); upload <out>/policy with `hf upload`"),
@@ -112,6 +120,15 @@ TRL_UNUSED = {
                                   "sampler's own calls: no batch size of its own",
     **dict.fromkeys(("ignore_bias_buffers", "ddp_find_unused_parameters", "ddp_broadcast_buffers",
                      "ddp_bucket_cap_mb"), "read only under DistributedDataParallel, which this trainer does not use"),
+    # open-r1's recipes (its GRPOScriptArguments and GRPOConfig): settings of its own rewards, sandboxes and hub
+    **dict.fromkeys(OPEN_R1_REWARD_KEYS, "a setting of open-r1's reward functions: a reward here is --reward's "
+                                         "function, which takes its own arguments"),
+    **dict.fromkeys(("benchmarks", "callbacks"), "open-r1's evaluation and callbacks: evaluation here is the "
+                                                 "held-out reward (--eval-every)"),
+    **dict.fromkeys(("hub_model_revision", "overwrite_hub_revision", "push_to_hub_revision"),
+                    "nothing is pushed (push_to_hub); upload <out>/policy with `hf upload`"),
+    **dict.fromkeys(("wandb_entity", "wandb_project", "wandb_run_group"),
+                    "--report-to wandb reads WANDB_ENTITY and WANDB_PROJECT from the environment"),
 }
 # TRL's switches that at one value are one of our options, typed or in a file, unless that option (or TRL's name for
 # it) is given: (the value, our option, its value, why). Not overwrite_output_dir: --overwrite deletes the run in --out,
@@ -178,6 +195,10 @@ TRL_FIXED = {
     "lora_modules_to_save": ((None,), "only the adapter is trained, published and saved", None),
     "lora_target_parameters": ((None,), "LoRA adapts the modules of --lora-target-modules", "--lora-target-modules"),
     "dataset_streaming": ((False,), "the data is loaded whole (datasets' load_dataset)", None),
+    # open-r1's recipes at their defaults
+    "dataset_mixture": ((None,), "the data is one dataset (--data)", "--data"),
+    "chat_template": ((None,), "prompts go through the tokenizer's own chat template", "a model folder whose "
+                               "tokenizer_config.json holds the template, as --model"),
 }
 # Our defaults that are not TRL 1.16's: (option, ours, TRL's, why), in --help's epilog and the README
 DEPARTURES = (
@@ -191,6 +212,8 @@ DEPARTURES = (
     ("--batch-size", "128 (16 prompts x 8)", "8 per device", "the pipeline overlaps generating with training inside "
                                                              "an iteration: it needs several groups"),
     ("--eval-every", "10", "no evaluation", "the held-out reward shows what the run learnt; 0 turns it off"),
+    ("--eval-samples", "4 for tiny, tiny-chain; 1 for other models", "num_generations (num_generations_eval)",
+     "evaluating costs a small share of the sampling (the first line says it)"),
     ("log", "every iteration", "every 10 steps", "each line is the pipeline's measurement (busy and idle seconds)"),
     ("--gradient-checkpointing", "off", "on", "~30% more training compute, which small models need not pay; the "
                                               "README's real-model command turns it on"),
@@ -218,6 +241,7 @@ LOG_COLUMNS = (
     ("clip", "fraction of response tokens whose probability ratio was clipped (PPO's clip)"),
     ("len", "mean response length in tokens"),
     ("gen, train", "seconds each side was busy: the inference side sampling and scoring, the trainer training"),
+    ("(+ eval)", "seconds the inference side spent on the held-out evaluation, apart from gen (eval_s)"),
     ("idle gen/train", "seconds each side waited for the other, out of the iteration's wall time"),
     ("overlap", "share of the less busy side's time that ran while the other side was busy (100% = hidden)"),
     ("tok/s", "response tokens per second of the iteration's wall time"),

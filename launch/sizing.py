@@ -444,3 +444,28 @@ def split_report(generate_s: float, train_s: float, inference: int, training: in
             f"training busy device-seconds per iteration): with {sum(here)} devices, {here[0]} inference + {here[1]} "
             f"training, {predicted(here)} (this run: {inference} + {training}); with 8 devices, {node[0]} inference + "
             f"{node[1]} training, {predicted(node)} (docs/distributed.md: the model)")
+
+
+def memory_estimate(cfg, parameters: int, trainable: int) -> tuple[float, float]:
+    """(the trainer's, the inference side's) memory in bytes, estimated from the model's `parameters` and the
+    `trainable` ones (all of them, or a LoRA adapter's), for the first line:
+
+        trainer    4·P             the float32 masters
+                 + 12·T            their gradients and AdamW's two moments
+                 + 4·P per copy    the frozen reference θ_0 (--beta > 0) and old θ_k (more than one optimizer step an
+                                   iteration; tri_model.py), float32; with LoRA neither copies the model (4·T)
+        inference  b·P per sampler its own copy in the sampling dtype (b = 2 in bfloat16, 4 in float32): each
+                                   --inference-workers process in async mode, one in sync mode
+                 + b·P             the shared-memory buffer θ_k is published through (async mode)
+
+    Activations are not counted: they grow with --micro-batch-tokens and shrink with --gradient-checkpointing.
+
+    >>> from config import Config
+    >>> [round(x / 1e9, 1) for x in memory_estimate(Config(dtype="bfloat16"), 494_000_000, 494_000_000)]
+    [9.9, 2.0]
+    """
+    copies = (cfg.beta > 0) + (cfg.updates_per_iteration * cfg.num_iterations > 1)
+    frozen = 4 * trainable * copies if cfg.lora else 4 * parameters * copies
+    sampling = 2 if cfg.dtype == "bfloat16" else 4
+    samplers = cfg.inference_workers if cfg.mode == "async" else 1
+    return 4 * parameters + 12 * trainable + frozen, sampling * parameters * (samplers + (cfg.mode == "async"))

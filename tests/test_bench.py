@@ -334,7 +334,7 @@ def test_the_tail_reaches_the_inference_process(tiny_model_dir, tmp_path):
                         "arithmetic", "--mode", mode, "--rollout-threads", "1", "--train-threads", "1",
                         "--iterations", "2", "--eval-every", "0", "--no-save", "--max-new-tokens", "16", "--sizes",
                         "rule", "--out", str(out)], cwd=root, check=True, capture_output=True)
-        return [(row["response_length"], row["loss"]) for row in map(json.loads, open(out / "metrics.jsonl"))
+        return [(row["completions/mean_length"], row["loss"]) for row in map(json.loads, open(out / "metrics.jsonl"))
                 if not row.get("final")]
     tailed = run("async", "-m", "benchmarks.tail")
     assert tailed == run("sync", "-m", "benchmarks.tail")

@@ -63,7 +63,7 @@ def test_every_completion_is_a_line_whose_rewards_are_the_metrics(logged):
         [(k, j, i) for k in range(3) for j in range(2) for i in range(4)]
     for row in rows:
         mine = [line for line in lines if line["iteration"] == row["iteration"]]
-        assert sum(line["reward"] for line in mine) / len(mine) == pytest.approx(row["reward_mean"], rel=1e-5, abs=1e-7)
+        assert sum(line["reward"] for line in mine) / len(mine) == pytest.approx(row["reward"], rel=1e-5, abs=1e-7)
         for name in ("math_reward", "digit_fraction"):
             assert sum(line["rewards"][name] for line in mine) / len(mine) == \
                 pytest.approx(row[f"rewards/{name}/mean"], rel=1e-5, abs=1e-7)

@@ -367,8 +367,9 @@ def test_help_explains_the_log_columns_and_the_departures():
     from infra.trl_names import DEPARTURES, LOG_COLUMNS
     text = build_parser().format_help()
     row = console.format_row({"iteration": 3, "reward_mean": 0.5, "reward_std": 0.1, "eval_reward": None, "kl": 0.01,
-                              "clip_fraction": 0.0, "response_length": 4.0, "generate_s": 1.0, "train_s": 0.5,
-                              "idle_inference_s": 0.1, "idle_training_s": 0.6, "overlap": 0.5, "tokens_per_s": 100})
+                              "clip_fraction": 0.0, "response_length": 4.0, "generate_s": 1.0, "eval_s": 2.0,
+                              "train_s": 0.5, "idle_inference_s": 0.1, "idle_training_s": 0.6, "overlap": 0.5,
+                              "tokens_per_s": 100})
     for column, meaning in LOG_COLUMNS:
         assert f"  {column}  " in text and meaning.split()[0] in text
         assert all(part.split()[0].rstrip(",") in row for part in column.split(", ")), (column, row)
@@ -542,3 +543,21 @@ def test_the_first_line_says_the_engines_one_time_compilation():
     for quiet in (derive(Config(device="cpu")), Config(rollout_device="cuda:0", engine="eager"),
                   Config(rollout_device="cuda:0", engine="hf")):
         assert "compil" not in console.start_line(quiet, 10, 0), quiet.engine
+
+
+def test_the_first_line_says_the_memory_to_expect():
+    """Claim: the first line estimates the memory a run needs from the model's parameters (launch/sizing.py's sum:
+    float32 masters, gradients and AdamW's moments, the frozen float32 copies, each sampler's copy and the shared
+    buffer), said as an estimate; LoRA trains and copies the adapter alone; a toy's few MB are not said."""
+    from launch.sizing import memory_estimate
+    qwen = 494_032_768  # Qwen2.5-0.5B's parameters
+    cfg = Config(model="qwen2.5-0.5b", dtype="float32", out="o")  # on CPU: sampling in float32
+    trainer, inference = memory_estimate(cfg, qwen, qwen)
+    assert (trainer, inference) == (20 * qwen, 8 * qwen)  # 16 + the reference; one worker + the buffer
+    line = console.start_line(cfg, 7000, 64, memory=(trainer, inference))
+    assert "| memory ~9.9 GB trainer, ~4.0 GB inference (an estimate from the parameters, activations aside) |" in line
+    two_steps = memory_estimate(dataclasses.replace(cfg, updates_per_iteration=2, beta=0.0, mode="sync"), qwen, qwen)
+    assert two_steps == (20 * qwen, 4 * qwen)  # the old copy instead of the reference; sync: no buffer
+    lora = memory_estimate(Config(dtype="bfloat16", use_peft=True), qwen, 1_000_000)
+    assert lora == (4 * qwen + 12 * 1_000_000 + 4 * 1_000_000, 4 * qwen)
+    assert "memory" not in console.start_line(cfg, 7000, 64, memory=memory_estimate(cfg, 330_000, 330_000))

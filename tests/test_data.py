@@ -244,7 +244,9 @@ def test_trls_prompt_column_wins_over_question(tmp_path):
     assert cfg.prompt_column == "prompt" and parse_args([]).prompt_column is None  # recorded as used; auto
     line = console.start_line(cfg, len(task.train), len(task.held_out), task.notes)
     assert ("10 train / 2 held-out prompts (prompts from column 'prompt' (TRL's), not 'question'; 10 training "
-            "prompt(s), fewer than the 16 an iteration takes: each iteration samples some of them more than once) |"
+            "prompt(s), fewer than the 16 an iteration takes: each iteration samples some of them more than once; "
+            "evaluated every 10 iterations and at the end, 4 responses per prompt: 56 responses, 1% of the 7680 trained "
+            "on) |"
             in line)
     chosen = data.read_task(str(path), eval_size=2, prompt_column="question")
     assert chosen.train[4].prompt == "What is 4+1?" and chosen.notes == ()
@@ -557,3 +559,30 @@ def test_fewer_training_prompts_than_an_iteration_takes_are_said(tmp_path):
                               "some of them more than once")
     cfg = derive(Config(data=str(tmp_path / "one.jsonl"), batch_size=8, group_size=8, eval_every=0))
     assert not any("fewer than" in note for note in trainer.prepare(cfg)[1].notes)
+
+
+def test_the_tiny_model_takes_trls_conversational_data(tmp_path):
+    """Claim: `--model tiny` has a chat template, so TRL's conversational `prompt` column (chat messages) trains on it
+    offline: a user's message is the same tokens as its text (what the model was warmed up on), a system message comes
+    before it on a line of its own, a prefilled assistant's message is continued; text prompts still go as they are,
+    with no note about a template that changes nothing. The run exits 0 (it was refused: no chat template)."""
+    import subprocess
+    import sys
+    from infra.console import text_prompts_note
+    from infra.models import load_model
+    from infra.tasks import prompt_token_ids
+    _, tokenizer = load_model("tiny")
+    user = [{"role": "user", "content": "37+45="}]
+    assert prompt_token_ids(tokenizer, user) == tokenizer.encode("37+45=", add_special_tokens=False)
+    assert tokenizer.decode(prompt_token_ids(tokenizer, [{"role": "system", "content": "Add."}, *user])) \
+        == "Add.\n37+45="
+    assert tokenizer.decode(prompt_token_ids(tokenizer, [*user, {"role": "assistant", "content": "8"}])) == "37+45=8"
+    assert text_prompts_note(tokenizer, [Example("37+45=", "82")], raw=False) == ()
+    rows = [{"prompt": [{"role": "user", "content": f"{i}+{i}="}], "answer": str(2 * i)} for i in range(12)]
+    data = write_jsonl(tmp_path / "chat.jsonl", rows)
+    result = subprocess.run([sys.executable, "trainer.py", "--data", str(data), "--mode", "sync", "--iterations", "1",
+                             "--batch-size", "4", "--group-size", "2", "--eval-every", "0", "--groups-per-chunk", "2",
+                             "--micro-batch-tokens", "4096", "--rollout-threads", "1", "--train-threads", "1",
+                             "--no-save", "--out", str(tmp_path / "run")],
+                            cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr

@@ -44,8 +44,8 @@ from learner import Learner
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
-EXACT = ("reward_mean", "reward_std", "response_length", "eval_reward")
-SUMS = ("loss", "grad_norm", "kl", "clip_fraction")
+EXACT = ("reward", "reward_std", "completions/mean_length", "eval_reward")  # metrics.jsonl's keys
+SUMS = ("loss", "grad_norm", "kl", "clip_ratio/region_mean")
 # 5 prompts in calls of 1 (rank 0 trains 3 groups, rank 1 two), or 4 prompts in calls of 2 with two mini-batches
 # (each mini-batch is one call's: each rank has none of the other mini-batch's groups and still joins its step)
 SETUPS = {"5 calls": ["--batch-size", "20", "--groups-per-chunk", "1"],
@@ -119,7 +119,7 @@ def test_two_ranks_equal_the_single_process(tiny_model_dir, single_process, tmp_
     assert sum(line.startswith("iter ") for line in done.stdout.splitlines()) == 3, done.stdout
     ranks = result(tmp_path / "run")
     assert_same_run(single_process("2 mini-batches"), ranks, initial_weights(tiny_model_dir))
-    assert max(row["clip_fraction"] for row in ranks[0][:-1]) > 0, "2 updates should activate clipping"
+    assert max(row["clip_ratio/region_mean"] for row in ranks[0][:-1]) > 0, "2 updates should activate clipping"
     run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "trainer.py", "--resume",
          tmp_path / "run" / "checkpoint-2", "--out", tmp_path / "resumed"])
     resumed = result(tmp_path / "resumed")

@@ -37,8 +37,8 @@ def test_two_iterations_of_trainer_py(tiny_model_dir, tmp_path, mode):
     assert "sizes: --groups-per-chunk 2 (2 generate call(s) per iteration)" in result.stdout
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [0, 1, 2] and rows[-1]["final"]
-    for key in ("reward_mean", "reward_std", "kl", "clip_fraction", "response_length", "generate_s", "train_s",
-                "idle_inference_s", "idle_training_s", "overlap", "tokens_per_s"):
+    for key in ("reward", "reward_std", "kl", "clip_ratio/region_mean", "completions/mean_length", "generate_s",
+                "train_s", "idle_inference_s", "idle_training_s", "overlap", "tokens_per_s"):
         assert key in rows[0], key
     train = int(re.search(r"\| (\d+) train / ", result.stdout)[1])  # TRL's epoch: 4 prompts an iteration
     assert [r["epoch"] for r in rows[:2]] == [4 / train, 8 / train]

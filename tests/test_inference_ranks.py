@@ -55,7 +55,8 @@ def test_one_trainer_rank_and_one_inference_rank_are_the_single_process_bitwise(
     assert "(this run: 1 + 1)" in split  # where it is printed, it counts the inference rank as the inference side
     (single_rows, single_weights), (rows, weights) = single_process("5 calls"), result(tmp_path)
     assert torch.equal(weights, single_weights)
-    keys = ("reward_mean", "reward_std", "response_length", "eval_reward", "loss", "grad_norm", "kl", "clip_fraction")
+    keys = ("reward", "reward_std", "completions/mean_length", "eval_reward", "loss", "grad_norm", "kl",
+            "clip_ratio/region_mean")
     assert [[row.get(key) for key in keys] for row in rows] == [[row.get(key) for key in keys] for row in single_rows]
 
 

@@ -250,3 +250,31 @@ def test_default_tiny_model_starts_weak_but_knows_the_answers():
     sampled = sum(held_out_accuracy(model, tokenizer, do_sample=True, seed=s, max_new_tokens=8) for s in range(2)) / 2
     assert knows >= 0.6, knows
     assert 0.15 <= sampled <= 0.45, sampled
+
+
+def test_the_policy_is_saved_in_the_dtype_the_model_was_stored_in(tiny_model_dir, tmp_path):
+    """Claim: a model stored in bfloat16 (as Qwen2.5 ships) trains on float32 masters and its policy/ is saved in
+    bfloat16 (half the size; config.json says so; the weights are the masters rounded, and from_pretrained loads
+    them), while a checkpoint keeps the float32 masters (a resume is exact); --save-dtype float32 saves the masters.
+    A model stored in float32 (the tiny one) is saved as it was."""
+    import json
+    import trainer
+    from safetensors.torch import load_file
+    stored = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).save_pretrained(stored)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(stored)
+    options = dict(data="arithmetic", mode="sync", iterations=1, batch_size=8, group_size=4, max_new_tokens=4,
+                   eval_every=0, groups_per_chunk=2, micro_batch_tokens=64, rollout_threads=1, train_threads=1,
+                   save_every=1)
+    run = trainer.train(str(stored), "math", out=str(tmp_path / "run"), **options)
+    policy, masters = load_file(run / "policy" / "model.safetensors"), load_file(
+        run / "checkpoint-1" / "policy" / "model.safetensors")
+    assert {t.dtype for t in policy.values()} == {torch.bfloat16} and {t.dtype for t in masters.values()} == {
+        torch.float32}
+    assert all(torch.equal(policy[name], masters[name].to(torch.bfloat16)) for name in policy)
+    assert json.loads((run / "policy" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert AutoModelForCausalLM.from_pretrained(run / "policy").dtype == torch.bfloat16
+    run = trainer.train(str(stored), "math", out=str(tmp_path / "f32"), save_dtype="float32", **options)
+    assert {t.dtype for t in load_file(run / "policy" / "model.safetensors").values()} == {torch.float32}
+    run = trainer.train(str(tiny_model_dir), "math", out=str(tmp_path / "tiny"), **options)
+    assert {t.dtype for t in load_file(run / "policy" / "model.safetensors").values()} == {torch.float32}

@@ -390,3 +390,26 @@ def test_a_grpo_configs_unset_keys_say_nothing(tmp_path, monkeypatch, capsys):
     assert "periodic-rl: train's args: ignored TRL's push_to_hub: <out>/policy is a Hugging Face model" in out, out
     assert not any(key in out for key in ("hub_strategy", "use_vllm", "logging_strategy", "disable_tqdm", "bf16:",
                                           str(tmp_path))), out
+
+
+def test_train_returns_the_run_as_a_path_with_trls_results(tmp_path):
+    """Claim: train returns the run's folder as a Path (equal to --out, its str the path, `/` and os.fspath work as on
+    any Path) that also gives what TRL's trainer does once trained: `log_history`, metrics.jsonl's rows; `policy_path`,
+    the saved policy; `save_model(dir)`, a copy of it that from_pretrained loads with the same weights. Without a
+    saved policy, save_model is one ValueError."""
+    from safetensors.torch import load_file
+    options = dict(data="arithmetic", mode="sync", iterations=1, batch_size=8, group_size=4, max_new_tokens=4,
+                   eval_every=0, groups_per_chunk=2, micro_batch_tokens=64, rollout_threads=1, train_threads=1)
+    result = trainer.train("tiny", "math", out=str(tmp_path / "run"), **options)
+    assert isinstance(result, Path) and result == tmp_path / "run" and str(result) == str(tmp_path / "run")
+    assert os.fspath(result / "metrics.jsonl") == str(tmp_path / "run" / "metrics.jsonl")
+    assert result.log_history == [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert [row["iteration"] for row in result.log_history if not row.get("final")] == [0]
+    assert result.policy_path == tmp_path / "run" / "policy"
+    copy = result.save_model(tmp_path / "copy")
+    saved, copied = (load_file(folder / "model.safetensors") for folder in (result.policy_path, copy))
+    assert saved.keys() == copied.keys() and all(torch.equal(saved[k], copied[k]) for k in saved)
+    unsaved = trainer.train("tiny", "math", out=str(tmp_path / "unsaved"), save=False, **options)
+    assert unsaved.policy_path is None and unsaved.log_history
+    with pytest.raises(ValueError, match="saved no policy"):
+        unsaved.save_model(tmp_path / "nothing")

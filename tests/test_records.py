@@ -18,7 +18,7 @@ from infra import outputs
 from infra.checkpoint import CheckpointError, resumption
 from infra.command_line import given_options, parse_args
 from infra.records import RunRecord, absolute_paths, git_commit
-from infra.tracking import TensorBoard, Trackers, TrackingError, tracker_names
+from infra.tracking import TRL_KEYS, TensorBoard, Trackers, TrackingError, tracker_names
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ["--mode", "sync", "--iterations", "3", "--batch-size", "16", "--group-size", "4", "--max-new-tokens", "4",
@@ -400,11 +400,28 @@ def test_plot_draws_the_panels_of_a_run(run_dir, tmp_path):
     train, held_out = reward.get_lines()
     assert list(train.get_xdata()) == [0, 1, 2] and list(held_out.get_xdata()) == [0, 2, 3]  # eval every 2, final
     assert list(held_out.get_ydata()) == [row["eval_reward"] for row in rows if row["eval_reward"] is not None]
-    for title, key in [("KL to the reference", "kl"), ("response length (tokens)", "response_length"), ("loss", "loss"),
-                       ("grad norm (before clipping)", "grad_norm"), ("clipped tokens (fraction)", "clip_fraction")]:
+    for title, key in [("KL to the reference", "kl"), ("response length (tokens)", "completions/mean_length"),
+                       ("loss", "loss"), ("grad norm (before clipping)", "grad_norm"),
+                       ("clipped tokens (fraction)", "clip_ratio/region_mean")]:
         line = next(line for line in panels[title].get_lines() if line.get_label() == key)
         assert list(line.get_ydata()) == [row[key] for row in rows[:3]], title
     assert len(seconds.patches) == 4 * 3  # busy and idle of each process, per iteration
+
+
+def test_metrics_jsonl_holds_trls_keys_as_the_trackers_name_them(run_dir):
+    """Claim: metrics.jsonl's rows are under TRL's keys (reward, clip_ratio/region_mean, completions/mean_length, ...),
+    each the trackers' name less its train/, eval/ or time/ prefix (eval_reward: eval/reward), as TRL's log_history
+    holds them; none of the learner's own names (reward_mean, response_length, ...) is left."""
+    rows = outputs.read_metrics(run_dir / "metrics.jsonl")
+    step = rows[0]
+    assert {"reward", "reward_std", "kl", "loss", "grad_norm", "learning_rate", "entropy", "clip_ratio/region_mean",
+            "clip_ratio/low_mean", "clip_ratio/high_mean", "completions/mean_length", "completions/clipped_ratio",
+            "completions/mean_terminated_length", "num_tokens", "epoch", "eval_reward"} <= set(step)
+    assert not set(TRL_KEYS) & {key for row in rows for key in row}
+    # the held-out evaluation (every 2 iterations here) is timed apart from the sampling of the training batch
+    assert rows[0]["eval_s"] > 0 and rows[1]["eval_s"] == 0 and rows[0]["eval_reward"] is not None
+    for key in tracker_names(step):
+        assert key.partition("/")[2] in step or key == "eval/reward", key
 
 
 def test_plot_draws_each_reward_and_the_trl_metrics_the_rows_hold(tmp_path):
@@ -423,6 +440,9 @@ def test_plot_draws_each_reward_and_the_trl_metrics_the_rows_hold(tmp_path):
     assert list(panels["learning rate"].get_lines()[0].get_ydata()) == [3e-6, 2e-6, 1e-6]
     assert [line.get_label() for line in panels["clipped tokens (fraction)"].get_lines()] == \
         ["clip_ratio/low_mean", "clip_ratio/high_mean"]
+    older = plot.figure(rows).axes[0].get_lines()[0]  # an older run's reward_mean, response_length: still drawn
+    assert list(older.get_ydata()) == [0.5] * 3 and list(plot.figure(rows).axes[4].get_lines()[0].get_ydata()) == \
+        [3.0] * 3
     bare = [{"iteration": k, "reward_mean": 0.5, "rewards/math/mean": 0.5} for k in range(2)]
     assert [axes.get_title(loc="left") for axes in plot.figure(bare).axes] == \
         [plot.REWARD, "KL to the reference", "response length (tokens)", plot.SECONDS]

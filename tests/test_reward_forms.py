@@ -399,7 +399,7 @@ def test_a_reward_may_start_processes_of_its_own_in_both_modes(tiny_model_dir, t
         result = subprocess.run([*args, "--mode", mode, "--out", str(tmp_path / mode)], cwd=ROOT, capture_output=True,
                                 text=True, timeout=180)
         assert result.returncode == 0, result.stderr
-        rows[mode] = [row["reward_mean"] for row in map(json.loads, (tmp_path / mode / "metrics.jsonl").open())
+        rows[mode] = [row["reward"] for row in map(json.loads, (tmp_path / mode / "metrics.jsonl").open())
                       if not row.get("final")]
     assert rows["sync"] == rows["async"] and len(rows["sync"]) == 2 and all(r > 0 for r in rows["sync"])
 
@@ -429,7 +429,7 @@ def test_weighted_rewards_are_logged_each_on_its_own_in_both_modes(tiny_model_di
         means = [row[f"rewards/{name}/mean"] for name in ("digit_fraction", "digit_count", "math_verify_reward")]
         assert all(isinstance(row[f"rewards/{name}/std"], float)
                    for name in ("digit_fraction", "digit_count", "math_verify_reward"))
-        assert row["reward_mean"] == pytest.approx(sum(w * m for w, m in zip(weights, means)), abs=1e-6)
+        assert row["reward"] == pytest.approx(sum(w * m for w, m in zip(weights, means)), abs=1e-6)
         assert isinstance(row["eval_reward"], float)
     assert any(row["rewards/digit_count/mean"] > 0 for row in rows["sync"][:-1])  # the batched reward did score
     keys = [key for key in rows["sync"][0] if key.startswith("reward") or key == "eval_reward"]
@@ -473,6 +473,6 @@ def test_what_a_reward_logs_reaches_the_row_and_the_completions_in_both_modes(ti
                                 timeout=180)
         assert result.returncode == 0, result.stderr
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][:-1]
-        assert len(rows) == 2 and all(row["length/mean"] == pytest.approx(row["reward_mean"], abs=1e-9) for row in rows)
+        assert len(rows) == 2 and all(row["length/mean"] == pytest.approx(row["reward"], abs=1e-9) for row in rows)
         records = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
         assert len(records) == 16 and all(r["extra"]["length_text"] == str(len(r["completion"])) for r in records)

@@ -1,7 +1,8 @@
 """infra/timeline.py: busy, idle and overlap per iteration, from spans of both processes."""
 import pytest
 
-from infra.timeline import INFERENCE, TRAINING, Span, Timeline
+from infra.console import format_row
+from infra.timeline import EVALUATE, INFERENCE, TRAINING, Span, Timeline
 
 
 def pipeline_iteration(timeline: Timeline, t0: float) -> None:
@@ -21,8 +22,24 @@ def test_summary_busy_idle_overlap():
     timeline = Timeline()
     pipeline_iteration(timeline, 0.0)
     assert timeline.summary(0.0, 6.0) == pytest.approx({
-        "iteration_s": 6.0, "generate_s": 3.0, "generate_device_s": 3.0, "train_s": 3.0, "idle_inference_s": 3.0, "idle_training_s": 3.0,
+        "iteration_s": 6.0, "generate_s": 3.0, "generate_device_s": 3.0, "eval_s": 0.0, "train_s": 3.0,
+        "idle_inference_s": 3.0, "idle_training_s": 3.0,
         "overlap": 1 / 3, "bound_s": 5.0})  # both busy during [2, 3] only; bound: fill 2 + training 3
+
+
+def test_the_held_out_evaluation_is_timed_apart_from_sampling():
+    """Claim: the held-out evaluation's time is eval_s, not part of generate_s (nor of generate_device_s, which
+    balances the devices): the sampling figures are the training batch's alone; the inference side's idle time is
+    the wall time less both."""
+    timeline = Timeline()
+    pipeline_iteration(timeline, 0.0)
+    timeline.add(Span(EVALUATE, INFERENCE, 3.0, 5.5))
+    summary = timeline.summary(0.0, 6.0)
+    assert (summary["generate_s"], summary["generate_device_s"], summary["eval_s"]) == pytest.approx((3.0, 3.0, 2.5))
+    assert summary["idle_inference_s"] == pytest.approx(0.5)
+    row = {"iteration": 0, "reward_mean": 0.5, "reward_std": 0.1, **summary}
+    assert "gen 3.00s  (+2.50s eval)  train 3.00s" in format_row(row)
+    assert "eval)" not in format_row({**row, "eval_s": 0.0})
 
 
 def test_bound_is_the_longer_chain_of_work_that_cannot_overlap():

@@ -521,7 +521,6 @@ def test_trl_strategy_no_turns_evaluation_and_checkpoints_off(strategy, tmp_path
     ("use_vllm: true", "use_vllm: True is not what this trainer does (sampling runs in this trainer's own engine"),
     ("fp16: true", "use --dtype bfloat16"),
     ("save_strategy: epoch", "use --save-every N"),
-    ("eval_strategy: epoch", "use --eval-every N"),
     ("optim: adafactor", "torch.optim.AdamW"),
     ("adam_beta2: 0.98", "adam_beta2: 0.98 is not what this trainer does (AdamW's betas are (0.9, 0.999)"),
     ("adam_epsilon: 1.0e-6", "no option changes it"),
@@ -705,7 +704,7 @@ def test_transformers_trainer_settings_at_their_defaults_are_skipped(tmp_path, c
     assert "ignored transformers' TrainingArguments tf32, use_liger_kernel, torch_compile: " \
            "at their defaults" in out and "model_revision 'main'" in out, out
     assert parse_yaml(tmp_path, "eval_strategy: steps\ndo_eval: true\n").eval_every == 10  # as TrainingArguments
-    assert "ignored TRL's do_eval: transformers' example scripts' switches" in capsys.readouterr().out  # sets it
+    capsys.readouterr()  # sets it
     err = refusal(capsys, lambda: parse_yaml(tmp_path, "use_liger_kernel: true\ntorch_compile: true\n"))
     assert "use_liger_kernel: True is a setting of transformers' Trainer" in err and "torch_compile: True" in err
     assert "hf download MODEL --revision R" in refusal(capsys, lambda: parse_yaml(tmp_path, "model_revision: v2\n"))
@@ -1063,8 +1062,9 @@ def test_trls_save_and_eval_steps_are_whole_iterations(tmp_path, capsys):
     assert parse_yaml(tmp_path, "eval_strategy: steps\n").eval_every == 10
     assert parse_yaml(tmp_path, "eval_steps: 3\n").eval_every == 10
     assert "ignored TRL's eval_steps: TRL reads it only with eval_strategy 'steps'" in capsys.readouterr().out
-    assert "use --eval-every N, or eval_strategy 'steps' with eval_steps" in refusal(
-        capsys, lambda: parse_yaml(tmp_path, "eval_strategy: epoch\n"))
+    assert parse_yaml(tmp_path, "eval_strategy: epoch\n").eval_every_epoch
+    assert "use --save-every N, or save_strategy 'steps' with save_steps" in refusal(
+        capsys, lambda: parse_yaml(tmp_path, "save_strategy: epoch\n"))
     assert "--save-steps 0.1 (a fraction of the run's steps) has no equivalent here" in refusal(
         capsys, lambda: parse_args(["--save-steps", "0.1"]))
 
@@ -1186,3 +1186,64 @@ def test_a_typed_step_count_is_refused_under_the_flag_typed(capsys):
         "--num-iterations 2): give --max-steps 2 or 4, or --iterations\n")
     assert "--save-strategy 'epoch' is not what this trainer does" in refusal(
         capsys, lambda: parse_args(["--save-strategy", "epoch"]))
+
+
+def test_open_r1_recipe_keys_are_mapped_or_skipped(tmp_path, capsys):
+    """Claim: an open-r1 recipe runs as it is: dataset_prompt_column is --prompt-column (typed too), the parameters of
+    open-r1's own rewards and its hub and wandb settings are ignored with the one line TRL's other keys get, and a
+    dataset_mixture, which would change the data, is refused naming --data."""
+    cfg = parse_yaml(tmp_path, "dataset_prompt_column: problem\ncosine_max_len: 1000\nrepetition_n_grams: 3\n"
+                               "code_provider: e2b\nmax_completion_len: 16384\nsoft_punish_cache: 4096\n"
+                               "wandb_project: r1\nbenchmarks: []\ndataset_mixture: null\n")
+    assert cfg.prompt_column == "problem"
+    out = capsys.readouterr().out
+    assert "ignored TRL's cosine_max_len, repetition_n_grams, code_provider, max_completion_len, soft_punish_cache: " \
+           "a setting of open-r1's reward functions" in out
+    assert "wandb_project: --report-to wandb reads WANDB_ENTITY" in out and "unknown" not in out
+    assert parse_args(["--dataset-prompt-column", "problem"]).prompt_column == "problem"
+    assert "dataset_mixture: {'datasets': []} is not what this trainer does (the data is one dataset (--data)): " \
+           "use --data" in refusal(capsys, lambda: parse_yaml(tmp_path, "dataset_mixture: {datasets: []}\n"))
+
+
+def test_a_refused_resume_names_the_options_as_typed(tmp_path, capsys):
+    """Claim: a resume refused for a changed option names it as the user typed it: --max-steps (in optimizer steps,
+    the iterations beside them where an iteration takes several), TRL's --learning-rate; not the --iterations and
+    --lr they were read as."""
+    import trainer
+    out = tmp_path / "run"
+    (out / "checkpoint-2").mkdir(parents=True)
+    saved = dataclasses.asdict(parse_args(["--iterations", "4", "--lr-scheduler-type", "cosine",
+                                           "--updates-per-iteration", "2", "--batch-size", "16"]))
+    (out / "checkpoint-2" / "state.json").write_text(json.dumps({"iterations_done": 2, "config": saved,
+                                                                 "reference_fingerprint": "x"}))
+    assert trainer.main(["--resume", "auto", "--out", str(out), "--max-steps", "6"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: --max-steps 6 (3 iterations of 2 optimizer steps) differs from the checkpoint's 8 "
+                          "(4 iterations): it would change the run (its learning-rate schedule, cosine,") and \
+        "(drop --max-steps," in err and "--iterations" not in err, err
+    assert trainer.main(["--resume", "auto", "--out", str(out), "--learning-rate", "1e-3"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: --learning-rate 0.001 differs from the checkpoint's") and "--lr " not in err, err
+
+
+def test_trls_evaluation_switches_are_honoured(tmp_path, capsys):
+    """Claim: TRL's do_eval, eval_strategy and eval_steps mean here what transformers' TrainingArguments makes of them,
+    typed, in a --config file or in train's args: do_eval false with eval_strategy unset (TRL's 'no') evaluates
+    nothing and holds nothing out (it was ignored: every 10 iterations); eval_strategy 'steps' sets do_eval true, so
+    its eval_steps win; 'no' is none; 'epoch' is once per pass over the training prompts, counted once the data is
+    read."""
+    import trainer
+    from infra import python_args
+    assert (parse_yaml(tmp_path, "do_eval: false\n").eval_every, parse_yaml(tmp_path, "do_eval: false\n").eval_size) \
+        == (0, 0)
+    assert "took TRL's do_eval false, with eval_strategy unset (TRL's 'no'), as --eval-every 0" in \
+        capsys.readouterr().out
+    assert parse_yaml(tmp_path, "do_eval: false\neval_strategy: steps\neval_steps: 5\n").eval_every == 5
+    assert parse_yaml(tmp_path, "do_eval: true\neval_strategy: 'no'\n").eval_every == 0
+    assert parse_args(["--do-eval", "false"]).eval_every == parse_args(["--do_eval", "False"]).eval_every == 0
+    assert parse_args(["--do-eval"]).eval_every == 10  # true: our default cadence (a departure: --help's end)
+    assert parse_args(python_args.train_argv("tiny", "math", args={"do_eval": False})).eval_every == 0
+    cfg = parse_args(["--eval-strategy", "epoch", "--data", "arithmetic", "--batch-size", "64", "--group-size", "8"])
+    assert cfg.eval_every_epoch
+    cfg, task, _, _ = trainer.prepare(cfg)
+    assert cfg.eval_every == math.ceil(len(task.train) / 8) and "--eval-every-epoch: every" in task.notes[-1]
