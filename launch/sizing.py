@@ -455,7 +455,7 @@ def memory_estimate(cfg, parameters: int, trainable: int) -> tuple[float, float]
                  + 4·P per copy    the frozen reference θ_0 (--beta > 0) and old θ_k (more than one optimizer step an
                                    iteration; tri_model.py), float32; with LoRA neither copies the model (4·T)
         inference  b·P per sampler its own copy in the sampling dtype (b = 2 in bfloat16, 4 in float32): each
-                                   --inference-workers process in async mode, one in sync mode
+                                   --inference-workers process in async (or auto) mode, one in sync
                  + b·P             the shared-memory buffer θ_k is published through (async mode)
 
     Activations are not counted: they grow with --micro-batch-tokens and shrink with --gradient-checkpointing.
@@ -467,5 +467,6 @@ def memory_estimate(cfg, parameters: int, trainable: int) -> tuple[float, float]
     copies = (cfg.beta > 0) + (cfg.updates_per_iteration * cfg.num_iterations > 1)
     frozen = 4 * trainable * copies if cfg.lora else 4 * parameters * copies
     sampling = 2 if cfg.dtype == "bfloat16" else 4
-    samplers = cfg.inference_workers if cfg.mode == "async" else 1
-    return 4 * parameters + 12 * trainable + frozen, sampling * parameters * (samplers + (cfg.mode == "async"))
+    apart = cfg.mode != "sync"  # async, or auto not yet resolved: the larger of the two
+    samplers = cfg.inference_workers if apart else 1
+    return 4 * parameters + 12 * trainable + frozen, sampling * parameters * (samplers + apart)
