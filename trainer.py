@@ -302,6 +302,12 @@ def log_and_save(cfg: Config, rows, policy, tokenizer, resumed_at: int = 0, repo
             kept_policy = f"{policy_path} is still the policy saved before" if policy_path.exists() else None
             error.args = (f"{error} (the run stopped before training ended: {kept_policy or 'no policy was saved'})",)
         raise
+    except Exception as error:  # any other failure once the policy is saved (a bug, a library's): one line too
+        keep_pending()
+        if not saved or Interrupted.received is not None or isinstance(error, BrokenPipeError) or sys.stdout.closed:
+            raise
+        raise UserError(f"the run failed after its last optimizer step: {type(error).__name__}: {error} (the trained "
+                        f"policy was saved in {policy_path} first)") from error
     progress.close()
     final = {**row, "start_eval_reward": first_eval}
     evaluated = eval_summary(first_eval, row["eval_reward"], bool(cfg.eval_every and cfg.eval_size))

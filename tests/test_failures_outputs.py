@@ -318,6 +318,25 @@ def test_inference_process_dying_in_the_final_evaluation_keeps_the_policy(tiny_m
     assert_loadable(out / "policy")
 
 
+def test_a_failure_after_the_last_optimizer_step_saves_the_policy_first(tiny_model_dir, tmp_path, monkeypatch,
+                                                                        capsys):
+    """Claim: an error that no check foresaw, raised after the last optimizer step (transformers' polynomial schedule
+    with a negative power divides by zero computing the rate after the last step; the start-up check that refuses it
+    is bypassed here), still leaves the trained policy/ and every iteration's metrics row, and ends with one `error:`
+    line naming the error and where the policy is, exit 1 (it was a traceback, no policy/, the last row missing)."""
+    from infra import options
+    monkeypatch.setattr(options, "schedule_problem", lambda cfg: None)
+    out = tmp_path / "run"
+    code = trainer.main(["--model", str(tiny_model_dir), "--mode", "sync", *small_run(out, "--iterations", "3"),
+                         "--lr-scheduler-type", "polynomial", "--lr-scheduler-kwargs", '{"power": -1}'])
+    err = capsys.readouterr().err
+    assert code == 1 and err == (f"error: the run failed after its last optimizer step: ZeroDivisionError: 0.0 cannot "
+                                 f"be raised to a negative power (the trained policy was saved in {out / 'policy'} "
+                                 "first)\n")
+    assert rows_of(out) == [0, 1, 2]
+    assert_loadable(out / "policy")
+
+
 @pytest.mark.slow
 def test_closed_stdout_stops_the_run_without_a_traceback(tiny_model_dir, tmp_path):
     """Claim: `python trainer.py | head -n 1` prints that line, then the trainer stops (exit 1) with one `error:`
