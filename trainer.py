@@ -410,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
             if Interrupted.received is None:
                 sys.stderr.write(f"error: {rank_prefix(ranks)}{error}\n")
                 return 1
-            failed_save = error if isinstance(error, outputs.OutputError) else None  # not the signal's doing
+            failed_save = failed_output(error)  # not the signal's doing
         except ValueError:  # "I/O operation on closed file": something in the run closed sys.stdout
             if Interrupted.received is None:
                 if not sys.stdout.closed:
@@ -428,6 +428,7 @@ def main(argv: list[str] | None = None) -> int:
         except BaseException as error:  # a stop signal, or the error of something it cut short (an import)
             if Interrupted.received is None and not isinstance(error, KeyboardInterrupt):
                 raise
+            failed_save = failed_output(error)  # a full disk that the stop cut short, or came to as it went up
     signum = Interrupted.received or signal.SIGINT
     with suppress(OSError):  # SIGHUP: the terminal may be gone
         by_torchrun = rank_prefix(ranks) and signum == signal.SIGTERM  # how torchrun stops the others when a rank fails
@@ -442,6 +443,19 @@ def main(argv: list[str] | None = None) -> int:
                                                           "names the rank and why)" if by_torchrun else "")
                              + kept_on_stop(cfg, ranks, failed_save) + "\n")
     return 128 + signum
+
+
+def raised_while(error: BaseException | None):
+    """`error`, then the exception it was raised while handling, and so on (each one's __context__)."""
+    while error is not None:
+        yield error
+        error = error.__context__
+
+
+def failed_output(error: BaseException) -> outputs.OutputError | None:
+    """The output a stopping run could not write: `error` itself, or one it was raised while handling (a stop signal
+    raised while a full disk's error went up, or a second one while the inference process was awaited)."""
+    return next((e for e in raised_while(error) if isinstance(e, outputs.OutputError)), None)
 
 
 def kept_on_stop(cfg: Config | None, ranks, failed_save: Exception | None) -> str:
@@ -467,7 +481,9 @@ def kept_on_stop(cfg: Config | None, ranks, failed_save: Exception | None) -> st
     newest = found[-1] if found else None
     k = checkpoint.read_state(newest)["iterations_done"] if newest else 0
     if failed_save is not None:
-        lost = f"the stop checkpoint could not be written ({failed_save})"
+        by_stop = any(isinstance(e, KeyboardInterrupt) for e in raised_while(failed_save.__context__))
+        lost = (f"the stop checkpoint could not be written ({failed_save})" if by_stop  # (the stop's own save)
+                else f"as the stop came, {failed_save}")
     elif k < done:
         lost = f"no checkpoint holds iterations {k} to {done - 1}"  # a stop half-way through an iteration's steps
     elif newest is None:

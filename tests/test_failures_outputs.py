@@ -399,6 +399,46 @@ def test_a_full_disk_on_the_stop_checkpoint_says_so(tiny_model_dir, tmp_path):
     assert not [p.name for p in (keep / "run").iterdir() if "checkpoint" in p.name]
 
 
+@pytest.mark.parametrize("stop_first", [True, False], ids=["stop-checkpoint", "periodic-checkpoint"])
+def test_a_full_disk_is_named_whatever_stop_comes_while_its_error_goes_up(tiny_model_dir, tmp_path, monkeypatch,
+                                                                          capsys, stop_first):
+    """Claim: a checkpoint that does not fit on the disk is named in the stop line however the stop and the error
+    meet: the stop checkpoint fails and a second stop comes while the run winds down (waiting for the inference
+    process), or a periodic checkpoint fails and the stop comes as its error goes up. Either way the line names the
+    full disk and the checkpoint --resume auto continues from (the stop raised on the way out replaced the disk's
+    error, and the line said only "no checkpoint holds iterations 1 to 1")."""
+    import learner
+    from infra import tracking
+    out, real_save, real_step, steps = tmp_path / "run", checkpoint.save, learner.Learner.step, []
+
+    def save(directory, iterations_done, *args, **kwargs):
+        if iterations_done < 2:
+            return real_save(directory, iterations_done, *args, **kwargs)
+        with outputs.writing("the checkpoint", Path(directory) / f"checkpoint-{iterations_done}"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def step_then_stop(self):  # a stop right after iteration 1's step (the stop checkpoint then holds 2 iterations)
+        real_step(self)
+        steps.append(1)
+        if stop_first and len(steps) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def exit_stopped(self, *exc):  # a stop (the second, or the first) while the run winds down
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.5)
+    monkeypatch.setattr(checkpoint, "save", save)
+    monkeypatch.setattr(learner.Learner, "step", step_then_stop)
+    monkeypatch.setattr(tracking.Trackers, "__exit__", exit_stopped)
+    code = trainer.main(["--model", str(tiny_model_dir), "--mode", "sync", *small_run(out, "--iterations", "4"),
+                         "--save-every", "1"])
+    lost = f"could not write the checkpoint {out / 'checkpoint-2'}: No space left on device"
+    lost = (f"the stop checkpoint could not be written ({lost})" if stop_first
+            else f"as the stop came, {lost} (the run stopped before training ended: no policy was saved)")
+    assert code == 143 and capsys.readouterr().err == (
+        f"interrupted by SIGTERM: the run was stopped, nothing is left running; {lost}: --resume auto --out {out} "
+        f"continues from {out / 'checkpoint-1'} (1 of the 2 iterations done)\n")
+
+
 # --- without --out: a folder per run, runs/latest links the newest (issue #32 point 6) ---
 def test_each_run_without_out_gets_a_folder_and_runs_latest_links_the_newest(tmp_path, monkeypatch):
     """Claim: two runs started in the same second get two folders (runs/<model>-<time>, then -2); runs/latest is a
