@@ -30,7 +30,7 @@ from pathlib import Path
 from config import Config
 from infra import outputs
 from infra.errors import UserError
-from infra.command_line import given_options, parse_args
+from infra.command_line import given_values, parse_args
 from infra import console
 from infra.console import (STDOUT_CLOSED, eval_summary, format_row, progress_line, say, start_line, text_prompts_note,
                            unscored_line)
@@ -380,14 +380,15 @@ def main(argv: list[str] | None = None) -> int:
             cfg = parse_args(argv)
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # two processes, each with its own threads
             from infra import checkpoint, distributed, records
-            given, ranks = given_options(argv), distributed.from_environment()  # torchrun's ranks; else one
+            typed = given_values(argv)  # the options named, as typed (--model before a link is followed)
+            given, ranks = set(typed), distributed.from_environment()  # torchrun's ranks; else one
             distributed.die_with_launcher(launcher)
             with open(os.devnull, "w") as devnull, redirect_stdout(devnull) if not ranks.is_main else nullcontext():
                 if line := records.finished(cfg, given):  # the same command resubmitted after the run's end
                     print(f"periodic-rl: {line}", flush=True)
                     return 0
                 cfg = outputs.resume_or_start(cfg)  # --resume auto where --out holds no run: a new one
-                cfg, resume_from = checkpoint.resumption(cfg, given)  # --resume: the checkpoint's options
+                cfg, resume_from = checkpoint.resumption(cfg, given, typed.get("model"))  # --resume's options
                 ranks = distributed.split_roles(ranks, cfg.inference_ranks)  # trainer ranks, then inference ranks
                 cfg = distributed.place(cfg, ranks, given)  # (rank 0 alone logs, above, and writes --out)
                 distributed.check(cfg, ranks)

@@ -78,7 +78,12 @@ def values_of(namespace: argparse.Namespace) -> dict:
 def given_options(argv: list[str] | None = None) -> set[str]:
     """The fields named on the command line, not left at their defaults (a resumed run tells them apart); the
     options of a --config file count as named."""
-    return set(values_of(build_parser(defaults=False).parse_args(with_config_file(argv))))
+    return set(given_values(argv))
+
+
+def given_values(argv: list[str] | None = None) -> dict:
+    """`given_options` with their values as typed (--model runs/latest before the link is followed)."""
+    return values_of(build_parser(defaults=False).parse_args(with_config_file(argv)))
 
 
 def named_twice(argv: list[str]) -> list[str]:

@@ -345,7 +345,8 @@ def validate(cfg: Config) -> list[str]:
     model_path = os.path.expanduser(cfg.model)  # a local path that is not there: said before the data is loaded
     need(not (cfg.model.startswith((".", "/", "~")) or cfg.model.count("/") > 1) or os.path.isdir(model_path),
          f"--model {cfg.model!r} is not a directory (a local model is a folder with config.json; a hub id is "
-         "'org/name')")
+         "'org/name'" + ("; a resumed run's source model must be where its run found it: put it back, or pass --model "
+                         "with the folder it is in now)" if cfg.resume else ")"))
     if cfg.data is not None:
         from infra.data import looks_like_path  # a hub id is checked when loaded
         path = os.path.expanduser(cfg.data)
