@@ -128,6 +128,11 @@ def parse_args(argv: list[str] | None = None, prog: str = "trainer.py") -> Confi
     if problems:
         sys.stderr.write(f"{prog}: error: {problems[0]}\n")
         raise SystemExit(2)
+    lora = sorted(name for name in given_options(argv) if name.startswith("lora_"))
+    if lora and not cfg.use_peft and os.environ.get("RANK", "0") == "0":  # TRL ignores them too: a line, no error
+        print(f"periodic-rl: ignored {', '.join('--' + name.replace('_', '-') for name in lora)}: the LoRA adapter's "
+              "settings, and --use-peft is off: every weight is trained (add --use-peft to train an adapter)",
+              flush=True)
     return derive(cfg if policy is None else from_trained_policy(cfg, policy))
 
 

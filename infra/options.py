@@ -292,6 +292,10 @@ def validate(cfg: Config) -> list[str]:
     need(cfg.max_new_tokens is None or cfg.max_new_tokens >= 1,
          f"--max-new-tokens must be at least 1 (got {cfg.max_new_tokens})")
     need(cfg.max_grad_norm >= 0, f"--max-grad-norm must be >= 0 (got {cfg.max_grad_norm})")
+    if cfg.use_peft:  # (without it the --lora-* options are ignored, said in one line: command_line.parse_args)
+        need(cfg.lora_r >= 1, f"--lora-r must be at least 1, the adapter's rank (got {cfg.lora_r})")
+        need(cfg.lora_alpha > 0, f"--lora-alpha must be positive (got {cfg.lora_alpha})")
+        need(0 <= cfg.lora_dropout < 1, f"--lora-dropout must be in [0, 1) (got {cfg.lora_dropout})")
     need(cfg.eval_every >= 0 and (cfg.eval_size is None or cfg.eval_size >= 0) and cfg.eval_samples >= 1,
          "--eval-every and --eval-size must be >= 0, --eval-samples >= 1")
     need(not cfg.eval_every or cfg.eval_size != 0, f"--eval-every {cfg.eval_every} evaluates held-out prompts, and "
