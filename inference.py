@@ -428,6 +428,12 @@ class AsyncRollouts:
             self._answers()
             self.loaded = True
 
+    def check_alive(self) -> None:
+        """PipelineError naming a worker that died (killed, out of memory), while the trainer does something else."""
+        for worker in self.workers:
+            if not worker.process.is_alive():
+                raise worker.died()
+
     def attach(self, policy, cfg, threads: int) -> None:
         """Share θ's buffer with the workers (as a handle to shared memory, never a copy), with the config
         (sampling settings, sizes) and their thread counts: `threads` split among them (`split_threads`)."""
