@@ -487,14 +487,16 @@ class AsyncRollouts:
     def __enter__(self) -> AsyncRollouts:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, kind, error, traceback) -> None:
+        self.close(stopping=kind is not None and issubclass(kind, KeyboardInterrupt))
 
-    def close(self) -> None:
+    def close(self, stopping: bool = False) -> None:
         """Stop the workers: politely, all at once, then by force (at once if one failed: the others may be in the
-        middle of an iteration). Never leaves one running. Idempotent."""
+        middle of an iteration; and on a stop signal, `stopping`: nothing they would finish is kept, and a busy
+        machine would stretch the polite wait). Never leaves one running. Idempotent."""
         failed = any(worker.failed for worker in self.workers)
-        polite = (self.weights is not None or self.loaded) and not failed  # before it loaded, it may be importing
+        # (before it loaded, a worker may be importing)
+        polite = (self.weights is not None or self.loaded) and not failed and not stopping
         if polite:
             for worker in self.workers:
                 worker.ask_to_stop()
