@@ -277,6 +277,9 @@ def train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs
                 yield in_hand                             # writes it, then throws the stop back in)
             logged = done
         if (cfg.save_every or cfg.save_on_stop) and done == logged != first:  # and each iteration's row is out
+            with contextlib.suppress(OSError, ValueError):  # (stdout closed: the stop's line says the rest)
+                print(f"periodic-rl: stopping: writing the checkpoint of the {done} iterations done first",
+                      flush=True)  # (seconds for a big model: said at once)
             save_checkpoint(done)
         raise
     finally:

@@ -368,11 +368,12 @@ def test_a_stop_at_any_moment_keeps_the_last_iteration_done(straight_async_run, 
             map(json.loads, (out / "metrics.jsonl").read_text().splitlines())] == rows[:3]
 
 
-def test_a_stop_between_the_step_and_the_row_keeps_that_iteration(tiny_model_dir, tmp_path, monkeypatch):
+def test_a_stop_between_the_step_and_the_row_keeps_that_iteration(tiny_model_dir, tmp_path, monkeypatch, capsys):
     """Claim: with --save-on-stop, a stop right after iteration 1's optimizer step, before its row is out (where an
     async trainer waits for the iteration's end, or its evaluation), still hands iteration 1's row out, then stops
-    and writes checkpoint-2 (θ_2, AdamW after two steps), which restores the weights the run had. It wrote no
-    checkpoint (the iterations done, 2, were taken for a half-done iteration against the 1 row out)."""
+    and writes checkpoint-2 (θ_2, AdamW after two steps), which restores the weights the run had, saying at once
+    that the stop waits for it. It wrote no checkpoint (the iterations done, 2, were taken for a half-done
+    iteration against the 1 row out)."""
     import learner
     from launch import setup
     from infra.data import load_task
@@ -394,6 +395,8 @@ def test_a_stop_between_the_step_and_the_row_keeps_that_iteration(tiny_model_dir
         for row in rows:
             handed_out.append(row["iteration"])
     assert handed_out == [0, 1]
+    assert capsys.readouterr().out.endswith("periodic-rl: stopping: writing the checkpoint of the 2 iterations done "
+                                            "first\n")
     assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["checkpoint-2"]
     fresh, _ = load_model(cfg.model)
     optimizer = torch.optim.AdamW(fresh.parameters(), lr=cfg.lr)
