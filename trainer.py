@@ -384,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
             given, ranks = set(typed), distributed.from_environment()  # torchrun's ranks; else one
             distributed.die_with_launcher(launcher)
             with open(os.devnull, "w") as devnull, redirect_stdout(devnull) if not ranks.is_main else nullcontext():
-                if line := records.finished(cfg, given):  # the same command resubmitted after the run's end
+                if line := records.finished(cfg, given, typed.get("model")):  # the same command resubmitted
                     print(f"periodic-rl: {line}", flush=True)
                     return 0
                 cfg = outputs.resume_or_start(cfg)  # --resume auto where --out holds no run: a new one

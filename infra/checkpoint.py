@@ -38,7 +38,7 @@ from config import Config
 from infra.errors import UserError
 from infra.options import validate
 from infra.outputs import checkpoints, save_atomically, writing
-from infra.records import absolute_paths
+from infra.records import absolute_paths, through_moved_link
 
 # Options a resumed run may give anew: they decide how long, where, on what and how often to report, or change
 # float rounding only (sums in another order, other kernels), not what is computed. Not given, they stay the
@@ -178,11 +178,11 @@ def source_model(cfg: Config, typed: str, saved: str) -> str | None:
     still the source, said in one line: it is the same command; where the source no longer exists, the model given
     (`restore` checks its weights against θ_0's fingerprint), said in one line, or a CheckpointError when it does not
     exist either. Else None: the same model, or another one (resumed_config refuses it)."""
-    new, typed_path = cfg.model, os.path.expanduser(typed)
+    new = cfg.model
     if absolute_paths(cfg).model == saved or not os.path.isabs(saved):  # the same, or the run's was a hub name
         return None
     if os.path.exists(saved):
-        if os.path.realpath(typed_path) == os.path.abspath(typed_path):  # no link on the way: another model
+        if not through_moved_link(typed, saved):  # no link on the way: another model
             return None
         print(f"periodic-rl: --model {typed} now leads to {new}, not to {saved}, where the run in --out began (the "
               f"link moved): continuing from {saved}", flush=True)

@@ -639,7 +639,7 @@ def test_a_resume_whose_model_link_moved_or_whose_source_is_gone(tiny_model_dir,
     """Claim: the preemptible recipe started from `--model latest` (a link to run A) resumes, once the link has moved
     to run C, from A's policy, where the checkpoint's run began, with one line saying the link moved (it was refused:
     "--model C/policy differs from the checkpoint's A/policy"); the resumed θ_0 is A's (restore checks the
-    fingerprint; C's weights differ). Once A is gone, the same command is one line that names it gone and what to
+    fingerprint; C's weights differ); resubmitted once complete, it has nothing to do. Once A is gone, the same command is one line that names it gone and what to
     pass: with A's path, that it no longer exists; through the link to C, that C's initial weights are not the
     checkpoint's."""
     import trainer
@@ -663,6 +663,8 @@ def test_a_resume_whose_model_link_moved_or_whose_source_is_gone(tiny_model_dir,
     assert (f"periodic-rl: --model latest now leads to {c}, not to {a}, where the run in --out began (the link moved): "
             f"continuing from {a}\n") in out and "resuming from B/checkpoint-1 at iteration 1 of 2" in out
     assert json.loads(Path("B/config.json").read_text())["model"] == str(a)
+    assert trainer.main([*recipe, "--iterations", "2"]) == 0  # resubmitted once complete: nothing to do
+    assert "periodic-rl: --resume auto: the run in B is complete (2 iterations" in capsys.readouterr().out
     shutil.rmtree("A")
     assert trainer.main([*recipe, "--model", "A", "--iterations", "3"]) == 1
     assert capsys.readouterr().err == (f"error: --model A: the checkpoint's source model, {a}, no longer exists (moved "
