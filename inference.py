@@ -427,6 +427,12 @@ class AsyncRollouts:
             self._answers()
             self.loaded = True
 
+    def check_alive(self) -> None:
+        """PipelineError naming a worker that died (killed, out of memory), while the trainer does something else."""
+        for worker in self.workers:
+            if not worker.process.is_alive():
+                raise worker.died()
+
     def attach(self, policy, cfg, threads: int) -> None:
         """Share θ's buffer with the workers (as a handle to shared memory, never a copy), with the config
         (sampling settings, sizes) and their thread counts: `threads` split among them (`split_threads`)."""
@@ -480,14 +486,16 @@ class AsyncRollouts:
     def __enter__(self) -> AsyncRollouts:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, kind, error, traceback) -> None:
+        self.close(stopping=kind is not None and issubclass(kind, KeyboardInterrupt))
 
-    def close(self) -> None:
+    def close(self, stopping: bool = False) -> None:
         """Stop the workers: politely, all at once, then by force (at once if one failed: the others may be in the
-        middle of an iteration). Never leaves one running. Idempotent."""
+        middle of an iteration; and on a stop signal, `stopping`: nothing they would finish is kept, and a busy
+        machine would stretch the polite wait). Never leaves one running. Idempotent."""
         failed = any(worker.failed for worker in self.workers)
-        polite = (self.weights is not None or self.loaded) and not failed  # before it loaded, it may be importing
+        # (before it loaded, a worker may be importing)
+        polite = (self.weights is not None or self.loaded) and not failed and not stopping
         if polite:
             for worker in self.workers:
                 worker.ask_to_stop()

@@ -349,14 +349,19 @@ class Learner:
             with stops_deferred():  # θ moves from here: whole or not at all
                 self.stepping = True
                 self.optimizer.step()
-                if self.scheduler is not None:
-                    self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 self.sums["loss"] += minibatch_loss / normalizer  # this mini-batch's loss, as optimised
-                self.steps_done += 1
+                self.steps_done += 1  # θ holds the step, even if the schedule's next rate fails (`all_stepped`)
                 self.replayed = self.minibatch_sequences = self.minibatch_micro_batches = 0
                 self.minibatch_loss = torch.zeros((), device=self.device)
+                if self.scheduler is not None:
+                    self.scheduler.step()
                 self.stepping = False
+
+    def all_stepped(self) -> bool:
+        """Whether θ holds every optimizer step of the current iteration (what its row and a saved policy need),
+        even where something after the last one failed (the schedule's next rate, the iteration's end)."""
+        return self.iteration is not None and self.steps_done == self.steps
 
     def iterations_done(self) -> int | None:
         """How many iterations the weights and AdamW's state hold exactly, or None half-way through an

@@ -108,7 +108,8 @@ def train(cfg, policy, rollouts, learner: Learner, timeline: Timeline, first: in
     on too few cores). The last yielded dict has `"final": True` and only the evaluation of θ_final.
     A stop (KeyboardInterrupt) after an iteration's last step still yields that iteration's row, then is raised
     again: launch/setup.py keeps the iterations done in a checkpoint only once their rows are out (one rank only:
-    the row's metrics are a collective with ranks).
+    the row's metrics are a collective with ranks). So does a failure there: the last iteration's row is what
+    trainer.py saves the trained policy on.
     """
     for iteration in range(first, cfg.iterations):
         start, first_span = time.perf_counter(), len(timeline.spans)
@@ -142,6 +143,11 @@ def train(cfg, policy, rollouts, learner: Learner, timeline: Timeline, first: in
                 raise
             yield iteration_row(iteration, evaluation, learner, timeline, start, first_span)  # its row first, without
             raise                                             # what had not come: a stop checkpoint then holds θ_{k+1}
+        except Exception:  # a failure once θ holds the steps (the schedule's next rate, the iteration's evaluation)
+            if ranks.size > 1 or not learner.all_stepped():
+                raise
+            yield iteration_row(iteration, evaluation, learner, timeline, start, first_span)  # its row first: after
+            raise                                             # the last iteration, trainer.py saves θ_final with it
         yield row
     if ranks.size > 1:
         check_same_weights(policy, ranks)                     # every rank's θ_final: the same bits

@@ -30,7 +30,7 @@ from pathlib import Path
 from config import Config
 from infra import outputs
 from infra.errors import UserError
-from infra.command_line import given_options, named_as_typed, parse_args
+from infra.command_line import given_values, named_as_typed, parse_args
 from infra import console
 from infra.console import (STDOUT_CLOSED, eval_summary, format_row, progress_line, say, start_line, text_prompts_note,
                            unscored_line)
@@ -317,6 +317,12 @@ def log_and_save(cfg: Config, rows, policy, tokenizer, resumed_at: int = 0, repo
             kept_policy = f"{policy_path} is still the policy saved before" if policy_path.exists() else None
             error.args = (f"{error} (the run stopped before training ended: {kept_policy or 'no policy was saved'})",)
         raise
+    except Exception as error:  # any other failure once the policy is saved (a bug, a library's): one line too
+        keep_pending()
+        if not saved or Interrupted.received is not None or isinstance(error, BrokenPipeError) or sys.stdout.closed:
+            raise
+        raise UserError(f"the run failed after its last optimizer step: {type(error).__name__}: {error} (the trained "
+                        f"policy was saved in {policy_path} first)") from error
     progress.close()
     final = {**row, "start_eval_reward": first_eval}
     evaluated = eval_summary(first_eval, row["eval_reward"], bool(cfg.eval_every and cfg.eval_size))
@@ -390,15 +396,16 @@ def main(argv: list[str] | None = None) -> int:
             cfg = parse_args(argv)
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # two processes, each with its own threads
             from infra import checkpoint, distributed, records
-            given, ranks = given_options(argv), distributed.from_environment()  # torchrun's ranks; else one
+            typed = given_values(argv)  # the options named, as typed (--model before a link is followed)
+            given, ranks = set(typed), distributed.from_environment()  # torchrun's ranks; else one
             distributed.die_with_launcher(launcher)
             with open(os.devnull, "w") as devnull, redirect_stdout(devnull) if not ranks.is_main else nullcontext():
-                if line := records.finished(cfg, given):  # the same command resubmitted after the run's end
+                if line := records.finished(cfg, given, typed.get("model")):  # the same command resubmitted
                     print(f"periodic-rl: {line}", flush=True)
                     return 0
                 cfg = outputs.resume_or_start(cfg)  # --resume auto where --out holds no run: a new one
                 try:
-                    cfg, resume_from = checkpoint.resumption(cfg, given)  # --resume: the checkpoint's options
+                    cfg, resume_from = checkpoint.resumption(cfg, given, typed.get("model"))  # --resume's options
                 except UserError as error:  # its options named as typed (--max-steps, --learning-rate)
                     error.args = (named_as_typed(str(error), argv, cfg.iterations),)
                     raise
@@ -424,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
             if Interrupted.received is None:
                 sys.stderr.write(f"error: {rank_prefix(ranks)}{error}\n")
                 return 1
-            failed_save = error if isinstance(error, outputs.OutputError) else None  # not the signal's doing
+            failed_save = failed_output(error)  # not the signal's doing
         except ValueError:  # "I/O operation on closed file": something in the run closed sys.stdout
             if Interrupted.received is None:
                 if not sys.stdout.closed:
@@ -442,6 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         except BaseException as error:  # a stop signal, or the error of something it cut short (an import)
             if Interrupted.received is None and not isinstance(error, KeyboardInterrupt):
                 raise
+            failed_save = failed_output(error)  # a full disk that the stop cut short, or came to as it went up
     signum = Interrupted.received or signal.SIGINT
     with suppress(OSError):  # SIGHUP: the terminal may be gone
         by_torchrun = rank_prefix(ranks) and signum == signal.SIGTERM  # how torchrun stops the others when a rank fails
@@ -456,6 +464,19 @@ def main(argv: list[str] | None = None) -> int:
                                                           "names the rank and why)" if by_torchrun else "")
                              + kept_on_stop(cfg, ranks, failed_save) + "\n")
     return 128 + signum
+
+
+def raised_while(error: BaseException | None):
+    """`error`, then the exception it was raised while handling, and so on (each one's __context__)."""
+    while error is not None:
+        yield error
+        error = error.__context__
+
+
+def failed_output(error: BaseException) -> outputs.OutputError | None:
+    """The output a stopping run could not write: `error` itself, or one it was raised while handling (a stop signal
+    raised while a full disk's error went up, or a second one while the inference process was awaited)."""
+    return next((e for e in raised_while(error) if isinstance(e, outputs.OutputError)), None)
 
 
 def kept_on_stop(cfg: Config | None, ranks, failed_save: Exception | None) -> str:
@@ -481,7 +502,9 @@ def kept_on_stop(cfg: Config | None, ranks, failed_save: Exception | None) -> st
     newest = found[-1] if found else None
     k = checkpoint.read_state(newest)["iterations_done"] if newest else 0
     if failed_save is not None:
-        lost = f"the stop checkpoint could not be written ({failed_save})"
+        by_stop = any(isinstance(e, KeyboardInterrupt) for e in raised_while(failed_save.__context__))
+        lost = (f"the stop checkpoint could not be written ({failed_save})" if by_stop  # (the stop's own save)
+                else f"as the stop came, {failed_save}")
     elif k < done:
         lost = f"no checkpoint holds iterations {k} to {done - 1}"  # a stop half-way through an iteration's steps
     elif newest is None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -37,7 +38,7 @@ from config import Config
 from infra.errors import UserError
 from infra.options import validate
 from infra.outputs import checkpoints, save_atomically, writing
-from infra.records import absolute_paths
+from infra.records import absolute_paths, through_moved_link
 
 # Options a resumed run may give anew: they decide how long, where, on what and how often to report, or change
 # float rounding only (sums in another order, other kernels), not what is computed. Not given, they stay the
@@ -171,10 +172,34 @@ def resumed_config(cfg: Config, given: set[str], state: dict) -> Config:
     return dataclasses.replace(cfg, **values)
 
 
-def resumption(cfg: Config, given: set[str]) -> tuple[Config, Path | None]:
+def source_model(cfg: Config, typed: str, saved: str) -> str | None:
+    """The --model a resume takes from where the one given (`typed`, followed to cfg.model) is not the checkpoint's
+    source (`saved`, as the run resolved it): through a link that has moved since (runs/latest, after another run),
+    still the source, said in one line: it is the same command; where the source no longer exists, the model given
+    (`restore` checks its weights against θ_0's fingerprint), said in one line, or a CheckpointError when it does not
+    exist either. Else None: the same model, or another one (resumed_config refuses it)."""
+    new = cfg.model
+    if absolute_paths(cfg).model == saved or not os.path.isabs(saved):  # the same, or the run's was a hub name
+        return None
+    if os.path.exists(saved):
+        if not through_moved_link(typed, saved):  # no link on the way: another model
+            return None
+        print(f"periodic-rl: --model {typed} now leads to {new}, not to {saved}, where the run in --out began (the "
+              f"link moved): continuing from {saved}", flush=True)
+        return saved
+    if not os.path.isdir(os.path.expanduser(new)):
+        raise CheckpointError(f"--model {typed}: the checkpoint's source model, {saved}, no longer exists (moved or "
+                              "deleted): put it back, or pass --model with the folder it is in now (its weights are "
+                              "checked against the checkpoint's initial ones)")
+    print(f"periodic-rl: --model {typed}: the checkpoint's source model, {saved}, no longer exists: continuing from "
+          f"{new}, whose weights are checked against the checkpoint's initial ones", flush=True)
+    return new
+
+
+def resumption(cfg: Config, given: set[str], typed_model: str | None = None) -> tuple[Config, Path | None]:
     """--resume: (the config the checkpoint fixes, the checkpoint); (cfg, None) without --resume, and with --resume
     auto where --out holds no checkpoint yet. A checkpoint named by its path continues in its own run directory
-    unless --out is given."""
+    unless --out is given. `typed_model`: --model as typed, if given (`source_model`)."""
     if cfg.resume is None:
         return cfg, None
     path = find(cfg.resume, cfg.out)
@@ -183,6 +208,9 @@ def resumption(cfg: Config, given: set[str]) -> tuple[Config, Path | None]:
     state = read_state(path)
     if cfg.resume != "auto" and "out" not in given:
         cfg = dataclasses.replace(cfg, out=str(path.parent))
+    if typed_model is not None and (source := source_model(cfg, typed_model, state["config"]["model"])):
+        state["config"]["model"] = source  # the run goes on from there (its weights: θ_0's, restore checks)
+        cfg = dataclasses.replace(cfg, model=source)
     cfg = resumed_config(cfg, given, state)
     done = state["iterations_done"]
     if cfg.iterations < done:  # its θ_k would be saved as the policy of fewer iterations

@@ -78,7 +78,12 @@ def values_of(namespace: argparse.Namespace) -> dict:
 def given_options(argv: list[str] | None = None) -> set[str]:
     """The fields named on the command line, not left at their defaults (a resumed run tells them apart); the
     options of a --config file count as named."""
-    return set(values_of(build_parser(defaults=False).parse_args(with_config_file(argv))))
+    return set(given_values(argv))
+
+
+def given_values(argv: list[str] | None = None) -> dict:
+    """`given_options` with their values as typed (--model runs/latest before the link is followed)."""
+    return values_of(build_parser(defaults=False).parse_args(with_config_file(argv)))
 
 
 def named_twice(argv: list[str]) -> list[str]:
@@ -123,6 +128,11 @@ def parse_args(argv: list[str] | None = None, prog: str = "trainer.py") -> Confi
     if problems:
         sys.stderr.write(f"{prog}: error: {problems[0]}\n")
         raise SystemExit(2)
+    lora = sorted(name for name in given_options(argv) if name.startswith("lora_"))
+    if lora and not cfg.use_peft and os.environ.get("RANK", "0") == "0":  # TRL ignores them too: a line, no error
+        print(f"periodic-rl: ignored {', '.join('--' + name.replace('_', '-') for name in lora)}: the LoRA adapter's "
+              "settings, and --use-peft is off: every weight is trained (add --use-peft to train an adapter)",
+              flush=True)
     return derive(cfg if policy is None else from_trained_policy(cfg, policy))
 
 

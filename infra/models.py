@@ -43,6 +43,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import multiprocessing
 import os
 import shutil
 import socket
@@ -282,23 +283,49 @@ def with_lora(model: PreTrainedModel, r: int, alpha: float, dropout: float, targ
     peft's default of the architecture (q_proj and v_proj for Qwen2 and Llama), one name such as 'all-linear'
     (every linear layer but the output layer), or several module names."""
     peft = import_peft()
-    if r < 1 or alpha <= 0 or not 0 <= dropout < 1:
-        raise ModelError(f"--use-peft needs --lora-r >= 1, --lora-alpha > 0 and --lora-dropout in [0, 1) (got {r}, "
-                         f"{alpha}, {dropout})")
     targets = "all-linear" if target_modules == ["all-linear"] else target_modules  # peft's one special string
+    if unmatched := unmatched_targets(model, targets):  # peft refuses only names that all match nothing
+        linear = sorted({name.rpartition(".")[2] for name, module in model.named_modules()
+                         if isinstance(module, torch.nn.Linear)})
+        raise ModelError(f"--lora-target-modules {' '.join(unmatched)}: no module of {type(model).__name__} is named "
+                         f"so (its linear layers: {' '.join(linear)}; or all-linear)")
     try:
         config = peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
                                  task_type="CAUSAL_LM")
-        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():  # A's draw leaves the caller's RNG alone
+        # A's draw leaves the caller's RNG alone; peft's warnings are kept, and said in one line each below
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings(record=True) as raised:
             warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)  # peft's
             # question to transformers 5, by the old name
             torch.manual_seed(seed)
             # the adapter in the model's dtype (peft would keep a bf16 model's in float32): a bf16 inference side then
             # holds exactly what the trainer publishes, in sync mode as in async
-            return peft.get_peft_model(model, config, autocast_adapter_dtype=False)
+            wrapped = peft.get_peft_model(model, config, autocast_adapter_dtype=False)
     except ValueError as error:  # e.g. "Target modules {'x'} not found in the base model"
         raise ModelError(f"--use-peft: peft cannot add a LoRA adapter to {type(model).__name__} "
                          f"({_one_line(error)}); check --lora-target-modules") from None
+    say_peft_warnings(raised)
+    # peft saying, at each save, that it saves the embedding layers an adapter targets: what policy/ needs
+    warnings.filterwarnings("ignore", "Setting `save_embedding_layers` to `True`", UserWarning)
+    return wrapped
+
+
+def say_peft_warnings(raised: list[warnings.WarningMessage]) -> None:
+    """peft's warnings (a tied layer in the adapter) as one `periodic-rl: peft:` line each, without peft's file and
+    line, once per run: by the trainer, not again by the inference process that loads the same; others as usual."""
+    for w in raised:
+        if "peft" not in Path(w.filename).parts:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+        elif multiprocessing.parent_process() is None:
+            print(f"periodic-rl: peft: {' '.join(str(w.message).split())}", flush=True)
+
+
+def unmatched_targets(model: torch.nn.Module, targets: list[str] | str | None) -> list[str]:
+    """The names in --lora-target-modules that match no module of `model`, as peft matches a list: a module's full
+    name, or its last dotted parts (q_proj matches model.layers.0.self_attn.q_proj)."""
+    if not isinstance(targets, list):  # None (peft's default for the architecture), all-linear
+        return []
+    names = [name for name, _ in model.named_modules()]
+    return [t for t in targets if not any(name == t or name.endswith("." + t) for name in names)]
 
 
 def load_adapter_weights(model, weights: dict[str, torch.Tensor]) -> None:

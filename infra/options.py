@@ -141,7 +141,7 @@ def derive(cfg: Config) -> Config:
         cfg,
         max_new_tokens=cfg.max_new_tokens or (TINY_MODELS[cfg.model][1] if cfg.is_tiny else 512),
         eval_size=cfg.eval_size if cfg.eval_size is not None or cfg.eval_every else 0,  # None: trainer.prepare's
-        lr=cfg.lr if cfg.lr is not None else (1e-4 if cfg.is_tiny else 1e-6),
+        lr=learning_rate(cfg),
         eval_samples=cfg.eval_samples if cfg.eval_samples is not None else (4 if cfg.is_tiny else 1),
         reward_weights=cfg.reward_weights or [1.0] * len(cfg.reward),
         report_to=installed_trackers() if cfg.report_to == ["all"] else cfg.report_to,
@@ -183,29 +183,50 @@ def schedule_lengths(cfg: Config) -> tuple[int, int]:
 
 
 def schedule_problem(cfg: Config) -> str | None:
-    """Why --lr-scheduler-type with --lr-scheduler-kwargs does not build, in one line (None: it does): the
-    schedule is built on a one-parameter optimizer, so transformers' own refusal (a missing min_lr_rate, an
-    argument the schedule does not take) comes before any model loads. constant and constant_with_warmup take
-    no arguments, and transformers would drop them silently: refused here."""
+    """Why --lr-scheduler-type with --lr-scheduler-kwargs does not give a learning rate at every step, in one line
+    (None: it does): the schedule is built on a one-parameter optimizer at the run's rate and evaluated at every
+    step, 0 to the step after the last (the learner steps it after each optimizer step), so transformers' own
+    refusal (a missing min_lr_rate, an argument the schedule does not take), an arithmetic error (a negative power
+    at the last step, a timescale of 0) or a rate that is not a finite number >= 0 comes before any model loads. A
+    non-finite argument (NaN, Infinity: JSON as Python reads them) is refused first: schedules clamp their rate
+    with max(0, rate), which makes a NaN rate 0 at every step, a run that trains nothing. constant and
+    constant_with_warmup take no arguments, and transformers would drop them silently: refused here."""
     import torch  # here: parsing options needs no torch unless a schedule takes arguments
     from transformers import get_scheduler
 
     option = f"--lr-scheduler-type {cfg.lr_scheduler_type}"
+    given = f" with --lr-scheduler-kwargs {cfg.lr_scheduler_kwargs}" if cfg.lr_scheduler_kwargs else ""
     try:
         kwargs = schedule_arguments(cfg.lr_scheduler_kwargs)
         if kwargs and cfg.lr_scheduler_type in ("constant", "constant_with_warmup"):
             return f"{option} takes no --lr-scheduler-kwargs (got {cfg.lr_scheduler_kwargs})"
+        if bad := [k for k, v in kwargs.items() if isinstance(v, float) and not math.isfinite(v)]:
+            return f"{option}{given}: {', '.join(bad)} must be a finite number"
         warmup, steps = schedule_lengths(cfg)
-        optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
-        get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=max(steps, 1),
-                      scheduler_specific_kwargs=kwargs)
+        optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=learning_rate(cfg))
+        scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
+                                  num_training_steps=max(steps, 1), scheduler_specific_kwargs=kwargs)
     except (ValueError, TypeError) as error:
-        given = f" with --lr-scheduler-kwargs {cfg.lr_scheduler_kwargs}" if cfg.lr_scheduler_kwargs else ""
         if str(error).startswith("--lr-scheduler-kwargs"):
             return str(error)
         hint = "" if given else " (--lr-scheduler-kwargs gives the schedule's arguments, as a JSON object)"
         return f"{option}{given} does not build: {str(error).splitlines()[0]}{hint}"
+    except ArithmeticError as error:  # the rate at step 0, computed as the schedule is built
+        return f"{option}{given} fails after 0 of its {steps} optimizer steps: {type(error).__name__}: {error}"
+    for step in range(max(steps, 1) + 1):
+        try:
+            rate = scheduler.lr_lambdas[0](step)  # LambdaLR: the rate is lr x this, after `step` optimizer steps
+        except (ArithmeticError, ValueError, TypeError) as error:  # 0.0 ** -1, x / 0, math.sqrt(-1)
+            return f"{option}{given} fails after {step} of its {steps} optimizer steps: {type(error).__name__}: {error}"
+        if not isinstance(rate, (int, float)) or not math.isfinite(rate) or rate < 0:  # (a complex: (-1) ** 0.5)
+            return (f"{option}{given} gives the learning rate {learning_rate(cfg) * rate:g} after {step} of its "
+                    f"{steps} optimizer steps: a rate must be a finite number >= 0")
     return None
+
+
+def learning_rate(cfg: Config) -> float:
+    """--lr, or its default: 1e-4 for the tiny models, 1e-6 otherwise."""
+    return cfg.lr if cfg.lr is not None else (1e-4 if cfg.is_tiny else 1e-6)
 
 
 def _is_device_name(name: str) -> bool:
@@ -270,7 +291,7 @@ def validate(cfg: Config) -> list[str]:
     need(not (cfg.warmup_steps and cfg.warmup_ratio), "--warmup-steps and --warmup-ratio both set the warm-up: give "
          "one")
     problem = (schedule_problem(cfg) if cfg.lr_scheduler_kwargs is not None or cfg.lr_scheduler_type in NEEDS_ARGUMENTS
-               else None)
+               or cfg.lr_scheduler_type == "polynomial" else None)  # (its default lr_end must be below --lr)
     need(problem is None, problem)
     need(cfg.top_k >= -1, f"--top-k must be 0 or -1 (off: TRL's and vLLM's), or a positive number of tokens "
          f"(got {cfg.top_k})")
@@ -278,6 +299,10 @@ def validate(cfg: Config) -> list[str]:
     need(cfg.max_new_tokens is None or cfg.max_new_tokens >= 1,
          f"--max-new-tokens must be at least 1 (got {cfg.max_new_tokens})")
     need(cfg.max_grad_norm >= 0, f"--max-grad-norm must be >= 0 (got {cfg.max_grad_norm})")
+    if cfg.use_peft:  # (without it the --lora-* options are ignored, said in one line: command_line.parse_args)
+        need(cfg.lora_r >= 1, f"--lora-r must be at least 1, the adapter's rank (got {cfg.lora_r})")
+        need(cfg.lora_alpha > 0, f"--lora-alpha must be positive (got {cfg.lora_alpha})")
+        need(0 <= cfg.lora_dropout < 1, f"--lora-dropout must be in [0, 1) (got {cfg.lora_dropout})")
     need(cfg.eval_every >= 0 and (cfg.eval_size is None or cfg.eval_size >= 0)
          and (cfg.eval_samples is None or cfg.eval_samples >= 1),
          "--eval-every and --eval-size must be >= 0, --eval-samples >= 1")
@@ -332,7 +357,8 @@ def validate(cfg: Config) -> list[str]:
     model_path = os.path.expanduser(cfg.model)  # a local path that is not there: said before the data is loaded
     need(not (cfg.model.startswith((".", "/", "~")) or cfg.model.count("/") > 1) or os.path.isdir(model_path),
          f"--model {cfg.model!r} is not a directory (a local model is a folder with config.json; a hub id is "
-         "'org/name')")
+         "'org/name'" + ("; a resumed run's source model must be where its run found it: put it back, or pass --model "
+                         "with the folder it is in now)" if cfg.resume else ")"))
     if cfg.data is not None:
         from infra.data import looks_like_path  # a hub id is checked when loaded
         path = os.path.expanduser(cfg.data)

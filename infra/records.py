@@ -90,12 +90,22 @@ def absolute_paths(cfg: Config) -> Config:
         resume=absolute(cfg.resume) if cfg.resume not in (None, "auto") else cfg.resume)
 
 
-def finished(cfg: Config, given: set[str]) -> str | None:
+def through_moved_link(typed: str | None, recorded: str) -> bool:
+    """Whether --model as typed (`typed`) goes through a link (runs/latest) and the model a run recorded, where the
+    link led then, still exists: the same command, though the link may lead elsewhere now."""
+    if typed is None:
+        return False
+    path = os.path.expanduser(typed)
+    return os.path.realpath(path) != os.path.abspath(path) and os.path.isabs(recorded) and os.path.exists(recorded)
+
+
+def finished(cfg: Config, given: set[str], typed_model: str | None = None) -> str | None:
     """With --resume auto, a line saying the run in --out is complete (its policy/ saved, metrics.jsonl's final row
     written) when every option given is at the run's value (config.json); else None, and the resume goes on as
     before: more --iterations continue the run, another value is refused. The same command resubmitted after the
     run's end then exits 0 and rewrites nothing (it was refused without checkpoints, and with them re-ran the final
-    evaluation and rewrote the final row)."""
+    evaluation and rewrote the final row). `typed_model`: --model as typed, the same through a link that has moved
+    since (`through_moved_link`)."""
     out = Path(cfg.out) if cfg.resume == "auto" and cfg.out and not cfg.overwrite else None  # (both: refused)
     if out is None or not outputs.has_policy(out):
         return None
@@ -110,7 +120,8 @@ def finished(cfg: Config, given: set[str]) -> str | None:
         value, saved = getattr(recorded, name), record.get(name)
         return value == saved or isinstance(value, str) and isinstance(saved, str) and os.path.exists(value) \
             and Path(value).resolve() == Path(saved).resolve()
-    if not all(as_run_had(name) for name in given if name not in ("out", "resume", "config", "overwrite")):
+    if not all(as_run_had(name) or name == "model" and through_moved_link(typed_model, record.get("model", ""))
+               for name in given if name not in ("out", "resume", "config", "overwrite")):
         return None
     more = "; more --iterations go on from its newest checkpoint" if outputs.checkpoints(out) else ""
     done = final["iteration"]

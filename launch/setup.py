@@ -218,7 +218,8 @@ def train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs
     # sizes left open: measured (--sizes probe) or by rule (launch/sizing.py)
     if rollouts is not None and not cfg.sized:
         rollouts.wait_until_loaded()  # the probe times this machine's cores, not the inference side's loading
-    cfg, probed = sizing.choose_for_ranks(cfg, tri, tokenizer, train_examples, ranks)
+    cfg, probed = sizing.choose_for_ranks(cfg, tri, tokenizer, train_examples, ranks,
+                                          rollouts.check_alive if rollouts is not None else lambda: None)
     print(f"periodic-rl: sizes: --groups-per-chunk {cfg.groups_per_chunk} ({cfg.chunks_per_iteration} generate "
           f"call(s) per iteration) --micro-batch-tokens {cfg.micro_batch_tokens} --rollout-threads "
           f"{cfg.rollout_threads} --train-threads {cfg.train_threads} --tail-threads {cfg.tail_threads} (pass these "
@@ -277,6 +278,9 @@ def train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs
                 yield in_hand                             # writes it, then throws the stop back in)
             logged = done
         if (cfg.save_every or cfg.save_on_stop) and done == logged != first:  # and each iteration's row is out
+            with contextlib.suppress(OSError, ValueError):  # (stdout closed: the stop's line says the rest)
+                print(f"periodic-rl: stopping: writing the checkpoint of the {done} iterations done first",
+                      flush=True)  # (seconds for a big model: said at once)
             save_checkpoint(done)
         raise
     finally:

@@ -188,16 +188,18 @@ def sample_timeline(model, prompts, group_size, generation, cfg, size, hand_over
     return timeline, time.perf_counter() - start, responses
 
 
-def hand_over_work(cfg, tokenizer, prompts):
+def hand_over_work(cfg, tokenizer, prompts, alive=lambda: None):
     """What a group costs the sampler between its last token and the trainer, the reward call aside (the trainer
     process may not hold the rewards, and a probe must not spend an API judge's calls): decoding its G responses,
-    its advantages, a Group message; async mode also pickles it and the trainer unpickles it (the queue)."""
+    its advantages, a Group message; async mode also pickles it and the trainer unpickles it (the queue). And
+    `alive()`, which raises if the inference side died meanwhile (a probe can take minutes)."""
     import pickle
 
     import grpo
     from rollout import Group
 
     def hand_over(index: int, responses: list[list[int]]) -> None:
+        alive()
         tokenizer.batch_decode(responses, skip_special_tokens=True)
         zeros = [0.0] * len(responses)
         advantages = grpo.group_advantages(torch.tensor(zeros), cfg.group_size, cfg.scale_rewards).tolist()
@@ -216,12 +218,13 @@ def _timed_backward(tri, batch, cfg) -> float:
     return time.perf_counter() - start
 
 
-def probe(cfg, tri, tokenizer, train_examples, threads: int, probes: int = 1) -> Probe:
+def probe(cfg, tri, tokenizer, train_examples, threads: int, probes: int = 1, alive=lambda: None) -> Probe:
     """Time iteration 0's generation at every candidate call size (when each group arrives) and its
     training (a forward/backward of one group, then of all in micro-batches of at most
     `cfg.micro_batch_tokens` or the default cap) at `threads` threads. Leaves the RNG, the weights and
     the gradients as they were. ProbeTooSlow after the first timed call when all `probes` would take more than
-    PROBE_BUDGET_S and PROBE_SHARE of the run's sampling (each call size samples the whole iteration)."""
+    PROBE_BUDGET_S and PROBE_SHARE of the run's sampling (each call size samples the whole iteration). `alive()`,
+    after each group sampled and before the training is timed, raises if the inference side died meanwhile."""
     policy = tri.policy
     generation = sampling_config(cfg, stop_token_ids(policy, tokenizer), tokenizer.pad_token_id)
     examples = [train_examples[i] for i in iteration_prompts(len(train_examples), cfg.prompts_per_iteration,
@@ -232,7 +235,7 @@ def probe(cfg, tri, tokenizer, train_examples, threads: int, probes: int = 1) ->
     try:
         with torch.random.fork_rng(devices=[]):
             policy.eval()
-            hand_over = hand_over_work(cfg, tokenizer, prompts)
+            hand_over = hand_over_work(cfg, tokenizer, prompts, alive)
             sample_timeline(policy, prompts[:1], cfg.group_size, generation, cfg, 1, hand_over)  # warm-up
             runs, tokens, widths, responses = {}, {}, {}, None  # runs: size -> [(seconds, timeline)], one per pass
             order = sorted(set(candidate_chunks(len(prompts))) | {min(cfg.groups_per_chunk or 1, len(prompts))},
@@ -256,6 +259,7 @@ def probe(cfg, tri, tokenizer, train_examples, threads: int, probes: int = 1) ->
                      for p, group in zip(prompts, responses)]
             whole = tokens[len(prompts)]
             tri.start_iteration()
+            alive()
             one_train_s = min(_timed_backward(tri, batch[:1], cfg) for _ in range(REPEATS + 1))  # the first: warm-up
             cap, cuts = cfg.micro_batch_tokens or MICRO_BATCH_TOKENS, [0]
             while cuts[-1] < len(batch):
@@ -289,14 +293,15 @@ def in_turns(probe: Probe, prompts: int, cap: int, calls: int | None = None, min
     return calls, generate_s + train_s  # one side after the other: no overlap
 
 
-def choose(cfg, tri, tokenizer, train_examples, cores: int | None = None, min_calls: int = 1
+def choose(cfg, tri, tokenizer, train_examples, cores: int | None = None, min_calls: int = 1, alive=lambda: None
            ) -> tuple[object, str, float]:
     """`cfg` with the sizes `config.derive` left open (None) filled from probes, a line saying what was
     measured ('' when nothing was open), and the predicted speedup of the chosen schedule over taking
     turns at the same sizes with every core per side (1.0 when it takes turns, or nothing was probed):
     the pipeline's bound from measured phase times, streaming by completion counted. `cores`: the cores
     this process may use (default: all it may run on; a trainer rank's share of its host under torchrun);
-    `min_calls`: at least this many generate calls (under torchrun, one per sampler: distributed.share_sizes).
+    `min_calls`: at least this many generate calls (under torchrun, one per sampler: distributed.share_sizes);
+    `alive()`: raises if the inference side died meanwhile (`probe`).
 
     Sync mode (and async when the threads are given or there is one core) probes at its own thread
     count. Async with the threads open probes twice: overlapped, at half the cores per side, and in
@@ -316,10 +321,10 @@ def choose(cfg, tri, tokenizer, train_examples, cores: int | None = None, min_ca
     try:
         if cfg.mode == "sync" or not split_open:
             threads = cfg.train_threads if cfg.mode == "async" else cores
-            result = full = probe(cfg, tri, tokenizer, train_examples, threads=threads or cores)
+            result = full = probe(cfg, tri, tokenizer, train_examples, threads=threads or cores, alive=alive)
         else:
-            result = probe(cfg, tri, tokenizer, train_examples, threads=max(1, cores // 2), probes=2)
-            full = probe(cfg, tri, tokenizer, train_examples, threads=cores)
+            result = probe(cfg, tri, tokenizer, train_examples, threads=max(1, cores // 2), probes=2, alive=alive)
+            full = probe(cfg, tri, tokenizer, train_examples, threads=cores, alive=alive)
             tail = full.train_seconds if elastic else None  # the tail at every core (launch.setup.elastic_threads)
     except ProbeTooSlow as slow:
         return rule_sizes(cfg, cores, min_calls), (
@@ -374,18 +379,18 @@ def rule_sizes(cfg, cores: int, min_calls: int):
                                tail_threads=cfg.tail_threads or train)
 
 
-def choose_for_ranks(cfg, tri, tokenizer, train_examples, ranks) -> tuple[object, str]:
+def choose_for_ranks(cfg, tri, tokenizer, train_examples, ranks, alive=lambda: None) -> tuple[object, str]:
     """(`choose`'s config and line) for this process, one of `ranks` (infra/distributed.py): under torchrun with the
     sizes to probe (--sizes probe on CPU, no inference ranks), trainer rank 0 probes on its share of its host's
     cores, at least one generate call per sampler, while the other ranks wait, and every rank takes its sizes
-    (distributed.share_sizes: the same calls and micro-batch on every rank)."""
+    (distributed.share_sizes: the same calls and micro-batch on every rank). `alive`: as `choose`'s."""
     probed_here = cfg.sizes == "probe" and cfg.rollout_device.startswith("cpu")  # (the same on every rank)
     if ranks.size == 1 or ranks.inference or not probed_here:
-        return choose(cfg, tri, tokenizer, train_examples)[:2]
+        return choose(cfg, tri, tokenizer, train_examples, alive=alive)[:2]
     chosen, note = None, ""
     if ranks.is_main:
         cores = max(1, available_cores() // ranks.local_size)
-        chosen, note, _ = choose(cfg, tri, tokenizer, train_examples, cores, distributed.samplers(cfg, ranks))
+        chosen, note, _ = choose(cfg, tri, tokenizer, train_examples, cores, distributed.samplers(cfg, ranks), alive)
     cfg = distributed.share_sizes(cfg, ranks, chosen)
     distributed.check(cfg, ranks)
     return cfg, note

@@ -368,11 +368,12 @@ def test_a_stop_at_any_moment_keeps_the_last_iteration_done(straight_async_run, 
             map(json.loads, (out / "metrics.jsonl").read_text().splitlines())] == rows[:3]
 
 
-def test_a_stop_between_the_step_and_the_row_keeps_that_iteration(tiny_model_dir, tmp_path, monkeypatch):
+def test_a_stop_between_the_step_and_the_row_keeps_that_iteration(tiny_model_dir, tmp_path, monkeypatch, capsys):
     """Claim: with --save-on-stop, a stop right after iteration 1's optimizer step, before its row is out (where an
     async trainer waits for the iteration's end, or its evaluation), still hands iteration 1's row out, then stops
-    and writes checkpoint-2 (θ_2, AdamW after two steps), which restores the weights the run had. It wrote no
-    checkpoint (the iterations done, 2, were taken for a half-done iteration against the 1 row out)."""
+    and writes checkpoint-2 (θ_2, AdamW after two steps), which restores the weights the run had, saying at once
+    that the stop waits for it. It wrote no checkpoint (the iterations done, 2, were taken for a half-done
+    iteration against the 1 row out)."""
     import learner
     from launch import setup
     from infra.data import load_task
@@ -394,6 +395,8 @@ def test_a_stop_between_the_step_and_the_row_keeps_that_iteration(tiny_model_dir
         for row in rows:
             handed_out.append(row["iteration"])
     assert handed_out == [0, 1]
+    assert capsys.readouterr().out.endswith("periodic-rl: stopping: writing the checkpoint of the 2 iterations done "
+                                            "first\n")
     assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["checkpoint-2"]
     fresh, _ = load_model(cfg.model)
     optimizer = torch.optim.AdamW(fresh.parameters(), lr=cfg.lr)
@@ -630,6 +633,51 @@ def test_a_resume_that_fails_leaves_the_metrics_and_says_the_policy_is_there(fin
     after = snapshot(out)
     assert {k: v for k, v in after.items() if k != "config.json"} == {k: v for k, v in before.items()
                                                                       if k != "config.json"}
+
+
+def test_a_resume_whose_model_link_moved_or_whose_source_is_gone(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """Claim: the preemptible recipe started from `--model latest` (a link to run A) resumes, once the link has moved
+    to run C, from A's policy, where the checkpoint's run began, with one line saying the link moved (it was refused:
+    "--model C/policy differs from the checkpoint's A/policy"); the resumed θ_0 is A's (restore checks the
+    fingerprint; C's weights differ); resubmitted once complete, it has nothing to do. Once A is gone, the same command is one line that names it gone and what to
+    pass: with A's path, that it no longer exists; through the link to C, that C's initial weights are not the
+    checkpoint's."""
+    import trainer
+    from safetensors.torch import load_file, save_file
+    monkeypatch.chdir(tmp_path)
+    run = ["--mode", "sync", *RUN[:2], *RUN[4:], "--eval-every", "0", "--lr-scheduler-type", "constant"]
+    for source in ("A", "C"):
+        assert trainer.main(["--model", str(tiny_model_dir), *run, "--iterations", "1", "--out", source]) == 0
+    weights = load_file("C/policy/model.safetensors")
+    name = sorted(weights)[0]
+    save_file({**weights, name: weights[name] + 0.01}, "C/policy/model.safetensors", {"format": "pt"})
+    os.symlink("A", "latest")
+    recipe = ["--model", "latest", *run, "--save-every", "1", "--out", "B", "--resume", "auto"]
+    assert trainer.main([*recipe, "--iterations", "1"]) == 0
+    os.remove("latest")
+    os.symlink("C", "latest")  # another run moved it
+    capsys.readouterr()
+    a, c = (tmp_path / "A" / "policy"), (tmp_path / "C" / "policy")
+    assert trainer.main([*recipe, "--iterations", "2"]) == 0
+    out = capsys.readouterr().out
+    assert (f"periodic-rl: --model latest now leads to {c}, not to {a}, where the run in --out began (the link moved): "
+            f"continuing from {a}\n") in out and "resuming from B/checkpoint-1 at iteration 1 of 2" in out
+    assert json.loads(Path("B/config.json").read_text())["model"] == str(a)
+    assert trainer.main([*recipe, "--iterations", "2"]) == 0  # resubmitted once complete: nothing to do
+    assert "periodic-rl: --resume auto: the run in B is complete (2 iterations" in capsys.readouterr().out
+    shutil.rmtree("A")
+    assert trainer.main([*recipe, "--model", "A", "--iterations", "3"]) == 1
+    assert capsys.readouterr().err == (f"error: --model A: the checkpoint's source model, {a}, no longer exists (moved "
+                                       "or deleted): put it back, or pass --model with the folder it is in now (its "
+                                       "weights are checked against the checkpoint's initial ones)\n")
+    with pytest.raises(SystemExit):  # a path that is not there is refused as options are read, saying so too
+        trainer.main([*recipe, "--model", str(tmp_path / "A"), "--iterations", "3"])
+    assert "a resumed run's source model must be where its run found it: put it back" in capsys.readouterr().err
+    assert trainer.main([*recipe, "--iterations", "3"]) == 1
+    captured = capsys.readouterr()
+    assert (f"periodic-rl: --model latest: the checkpoint's source model, {a}, no longer exists: continuing from {c}, "
+            "whose weights are checked against the checkpoint's initial ones\n") in captured.out
+    assert captured.err.startswith("error: checkpoint ") and "other initial weights" in captured.err
 
 
 @pytest.mark.parametrize("schedule, warmup, refused", [("linear", "0", True), ("cosine", "0.3", True),

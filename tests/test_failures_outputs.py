@@ -318,6 +318,25 @@ def test_inference_process_dying_in_the_final_evaluation_keeps_the_policy(tiny_m
     assert_loadable(out / "policy")
 
 
+def test_a_failure_after_the_last_optimizer_step_saves_the_policy_first(tiny_model_dir, tmp_path, monkeypatch,
+                                                                        capsys):
+    """Claim: an error that no check foresaw, raised after the last optimizer step (transformers' polynomial schedule
+    with a negative power divides by zero computing the rate after the last step; the start-up check that refuses it
+    is bypassed here), still leaves the trained policy/ and every iteration's metrics row, and ends with one `error:`
+    line naming the error and where the policy is, exit 1 (it was a traceback, no policy/, the last row missing)."""
+    from infra import options
+    monkeypatch.setattr(options, "schedule_problem", lambda cfg: None)
+    out = tmp_path / "run"
+    code = trainer.main(["--model", str(tiny_model_dir), "--mode", "sync", *small_run(out, "--iterations", "3"),
+                         "--lr-scheduler-type", "polynomial", "--lr-scheduler-kwargs", '{"power": -1}'])
+    err = capsys.readouterr().err
+    assert code == 1 and err == (f"error: the run failed after its last optimizer step: ZeroDivisionError: 0.0 cannot "
+                                 f"be raised to a negative power (the trained policy was saved in {out / 'policy'} "
+                                 "first)\n")
+    assert rows_of(out) == [0, 1, 2]
+    assert_loadable(out / "policy")
+
+
 @pytest.mark.slow
 def test_closed_stdout_stops_the_run_without_a_traceback(tiny_model_dir, tmp_path):
     """Claim: `python trainer.py | head -n 1` prints that line, then the trainer stops (exit 1) with one `error:`
@@ -378,6 +397,46 @@ def test_a_full_disk_on_the_stop_checkpoint_says_so(tiny_model_dir, tmp_path):
                                 r"checkpoint could not be written \(could not write the checkpoint .*/checkpoint-\d+: "
                                 r"No space left on device\): there is no checkpoint to resume from$")
     assert not [p.name for p in (keep / "run").iterdir() if "checkpoint" in p.name]
+
+
+@pytest.mark.parametrize("stop_first", [True, False], ids=["stop-checkpoint", "periodic-checkpoint"])
+def test_a_full_disk_is_named_whatever_stop_comes_while_its_error_goes_up(tiny_model_dir, tmp_path, monkeypatch,
+                                                                          capsys, stop_first):
+    """Claim: a checkpoint that does not fit on the disk is named in the stop line however the stop and the error
+    meet: the stop checkpoint fails and a second stop comes while the run winds down (waiting for the inference
+    process), or a periodic checkpoint fails and the stop comes as its error goes up. Either way the line names the
+    full disk and the checkpoint --resume auto continues from (the stop raised on the way out replaced the disk's
+    error, and the line said only "no checkpoint holds iterations 1 to 1")."""
+    import learner
+    from infra import tracking
+    out, real_save, real_step, steps = tmp_path / "run", checkpoint.save, learner.Learner.step, []
+
+    def save(directory, iterations_done, *args, **kwargs):
+        if iterations_done < 2:
+            return real_save(directory, iterations_done, *args, **kwargs)
+        with outputs.writing("the checkpoint", Path(directory) / f"checkpoint-{iterations_done}"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def step_then_stop(self):  # a stop right after iteration 1's step (the stop checkpoint then holds 2 iterations)
+        real_step(self)
+        steps.append(1)
+        if stop_first and len(steps) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def exit_stopped(self, *exc):  # a stop (the second, or the first) while the run winds down
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.5)
+    monkeypatch.setattr(checkpoint, "save", save)
+    monkeypatch.setattr(learner.Learner, "step", step_then_stop)
+    monkeypatch.setattr(tracking.Trackers, "__exit__", exit_stopped)
+    code = trainer.main(["--model", str(tiny_model_dir), "--mode", "sync", *small_run(out, "--iterations", "4"),
+                         "--save-every", "1"])
+    lost = f"could not write the checkpoint {out / 'checkpoint-2'}: No space left on device"
+    lost = (f"the stop checkpoint could not be written ({lost})" if stop_first
+            else f"as the stop came, {lost} (the run stopped before training ended: no policy was saved)")
+    assert code == 143 and capsys.readouterr().err == (
+        f"interrupted by SIGTERM: the run was stopped, nothing is left running; {lost}: --resume auto --out {out} "
+        f"continues from {out / 'checkpoint-1'} (1 of the 2 iterations done)\n")
 
 
 # --- without --out: a folder per run, runs/latest links the newest (issue #32 point 6) ---

@@ -233,3 +233,37 @@ def test_a_lora_runs_policy_loads_as_its_base_with_the_adapter_merged(tiny_model
         assert not torch.allclose(base(input_ids=ids).logits, expected, rtol=1e-3, atol=1e-3)  # the adapter counts
     with pytest.raises(ModelError, match="--use-peft with model .*a LoRA adapter"):
         load_model(str(adapter_dir), lora=LORA)
+
+
+def test_lora_options_are_checked_before_training(tiny_model_dir, tmp_path, capsys):
+    """Claim: a --lora-target-modules name that matches no module (a typo beside a right one, which peft accepts,
+    adapting the right one alone) is one line naming it and the model's linear layers; --lora-r 0 (or a bad alpha or
+    dropout) is refused as options are read, before any model loads; --lora-* without --use-peft is one line saying
+    they are ignored (as TRL ignores them) and every weight is trained; peft's warnings (a tied layer in the adapter)
+    come as one `periodic-rl: peft:` line each, without peft's file paths on stderr, and a save adds none."""
+    import warnings
+    from infra.models import ModelError
+    with pytest.raises(ModelError, match=r"^--lora-target-modules qproj: no module of Qwen2ForCausalLM is named so "
+                                         r"\(its linear layers: down_proj gate_proj k_proj lm_head o_proj q_proj "
+                                         r"up_proj v_proj; or all-linear\)$"):
+        load_model(str(tiny_model_dir), lora={**LORA, "target_modules": ["q_proj", "qproj"]})
+    capsys.readouterr()  # (transformers' progress bar)
+    for argv, refusal in ((["--lora-r", "0"], "--lora-r must be at least 1"),
+                          (["--lora-alpha", "0"], "--lora-alpha must be positive"),
+                          (["--lora-dropout", "1"], "--lora-dropout must be in [0, 1)")):
+        with pytest.raises(SystemExit):
+            parse_args(["--use-peft", *argv])
+        assert capsys.readouterr().err.startswith(f"trainer.py: error: {refusal}")
+    cfg = parse_args(["--lora-r", "8", "--lora-target-modules", "q_proj"])
+    assert not cfg.use_peft and cfg.lora is None
+    assert capsys.readouterr().out == ("periodic-rl: ignored --lora-r, --lora-target-modules: the LoRA adapter's "
+                                       "settings, and --use-peft is off: every weight is trained (add --use-peft to "
+                                       "train an adapter)\n")
+    with warnings.catch_warnings(record=True) as raised:
+        warnings.simplefilter("always")
+        policy, _ = load_model(str(tiny_model_dir), lora={**LORA, "target_modules": ["lm_head", "q_proj"]})
+        policy.save_pretrained(tmp_path / "adapter")
+    assert not [w for w in raised if "peft" in Path(w.filename).parts], [str(w.message) for w in raised]
+    said = capsys.readouterr().out.splitlines()
+    assert len(said) == 1 and said[0].startswith("periodic-rl: peft: Model has `tie_word_embeddings=True` and a tied "
+                                                 "layer is part of the adapter"), said

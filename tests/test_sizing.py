@@ -177,3 +177,27 @@ def test_probe_changes_nothing_and_choose_fills_only_open_sizes(tiny_model_dir, 
     capsys.readouterr()
     assert sizing.choose(given, tri, tokenizer, train) == (given, "", 1.0)
     assert capsys.readouterr().out == ""
+
+
+def test_the_probe_asks_after_each_group_whether_the_inference_side_lives(tiny_model_dir):
+    """Claim: the probe calls `alive()` after each group it samples (and before it times the training), so an
+    inference process that dies during a probe of minutes is reported from inside it, not once it ends: its error
+    stops the probe at the group where it is seen."""
+    from infra.errors import PipelineError
+    cfg = derive(Config(model=str(tiny_model_dir), data="arithmetic", mode="async", batch_size=16, group_size=4,
+                        max_new_tokens=4, rollout_threads=1, train_threads=1))
+    policy, tokenizer = load_model(cfg.model)
+    train, _ = load_task(cfg.data, eval_size=4)
+    tri = TriModel(policy, logprobs_fn(policy, pad_id=tokenizer.pad_token_id), use_reference=True, use_old=False)
+    asked = []
+
+    def alive() -> None:
+        asked.append(len(asked))
+        if len(asked) == 3:
+            raise PipelineError("the inference process (PID 1) died: killed by SIGKILL")
+    with pytest.raises(PipelineError, match="died: killed by SIGKILL"):
+        sizing.probe(cfg, tri, tokenizer, train, threads=1, alive=alive)
+    assert asked == [0, 1, 2]
+    asked.clear()
+    sizing.probe(cfg, tri, tokenizer, train, threads=1, alive=lambda: asked.append(1))
+    assert len(asked) > cfg.prompts_per_iteration * sizing.PASSES  # each group of each pass, then before the training

@@ -342,6 +342,32 @@ def test_learning_rate_schedule_as_transformers(tiny_model_dir, tmp_path):
         assert argv[0] in result.stderr
 
 
+@pytest.mark.parametrize("schedule, arguments, refusal", [
+    ("polynomial", '{"power": -1}', " fails after 3 of its 3 optimizer steps: ZeroDivisionError: 0.0 cannot be "
+                                    "raised to a negative power"),
+    ("inverse_sqrt", '{"timescale": -1}', " fails after 1 of its 3 optimizer steps: ZeroDivisionError"),
+    ("inverse_sqrt", '{"timescale": 0}', " fails after 0 of its 3 optimizer steps: ZeroDivisionError"),
+    ("polynomial", '{"lr_end": -1}', " gives the learning rate -0.333267 after 1 of its 3 optimizer steps: a rate "
+                                     "must be a finite number >= 0"),
+    ("cosine_with_min_lr", '{"min_lr_rate": NaN}', ": min_lr_rate must be a finite number"),
+    ("cosine_warmup_with_min_lr", '{"min_lr": Infinity}', ": min_lr must be a finite number")])
+def test_a_schedule_that_fails_at_any_step_is_refused_before_a_model_loads(schedule, arguments, refusal, capsys):
+    """Claim: the schedule is evaluated at every step of the run, 0 to the rate after the last optimizer step, as
+    options are read: an arithmetic error at any of them (a negative power at the step after the last, a timescale of
+    0 as the schedule is built), a negative rate, and a non-finite argument (NaN is clamped to a rate of 0 at every
+    step: a run that trains nothing) are one usage line naming the option and its value (they crashed the run at its
+    end, or at its first step, or trained nothing without a word)."""
+    argv = ["--iterations", "3", "--lr-scheduler-type", schedule, "--lr-scheduler-kwargs", arguments]
+    with pytest.raises(SystemExit) as refused:
+        parse_args(argv)
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"error: --lr-scheduler-type {schedule} with --lr-scheduler-kwargs {arguments}{refusal}" in err, err
+    assert parse_args(["--iterations", "3", "--lr-scheduler-type", schedule, "--lr-scheduler-kwargs",
+                       {"polynomial": '{"power": 2}', "inverse_sqrt": '{"timescale": 2}'}.get(schedule, '{"min_lr": 0}')
+                       ]).lr_scheduler_type == schedule  # the same schedule, with arguments that work
+
+
 def test_disable_dropout_zeroes_every_rate():
     """Claim (TRL's disable_dropout, on by default here): after setup.disable_dropout a model in training mode
     computes the same output twice, for dropout modules (GPT-2's nn.Dropout) and for rates read at forward time

@@ -322,3 +322,25 @@ def test_an_inference_process_ends_its_threads_before_it_exits(at, monkeypatch):
     assert pipe.sent == [("loaded", None)] * (at - 1)
     left = [thread.name for thread in set(threading.enumerate()) - before if thread.is_alive()]
     assert "heartbeat" not in left and "outbox" not in left, left
+
+
+def test_a_stop_ends_the_workers_at_once():
+    """Claim: leaving the inference side's `with` block on a stop signal (Interrupted, a KeyboardInterrupt) sends
+    every worker SIGTERM at once, without asking it to stop and waiting for it to finish its command (seconds on a
+    busy machine, for samples nothing keeps); leaving it otherwise (the run's end, an error) still asks first."""
+    from infra.stopping import Interrupted
+
+    class Worker:
+        failed, calls = False, []
+
+        def ask_to_stop(self):
+            self.calls.append("ask")
+
+        def end(self, wait, terminate):
+            self.calls.append(("end", wait, terminate))
+    polite = ["ask", "ask"] + [("end", True, True)] * 2
+    for kind, expected in ((Interrupted, [("end", False, True)] * 2), (None, polite), (ValueError, polite)):
+        rollouts = object.__new__(inference.AsyncRollouts)
+        rollouts.workers, rollouts.weights, rollouts.loaded, Worker.calls = [Worker(), Worker()], None, True, []
+        rollouts.__exit__(kind, None, None)
+        assert Worker.calls == expected, kind
