@@ -24,6 +24,8 @@ finishes and all written to --json.
    calls per iteration, so async has groups to overlap), seconds per iteration (first dropped).
 4. peer: `bench.py peer --model DIR --data GSM8K --device cuda`: samples/s against TRL 1.16's GRPOTrainer with
    HF generate (goal: 3x or more), when --trl-python has trl (else skipped, and said why).
+5. train: one iteration's training on the decode part's workload (responses of M random tokens), phase by phase,
+   with achieved TFLOP/s against the device's bf16 peak (benchmarks/train_step.py; goal: 35% or more).
 
 The model is tools/qwen_shaped_random.py's directory (Qwen2.5-0.5B-Instruct's config, chat template and generation
 config; a byte-level tokenizer, so a GSM8K question in the chat template is ~450 tokens), built into a temporary
@@ -51,9 +53,10 @@ import rollout
 from benchmarks.common import write_json
 from benchmarks.engine_cpu import eos_ids, gsm8k_prompts, qwen_wide_model
 from benchmarks.peer import peer, peer_run
+from benchmarks.train_step import GOAL_SHARE, train_args, train_part
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ("decode", "kernels", "pipeline", "peer")
+PARTS = ("decode", "kernels", "pipeline", "peer", "train")
 GOAL_DECODE_MS = 2.0
 
 
@@ -83,6 +86,7 @@ def gpu_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trl-args", default="--micro-batch 16", help="peer part: extra tools/trl_grpo_run.py "
                                                                        "options")
     parser.add_argument("--json", metavar="FILE", help="write the figures as JSON to FILE")
+    train_args(parser)
 
 
 # --- part 1: decode ---
@@ -410,6 +414,13 @@ def gpu(args: argparse.Namespace) -> bool:
                   f"{figures['decode']['rows']} rows", flush=True)
     if "kernels" in parts:
         figures["kernels"] = kernels_part(args, device)
+    if "train" in parts:  # benchmarks/train_step.py
+        figures["train"] = train_part(args, device)
+        share = figures["train"]["iteration"]["of_peak"]
+        if share is not None:
+            ok = ok and share >= GOAL_SHARE
+            print(("PASS " if share >= GOAL_SHARE else "FAIL ") + f"training at {share:.0%} of the bf16 peak (goal "
+                  f">= {GOAL_SHARE:.0%})", flush=True)
     if "pipeline" in parts or "peer" in parts:
         with tempfile.TemporaryDirectory() as scratch:
             model = model_directory(args, Path(scratch))

@@ -259,3 +259,43 @@ def test_decode_step_parts_run_every_variant_on_cpu(capsys):
     assert len(differences) == 4 and max(differences[:3]) < 2e-4 and differences[3] < 1.3e-3, out
     agreed = re.search(r"compiled draw = eager draw: \[(\d+), (\d+), (\d+)\] of 8 tokens", out)
     assert agreed and [int(count) for count in agreed.groups()] == [8, 8, 8], out
+
+
+def test_train_flops_count_the_mask_pairs_and_the_weights():
+    """Claim (bench.py gpu --parts train): one forward's FLOPs are 2·(the decoder's matrix weights)·(packed tokens),
+    4·layers·heads·head_dim per (query, key) pair the shared-prompt mask allows (counted here from the mask itself),
+    and 2·hidden·vocab per response token (the head at the trained positions only)."""
+    from attention import pack, shared_prompt_mask
+    from benchmarks.engine_cpu import qwen_wide_model
+    from benchmarks.train_step import forward_flops
+
+    model = qwen_wide_model(layers=2, vocab=512)
+    groups = [(torch.arange(5), [torch.arange(3), torch.arange(1), torch.arange(4)]), (torch.arange(2), [torch.arange(2)])]
+    segments = pack(groups).segment_ids  # (2, 13): the second row has 9 padding tokens, each seeing itself
+    pairs = int(shared_prompt_mask(segments).sum()) - int((segments < 0).sum())
+    weights = 2 * (2 * 896 * 896 + 2 * 896 * 128 + 3 * 896 * 4864)  # q, o; k, v (2 of 14 heads); gate, up, down
+    expected = 2 * weights * 17 + 4 * 2 * 14 * 64 * pairs + 2 * 896 * 512 * 10
+    assert forward_flops(model, [(5, [3, 1, 4]), (2, [2])]) == expected
+
+
+def test_gpu_train_part_times_every_phase_on_cpu(tmp_path):
+    """Claim (bench.py gpu --parts train): the training part runs on CPU at a tiny size, micro-batch by micro-batch,
+    and reports every phase's seconds, the TFLOP/s of those with FLOPs (no share of a peak on CPU), and an iteration
+    whose seconds are its phases' without the old policy's. Timings are not asserted, only that they were taken."""
+    import argparse
+    import json
+
+    from benchmarks.train_step import PHASES, train_part
+
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"question": f"What is {a} + 2?", "answer": "#### 0"})
+                                                  + "\n" for a in range(3)))
+    args = argparse.Namespace(layers=1, vocab=512, prompts=3, group_size=2, decode_tokens=4, rounds=1,
+                              train_micro_groups=2, data=tmp_path)
+    figures = train_part(args, torch.device("cpu"))
+    phases = figures["phases"]
+    assert list(phases) == list(PHASES) and all(phases[name]["seconds"] >= 0 for name in PHASES if name != "host gaps")
+    assert all(phases[name]["tflops"] > 0 and phases[name]["of_peak"] is None
+               for name in ("reference", "old policy", "forward", "backward"))
+    assert phases["backward"]["flops"] == 2 * phases["forward"]["flops"] == 2 * figures["forward_flops"]
+    assert figures["iteration"]["seconds"] == pytest.approx(sum(phases[n]["seconds"] for n in PHASES if n != "old policy"))
+    assert figures["peak_memory_bytes"] > 0
