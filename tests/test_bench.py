@@ -299,3 +299,30 @@ def test_gpu_train_part_times_every_phase_on_cpu(tmp_path):
     assert phases["backward"]["flops"] == 2 * phases["forward"]["flops"] == 2 * figures["forward_flops"]
     assert figures["iteration"]["seconds"] == pytest.approx(sum(phases[n]["seconds"] for n in PHASES if n != "old policy"))
     assert figures["peak_memory_bytes"] > 0
+
+
+@pytest.mark.slow
+def test_gpu_check_script_dry_runs_on_cpu(tmp_path):
+    """Claim (tools/gpu_check.sh): the prepared GPU check runs each part it is given under its own limit and leaves
+    its log, its figures and its exit status under $OUT; GPU_CHECK_CPU=1 runs the same parts at a tiny size on CPU;
+    an unknown part is one line and exit 2."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    data = tmp_path / "gsm8k"
+    data.mkdir()
+    (data / "train.jsonl").write_text("".join(json.dumps({"question": f"What is {a} + 2?", "answer": f"#### {a + 2}"})
+                                              + "\n" for a in range(4)))
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "GPU_CHECK_CPU": "1", "DATA": str(data), "PYTHON": sys.executable}
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(["bash", "tools/gpu_check.sh", "train"], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout + (out / "train.log").read_text()[-2000:]
+    assert (out / "train.status").read_text().split()[0] == "0"
+    assert set(json.loads((out / "train.json").read_text())["train"]["phases"]) >= {"forward", "backward"}
+    wrong = subprocess.run(["bash", "tools/gpu_check.sh", "trian"], cwd=root, env=env, capture_output=True, text=True)
+    assert wrong.returncode == 2 and wrong.stdout.strip() == "error: unknown part trian (train, decode, peer, " \
+                                                             "pipeline, kernels)"
