@@ -169,14 +169,14 @@ def train_part(args: argparse.Namespace, device: torch.device) -> dict:
         share = tflops / peak if tflops is not None and peak else None
         figures["phases"][name] = {"seconds": spent, "flops": work, "tflops": tflops, "of_peak": share,
                                    "rounds": [r[name] for r in rounds]}
-        print(f"{name:12s} {spent:8.3f} {f'{tflops:.1f}' if tflops else '':>8s} "
+        print(f"{name:12s} {spent:8.3f} {f'{tflops:.3g}' if tflops else '':>8s} "
               f"{f'{share:.1%}' if share is not None else 'n/a' if work else '':>8s}", flush=True)
     total = sum(figures["phases"][name]["seconds"] for name in PHASES if name != "old policy")
     work = 4 * flops  # reference, forward, backward
     figures["iteration"] = {"seconds": total, "tflops": work / total / 1e12,
                             "of_peak": work / total / 1e12 / peak if peak else None}
     share = figures["iteration"]["of_peak"]
-    print(f"{'iteration':12s} {total:8.3f} {work / total / 1e12:8.1f} "
+    print(f"{'iteration':12s} {total:8.3f} {work / total / 1e12:8.3g} "
           f"{f'{share:.1%}' if share is not None else 'n/a':>8s}   (without the old policy; 4F of work); "
           f"peak memory {memory / 2**30:.2f} GiB ({figures['peak_memory_kind']})", flush=True)
     return figures
