@@ -59,8 +59,9 @@ Deliberate choices and departures:
 3. Only the hidden states that predict a response token reach the output layer, gathered per
    token, and their log-probs are taken block by block (rows x vocabulary columns) with an online
    logsumexp and a hand-written backward that recomputes each block (`token_logprobs`, `HeadLogprobs`):
-   no (tokens x vocab) tensor ever exists, and backward keeps only h, the targets and logsumexp. Models whose logits are not plain lm_head(h) (soft-capping,
-   logit scales: `LOGIT_TRANSFORMS`) take the model's own logits instead (`logits_to_keep`).
+   no (tokens x vocab) tensor ever exists, and backward keeps only h, the targets and logsumexp.
+   Models whose logits are not plain lm_head(h) (soft-capping, logit scales: `LOGIT_TRANSFORMS`)
+   take the model's own logits instead (`logits_to_keep`).
 4. Log-probs are of `logits / temperature` in float32 (as TRL), so they match the sampling
    distribution.
 5. `pad_to_multiple_of` (TRL's option of that name) rounds the row length L up: padding is masked as
@@ -293,17 +294,18 @@ class HeadLogprobs(torch.autograd.Function):
     Backward, with g = ∂L/∂log p_t and p = softmax(z) recomputed per block as e^(z - logsumexp z):
         ∂L/∂z_j = g·(1[j = t] - p_j),   z = (h Wᵀ + b)/T   =>
         ∂L/∂h = (g/T)·(W_t - Σ_j p_j W_j),   ∂L/∂W_j = Σ_rows (g/T)·(1[j = t] - p_j)·h,   ∂L/∂b_j = Σ_rows the same
-    (without W, h is z·T: ∂L/∂h_j = (g/T)·(1[j = t] - p_j)). The products again in the forward's dtype, the sums
+    (without W, z = h/T: ∂L/∂h_j = (g/T)·(1[j = t] - p_j)). The products again in the forward's dtype, the sums
     over blocks in float32.
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, dtype, rows, columns, entropy):
         M, V = len(hidden), hidden.shape[-1] if weight is None else weight.shape[0]
-        peak = torch.full((M,), -torch.inf, device=hidden.device)   # (M,) m, the running max
-        total = torch.zeros(M, device=hidden.device)                # (M,) s = Σ e^(z - m)
-        moment = torch.zeros(M, device=hidden.device)               # (M,) u = Σ e^(z - m)·z
-        picked = torch.zeros(M, device=hidden.device)               # (M,) z_t
+        sums = dict(device=hidden.device, dtype=torch.promote_types(dtype, torch.float32))  # float32, or float64
+        peak = torch.full((M,), -torch.inf, **sums)   # (M,) m, the running max
+        total = torch.zeros(M, **sums)                # (M,) s = Σ e^(z - m)
+        moment = torch.zeros(M, **sums)               # (M,) u = Σ e^(z - m)·z
+        picked = torch.zeros(M, **sums)               # (M,) z_t
         for v in range(0, V, columns):
             w = None if weight is None else weight[v:v + columns].to(dtype)   # (V', H) cast once per block
             b = None if bias is None else bias[v:v + columns]
@@ -333,10 +335,11 @@ class HeadLogprobs(torch.autograd.Function):
         hidden, weight, bias, targets, log_normalizer = ctx.saved_tensors
         temperature, dtype, rows, columns = ctx.options
         M, V = len(hidden), hidden.shape[-1] if weight is None else weight.shape[0]
-        scaled = grad.float() / temperature                                    # (M,) g/T
-        grad_h = torch.zeros(hidden.shape, device=hidden.device) if ctx.needs_input_grad[0] else None  # (M, H)
-        grad_w = torch.zeros(weight.shape, device=weight.device) if ctx.needs_input_grad[1] else None  # (V, H)
-        grad_b = torch.zeros(bias.shape, device=bias.device) if ctx.needs_input_grad[2] else None      # (V,)
+        sums = dict(device=hidden.device, dtype=log_normalizer.dtype)          # float32, or float64
+        scaled = grad.to(sums["dtype"]) / temperature                          # (M,) g/T
+        grad_h = torch.zeros(hidden.shape, **sums) if ctx.needs_input_grad[0] else None  # (M, H)
+        grad_w = torch.zeros(weight.shape, **sums) if ctx.needs_input_grad[1] else None  # (V, H)
+        grad_b = torch.zeros(bias.shape, **sums) if ctx.needs_input_grad[2] else None    # (V,)
         for v in range(0, V, columns):
             w = None if weight is None else weight[v:v + columns].to(dtype)   # (V', H)
             b = None if bias is None else bias[v:v + columns]
@@ -345,9 +348,10 @@ class HeadLogprobs(torch.autograd.Function):
                 z = _logits(h, w, b, dtype, temperature)                       # (n, V')
                 g = scaled[r:r + rows]                                         # (n,)
                 dz = (z - log_normalizer[r:r + rows, None]).exp_().mul_(-g[:, None])  # (n, V') -(g/T)·p
-                t = targets[r:r + rows] - v
-                hit = ((t >= 0) & (t < z.shape[1])).nonzero()[:, 0]           # rows whose target is in the block
-                dz[hit, t[hit]] += g[hit]                                      # + (g/T)·1[j = t]
+                t = targets[r:r + rows] - v                                    # (n,) target's column in the block
+                inside = (t >= 0) & (t < z.shape[1])                           # (no host sync: no nonzero())
+                hit = torch.where(inside, g, 0)[:, None]                       # (n, 1) + (g/T)·1[j = t]
+                dz.scatter_add_(1, t.clamp(0, z.shape[1] - 1)[:, None], hit)
                 if weight is None:
                     if grad_h is not None:
                         grad_h[r:r + rows, v:v + columns] = dz
@@ -358,7 +362,8 @@ class HeadLogprobs(torch.autograd.Function):
                     grad_w[v:v + columns] += dz.to(dtype).T @ h.to(dtype)     # (V', H)
                 if grad_b is not None:
                     grad_b[v:v + columns] += dz.sum(dim=0)                     # (V',)
-        return (None if grad_h is None else grad_h.to(hidden.dtype), None if grad_w is None else grad_w.to(weight.dtype),
+        return (None if grad_h is None else grad_h.to(hidden.dtype),
+                None if grad_w is None else grad_w.to(weight.dtype),
                 None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None, None, None)
 
 

@@ -270,7 +270,8 @@ def test_train_flops_count_the_mask_pairs_and_the_weights():
     from benchmarks.train_step import forward_flops
 
     model = qwen_wide_model(layers=2, vocab=512)
-    groups = [(torch.arange(5), [torch.arange(3), torch.arange(1), torch.arange(4)]), (torch.arange(2), [torch.arange(2)])]
+    groups = [(torch.arange(5), [torch.arange(3), torch.arange(1), torch.arange(4)]),
+              (torch.arange(2), [torch.arange(2)])]
     segments = pack(groups).segment_ids  # (2, 13): the second row has 9 padding tokens, each seeing itself
     pairs = int(shared_prompt_mask(segments).sum()) - int((segments < 0).sum())
     weights = 2 * (2 * 896 * 896 + 2 * 896 * 128 + 3 * 896 * 4864)  # q, o; k, v (2 of 14 heads); gate, up, down
@@ -297,7 +298,8 @@ def test_gpu_train_part_times_every_phase_on_cpu(tmp_path):
     assert all(phases[name]["tflops"] > 0 and phases[name]["of_peak"] is None
                for name in ("reference", "old policy", "forward", "backward"))
     assert phases["backward"]["flops"] == 2 * phases["forward"]["flops"] == 2 * figures["forward_flops"]
-    assert figures["iteration"]["seconds"] == pytest.approx(sum(phases[n]["seconds"] for n in PHASES if n != "old policy"))
+    timed = sum(phases[name]["seconds"] for name in PHASES if name != "old policy")
+    assert figures["iteration"]["seconds"] == pytest.approx(timed)
     assert figures["peak_memory_bytes"] > 0
 
 
