@@ -262,7 +262,8 @@ def token_logprobs(hidden: Tensor, head: torch.nn.Module, targets: Tensor, tempe
     elif isinstance(head, torch.nn.Linear):
         weight, bias = head.weight, head.bias
     else:  # another output layer (an adapter's wrapper): its logits per chunk of rows, recomputed in backward
-        rows = max(1, (chunk_bytes or LOGITS_CHUNK_BYTES) // (16 * hidden.shape[-1]))
+        vocab = getattr(head, "out_features", None) or hidden.shape[-1]
+        rows = max(1, (chunk_bytes or LOGITS_CHUNK_BYTES) // (16 * vocab))
         pieces = [torch.utils.checkpoint.checkpoint(lambda h, t: token_logprobs(head(h), torch.nn.Identity(), t,
                                                                                 temperature, chunk_bytes, entropy),
                                                     hidden[i:i + rows], targets[i:i + rows], use_reentrant=False)

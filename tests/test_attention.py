@@ -134,13 +134,14 @@ def test_shared_prompt_logprobs_list_api():
 
 
 # --- memory of the output layer ---
-@pytest.mark.parametrize("case", ["float32", "float32 bias", "float32 logits", "bfloat16 autocast",
-                                  "bfloat16 autocast bias"])
+@pytest.mark.parametrize("case", ["float32", "float32 bias", "float32 logits", "float32 wrapped head",
+                                  "bfloat16 autocast", "bfloat16 autocast bias"])
 def test_head_logprobs_equal_the_full_softmax_and_never_keep_all_logits(case, monkeypatch):
     """Claim: attention.token_logprobs (blocks of 7 rows by 64 of the 300 columns, an online logsumexp, the hand-written
     backward) gives log softmax(z)[t] and the entropy of z = (h Wᵀ + b) / T, T = 0.7, and the gradients of h, W and
     b, of the plain whole-logits computation (log_softmax, gather, autograd), with or without a bias, for a Linear
-    head and for logits given as they are (nn.Identity), in float32 and under bf16 autocast; and saves no tensor
+    head, for logits given as they are (nn.Identity) and for another module around the head (its logits per rows'
+    chunk, checkpointed), in float32 and under bf16 autocast; and saves no tensor
     of M x V elements for backward.
 
     Tolerances, derived (u: unit roundoff of the products' dtype, 2^-24 for float32, 2^-8 for bf16; u32 = 2^-24;
@@ -156,10 +157,13 @@ def test_head_logprobs_equal_the_full_softmax_and_never_keep_all_logits(case, mo
     head = torch.nn.Linear(H, V, bias="bias" in case)
     with torch.no_grad():
         head.weight.normal_(0, 0.5, generator=generator)
+    linear = head
+    if "wrapped" in case:
+        head = torch.nn.Sequential(linear)
     if "logits" in case:
         hidden, head, weight = (3 * torch.randn(M, V, generator=generator)).requires_grad_(), torch.nn.Identity(), None
     else:
-        hidden, weight = torch.randn(M, H, generator=generator, requires_grad=True), head.weight
+        hidden, weight = torch.randn(M, H, generator=generator, requires_grad=True), linear.weight
     targets = torch.randint(V, (M,), generator=generator)
     weights = torch.randn(M, generator=generator)  # dL/dlog p
     leaves = [hidden] + [p for p in head.parameters()]
