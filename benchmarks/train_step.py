@@ -3,8 +3,9 @@
 The workload is the GPU table's: the Qwen2.5-0.5B configuration (random weights, float32 masters, matrix products in
 bf16 under autocast on CUDA as the trainer runs them), --prompts GSM8K prompts x --group-size responses of
 --decode-tokens random tokens each (a random model never stops early), scored as the trainer scores them
-(packing.logprobs_fn, shared-prompt rows where they pay), the default loss (dapo, β = 0.04), one AdamW step. Phases,
-each timed alone (torch.cuda.synchronize before and after on CUDA, wall clock on CPU), in the learner's order:
+(packing.logprobs_fn, shared-prompt rows where they pay, rows padded as --pad-to-multiple-of auto pads them), the
+default loss (dapo, β = 0.04), one AdamW step (launch.setup.adamw). Phases, each timed alone (torch.cuda.synchronize
+before and after on CUDA, wall clock on CPU), in the learner's order:
 
     reference   π_ref's log-probs (no grad)                         F
     old policy  π_θk's log-probs (no grad; only when an iteration takes > 1 step: not in the iteration's sum)  F
@@ -37,6 +38,7 @@ import torch
 import packing
 from benchmarks.engine_cpu import gsm8k_prompts, qwen_wide_model
 from grpo import grpo_loss
+from infra.options import PAD_MULTIPLE_ACCELERATOR
 from launch.setup import adamw
 from tri_model import TriModel
 from weights import WeightBuffer
@@ -134,8 +136,9 @@ def clock_on(device: torch.device):
 def train_part(args: argparse.Namespace, device: torch.device) -> dict:
     model, groups = train_workload(args, device)
     compute = torch.bfloat16 if device.type == "cuda" else torch.float32
-    tri = TriModel(model, packing.logprobs_fn(model, "auto", 1.0, args.vocab - 2), use_reference=True, use_old=True,
-                   compute_dtype=compute)
+    multiple = PAD_MULTIPLE_ACCELERATOR if device.type != "cpu" else 1  # the trainer's --pad-to-multiple-of auto
+    tri = TriModel(model, packing.logprobs_fn(model, "auto", 1.0, args.vocab - 2, multiple), use_reference=True,
+                   use_old=True, compute_dtype=compute)
     optimizer = adamw([p for p in model.parameters() if p.requires_grad], lr=1e-6, weight_decay=0.0)
     try:
         buffer = WeightBuffer(model, compute)
