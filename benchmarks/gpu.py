@@ -1,4 +1,4 @@
-"""`python bench.py gpu`: the GPU table in one command (~10-20 minutes of one H100), four parts, each printed as it
+"""`python bench.py gpu`: the GPU table in one command (~10-20 minutes of one H100), five parts, each printed as it
 finishes and all written to --json.
 
 1. decode: 16 GSM8K questions x 8 samples = 128 rows of the Qwen2.5-0.5B configuration (random weights, bfloat16,

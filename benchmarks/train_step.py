@@ -134,6 +134,8 @@ def clock_on(device: torch.device):
 
 
 def train_part(args: argparse.Namespace, device: torch.device) -> dict:
+    if args.train_micro_groups < 1:
+        raise SystemExit(f"error: --train-micro-groups {args.train_micro_groups}: give 1 or more")
     model, groups = train_workload(args, device)
     compute = torch.bfloat16 if device.type == "cuda" else torch.float32
     multiple = PAD_MULTIPLE_ACCELERATOR if device.type != "cpu" else 1  # the trainer's --pad-to-multiple-of auto
@@ -148,7 +150,7 @@ def train_part(args: argparse.Namespace, device: torch.device) -> dict:
     lengths = [(len(p), [len(r) for r in rs]) for p, rs in groups]
     flops = forward_flops(model, lengths)
     peak = peak_tflops(device)
-    micro = max(1, args.train_micro_groups)
+    micro = args.train_micro_groups
     tokens = sum(p + sum(rs) for p, rs in lengths)
     print(f"gpu train: {args.layers} layers, vocabulary {args.vocab}, {len(groups)} groups x {args.group_size} "
           f"responses of {args.decode_tokens} tokens ({tokens} packed tokens), {micro} groups per micro-batch, "
