@@ -57,9 +57,11 @@ Deliberate choices and departures:
 2. Padding never reaches a real token: under the dense mask a pad token attends only to itself,
    so no softmax row is empty (no NaN). Pad outputs are discarded.
 3. Only the hidden states that predict a response token reach the output layer, gathered per
-   token and pushed through it in checkpointed chunks (`token_logprobs`): no (tokens x vocab) tensor
-   of a whole micro-batch ever exists. Models whose logits are not plain lm_head(h) (soft-capping,
-   logit scales: `LOGIT_TRANSFORMS`) take the model's own logits instead (`logits_to_keep`).
+   token, and their log-probs are taken block by block (rows x vocabulary columns) with an online
+   logsumexp and a hand-written backward that recomputes each block (`token_logprobs`, `HeadLogprobs`):
+   no (tokens x vocab) tensor ever exists, and backward keeps only h, the targets and logsumexp.
+   Models whose logits are not plain lm_head(h) (soft-capping, logit scales: `LOGIT_TRANSFORMS`)
+   take the model's own logits instead (`logits_to_keep`).
 4. Log-probs are of `logits / temperature` in float32 (as TRL), so they match the sampling
    distribution.
 5. `pad_to_multiple_of` (TRL's option of that name) rounds the row length L up: padding is masked as
@@ -74,7 +76,7 @@ from typing import NamedTuple, Sequence
 import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
-from torch.utils.checkpoint import checkpoint
+import torch.utils.checkpoint
 
 Group = tuple[Tensor, Sequence[Tensor]]  # (prompt_ids (P,), [response_ids (R_i,), ...])
 
@@ -235,6 +237,7 @@ def to_model_mask(allowed: Tensor, dtype: torch.dtype, attn_implementation: str)
 # --- hidden states -> log-probs ---
 
 LOGITS_CHUNK_BYTES = 256 * 2**20  # logits alive at once, counting ~16 bytes per logit (see token_logprobs)
+VOCAB_CHUNK = 32768  # vocabulary columns per chunk (Qwen's 151,936 in five)
 # Config fields of models whose logits are not plain `lm_head(last_hidden_state)` (Gemma 2/3 soft-capping,
 # Cohere's and Granite's scales): those take their logits from the model's own forward (`layout_logprobs`).
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
@@ -244,48 +247,125 @@ def token_logprobs(hidden: Tensor, head: torch.nn.Module, targets: Tensor, tempe
                    chunk_bytes: int | None = None, entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """log softmax(head(h) / temperature)[target] for each row h of `hidden`, in float32: (M, H) -> (M,).
 
-    The (M, V) logits never exist at once: rows go through the head in chunks of about
-    chunk_bytes / (16 V) rows (a chunk holds its logits in the compute dtype, a float32 copy and the
-    exponentials of logsumexp: ~16 bytes a logit under bf16 autocast), and with gradients each
-    chunk is checkpointed (its logits are recomputed in backward instead of kept), so the peak is
-    one chunk, not M x V (8 x 512 tokens of Qwen2.5 are 2.5 GB in float32). Like TRL's
-    `selective_log_softmax`, but from the hidden states. `head` may be `nn.Identity()` when
-    `hidden` already holds logits.
+    `head` is the model's output layer, an nn.Linear (z = h Wᵀ + b, bias optional; W may be tied to the
+    embeddings: its gradient adds to theirs), or nn.Identity() when `hidden` already holds logits. The (M, V)
+    logits never exist: `HeadLogprobs` takes them in blocks of VOCAB_CHUNK columns by chunk_bytes / (16 · columns)
+    rows (~16 bytes a logit: the compute dtype's, a float32 copy, its exponentials), with an online logsumexp, and
+    recomputes them block by block in backward. The products run in the autocast dtype when autocast is on (as
+    head(h) would), everything after them in float32.
 
     entropy=True also returns each row's entropy H = logsumexp(z) - Σ softmax(z)·z of z = logits / T, (M,),
-    float32, without gradient (the metric TRL logs): taken from the chunk's logits while they exist, so it costs
-    one pass over them, not a second forward of the head, and a checkpointed chunk measures it once (its
-    recompute in backward does not).
+    float32, without gradient (the metric TRL logs), summed in the same pass as the logsumexp.
     """
-    vocab = getattr(head, "out_features", None) or hidden.shape[-1]
-    rows = max(1, (chunk_bytes or LOGITS_CHUNK_BYTES) // (16 * vocab))
-    chunked = len(hidden) > rows and torch.is_grad_enabled()
-    pieces, entropies = [], []
-    for start in range(0, len(hidden), rows):
-        h, t = hidden[start:start + rows], targets[start:start + rows]  # (n, H), (n,)
-        sink = [] if entropy else None  # the chunk's entropies land here, once
-        if chunked:
-            pieces.append(checkpoint(_selected_logprobs, h, t, head, temperature, sink, use_reentrant=False))
-        else:
-            pieces.append(_selected_logprobs(h, t, head, temperature, sink))
-        entropies += sink or []
-    if entropy:
-        return torch.cat(pieces), torch.cat(entropies)  # (M,), (M,)
-    return torch.cat(pieces)  # (M,)
+    if isinstance(head, torch.nn.Identity):
+        weight, bias = None, None
+    elif isinstance(head, torch.nn.Linear):
+        weight, bias = head.weight, head.bias
+    else:  # another output layer (an adapter's wrapper): its logits per chunk of rows, recomputed in backward
+        vocab = getattr(head, "out_features", None) or hidden.shape[-1]
+        rows = max(1, (chunk_bytes or LOGITS_CHUNK_BYTES) // (16 * vocab))
+        pieces = [torch.utils.checkpoint.checkpoint(lambda h, t: token_logprobs(head(h), torch.nn.Identity(), t,
+                                                                                temperature, chunk_bytes, entropy),
+                                                    hidden[i:i + rows], targets[i:i + rows], use_reentrant=False)
+                  for i in range(0, len(hidden), rows)]
+        return tuple(torch.cat(p) for p in zip(*pieces)) if entropy else torch.cat(pieces)
+    vocab = hidden.shape[-1] if weight is None else weight.shape[0]
+    columns = min(vocab, VOCAB_CHUNK)
+    rows = max(1, (chunk_bytes or LOGITS_CHUNK_BYTES) // (16 * columns))
+    device = hidden.device.type
+    dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
+             else hidden.dtype if weight is None else torch.promote_types(hidden.dtype, weight.dtype))
+    logp, measured = HeadLogprobs.apply(hidden, weight, bias, targets, temperature, dtype, rows, columns, entropy)
+    return (logp, measured) if entropy else logp  # (M,), (M,)
 
 
-def _selected_logprobs(hidden: Tensor, targets: Tensor, head: torch.nn.Module, temperature: float,
-                       sink: list | None = None) -> Tensor:
-    logits = head(hidden)                                                          # (n, V) compute dtype
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))          # >= float32
-    if temperature != 1.0:
-        logits = logits / temperature
-    normalizer = logits.logsumexp(dim=-1)                                          # (n,)
-    if sink is not None and not sink:  # a recompute in backward finds the sink filled and skips this
-        with torch.no_grad():
-            z, log_z = logits.detach(), normalizer.detach()                       # (n, V), (n,)
-            sink.append(log_z - torch.linalg.vecdot((z - log_z[:, None]).exp_(), z))  # (n,) H = log Σe^z - E_p[z]
-    return logits.gather(-1, targets[:, None])[:, 0] - normalizer                  # (n,)
+def _logits(h: Tensor, weight: Tensor | None, bias: Tensor | None, dtype: torch.dtype, temperature: float) -> Tensor:
+    """z = (h Wᵀ + b) / T in float32 (at least), the product in `dtype`; h itself when there is no W: (n, V')."""
+    z = h if weight is None else torch.nn.functional.linear(
+        h.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))  # (n, V')
+    z = z.to(torch.promote_types(z.dtype, torch.float32))
+    return z / temperature if temperature != 1.0 else z
+
+
+class HeadLogprobs(torch.autograd.Function):
+    """log p_t = z_t - logsumexp(z) of z = (h Wᵀ + b) / T, block by block; saves h, the targets and logsumexp(z).
+
+    Forward: per block of columns, m' = max(m, max z), s' = s·e^(m-m') + Σ e^(z-m') (and for the entropy
+    u' = u·e^(m-m') + Σ e^(z-m')·z), so logsumexp z = m + log s and H = logsumexp z - u/s.
+    Backward, with g = ∂L/∂log p_t and p = softmax(z) recomputed per block as e^(z - logsumexp z):
+        ∂L/∂z_j = g·(1[j = t] - p_j),   z = (h Wᵀ + b)/T   =>
+        ∂L/∂h = (g/T)·(W_t - Σ_j p_j W_j),   ∂L/∂W_j = Σ_rows (g/T)·(1[j = t] - p_j)·h,   ∂L/∂b_j = Σ_rows the same
+    (without W, z = h/T: ∂L/∂h_j = (g/T)·(1[j = t] - p_j)). The products again in the forward's dtype, the sums
+    over blocks in float32.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, dtype, rows, columns, entropy):
+        M, V = len(hidden), hidden.shape[-1] if weight is None else weight.shape[0]
+        sums = dict(device=hidden.device, dtype=torch.promote_types(dtype, torch.float32))  # float32, or float64
+        peak = torch.full((M,), -torch.inf, **sums)   # (M,) m, the running max
+        total = torch.zeros(M, **sums)                # (M,) s = Σ e^(z - m)
+        moment = torch.zeros(M, **sums)               # (M,) u = Σ e^(z - m)·z
+        picked = torch.zeros(M, **sums)               # (M,) z_t
+        for v in range(0, V, columns):
+            w = None if weight is None else weight[v:v + columns].to(dtype)   # (V', H) cast once per block
+            b = None if bias is None else bias[v:v + columns]
+            for r in range(0, M, rows):
+                h = hidden[r:r + rows] if weight is not None else hidden[r:r + rows, v:v + columns]
+                z = _logits(h, w, b, dtype, temperature)                       # (n, V')
+                t = targets[r:r + rows] - v                                    # (n,) target's column in the block
+                inside = (t >= 0) & (t < z.shape[1])
+                picked[r:r + rows] += torch.where(inside, z.gather(1, t.clamp(0, z.shape[1] - 1)[:, None])[:, 0], 0)
+                new_peak = torch.maximum(peak[r:r + rows], z.amax(dim=1))     # (n,)
+                decay = (peak[r:r + rows] - new_peak).exp()                    # (n,) e^(m - m'); e^-inf = 0
+                e = (z - new_peak[:, None]).exp_()                             # (n, V')
+                total[r:r + rows] = total[r:r + rows] * decay + e.sum(dim=1)
+                if entropy:
+                    moment[r:r + rows] = moment[r:r + rows] * decay + torch.linalg.vecdot(e, z)
+                peak[r:r + rows] = new_peak
+        log_normalizer = peak + total.log()                                    # (M,) logsumexp z
+        ctx.save_for_backward(hidden, weight, bias, targets, log_normalizer)
+        ctx.options = temperature, dtype, rows, columns
+        measured = log_normalizer - moment / total if entropy else None        # (M,) H
+        if measured is not None:
+            ctx.mark_non_differentiable(measured)
+        return picked - log_normalizer, measured                               # (M,), (M,)
+
+    @staticmethod
+    def backward(ctx, grad, _):
+        hidden, weight, bias, targets, log_normalizer = ctx.saved_tensors
+        temperature, dtype, rows, columns = ctx.options
+        M, V = len(hidden), hidden.shape[-1] if weight is None else weight.shape[0]
+        sums = dict(device=hidden.device, dtype=log_normalizer.dtype)          # float32, or float64
+        scaled = grad.to(sums["dtype"]) / temperature                          # (M,) g/T
+        grad_h = torch.zeros(hidden.shape, **sums) if ctx.needs_input_grad[0] else None  # (M, H)
+        grad_w = torch.zeros(weight.shape, **sums) if ctx.needs_input_grad[1] else None  # (V, H)
+        grad_b = torch.zeros(bias.shape, **sums) if ctx.needs_input_grad[2] else None    # (V,)
+        for v in range(0, V, columns):
+            w = None if weight is None else weight[v:v + columns].to(dtype)   # (V', H)
+            b = None if bias is None else bias[v:v + columns]
+            for r in range(0, M, rows):
+                h = hidden[r:r + rows] if weight is not None else hidden[r:r + rows, v:v + columns]
+                z = _logits(h, w, b, dtype, temperature)                       # (n, V')
+                g = scaled[r:r + rows]                                         # (n,)
+                dz = (z - log_normalizer[r:r + rows, None]).exp_().mul_(-g[:, None])  # (n, V') -(g/T)·p
+                t = targets[r:r + rows] - v                                    # (n,) target's column in the block
+                inside = (t >= 0) & (t < z.shape[1])                           # (no host sync: no nonzero())
+                hit = torch.where(inside, g, 0)[:, None]                       # (n, 1) + (g/T)·1[j = t]
+                dz.scatter_add_(1, t.clamp(0, z.shape[1] - 1)[:, None], hit)
+                if weight is None:
+                    if grad_h is not None:
+                        grad_h[r:r + rows, v:v + columns] = dz
+                    continue
+                if grad_h is not None:
+                    grad_h[r:r + rows] += dz.to(dtype) @ w                     # (n, H)
+                if grad_w is not None:
+                    grad_w[v:v + columns] += dz.to(dtype).T @ h.to(dtype)     # (V', H)
+                if grad_b is not None:
+                    grad_b[v:v + columns] += dz.sum(dim=0)                     # (V',)
+        return (None if grad_h is None else grad_h.to(hidden.dtype),
+                None if grad_w is None else grad_w.to(weight.dtype),
+                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None, None, None)
 
 
 def _scatter(values: Tensor, mask: Tensor) -> Tensor:

@@ -1,4 +1,4 @@
-"""`python bench.py gpu`: the GPU table in one command (~10-20 minutes of one H100), four parts, each printed as it
+"""`python bench.py gpu`: the GPU table in one command (~10-20 minutes of one H100), five parts, each printed as it
 finishes and all written to --json.
 
 1. decode: 16 GSM8K questions x 8 samples = 128 rows of the Qwen2.5-0.5B configuration (random weights, bfloat16,
@@ -27,6 +27,8 @@ finishes and all written to --json.
    tail and MPS async >= 1.3x sync; without MPS auto = sync (>= 0.98x).
 4. peer: `bench.py peer --model DIR --data GSM8K --device cuda`: samples/s against TRL 1.16's GRPOTrainer with
    HF generate (goal: 3x or more), when --trl-python has trl (else skipped, and said why).
+5. train: one iteration's training on the decode part's workload (responses of M random tokens), phase by phase,
+   with achieved TFLOP/s against the device's bf16 peak (benchmarks/train_step.py; goal: 35% or more).
 
 The model is tools/qwen_shaped_random.py's directory (Qwen2.5-0.5B-Instruct's config, chat template and generation
 config; a byte-level tokenizer, so a GSM8K question in the chat template is ~450 tokens), built into a temporary
@@ -55,9 +57,10 @@ from benchmarks.common import write_json
 from benchmarks.engine_cpu import eos_ids, gsm8k_prompts, qwen_wide_model
 from benchmarks.peer import peer, peer_run
 from benchmarks.tail import TAILS, add_tail_option
+from benchmarks.train_step import GOAL_SHARE, train_args, train_part
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ("decode", "kernels", "pipeline", "peer")
+PARTS = ("decode", "kernels", "pipeline", "peer", "train")
 GOAL_DECODE_MS = 1.6
 
 
@@ -88,6 +91,7 @@ def gpu_args(parser: argparse.ArgumentParser) -> None:
                                                                        "options")
     add_tail_option(parser, "pipeline part: ")
     parser.add_argument("--json", metavar="FILE", help="write the figures as JSON to FILE")
+    train_args(parser)
 
 
 # --- part 1: decode ---
@@ -420,6 +424,13 @@ def gpu(args: argparse.Namespace) -> bool:
                   f"{figures['decode']['rows']} rows", flush=True)
     if "kernels" in parts:
         figures["kernels"] = kernels_part(args, device)
+    if "train" in parts:  # benchmarks/train_step.py
+        figures["train"] = train_part(args, device)
+        share = figures["train"]["iteration"]["of_peak"]
+        if share is not None:
+            ok = ok and share >= GOAL_SHARE
+            print(("PASS " if share >= GOAL_SHARE else "FAIL ") + f"training at {share:.0%} of the bf16 peak (goal "
+                  f">= {GOAL_SHARE:.0%})", flush=True)
     if "pipeline" in parts or "peer" in parts:
         with tempfile.TemporaryDirectory() as scratch:
             model = model_directory(args, Path(scratch))

@@ -91,8 +91,9 @@ def grpo_step_peak(variant: str, dtype: torch.dtype, layers: int, P: int, R: int
     vocab = policy.config.vocab_size
     group = (torch.randint(vocab, (P,)), [torch.randint(vocab, (R,)) for _ in range(G)])
     weights = list(policy.parameters()) + list(tri.reference.parameters())
-    chunk_bytes = attention.LOGITS_CHUNK_BYTES
-    attention.LOGITS_CHUNK_BYTES = 2 ** 62 if variant == "whole-logits" else chunk_bytes
+    chunk_bytes, columns = attention.LOGITS_CHUNK_BYTES, attention.VOCAB_CHUNK
+    if variant == "whole-logits":  # one block: every row, every column
+        attention.LOGITS_CHUNK_BYTES, attention.VOCAB_CHUNK = 2 ** 62, 2 ** 62
     start = time.perf_counter()
     try:
         with LiveTensorBytes(weights) as tracker:
@@ -102,7 +103,7 @@ def grpo_step_peak(variant: str, dtype: torch.dtype, layers: int, P: int, R: int
             backward_peak = tracker.peak
             optimizer.step()
     finally:
-        attention.LOGITS_CHUNK_BYTES = chunk_bytes
+        attention.LOGITS_CHUNK_BYTES, attention.VOCAB_CHUNK = chunk_bytes, columns
     return {"variant": variant, "dtype": str(dtype).removeprefix("torch."), "layers": layers,
             "layout": ("packed" if packing.packing_pays(P, [R] * G, dense=not packing.structured_kernel(policy))
                        else "plain rows"),

@@ -58,12 +58,19 @@ def build_optimizer(cfg, policy) -> tuple[torch.optim.AdamW, torch.optim.lr_sche
     checkpoints keep its state."""
     from transformers import get_scheduler  # here: transformers.trainer_utils imports peft (~10 s) when installed
 
-    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad],  # LoRA: the adapter's
-                                  lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer = adamw([p for p in policy.parameters() if p.requires_grad],  # LoRA: the adapter's
+                      lr=cfg.lr, weight_decay=cfg.weight_decay)
     warmup, steps = schedule_lengths(cfg)
     scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=steps,
                               scheduler_specific_kwargs=schedule_arguments(cfg.lr_scheduler_kwargs))
     return optimizer, scheduler
+
+
+def adamw(params: list[torch.nn.Parameter], lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """torch's AdamW, one fused kernel per step where every parameter is on CUDA, else its multi-tensor (foreach)
+    form: the same update, element by element, with fewer launches (docs/benchmarks.md has the measurement)."""
+    fused = all(p.device.type == "cuda" for p in params)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused or None, foreach=not fused)
 
 
 LOADED_RATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> [(config part, attribute, rate)]

@@ -134,22 +134,67 @@ def test_shared_prompt_logprobs_list_api():
 
 
 # --- memory of the output layer ---
-def test_chunked_logprobs_equal_the_full_softmax_and_never_keep_all_logits():
-    """Claim: token_logprobs in chunks gives the log-softmax of the whole (M, V) logits, values and gradients
-    (fp32, same products, differently grouped: 1e-6), while no tensor of M x V elements is ever saved for backward:
-    each chunk's logits are recomputed in backward (the memory point: 8 x 512 tokens x 151,936 words = 2.5 GB)."""
+@pytest.mark.parametrize("case", ["float32", "float32 bias", "float32 logits", "float32 wrapped head",
+                                  "bfloat16 autocast", "bfloat16 autocast bias"])
+def test_head_logprobs_equal_the_full_softmax_and_never_keep_all_logits(case, monkeypatch):
+    """Claim: attention.token_logprobs (blocks of 7 rows by 64 of the 300 columns, an online logsumexp, the hand-written
+    backward) gives log softmax(z)[t] and the entropy of z = (h Wᵀ + b) / T, T = 0.7, and the gradients of h, W and
+    b, of the plain whole-logits computation (log_softmax, gather, autograd), with or without a bias, for a Linear
+    head, for logits given as they are (nn.Identity) and for another module around the head (its logits per rows'
+    chunk, checkpointed), in float32 and under bf16 autocast; and saves no tensor
+    of M x V elements for backward.
+
+    Tolerances, derived (u: unit roundoff of the products' dtype, 2^-24 for float32, 2^-8 for bf16; u32 = 2^-24;
+    k = 5 column blocks): each logit is the same H-term dot product in another grouping, rounded once to the product
+    dtype in each path, so |Δz| ≤ 2u·max|z| + 2H·u32·max Σ|h W|/T = dz; logsumexp sums V + k terms in (0, 1] in
+    float32 (≥ 1 in all), |Δ lse| ≤ dz + 2(V + k + 2)·u32·max(1, |lse|); |Δ log p| ≤ dz + |Δ lse| = dl. The entropy
+    Σp·z: |Δ| ≤ |Δ lse| + 2·dl·max|z| + dz + 2V·u32·max|z|. Gradients are sums of (g/T)(1[j=t] - p_j)·x with p's
+    relative error ≤ 2·dl, each coefficient and each block's product rounded to the product dtype and summed over at
+    most V or M float32 terms: elementwise |Δ| ≤ Σ |g/T|(1[j=t] + p_j)|x| · (4·dl + 4(k + 2)·u + 2·max(V, M)·u32)."""
+    M, H, V, T, k = 50, 16, 300, 0.7, 5
+    monkeypatch.setattr(attention, "VOCAB_CHUNK", 64)
     generator = torch.Generator().manual_seed(11)
-    M, H, V = 50, 16, 300
-    head = torch.nn.Linear(H, V, bias=False)
-    hidden = torch.randn(M, H, generator=generator, requires_grad=True)
+    head = torch.nn.Linear(H, V, bias="bias" in case)
+    with torch.no_grad():
+        head.weight.normal_(0, 0.5, generator=generator)
+    linear = head
+    if "wrapped" in case:
+        head = torch.nn.Sequential(linear)
+    if "logits" in case:
+        hidden, head, weight = (3 * torch.randn(M, V, generator=generator)).requires_grad_(), torch.nn.Identity(), None
+    else:
+        hidden, weight = torch.randn(M, H, generator=generator, requires_grad=True), linear.weight
     targets = torch.randint(V, (M,), generator=generator)
-    full = (head(hidden) / 0.7).log_softmax(-1).gather(-1, targets[:, None])[:, 0]  # (M,)
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
-        chunked = attention.token_logprobs(hidden, head, targets, 0.7, chunk_bytes=16 * V * 8)  # 8 rows a chunk
-    assert max(saved) < M * V and max(saved) <= 8 * V
-    torch.testing.assert_close(chunked, full, rtol=0, atol=1e-6)
-    weights = torch.randn(M, generator=generator)
-    grads = [torch.autograd.grad((weights * x).sum(), [hidden, head.weight]) for x in (chunked, full)]
-    for a, b in zip(*grads):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    weights = torch.randn(M, generator=generator)  # dL/dlog p
+    leaves = [hidden] + [p for p in head.parameters()]
+    bf16 = "bfloat16" in case
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        z = head(hidden).float() / T  # (M, V) the plain path
+        full = z.log_softmax(-1).gather(-1, targets[:, None])[:, 0]  # (M,)
+        full_entropy = -(z.softmax(-1) * z.log_softmax(-1)).sum(-1)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            chunked, entropy = attention.token_logprobs(hidden, head, targets, T, chunk_bytes=16 * 64 * 7, entropy=True)
+    grads = [torch.autograd.grad((weights * x).sum(), leaves) for x in (chunked, full)]
+
+    u, u32 = (2.0 ** -8 if bf16 else 2.0 ** -24), 2.0 ** -24
+    z64, lse = z.detach().double(), z.detach().double().logsumexp(-1)
+    products = 0 if weight is None else (hidden.detach().abs() @ weight.detach().abs().T).max().item() / T
+    dz = 2 * u * z64.abs().max().item() + 2 * H * u32 * products
+    d_lse = dz + 2 * (V + k + 2) * u32 * max(1.0, lse.abs().max().item())
+    dl = dz + d_lse
+    d_entropy = d_lse + 2 * dl * z64.abs().max().item() + dz + 2 * V * u32 * z64.abs().max().item()
+    assert (chunked - full).abs().max() <= dl and (entropy - full_entropy).abs().max() <= d_entropy
+    # Σ |g/T|(1[j=t] + p_j)|x|, x = W_j (∂h), h (∂W), 1 (∂b): the magnitudes each gradient sums
+    size = torch.nn.functional.one_hot(targets, V).double() + (z64 - lse[:, None]).exp()  # (M, V)
+    size = size * (weights.double().abs()[:, None] / T)
+    relative = 4 * dl + 4 * (k + 2) * u + 2 * max(V, M) * u32
+    if weight is None:
+        bounds = [size * relative]
+    else:
+        bounds = [size @ weight.detach().double().abs() * relative, size.T @ hidden.detach().double().abs() * relative]
+        bounds += [size.sum(0) * relative] if "bias" in case else []
+    for ours, plain, bound in zip(*grads, bounds):
+        assert ((ours.double() - plain.double()).abs() <= bound).all(), ((ours - plain).abs() - bound).max()
+    if weight is not None:
+        assert max(saved) <= max(M * H, V * H) < M * V  # h, W, the targets, logsumexp: never (M, V) logits

@@ -339,3 +339,72 @@ def test_the_tail_reaches_the_inference_process(tiny_model_dir, tmp_path):
     tailed = run("async", "-m", "benchmarks.tail")
     assert tailed == run("sync", "-m", "benchmarks.tail")
     assert all(cut < whole for (cut, _), (whole, _) in zip(tailed, run("sync")))
+
+
+def test_train_flops_count_the_mask_pairs_and_the_weights():
+    """Claim (bench.py gpu --parts train): one forward's FLOPs are 2·(the decoder's matrix weights)·(packed tokens),
+    4·layers·heads·head_dim per (query, key) pair the shared-prompt mask allows (counted here from the mask itself),
+    and 2·hidden·vocab per response token (the head at the trained positions only)."""
+    from attention import pack, shared_prompt_mask
+    from benchmarks.engine_cpu import qwen_wide_model
+    from benchmarks.train_step import forward_flops
+
+    model = qwen_wide_model(layers=2, vocab=512)
+    groups = [(torch.arange(5), [torch.arange(3), torch.arange(1), torch.arange(4)]),
+              (torch.arange(2), [torch.arange(2)])]
+    segments = pack(groups).segment_ids  # (2, 13): the second row has 9 padding tokens, each seeing itself
+    pairs = int(shared_prompt_mask(segments).sum()) - int((segments < 0).sum())
+    weights = 2 * (2 * 896 * 896 + 2 * 896 * 128 + 3 * 896 * 4864)  # q, o; k, v (2 of 14 heads); gate, up, down
+    expected = 2 * weights * 17 + 4 * 2 * 14 * 64 * pairs + 2 * 896 * 512 * 10
+    assert forward_flops(model, [(5, [3, 1, 4]), (2, [2])]) == expected
+
+
+def test_gpu_train_part_times_every_phase_on_cpu(tmp_path):
+    """Claim (bench.py gpu --parts train): the training part runs on CPU at a tiny size, micro-batch by micro-batch,
+    and reports every phase's seconds, the TFLOP/s of those with FLOPs (no share of a peak on CPU), and an iteration
+    whose seconds are its phases' without the old policy's. Timings are not asserted, only that they were taken."""
+    import argparse
+    import json
+
+    from benchmarks.train_step import PHASES, train_part
+
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"question": f"What is {a} + 2?", "answer": "#### 0"})
+                                                  + "\n" for a in range(3)))
+    args = argparse.Namespace(layers=1, vocab=512, prompts=3, group_size=2, decode_tokens=4, rounds=1,
+                              train_micro_groups=2, data=tmp_path)
+    figures = train_part(args, torch.device("cpu"))
+    phases = figures["phases"]
+    assert list(phases) == list(PHASES) and all(phases[name]["seconds"] >= 0 for name in PHASES if name != "host gaps")
+    assert all(phases[name]["tflops"] > 0 and phases[name]["of_peak"] is None
+               for name in ("reference", "old policy", "forward", "backward"))
+    assert phases["backward"]["flops"] == 2 * phases["forward"]["flops"] == 2 * figures["forward_flops"]
+    timed = sum(phases[name]["seconds"] for name in PHASES if name != "old policy")
+    assert figures["iteration"]["seconds"] == pytest.approx(timed)
+    assert figures["peak_memory_bytes"] > 0
+
+
+@pytest.mark.slow
+def test_gpu_check_script_dry_runs_on_cpu(tmp_path):
+    """Claim (tools/gpu_check.sh): the prepared GPU check runs each part it is given under its own limit and leaves
+    its log, its figures and its exit status under $OUT; GPU_CHECK_CPU=1 runs the same parts at a tiny size on CPU;
+    an unknown part is one line and exit 2."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    data = tmp_path / "gsm8k"
+    data.mkdir()
+    (data / "train.jsonl").write_text("".join(json.dumps({"question": f"What is {a} + 2?", "answer": f"#### {a + 2}"})
+                                              + "\n" for a in range(4)))
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "GPU_CHECK_CPU": "1", "DATA": str(data), "PYTHON": sys.executable}
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(["bash", "tools/gpu_check.sh", "train"], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout + (out / "train.log").read_text()[-2000:]
+    assert (out / "train.status").read_text().split()[0] == "0"
+    assert set(json.loads((out / "train.json").read_text())["train"]["phases"]) >= {"forward", "backward"}
+    wrong = subprocess.run(["bash", "tools/gpu_check.sh", "trian"], cwd=root, env=env, capture_output=True, text=True)
+    assert wrong.returncode == 2 and wrong.stdout.strip() == "error: unknown part trian (train, decode, peer, " \
+                                                             "pipeline, kernels)"

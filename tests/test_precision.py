@@ -113,3 +113,23 @@ def test_gradient_checkpointing_flag_reaches_the_policy(tiny_model_dir):
     policy, rows = run_training(make_cfg(tiny_model_dir, "--mode", "sync", "--iterations", "1", "--eval-every", "0",
                                          "--gradient-checkpointing"))
     assert recomputes_attention(policy.train()) and rows[0]["grad_norm"] > 0
+
+
+def test_adamw_on_cpu_is_the_multi_tensor_form_with_the_same_update():
+    """Claim: the trainer's AdamW (launch.setup.adamw) off CUDA is torch's multi-tensor (foreach) form, fused only
+    where every parameter is on CUDA, and over several steps with weight decay it moves the weights exactly as the
+    per-tensor loop does (the same element-wise operations in the same order: torch.equal)."""
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(37, 13), (13,), (5, 3, 2)]
+    ours = [torch.nn.Parameter(torch.randn(s, generator=generator)) for s in shapes]
+    plain = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    optimizer = setup.adamw(ours, lr=1e-3, weight_decay=0.1)
+    reference = torch.optim.AdamW(plain, lr=1e-3, weight_decay=0.1, foreach=False)
+    assert optimizer.defaults["foreach"] and not optimizer.defaults["fused"]
+    for _ in range(4):
+        for p, q in zip(ours, plain):
+            p.grad = torch.randn(p.shape, generator=generator)
+            q.grad = p.grad.clone()
+        optimizer.step()
+        reference.step()
+    assert all(torch.equal(p, q) for p, q in zip(ours, plain))

@@ -1,0 +1,187 @@
+"""`python bench.py gpu --parts train`: one iteration's training, phase by phase, against the device's FLOP floor.
+
+The workload is the GPU table's: the Qwen2.5-0.5B configuration (random weights, float32 masters, matrix products in
+bf16 under autocast on CUDA as the trainer runs them), --prompts GSM8K prompts x --group-size responses of
+--decode-tokens random tokens each (a random model never stops early), scored as the trainer scores them
+(packing.logprobs_fn, shared-prompt rows where they pay, rows padded as --pad-to-multiple-of auto pads them), the
+default loss (dapo, β = 0.04), one AdamW step (launch.setup.adamw). Phases, each timed alone (torch.cuda.synchronize
+before and after on CUDA, wall clock on CPU), in the learner's order:
+
+    reference   π_ref's log-probs (no grad)                         F
+    old policy  π_θk's log-probs (no grad; only when an iteration takes > 1 step: not in the iteration's sum)  F
+    forward     the policy's log-probs and entropy                  F
+    loss        grpo_loss on the log-probs                          ~0
+    backward    loss.backward()                                     2F
+    optimizer   clip the gradient norm, AdamW, zero the gradients   (memory-bound: bytes, not FLOPs)
+    publish     θ_k into the weight buffer (bf16 on CUDA; a device-to-host copy), the old copy's snapshot
+    host gaps   the iteration's wall time less its timed phases (Python between them: building the micro-batches)
+
+FLOP count F of one forward (the useful work, what MFU counts; the recomputation a kernel or checkpointing adds is not
+counted):
+    F = 2 · W · tokens                   W: the decoder layers' matrix weights; tokens: P + Σ R_i per group (packed)
+      + 4 · layers · heads · head_dim · pairs     QKᵀ and A·V over the (query, key) pairs the shared-prompt mask
+                                                  allows: P(P+1)/2 + Σ_i R_i·(P + (R_i+1)/2) per group
+      + 2 · hidden · vocab · Σ R_i       the LM head, at the positions that predict a response token only
+Achieved TFLOP/s = FLOPs / seconds; share of peak = that / the device's dense bf16 peak (PEAK_BF16_TFLOPS, by name;
+n/a on CPU and on a device not in the table). Peak memory: torch.cuda.max_memory_allocated on CUDA; on CPU the
+process's peak resident set (ru_maxrss, everything the process ever held).
+"""
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import time
+
+import torch
+
+import packing
+from benchmarks.engine_cpu import gsm8k_prompts, qwen_wide_model
+from grpo import grpo_loss
+from infra.options import PAD_MULTIPLE_ACCELERATOR
+from launch.setup import adamw
+from tri_model import TriModel
+from weights import WeightBuffer
+
+PEAK_BF16_TFLOPS = (("H200", 989.4), ("H100 PCIe", 756.0), ("H100", 989.4), ("H800", 989.4), ("A100", 312.0),
+                    ("A800", 312.0), ("L40S", 362.1), ("L4", 121.0))  # dense, by device name (first match)
+PHASES = ("reference", "old policy", "forward", "loss", "backward", "optimizer", "publish", "host gaps")
+FLOPS_PER_F = {"reference": 1, "old policy": 1, "forward": 1, "backward": 2}
+GOAL_SHARE = 0.35
+
+
+def train_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--train-micro-groups", type=int, default=16,
+                        help="train part: groups per micro-batch (16: the whole iteration in one)")
+
+
+def peak_tflops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for mark, peak in PEAK_BF16_TFLOPS if mark in name), None)
+
+
+def forward_flops(model: torch.nn.Module, lengths: list[tuple[int, list[int]]]) -> float:
+    """F of one forward over groups of (prompt length, [response lengths]) in shared-prompt rows (module docstring)."""
+    config = model.config
+    layers = model.get_decoder().layers
+    weights = sum(m.weight.numel() for m in layers.modules() if isinstance(m, torch.nn.Linear))
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    tokens = sum(p + sum(rs) for p, rs in lengths)
+    pairs = sum(p * (p + 1) / 2 + sum(r * (p + (r + 1) / 2) for r in rs) for p, rs in lengths)
+    responses = sum(sum(rs) for _, rs in lengths)
+    return (2 * weights * tokens + 4 * len(layers) * config.num_attention_heads * head_dim * pairs
+            + 2 * config.hidden_size * config.vocab_size * responses)
+
+
+def train_workload(args: argparse.Namespace, device: torch.device):
+    """The policy (float32 masters) and the iteration's groups [(prompt ids (P,), [response ids (M,)] x G)]."""
+    model = qwen_wide_model(args.layers, args.vocab).to(device).train()
+    prompts = [[t % args.vocab for t in p] for p in gsm8k_prompts(args.data / "train.jsonl", args.prompts)]
+    draw = torch.Generator().manual_seed(0)
+    groups = [(torch.tensor(p, device=device),
+               [torch.randint(3, args.vocab, (args.decode_tokens,), generator=draw).to(device)
+                for _ in range(args.group_size)]) for p in prompts]
+    return model, groups
+
+
+def iteration(tri: TriModel, optimizer, buffer: WeightBuffer | None, groups, micro: int, clock) -> dict[str, float]:
+    """One iteration's training as the learner runs it, each phase timed by `clock(name, fn)`; returns seconds."""
+    seconds = dict.fromkeys(PHASES, 0.0)
+
+    def timed(name: str, fn):
+        out, spent = clock(fn)
+        seconds[name] += spent
+        return out
+    start = time.perf_counter()
+    for first in range(0, len(groups), micro):
+        batch = groups[first:first + micro]
+        with torch.no_grad():
+            ref_logp = timed("reference", lambda: tri.logprobs(tri.reference, batch)[0])  # (n·G, T)
+            timed("old policy", lambda: tri.logprobs(tri.old, batch)[0])
+        logp, mask, entropy = timed("forward", lambda: tri.logprobs(tri.policy, batch, entropy=True))  # (n·G, T)
+        advantages = torch.linspace(-1, 1, len(logp), device=logp.device)  # (n·G,)
+        loss, _ = timed("loss", lambda: grpo_loss(logp, logp.detach(), ref_logp, advantages, mask, normalizer=1.0))
+        timed("backward", loss.backward)
+
+    def step():
+        torch.nn.utils.clip_grad_norm_(list(tri.policy.parameters()), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    timed("optimizer", step)
+
+    def publish():
+        tri.start_iteration()
+        if buffer is not None:
+            buffer.publish(tri.policy, 1)
+    timed("publish", publish)
+    clock(lambda: None)  # the device's queue drained
+    seconds["host gaps"] = time.perf_counter() - start - sum(seconds.values())  # the wall less every timed phase
+    return seconds
+
+
+def clock_on(device: torch.device):
+    def clock(fn):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        begin = time.perf_counter()
+        out = fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return out, time.perf_counter() - begin
+    return clock
+
+
+def train_part(args: argparse.Namespace, device: torch.device) -> dict:
+    if args.train_micro_groups < 1:
+        raise SystemExit(f"error: --train-micro-groups {args.train_micro_groups}: give 1 or more")
+    model, groups = train_workload(args, device)
+    compute = torch.bfloat16 if device.type == "cuda" else torch.float32
+    multiple = PAD_MULTIPLE_ACCELERATOR if device.type != "cpu" else 1  # the trainer's --pad-to-multiple-of auto
+    tri = TriModel(model, packing.logprobs_fn(model, "auto", 1.0, args.vocab - 2, multiple), use_reference=True,
+                   use_old=True, compute_dtype=compute)
+    optimizer = adamw([p for p in model.parameters() if p.requires_grad], lr=1e-6, weight_decay=0.0)
+    try:
+        buffer = WeightBuffer(model, compute)
+    except Exception as error:  # a small /dev/shm: the rest is still measured
+        print(f"gpu train: publish not timed: {error}", flush=True)
+        buffer = None
+    lengths = [(len(p), [len(r) for r in rs]) for p, rs in groups]
+    flops = forward_flops(model, lengths)
+    peak = peak_tflops(device)
+    micro = args.train_micro_groups
+    tokens = sum(p + sum(rs) for p, rs in lengths)
+    print(f"gpu train: {args.layers} layers, vocabulary {args.vocab}, {len(groups)} groups x {args.group_size} "
+          f"responses of {args.decode_tokens} tokens ({tokens} packed tokens), {micro} groups per micro-batch, "
+          f"float32 masters, {compute} compute, {device}; one forward F = {flops:.3g} FLOP; peak "
+          f"{f'{peak:.0f} TFLOP/s bf16' if peak else 'n/a'}", flush=True)
+    clock = clock_on(device)
+    iteration(tri, optimizer, buffer, groups, micro, clock)  # warm-up: kernels' plans, allocator pools
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    rounds = [iteration(tri, optimizer, buffer, groups, micro, clock) for _ in range(max(1, args.rounds))]
+    memory = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
+              else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    figures: dict = {"forward_flops": flops, "packed_tokens": tokens, "peak_tflops": peak, "micro_groups": micro,
+                     "peak_memory_bytes": memory, "peak_memory_kind": "cuda allocated" if device.type == "cuda"
+                     else "process max RSS", "phases": {}}
+    print(f"{'phase':12s} {'seconds':>8s} {'TFLOP/s':>8s} {'of peak':>8s}   (median of {len(rounds)} rounds)")
+    for name in PHASES:
+        spent = statistics.median(r[name] for r in rounds)
+        work = FLOPS_PER_F.get(name, 0) * flops
+        tflops = work / spent / 1e12 if work and spent > 0 else None
+        share = tflops / peak if tflops is not None and peak else None
+        figures["phases"][name] = {"seconds": spent, "flops": work, "tflops": tflops, "of_peak": share,
+                                   "rounds": [r[name] for r in rounds]}
+        print(f"{name:12s} {spent:8.3f} {f'{tflops:.3g}' if tflops else '':>8s} "
+              f"{f'{share:.1%}' if share is not None else 'n/a' if work else '':>8s}", flush=True)
+    total = sum(figures["phases"][name]["seconds"] for name in PHASES if name != "old policy")
+    work = 4 * flops  # reference, forward, backward
+    figures["iteration"] = {"seconds": total, "tflops": work / total / 1e12,
+                            "of_peak": work / total / 1e12 / peak if peak else None}
+    share = figures["iteration"]["of_peak"]
+    print(f"{'iteration':12s} {total:8.3f} {work / total / 1e12:8.3g} "
+          f"{f'{share:.1%}' if share is not None else 'n/a':>8s}   (without the old policy; 4F of work); "
+          f"peak memory {memory / 2**30:.2f} GiB ({figures['peak_memory_kind']})", flush=True)
+    return figures
