@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")  # grpo.LOSS_TYPES, repeated so that parsing options needs no torch
 SCALE_REWARDS = ("group", "batch", "none")  # grpo.SCALE_REWARDS (tested, as LOSS_TYPES)
-# transformers.get_scheduler's schedules over a known length (tests/test_trl_options.py); the last three need
+# transformers.get_scheduler's schedules over a known length (tests/cli/test_trl_options.py); the last three need
 # --lr-scheduler-kwargs (min_lr or min_lr_rate; num_decay_steps), as they do in TRL
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
                  "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")

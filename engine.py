@@ -123,7 +123,7 @@ def uniforms(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     """u ∈ [0, 1): output `step` of the SplitMix64 stream `seed`, its top 32 bits; (n,), (n,) int64 -> (n,) float64.
 
     int64 additions and products wrap like uint64 ones (two's complement), so these are the mod-2^64 formulas
-    of `mix64` (tests/test_engine.py checks it against them)."""
+    of `mix64` (tests/method/test_engine.py checks it against them)."""
     z = seeds + (steps + 1) * as_int64(GOLDEN)                   # (n,) the stream's state after step + 1 increments
     z = (z ^ shift_right(z, 30)) * as_int64(MIX1)
     z = (z ^ shift_right(z, 27)) * as_int64(MIX2)

@@ -30,11 +30,11 @@ probability ~1e-7 per token, a draw). Why training does not depend on N either:
 each call's in its completion order (a function of the tokens alone), holding back the groups of a call
 until every earlier call has delivered all of its own. The learner cuts micro-batches and sums
 gradients in arrival order, so with that order it computes bitwise what it computes with one worker
-(tests/test_workers.py; in arrival order the same test's weights were off by 3.5e-5). The price: a
+(tests/method/test_workers.py; in arrival order the same test's weights were off by 3.5e-5). The price: a
 call's groups that finish before an earlier call's wait, so the trainer may idle while they could train;
 the alternative, taking groups in arrival order across workers, changes the micro-batch cuts and the
 gradient's summation order with the timing, and the weights then differ run to run at float rounding,
-which Adam's per-element scaling amplifies (tests/test_pipeline.py).
+which Adam's per-element scaling amplifies (tests/method/test_pipeline.py).
 
 Departure, on purpose: groups travel as plain Python lists, never tensors: a tensor in a message is passed
 by file descriptor, and the sender would have to outlive the receiver's use of it.

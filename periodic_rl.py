@@ -30,7 +30,7 @@ With N > 1 optimizer steps per iteration the same holds per mini-batch, because 
 membership is fixed by prompt index (`learner.minibatch_of`), never by arrival order. Micro-batches
 (which groups share a forward) are cut by arrival order, but arrival order is completion order, a
 function of the sampled tokens alone: the two modes, and any rerun, batch the same groups together,
-so with equal thread counts they are bitwise the same run (tests/test_pipeline.py). With μ passes over the
+so with equal thread counts they are bitwise the same run (tests/method/test_pipeline.py). With μ passes over the
 batch (TRL's num_iterations), passes 2..μ replay the first pass's micro-batches once all groups are in.
 
 The trainer's column is `learner.Learner` (take, accumulate, step); the inference side's is

@@ -33,7 +33,7 @@ finishes and all written to --json.
 The model is tools/qwen_shaped_random.py's directory (Qwen2.5-0.5B-Instruct's config, chat template and generation
 config; a byte-level tokenizer, so a GSM8K question in the chat template is ~450 tokens), built into a temporary
 folder unless --model names one. Nothing here needs the hub. On CPU (`--device cpu --layers 1 --vocab 512 ...`)
-every part runs, without CUDA graphs: tests/test_bench.py runs it so, so that a lent GPU's minutes go to measuring.
+every part runs, without CUDA graphs: tests/cli/test_bench.py runs it so, so that a lent GPU's minutes go to measuring.
 """
 from __future__ import annotations
 

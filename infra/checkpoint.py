@@ -15,7 +15,7 @@ Nothing else is needed, because everything else an iteration uses is a function 
   and prompts are picked by (seed, iteration) (rollout.iteration_prompts): no RNG state carries over;
 - the sizes (generate calls, micro-batch, threads) are in the config, so a resume batches the same
   groups together and sums in the same order: with equal thread counts it is bitwise the run that was
-  never interrupted (tests/test_checkpoint.py).
+  never interrupted (tests/cli/test_checkpoint.py).
 
 Resuming takes the checkpoint's config; options that do not change the result (evaluation cadence,
 outputs, devices, threads, ...; iterations where the learning rate does not depend on the run's length) may
@@ -52,7 +52,7 @@ HARMLESS = {"iterations", "num_train_epochs", "eval_every", "eval_samples", "tra
             "tail_threads", "report_to", "collective_timeout",
             "inference_workers",  # the groups reach the trainer in one worker's order (inference.in_call_order)
             "log_completions", "num_completions_to_print", "eval_every_epoch", "save_dtype",
-            "mode"}  # async and sync are the same run (bitwise, with equal thread counts: tests/test_pipeline.py)
+            "mode"}  # async and sync are the same run (bitwise, with equal thread counts: tests/method/test_pipeline.py)
 # (Not eval_size: for data without a held-out split the held-out rows are the last eval_size, kept out of training.)
 DEVICES = {"device", "rollout_device", "train_device"}  # given one, all three are this run's (derived together)
 THIS_RUN = {"out", "resume", "overwrite", "config",  # where the checkpoint was found and how

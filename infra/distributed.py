@@ -13,7 +13,7 @@ The step. Each rank accumulates the partial sums of its own groups; at each mini
     θ ← AdamW(θ, clip(∇ / D))                  (clip with the norm of the summed ∇)
 
 which is the single-process step (1/D) Σ_g ∇S_g(θ_k) (learner.Learner) with the terms summed in
-another order: equal up to float rounding (tests/test_distributed.py derives the tolerance). An
+another order: equal up to float rounding (tests/method/test_distributed.py derives the tolerance). An
 all-reduce leaves the same bits on every rank, and every rank runs the same clip and AdamW from the same
 state, so θ stays bitwise identical on all ranks: each rank publishes θ_{k+1} to its own inference
 process through the shared-memory buffer (weights.py) and no weights cross ranks or nodes.

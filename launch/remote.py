@@ -19,7 +19,7 @@ after its iteration k is done, and rank 0's iteration k ends only after every ra
 So a group's weights are always the iteration's: a version check as the shared-memory buffer's has nothing to
 catch. The rollouts are the single process's (each call seeded per call: rollout.py), the groups reach each trainer
 rank in its calls' order (inference.in_call_order), so the run equals the one with local inference workers
-(tests/test_distributed.py: the single-process run, two "nodes" of which one samples only).
+(tests/method/test_distributed.py: the single-process run, two "nodes" of which one samples only).
 
 Clocks: an inference rank's spans (a generate call, an evaluation) are moved onto trainer rank 0's clock with the
 offset measured at each broadcast (rank 0's clock sent in the header, less the inference rank's on receipt: off by

@@ -10,7 +10,7 @@
 # ($OUT/PART.status) come back either way. Nothing is downloaded: TRL and datasets come as wheels carried in .whl/,
 # the GSM8K questions in .gpu-data/gsm8k/ (docs/benchmarks.md, "How a session with a lent GPU runs it", builds
 # both). GPU_CHECK_CPU=1 runs the same parts on CPU at a tiny size (1 layer, vocabulary 512): the dry run
-# tests/test_bench.py makes, so that a lease's minutes go to measuring.
+# tests/cli/test_bench.py makes, so that a lease's minutes go to measuring.
 set -u
 OUT=${OUT:?OUT: the folder the results go to}
 DATA=${DATA:-.gpu-data/gsm8k}

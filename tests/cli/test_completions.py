@@ -24,7 +24,7 @@ from infra import outputs
 from infra.completions import COMPLETIONS, CompletionsLog, records
 from infra.tracking import Trackers, completions_table, markdown_table
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 REWARDS = ["--reward", "math", "tests/rewards.py:digit_fraction", "--reward-weights", "1", "0.5"]
 RUN = ["--data", "arithmetic", *REWARDS, "--mode", "sync", "--iterations", "3", "--batch-size", "8", "--group-size",
        "4", "--max-new-tokens", "4", "--eval-every", "0", "--sizes", "rule", "--save-every", "1", "--keep-checkpoints",
@@ -237,7 +237,7 @@ def test_wandb_and_trackio_get_the_completions_table_at_its_step(tracker, tmp_pa
 def test_two_ranks_write_every_ranks_completions_once(tiny_model_dir, tmp_path):
     """Claim (#32 item 3): under torchrun with 2 trainer ranks, rank 0 writes every rank's completions (each rank
     samples and trains only its own generate calls), the same lines as the single process's run (rollouts are
-    equal exactly: tests/test_distributed.py), and no other rank writes."""
+    equal exactly: tests/method/test_distributed.py), and no other rank writes."""
     extra = ["--groups-per-chunk", "1", "--batch-size", "20", "--rollout-threads", "1", "--train-threads", "1",
              "--micro-batch-tokens", "60", "--num-completions-to-print", "0"]
     single, ranks = tmp_path / "single", tmp_path / "ranks"

@@ -29,7 +29,7 @@ from learner import Learner, minibatch_of
 from rollout import Group
 from conftest import learn_iteration
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EOS, G, MAX_NEW = 0, 4, 4
 # 4 prompts x 4 responses: rewards with unequal group stds, one all-equal group (frac_reward_zero_std), responses
 # that stop with EOS and some cut at MAX_NEW tokens without it (truncated)
@@ -271,7 +271,7 @@ def test_metrics_are_trls(tiny_model_dir):
 def test_the_share_of_responses_no_reward_scored_is_logged(tiny_model_dir):
     """Claim: frac_reward_unscored is the share of the iteration's responses that every reward returned None for
     (their weighted total is NaN): a whole group of 4 and one more response of 16 here, 5/16; the reward mean skips
-    them. (The trainer warns on the first iteration where it is above 0: tests/test_config.py.)"""
+    them. (The trainer warns on the first iteration where it is above 0: tests/cli/test_config.py.)"""
     cfg = config(tiny_model_dir)
     nan = float("nan")
     rewards = [[nan] * 4, [1.0, nan, 0.0, 1.0], *REWARDS[2:]]

@@ -68,7 +68,7 @@ def test_bf16_run_learns(tmp_path):
     import subprocess
     import sys
     from pathlib import Path
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     result = subprocess.run([sys.executable, "trainer.py", "--dtype", "bfloat16", "--mode", "sync", "--iterations", "16",
                              "--lr-scheduler-type", "constant", "--eval-every", "16", "--eval-size", "64", "--no-save", "--out", str(tmp_path)],
                             cwd=root, capture_output=True, text=True, timeout=1200)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("infra", "launch")
 COPYABLE = ("attention", "grpo", "tri_model", "engine", "infra.compiled_step")  # each imports nothing of the project
 SCRIPTS = ("trainer", "bench", "plot")  # the top-level files that are not the method's: entry point and scripts

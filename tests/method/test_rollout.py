@@ -182,7 +182,7 @@ def test_a_diverged_policy_is_one_line(qwen_shaped_dir, engine):
 def test_top_k_reaches_both_samplers(qwen_shaped_dir):
     """Claim: --top-k (and --min-p) shape what both samplers draw: with top_k = 1 only the likeliest token may be
     drawn, so the engine and `generate` (--engine hf), two different random streams, give the same tokens, the
-    greedy ones (float64 model: no near-ties between the two sides' logits, see tests/test_engine.py); with
+    greedy ones (float64 model: no near-ties between the two sides' logits, see tests/method/test_engine.py); with
     min_p = 1 the same (only tokens as likely as the likeliest survive). Teeth: without truncation they differ."""
     import dataclasses
 
@@ -205,7 +205,7 @@ def test_top_k_reaches_both_samplers(qwen_shaped_dir):
 def test_engine_compile_compiles_the_engines_decode_step(qwen_shaped_dir, monkeypatch):
     """Claim: --engine compile samples with engine.py (the same keys, sizes and settings as --engine auto) and asks it
     for the compiled decode step (infra/compiled_step.py); auto on CPU and eager do not (auto on CUDA does:
-    config.engine_compiles, tests/test_config.py; the compiled step itself: tests/test_engine.py, slow tier)."""
+    config.engine_compiles, tests/cli/test_config.py; the compiled step itself: tests/method/test_engine.py, slow tier)."""
     import dataclasses
 
     import engine

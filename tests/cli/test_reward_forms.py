@@ -22,7 +22,7 @@ from infra.reward import RewardError, Rewards, is_batched, load_rewards, needed_
 from infra.scoring import score, score_batch, score_group, trainer_state, trl_arguments, weighted_total
 from learner import mean_std
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def accuracy_reward(completions, solution, **kwargs):  # TRL's trl.rewards.accuracy_reward signature

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 pytestmark = pytest.mark.slow  # process-level: `python -m pytest -m slow` (CI runs both tiers)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GSM8K = GSM8K_DIR / "train.jsonl"
 
 

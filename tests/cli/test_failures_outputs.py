@@ -24,7 +24,7 @@ from infra.models import ensure_tiny_model
 from infra.options import derive, validate
 from infra.command_line import parse_args
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FIXED_SIZES = ["--groups-per-chunk", "2", "--micro-batch-tokens", "1000", "--rollout-threads", "1",
                "--train-threads", "1"]  # no probe: the run is short and its reward calls countable
 

@@ -18,7 +18,7 @@ from infra import python_args
 from infra.command_line import parse_args
 from infra.tasks import arithmetic_examples
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_options_are_keywords_ours_or_trls():

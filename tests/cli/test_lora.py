@@ -19,7 +19,7 @@ from launch import remote, setup  # noqa: E402
 from packing import batch_logprobs, logprobs_fn  # noqa: E402
 from tri_model import TriModel  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LORA = dict(r=4, alpha=8, dropout=0.0, target_modules=None, seed=0)
 TIMINGS = ("_s", "overlap", "tokens_per_s", "elapsed")  # what differs between two runs of the same computation
 

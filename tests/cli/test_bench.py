@@ -165,7 +165,7 @@ def test_train_step_layouts_compute_the_same_step(lengths):
     import re
     import subprocess
     import sys
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, "tools/train_step_layouts.py", "--small", "--device", "cpu", "--groups", "2",
                           "--prompt", "12", "--response", "6", "--repeats", "2", *lengths],
                          cwd=root, capture_output=True, text=True, timeout=300)
@@ -221,7 +221,7 @@ def test_gpu_table_runs_every_part_on_cpu(qwen_shaped_dir, tmp_path):
                str(data), "--train-tokens", "4", "--iterations", "1", "--peer-rounds", "1", "--trl-python",
                str(tmp_path / "no-python"), "--json", str(figures),
                "--trainer-args", "--sizes rule"]  # no probe in the two trainer runs: they only have to run
-    done = subprocess.run(command, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
+    done = subprocess.run(command, cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True,
                           timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     table = json.loads(figures.read_text())
@@ -252,7 +252,7 @@ def test_decode_step_parts_run_every_variant_on_cpu(capsys):
     import re
     import sys
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
     import decode_step_parts
     decode_step_parts.main(["--device", "cpu", "--rows", "8", "--vocab", "2048", "--length", "128", "--repeat", "1"])
     out = capsys.readouterr().out
@@ -326,7 +326,7 @@ def test_the_tail_reaches_the_inference_process(tiny_model_dir, tmp_path):
     import json
     import subprocess
     import sys
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
 
     def run(mode, *launcher):
         out = tmp_path / f"{mode}{len(launcher)}"
@@ -399,7 +399,7 @@ def test_gpu_check_script_dry_runs_on_cpu(tmp_path):
                                               + "\n" for a in range(4)))
     out = tmp_path / "out"
     env = {**os.environ, "OUT": str(out), "GPU_CHECK_CPU": "1", "DATA": str(data), "PYTHON": sys.executable}
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     done = subprocess.run(["bash", "tools/gpu_check.sh", "train"], cwd=root, env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stdout + (out / "train.log").read_text()[-2000:]

@@ -42,7 +42,7 @@ from infra.distributed import Ranks, from_environment
 from learner import Learner
 
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
 EXACT = ("reward", "reward_std", "completions/mean_length", "eval_reward")  # metrics.jsonl's keys
 SUMS = ("loss", "grad_norm", "kl", "clip_ratio/region_mean")
@@ -170,7 +170,7 @@ def test_two_nodes_equal_the_single_process(tiny_model_dir, single_process, tmp_
     """Claim (#16 point 5): two torchrun launches of one rank each, as two "nodes" meeting at one c10d rendezvous
     on localhost, are the same run as the single process; here with one update per iteration and 5 calls, 3 on one
     rank and 2 on the other, in sync mode (the single process runs async: async and sync are the same run with
-    equal thread counts, tests/test_pipeline.py)."""
+    equal thread counts, tests/method/test_pipeline.py)."""
     with two_nodes("two-nodes", [options(tiny_model_dir, tmp_path, "5 calls", "--mode", "sync")] * 2) as launches:
         for launch in launches:
             out, err = launch.communicate(timeout=300)

@@ -20,7 +20,7 @@ from infra.command_line import given_options, parse_args
 from infra.records import RunRecord, absolute_paths, git_commit
 from infra.tracking import TRL_KEYS, TensorBoard, Trackers, TrackingError, tracker_names
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RUN = ["--mode", "sync", "--iterations", "3", "--batch-size", "16", "--group-size", "4", "--max-new-tokens", "4",
        "--eval-every", "2", "--eval-size", "4", "--report-to", "tensorboard"]
 

@@ -145,7 +145,7 @@ def test_the_heartbeat_stops_before_the_worker_exits():
     assert int(counter[0]) == stopped_at
     script = ("import time, torch\nfrom infra.processes import Heartbeat\n"
               "heart = Heartbeat(torch.zeros(1, dtype=torch.int64), seconds=0.0)\ntime.sleep(0.05)\nheart.stop()\n")
-    runs = [subprocess.Popen([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[1],
+    runs = [subprocess.Popen([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[2],
                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
     ended = [(run.wait(timeout=60), run.stderr.read()) for run in runs]
     assert all(code == 0 and "terminate called" not in err for code, err in ended), ended

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # Each file, alone in an empty directory, imported and used once with nothing but torch (and transformers for a model).
 USES = {

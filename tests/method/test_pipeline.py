@@ -28,7 +28,7 @@ from packing import logprobs_fn
 from rollout import Evaluation, Group, IterationDone, rollout_iteration
 from conftest import learn_iteration
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DIGITS = "tests/rewards.py:digit_fraction"
 
 

@@ -1,6 +1,6 @@
 """Tasks (infra/tasks.py): answers are extracted and rewarded robustly; the built-in tasks; prompts in the chat template.
 
-Loading --data through Hugging Face datasets: tests/test_data.py."""
+Loading --data through Hugging Face datasets: tests/cli/test_data.py."""
 import pytest
 
 from infra import data, tasks
@@ -166,7 +166,7 @@ def test_every_prompt_is_rendered_in_one_place():
     the sampler, the size probe and the length check all tokenize through prompt_token_ids), so a prompt has one
     rendering everywhere."""
     from pathlib import Path
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     files = [*root.glob("*.py"), *root.glob("infra/*.py"), *root.glob("launch/*.py")]
     callers = [f.relative_to(root).as_posix() for f in files if ".apply_chat_template(" in f.read_text()]
     assert callers == ["infra/tasks.py"]

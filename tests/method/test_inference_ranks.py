@@ -3,8 +3,8 @@ groups sent back over torch.distributed, are the single-process run, and fail cl
 
 Tolerances: one trainer rank with one inference rank computes exactly what the single process computes (the same
 calls sampled with the same seeds at the same thread count, the same groups in the same order into the same
-micro-batches, θ_k broadcast bit for bit): equal bits (torch.equal), as async equals sync (tests/test_pipeline.py).
-Two trainer ranks sum their gradients in another order: the tolerances of tests/test_distributed.py, derived there.
+micro-batches, θ_k broadcast bit for bit): equal bits (torch.equal), as async equals sync (tests/method/test_pipeline.py).
+Two trainer ranks sum their gradients in another order: the tolerances of tests/method/test_distributed.py, derived there.
 """
 from __future__ import annotations
 

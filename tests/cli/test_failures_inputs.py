@@ -2,7 +2,7 @@
 wrong type, unreadable data and reward files, models that cannot be trained, prompts longer than the context.
 
 Pure checks run in-process; the end-to-end claims (exit code, one line, no traceback, how fast, nothing left
-running) run `python trainer.py` in a subprocess, as tests/test_end_to_end.py does.
+running) run `python trainer.py` in a subprocess, as tests/cli/test_end_to_end.py does.
 """
 import decimal
 import fractions
@@ -21,7 +21,7 @@ import torch
 from infra.reward import RewardError
 from infra.scoring import score
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # --- reward functions, in-process ---
@@ -85,7 +85,7 @@ def test_a_reward_call_has_a_time_limit():
 def test_a_full_shared_memory_is_reported_before_anything_is_made_there(monkeypatch):
     """Claim: with /dev/shm (nearly) full, async mode fails with the one line naming --shm-size before it puts
     anything there or starts the inference process (the weights' own size is checked before their buffer is
-    allocated: tests/test_pipeline.py)."""
+    allocated: tests/method/test_pipeline.py)."""
     import multiprocessing
     import shutil
 

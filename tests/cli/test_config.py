@@ -13,7 +13,7 @@ from infra import console
 from infra.options import build_parser, derive, validate
 from infra.command_line import parse_args
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_help_lists_every_field_with_its_default():

@@ -22,7 +22,7 @@ from infra.models import load_model
 from infra.options import validate
 from infra.command_line import given_options, parse_args
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # Sizes fixed, so that the probe's timing cannot pick other ones for the two runs compared.
 RUN = ["--data", "arithmetic", "--iterations", "4", "--batch-size", "16", "--group-size", "4", "--max-new-tokens", "4",
        "--eval-every", "2", "--eval-size", "4", "--groups-per-chunk", "2", "--micro-batch-tokens", "64",

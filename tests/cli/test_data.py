@@ -161,7 +161,7 @@ def test_without_evaluation_no_prompt_is_held_out(tmp_path):
     --eval-size: 50 rows trained on 36 before (and were refused at 50 or fewer with the default --eval-size 64);
     TRL holds nothing out unless asked. With evaluation, --eval-size rows are held out as before. (--eval-size is
     what decides, derived 0 from --eval-every 0: a checkpoint keeps it, so a resumed run trains on the same prompts;
-    tests/test_checkpoint.py.)"""
+    tests/cli/test_checkpoint.py.)"""
     import trainer
     from infra.command_line import parse_args
     mine = write_jsonl(tmp_path / "mine.jsonl", gsm8k_rows(50))
@@ -508,7 +508,7 @@ def test_text_prompts_are_taken_as_trl_takes_them(qwen_shaped_dir, tmp_path):
     completions.jsonl, decoded from the ids the model sampled from."""
     import subprocess
     import sys
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
 
     def sampled_prompt(column: str, *extra: str) -> tuple[str, str]:
         rows = [{column: f"What is {i}+1?", "answer": str(i + 1)} for i in range(12)]
@@ -584,5 +584,5 @@ def test_the_tiny_model_takes_trls_conversational_data(tmp_path):
                              "--batch-size", "4", "--group-size", "2", "--eval-every", "0", "--groups-per-chunk", "2",
                              "--micro-batch-tokens", "4096", "--rollout-threads", "1", "--train-threads", "1",
                              "--no-save", "--out", str(tmp_path / "run")],
-                            cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=300)
+                            cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
