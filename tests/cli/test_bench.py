@@ -53,7 +53,7 @@ def test_split_prediction():
 
 @pytest.mark.slow
 def test_async_workload_reports_the_promised_figures(tiny_model_dir):
-    """Claim: one sync/async round on a local model yields the JSON keys the issue asks for, consistent
+    """Claim: one sync/async round on a local model yields the JSON keys its docstring lists, consistent
     with each other, at the sizes async's probe picked (both modes at its generate calls)."""
     argv = ["--model", str(tiny_model_dir), "--data", "arithmetic", "--batch-size", "8", "--group-size", "4",
             "--max-new-tokens", "3"]
@@ -197,7 +197,7 @@ def test_engine_cpu_benchmark_runs_and_splits_the_time(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_gpu_table_runs_every_part_on_cpu(qwen_shaped_dir, tmp_path):
-    """Claim (bench.py gpu, issue 31): the one-command GPU table's every part runs end to end, so that a lent GPU's
+    """Claim (bench.py gpu): the one-command GPU table's every part runs end to end, so that a lent GPU's
     minutes go to measuring: on CPU (no CUDA graphs there) the decode part times the engine and `generate` at 1,
     M/2 and M new tokens and derives per-step figures from them, the kernels part counts what a decode step launches
     (exactly: a 1-layer Qwen2 step makes 8 matrix products), the pipeline part runs trainer.py sync, async and auto,
@@ -244,7 +244,7 @@ def test_gpu_table_runs_every_part_on_cpu(qwen_shaped_dir, tmp_path):
 
 @pytest.mark.slow
 def test_decode_step_parts_run_every_variant_on_cpu(capsys):
-    """Claim (tools/decode_step_parts.py, issue 31): every variant of the step's pieces runs (on CPU, eagerly, at a
+    """Claim (tools/decode_step_parts.py): every variant of the step's pieces runs (on CPU, eagerly, at a
     small size), so that a lent GPU's minutes go to measuring, and the agreement lines a GPU run reads are printed
     and hold here (each timing printed as the median beside its 5 rounds): flex attention over the written blocks
     agrees with sdpa under the mask (two float32 softmax

@@ -51,7 +51,7 @@ def logged(tiny_model_dir, tmp_path_factory) -> tuple[Path, str]:
 
 
 def test_every_completion_is_a_line_whose_rewards_are_the_metrics(logged):
-    """Claim (#32 item 3): --log-completions writes one line per sampled completion, iteration by iteration in prompt
+    """Claim: --log-completions writes one line per sampled completion, iteration by iteration in prompt
     and sample order, with the prompt as the model saw it, the decoded completion, each reward by name, the weighted
     sum and the advantage; an iteration's rewards average to its metrics row's reward_mean and rewards/<name>/mean,
     and each group's advantages sum to 0 (tolerances: module docstring)."""
@@ -77,7 +77,7 @@ def test_every_completion_is_a_line_whose_rewards_are_the_metrics(logged):
 
 
 def test_the_first_completions_are_printed_and_tensorboard_gets_a_table(logged):
-    """Claim (#32 item 3): --num-completions-to-print N prints the first N completions of each iteration; TensorBoard
+    """Claim: --num-completions-to-print N prints the first N completions of each iteration; TensorBoard
     gets each iteration's completions as a markdown table (its Text tab) at the iteration's step, read back here by
     TensorBoard's own reader."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -98,7 +98,7 @@ def test_the_first_completions_are_printed_and_tensorboard_gets_a_table(logged):
 
 
 def test_a_resumed_run_drops_the_completions_after_its_checkpoint(logged, tiny_model_dir, tmp_path):
-    """Claim (#32 item 3): resumed from checkpoint-1, a run keeps iteration 0's completions and writes iterations 1
+    """Claim: resumed from checkpoint-1, a run keeps iteration 0's completions and writes iterations 1
     and 2 anew, each once (as metrics.jsonl's rows); the lines it drops are the stopped run's after its checkpoint.
     Each is the stopped run's line again, as the resumed run is the same run."""
     out, _ = logged
@@ -220,7 +220,7 @@ class Recorder(types.ModuleType):
 
 @pytest.mark.parametrize("tracker", ["wandb", "trackio", "trackio without Table"])
 def test_wandb_and_trackio_get_the_completions_table_at_its_step(tracker, tmp_path, monkeypatch):
-    """Claim (#32 item 3): with --report-to wandb or trackio an iteration's completions are logged as a table named
+    """Claim: with --report-to wandb or trackio an iteration's completions are logged as a table named
     "completions" (TRL's name), wandb.Table / trackio.Table of completions_table's columns and rows, at the
     iteration's step; a trackio without Table gets no table and no error."""
     name = tracker.split()[0]
@@ -235,7 +235,7 @@ def test_wandb_and_trackio_get_the_completions_table_at_its_step(tracker, tmp_pa
 
 @pytest.mark.slow  # process-level: torchrun
 def test_two_ranks_write_every_ranks_completions_once(tiny_model_dir, tmp_path):
-    """Claim (#32 item 3): under torchrun with 2 trainer ranks, rank 0 writes every rank's completions (each rank
+    """Claim: under torchrun with 2 trainer ranks, rank 0 writes every rank's completions (each rank
     samples and trains only its own generate calls), the same lines as the single process's run (rollouts are
     equal exactly: tests/method/test_distributed.py), and no other rank writes."""
     extra = ["--groups-per-chunk", "1", "--batch-size", "20", "--rollout-threads", "1", "--train-threads", "1",

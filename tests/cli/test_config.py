@@ -245,7 +245,7 @@ def test_loss_types_are_the_losses():
     assert LOSS_TYPES == grpo.LOSS_TYPES
 
 
-# --- TRL's names and defaults (issue #32 point 5) ---
+# --- TRL's names and defaults ---
 # TRL 1.16's defaults (trl/trainer/grpo_config.py; transformers 5's TrainingArguments under it for seed,
 # max_grad_norm, weight_decay, report_to, save_total_limit, lr_scheduler_type; TRL's _BaseConfig for
 # gradient_checkpointing), read from the released wheel trl-1.16.0
@@ -378,7 +378,7 @@ def test_help_explains_the_log_columns_and_the_departures():
 
 
 def test_the_final_line_is_left_out_without_an_evaluation():
-    """Claim (#32 point 9): with evaluation off the final row prints nothing ("final held-out reward -" said
+    """Claim: with evaluation off the final row prints nothing ("final held-out reward -" said
     nothing); with it, the held-out reward of θ_final."""
     import trainer
     assert console.format_row({"final": True, "eval_reward": None, "policy_version": 4}) == ""
@@ -387,7 +387,7 @@ def test_the_final_line_is_left_out_without_an_evaluation():
 
 
 def test_off_a_terminal_progress_is_a_line():
-    """Claim (#32 point 9): the progress bar's content as one line (for logs that are no terminal): iterations done,
+    """Claim: the progress bar's content as one line (for logs that are no terminal): iterations done,
     the time so far and the time left at the measured pace."""
     import trainer
     assert console.progress_line(12, 60, 41.0, 3.4) == \
@@ -397,8 +397,8 @@ def test_off_a_terminal_progress_is_a_line():
 @pytest.mark.parametrize("devices, said", [(("cpu", "cpu"), False), (("cuda:0", "cuda:1"), True),
                                            (("npu:0,npu:1", "cpu"), True)])
 def test_the_device_split_line_is_printed_only_where_a_side_has_a_device(devices, said, tmp_path, capsys):
-    """Claim (#32 point 9): the closing line on the split of devices between the two sides is printed only when a
-    side runs on a GPU or NPU; on CPU cores there is no device to move (it was printed on every CPU run)."""
+    """Claim: the closing line on the split of devices between the two sides is printed only when a
+    side runs on a GPU or NPU; on CPU cores there is no device to move."""
     import trainer
     cfg = Config(out=str(tmp_path), iterations=2, save=False, eval_every=0, rollout_device=devices[0],
                  train_device=devices[1])
@@ -413,7 +413,7 @@ def test_the_device_split_line_is_printed_only_where_a_side_has_a_device(devices
 
 
 def test_off_a_terminal_the_log_has_progress_lines(tmp_path, monkeypatch, capsys):
-    """Claim (#32 point 9): where stderr is no terminal (nohup, CI) the progress bar is replaced by a progress line
+    """Claim: where stderr is no terminal (nohup, CI) the progress bar is replaced by a progress line
     every PROGRESS_EVERY_S (here 0: every iteration after the first, whose row sets the pace's origin), on stderr;
     the log on stdout has no final line when nothing was evaluated."""
     import trainer
@@ -476,7 +476,7 @@ def test_responses_no_reward_scored_are_warned_about_once(tmp_path, capsys):
 
 def test_the_first_line_says_when_the_test_split_is_smaller_than_eval_size():
     """Claim: --eval-size larger than the data's held-out split holds out the whole split, and the run's first line
-    says so, naming the split (it was capped silently); at or below it, the line only counts the prompts of a
+    says so, naming the split; at or below it, the line only counts the prompts of a
     built-in task, and names the split of a dataset's."""
     import trainer
     from infra import data, tasks
@@ -493,8 +493,7 @@ def test_the_first_line_says_when_the_test_split_is_smaller_than_eval_size():
 
 def test_the_first_line_says_held_out_prompts_are_never_evaluated():
     """Claim: --eval-size given with --eval-every 0 still keeps its prompts out of training (the same training
-    prompts as the run that evaluates), and the run's first line says they are never evaluated (they were held out
-    silently); with evaluation on, or nothing held out, it says nothing of it."""
+    prompts as the run that evaluates), and the run's first line says they are never evaluated; with evaluation on, or nothing held out, it says nothing of it."""
     import trainer
     from infra.options import derive
     cfg = derive(Config(eval_every=0, eval_size=50))
@@ -505,8 +504,8 @@ def test_the_first_line_says_held_out_prompts_are_never_evaluated():
 
 
 def test_a_misspelt_model_is_named_before_the_data_is_read(tmp_path):
-    """Claim: --model tinyy (or qwen2.5-0.6b) is one line naming the model it misspells, with the options, exit 2:
-    it was an error about the hub's gsm8k (the default data of a model that is not tiny), the model never named. A
+    """Claim: --model tinyy (or qwen2.5-0.6b) is one line naming the model it misspells, with the options, exit 2,
+    before the data is read (the default data of a model that is not tiny is the hub's gsm8k). A
     folder, a hub id (org/name), an alias or a name close to none is left to the loader."""
     from infra.options import misspelt_model
     assert misspelt_model("tinyy") == "tiny" and misspelt_model("qwen2.5-0.6b") == "qwen2.5-0.5b"

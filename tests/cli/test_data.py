@@ -9,6 +9,7 @@ from pathlib import Path
 
 import datasets
 import pytest
+from faults import hang_bound
 from conftest import GSM8K_DIR, QWEN_CHAT_TEMPLATE
 from huggingface_hub import constants as hub_constants
 
@@ -69,8 +70,7 @@ def test_a_directory_holds_out_its_test_split(tmp_path):
 
 def test_a_folder_save_to_disk_wrote_loads(tmp_path):
     """Claim: a folder written by `Dataset.save_to_disk` (one split: train, the last rows held out) or by
-    `DatasetDict.save_to_disk` (its test split held out) loads with datasets.load_from_disk, as a TRL script loads it;
-    a Dataset's folder was refused ("use load_from_disk instead", which --data could not do)."""
+    `DatasetDict.save_to_disk` (its test split held out) loads with datasets.load_from_disk, as a TRL script loads it."""
     datasets.Dataset.from_list(gsm8k_rows(20)).save_to_disk(str(tmp_path / "one"))
     train, held_out = data.load_task(str(tmp_path / "one"), eval_size=5)
     assert len(train) == 15 and len(held_out) == 5 and train[0] == Example("What is 0 + 1?", "1")
@@ -127,8 +127,7 @@ def test_without_eval_size_most_of_a_small_dataset_trains(tmp_path):
 
 def test_a_validation_split_is_held_out_when_there_is_no_test_split(tmp_path):
     """Claim: a directory of train and validation files (or a train.jsonl with a sibling validation.jsonl) holds
-    out the validation split, as a test split would be, and trains on every train row (it held out train's last rows
-    and left the validation split unread, silently); with both, the test split is held out; --eval-split (TRL's
+    out the validation split, as a test split would be, and trains on every train row; with both, the test split is held out; --eval-split (TRL's
     --dataset-test-split) picks one, or --split itself for its last rows; a split the data lacks is one line. The run's
     first line says which split is held out."""
     folder = tmp_path / "gsm"
@@ -158,8 +157,8 @@ def test_a_validation_split_is_held_out_when_there_is_no_test_split(tmp_path):
 
 def test_without_evaluation_no_prompt_is_held_out(tmp_path):
     """Claim: with --eval-every 0 (never evaluate) every prompt trains, held out none, whatever the data's size and
-    --eval-size: 50 rows trained on 36 before (and were refused at 50 or fewer with the default --eval-size 64);
-    TRL holds nothing out unless asked. With evaluation, --eval-size rows are held out as before. (--eval-size is
+    --eval-size (50 rows train on 50, with the default --eval-size 64 too);
+    TRL holds nothing out unless asked. With evaluation, --eval-size rows are held out. (--eval-size is
     what decides, derived 0 from --eval-every 0: a checkpoint keeps it, so a resumed run trains on the same prompts;
     tests/cli/test_checkpoint.py.)"""
     import trainer
@@ -207,7 +206,7 @@ def test_gold_answer(value, gold):
 def test_a_conversational_prompt_column_goes_through_the_chat_template(tmp_path):
     """Claim: TRL's 'prompt' column of chat messages is used when the data has no 'question' column; each prompt is
     rendered with the model's chat template (Qwen2.5-Instruct's) as it is: its own system message, no SYSTEM_PROMPT
-    added, ending with the assistant's turn; a plain-text prompt gets no SYSTEM_PROMPT either (issue #32, point 2):
+    added, ending with the assistant's turn; a plain-text prompt gets no SYSTEM_PROMPT either:
     only the template's own default system message."""
     from infra.models import tiny_tokenizer
     rows = [{"prompt": conversation(i), "solution": str(i + 1)} for i in range(12)]
@@ -228,8 +227,7 @@ def test_a_conversational_prompt_column_goes_through_the_chat_template(tmp_path)
 def test_trls_prompt_column_wins_over_question(tmp_path):
     """Claim: data with both GSM8K's 'question' and TRL's 'prompt' column (what `dataset.map(make_conversation)` makes
     of GSM8K) trains on 'prompt' when --prompt-column is not given, as TRL reads it: its system message kept, the
-    rewards given the messages and the 'question' as a column (it trained on 'question', through the default chat
-    template, silently). The run's first line says which column, and the options config.json records name it;
+    rewards given the messages and the 'question' as a column. The run's first line says which column, and the options config.json records name it;
     --prompt-column question still picks the other, and GSM8K-only data reads 'question' without a word."""
     import trainer
     from infra.command_line import parse_args
@@ -254,7 +252,7 @@ def test_trls_prompt_column_wins_over_question(tmp_path):
     assert (gsm8k.prompt_column, gsm8k.train[0].prompt, gsm8k.notes) == ("question", "What is 0 + 1?", ())
 
 
-# --- prompt-only data, every column, --system-prompt (issue #32, points 1 and 2) ---
+# --- prompt-only data, every column, --system-prompt ---
 MATH = {"answer": "--reward math"}  # what Rewards.needed_columns gives for --reward math
 
 
@@ -332,7 +330,7 @@ def test_conversations_need_a_chat_template_and_fit_the_context():
     """Claim: conversations with a model that has no chat template are refused at start-up in one line (even when the
     context is unknown); with a template, a conversation too long for the context is found and its length and row
     named; a
-    --max-new-tokens that alone fills the context is named as the fault (it blamed the prompts)."""
+    --max-new-tokens that alone fills the context is named as the fault."""
     from infra.models import tiny_tokenizer
     tokenizer = tiny_tokenizer()  # one token per byte, no chat template
     chats = [Example(conversation(i), str(i + 1)) for i in range(3)]
@@ -479,7 +477,7 @@ def test_offline_gsm8k_loads_from_the_datasets_cache(tmp_path, datasets_cache, m
     cache_as_if_downloaded(datasets_cache, tmp_path, "openai/gsm8k", "main")
     train, held_out = data.load_task("gsm8k", eval_size=4)
     assert len(train) == 30 and [e.answer for e in held_out] == ["501", "502", "503", "504"]
-    assert time.perf_counter() - start < 10
+    assert time.perf_counter() - start < hang_bound(10)
     assert hub_constants.HF_HUB_OFFLINE and datasets.config.HF_HUB_OFFLINE == datasets_offline  # switched back
 
 
@@ -535,7 +533,7 @@ def test_text_prompts_are_taken_as_trl_takes_them(qwen_shaped_dir, tmp_path):
 
 
 def test_a_new_data_rederives_what_auto_held_out(tmp_path):
-    """Claim (a review's finding): config.json records the held-out count auto took (13 of 65 rows); rerun with
+    """Claim: config.json records the held-out count auto took (13 of 65 rows); rerun with
     another --data (or --split, --eval-split), the count is auto again, not the small data's 13."""
     from infra.command_line import parse_args
     record = tmp_path / "config.json"
@@ -548,7 +546,7 @@ def test_a_new_data_rederives_what_auto_held_out(tmp_path):
 
 def test_fewer_training_prompts_than_an_iteration_takes_are_said(tmp_path):
     """Claim: a training set smaller than an iteration's prompts (one row, two prompts per iteration) is said in the
-    run's first line: each iteration then samples some prompts more than once (it ran without a word)."""
+    run's first line: each iteration then samples some prompts more than once."""
     import trainer
     from config import Config
     from infra.options import derive
@@ -565,7 +563,7 @@ def test_the_tiny_model_takes_trls_conversational_data(tmp_path):
     """Claim: `--model tiny` has a chat template, so TRL's conversational `prompt` column (chat messages) trains on it
     offline: a user's message is the same tokens as its text (what the model was warmed up on), a system message comes
     before it on a line of its own, a prefilled assistant's message is continued; text prompts still go as they are,
-    with no note about a template that changes nothing. The run exits 0 (it was refused: no chat template)."""
+    with no note about a template that changes nothing. The run exits 0."""
     import subprocess
     import sys
     from infra.console import text_prompts_note

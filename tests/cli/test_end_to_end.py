@@ -71,7 +71,7 @@ def test_gsm8k_file_with_a_qwen_instruct_shaped_directory(qwen_shaped_dir, tmp_p
 @pytest.mark.slow
 def test_an_evaluation_no_reward_scored_is_not_said_to_have_not_run(tmp_path):
     """Claim: when a TRL-style reward returns None for every response, the last line says the held-out evaluation
-    scored nothing, not that none ran (it did: its responses were sampled and passed to the reward)."""
+    scored nothing, not that none ran."""
     (tmp_path / "skip.py").write_text("def skip(prompts, completions, **kwargs):\n"
                                       "    return [None] * len(completions)\n")
     result = subprocess.run(

@@ -1,4 +1,4 @@
-"""Bad inputs end the run with one clear line (issue #13, part C): reward functions that hang, exit or return the
+"""Bad inputs end the run with one clear line: reward functions that hang, exit or return the
 wrong type, unreadable data and reward files, models that cannot be trained, prompts longer than the context.
 
 Pure checks run in-process; the end-to-end claims (exit code, one line, no traceback, how fast, nothing left
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
                          ids=lambda v: f"{type(v).__name__}-{v}")
 def test_every_real_scalar_is_a_reward(value):
     """Claim: a reward may return any one real number: numpy's float32 and int64, a 0-d tensor or array, int,
-    float, Fraction, Decimal (numpy.float32 was refused as 'not a finite number' while numpy.float64 passed), and a
+    float, Fraction, Decimal (numpy.float32 as numpy.float64), and a
     bool as 1 or 0, as TRL takes a list of bools (`return predicted == gold`)."""
     scored = score(lambda prompt, completion, answer: value, "1+1=", "2", "2")
     assert type(scored) is float and scored == float(value)
@@ -75,7 +75,7 @@ def test_a_reward_call_has_a_time_limit():
     start = time.monotonic()
     with pytest.raises(RewardError, match=r"stubborn' did not return within 0.5 s \(--reward-timeout"):
         score(stubborn, "1+1=", "2", "2", time_limit=0.5)
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < faults.hang_bound(5)
     assert score(lambda prompt, completion, answer: time.sleep(0.2) or 1.0, "1+1=", "2", "2", time_limit=0.5) == 1.0
     time.sleep(0.5)  # a late signal from the clock must not hit the code after a call that returned
     assert score(lambda prompt, completion, answer: 0.0, "1+1=", "2", "2", time_limit=0) == 0.0
@@ -111,7 +111,7 @@ def trainer_args(model_dir, out, *extra) -> list[str]:
 def test_a_hanging_reward_ends_the_run_within_its_limit(tiny_model_dir, tmp_path, mode):
     """Claim: a reward call that never returns ends the run, in either mode, within --reward-timeout plus a few
     seconds of its start: exit 1, one `error:` line naming the function, the limit and the option, no traceback,
-    no process left running, nothing saved (it hung silently forever)."""
+    no process left running, nothing saved."""
     marker = tmp_path / "reward-started"
     process = subprocess.Popen(trainer_args(tiny_model_dir, tmp_path / "out", "--mode", mode, "--reward",
                                             "tests/rewards.py:hanging_reward", "--reward-timeout", "2"),
@@ -131,7 +131,7 @@ def test_a_hanging_reward_ends_the_run_within_its_limit(tiny_model_dir, tmp_path
     assert process.returncode == 1, err
     assert "hanging_reward' did not return within 2 s (--reward-timeout" in err and "Traceback" not in err
     assert err.count("error:") == 1 and err.strip().splitlines()[-1].startswith("error:"), err
-    assert elapsed < 2 + 5, f"the run took {elapsed:.1f} s after the reward began to hang"
+    assert elapsed < faults.hang_bound(2 + 5), f"the run took {elapsed:.1f} s after the reward began to hang"
     deadline = time.monotonic() + 3  # the resource tracker exits when it sees the trainer's pipe close
     while any(faults.alive(*child) for child in children.items()) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -170,7 +170,7 @@ def test_a_prompt_longer_than_the_context_is_refused_at_start_up(tiny_model_dir,
     assert "iter " not in result.stdout and "Traceback" not in result.stderr
 
 
-# --- issue #33: rewards that misbehave in other ways, data that is not there or too big ---
+# --- rewards that misbehave in other ways, data that is not there or too big ---
 LINGERING = """import threading, time
 def reward(prompt, completion, answer):
     if not any(t.name == "flusher" for t in threading.enumerate()):  # a client library's background flusher
@@ -186,9 +186,8 @@ def reward(prompt, completion, answer):
 
 @pytest.mark.slow
 def test_a_reward_thread_that_never_ends_does_not_hang_the_run(tiny_model_dir, tmp_path):
-    """Claim (#33 point 8): a reward that starts a thread that is not a daemon and never ends (a client library's
-    flusher) does not hang the run after "done" (it hung forever; Ctrl-C then printed a traceback of threading's
-    shutdown and exit 0): the run exits 0 a few seconds after, with one line naming the thread, nothing left."""
+    """Claim: a reward that starts a thread that is not a daemon and never ends (a client library's
+    flusher) does not hang the run after "done": the run exits 0 a few seconds after, with one line naming the thread, nothing left."""
     (tmp_path / "lingering.py").write_text(LINGERING)
     with faults.Launch(*trainer_args(tiny_model_dir, tmp_path / "out", "--mode", "sync", "--reward",
                                      f"{tmp_path / 'lingering.py'}:reward")[2:]) as run:
@@ -200,8 +199,8 @@ def test_a_reward_thread_that_never_ends_does_not_hang_the_run(tiny_model_dir, t
 
 @pytest.mark.slow
 def test_a_reward_that_closes_stdout_is_one_line(tiny_model_dir, tmp_path):
-    """Claim (#33 point 15): a reward that closes sys.stdout ends the run with one line saying so, exit 1, no
-    traceback (it was "ValueError: I/O operation on closed file")."""
+    """Claim: a reward that closes sys.stdout ends the run with one line saying so, exit 1, no
+    traceback."""
     (tmp_path / "closes.py").write_text(CLOSES_STDOUT)
     with faults.Launch(*trainer_args(tiny_model_dir, tmp_path / "out", "--mode", "sync", "--reward",
                                      f"{tmp_path / 'closes.py'}:reward")[2:]) as run:
@@ -212,7 +211,7 @@ def test_a_reward_that_closes_stdout_is_one_line(tiny_model_dir, tmp_path):
 
 @pytest.mark.slow
 def test_a_reward_stuck_in_c_code_holding_the_gil_times_out_in_sync_mode(tiny_model_dir, tmp_path):
-    """Claim (#33 point 9): a reward stuck in C code that holds the GIL (a catastrophically backtracking regex) is
+    """Claim: a reward stuck in C code that holds the GIL (a catastrophically backtracking regex) is
     stopped by --reward-timeout in sync mode too (the watchdog thread could not run to send its signal: it never
     fired); a timer on the process's CPU time does. One line, exit 1, within the limit and a few seconds."""
     with faults.Launch(*trainer_args(tiny_model_dir, tmp_path / "out", "--mode", "sync", "--reward",
@@ -225,8 +224,7 @@ def test_a_reward_stuck_in_c_code_holding_the_gil_times_out_in_sync_mode(tiny_mo
 
 @pytest.mark.slow
 def test_a_huge_prompt_is_refused_before_it_is_tokenized(tiny_model_dir, tmp_path):
-    """Claim (#33 point 10): a 10 MB prompt is refused in one line after encoding only its start (it took 4.5 GB and
-    22 s; 50 MB aborted the process): the refusal comes within seconds of the start and names its size."""
+    """Claim: a 10 MB prompt is refused in one line after encoding only its start: the refusal comes within seconds of the start and names its size."""
     import json
     rows = [{"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"} for i in range(80)]
     rows[3]["question"] = "1+" * 5_000_000 + "1?"
@@ -243,7 +241,7 @@ def test_a_huge_prompt_is_refused_before_it_is_tokenized(tiny_model_dir, tmp_pat
 @pytest.mark.slow
 @pytest.mark.parametrize("data", ["", "  "])
 def test_a_blank_data_option_is_refused(tiny_model_dir, tmp_path, data):
-    """Claim (#33 point 13): `--data ''` (`--data "$DATA"` with DATA unset) is one line, exit 1, before any model
+    """Claim: `--data ''` (`--data "$DATA"` with DATA unset) is one line, exit 1, before any model
     loads: it trained on the built-in task and exited 0."""
     model = "periodic-rl-tests/no-such-model"  # a hub id that is not there: loading it would fail
     result = subprocess.run(trainer_args(model, tmp_path / "out", "--data", data), cwd=ROOT,
@@ -257,8 +255,7 @@ def test_a_blank_data_option_is_refused(tiny_model_dir, tmp_path, data):
 @pytest.mark.parametrize("model", ["/nonexistent", "./models/nope", "~/no-such-model"])
 def test_a_local_model_path_that_is_not_there_is_said_first(model, capsys):
     """Claim: a --model that is a local path (starts with /, ., ~ or has two slashes) and is not a directory gets one
-    usage line naming it, before anything loads. Before, with no --data, the run tried the hub's gsm8k first and
-    ended on the unreachable dataset, never naming the bad model path."""
+    usage line naming it, before anything loads."""
     from infra.command_line import parse_args
     with pytest.raises(SystemExit) as exit_info:
         parse_args(["--model", model])

@@ -1,4 +1,4 @@
-"""Outputs and saves fail cleanly (issue #13, part B): bad output paths are one line at start-up, one run per --out,
+"""Outputs and saves fail cleanly: bad output paths are one line at start-up, one run per --out,
 no previous run mixed in or lost, the policy saved before anything that can still fail, and saved atomically."""
 import errno
 import fcntl
@@ -65,7 +65,7 @@ def assert_loadable(policy_dir: Path) -> None:
 # --- the output paths, at start-up ---
 @pytest.mark.parametrize("out", ["", "  "])
 def test_blank_out_is_refused(out):
-    """Claim: `--out ''` (which wrote into the current directory) and a blank --trace are refused by validate."""
+    """Claim: `--out ''` and a blank --trace are refused by validate."""
     assert any(p.startswith("--out must name a directory") for p in validate(Config(out=out)))
     assert any(p.startswith("--trace must name a file") for p in validate(Config(trace=out)))
 
@@ -173,10 +173,10 @@ def files(folder: Path) -> dict[str, bytes]:
 
 @pytest.mark.slow
 def test_overwrite_deletes_only_the_run_in_out(tmp_path):
-    """Claim (#33 point 1): --overwrite deletes the run in --out, its metrics.jsonl, policy/, checkpoints, config.json,
+    """Claim: --overwrite deletes the run in --out, its metrics.jsonl, policy/, checkpoints, config.json,
     TensorBoard's events and its wandb folder, and nothing else: `--out . --overwrite` beside runs/latest and
     runs/exp2 (other runs, under the TensorBoard folder's name) and another run's wandb folder leaves them byte for
-    byte (they were deleted). A path with a run's name that trainer.py did not write (another tool's config.json,
+    byte. A path with a run's name that trainer.py did not write (another tool's config.json,
     a Hugging Face Trainer's checkpoint-500/, a policy/ without weights) is refused, with or without --overwrite."""
     fake_run(tmp_path)
     fake_run(tmp_path / "runs" / "latest", "latest-1")
@@ -323,7 +323,7 @@ def test_a_failure_after_the_last_optimizer_step_saves_the_policy_first(tiny_mod
     """Claim: an error that no check foresaw, raised after the last optimizer step (transformers' polynomial schedule
     with a negative power divides by zero computing the rate after the last step; the start-up check that refuses it
     is bypassed here), still leaves the trained policy/ and every iteration's metrics row, and ends with one `error:`
-    line naming the error and where the policy is, exit 1 (it was a traceback, no policy/, the last row missing)."""
+    line naming the error and where the policy is, exit 1."""
     from infra import options
     monkeypatch.setattr(options, "schedule_problem", lambda cfg: None)
     out = tmp_path / "run"
@@ -357,7 +357,7 @@ def test_closed_stdout_stops_the_run_without_a_traceback(tiny_model_dir, tmp_pat
     assert faults.shm_entries() <= shm_before
 
 
-# --- a full disk while saving (issue #33 points 5 to 7): one line naming the path, nothing torn ---
+# --- a full disk while saving: one line naming the path, nothing torn ---
 def rows_of(out: Path) -> list[int]:
     return [json.loads(line)["iteration"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -439,7 +439,7 @@ def test_a_full_disk_is_named_whatever_stop_comes_while_its_error_goes_up(tiny_m
         f"continues from {out / 'checkpoint-1'} (1 of the 2 iterations done)\n")
 
 
-# --- without --out: a folder per run, runs/latest links the newest (issue #32 point 6) ---
+# --- without --out: a folder per run, runs/latest links the newest ---
 def test_each_run_without_out_gets_a_folder_and_runs_latest_links_the_newest(tmp_path, monkeypatch):
     """Claim: two runs started in the same second get two folders (runs/<model>-<time>, then -2); runs/latest is a
     relative link to the newest, replaced atomically (plot.py, --config and --resume auto read through it); a
@@ -459,8 +459,7 @@ def test_each_run_without_out_gets_a_folder_and_runs_latest_links_the_newest(tmp
 
 
 def test_resume_auto_needs_out_and_starts_a_run_where_there_is_none(tmp_path, monkeypatch, capsys):
-    """Claim: `--resume auto` without --out is refused in one line (it followed runs/latest, which another run, such
-    as the quick start, may have moved by the time a preempted job is resubmitted: the job resumed the wrong run);
+    """Claim: `--resume auto` without --out is refused in one line;
     with an --out that holds no run it starts one, with a line saying so, so that the same command serves every
     submission of a preemptible job; an --out that holds a run is left to resume."""
     monkeypatch.chdir(tmp_path)
@@ -489,8 +488,7 @@ def stopped_run(out: Path, **options) -> Path:
 def test_resume_auto_starts_again_a_run_that_stopped_before_its_first_checkpoint(tmp_path, capsys):
     """Claim: `--resume auto` where --out holds a run that stopped before its first checkpoint (it asked for them:
     --save-every or --save-on-stop) starts the run from iteration 0, replacing that run's outputs, with one line
-    saying so (it was "error: --resume auto: no checkpoint in X", so the preemptible recipe failed on every
-    submission after a first job killed early). It still refuses, touching nothing, a run that is finished (its
+    saying so. It still refuses, touching nothing, a run that is finished (its
     policy/) or asked for no checkpoints (only its rows would be lost, and --overwrite says so), and an --out in
     use. Without --resume, such a run is refused without the advice to pass --resume auto (there is nothing to
     continue)."""
@@ -533,8 +531,8 @@ def test_resume_auto_starts_again_a_run_that_stopped_before_its_first_checkpoint
 
 def test_a_finished_lora_run_can_be_resumed_or_overwritten(tmp_path):
     """Claim: a finished --use-peft run's policy/ (peft's adapter_config.json and adapter_model.safetensors, no
-    config.json) is this trainer's: its --out is continued by --resume auto and replaced by --overwrite, where it was
-    refused as "not written by this trainer"; a folder of another tool named policy/ still is."""
+    config.json) is this trainer's: its --out is continued by --resume auto and replaced by --overwrite, not refused
+    as "not written by this trainer"; a folder of another tool named policy/ still is."""
     (tmp_path / "policy").mkdir()
     (tmp_path / "policy" / "adapter_config.json").write_text('{"peft_type": "LORA"}')
     (tmp_path / "policy" / "adapter_model.safetensors").write_bytes(b"adapter")
@@ -554,7 +552,7 @@ def test_a_finished_lora_run_can_be_resumed_or_overwritten(tmp_path):
 
 @pytest.mark.slow
 def test_the_readme_commands_run_again_and_rerun_from_another_folder(tiny_model_dir, tmp_path):
-    """Claim (#32 points 6 and 7): `python trainer.py` twice without --out makes two runs, runs/latest links the
+    """Claim: `python trainer.py` twice without --out makes two runs, runs/latest links the
     second, `python plot.py runs/latest` draws it; its config.json records absolute paths, so `--config
     A/runs/latest/config.json` reruns it from another folder B (its relative --data file and reward file found),
     into a folder of its own there."""
@@ -681,8 +679,8 @@ def test_resuming_in_place_from_a_checkpoint_the_run_went_past_is_refused(tmp_pa
 
 def test_resume_auto_on_a_complete_run_exits_0_and_rewrites_nothing(tmp_path, capsys, monkeypatch):
     """Claim: the preemptible recipe's command (--resume auto --out X) resubmitted after the run's end says the run
-    is complete and exits 0, every file as it was: it was refused with exit 1 when the run kept no checkpoints, and
-    with checkpoints it re-ran the final evaluation and rewrote the final row's elapsed_s. Options given at the
+    is complete and exits 0, every file as it was, with or without checkpoints: neither the final evaluation nor
+    the final row runs again. Options given at the
     run's values (config.json, which writes paths absolute: a reward file and a ~ given as typed; --num-train-epochs
     too, a path through a link) are the same command; more --iterations still go on, and another value is still
     refused by the resume (None: the resume proceeds)."""

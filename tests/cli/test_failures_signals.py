@@ -1,11 +1,11 @@
-"""Processes and signals (issue #13, part A): whatever stops a run, it ends with one line, within 10 s,
+"""Processes and signals: whatever stops a run, it ends with one line, within 10 s,
 leaving no process and nothing in /dev/shm behind (`faults.Launch.assert_stopped` checks all of that)."""
 import os
 import signal
 import time
 
 import pytest
-from faults import Launch
+from faults import Launch, hang_bound
 
 pytestmark = [pytest.mark.slow,  # process-level: `python -m pytest -m slow` (CI runs both tiers)
               pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds processes through Linux's /proc")]
@@ -112,7 +112,7 @@ def test_inference_process_without_heartbeat_is_reported_as_hung(tiny_model_dir,
         start = time.monotonic()
         with pytest.raises(inference.PipelineError, match=r"\(PID \d+\) has shown no sign of life for \d+ s"):
             list(remote.receive())
-        assert time.monotonic() - start < 10
+        assert time.monotonic() - start < hang_bound(10)
     finally:
         remote.close()
     assert not remote.workers[0].process.is_alive()
@@ -216,7 +216,7 @@ def test_a_full_dev_shm_leaves_no_torch_segment(tmp_path):
 
 
 def test_killed_torchrun_takes_its_ranks_along(tiny_model_dir, tmp_path):
-    """Claim (#33 point 4): SIGKILL to torchrun (which starts each rank in a session of its own) leaves nothing
+    """Claim: SIGKILL to torchrun (which starts each rank in a session of its own) leaves nothing
     running: each rank dies with its launcher (parent-death signal, distributed.die_with_launcher), its inference
     process with it, the resource trackers after them; metrics.jsonl stops growing (ranks went on training and
     writing --out 15 s later)."""
@@ -242,9 +242,7 @@ def test_killed_trainer_takes_a_rewards_own_processes_along(tiny_model_dir, tmp_
     in sync mode, in the inference process in async mode) leaves no worker behind when the trainer is SIGKILLed,
     also when the run was started from `python -c` (or a script on stdin: `trainer.train`), whose spawned inference
     process imports no main module: there, pools started by fork (and a forkserver's) are covered, not spawned ones
-    (a spawned child of such a process imports nothing of ours that could watch its parent). Before, the pools'
-    workers waited on their task queue forever, holding multiprocessing's resource tracker (and a forkserver, which
-    lives as long as its children)."""
+    (a spawned child of such a process imports nothing of ours that could watch its parent)."""
     with endless(tiny_model_dir, tmp_path, "--mode", mode, "--reward", "tests/rewards.py:kept_pool_length",
                  env={"REWARD_POOL_START": starts}, launcher=launcher) as run:
         run.wait_for(r"^iter ")

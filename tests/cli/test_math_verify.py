@@ -1,4 +1,4 @@
-"""`--reward math-verify` (issue #15, point 3): answers checked as the field checks them, on hand-written LaTeX and
+"""`--reward math-verify`: answers checked as the field checks them, on hand-written LaTeX and
 on real GSM8K lines, in the main thread (math-verify's SIGALRM timeouts, under --reward-timeout's clock) and off it."""
 import json
 import threading
@@ -30,7 +30,7 @@ from infra.tasks import math_reward
     ("-3", r"First 2 - 5 = -3, so \boxed{-3}", 1.0),
     ("1080", "The total is 1,080 dollars.\n#### 1,080", 1.0),
     ("", "anything", None),
-    # as instruct models write GSM8K answers (issue #32, point 8): a '####' that gives no answer is not read
+    # as instruct models write GSM8K answers: a '####' that gives no answer is not read
     ("72", "#### Step 2: Total of 24 + 48\n$\\boxed{72}$", 1.0),
     ("72", "The answer is 72.\n#### ", 1.0),
     ("72", "So she earns 72 dollars.\n#### 72\n#### Verification\n72 / 3 = 24", 1.0),

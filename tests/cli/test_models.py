@@ -4,6 +4,7 @@ import time
 
 import pytest
 import torch
+from faults import hang_bound
 from huggingface_hub import constants as hub_constants
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -128,7 +129,7 @@ def test_alias_offline_fails_fast_with_what_was_tried(monkeypatch):
     start = time.perf_counter()
     with pytest.raises(ModelNotFoundError) as error:
         models.load_model("qwen2.5-0.5b")
-    assert time.perf_counter() - start < 10
+    assert time.perf_counter() - start < hang_bound(10)
     message = str(error.value)
     for part in ("Qwen/Qwen2.5-0.5B-Instruct", "HF cache", "the hub", "hf download", "HF_HOME", "--model tiny"):
         assert part in message
@@ -172,7 +173,7 @@ def test_unknown_hub_id_fails_fast():
     start = time.perf_counter()
     with pytest.raises(ModelNotFoundError, match="--model tiny"):
         models.load_model("periodic-rl-tests/no-such-model")
-    assert time.perf_counter() - start < 60
+    assert time.perf_counter() - start < hang_bound(60)
 
 
 # --- the warmed-up tiny model ---

@@ -218,7 +218,7 @@ def test_args_are_a_config_file_and_keywords_win(tmp_path, monkeypatch):
 
 
 def test_a_scripts_reward_is_found_in_a_spawned_process_too(tmp_path, monkeypatch):
-    """Claim (a review's findings): in a spawned process, where the script is `__mp_main__`, a function of the script
+    """Claim: in a spawned process, where the script is `__mp_main__`, a function of the script
     is still named by the script's path (config.json recorded '__mp_main__:f', which no command line can load);
     a reward file that is the running script is not run again, unless the function is not there yet (defined below
     its `if __name__ == "__main__":` block, which was running); report_to=[] is TRL's "no tracker"."""
@@ -243,9 +243,8 @@ def test_a_scripts_reward_is_found_in_a_spawned_process_too(tmp_path, monkeypatc
 
 
 def test_a_callable_object_and_the_args_weights_and_resume(tmp_path, monkeypatch):
-    """Claim (a TRL user's findings): a callable object at the top level of a module is found by its name there (it
-    was refused); the args' reward_weights go with the rewards given to train (a typed --reward re-derives a file's
-    weights: they were dropped silently), and its resume_from_checkpoint resumes, as TRL's scripts pass it on to
+    """Claim: a callable object at the top level of a module is found by its name there; the args' reward_weights go with the rewards given to train (a typed --reward re-derives a file's
+    weights), and its resume_from_checkpoint resumes, as TRL's scripts pass it on to
     trainer.train (a --config file alone never resumes)."""
     from infra.reward import load_reward
     assert python_args.reward_spec(rewards.scaled_half) == "rewards:scaled_half"
@@ -281,10 +280,10 @@ if __name__ == "__main__":
 
 @pytest.mark.slow  # process-level: trainer.train with its inference process, from a script read on stdin
 def test_train_from_stdin_runs_and_ctrl_c_is_a_keyboard_interrupt(tmp_path):
-    """Claim (a TRL user's findings): a script read from stdin (`python < script.py`, as a notebook's cell is not a
+    """Claim: a script read from stdin (`python < script.py`, as a notebook's cell is not a
     file either) runs train in async mode: multiprocessing's spawn would run the script's path, '<stdin>', again, and
     the inference process died with a traceback before the first row; Ctrl-C during that run is the
-    KeyboardInterrupt a script expects (it was a RuntimeError naming exit code 130), after the run stopped and said
+    KeyboardInterrupt a script expects, after the run stopped and said
     so, nothing left running. One process shows both."""
     import signal
     import time
@@ -306,7 +305,7 @@ def test_train_from_stdin_runs_and_ctrl_c_is_a_keyboard_interrupt(tmp_path):
 
 
 def test_trls_other_keywords_are_options_or_one_line(tmp_path, monkeypatch, capsys):
-    """Claim (a TRL user's findings): TRL's peft_config (peft's LoraConfig) is --use-peft with its r, alpha, dropout
+    """Claim: TRL's peft_config (peft's LoraConfig) is --use-peft with its r, alpha, dropout
     and modules (the Config equals the typed one), a field no option expresses is one ValueError; a model object
     and a processing_class from elsewhere are one ValueError naming what to give (each process loads its own copy:
     the model object's printed form once became --model, and an error hundreds of characters long); a tokenizer
@@ -357,7 +356,7 @@ def test_trls_other_keywords_are_options_or_one_line(tmp_path, monkeypatch, caps
 
 
 def test_a_grpo_configs_unset_keys_say_nothing(tmp_path, monkeypatch, capsys):
-    """Claim (a TRL user's finding: train(args=GRPOConfig(...)) printed "ignored 85 of TRL's keys" and named a cache
+    """Claim (train(args=GRPOConfig(...)) printed "ignored 85 of TRL's keys" and named a cache
     file the user never wrote): keys of no use here left at the class's defaults are dropped before the file is
     written; one of no use that the user set is still said; an option at TRL's default is still TRL's (beta 0.0, not
     ours); the lines name train's args. A dataclass shaped as GRPOConfig stands in (trl is optional here)."""

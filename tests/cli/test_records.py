@@ -163,8 +163,8 @@ def test_a_resumed_run_replaces_tensorboards_events_from_its_step_on(tmp_path):
 
 # --- config.json and --config ---
 def test_config_json_records_the_resolved_options_the_versions_and_the_command(run_dir):
-    """Claim: <out>/config.json holds every option as the run resolved it, the sizes the probe chose included
-    (they were not given), the versions of Python, torch, transformers and datasets, this checkout's commit, and
+    """Claim: <out>/config.json holds every option as the run resolved it, the sizes the probe chose included,
+    the versions of Python, torch, transformers and datasets, this checkout's commit, and
     the command line."""
     import torch
     import transformers
@@ -210,7 +210,7 @@ def test_a_resumed_run_keeps_its_run_id(tmp_path):
 
 
 def test_config_json_records_paths_absolute_and_reruns_from_another_folder(tmp_path, monkeypatch):
-    """Claim (#32 point 7): config.json's paths are absolute (a local --data file, a local --model directory,
+    """Claim: config.json's paths are absolute (a local --data file, a local --model directory,
     --cache-dir, --out, --trace, a --resume checkpoint, a reward file 'path.py:function'), while names that are no
     local path (hub ids, built-in tasks and rewards, module:function, tiny) stay as given; so `--config` of it
     from another folder finds the data and the reward file (validate checks --data exists), where the relative
@@ -242,8 +242,8 @@ def test_config_json_records_paths_absolute_and_reruns_from_another_folder(tmp_p
 
 def test_config_json_fed_back_reruns_the_same_options_and_flags_override_it(run_dir):
     """Claim: `--config <out>/config.json` resolves to the run's own options (its sizes included, so a rerun
-    batches alike), only `config` itself now naming the file and `out` left open (a rerun gets a folder of its own,
-    issue #32 point 6: the record's --out holds that run, and would be refused); a flag on the command line
+    batches alike), only `config` itself now naming the file and `out` left open (a rerun gets a folder of its own:
+    the record's --out holds that run, and would be refused); a flag on the command line
     overrides the file."""
     record = json.loads((run_dir / "config.json").read_text())
     options = Config(**{f.name: record[f.name] for f in dataclasses.fields(Config)})
@@ -256,7 +256,7 @@ def test_config_json_fed_back_reruns_the_same_options_and_flags_override_it(run_
 
 
 def test_a_trl_config_file_runs_with_the_keys_of_no_use_here_ignored(tmp_path, capsys):
-    """Claim (#32): a TRL GRPOConfig YAML with keys this trainer has no use for (logging_steps, push_to_hub, bf16,
+    """Claim: a TRL GRPOConfig YAML with keys this trainer has no use for (logging_steps, push_to_hub, bf16,
     max_prompt_length) parses, the other keys as typed flags, with one line naming the ignored keys and why; TRL's
     per-device batch is taken as TRL derives its generation batch, and refused where TRL refuses it (a batch that
     is no whole number of groups), in one line naming TRL's keys."""
@@ -296,8 +296,7 @@ def test_options_derived_from_one_given_anew_are_derived_again(tmp_path, monkeyp
     option they derive from anew on the command line, they are derived again instead of kept (a tiny run's file
     with --model qwen2.5-0.5b trains at the real model's lr and lengths); under torchrun each rank places its own
     devices, so the file's are not kept. A file that is not a run record (no run_id) holds what its author chose:
-    its lr and lengths stay under a typed --model (they were dropped: a recipe's max_completion_length 1024 became
-    512), its reward weights go with its rewards."""
+    its lr and lengths stay under a typed --model, its reward weights go with its rewards."""
     path = tmp_path / "config.json"
     record = {"model": "tiny", "lr": 1e-4, "max_new_tokens": 8, "reward": ["math"], "reward_weights": [1.0],
               "train_device": "cpu", "rollout_device": "cpu"}
@@ -388,7 +387,7 @@ def test_records_alone_are_no_previous_run_and_overwrite_deletes_them(tmp_path):
 def test_plot_draws_the_panels_of_a_run(run_dir, tmp_path):
     """Claim: `python plot.py RUN_DIR -o FILE` writes a PNG of the run; its figure has the reward with the held-out
     points on top, the busy/idle seconds of both processes at the bottom, and between them the KL, response length,
-    loss, gradient norm and clipped tokens of each iteration, drawn from metrics.jsonl (#32: loss and grad norm)."""
+    loss, gradient norm and clipped tokens of each iteration, drawn from metrics.jsonl."""
     output = tmp_path / "run.png"
     assert plot.main([str(run_dir), "-o", str(output)]) == 0
     assert output.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -425,7 +424,7 @@ def test_metrics_jsonl_holds_trls_keys_as_the_trackers_name_them(run_dir):
 
 
 def test_plot_draws_each_reward_and_the_trl_metrics_the_rows_hold(tmp_path):
-    """Claim (#32): with several rewards each is drawn alone (its mean ± std); the loss, gradient norm, learning rate,
+    """Claim: with several rewards each is drawn alone (its mean ± std); the loss, gradient norm, learning rate,
     entropy and TRL's clip ratios get a panel where the rows hold them, and none where they do not (an older run's
     rows, a run with one reward), without an error."""
     rows = [{"iteration": k, "reward_mean": 0.5, "reward_std": 0.1, "eval_reward": None, "response_length": 3.0,
@@ -472,7 +471,7 @@ ROW = '{"iteration": 0, "reward_mean": 0.5, "reward_std": 0.1, "eval_reward": nu
 ], ids=["not-an-object", "no-iteration", "not-a-number", "not-utf8", "not-json", "lr-not-a-number",
         "reward-not-a-number"])
 def test_plot_of_a_file_that_is_not_metrics_is_one_line(tmp_path, text, said):
-    """Claim (#33 point 12): plot.py on a metrics.jsonl that trainer.py did not write (a line that is JSON but not an
+    """Claim: plot.py on a metrics.jsonl that trainer.py did not write (a line that is JSON but not an
     object, a row without iteration, text where a number is drawn, a byte that is not UTF-8, a line that is not
     JSON) is one `error:` line naming the file and line, exit 1, no traceback; a last line torn by a kill is
     skipped."""
@@ -487,7 +486,7 @@ def test_plot_of_a_file_that_is_not_metrics_is_one_line(tmp_path, text, said):
 
 
 def test_plot_writes_the_file_it_names_or_refuses_the_format(tmp_path, capsys):
-    """Claim (#33 point 12): `-o /tmp/out` says the file it wrote, out.png (it said "wrote /tmp/out"); `-o x.foo`, a
+    """Claim: `-o /tmp/out` says the file it wrote, out.png; `-o x.foo`, a
     format matplotlib cannot write, is one line listing those it can, before anything is drawn."""
     (tmp_path / "metrics.jsonl").write_text(ROW)
     assert plot.main([str(tmp_path), "-o", str(tmp_path / "out")]) == 0

@@ -44,8 +44,8 @@ def test_load_reward_errors_name_what_was_not_found(spec, mentioned):
 ], ids=["syntax", "import", "exit", "in a library"])
 def test_a_reward_file_that_cannot_be_imported_names_its_line(tmp_path, source, said):
     """Claim: a reward file with a syntax error, a missing import or code that fails when imported is one RewardError
-    line naming the file and the line (it was a traceback); the user's own line, also where the error is raised
-    inside a library it calls (it named json/decoder.py's line)."""
+    line naming the file and the line; the user's own line, also where the error is raised
+    inside a library it calls."""
     path = tmp_path / "broken_reward.py"
     path.write_text(source)
     with pytest.raises(RewardError) as error:
@@ -113,8 +113,7 @@ DATACLASS_REWARD = ("from __future__ import annotations\n"
 
 @pytest.mark.parametrize("stem", ["dataclass_reward", "json"])
 def test_a_reward_file_may_define_a_dataclass(tmp_path, own_imports, stem):
-    """Claim: a reward file with `from __future__ import annotations` and a @dataclass loads and scores (it raised
-    AttributeError: dataclasses looks the module up in sys.modules); one named like an existing module (json.py)
+    """Claim: a reward file with `from __future__ import annotations` and a @dataclass loads and scores; one named like an existing module (json.py)
     is registered under a name of its own, and that module is still the one `import json` gets."""
     import json
     path = tmp_path / f"{stem}.py"
@@ -127,8 +126,7 @@ def test_a_reward_file_may_define_a_dataclass(tmp_path, own_imports, stem):
 
 
 def test_a_reward_file_may_import_modules_beside_it(tmp_path, own_imports, monkeypatch):
-    """Claim: a reward file imports modules from its own folder, when it loads and when it is called (it was
-    ModuleNotFoundError), from any working directory."""
+    """Claim: a reward file imports modules from its own folder, when it loads and when it is called, from any working directory."""
     (tmp_path / "rw_helper.py").write_text("def score(completion):\n    return len(completion)\n")
     (tmp_path / "rw_lazy.py").write_text("BONUS = 10\n")
     (tmp_path / "rw_main.py").write_text("from rw_helper import score\n\n"
@@ -141,7 +139,7 @@ def test_a_reward_file_may_import_modules_beside_it(tmp_path, own_imports, monke
 
 def test_a_reward_module_is_found_in_the_working_directory(tmp_path, own_imports, monkeypatch):
     """Claim: `--reward myrw:acc` run from the folder holding myrw.py loads it although sys.path[0] is trainer.py's
-    folder, not the working directory (it said 'cannot import module ... run from its folder')."""
+    folder, not the working directory."""
     (tmp_path / "myrw.py").write_text("def acc(prompt, completion, answer):\n    return 1.0\n")
     monkeypatch.chdir(tmp_path)
     assert reward.load_reward("myrw:acc")("p", "c", "a") == 1.0
@@ -174,7 +172,7 @@ def test_a_spawned_process_loads_rewards_alike(tmp_path, own_imports):
 def test_trls_registry_names_load_trl_rewards(tmp_path, monkeypatch, own_imports):
     """Claim: --reward accuracy_reward (and TRL's CLI's other registry names) loads trl.rewards' function as TRL's CLI
     does (get_soft_overlong_punishment made with TRL's arguments, 1280 and 256); without trl installed it is refused
-    in one line naming the pip command (it was "not understood"). A stand-in trl package here: CI has no trl."""
+    in one line naming the pip command. A stand-in trl package here: CI has no trl."""
     package = tmp_path / "trl"
     (package / "rewards").mkdir(parents=True)
     (package / "__init__.py").write_text("")

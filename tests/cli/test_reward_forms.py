@@ -1,4 +1,4 @@
-"""infra/reward.py's two forms and several weighted rewards (issue #15, point 2): a TRL-style batched reward gets TRL's
+"""infra/reward.py's two forms and several weighted rewards: a TRL-style batched reward gets TRL's
 keyword lists, its failures are one line each, None is 'not scored', and weighted rewards add up and are logged
 each on its own, in both modes."""
 import asyncio
@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from faults import hang_bound
 import torch
 
 import grpo
@@ -96,7 +97,7 @@ def test_a_batched_reward_gets_trls_keyword_lists(prompt, answer, columns, compl
         score_group(Rewards([short], [1.0]), prompt, answer, columns, ["2", "3"], [[5, 0], [6]], logs=RewardLogs())
 
 
-def reward_len(completions, **kwargs):  # the issue's prompt-only example
+def reward_len(completions, **kwargs):  # TRL's prompt-only example
     return [-abs(20 - len(completion)) for completion in completions]
 
 
@@ -154,7 +155,7 @@ def test_trainer_state_is_transformers_with_the_runs_steps():
 def test_async_rewards_are_awaited_together_after_the_sync_ones():
     """Claim: `async def` rewards of either form are awaited (batched: one call per group; plain: one per
     completion), all of a group's async calls concurrently (two 0.3 s waits, a batched one and a plain one over 2
-    completions, take ~0.3 s, not 0.9 s), after the sync rewards, which run first and in order; the values come back
+    completions, all begin before any ends), after the sync rewards, which run first and in order; the values come back
     in reward order; and the calls run on one event loop that outlives them (a client bound to it keeps working)."""
     order, loops = [], []
 
@@ -162,23 +163,23 @@ def test_async_rewards_are_awaited_together_after_the_sync_ones():
         order.append("async batched")
         loops.append(asyncio.get_running_loop())
         await asyncio.sleep(0.3)
+        order.append("done")
         return [1.0, None]
 
     async def slow_plain(prompt, completion, answer):
         order.append("async plain")
         loops.append(asyncio.get_running_loop())
         await asyncio.sleep(0.3)
+        order.append("done")
         return len(completion)
 
     def sync_batched(completions, **kwargs):
         order.append("sync")
         return [0.5, 0.5]
     rewards = Rewards([slow_batched, sync_batched, slow_plain], [1.0, 1.0, 1.0])
-    start = time.monotonic()
     values = score_group(rewards, "p", "a", {}, ["x", "yz"], [[1], [2]], time_limit=5)
-    assert time.monotonic() - start < 0.6
     assert values[0][0] == 1.0 and math.isnan(values[0][1]) and values[1:] == [[0.5, 0.5], [1.0, 2.0]]
-    assert order == ["sync", "async batched", "async plain", "async plain"]
+    assert order == ["sync", "async batched", "async plain", "async plain", "done", "done", "done"]  # all at once
     score_group(rewards, "p", "a", {}, ["x", "yz"], [[1], [2]])
     assert len(set(loops)) == 1 and loops[0].is_running()  # the same loop, still running, for the next group
     assert score(slow_plain, "p", "abc", "a") == 3.0  # the one-call helpers await too
@@ -215,7 +216,7 @@ def test_an_async_reward_that_fails_is_one_line_naming_it():
     start = time.monotonic()
     with pytest.raises(RewardError, match=r"stuck' did not return within 0.5 s \(--reward-timeout"):
         score_group(Rewards([fine, stuck], [1.0, 1.0]), *group, time_limit=0.5)
-    assert time.monotonic() - start < 2
+    assert time.monotonic() - start < hang_bound(2)
     with pytest.raises(RewardError, match=r"wrong' returned a str \('1.0'\): return a list of 2 numbers"):
         score_group(Rewards([wrong], [1.0]), *group)
     assert score_group(Rewards([fine], [1.0]), *group) == [[1.0, 1.0]]
@@ -276,7 +277,7 @@ def test_a_wrong_batched_result_is_one_line(returned, said):
 def test_batched_results_torch_would_take_are_taken(returned):
     """Claim: what TRL turns into a tensor (a list, tuple, 1-d array or tensor of real numbers or bools, None) is
     accepted; a bool counts 1 or 0, as in TRL's float32 tensor of the list; NaN skips the completion as None does
-    (TRL makes None NaN and sums with nansum: the two are one; it was refused)."""
+    (TRL makes None NaN and sums with nansum: the two are one)."""
     values = score_group(Rewards([lambda completions, **kwargs: returned], [1.0]), "p", "a", {}, ["x", "y"], [[1], [2]])
     skipped = returned[1] is None or math.isnan(float(returned[1]))
     second = None if skipped else {0.5: 0.5, False: 0.0}[float(returned[1])]
@@ -297,7 +298,7 @@ def test_a_batched_reward_raising_or_hanging_is_one_line():
     start = time.monotonic()
     with pytest.raises(RewardError, match=r"stuck' did not return within 0.5 s \(--reward-timeout"):
         score_group(Rewards([stuck], [1.0]), "p", "a", {}, ["x", "y"], [[1], [2]], time_limit=0.5)
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < hang_bound(5)
 
 
 def test_weighted_rewards_add_up_and_unscored_responses_leave_the_baseline():
@@ -353,7 +354,7 @@ def test_a_checkpoint_with_the_old_single_reward_resumes(tmp_path):
 
 @pytest.mark.slow
 def test_a_prompt_only_dataset_with_trl_rewards_in_both_modes(tiny_model_dir, tmp_path):
-    """Claim (issue #32, points 1 and 4): a prompt-only dataset (TRL's 'prompt' column and a 'target_len' column, no
+    """Claim: a prompt-only dataset (TRL's 'prompt' column and a 'target_len' column, no
     answer) trains with TRL-style rewards, in both modes: an async one that reads the column and trainer_state, and
     one that returns trainer_state.global_step, which is the iteration's index; the async run (rewards and examples in
     the inference process) logs what the sync run logs. With --reward math the same data is refused before a model
@@ -387,9 +388,7 @@ def test_a_prompt_only_dataset_with_trl_rewards_in_both_modes(tiny_model_dir, tm
 @pytest.mark.slow
 def test_a_reward_may_start_processes_of_its_own_in_both_modes(tiny_model_dir, tmp_path):
     """Claim: a reward that scores in a process pool (ProcessPoolExecutor, as sandboxed code-execution rewards do)
-    runs in the inference process as in the trainer's: the same rewards in both modes. Before, the inference process
-    was a daemon, which multiprocessing forbids to have children: an async run stopped at the first group ("daemonic
-    processes are not allowed to have children") where the same run in sync mode, and in TRL, trained."""
+    runs in the inference process as in the trainer's: the same rewards in both modes."""
     args = [sys.executable, "trainer.py", "--model", str(tiny_model_dir), "--data", "arithmetic", "--iterations", "2",
             "--batch-size", "8", "--group-size", "4", "--max-new-tokens", "4", "--eval-every", "0",
             "--groups-per-chunk", "2", "--micro-batch-tokens", "16384", "--rollout-threads", "1", "--train-threads", "1", "--no-save",
@@ -439,7 +438,7 @@ def test_weighted_rewards_are_logged_each_on_its_own_in_both_modes(tiny_model_di
 def test_a_reward_spec_missing_its_function_or_naming_a_model_says_what_to_write(tmp_path):
     """Claim: `--reward file.py` (no function) names the functions the file defines, read without running it, so the
     user can pick one; a Hub id (TRL's reward_funcs also takes a reward model's) says reward models are not supported
-    and what a reward is here. Before, both got the generic "is not understood" line."""
+    and what a reward is here."""
     from infra.reward import RewardError, load_reward
     (tmp_path / "rewards.py").write_text("import os\n\ndef accuracy(completions, **kw):\n    return [0.0]\n\n"
                                          "async def length(completions, **kw):\n    return [1.0]\n\nos.exit(3)\n")
@@ -461,8 +460,7 @@ def test_top_k_minus_one_is_off_as_in_trl():
 def test_what_a_reward_logs_reaches_the_row_and_the_completions_in_both_modes(tiny_model_dir, tmp_path):
     """Claim: TRL's log_metric and log_extra work as in TRL, in both modes (async: from the inference process): each
     row has the logged metric's mean over the iteration (here the mean length, which is the reward's mean: the reward
-    is the length) and completions.jsonl has each completion's logged column. Before, a reward taking them was
-    refused at start-up as needing dataset columns of those names."""
+    is the length) and completions.jsonl has each completion's logged column."""
     args = [sys.executable, "trainer.py", "--model", str(tiny_model_dir), "--data", "arithmetic", "--iterations", "2",
             "--batch-size", "8", "--group-size", "4", "--max-new-tokens", "4", "--eval-every", "0",
             "--groups-per-chunk", "2", "--micro-batch-tokens", "16384", "--rollout-threads", "1", "--train-threads",

@@ -114,7 +114,7 @@ def test_in_turns_takes_the_least_generation_and_the_whole_training():
 
 
 def test_with_ranks_every_sampler_gets_a_call():
-    """Claim (#32, torchrun probing): the sizes chosen for M ranks x N workers give at least M·N generate calls
+    """Claim (torchrun probing): the sizes chosen for M ranks x N workers give at least M·N generate calls
     (`min_calls`), where the single process would take one (a fixed cost per step favours one call): a rank with no
     call would sit idle, and distributed.check refuses that."""
     fixed = probe_of([4] * 16, step=(0.01, 0.0), per_token=1e-6)
@@ -128,7 +128,7 @@ def test_with_ranks_every_sampler_gets_a_call():
 def test_probe_changes_nothing_and_choose_fills_only_open_sizes(tiny_model_dir, monkeypatch, capsys):
     """Claim: the probe leaves the RNG state, the weights and the gradients as they were (the run that follows is
     the run that would have happened), measures positive costs, and `choose` fills exactly the sizes left open,
-    with at least one thread per side. It says so before it starts (#32 point 9: it was silent for its 5-25 s), and
+    with at least one thread per side. It says so before it starts, and
     says nothing when every size is given."""
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(2)))
     cfg = derive(Config(model=str(tiny_model_dir), data="arithmetic", mode="async", batch_size=32, group_size=4,

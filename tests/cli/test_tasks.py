@@ -23,7 +23,7 @@ from infra.tasks import Example, TaskError
     ("It costs 1,234,567 in total", "1234567"),
     ("no digits here", None),
     ("", None),
-    # as instruct models write GSM8K answers (issue #32, point 8): a '####' that gives no number is not the answer
+    # as instruct models write GSM8K answers: a '####' that gives no number is not the answer
     ("#### Step 1: Eggs\n16 - 3 - 4 = 9\n#### Step 2: Total $2 * 9 = 18$, so $\\boxed{18}$", "18"),
     ("#### Step 2: Total 24 + 48 = 72 $\\boxed{72}$", "72"),
     ("The answer is 72.\n#### ", "72"),
@@ -67,8 +67,8 @@ def test_format_priority():
     ("I don't know", "18", 0.0),
     ("2.5", "2.50", 1.0),
     ("-3", "3", 0.0),
-    ("#### Step 2: Total of 24 + 48\n$\\boxed{72}$", "72", 1.0),  # issue #32's: the '####' gave 2
-    ("The answer is 72.\n#### ", "72", 1.0),  # issue #32's: the empty '####' gave nothing
+    ("#### Step 2: Total of 24 + 48\n$\\boxed{72}$", "72", 1.0),  # a '####' heading the working, not the answer
+    ("The answer is 72.\n#### ", "72", 1.0),  # an empty '####': the answer before it
 ])
 def test_math_reward(completion, answer, reward):
     """Claim: the reward is 1.0 exactly when the final number equals the answer numerically."""
@@ -103,7 +103,7 @@ def test_load_task_builtin_arithmetic():
 # --- prompts ---
 def test_prompt_token_ids_raw_text_or_chat_template():
     """Claim: a tokenizer without a chat template gets the raw question; with one, the template wraps the question
-    as the user's message, with no system message added (issue #32, point 2), and ends with the assistant's
+    as the user's message, with no system message added, and ends with the assistant's
     generation prompt."""
     from infra.models import tiny_tokenizer
     tokenizer = tiny_tokenizer()
@@ -129,7 +129,7 @@ def qwen_tokenizer():
 def test_a_prompt_ending_with_the_assistant_is_continued(prefill):
     """Claim: a conversation whose last message is the assistant's (a prefilled "The answer is", "<think>") is
     rendered as TRL's maybe_apply_chat_template renders it (continue_final_message, no generation prompt): the model
-    continues that message (it got a closed assistant turn and a new one); the length check counts those tokens, at
+    continues that message; the length check counts those tokens, at
     the context's edge exactly, as the inference side and the size probe feed them (both call prompt_token_ids)."""
     tokenizer = qwen_tokenizer()
     prompt = [{"role": "user", "content": "What is 4+1?"}, {"role": "assistant", "content": prefill}]

@@ -1,4 +1,4 @@
-"""TRL's training options (issue #32): the learning-rate schedule, scale_rewards, mask_truncated_completions,
+"""TRL's training options: the learning-rate schedule, scale_rewards, mask_truncated_completions,
 num_iterations (μ), bnpo, disable_dropout, and the metrics TRL logs, each against a reference computed in one
 piece. The learner's runs here are in float64 but for Qwen2's RMSNorm, which computes in float32 whatever the
 model's dtype (as every Hugging Face Llama-family norm): a gradient scaled at another point (1/D or 1/s before
@@ -408,9 +408,9 @@ def policy_entropies(policy, temperature: float) -> list[list[float]]:
 
 
 def test_entropy_leaves_out_the_masked_responses(tiny_model_dir):
-    """Claim (review of #32, item 4): under --mask-truncated-completions the entropy metric is the mean over the loss
+    """Claim: under --mask-truncated-completions the entropy metric is the mean over the loss
     tokens only, as TRL's (its completion mask zeroes a truncated response, and the entropy is averaged under that
-    mask): the 5 truncated responses of the 16 are left out (they were counted). One update: every group is scored at
+    mask): the 5 truncated responses of the 16 are left out. One update: every group is scored at
     θ_0, which the reference scores apart (float32 norms: the module docstring's rounding, rel 1e-6; the mean over
     every token is 3e-4 off)."""
     cfg = config(tiny_model_dir, "--temperature", "0.7", "--mask-truncated-completions")
@@ -427,9 +427,8 @@ def test_entropy_leaves_out_the_masked_responses(tiny_model_dir):
 
 @pytest.mark.parametrize("options", [["--beta", "0.04"], ["--beta", "0"], ["--scale-rewards", "group"]])
 def test_completions_log_the_advantages_trained_on(tiny_model_dir, options):
-    """Claim (review of #32, item 2): --log-completions writes the advantage the learner trained on: with
-    --scale-rewards batch the centred reward / (std(r_batch) + eps) (it wrote the centred reward, the learner
-    dividing later), for β > 0 (divided before the passes) and β = 0 (∇ divided at the step: the same update);
+    """Claim: --log-completions writes the advantage the learner trained on: with
+    --scale-rewards batch the centred reward / (std(r_batch) + eps), for β > 0 (divided before the passes) and β = 0 (∇ divided at the step: the same update);
     scale_rewards group: the group's own. The learner's float32 against a float64 reference: rel 1e-6."""
     from infra.completions import records
     scale = "batch" if "--beta" in options else "group"
@@ -450,8 +449,8 @@ def test_completions_log_the_advantages_trained_on(tiny_model_dir, options):
 
 
 def test_trainer_state_counts_every_pass_as_trl():
-    """Claim (review of #32, item 3): the trainer_state a batched reward gets counts TRL's optimizer steps, μ per
-    mini-batch: before iteration k, k x updates-per-iteration x num-iterations (it left μ out), and max_steps is the
+    """Claim: the trainer_state a batched reward gets counts TRL's optimizer steps, μ per
+    mini-batch: before iteration k, k x updates-per-iteration x num-iterations, and max_steps is the
     run's, the schedule's length (launch/setup.build_optimizer)."""
     from infra.scoring import trainer_state
     cfg = parse_args(["--iterations", "10", "--updates-per-iteration", "2", "--num-iterations", "3"])
@@ -479,8 +478,8 @@ def refusal(capsys, call) -> str:
 def test_trl_bookkeeping_keys_are_skipped_with_a_line(tmp_path, capsys):
     """Claim: TrainingArguments' bookkeeping keys that change nothing here (run_name, logging_dir, log_level,
     remove_unused_columns, logging_strategy, overwrite_output_dir, ...) are skipped in a --config file with one line
-    naming each and why (they were refused as unknown); typed on the command line, as a TRL command line has them
-    (--bf16, --logging-steps 10, --run-name x), they are skipped with the same kind of line (they were refused)."""
+    naming each and why; typed on the command line, as a TRL command line has them
+    (--bf16, --logging-steps 10, --run-name x), they are skipped with the same kind of line."""
     keys = ("run_name: my-run\nlogging_dir: logs\nlog_level: info\nremove_unused_columns: false\n"
             "logging_strategy: steps\nlogging_first_step: true\noverwrite_output_dir: true\ndisable_tqdm: true\n")
     cfg = parse_yaml(tmp_path, keys + "num_generations: 4\nbatch_size: 16\n")
@@ -508,7 +507,7 @@ def test_trl_keys_at_what_this_trainer_does_are_skipped(text, tmp_path, capsys):
     """Claim: a TRL key at a value that is what this trainer does anyway (TRL's own defaults: use_vllm false, fp16
     false, optim adamw_torch(_fused): torch's AdamW, launch/setup.build_optimizer, at its
     default betas (0.9, 0.999) and eps 1e-8) is skipped with one line saying what this trainer
-    does (they were refused); the run is the one without it."""
+    does; the run is the one without it."""
     assert dataclasses.replace(parse_yaml(tmp_path, text + "\n"), config=None) == parse_args(["--model", "tiny"])
     out = capsys.readouterr().out
     assert len(skipped_lines(out)) == 1 and f"ignored TRL's {text.split(':')[0]} " in out, out
@@ -516,8 +515,8 @@ def test_trl_keys_at_what_this_trainer_does_are_skipped(text, tmp_path, capsys):
 
 def test_trls_vllm_settings_are_skipped_without_use_vllm(tmp_path, capsys):
     """Claim: GRPOConfig's vLLM settings (vllm_mode, vllm_gpu_memory_utilization, ...), which TRL reads only with
-    use_vllm true, are skipped in a --config file with one line naming them together (vllm_mode was refused even
-    with use_vllm false); with use_vllm true the file is refused, naming use_vllm."""
+    use_vllm true, are skipped in a --config file with one line naming them together (vllm_mode
+    included); with use_vllm true the file is refused, naming use_vllm."""
     vllm = "vllm_mode: colocate\nvllm_gpu_memory_utilization: 0.3\nvllm_tensor_parallel_size: 1\n"
     cfg = parse_yaml(tmp_path, "use_vllm: false\n" + vllm)
     assert dataclasses.replace(cfg, config=None) == parse_args(["--model", "tiny"])
@@ -598,7 +597,7 @@ def test_a_grpo_config_at_its_defaults_runs_as_it_is(tmp_path, capsys):
     read only by what is off: sapo_*, entropy_coef_*; TRL's nulls that mean "derive it": generation_batch_size,
     steps_per_generation, num_generations_eval; epsilon_high null is epsilon's value, num_completions_to_print null
     is our 0, said in a second line; a third names our defaults that GRPOConfig's own fields leave, such as the seed,
-    which TrainingArguments holds). Before, 40 of the 78 keys were refused as unknown, one at a time. The line names
+    which TrainingArguments holds). The line names
     the ~58 keys without their reasons (which it gave for 8 or fewer: 3,000 characters here before), vLLM's 17 as
     vllm_*; a key read as one of our options (eval_strategy 'no': --eval-every 0) has a line of its own."""
     import json
@@ -649,7 +648,7 @@ def test_trls_batch_keys_in_a_file_become_our_batch(text, world, batch, updates,
     """Claim: TRL's batch keys in a --config file give the batch TRL would sample and the optimizer steps it would
     take on it, as GRPOConfig.__post_init__ derives them (generation batch = per_device x processes x
     steps_per_generation, steps_per_generation defaulting to gradient_accumulation_steps; one optimizer step per
-    gradient_accumulation_steps of them), said in one line. Before, per_device_train_batch_size was refused."""
+    gradient_accumulation_steps of them), said in one line."""
     monkeypatch.setenv("WORLD_SIZE", str(world))
     cfg = parse_yaml(tmp_path, text + "num_generations: 8\n")
     assert (cfg.batch_size, cfg.updates_per_iteration) == (batch, updates)
@@ -690,8 +689,7 @@ def test_trls_batch_keys_give_way_or_are_refused(tmp_path, capsys):
 def test_trls_batch_keys_typed_and_in_a_file_make_one_batch(text, argv, batch, updates, tmp_path):
     """Claim: TRL's batch keys typed and in a --config file are translated together, as TRL takes them from its
     command line and its config file (a typed key wins over the file's), with the file's num_generations and
-    updates_per_iteration: the same batch as TRL's. Before (this session's first version), the typed keys were
-    translated alone, the file's dropped as if --batch-size were given and its num_generations not seen."""
+    updates_per_iteration: the same batch as TRL's."""
     cfg = parse_yaml(tmp_path, text, *argv)
     assert (cfg.batch_size, cfg.updates_per_iteration) == (batch, updates)
 
@@ -706,8 +704,7 @@ def test_trls_batch_keys_typed_and_in_a_file_make_one_batch(text, argv, batch, u
 def test_trls_batch_flags_typed_become_our_batch(argv, batch, updates, said, capsys):
     """Claim: TRL's batch flags typed as TRL's CLI takes them (either spelling, `=` or a separate value) give the batch
     and optimizer steps a --config file's do (TRL's generation batch), said in one line; a typed --batch-size wins.
-    Bad values end in one line, exit 2: not a whole number, no value, a batch of partial groups. Before, they were
-    refused as meaning something else here."""
+    Bad values end in one line, exit 2: not a whole number, no value, a batch of partial groups."""
     cfg = parse_args(argv)
     assert (cfg.batch_size, cfg.updates_per_iteration) == (batch, updates)
     assert said in capsys.readouterr().out
@@ -722,7 +719,7 @@ def test_transformers_trainer_settings_at_their_defaults_are_skipped(tmp_path, c
     """Claim: TrainingArguments' settings for transformers' Trainer that a TRL config carries (do_eval, use_liger_kernel,
     dataloader_num_workers, ...) are skipped at their defaults (read from the installed transformers) with one line,
     and refused at another value in one line naming each; TRL's ModelConfig keys at their defaults are skipped too
-    (model_revision main, load_in_4bit false, ...) and torch_dtype is dtype. Before, each was an unknown option."""
+    (model_revision main, load_in_4bit false, ...) and torch_dtype is dtype."""
     cfg = parse_yaml(tmp_path, "tf32: null\nuse_liger_kernel: false\ntorch_compile: false\n"
                                "model_revision: main\nload_in_4bit: false\ntorch_dtype: float32\n")
     assert cfg.dtype == "float32"
@@ -752,7 +749,7 @@ def test_reward_funcs_is_trls_name_for_reward(tmp_path, capsys):
 
 def test_dataset_test_split_is_trls_name_for_eval_split(tmp_path):
     """Claim: TRL's dataset_test_split (the split evaluated on) is --eval-split, typed with - or _ or as a --config
-    key (it was refused as meaning something else here); not given, the held-out split is chosen from the data."""
+    key; not given, the held-out split is chosen from the data."""
     assert parse_args(["--dataset_test_split", "validation"]).eval_split == "validation"
     assert parse_args(["--dataset-test-split", "dev"]).eval_split == "dev"
     assert parse_yaml(tmp_path, "dataset_test_split: validation\n").eval_split == "validation"
@@ -762,9 +759,7 @@ def test_dataset_test_split_is_trls_name_for_eval_split(tmp_path):
 @pytest.mark.parametrize("key", ["logging_strategyx", "reward_model_name_or_path", "ddp_timeoutx", "lora_task_kind",
                                  "vllm_enable_prefix_cachingx", "save_on_each_rank"])
 def test_an_unknown_key_gets_no_far_fetched_hint(key, tmp_path, capsys):
-    """Claim: an unknown key or option that is no misspelling of one of ours gets no "did you mean" (it got one that
-    merely shared a word or an ending: reward_model_name_or_path -> model_name_or_path, which would swap the policy,
-    ddp_timeout -> reward_timeout, lora_task_type -> loss_type, ...); a real misspelling still gets its name."""
+    """Claim: an unknown key or option that is no misspelling of one of ours gets no "did you mean"; a real misspelling still gets its name."""
     err = refusal(capsys, lambda: parse_yaml(tmp_path, f"{key}: 1\n"))
     assert f"unknown option {key} (the keys are" in err and "did you mean" not in err, err
     err = refusal(capsys, lambda: parse_args([f"--{key}", "1"]))
@@ -781,8 +776,7 @@ def test_an_unknown_key_gets_no_far_fetched_hint(key, tmp_path, capsys):
 ])
 def test_yes_no_options_take_trls_true_and_false(argv, expected):
     """Claim: a yes/no option takes a value as TRL's launch scripts write it (`--gradient_checkpointing true`,
-    transformers' HfArgumentParser: true/false, yes/no, 1/0, any case), besides --name and --no-name. Before,
-    `--gradient_checkpointing true` ended in `unrecognized arguments: true`."""
+    transformers' HfArgumentParser: true/false, yes/no, 1/0, any case), besides --name and --no-name."""
     cfg = parse_args(argv)
     assert (cfg.gradient_checkpointing, cfg.log_completions, cfg.disable_dropout) == expected
 
@@ -824,7 +818,7 @@ def test_a_whole_grpo_config_written_out_runs_as_it_is(tmp_path, capsys):
     something else here are ignored at their defaults (max_steps -1: unset, eval_steps null under eval_strategy
     'no'), num_train_epochs 3.0 is three passes over the data, as in TRL, and TrainingArguments' default
     save_strategy 'steps' with save_steps 500 is read as --save-every 500 (one optimizer step per iteration here),
-    said in a line. Before, save_strategy 'steps' was refused, and after it max_steps -1 and others, one per run."""
+    said in a line."""
     import json
     (tmp_path / "grpo.json").write_text(json.dumps(whole_grpo_config()))
     cfg = parse_args(["--config", str(tmp_path / "grpo.json")])
@@ -843,8 +837,8 @@ def test_a_grpo_config_dumped_by_to_dict_runs_as_it_is(tmp_path, capsys):
     false, average_tokens_across_devices) and the masked tokens ('<HUB_TOKEN>') are ignored with the other keys of
     no use here, report_to [] is 'none', and generation_batch_size beside steps_per_generation (both derived) is the
     batch they agree on; activation_checkpointing, transformers 5's name for gradient_checkpointing, which to_dict()
-    writes beside it, is --gradient-checkpointing. Before, such a dump was refused for three to eight of those
-    keys (checked against TRL 1.16's own GRPOConfig(...).to_dict(), trl installed from its wheel)."""
+    writes beside it, is --gradient-checkpointing. (Checked against TRL 1.16's own
+    GRPOConfig(...).to_dict(), trl installed from its wheel.)"""
     import json
 
     from transformers import TrainingArguments
@@ -909,8 +903,7 @@ def test_a_trl_file_is_told_which_of_our_defaults_it_runs_with(tmp_path, capsys)
 def test_every_refused_key_of_a_file_is_said_at_once(tmp_path, capsys):
     """Claim: a --config file's refused keys are all named in its one error line: a TRL switch at a value this
     trainer does not do, a setting of transformers' Trainer at another value than its default, a TRL name that means
-    something else here at another value than TRL's default, and an unknown key. Before, each run named the first
-    kind found only (three runs for a reviewer's file)."""
+    something else here at another value than TRL's default, and an unknown key."""
     text = ("model: tiny\nuse_vllm: true\nlabel_smoothing_factor: 0.1\nnum_generations_eval: 4\n"
             "use_liger_loss_typo: false\n")
     (tmp_path / "trl.yaml").write_text(text)
@@ -936,7 +929,7 @@ def test_report_to_all_is_every_installed_tracker(monkeypatch, capsys):
 
 
 def test_num_train_epochs_counts_the_runs_iterations_from_the_data(tmp_path, capsys):
-    """Claim (TRL's num_train_epochs, in every open-r1 recipe; it was refused as meaning something else): --num-train-
+    """Claim (TRL's num_train_epochs, in every open-r1 recipe): --num-train-
     epochs E makes the run ceil(E x train prompts / prompts per iteration) iterations, counted once the data is
     loaded and said in the first line; typed with --iterations it is one usage line; a config file's epochs give way
     to a typed --iterations (TRL's max_steps wins over num_train_epochs), said in a line, and a file's --iterations
@@ -988,8 +981,7 @@ def test_a_run_by_epochs_trains_its_counted_iterations_and_saves_the_policy(tiny
 
 def test_overwrite_output_dir_is_explained_among_many_ignored_keys():
     """Claim: among more keys than get their reasons (a whole GRPOConfig file), overwrite_output_dir true still gets
-    its own: a file never replaces a run, so the run may stop at a full --out, and the line says why (it was named
-    among keys "at a value that changes nothing here")."""
+    its own: a file never replaces a run, so the run may stop at a full --out, and the line says why."""
     from infra.trl_config import SAY_WHY_UP_TO, unused_line
     from infra.trl_names import TRL_UNUSED
     many = dict.fromkeys([key for key in TRL_UNUSED if key != "overwrite_output_dir"][:SAY_WHY_UP_TO + 1], 1)
@@ -1022,8 +1014,7 @@ def test_trls_resume_from_checkpoint_true_is_auto():
 
 
 def test_trls_max_steps_is_the_runs_optimizer_steps(tmp_path, capsys):
-    """Claim (TRL's max_steps, save_steps and eval_steps count optimizer steps; they were refused as meaning something
-    else here): --max-steps N runs N / (--updates-per-iteration x --num-iterations) iterations, so the learning-rate
+    """Claim (TRL's max_steps, save_steps and eval_steps count optimizer steps): --max-steps N runs N / (--updates-per-iteration x --num-iterations) iterations, so the learning-rate
     schedule, and the TrainerState a reward sees, has TRL's N optimizer steps; said in a line. A count that is not a
     whole number of iterations is one line naming the two nearest that are; typed beside --iterations it is one line,
     beside --num-train-epochs it wins, as in TRL; a bare --max-steps is one line."""
@@ -1096,7 +1087,7 @@ def test_trls_save_and_eval_steps_are_whole_iterations(tmp_path, capsys):
 
 
 def test_trls_step_counts_against_a_file_a_record_and_a_resume(tmp_path, capsys):
-    """Claim (a review's findings): a typed TRL count wins over a --config file's option for the same thing (a run
+    """Claim: a typed TRL count wins over a --config file's option for the same thing (a run
     record always holds save_every and eval_every: a typed --save-steps was ignored); a typed --max-steps -1 is TRL's
     "unset", so the file's num_train_epochs set the run, not its max_steps; eval_strategy 'steps' in a file without
     eval_steps evaluates every logging_steps; a resumed run counts in its checkpoint's optimizer steps per
@@ -1126,10 +1117,10 @@ def test_trls_step_counts_against_a_file_a_record_and_a_resume(tmp_path, capsys)
 
 
 def test_trl_flags_typed_at_what_this_trainer_does_run(capsys):
-    """Claim (a TRL user's finding: the command line was stricter than a file): a TRL switch typed at what this
+    """Claim: as in a file, a TRL switch typed at what this
     trainer does (--use_vllm false, --optim adamw_torch, --adam-beta1 0.9) is ignored with a line, as in a file;
-    at another value it is one line; --bf16 false, typed or in a file, is --dtype float32, as TRL computes then
-    (it was ignored: --dtype auto would compute in bf16 on a GPU); a --dtype given wins."""
+    at another value it is one line; --bf16 false, typed or in a file, is --dtype float32, as TRL computes then;
+    a --dtype given wins."""
     assert parse_args(["--use_vllm", "false", "--optim", "adamw_torch", "--adam-beta1", "0.9"]).iterations == 60
     out = capsys.readouterr().out
     assert "ignored TRL's --use-vllm False: here sampling runs" in out and "--adam-beta1 0.9" in out, out
@@ -1138,7 +1129,7 @@ def test_trl_flags_typed_at_what_this_trainer_does_run(capsys):
     assert "took TRL's --bf16 false as --dtype float32" in capsys.readouterr().out
     assert parse_args(["--bf16=False", "--dtype", "bfloat16"]).dtype == "bfloat16"
     assert parse_args(["--bf16", "--dtype", "bfloat16"]).dtype == "bfloat16"
-    # a review's findings: TRL's numeric defaults typed as 0 and 1 (they were read as booleans and refused), a typed
+    # TRL's numeric defaults typed as 0 and 1, a typed
     # --bf16 over a file's bf16 false, a --bf16 typo, and an option after --bf16 that is not its value
     assert parse_args(["--entropy-coef", "0", "--repetition-penalty", "1"]).iterations == 60
     assert "--entropy-coef 0: here no entropy bonus" in capsys.readouterr().out
@@ -1148,10 +1139,9 @@ def test_trl_flags_typed_at_what_this_trainer_does_run(capsys):
 
 
 def test_a_files_bf16_false_gives_way_to_a_typed_bf16_and_a_broken_checkpoint_is_one_line(tmp_path, capsys):
-    """Claim (a review's findings): a --config file's bf16 false is --dtype float32 unless --bf16 is typed (any
+    """Claim: a --config file's bf16 false is --dtype float32 unless --bf16 is typed (any
     value: the typed one wins, as any typed option over a file's); a resumed checkpoint whose state.json holds no
-    usable options leaves TRL's counts to this command line's, and infra/checkpoint.py says what is wrong with it
-    (it was an AttributeError traceback)."""
+    usable options leaves TRL's counts to this command line's, and infra/checkpoint.py says what is wrong with it."""
     (tmp_path / "bf.yaml").write_text("bf16: false\n")
     assert "--dtype=float32" in with_config_file(["--config", str(tmp_path / "bf.yaml")])
     assert not any("dtype" in flag for flag in with_config_file(["--config", str(tmp_path / "bf.yaml"), "--bf16"]))
@@ -1162,8 +1152,8 @@ def test_a_files_bf16_false_gives_way_to_a_typed_bf16_and_a_broken_checkpoint_is
 
 
 def test_trls_use_cpu_is_our_device_and_overwrite_output_dir_says_what_overwrites(tmp_path, capsys):
-    """Claim (a TRL user's findings): TRL's use_cpu true is --device cpu, typed or in a file (a dumped
-    GRPOConfig(use_cpu=True) was refused), unless --device is given; --overwrite-output-dir, typed or in a file, is
+    """Claim: TRL's use_cpu true is --device cpu, typed or in a file (a dumped
+    GRPOConfig(use_cpu=True) too), unless --device is given; --overwrite-output-dir, typed or in a file, is
     ignored with a line saying what --overwrite does instead (it deletes the run in --out, which transformers' flag
     never did: a recipe's habit must not delete a run); the DataLoader's settings are ignored with a line."""
     assert parse_args(["--use-cpu"]).device == "cpu" and parse_args(["--use_cpu", "true"]).device == "cpu"
@@ -1182,7 +1172,7 @@ def test_trls_use_cpu_is_our_device_and_overwrite_output_dir_says_what_overwrite
 
 
 def test_one_option_typed_by_trls_name_and_ours_is_one_line(capsys):
-    """Claim (a TRL user's finding): `--learning_rate 1e-4 --lr 2e-4` took the last silently; an option typed by TRL's
+    """Claim: `--learning_rate 1e-4 --lr 2e-4` took the last silently; an option typed by TRL's
     name and ours is one line, as in a --config file; the same name twice is argparse's (the last wins)."""
     assert "--learning-rate and --lr name the same option" in refusal(
         capsys, lambda: parse_args(["--learning_rate", "1e-4", "--lr", "2e-4"]))
@@ -1192,7 +1182,7 @@ def test_one_option_typed_by_trls_name_and_ours_is_one_line(capsys):
 
 
 def test_trls_model_init_kwargs_are_our_dtype_and_attention(tmp_path, capsys):
-    """Claim (a TRL user's finding: TRL recipes carry model_init_kwargs {torch_dtype: bfloat16}, which was refused):
+    """Claim (TRL recipes carry model_init_kwargs {torch_dtype: bfloat16}):
     its torch_dtype (or dtype) and attn_implementation are --dtype and --attn-implementation, each said, unless typed;
     any other from_pretrained keyword is one line naming it."""
     cfg = parse_yaml(tmp_path, "model_init_kwargs:\n  torch_dtype: bfloat16\n  attn_implementation: eager\n")
@@ -1255,7 +1245,7 @@ def test_a_refused_resume_names_the_options_as_typed(tmp_path, capsys):
 def test_trls_evaluation_switches_are_honoured(tmp_path, capsys):
     """Claim: TRL's do_eval, eval_strategy and eval_steps mean here what transformers' TrainingArguments makes of them,
     typed, in a --config file or in train's args: do_eval false with eval_strategy unset (TRL's 'no') evaluates
-    nothing and holds nothing out (it was ignored: every 10 iterations); eval_strategy 'steps' sets do_eval true, so
+    nothing and holds nothing out; eval_strategy 'steps' sets do_eval true, so
     its eval_steps win; 'no' is none; 'epoch' is once per pass over the training prompts, counted once the data is
     read."""
     import trainer

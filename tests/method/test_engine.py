@@ -517,8 +517,7 @@ def test_a_failed_compilation_decodes_without_it_and_says_so_once(monkeypatch, c
     as on a machine without one; no Triton on a GPU fails the same way), the call still returns the eager engine's
     tokens exactly (the failed step is run again eagerly; here the failure comes before any cache write, and one
     after a write would be rewritten at the same slots), says so in
-    one line on stderr, and later calls of the process do not try again. Before, the run ended in a 128-line
-    traceback. Teeth: without the fallback the call raises InductorError."""
+    one line on stderr, and later calls of the process do not try again. Teeth: without the fallback the call raises InductorError."""
     import torch._inductor.config as inductor_config
     torch._dynamo.reset()
     monkeypatch.setattr(compiled_step, "COMPILE_FAILED", None)
@@ -545,8 +544,7 @@ def test_a_failed_compilation_decodes_without_it_and_says_so_once(monkeypatch, c
 def test_compiling_past_the_recompile_limit_says_so_and_decodes_eagerly(monkeypatch, capsys):
     """Claim (--engine compile, reliability): a compiled function asked for more compilations than RECOMPILE_LIMIT
     (each new row count, cache length, CPU thread count or sampling setting may add one) makes the engine say so in
-    one line and decode eagerly, the same tokens, for the rest of the process. Before, Dynamo quietly ran that
-    code eagerly from then on: a long run could lose its compiled speed with nothing said but Dynamo's log warning.
+    one line and decode eagerly, the same tokens, for the rest of the process.
     Here the limit is 1 and a second call samples (the first is greedy: the draw is compiled again)."""
     torch._dynamo.reset()
     monkeypatch.setattr(compiled_step, "COMPILE_FAILED", None)

@@ -155,7 +155,7 @@ def test_bias_corrected_kl_has_the_gradient_of_the_kl_it_reports():
 
 def test_kl_bias_correction_scales_the_term_by_the_ratio():
     """Claim: the corrected per-token KL term is ρ·k3 (TRL's `per_token_kl * coef_1`), the plain one k3, in value;
-    the logged KL is that same term, as TRL logs it (it was k3 alone, which differs off-policy)."""
+    the logged KL is that same term, as TRL logs it."""
     logp, old, ref = torch.tensor([[-1.0]]), torch.tensor([[-1.5]]), torch.tensor([[-2.0]])
     k3 = math.exp(-1.0) + 1.0 - 1.0
     for correction, expected in ((True, math.exp(0.5) * k3), (False, k3)):

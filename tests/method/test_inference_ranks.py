@@ -38,7 +38,7 @@ from rollout import Group, IterationDone
 @pytest.mark.slow  # process-level: torchrun
 def test_one_trainer_rank_and_one_inference_rank_are_the_single_process_bitwise(tiny_model_dir, single_process,
                                                                                 tmp_path):
-    """Claim (#16 point 3): `torchrun --nproc-per-node 2 ... --inference-ranks 1` (rank 0 trains, rank 1 samples:
+    """Claim: `torchrun --nproc-per-node 2 ... --inference-ranks 1` (rank 0 trains, rank 1 samples:
     θ_k crosses by a torch.distributed broadcast, the groups by point-to-point sends, nothing by shared memory) is
     bitwise the single-process run: every row, held-out rewards included, and the final weights."""
     done = run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "trainer.py",
@@ -62,7 +62,7 @@ def test_one_trainer_rank_and_one_inference_rank_are_the_single_process_bitwise(
 
 @pytest.mark.slow  # process-level: torchrun
 def test_two_nodes_of_which_one_only_samples_are_the_single_process(tiny_model_dir, single_process, tmp_path):
-    """Claim (#16 point 5): two torchrun launches of two ranks each, as two "nodes" meeting at one c10d rendezvous
+    """Claim: two torchrun launches of two ranks each, as two "nodes" meeting at one c10d rendezvous
     on localhost, with --inference-ranks 2: one node's two ranks train (calls c % 2), the other node's two ranks
     only sample (calls c % 2 of the 5 calls each, sent to the trainer rank that owns them), θ_k broadcast across
     the "nodes": the single process's rollouts exactly, its update within float summation order."""
@@ -90,7 +90,7 @@ def test_a_failing_reward_on_an_inference_rank_is_one_line_on_the_trainer(tiny_m
 @pytest.mark.slow  # process-level: torchrun
 @pytest.mark.parametrize("how", ["kill the inference rank", "ctrl-c"])
 def test_a_dead_inference_rank_or_ctrl_c_stops_every_process(tiny_model_dir, tmp_path, how):
-    """Claim (#16 point 7): SIGKILL of an inference rank, or Ctrl-C on the launcher, stops every process of the run
+    """Claim: SIGKILL of an inference rank, or Ctrl-C on the launcher, stops every process of the run
     within 10 s, none left behind; the trainer rank names the inference rank that ended first, and after Ctrl-C
     each rank says it was interrupted (no rank waits for a broadcast that will not come)."""
     with faults.Launch(*options(tiny_model_dir, tmp_path, "5 calls", "--iterations", "1000", "--eval-every", "0",

@@ -1,5 +1,5 @@
 """The shape of the house: the method at the top level, infra/ and launch/ below, imports running one way
-(docs: STYLE.md, "The house"). Every project file is read with `ast`, lazy imports inside functions included, so
+(docs/design.md, "The house"). Every project file is read with `ast`, lazy imports inside functions included, so
 a rule cannot erode one import at a time."""
 import ast
 from pathlib import Path

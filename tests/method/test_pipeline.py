@@ -52,7 +52,7 @@ def run_training(cfg):
 SAME_THREADS = ["--rollout-threads", "1", "--train-threads", "1"]
 
 
-TRL_OPTIONS = [  # issue #32: steps that wait for the whole batch, μ passes over it, bnpo, masks, schedules
+TRL_OPTIONS = [  # TRL's options: steps that wait for the whole batch, μ passes over it, bnpo, masks, schedules
     ["--scale-rewards", "batch", "--beta", "0", "--num-iterations", "2", "--loss-type", "bnpo",
      "--lr-scheduler-type", "cosine", "--warmup-ratio", "0.3", "--groups-per-chunk", "3",
      "--micro-batch-tokens", "60"],
@@ -73,7 +73,7 @@ def test_async_equals_sync(tiny_model_dir, extra):
     per generate call and per training forward (4 prompts in chunks of 3, streamed in completion order, two
     mini-batches of 2 that the first chunk straddles, micro-batches capped at 60 tokens, i.e. one or two groups of
     4 x (~6 + <= 6) tokens): micro-batches are cut by arrival order, which is completion order, the same in both
-    modes. And with TRL's options (issue #32): scale_rewards="batch" (the first step, or with β > 0 every pass,
+    modes. And with TRL's options: scale_rewards="batch" (the first step, or with β > 0 every pass,
     waits for the last group), μ = 2 passes over the stored batch, bnpo's per-micro-batch means, a warmed-up
     cosine schedule: every metric TRL logs is equal too."""
     sync_policy, sync_rows = run_training(make_cfg(tiny_model_dir, "--mode", "sync", *SAME_THREADS, *extra))
@@ -393,7 +393,7 @@ def test_killed_inference_process_is_noticed_within_seconds(tiny_model_dir, when
             remote.publish(policy, 0)
             remote.generate(0)
             list(remote.receive())
-        assert time.monotonic() - start < 10
+        assert time.monotonic() - start < faults.hang_bound(faults.STOP_SECONDS)
     assert not remote.workers[0].process.is_alive()
 
 
@@ -418,7 +418,7 @@ def test_deferred_load_waits_for_the_trainer(tiny_model_dir, tmp_path):
     idle = inference.AsyncRollouts(str(later), {}, train, held_out, DIGITS, Timeline(), load=False)
     start = time.monotonic()
     idle.close()
-    assert not idle.workers[0].process.is_alive() and time.monotonic() - start < 10
+    assert not idle.workers[0].process.is_alive() and time.monotonic() - start < faults.hang_bound(10)
 
 
 def run_trainer(*args, timeout=240):
@@ -480,13 +480,13 @@ def test_trainer_stops_cleanly(tiny_model_dir, tmp_path, how):
         start = time.monotonic()
         if how == "kill-child":
             os.kill(inference_process_of(process.pid), signal.SIGKILL)
-            _, err = process.communicate(timeout=10)
+            _, err = process.communicate(timeout=faults.hang_bound(10))
             assert process.returncode == 1 and "died: killed by SIGKILL" in err and "Traceback" not in err
         else:
             os.killpg(process.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
-            _, err = process.communicate(timeout=5)
+            _, err = process.communicate(timeout=faults.hang_bound(5))
             assert process.returncode == 130 and "interrupted" in err
-        assert time.monotonic() - start < (10 if how == "kill-child" else 5)
+        assert time.monotonic() - start < faults.hang_bound(10 if how == "kill-child" else 5)
         deadline = time.monotonic() + 3  # the resource tracker exits when it sees the trainer's pipe close
         while any(faults.alive(*child) for child in children.items()) and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -138,7 +138,7 @@ def test_compaction_continues_each_row_exactly(qwen_shaped_dir):
 
 @pytest.mark.parametrize("engine", ["auto", "hf"])
 def test_rollouts_do_not_depend_on_the_call_sizes_with_the_engine(qwen_shaped_dir, engine):
-    """Claim (issue 31): with the engine (--engine auto), the rollouts of an iteration are decided by --seed alone:
+    """Claim: with the engine (--engine auto), the rollouts of an iteration are decided by --seed alone:
     --groups-per-chunk 1, 4 and 16 sample exactly the same tokens for every prompt (each row's draws are a function of
     (seed, iteration, prompt, sample, step); the same thread count, so the logits are computed alike). And the test
     has teeth: with --engine hf (`generate`, seeded per call), the same call sizes sample other tokens."""
@@ -163,7 +163,7 @@ def test_rollouts_do_not_depend_on_the_call_sizes_with_the_engine(qwen_shaped_di
 
 @pytest.mark.parametrize("engine", ["auto", "hf"])
 def test_a_diverged_policy_is_one_line(qwen_shaped_dir, engine):
-    """Claim (issue 33, item 11): sampling from a policy whose weights diverged (NaN logits, as after --lr 1e10) ends
+    """Claim: sampling from a policy whose weights diverged (NaN logits, as after --lr 1e10) ends
     in a UserError naming the fix, the one line trainer.py prints, instead of an index error from deep inside (the
     engine) or torch.multinomial's RuntimeError (`generate`, --engine hf)."""
     import dataclasses

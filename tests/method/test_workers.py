@@ -1,4 +1,4 @@
-"""N inference workers per trainer (inference.py, inference.py; issue #16): the rollouts and the update do not depend
+"""N inference workers per trainer (inference.py): the rollouts and the update do not depend
 on N, a dead worker stops the run naming it, and the device split that balances the sides (launch/sizing.py)."""
 import os
 import re
@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from faults import Launch
+from faults import Launch, hang_bound
 
 import inference
 from launch import setup
@@ -224,9 +224,7 @@ def test_a_worker_spawn_holds_ctrl_c_off_for_its_fork_and_exec_alone(tiny_model_
     """Claim: the trainer ignores SIGINT while it starts a worker (so the child is born ignoring it through its
     imports), and a Ctrl-C in that block is lost: so the block ends as soon as the child exists, before the child
     has imported torch, however many prompts the run has (they go with ("attach", ...), not as the process's
-    arguments). Before, 40,000 prompts (5 MB pickled, far past a pipe's 64 KB) were written there, and the
-    write waited for the child to import torch and read them: a Ctrl-C in those seconds was swallowed (the run
-    went on: found by a Ctrl-C 4 s into a run). Checked by the child's memory map: no libtorch at the block's end;
+    arguments). Checked by the child's memory map: no libtorch at the block's end;
     then it does map it, and attaches and samples as usual."""
     import contextlib
     cfg = config(tiny_model_dir)
@@ -283,10 +281,12 @@ def test_the_outbox_sender_ends_before_the_process_exits():
     assert stuck.sending.wait(5)  # the sender is inside the send of 0
     start = time.monotonic()
     outbox.close(discard=True, timeout=0.3)
-    assert 0.25 < time.monotonic() - start < 5 and outbox.thread.is_alive()  # blocked in the send of 0
-    start = time.monotonic()
+    assert 0.25 < time.monotonic() - start < hang_bound(5) and outbox.thread.is_alive()  # blocked in the send of 0
+    joins = []
+    outbox.thread.join = joins.append  # counts the waits
     outbox.close(timeout=0.3)  # again (inference_process's finally after its Ctrl-C branch): the wait is not repeated
-    assert time.monotonic() - start < 0.2
+    del outbox.thread.join
+    assert joins == []
     stuck.opened.set()  # the pipe drains: 0 goes out, 1 and 2 were dropped, and the thread ends
     outbox.thread.join(5)
     assert stuck.sent == [0] and not outbox.thread.is_alive()
