@@ -1,9 +1,13 @@
-"""Shared fixtures: the repository on sys.path, where GSM8K lies, a small random Qwen2 model saved like a real one."""
+"""Shared fixtures: the repository on sys.path, where GSM8K lies, a small random Qwen2 model saved like a real one,
+and folders made once for the whole session, however many pytest-xdist workers run it."""
 import os
+import shutil
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
+from filelock import FileLock
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -12,13 +16,29 @@ sys.path.insert(0, str(ROOT))
 GSM8K_DIR = Path(os.environ.get("PERIODIC_RL_GSM8K", ROOT.parent / "shared" / "data" / "gsm8k"))
 
 
+def once_per_session(tmp_path_factory, name: str, make: Callable[[Path], object]) -> Path:
+    """The folder `name`, filled by `make(folder)` once for the whole test run: under `pytest -n 2` the first
+    worker to ask makes it while holding a lock, the others wait and take it (the pattern pytest-xdist documents
+    for session data). Meant for what several tests compare against (a model, a single-process reference run):
+    each is computed once, not once per module and per worker. The folder is read-only by convention."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's folder, above each worker's own
+    folder, made = root / name, root / f"{name}.made"
+    with FileLock(f"{folder}.lock"):
+        if not made.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir(parents=True)
+            make(folder)
+            made.touch()
+    return folder
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """An untrained tiny Qwen2 model + tokenizer in a directory, loaded through from_pretrained like any model."""
     from infra.models import build_tiny_model
-    path = tmp_path_factory.mktemp("tiny-model")
-    build_tiny_model(path, seed=0)
-    return path
+    return once_per_session(tmp_path_factory, "tiny-model", lambda path: build_tiny_model(path, seed=0))
 
 
 # Qwen's chat template, chat tokens and shipped generation_config: the same as tools/qwen_shaped_random.py's

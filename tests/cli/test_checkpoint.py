@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import once_per_session
 import torch
 from safetensors.torch import load_file
 
@@ -333,14 +334,15 @@ def same(a, b) -> bool:
     return a == b
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def straight_async_run(tiny_model_dir, tmp_path_factory) -> Path:
-    """ASYNC_RUN run through, with --save-every 3: its checkpoint-3 is the state a stop after iteration 2 must keep."""
-    out = tmp_path_factory.mktemp("straight-async") / "run"
-    done = subprocess.run(trainer("--model", tiny_model_dir, *ASYNC_RUN, "--save-every", "3", "--out", out), cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    return out
+    """ASYNC_RUN run through, with --save-every 3: its checkpoint-3 is the state a stop after iteration 2 must keep
+    (run once for the session: conftest.once_per_session)."""
+    def make(folder: Path) -> None:
+        done = subprocess.run(trainer("--model", tiny_model_dir, *ASYNC_RUN, "--save-every", "3", "--out",
+                                      folder / "run"), cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+    return once_per_session(tmp_path_factory, "straight-async", make) / "run"
 
 
 @pytest.mark.slow
@@ -508,14 +510,15 @@ def metrics_iterations(out: Path) -> list:
             for row in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def finished_run(tiny_model_dir, tmp_path_factory) -> Path:
     """A finished run of 2 iterations with --save-every 2: metrics rows 0, 1 and the final one, policy/, and
-    checkpoint-2, taken at the last iteration. Tests copy it before they touch it."""
-    out = tmp_path_factory.mktemp("finished") / "run"
-    done = subprocess.run(trainer("--model", tiny_model_dir, *FINISHED, "--save-every", "2", "--seed", "1", "--out",
-                                  out), cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
+    checkpoint-2, taken at the last iteration (run once for the session). Tests copy it before they touch it."""
+    def make(folder: Path) -> None:
+        done = subprocess.run(trainer("--model", tiny_model_dir, *FINISHED, "--save-every", "2", "--seed", "1",
+                                      "--out", folder / "run"), cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+    out = once_per_session(tmp_path_factory, "finished", make) / "run"
     assert metrics_iterations(out) == [0, 1, "final"] and (out / "checkpoint-2").is_dir()
     return out
 

@@ -18,6 +18,7 @@ import types
 from pathlib import Path
 
 import pytest
+from conftest import once_per_session
 
 from config import Config
 from infra import outputs
@@ -43,11 +44,14 @@ def read(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def logged(tiny_model_dir, tmp_path_factory) -> tuple[Path, str]:
-    """One 3-iteration run with --log-completions, two rewards and TensorBoard: (its --out, its stdout)."""
-    out = tmp_path_factory.mktemp("completions")
-    return out, train(tiny_model_dir, out).stdout
+    """One 3-iteration run with --log-completions, two rewards and TensorBoard, run once for the session: (its
+    --out, its stdout)."""
+    def make(folder: Path) -> None:
+        (folder / "stdout.txt").write_text(train(tiny_model_dir, folder / "run").stdout)
+    folder = once_per_session(tmp_path_factory, "completions", make)
+    return folder / "run", (folder / "stdout.txt").read_text()
 
 
 def test_every_completion_is_a_line_whose_rewards_are_the_metrics(logged):

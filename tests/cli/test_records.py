@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import once_per_session
 
 import plot
 import trainer
@@ -25,16 +26,17 @@ RUN = ["--mode", "sync", "--iterations", "3", "--batch-size", "16", "--group-siz
        "--eval-every", "2", "--eval-size", "4", "--report-to", "tensorboard"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def run_dir(tiny_model_dir, tmp_path_factory) -> Path:
-    """One 3-iteration run of trainer.py with --report-to tensorboard; its sizes are left to the probe."""
-    out = tmp_path_factory.mktemp("run")
-    argv = ["--model", str(tiny_model_dir), "--data", "arithmetic", *RUN, "--out", str(out)]
-    result = subprocess.run([sys.executable, "trainer.py", *argv], cwd=ROOT, capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode == 0, result.stderr
-    (out / "argv.json").write_text(json.dumps(argv))
-    return out
+    """One 3-iteration run of trainer.py with --report-to tensorboard, run once for the session; its sizes are
+    left to the probe."""
+    def make(out: Path) -> None:
+        argv = ["--model", str(tiny_model_dir), "--data", "arithmetic", *RUN, "--out", str(out)]
+        result = subprocess.run([sys.executable, "trainer.py", *argv], cwd=ROOT, capture_output=True, text=True,
+                                timeout=300)
+        assert result.returncode == 0, result.stderr
+        (out / "argv.json").write_text(json.dumps(argv))
+    return once_per_session(tmp_path_factory, "records-run", make)
 
 
 # --- trackers ---

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Iterator
 
 import faults
+from conftest import once_per_session
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -73,17 +74,14 @@ def result(out: Path) -> tuple[list[dict], torch.Tensor]:
     return rows, torch.cat([weights[name].reshape(-1).double() for name in sorted(weights)])
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def single_process(tiny_model_dir, tmp_path_factory):
-    """The single-process run of each setup (run once, compared with several ranks runs)."""
-    runs = {}
-
+    """The single-process run of each setup, run once for the session (conftest.once_per_session) and compared
+    with every ranks run of that setup, here and in test_inference_ranks.py."""
     def get(setup: str):
-        if setup not in runs:
-            out = tmp_path_factory.mktemp("single")
-            run([sys.executable, "trainer.py", *options(tiny_model_dir, out, setup)])
-            runs[setup] = result(out)
-        return runs[setup]
+        return result(once_per_session(tmp_path_factory, f"single-process-{setup.replace(' ', '-')}",
+                                       lambda out: run([sys.executable, "trainer.py",
+                                                        *options(tiny_model_dir, out, setup)])))
     return get
 
 
