@@ -2,6 +2,7 @@
 `--help` shows the method's options first. Calls are read with `ast` (the names called in each function's body,
 resolved through the module's imports), so the chain is the code's, not a list kept by hand."""
 import ast
+import re
 from collections import deque
 from pathlib import Path
 
@@ -80,3 +81,25 @@ def test_main_reaches_the_loop_in_at_most_three_calls():
     chain = call_depth(("trainer", "main"), ("periodic_rl", "train"))
     assert chain is not None, "trainer.main never reaches periodic_rl.train"
     assert len(chain) - 1 <= 3, " -> ".join(".".join(step) for step in chain)
+
+
+def test_the_methods_knobs_come_first_in_the_config_and_in_help():
+    """Claim: the method's knobs (config.CORE_FIELDS) are at most 25, each with a help line, and stand apart from
+    the rest: they are Config's first fields, and --help's first group lists exactly their options, before TRL's
+    extras, data, run management and scale."""
+    import dataclasses
+
+    from config import CORE_FIELDS, Config
+    from infra.options import build_parser
+    assert len(CORE_FIELDS) <= 25 and len(set(CORE_FIELDS)) == len(CORE_FIELDS)
+    fields = dataclasses.fields(Config)
+    assert tuple(f.name for f in fields[:len(CORE_FIELDS)]) == CORE_FIELDS
+    assert all(f.metadata["help"] for f in fields[:len(CORE_FIELDS)])
+    first = build_parser()._action_groups[2]  # argparse's positionals and options, then ours in order
+    assert first.title == "the method"
+    shown = [action.option_strings[0] for action in first._group_actions if action.help != "==SUPPRESS=="]
+    assert shown == ["--" + name.replace("_", "-") for name in CORE_FIELDS]
+    help_text = build_parser().format_help()
+    later = min(help_text.index(f"\n{title}:") for title in ("model and data", "the run", "scale"))
+    for name in CORE_FIELDS:  # each option's line of help: `  --lr LR ...`, `  --shared-prompt, --no-...`
+        assert re.search(rf"\n  --{name.replace('_', '-')}[ ,\n]", help_text).start() < later, name
