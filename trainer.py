@@ -22,13 +22,13 @@ import periodic_rl
 from config import Config
 from infra.processes import children_end_with_their_parent
 from infra.stopping import Interrupted, exit_without_lingering
-from launch import python_api, run_output, setup
-from launch.exits import Ending, kept_on_stop  # noqa: F401  (kept_on_stop: what a stop line says was kept)
-from launch.run_output import (PROCESS_STARTED, device_split, earlier_rows, log_and_save,  # noqa: F401
-                               save_policy)
-from launch import start
-from launch.start import (DeviceError, check_device, load_policy, prepare, quiet_unless_main, say_start,  # noqa: F401
-                          serve, shorten_openmp_spinning)
+from launch import python_api, run_output, setup, start
+from launch.exits import Ending
+from launch.start import load_policy, prepare, quiet_unless_main, say_start, serve
+# the pieces below, under the names callers of trainer.py use (trainer.log_and_save, trainer.check_device, ...)
+from launch.exits import kept_on_stop  # noqa: F401
+from launch.run_output import PROCESS_STARTED, device_split, earlier_rows, log_and_save, save_policy  # noqa: F401
+from launch.start import DeviceError, check_device, shorten_openmp_spinning  # noqa: F401
 
 # A reward's process pool ends with the run. A spawned process imports its parent's main module as __mp_main__:
 # trainer.py itself, or the script that called `train` (which imports this module).
