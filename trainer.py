@@ -18,11 +18,10 @@ import sys
 from contextlib import closing, contextmanager
 from pathlib import Path
 
-import periodic_rl
 from config import Config
 from infra.processes import children_end_with_their_parent
 from infra.stopping import Interrupted, exit_without_lingering
-from launch import python_api, run_output, setup, start
+from launch import python_api, run_output, start
 from launch.exits import Ending
 from launch.start import load_policy, prepare, quiet_unless_main, say_start, serve
 # the pieces below, under the names callers of trainer.py use (trainer.log_and_save, trainer.check_device, ...)
@@ -72,7 +71,9 @@ def started(cfg: Config, resume_from: Path | None = None, ranks=None, output: ru
 
     The `with` block owns the inference process (async mode) from spawn to stop, however the block is left.
     """
+    import periodic_rl  # torch loads here, once the stop signals are caught and OpenMP is set (start.options)
     from infra.distributed import Ranks
+    from launch import setup
     ranks, output = ranks or Ranks(), output or run_output.RunOutput(cfg)
     cfg, task, rewards, load_kwargs = prepare(cfg)  # devices checked; the data and the reward functions read
     output.prepared(cfg)

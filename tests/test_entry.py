@@ -103,3 +103,14 @@ def test_the_methods_knobs_come_first_in_the_config_and_in_help():
     later = min(help_text.index(f"\n{title}:") for title in ("model and data", "the run", "scale"))
     for name in CORE_FIELDS:  # each option's line of help: `  --lr LR ...`, `  --shared-prompt, --no-...`
         assert re.search(rf"\n  --{name.replace('_', '-')}[ ,\n]", help_text).start() < later, name
+
+
+def test_importing_the_entry_point_loads_no_torch():
+    """Claim: `import trainer` loads neither torch nor numpy: torch loads inside `main`, once the stop signals are
+    caught and OpenMP's spin count is set (launch/start.options), so a Ctrl-C during start-up is one line, and the
+    setting reaches the OpenMP runtime torch brings."""
+    import subprocess
+    import sys
+    code = "import sys, trainer; print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]", done.stdout + done.stderr
