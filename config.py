@@ -1,7 +1,8 @@
 """The run's configuration: one dataclass, a help line per field.
 
 Every option of `python trainer.py` is a field of `Config` below, grouped as --help shows them: the
-method, model and data, the run, scale. Fields left at `None` are derived right after parsing
+method (`CORE_FIELDS`, the knobs a reader of the method needs), the method's extras (TRL's options), model and
+data, the run, scale. Fields left at `None` are derived right after parsing
 (infra/options.py: `derive`), e.g. the learning rate and the response length depend on the model: the
 offline `tiny` model wants a large step and 8 new tokens, a real LLM a small step and 512. The command
 line's parser and every check (`validate`, one line naming the option, the value and the fix) live in
@@ -54,8 +55,15 @@ def engine_compiles(engine: str, device: str) -> bool:
 SIZE_FIELDS = ("groups_per_chunk", "micro_batch_tokens", "rollout_threads", "train_threads", "tail_threads")
 
 
+# The method's knobs: Config's first fields and --help's first group, each with its one help line; every other
+# field is TRL's extras, data loading, run management or scale
+CORE_FIELDS = ("model", "data", "reward", "mode", "iterations", "batch_size", "group_size", "updates_per_iteration",
+               "num_iterations", "max_new_tokens", "temperature", "top_p", "lr", "beta", "epsilon_low", "epsilon_high",
+               "loss_type", "scale_rewards", "max_grad_norm", "weight_decay", "shared_prompt")
+
 # --help groups the options under these titles: (title, the section's first field), in field order
-SECTIONS = (("the method", "mode"), ("model and data", "model"), ("the run", "out"), ("scale", "device"))
+SECTIONS = (("the method", "model"), ("the method's extras (TRL's options)", "num_train_epochs"),
+            ("model and data", "data_config"), ("the run", "out"), ("scale", "device"))
 
 
 def _dtype_name(name: str) -> str:
@@ -123,7 +131,22 @@ def _opt(default, help: str, **extra):
 
 @dataclass
 class Config:
-    # --- the method: GRPO with periodic asynchrony ---
+    # --- the method: GRPO with periodic asynchrony (CORE_FIELDS: what a reader of the method needs) ---
+    model: str = _opt("tiny", "Hugging Face id, local model directory, or alias: tiny (offline, default), "
+                              "tiny-chain (offline, long responses), qwen2.5-0.5b, qwen2.5-7b, qwen3-0.6b, ...")
+    data: str | None = _opt(None, "training prompts: 'arithmetic' or 'chain' (built-in, offline), 'gsm8k' (the hub's "
+                                  "openai/gsm8k), a hub dataset id, or a local directory or .jsonl/.json/.parquet/.csv "
+                                  "file, loaded with Hugging Face datasets (infra/data.py); held out: --eval-split, "
+                                  "else its 'test' split, else 'validation', else the last --eval-size rows; default: "
+                                  "the tiny model's task, else gsm8k")
+    reward: list[str] = _opt(["math"], "reward function(s), repeatable: 'math' (GSM8K final-number match: "
+                                       "\\boxed{N}, else '#### N', 'the answer is N', the last number), "
+                                       "'math-verify' (Hugging Face math-verify: \\boxed{}, fractions, LaTeX), or "
+                                       "'module:function' (TRL's module.function too) / 'path/to/file.py:function': "
+                                       "f(prompt, completion, answer) -> float, or TRL's f(prompts, completions, "
+                                       "**kwargs) -> list, async def too, given every dataset column and "
+                                       "trainer_state by keyword; TRL's CLI names (accuracy_reward, "
+                                       "think_format_reward, ...) load trl.rewards' (infra/reward.py; default: math)")
     mode: str = _opt("auto", "async: periodic asynchrony (separate inference process); sync: generate, then train; "
                              "auto: async where the two sides can compute at once (separate devices, one GPU shared "
                              "through NVIDIA MPS, CPU core groups), sync where they would only take turns (one GPU "
@@ -132,11 +155,6 @@ class Config:
     iterations: int = _opt(60, "the run's length in iterations, each one weight version θ_k sampling one batch "
                                "(TRL's --max-steps N, counted in optimizer steps, is N / (--updates-per-iteration x "
                                "--num-iterations) iterations; not --num-iterations, TRL's μ)")
-    num_train_epochs: float | None = _opt(None, "passes over the training prompts, instead of --iterations: the run "
-                                                "takes ceil(E x train prompts / prompts per iteration) iterations, "
-                                                "counted once the data is loaded (TRL's num_train_epochs; --iterations "
-                                                "typed with a config file's num_train_epochs wins, as TRL's max_steps "
-                                                "does)")
     batch_size: int = _opt(128, "responses sampled per iteration (a multiple of --group-size)")
     group_size: int = _opt(8, "responses per prompt (GRPO's G)")
     updates_per_iteration: int = _opt(1, "optimizer steps per iteration: the batch is split into this many "
@@ -151,6 +169,29 @@ class Config:
                                             "512 otherwise)")
     temperature: float = _opt(1.0, "sampling temperature (log-probs are computed at the same temperature)")
     top_p: float = _opt(1.0, "nucleus sampling threshold (1.0 = sample from the full distribution)")
+    lr: float | None = _opt(None, "AdamW learning rate (default: 1e-4 for tiny, 1e-6 otherwise)")
+    beta: float = _opt(0.04, "weight of the k3 KL penalty to the reference model (0 = no reference forward)")
+    epsilon_low: float = _opt(0.2, "PPO clip range below 1: ratio clipped at 1 - epsilon_low (TRL's --epsilon sets "
+                                   "both ranges, unless --epsilon-high is given)")
+    epsilon_high: float = _opt(0.2, "PPO clip range above 1: ratio clipped at 1 + epsilon_high (0.28 = DAPO)")
+    loss_type: str = _opt("dapo", "loss normalisation: dapo (each step's token sum / (the batch's tokens / "
+                                  "updates-per-iteration), as TRL), grpo (per-sequence mean, then mean), dr_grpo "
+                                  "(sum / (sequences * max_new_tokens)), bnpo (token mean per micro-batch, then mean: "
+                                  "depends on --micro-batch-tokens, as TRL's on per_device_train_batch_size; see "
+                                  "grpo.py)", choices=LOSS_TYPES)
+    scale_rewards: str = _opt("group", "divide advantages by the reward std of the group, of the whole batch (batch), "
+                                       "or not at all (none = Dr. GRPO); TRL's scale_rewards (true = group, false = "
+                                       "none)", choices=SCALE_REWARDS, type=_scale_rewards_name)
+    max_grad_norm: float = _opt(1.0, "clip the gradient norm before each optimizer step (0 = off)")
+    weight_decay: float = _opt(0.0, "AdamW weight decay")
+    shared_prompt: bool = _opt(True, "pack each group as one row [prompt | r1 | ... | rG] with the shared-prompt "
+                                     "mask where that pays (see packing.packing_pays); off: one padded row each")
+    # --- the method's extras: TRL's sampling, schedule and loss options, the run's length in epochs ---
+    num_train_epochs: float | None = _opt(None, "passes over the training prompts, instead of --iterations: the run "
+                                                "takes ceil(E x train prompts / prompts per iteration) iterations, "
+                                                "counted once the data is loaded (TRL's num_train_epochs; --iterations "
+                                                "typed with a config file's num_train_epochs wins, as TRL's max_steps "
+                                                "does)")
     top_k: int = _opt(0, "keep only the k most likely tokens when sampling (0 or -1 = off; TRL's top_k)")
     min_p: float | None = _opt(None, "drop tokens less likely than min_p times the most likely one (TRL's min_p; "
                                      "typical 0.01-0.2)")
@@ -162,7 +203,6 @@ class Config:
                                "in the first call) and replayed as CUDA graphs; compile: compiled on every device; "
                                "eager: never compiled (CUDA graphs still on CUDA); hf: generate always (the "
                                "reference)", choices=ENGINES)
-    lr: float | None = _opt(None, "AdamW learning rate (default: 1e-4 for tiny, 1e-6 otherwise)")
     lr_scheduler_type: str = _opt("linear", "learning-rate schedule over the run's optimizer steps (iterations x "
                                             "updates-per-iteration x num-iterations): transformers' get_scheduler, "
                                             "as TRL's lr_scheduler_type; linear decays to 0", choices=LR_SCHEDULERS)
@@ -175,36 +215,13 @@ class Config:
     warmup_steps: float = _opt(0, "optimizer steps over which the rate rises linearly from 0, instead of "
                                   "--warmup-ratio (TRL's warmup_steps; below 1: a fraction of the steps, as "
                                   "transformers 5 reads it)")
-    beta: float = _opt(0.04, "weight of the k3 KL penalty to the reference model (0 = no reference forward)")
     kl_bias_correction: bool = _opt(True, "multiply the per-token k3 KL by the importance ratio, so its gradient is "
                                           "that of KL(policy || reference) (TRL 1.16 default; see grpo.py)")
-    epsilon_low: float = _opt(0.2, "PPO clip range below 1: ratio clipped at 1 - epsilon_low (TRL's --epsilon sets "
-                                   "both ranges, unless --epsilon-high is given)")
-    epsilon_high: float = _opt(0.2, "PPO clip range above 1: ratio clipped at 1 + epsilon_high (0.28 = DAPO)")
-    loss_type: str = _opt("dapo", "loss normalisation: dapo (each step's token sum / (the batch's tokens / "
-                                  "updates-per-iteration), as TRL), grpo (per-sequence mean, then mean), dr_grpo "
-                                  "(sum / (sequences * max_new_tokens)), bnpo (token mean per micro-batch, then mean: "
-                                  "depends on --micro-batch-tokens, as TRL's on per_device_train_batch_size; see "
-                                  "grpo.py)", choices=LOSS_TYPES)
-    scale_rewards: str = _opt("group", "divide advantages by the reward std of the group, of the whole batch (batch), "
-                                       "or not at all (none = Dr. GRPO); TRL's scale_rewards (true = group, false = "
-                                       "none)", choices=SCALE_REWARDS, type=_scale_rewards_name)
     mask_truncated_completions: bool = _opt(False, "leave responses that reached --max-new-tokens without EOS out of "
                                                    "the loss (TRL's option; DAPO)")
     disable_dropout: bool = _opt(True, "set the policy's dropout to 0, so that a forward is a function of the "
                                        "weights and the bitwise claims hold (TRL's option, which is off by default)")
-    max_grad_norm: float = _opt(1.0, "clip the gradient norm before each optimizer step (0 = off)")
-    weight_decay: float = _opt(0.0, "AdamW weight decay")
-    shared_prompt: bool = _opt(True, "pack each group as one row [prompt | r1 | ... | rG] with the shared-prompt "
-                                     "mask where that pays (see packing.packing_pays); off: one padded row each")
     # --- model and data ---
-    model: str = _opt("tiny", "Hugging Face id, local model directory, or alias: tiny (offline, default), "
-                              "tiny-chain (offline, long responses), qwen2.5-0.5b, qwen2.5-7b, qwen3-0.6b, ...")
-    data: str | None = _opt(None, "training prompts: 'arithmetic' or 'chain' (built-in, offline), 'gsm8k' (the hub's "
-                                  "openai/gsm8k), a hub dataset id, or a local directory or .jsonl/.json/.parquet/.csv "
-                                  "file, loaded with Hugging Face datasets (infra/data.py); held out: --eval-split, "
-                                  "else its 'test' split, else 'validation', else the last --eval-size rows; default: "
-                                  "the tiny model's task, else gsm8k")
     data_config: str | None = _opt(None, "the dataset's configuration (load_dataset's name), e.g. 'main' of "
                                          "openai/gsm8k (the default for --data gsm8k)")
     split: str = _opt("train", "the split of --data to train on")
@@ -231,14 +248,6 @@ class Config:
     chat_template_kwargs: str | None = _opt(None, "extra arguments to the chat template, as a JSON object: e.g. "
                                                   "'{\"enable_thinking\": false}' turns Qwen3's thinking off (TRL's "
                                                   "chat_template_kwargs; a config file may give the mapping itself)")
-    reward: list[str] = _opt(["math"], "reward function(s), repeatable: 'math' (GSM8K final-number match: "
-                                       "\\boxed{N}, else '#### N', 'the answer is N', the last number), "
-                                       "'math-verify' (Hugging Face math-verify: \\boxed{}, fractions, LaTeX), or "
-                                       "'module:function' (TRL's module.function too) / 'path/to/file.py:function': "
-                                       "f(prompt, completion, answer) -> float, or TRL's f(prompts, completions, "
-                                       "**kwargs) -> list, async def too, given every dataset column and "
-                                       "trainer_state by keyword; TRL's CLI names (accuracy_reward, "
-                                       "think_format_reward, ...) load trl.rewards' (infra/reward.py; default: math)")
     reward_weights: list[float] | None = _opt(None, "one weight per --reward; the reward trained on is the weighted "
                                                     "sum, each reward is also logged alone (default: all 1.0)")
     reward_timeout: float = _opt(300.0, "seconds one reward call may take (a TRL-style reward: one call per group); "

@@ -62,7 +62,7 @@ def is_number(value) -> bool:
 def read_rows(path: Path) -> list[dict]:
     """metrics.jsonl's rows, checked: each line a JSON object with an integer "iteration" and a number or null under
     each key the figure draws. A last line torn by a kill is skipped; a row written twice (a stop in the instant
-    after it was written: trainer.log_and_save) is drawn once."""
+    after it was written: launch/run_output.log_and_save) is drawn once."""
     try:
         lines = path.read_bytes().splitlines()
     except OSError as error:

@@ -16,7 +16,7 @@ std(r_batch) + eps, known once the iteration's last group is in, as it is when t
 Who writes: the trainer process, as soon as the loop yields the iteration's metrics row, before that row is written and
 its log line printed (launch/setup.py: so a checkpoint never holds an iteration whose completions are missing). Under
 torchrun each trainer rank holds only its own groups: `gathered` unites every rank's (a collective, as learner.metrics
-gathers the rewards) and rank 0 alone writes. The file follows metrics.jsonl's discipline (trainer.log_and_save): an
+gathers the rewards) and rank 0 alone writes. The file follows metrics.jsonl's discipline (launch/run_output.py): an
 iteration's lines are appended in one write, so a kill leaves whole lines but perhaps one torn last line, which readers
 skip; a resumed run keeps the lines of the iterations before its checkpoint, rewritten atomically once its first
 iteration is in hand, and drops the rest; --overwrite deletes the file (infra/outputs.py). The trackers get the same

@@ -1,6 +1,6 @@
 """What a run says on the terminal: its first line (`start_line`), a line per iteration (`format_row`: the columns
 --help lists), the warnings (`unscored_line`), a progress line now and then off a terminal (`progress_line`; on a
-terminal tqdm's bar), all written by `say`, above the bar. trainer.log_and_save decides when each is said.
+terminal tqdm's bar), all written by `say`, above the bar. launch/run_output.log_and_save decides when each is said.
 """
 from __future__ import annotations
 

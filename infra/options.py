@@ -140,7 +140,7 @@ def derive(cfg: Config) -> Config:
     return dataclasses.replace(
         cfg,
         max_new_tokens=cfg.max_new_tokens or (TINY_MODELS[cfg.model][1] if cfg.is_tiny else 512),
-        eval_size=cfg.eval_size if cfg.eval_size is not None or cfg.eval_every else 0,  # None: trainer.prepare's
+        eval_size=cfg.eval_size if cfg.eval_size is not None or cfg.eval_every else 0,  # None: launch/start.prepare's
         lr=learning_rate(cfg),
         eval_samples=cfg.eval_samples if cfg.eval_samples is not None else (4 if cfg.is_tiny else 1),
         reward_weights=cfg.reward_weights or [1.0] * len(cfg.reward),

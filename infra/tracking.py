@@ -40,7 +40,7 @@ The step is the iteration k, the version of the weights that sampled the row; th
 reward of θ_N after the last iteration) is logged at step N. A value that is None (kl with --beta 0, an
 iteration without evaluation) is left out, as TRL leaves out a metric it did not compute.
 
-Life of the trackers (trainer.run): `with Trackers(cfg.report_to)` imports their packages at start-up, before a
+Life of the trackers (launch/run_output.py): `with Trackers(cfg.report_to)` imports their packages at start-up, before a
 model loads (a missing one fails in one line naming the pip command); `start` opens them once the run's options
 are final (they get config.json's content); `log` sends a row; leaving the block closes them, however the run
 ends (an error, Ctrl-C). Only the trainer process logs. A resumed run (infra/checkpoint.py) logs from its iteration k

@@ -351,7 +351,7 @@ def trl_steps(steps: dict, updates: int, passes: int, note) -> dict:
             options[ours] = 0
             note(f"took TRL's {strategy_key} 'no' as {option} 0")
             continue
-        if strategy == "epoch" and key == "eval_steps":  # once the data is read: trainer.prepare
+        if strategy == "epoch" and key == "eval_steps":  # once the data is read: launch/start.prepare
             options["eval_every_epoch"] = True
             note(f"took TRL's {strategy_key} 'epoch' as --eval-every-epoch: an evaluation after each pass over the "
                  "training prompts")

@@ -20,6 +20,7 @@ The thread policy on CPU, where the two sides share the cores:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import weakref
 from pathlib import Path
 from typing import Iterator
@@ -181,11 +182,12 @@ def sampler_here(cfg, policy, tokenizer, train_examples, held_out, rewards, load
                         workers=cfg.inference_workers, share=ranks.share)  # the shares, one after another
 
 
-# --- the run ---
+# --- the run: trainer.started builds it piece by piece; `train` for a caller with the policy and the task in hand ---
 def train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs: dict,
           rollouts: AsyncRollouts | None = None, resume_from: Path | None = None, on_sized=None,
           ranks: Ranks = Ranks(), on_completions=lambda records: None) -> Iterator[dict]:
-    """`periodic_rl.train` with everything it stands on: one metrics dict per iteration, then the final evaluation.
+    """`periodic_rl.train` with everything it stands on (as trainer.started builds it): one metrics dict per iteration,
+    then the final evaluation.
 
     `policy` is already on cfg.train_device, at θ_0. Async mode samples in `rollouts`, the inference
     process (`inference_side`; the caller owns it, and loads the rewards there); sync mode samples here, scored by
@@ -196,15 +198,30 @@ def train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs
     `on_completions(records)`: with --log-completions, told each iteration's completions, every rank's, before its row
     (infra/completions.py; trainer.py writes them on rank 0).
     `ranks`: this process's trainer rank (infra/distributed.py): it samples and trains only its generate calls.
-    A stop signal (KeyboardInterrupt) at any moment keeps a checkpoint of the iterations done when --save-every or
-    --save-on-stop asks for one: the last completed iteration (its optimizer step done, its row out first; a stop
-    inside the step waits for its end, learner.py), never a half-done one (with N·μ > 1 steps per iteration, a stop
-    after its first step keeps none: θ_k and AdamW's state at k are gone).
     """
-    if rollouts is None and samples_elsewhere(cfg, ranks):
-        raise ValueError("async mode samples in the inference process: pass `rollouts` (see inference_side)")
-    # the policy as trained (θ, with θ_old and π_ref when needed) and AdamW
-    device = next(policy.parameters()).device
+    training = training_side(cfg, policy, tokenizer, resume_from)
+    cfg, rollouts, learner = sampling_side(cfg, training, policy, tokenizer, train_examples, held_out, rewards,
+                                           load_kwargs, rollouts, ranks)
+    if on_sized is not None:
+        on_sized(cfg)
+    rows = periodic_rl.train(cfg, policy, rollouts, learner, learner.timeline, training.first, bool(held_out),
+                             elastic_threads(cfg, ranks), in_turns(cfg, ranks), ranks)
+    return checkpointed(rows, cfg, training, learner, tokenizer, len(train_examples), ranks, on_completions)
+
+
+@dataclasses.dataclass
+class Training:
+    """The training side before the loop: the tri-model, AdamW and its schedule, θ_0's fingerprint (what a checkpoint
+    is tied to; '' when the run keeps none) and the iteration to start at (a resumed run's)."""
+    tri: TriModel
+    optimizer: torch.optim.AdamW
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    theta_0: str
+    first: int
+
+
+def training_side(cfg, policy, tokenizer, resume_from: Path | None = None) -> Training:
+    """The policy as trained (θ, with θ_old and π_ref when needed), AdamW, and θ_k from `resume_from` if given."""
     if cfg.disable_dropout:  # before the frozen copies are taken (they run in eval mode anyway)
         disable_dropout(policy)
     if cfg.gradient_checkpointing:  # the policy's layers recompute activations in backward (training mode only)
@@ -222,19 +239,25 @@ def train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs
         print(f"periodic-rl: --lora-dropout {cfg.lora_dropout}: its masks come from a random state that checkpoints do "
               "not keep and sync mode's sampling reseeds, so resume and async == sync hold in distribution, not "
               "bitwise (0 keeps them bitwise)", flush=True)
-    # sizes left open: measured (--sizes probe) or by rule (launch/sizing.py)
+    return Training(tri, optimizer, scheduler, theta_0, first)
+
+
+def sampling_side(cfg, training: Training, policy, tokenizer, train_examples, held_out, rewards, load_kwargs: dict,
+                  rollouts: AsyncRollouts | None = None, ranks: Ranks = Ranks()):
+    """(the config with its sizes, where sampling runs, the learner): the sizes left open measured (--sizes probe)
+    or set by rule (launch/sizing.py), then the inference process (async) or a sampler here (sync, and async taking
+    turns), and the learner on the same timeline."""
+    if rollouts is None and samples_elsewhere(cfg, ranks):
+        raise ValueError("async mode samples in the inference process: pass `rollouts` (see inference_side)")
     if rollouts is not None and not cfg.sized:
         rollouts.wait_until_loaded()  # the probe times this machine's cores, not the inference side's loading
-    cfg, probed = sizing.choose_for_ranks(cfg, tri, tokenizer, train_examples, ranks,
+    cfg, probed = sizing.choose_for_ranks(cfg, training.tri, tokenizer, train_examples, ranks,
                                           rollouts.check_alive if rollouts is not None else lambda: None)
     print(f"periodic-rl: sizes: --groups-per-chunk {cfg.groups_per_chunk} ({cfg.chunks_per_iteration} generate "
           f"call(s) per iteration) --micro-batch-tokens {cfg.micro_batch_tokens} --rollout-threads "
           f"{cfg.rollout_threads} --train-threads {cfg.train_threads} --tail-threads {cfg.tail_threads} (pass these "
           f"to fix them)"
           + (f"\nperiodic-rl: {probed}" if probed else ""), flush=True)
-    if on_sized is not None:
-        on_sized(cfg)
-    # the sampling side: the inference process (async) or a sampler here (sync, and async taking turns)
     torch.set_num_threads(cfg.train_threads)
     if colocated(cfg, ranks):
         if rollouts is not None:  # started for the probe, which chose to take turns: nothing left for it to do
@@ -251,24 +274,41 @@ def train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs
         timeline = rollouts.timeline  # both processes' spans on one timeline
     else:
         rollouts = sampler_here(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs,
-                                tri.compute_dtype, ranks)
+                                training.tri.compute_dtype, ranks)
         timeline = Timeline()
-    learner = Learner(tri, optimizer, cfg, device, timeline, ranks, as_rewards(rewards).names, scheduler,
-                      stop_token_ids(policy, tokenizer))
-    in_turns = cfg.mode == "async" and takes_turns(cfg) and not ranks.inference  # N workers (inference ranks: hosts)
-    rows = periodic_rl.train(cfg, policy, rollouts, learner, timeline, first, bool(held_out),
-                             elastic_threads(cfg, ranks), in_turns, ranks)
+    learner = Learner(training.tri, training.optimizer, cfg, next(policy.parameters()).device, timeline, ranks,
+                      as_rewards(rewards).names, training.scheduler, stop_token_ids(policy, tokenizer))
+    return cfg, rollouts, learner
+
+
+def in_turns(cfg, ranks: Ranks = Ranks()) -> bool:
+    """Whether the trainer takes the inference side's whole iteration before computing (N workers; inference
+    ranks are hosts of their own)."""
+    return cfg.mode == "async" and takes_turns(cfg) and not ranks.inference
+
+
+def checkpointed(rows: Iterator[dict], cfg, training: Training, learner: Learner, tokenizer, train_prompts: int,
+                 ranks: Ranks = Ranks(), on_completions=lambda records: None) -> Iterator[dict]:
+    """`periodic_rl.train`'s rows, each with TRL's epoch (and its completions told, with --log-completions), a
+    checkpoint every --save-every iterations, and the trace written at the end.
+
+    A stop signal (KeyboardInterrupt) at any moment keeps a checkpoint of the iterations done when --save-every or
+    --save-on-stop asks for one: the last completed iteration (its optimizer step done, its row out first; a stop
+    inside the step waits for its end, learner.py), never a half-done one (with N·μ > 1 steps per iteration, a stop
+    after its first step keeps none: θ_k and AdamW's state at k are gone).
+    """
+    policy, timeline, first = training.tri.policy, learner.timeline, training.first
 
     def save_checkpoint(iterations_done: int) -> None:
         with timeline.span(f"checkpoint {iterations_done}"), config_as_loaded(policy):
-            checkpoint.save(cfg.out, iterations_done, policy, tokenizer, optimizer, cfg, theta_0, cfg.keep_checkpoints,
-                            scheduler)
+            checkpoint.save(cfg.out, iterations_done, policy, tokenizer, training.optimizer, cfg, training.theta_0,
+                            cfg.keep_checkpoints, training.scheduler)
     logged, in_hand = first, None  # iterations whose row is out; a row not yet out
     try:
         for row in rows:
             in_hand = row
             if not row.get("final"):  # TRL's epoch: passes over the training prompts so far (--num-train-epochs')
-                row["epoch"] = (row["iteration"] + 1) * cfg.prompts_per_iteration / len(train_examples)
+                row["epoch"] = (row["iteration"] + 1) * cfg.prompts_per_iteration / train_prompts
             if cfg.log_completions and not row.get("final"):  # every rank's samples (under torchrun, a collective)
                 on_completions(completions.gathered(row["iteration"], learner.taken, tokenizer, learner.reward_names,
                                                     ranks))
