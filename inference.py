@@ -17,7 +17,7 @@ started and checked again when the group was sent (`rollout.rollout_iteration`):
 was sampling marks its groups (version -1) and the trainer refuses them.
 
 N workers per trainer (`--inference-workers N`). An iteration's prompts are cut into generate calls
-c = 0, 1, ... of --groups-per-chunk prompts each; with this trainer's share (r, M) (trainer rank r of M:
+c = 0, 1, ... of --groups-per-call prompts each; with this trainer's share (r, M) (trainer rank r of M:
 it owns the calls c with c % M == r), worker w samples the calls c with c % (M·N) == r + M·w
 (`worker_shares`). All read the same θ_k: one shared-memory buffer, published once per iteration.
 
@@ -280,13 +280,13 @@ def worker_shares(share: tuple[int, int], workers: int) -> list[tuple[int, int]]
     return [(rank + ranks * w, ranks * workers) for w in range(workers)]
 
 
-def owned_calls(prompts: int, groups_per_chunk: int, share: tuple[int, int]) -> list[int]:
+def owned_calls(prompts: int, groups_per_call: int, share: tuple[int, int]) -> list[int]:
     """First prompt index of each generate call of the share (s, S), in call order.
 
     >>> owned_calls(16, 4, (1, 2))  # calls 0..3 start at prompts 0, 4, 8, 12; share 1 of 2 owns calls 1 and 3
     [4, 12]
     """
-    return [first for call, first in enumerate(range(0, prompts, groups_per_chunk)) if call % share[1] == share[0]]
+    return [first for call, first in enumerate(range(0, prompts, groups_per_call)) if call % share[1] == share[0]]
 
 
 def worker_devices(rollout_device: str | None, workers: int) -> list[str | None]:
@@ -318,11 +318,11 @@ def in_call_order(messages: Iterator[Message], calls: list[int], workers: int) -
     position, released, done = 0, 0, 0  # the call going through now, its groups released so far, workers done
     for message in messages:
         if isinstance(message, Group):
-            held[message.chunk[0]].append(message)
+            held[message.call[0]].append(message)
             while position < len(calls) and held[calls[position]]:
                 group = held[calls[position]].pop(0)
                 released += 1
-                if released == group.chunk[1]:  # chunk: (first prompt, prompts): the call is complete
+                if released == group.call[1]:  # call: (first prompt, prompts): the call is complete
                     position, released = position + 1, 0
                 yield group
         elif isinstance(message, IterationDone):
@@ -350,7 +350,7 @@ class SyncRollouts:
         self.args = (tokenizer, train, held_out, rewards, cfg)
         self.sampler = sampler if sampler is not None else policy
         self.shares = worker_shares(share, workers)
-        self.calls = owned_calls(cfg.prompts_per_iteration, cfg.groups_per_chunk, share)
+        self.calls = owned_calls(cfg.prompts_per_iteration, cfg.groups_per_call, share)
 
     @torch.no_grad()
     def publish(self, policy, version: int) -> None:
@@ -438,7 +438,7 @@ class AsyncRollouts:
         (sampling settings, sizes) and their thread counts: `threads` split among them (`split_threads`)."""
         self.wait_until_loaded()
         self.weights = WeightBuffer(policy, self.dtype)  # kept alive here: the receivers map the sender's memory
-        self.calls = owned_calls(cfg.prompts_per_iteration, cfg.groups_per_chunk, self.share)
+        self.calls = owned_calls(cfg.prompts_per_iteration, cfg.groups_per_call, self.share)
         for worker, worker_threads in zip(self.workers, split_threads(threads, len(self.workers))):
             worker.reward_timeout = cfg.reward_timeout
             worker.send("attach", self.weights, cfg, worker_threads, *self.prompts)

@@ -131,7 +131,7 @@ class Learner:
 
     A micro-batch is the waiting groups of the current mini-batch, in arrival order, up to
     `micro_batch_tokens`. Groups wait until that many tokens are there, or until nothing more will
-    come soon: their generate call (chunk) has delivered every group, or the mini-batch is complete.
+    come soon: their generate call has delivered every group, or the mini-batch is complete.
     Arrival order is completion order, which depends only on the sampled tokens, so the micro-batches
     (and hence the float rounding of the accumulated gradient) are the same in both modes and in
     every rerun. Statistics stay on the device until `metrics`: no host synchronisation per group.
@@ -152,7 +152,7 @@ class Learner:
         prompts, updates = cfg.prompts_per_iteration, cfg.updates_per_iteration
         self.groups_per_minibatch = [0] * updates  # this rank's groups in each mini-batch
         for index in range(prompts):
-            if distributed.owner(index // cfg.groups_per_chunk, ranks.size) == ranks.rank:
+            if distributed.owner(index // cfg.groups_per_call, ranks.size) == ranks.rank:
                 self.groups_per_minibatch[minibatch_of(index, prompts, updates)] += 1
         self.steps = updates * cfg.num_iterations  # optimizer steps per iteration
         self.first_step_waits = cfg.scale_rewards == "batch" or cfg.loss_type == "dapo"  # its D or std needs the batch
@@ -164,7 +164,7 @@ class Learner:
         updates = self.cfg.updates_per_iteration
         self.waiting: list[list[Group]] = [[] for _ in range(updates)]  # per mini-batch, in arrival order
         self.arrived = [0] * updates  # groups received, per mini-batch
-        self.chunk_arrivals: dict[tuple[int, int], int] = {}
+        self.call_arrivals: dict[tuple[int, int], int] = {}
         self.trained: list[list[list[Group]]] = [[] for _ in range(updates)]  # the first pass's micro-batches
         self.replayed = 0  # micro-batches of the current mini-batch trained again in this pass (passes 2..μ)
         self.sums = {name: torch.zeros((), device=self.device) for name in SUMS}
@@ -188,12 +188,12 @@ class Learner:
             changed = " (weights that changed while it was sampled)" if group.policy_version == -1 else ""
             raise OffPolicyError(f"group {group.index} was sampled by weights version {group.policy_version}"
                                  f"{changed} but this is iteration {self.iteration}: refusing an off-policy sample")
-        if (owner := distributed.owner(group.index // self.cfg.groups_per_chunk, self.ranks.size)) != self.ranks.rank:
+        if (owner := distributed.owner(group.index // self.cfg.groups_per_call, self.ranks.size)) != self.ranks.rank:
             raise PipelineError(f"group {group.index} belongs to trainer rank {owner}, not rank {self.ranks.rank}")
         block = minibatch_of(group.index, self.cfg.prompts_per_iteration, self.cfg.updates_per_iteration)
         self.waiting[block].append(group)
         self.arrived[block] += 1
-        self.chunk_arrivals[group.chunk] = self.chunk_arrivals.get(group.chunk, 0) + 1
+        self.call_arrivals[group.call] = self.call_arrivals.get(group.call, 0) + 1
         self.arrivals[group.index] = group
         lengths = [len(r) for r in group.responses]
         truncated = [is_truncated(r, self.cfg.max_new_tokens, self.stop_ids) for r in group.responses]
@@ -273,7 +273,7 @@ class Learner:
 
     def _calls_done(self, groups: list[Group]) -> bool:
         """Whether the generate calls that sampled `groups` have sent all their groups (none is coming soon)."""
-        return all(self.chunk_arrivals[g.chunk] == g.chunk[1] for g in groups)  # chunk: (first prompt, prompts)
+        return all(self.call_arrivals[g.call] == g.call[1] for g in groups)  # call: (first prompt, prompts)
 
     def _batch_divisor(self) -> torch.Tensor:
         """std(r_batch) + eps over every rank's rewards, in group order (scale_rewards="batch"), 0-d; computed once,

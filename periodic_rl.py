@@ -6,7 +6,7 @@ Periodic asynchrony (arXiv 2511.18871, Fig. 2), iteration k (`train`, line for l
     ------------------------------------      ------------------------------------------
     publish θ_k -> shared-memory buffer  ->   load θ_k (CPU: its parameters *are* views
     generate(k): send ("generate", k)           of the buffer, so nothing is copied)
-                                              for each chunk of C prompts: one generate call;
+                                              for each generate call of C prompts:
                                                 each group pushed the step its last
                                                 response stops (completion order)
     for each group as it arrives:        <-   ... (generation continues meanwhile)

@@ -77,7 +77,7 @@ def alias(model: torch.nn.Module, flat: torch.Tensor) -> None:
         p.data = view
 
 
-def destination(message, ranks: Ranks, groups_per_chunk: int) -> list[int]:
+def destination(message, ranks: Ranks, groups_per_call: int) -> list[int]:
     """The trainer ranks a message goes to: a group to the owner of its generate call; IterationDone to every
     trainer rank (each counts one per inference rank); a span or an evaluation to rank 0, which logs.
 
@@ -86,7 +86,7 @@ def destination(message, ranks: Ranks, groups_per_chunk: int) -> list[int]:
     ([0, 1], [0])
     """
     if isinstance(message, Group):
-        return [owner(message.chunk[0] // groups_per_chunk, ranks.size)]
+        return [owner(message.call[0] // groups_per_call, ranks.size)]
     return list(range(ranks.size)) if isinstance(message, IterationDone) else [0]
 
 
@@ -134,7 +134,7 @@ class RemoteRollouts:
     def attach(self, policy, cfg, threads: int) -> None:
         """The sizes (the calls this rank owns) and, on rank 0, θ's flat tensor. `threads`: each inference rank's own
         --rollout-threads (its options are the same)."""
-        self.calls = owned_calls(cfg.prompts_per_iteration, cfg.groups_per_chunk, self.ranks.share)
+        self.calls = owned_calls(cfg.prompts_per_iteration, cfg.groups_per_call, self.ranks.share)
         if self.ranks.is_main:
             self.flat = flat_like(policy, self.dtype, next(policy.parameters()).device)
 
@@ -297,7 +297,7 @@ def serve(cfg, ranks: Ranks, train: list, held_out: list, rewards, load_kwargs: 
             loaded = Span(f"load θ_{iteration}", INFERENCE, start, time.perf_counter())
 
             def send(message) -> None:
-                sender.put(("message", shifted(message, offset)), destination(message, ranks, cfg.groups_per_chunk))
+                sender.put(("message", shifted(message, offset)), destination(message, ranks, cfg.groups_per_call))
             send(loaded)
             rollout_iteration(model, tokenizer, train, held_out, rewards, cfg, iteration, lambda: iteration, send,
                               train_prompts=command == GENERATE, share=share)

@@ -227,7 +227,7 @@ def train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs
         rollouts.wait_until_loaded()  # the probe times this machine's cores, not the inference side's loading
     cfg, probed = sizing.choose_for_ranks(cfg, tri, tokenizer, train_examples, ranks,
                                           rollouts.check_alive if rollouts is not None else lambda: None)
-    print(f"periodic-rl: sizes: --groups-per-chunk {cfg.groups_per_chunk} ({cfg.chunks_per_iteration} generate "
+    print(f"periodic-rl: sizes: --groups-per-call {cfg.groups_per_call} ({cfg.calls_per_iteration} generate "
           f"call(s) per iteration) --micro-batch-tokens {cfg.micro_batch_tokens} --rollout-threads "
           f"{cfg.rollout_threads} --train-threads {cfg.train_threads} --tail-threads {cfg.tail_threads} (pass these "
           f"to fix them)"

@@ -98,10 +98,10 @@ class Probe:
         return max(self.tokens)  # the whole iteration in one call is always a candidate
 
 
-def candidate_chunks(prompts: int) -> list[int]:
+def candidate_calls(prompts: int) -> list[int]:
     """Prompts per call worth probing: the whole iteration, then halves (16 -> 16, 8, 4, 2, 1).
 
-    >>> candidate_chunks(16), candidate_chunks(6)
+    >>> candidate_calls(16), candidate_calls(6)
     ([16, 8, 4, 2, 1], [6, 3, 2, 1])
     """
     sizes = [prompts]
@@ -203,7 +203,7 @@ def hand_over_work(cfg, tokenizer, prompts, alive=lambda: None):
         tokenizer.batch_decode(responses, skip_special_tokens=True)
         zeros = [0.0] * len(responses)
         advantages = grpo.group_advantages(torch.tensor(zeros), cfg.group_size, cfg.scale_rewards).tolist()
-        group = Group(0, index, 0, prompts[index], responses, zeros, advantages, chunk=(0, len(prompts)),
+        group = Group(0, index, 0, prompts[index], responses, zeros, advantages, call=(0, len(prompts)),
                       rewards_per_function=[zeros])
         if cfg.mode == "async":
             pickle.loads(pickle.dumps(group))
@@ -238,7 +238,7 @@ def probe(cfg, tri, tokenizer, train_examples, threads: int, probes: int = 1, al
             hand_over = hand_over_work(cfg, tokenizer, prompts, alive)
             sample_timeline(policy, prompts[:1], cfg.group_size, generation, cfg, 1, hand_over)  # warm-up
             runs, tokens, widths, responses = {}, {}, {}, None  # runs: size -> [(seconds, timeline)], one per pass
-            order = sorted(set(candidate_chunks(len(prompts))) | {min(cfg.groups_per_chunk or 1, len(prompts))},
+            order = sorted(set(candidate_calls(len(prompts))) | {min(cfg.groups_per_call or 1, len(prompts))},
                            reverse=True)
             for turn in range(PASSES):  # biggest calls first, then smallest first, ...
                 for size in order if turn % 2 == 0 else order[::-1]:
@@ -314,7 +314,7 @@ def choose(cfg, tri, tokenizer, train_examples, cores: int | None = None, min_ca
           flush=True)  # then silent
     started, cores, prompts = time.perf_counter(), cores or available_cores(), cfg.prompts_per_iteration
     cap = cfg.micro_batch_tokens or MICRO_BATCH_TOKENS
-    given = math.ceil(prompts / cfg.groups_per_chunk) if cfg.groups_per_chunk else None
+    given = math.ceil(prompts / cfg.groups_per_call) if cfg.groups_per_call else None
     split_open = cfg.mode == "async" and cores > 1 and not (cfg.rollout_threads or cfg.train_threads)
     elastic = split_open and cfg.inference_workers == 1 and cfg.tail_threads in (None, cores)
     tail = None  # the training tail's costs when the trainer takes every core once sampling is done
@@ -352,7 +352,7 @@ def choose(cfg, tri, tokenizer, train_examples, cores: int | None = None, min_ca
         max(1, min(cores - 1, round(cores * gen_s / (gen_s + train_s)))) if overlaps else cores)
     train_threads = cfg.train_threads or (max(1, cores - rollout_threads) if overlaps else cores)
     chosen = dataclasses.replace(
-        cfg, groups_per_chunk=cfg.groups_per_chunk or math.ceil(prompts / calls),
+        cfg, groups_per_call=cfg.groups_per_call or math.ceil(prompts / calls),
         micro_batch_tokens=micro_tokens, rollout_threads=rollout_threads, train_threads=train_threads,
         tail_threads=cfg.tail_threads or (cores if overlaps and elastic else train_threads))
     d, c = result.train_seconds
@@ -370,11 +370,11 @@ def rule_sizes(cfg, cores: int, min_calls: int):
     calls per iteration (at least `min_calls`), the default micro-batch cap, the cores split in half when the sides
     overlap (all of them each when they take turns: sync, or a single call)."""
     prompts = cfg.prompts_per_iteration
-    per_call = cfg.groups_per_chunk or math.ceil(prompts / max(GENERATE_CALLS["cpu"], min_calls))
+    per_call = cfg.groups_per_call or math.ceil(prompts / max(GENERATE_CALLS["cpu"], min_calls))
     take_turns = cfg.mode == "sync" or math.ceil(prompts / per_call) == 1
     rollout = cfg.rollout_threads or (cores if take_turns else max(1, cores // 2))
     train = cfg.train_threads or (cores if take_turns else max(1, cores - rollout))
-    return dataclasses.replace(cfg, groups_per_chunk=per_call, micro_batch_tokens=cfg.micro_batch_tokens or
+    return dataclasses.replace(cfg, groups_per_call=per_call, micro_batch_tokens=cfg.micro_batch_tokens or
                                MICRO_BATCH_TOKENS, rollout_threads=rollout, train_threads=train,
                                tail_threads=cfg.tail_threads or train)
 
