@@ -6,8 +6,8 @@
       into one flat shared-memory tensor, then         parameters *are* views of that one tensor;
       version := k                                     on GPU/NPU load_into copies it to its device
     rollouts.generate(k)  ---- ("generate", k) --->  every worker: rollout.rollout_iteration(share):
-    rollouts.receive()    <--- Group, ..., Span,       its generate calls' groups in completion
-                               Evaluation,             order, the evaluation (worker 0, if due),
+    rollouts.receive()    <--- ScoredGroup, ...,       its generate calls' groups in completion
+                               Span, Evaluation,       order, the evaluation (worker 0, if due),
                                IterationDone           IterationDone(k)
 
 `SyncRollouts` has the same three methods and runs `rollout_iteration` in the trainer's own process
@@ -47,7 +47,7 @@ One worker, from spawn to stop:
     send ("load",)                          --->  load the model            ---> ("loaded", None)
     send ("attach", weights, cfg, threads,  --->  θ's buffer attached       ---> ("ready", None)
           train, held_out)
-    send ("generate" | "evaluate", k)       --->  rollout_iteration(share)  ---> ("message", Group | Span
+    send ("generate" | "evaluate", k)       --->  rollout_iteration(share)  ---> ("message", ScoredGroup | Span
                                                                                   | Evaluation | IterationDone)
     poll: alive? stopped? heartbeat?              any exception             ---> ("error", summary), exit 1
     close: ("stop",), then SIGTERM, SIGKILL       ("stop",) or a closed pipe: exit
@@ -87,7 +87,7 @@ from infra.processes import (
     sigint_ignored,
 )
 from infra.timeline import INFERENCE, TRAINING, Span, Timeline
-from rollout import Group, IterationDone, Message, rollout_iteration
+from rollout import ScoredGroup, IterationDone, Message, rollout_iteration
 from weights import WeightBuffer, check_shared_memory, published, shared
 
 __all__ = ["AsyncRollouts", "PipelineError", "SyncRollouts", "in_call_order", "owned_calls", "split_threads",
@@ -314,10 +314,10 @@ def in_call_order(messages: Iterator[Message], calls: list[int], workers: int) -
     """The messages of `workers` samplers, merged: groups in the order of `calls` (first prompt of each, as
     `owned_calls`), each call's groups in the order they came; everything else at once; one IterationDone
     after all `workers` have sent theirs. A group waits only while an earlier call is still delivering."""
-    held: dict[int, list[Group]] = {first: [] for first in calls}
+    held: dict[int, list[ScoredGroup]] = {first: [] for first in calls}
     position, released, done = 0, 0, 0  # the call going through now, its groups released so far, workers done
     for message in messages:
-        if isinstance(message, Group):
+        if isinstance(message, ScoredGroup):
             held[message.call[0]].append(message)
             while position < len(calls) and held[calls[position]]:
                 group = held[calls[position]].pop(0)

@@ -56,7 +56,7 @@ from infra.distributed import Ranks
 from infra.errors import PipelineError
 from infra.stopping import stops_deferred
 from infra.timeline import TRAIN, Timeline
-from rollout import Group
+from rollout import ScoredGroup
 from tri_model import TriModel
 from weights import OffPolicyError
 
@@ -68,7 +68,7 @@ def minibatch_of(prompt_index: int, prompts_per_iteration: int, updates_per_iter
     return prompt_index * updates_per_iteration // prompts_per_iteration
 
 
-def group_tokens(groups: list[Group]) -> int:
+def group_tokens(groups: list[ScoredGroup]) -> int:
     """Tokens a micro-batch's forward processes, counted as plain rows: G·P + Σ R_i per group."""
     return sum(len(g.responses) * len(g.prompt_ids) + sum(len(r) for r in g.responses) for g in groups)
 
@@ -162,10 +162,10 @@ class Learner:
     def start(self, iteration: int) -> None:
         self.iteration, self.steps_done = iteration, 0
         updates = self.cfg.updates_per_iteration
-        self.waiting: list[list[Group]] = [[] for _ in range(updates)]  # per mini-batch, in arrival order
+        self.waiting: list[list[ScoredGroup]] = [[] for _ in range(updates)]  # per mini-batch, in arrival order
         self.arrived = [0] * updates  # groups received, per mini-batch
         self.call_arrivals: dict[tuple[int, int], int] = {}
-        self.trained: list[list[list[Group]]] = [[] for _ in range(updates)]  # the first pass's micro-batches
+        self.trained: list[list[list[ScoredGroup]]] = [[] for _ in range(updates)]  # the first pass's micro-batches
         self.replayed = 0  # micro-batches of the current mini-batch trained again in this pass (passes 2..μ)
         self.sums = {name: torch.zeros((), device=self.device) for name in SUMS}
         self.low_min = torch.full((), torch.inf, device=self.device)  # the least low-clipped fraction of a response
@@ -180,9 +180,9 @@ class Learner:
         # truncated); metrics in index order, whatever the arrival
         self.logged: dict[int, dict] = {}  # by group index: what its rewards logged (TRL's log_metric)
         self.kept: dict[int, list[bool]] = {}  # by group index, per response: whether it enters the loss
-        self.arrivals: dict[int, Group] = {}  # this rank's groups of the iteration, by index
+        self.arrivals: dict[int, ScoredGroup] = {}  # this rank's groups of the iteration, by index
 
-    def take(self, group: Group) -> None:
+    def take(self, group: ScoredGroup) -> None:
         """Take one group, refused unless θ_k sampled it (nothing is trained here: see `ready`)."""
         if group.policy_version != self.iteration:
             changed = " (weights that changed while it was sampled)" if group.policy_version == -1 else ""
@@ -205,7 +205,7 @@ class Learner:
         self.rewards[group.index] = (group.rewards, group.rewards_per_function, lengths, truncated)
         self.logged[group.index] = group.logged
 
-    def advantages_of(self, group: Group) -> list[float]:
+    def advantages_of(self, group: ScoredGroup) -> list[float]:
         """The advantages `group` is trained on: its own, or with scale_rewards="batch" its centred rewards /
         (std(r_batch) + eps), TRL's, 0 where that std is undefined (known once every group is in: `ready`). With
         β = 0 the learner trains on the centred ones and divides ∇ instead, the same update (grpo.py)."""
@@ -214,13 +214,13 @@ class Learner:
         return (torch.tensor(group.advantages) / self._batch_divisor()).nan_to_num(0.0).tolist()  # (G,)
 
     @property
-    def taken(self) -> dict[int, Group]:
+    def taken(self) -> dict[int, ScoredGroup]:
         """This rank's groups of the iteration by index, each with the advantages it is trained on (`advantages_of`):
         what --log-completions writes, once the iteration is done."""
         return {index: dataclasses.replace(group, advantages=self.advantages_of(group))
                 for index, group in self.arrivals.items()}
 
-    def ready(self) -> Iterator[list[Group]]:
+    def ready(self) -> Iterator[list[ScoredGroup]]:
         """The micro-batches that can train now. First pass: the current mini-batch's waiting groups, in arrival
         order, once they reach `micro_batch_tokens` or nothing more will come soon (their generate calls have
         ended, or the mini-batch is complete). Passes 2..μ: the first pass's micro-batches of the current
@@ -271,7 +271,7 @@ class Learner:
     def _all_arrived(self, block: int) -> bool:
         return self.arrived[block] == self.groups_per_minibatch[block]
 
-    def _calls_done(self, groups: list[Group]) -> bool:
+    def _calls_done(self, groups: list[ScoredGroup]) -> bool:
         """Whether the generate calls that sampled `groups` have sent all their groups (none is coming soon)."""
         return all(self.call_arrivals[g.call] == g.call[1] for g in groups)  # call: (first prompt, prompts)
 
@@ -286,7 +286,7 @@ class Learner:
             self.divisor = batch_std(rewards) + ADVANTAGE_EPS
         return self.divisor
 
-    def accumulate(self, groups: list[Group]) -> None:
+    def accumulate(self, groups: list[ScoredGroup]) -> None:
         """One forward/backward over a micro-batch of the current mini-batch: ∇ += Σ_g ∇S_g (divided by D
         at the step). An empty micro-batch (another rank's groups only, or a step due) computes nothing."""
         if not groups:

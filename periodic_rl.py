@@ -62,7 +62,7 @@ from infra.distributed import Ranks, check_same_weights
 from infra.errors import PipelineError
 from infra.timeline import EVALUATE, INFERENCE, Span, Timeline
 from learner import Learner
-from rollout import Evaluation, Group, is_eval_iteration
+from rollout import Evaluation, ScoredGroup, is_eval_iteration
 from weights import OffPolicyError
 
 
@@ -127,7 +127,7 @@ def train(cfg, policy, rollouts, learner: Learner, timeline: Timeline, first: in
         try:
             for message in messages:
                 record(timeline, message)
-                if isinstance(message, Group):
+                if isinstance(message, ScoredGroup):
                     learner.take(message)
                 elif isinstance(message, Evaluation):         # held-out reward of θ_k (if due)
                     evaluation, evaluation_pending = held_out_reward(message, iteration), False

@@ -7,7 +7,7 @@ One iteration k of rollouts, with the policy weights θ_k:
         as soon as all G responses of a prompt x_j have stopped (inside the call):
             r_i = Σ_k w_k reward_k(x_j, o_ji, answer_j)   the --reward functions, checked (infra/scoring.py)
             A_i = group_advantages(r)             grpo.py
-            send(Group(...))                      -> the trainer, at once
+            send(ScoredGroup(...))                -> the trainer, at once
     every `eval_every` iterations: held-out reward of θ_k
 
 `rollout_iteration` is that loop, handing each message to `send`. Synchronous mode collects them in
@@ -55,8 +55,10 @@ from infra.tasks import Example, run_prompt_ids
 from infra.timeline import INFERENCE, Span
 
 @dataclass
-class Group:
-    """One prompt's G scored responses, as plain Python data (cheap and safe to pickle)."""
+class ScoredGroup:
+    """One prompt's G sampled responses with their rewards and advantages, tagged with the weights that sampled
+    them: the message the trainer takes (attention.Group is its (prompt, responses) tokens as tensors). Plain Python
+    data, cheap and safe to pickle."""
     iteration: int
     index: int  # prompt position within the iteration
     policy_version: int  # the weights that sampled it (-1: they changed meanwhile); must equal `iteration`
@@ -199,7 +201,7 @@ def evaluate(model, tokenizer, examples: list[Example], rewards: Rewards | Rewar
 
 
 # --- one iteration, as a stream of messages ---
-Message = Union["Group", "Evaluation", "IterationDone", Span]
+Message = Union["ScoredGroup", "Evaluation", "IterationDone", Span]
 
 
 def rollout_iteration(model, tokenizer, train: list[Example], held_out: list[Example], rewards: Rewards | Reward,
@@ -235,9 +237,9 @@ def rollout_iteration(model, tokenizer, train: list[Example], held_out: list[Exa
                 totals, per_function = score_responses(rewards, tokenizer, call_examples[offset], responses, cfg, state, logs)
                 advantages = grpo.group_advantages(torch.tensor(totals), cfg.group_size, cfg.scale_rewards)
                 tag = version if weights_version() == version else -1  # -1: the weights changed while it sampled
-                send(Group(iteration, first + offset, tag, prompts[offset], responses, totals, advantages.tolist(),
-                           start, time.perf_counter(), call=(first, len(call_examples)), rewards_per_function=per_function,
-                           logged=logs.metrics, extra=logs.columns))
+                send(ScoredGroup(iteration, first + offset, tag, prompts[offset], responses, totals,
+                                 advantages.tolist(), start, time.perf_counter(), call=(first, len(call_examples)),
+                                 rewards_per_function=per_function, logged=logs.metrics, extra=logs.columns))
 
             sample_prompts(model, prompts, cfg.group_size, generation, cfg, iteration, first, on_done=score_and_send)
             last = first + len(call_examples) - 1

@@ -53,7 +53,7 @@ from infra.liveness import RanksError, check_neighbours, interruptibly
 from infra.processes import POLL_SECONDS
 from infra.reward import RewardError
 from infra.timeline import INFERENCE, TRAINING, Span, Timeline
-from rollout import Evaluation, Group, IterationDone, rollout_iteration
+from rollout import Evaluation, ScoredGroup, IterationDone, rollout_iteration
 from weights import published, views_of
 
 GENERATE, EVALUATE, STOP = 0, 1, 2  # the header's command
@@ -85,14 +85,14 @@ def destination(message, ranks: Ranks, groups_per_call: int) -> list[int]:
     >>> destination(IterationDone(0), ranks, 2), destination(Span("x", "inference", 0, 1), ranks, 2)
     ([0, 1], [0])
     """
-    if isinstance(message, Group):
+    if isinstance(message, ScoredGroup):
         return [owner(message.call[0] // groups_per_call, ranks.size)]
     return list(range(ranks.size)) if isinstance(message, IterationDone) else [0]
 
 
 def shifted(message, offset: float):
     """The message with its times (start, end) moved by `offset` seconds onto trainer rank 0's clock."""
-    if isinstance(message, (Group, Evaluation, Span)):
+    if isinstance(message, (ScoredGroup, Evaluation, Span)):
         return dataclasses.replace(message, start=message.start + offset, end=message.end + offset)
     return message
 

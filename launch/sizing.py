@@ -14,7 +14,7 @@ half of it, a quarter, ..., one prompt, as the inference side would (calls of k 
 the other, seeded alike), recording when each group stops, in PASSES passes (biggest calls first,
 then smallest first) of which each size keeps its fastest (`fastest`: noise on a shared machine only
 adds time); each finished group is handed over as the sampler hands it over, inside `generate` (decoded,
-its advantages, a Group message pickled for the queue in async mode: `hand_over_work`), the reward call
+its advantages, a ScoredGroup message pickled for the queue in async mode: `hand_over_work`), the reward call
 aside. And it times the learner's own forward/backward (`learner.forward_backward`: the tri-model, the
 GRPO loss, its backward) of one group and of all groups:
 
@@ -191,19 +191,19 @@ def sample_timeline(model, prompts, group_size, generation, cfg, size, hand_over
 def hand_over_work(cfg, tokenizer, prompts, alive=lambda: None):
     """What a group costs the sampler between its last token and the trainer, the reward call aside (the trainer
     process may not hold the rewards, and a probe must not spend an API judge's calls): decoding its G responses,
-    its advantages, a Group message; async mode also pickles it and the trainer unpickles it (the queue). And
+    its advantages, a ScoredGroup message; async mode also pickles it and the trainer unpickles it (the queue). And
     `alive()`, which raises if the inference side died meanwhile (a probe can take minutes)."""
     import pickle
 
     import grpo
-    from rollout import Group
+    from rollout import ScoredGroup
 
     def hand_over(index: int, responses: list[list[int]]) -> None:
         alive()
         tokenizer.batch_decode(responses, skip_special_tokens=True)
         zeros = [0.0] * len(responses)
         advantages = grpo.group_advantages(torch.tensor(zeros), cfg.group_size, cfg.scale_rewards).tolist()
-        group = Group(0, index, 0, prompts[index], responses, zeros, advantages, call=(0, len(prompts)),
+        group = ScoredGroup(0, index, 0, prompts[index], responses, zeros, advantages, call=(0, len(prompts)),
                       rewards_per_function=[zeros])
         if cfg.mode == "async":
             pickle.loads(pickle.dumps(group))

@@ -339,7 +339,7 @@ def test_every_rank_meets_the_collectives_in_the_same_order(tiny_model_dir, monk
     from infra.command_line import parse_args
     from infra.timeline import Timeline
     from launch.setup import build_tri_model
-    from rollout import Group
+    from rollout import ScoredGroup
     calls: list[str] = []
     monkeypatch.setattr(distributed, "gather_dicts", lambda local, ranks: calls.append("gather") or dict(local))
     monkeypatch.setattr(distributed, "sum_values", lambda values, ranks, device: calls.append("sum values")
@@ -358,7 +358,7 @@ def test_every_rank_meets_the_collectives_in_the_same_order(tiny_model_dir, monk
                       "4", "--groups-per-call", "2", "--updates-per-iteration", "2", "--micro-batch-tokens", "1",
                       "--sizes", "rule", "--scale-rewards", "batch", "--beta", "0.04", "--max-grad-norm", "0"])
     rewards = [[1.0, 0.0, 0.0, 0.5], [2.0, 2.0, 2.0, 2.0], [0.0, 3.0, 1.0, 1.0], [0.25, 0.0, 1.0, 0.0]]
-    groups = [Group(0, j, 0, [50 + j, 51], [[5, 6, 0], [7, 0], [8, 9, 10, 11], [12, 0]], rewards[j],
+    groups = [ScoredGroup(0, j, 0, [50 + j, 51], [[5, 6, 0], [7, 0], [8, 9, 10, 11], [12, 0]], rewards[j],
                     grpo.group_advantages(torch.tensor(rewards[j]), 4, "batch").tolist(), call=(2 * (j // 2), 2),
                     rewards_per_function=[rewards[j]]) for j in range(4)]
     order = {}

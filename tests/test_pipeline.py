@@ -25,7 +25,7 @@ from infra.reward import load_reward, load_rewards
 from infra.timeline import Timeline
 from learner import Learner
 from packing import logprobs_fn
-from rollout import Evaluation, Group, IterationDone, rollout_iteration
+from rollout import Evaluation, ScoredGroup, IterationDone, rollout_iteration
 from conftest import learn_iteration
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -280,9 +280,9 @@ def test_async_groups_are_streamed_and_tagged_with_the_version(tiny_model_dir):
             remote.publish(policy, iteration)
             sync.generate(iteration)
             remote.generate(iteration)
-            local = [m for m in sync.receive() if isinstance(m, Group)]
+            local = [m for m in sync.receive() if isinstance(m, ScoredGroup)]
             received = list(remote.receive())
-            streamed = [m for m in received if isinstance(m, Group)]
+            streamed = [m for m in received if isinstance(m, ScoredGroup)]
             assert isinstance(received[-1], IterationDone)
             assert [g.policy_version for g in streamed] == [iteration] * cfg.prompts_per_iteration
             assert [g.responses for g in streamed] == [g.responses for g in local]
@@ -301,7 +301,7 @@ def test_learner_refuses_off_policy_group(tiny_model_dir):
     learner = Learner(tri, torch.optim.SGD(policy.parameters(), lr=0.1), cfg, torch.device("cpu"),
                                   Timeline())
     learner.start(3)
-    stale = Group(3, 0, 2, [1, 2], [[3, 4]] * 4, [0.0] * 4, [0.0] * 4)
+    stale = ScoredGroup(3, 0, 2, [1, 2], [[3, 4]] * 4, [0.0] * 4, [0.0] * 4)
     with pytest.raises(weights.OffPolicyError, match="version 2"):
         learner.take(stale)
 
@@ -319,11 +319,11 @@ def test_a_publish_while_sampling_is_caught(tiny_model_dir):
     buffer = weights.WeightBuffer(policy)
     buffer.attach(sampler)  # on CPU the sampler's parameters are views of the buffer, as in the inference process
 
-    def sample_iteration_0(reward_fn) -> list[Group]:
+    def sample_iteration_0(reward_fn) -> list[ScoredGroup]:
         buffer.publish(policy, 0)
         messages = []
         rollout_iteration(sampler, tokenizer, train, [], reward_fn, cfg, 0, buffer.version, messages.append)
-        return [m for m in messages if isinstance(m, Group)]
+        return [m for m in messages if isinstance(m, ScoredGroup)]
 
     assert [g.policy_version for g in sample_iteration_0(lambda *args: 0.0)] == [0] * cfg.prompts_per_iteration
 
@@ -353,7 +353,7 @@ def test_batched_training_forward_gives_the_same_update(tiny_model_dir):
     cap of 1 token: each group alone) gives the same optimizer step (<= 1e-6): the loss is a sum over groups,
     however it is batched."""
     generator = torch.Generator().manual_seed(0)
-    groups = [Group(0, i, 0, torch.randint(2, 50, (3 + i,), generator=generator).tolist(),
+    groups = [ScoredGroup(0, i, 0, torch.randint(2, 50, (3 + i,), generator=generator).tolist(),
                     [torch.randint(2, 50, (1 + (i + j) % 4,), generator=generator).tolist() for j in range(4)],
                     [0.0] * 4, torch.randn(4, generator=generator).tolist(), call=(0, 4)) for i in range(4)]
     trained = []

@@ -26,7 +26,7 @@ from infra.trl_names import TRL_STEP_KEYS, TRL_UNUSED
 from infra.timeline import Timeline
 from launch import setup
 from learner import Learner, minibatch_of
-from rollout import Group
+from rollout import ScoredGroup
 from conftest import learn_iteration
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,9 +41,9 @@ RESPONSES = [[[5, 6, 7, EOS], [8, EOS], [9, 10, 11, 12], [13, 14, EOS]],
 PROMPTS = [[50, 51, 52], [53, 54], [55, 56, 57, 58], [59, 60, 61]]
 
 
-def make_groups(scale_rewards: str) -> list[Group]:
+def make_groups(scale_rewards: str) -> list[ScoredGroup]:
     """The groups as the inference side sends them (rollout.py: group_advantages of each group alone)."""
-    return [Group(0, j, 0, PROMPTS[j], RESPONSES[j], REWARDS[j],
+    return [ScoredGroup(0, j, 0, PROMPTS[j], RESPONSES[j], REWARDS[j],
                   grpo.group_advantages(torch.tensor(REWARDS[j]), G, scale_rewards).tolist(), call=(0, 4),
                   rewards_per_function=[REWARDS[j]]) for j in range(4)]
 
@@ -275,7 +275,7 @@ def test_the_share_of_responses_no_reward_scored_is_logged(tiny_model_dir):
     cfg = config(tiny_model_dir)
     nan = float("nan")
     rewards = [[nan] * 4, [1.0, nan, 0.0, 1.0], *REWARDS[2:]]
-    groups = [Group(0, j, 0, PROMPTS[j], RESPONSES[j], rewards[j],
+    groups = [ScoredGroup(0, j, 0, PROMPTS[j], RESPONSES[j], rewards[j],
                     grpo.group_advantages(torch.tensor(rewards[j]), G).tolist(), call=(0, 4),
                     rewards_per_function=[rewards[j]]) for j in range(4)]
     metrics, _ = learner_run(cfg, tri_model(cfg, tiny_model_dir), groups)
