@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 
@@ -60,6 +60,8 @@ from rollout import ScoredGroup
 from tri_model import TriModel
 from weights import OffPolicyError
 
+STEP_DUE: Sequence[ScoredGroup] = ()  # what `ready` yields when a step is due with no group left to train: the loop
+# accumulates nothing, then steps
 SUMS = ("loss", "clipped_low", "clipped_high", "kl", "entropy", "grad_norm")  # kept on the device until `metrics`
 
 
@@ -137,7 +139,7 @@ class Learner:
     every rerun. Statistics stay on the device until `metrics`: no host synchronisation per group.
 
     With trainer ranks (infra/distributed.py) it takes only its rank's groups, so a mini-batch may hold none
-    of them: `ready` then yields an empty micro-batch, and the rank still joins the step's all-reduce.
+    of them: `ready` then yields STEP_DUE, and the rank still joins the step's all-reduce.
     `reward_names` label each reward's own statistics (`rewards/<name>/mean`, TRL's names). `scheduler`: the
     learning-rate schedule (launch/setup.py), stepped after each optimizer step. `stop_ids`: the ids that end a
     response (a response without one at max_new_tokens is truncated).
@@ -220,13 +222,13 @@ class Learner:
         return {index: dataclasses.replace(group, advantages=self.advantages_of(group))
                 for index, group in self.arrivals.items()}
 
-    def ready(self) -> Iterator[list[ScoredGroup]]:
+    def ready(self) -> Iterator[Sequence[ScoredGroup]]:
         """The micro-batches that can train now. First pass: the current mini-batch's waiting groups, in arrival
         order, once they reach `micro_batch_tokens` or nothing more will come soon (their generate calls have
         ended, or the mini-batch is complete). Passes 2..μ: the first pass's micro-batches of the current
         mini-batch, in its order. Call `step` inside the loop as soon as `minibatch_done()`: the next mini-batch
         follows only after it. A mini-batch with nothing left to train whose step is due (none of its groups
-        are this rank's, or the step waited for the whole batch) yields an empty micro-batch, for the step."""
+        are this rank's, or the step waited for the whole batch) yields STEP_DUE, a micro-batch of no group."""
         if self.cfg.scale_rewards == "batch" and self.all_taken():
             self._batch_divisor()  # with ranks a collective: every rank's first of the iteration, before any step
         if self.passes_wait and not self.all_taken():
@@ -234,7 +236,7 @@ class Learner:
         while self.steps_done < self.steps:
             if self._step_due():
                 before = self.steps_done
-                yield []
+                yield STEP_DUE
                 if self.steps_done == before:  # the caller did not step: nothing else can train
                     return
                 continue
@@ -286,9 +288,9 @@ class Learner:
             self.divisor = batch_std(rewards) + ADVANTAGE_EPS
         return self.divisor
 
-    def accumulate(self, groups: list[ScoredGroup]) -> None:
+    def accumulate(self, groups: Sequence[ScoredGroup]) -> None:
         """One forward/backward over a micro-batch of the current mini-batch: ∇ += Σ_g ∇S_g (divided by D
-        at the step). An empty micro-batch (another rank's groups only, or a step due) computes nothing."""
+        at the step). STEP_DUE (the step is due with nothing of this rank's left to train) computes nothing."""
         if not groups:
             return
         self.tri.policy.train()

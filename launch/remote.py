@@ -42,6 +42,7 @@ import queue
 import threading
 import time
 import traceback
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -53,7 +54,7 @@ from infra.liveness import RanksError, check_neighbours, interruptibly
 from infra.processes import POLL_SECONDS
 from infra.reward import RewardError
 from infra.timeline import INFERENCE, TRAINING, Span, Timeline
-from rollout import Evaluation, ScoredGroup, IterationDone, rollout_iteration
+from rollout import Evaluation, IterationDone, Message, ScoredGroup, rollout_iteration
 from weights import published, views_of
 
 GENERATE, EVALUATE, STOP = 0, 1, 2  # the header's command
@@ -116,8 +117,9 @@ def recv_object(group) -> tuple[object, int]:
 
 # --- the trainer ranks' side (periodic_rl.train sees AsyncRollouts' methods) ---
 class RemoteRollouts:
-    """The K inference ranks as a trainer rank sees them. Rank 0 broadcasts θ_k and the command; every trainer
-    rank receives its own groups. Use it as a `with` block: leaving it tells the inference ranks to stop."""
+    """The K inference ranks as a trainer rank sees them (periodic_rl.Rollouts). Rank 0 broadcasts θ_k and the
+    command; every trainer rank receives its own groups. Use it as a `with` block: leaving it tells the inference
+    ranks to stop."""
 
     def __init__(self, ranks: Ranks, dtype: torch.dtype, timeline: Timeline | None = None):
         self.ranks, self.dtype = ranks, dtype
@@ -160,7 +162,7 @@ class RemoteRollouts:
         with collective("the command to the inference ranks", self.ranks):
             dist.broadcast(header, src=0, group=GROUPS["commands"])
 
-    def receive(self):
+    def receive(self) -> Iterator[Message]:
         """The iteration's messages as they arrive, groups in call order (`in_call_order`), up to IterationDone."""
         yield from in_call_order(self._messages(), self.calls, self.ranks.inference)
 

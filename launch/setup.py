@@ -255,9 +255,10 @@ def train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs
         timeline = Timeline()
     learner = Learner(tri, optimizer, cfg, device, timeline, ranks, as_rewards(rewards).names, scheduler,
                       stop_token_ids(policy, tokenizer))
-    in_turns = cfg.mode == "async" and takes_turns(cfg) and not ranks.inference  # N workers (inference ranks: hosts)
+    # N workers (inference ranks: other hosts, which never share our cores)
+    sample_then_train = cfg.mode == "async" and takes_turns(cfg) and not ranks.inference
     rows = periodic_rl.train(cfg, policy, rollouts, learner, timeline, first, bool(held_out),
-                             elastic_threads(cfg, ranks), in_turns, ranks)
+                             elastic_threads(cfg, ranks), sample_then_train, ranks)
 
     def save_checkpoint(iterations_done: int) -> None:
         with timeline.span(f"checkpoint {iterations_done}"), config_as_loaded(policy):

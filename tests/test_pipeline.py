@@ -515,3 +515,17 @@ def test_too_small_shared_memory_is_one_line_naming_the_fix(tiny_model_dir, monk
     weights.check_shared_memory(sum(p.numel() * 4 for p in policy.parameters()) // 2)  # tiny: 0.7 MB, fits
     with pytest.raises(weights.SharedMemoryError, match="shm-size"):
         weights.check_shared_memory(free)
+
+
+def test_every_inference_side_has_the_rollouts_protocols_methods():
+    """Claim: the three inference sides the loop takes (sync, async, inference ranks) have publish, generate and
+    receive with periodic_rl.Rollouts' parameters (names, kinds, defaults), so the loop calls each the same way."""
+    import inspect
+    from launch.remote import RemoteRollouts
+
+    def parameters(function):
+        return [(p.name, p.kind, p.default) for p in inspect.signature(function).parameters.values()]
+    for side in (inference.SyncRollouts, inference.AsyncRollouts, RemoteRollouts):
+        for method in ("publish", "generate", "receive"):
+            assert parameters(getattr(side, method)) == parameters(getattr(periodic_rl.Rollouts, method)), \
+                (side.__name__, method)
