@@ -180,7 +180,7 @@ def test_train_step_layouts_compute_the_same_step(lengths):
 def test_engine_cpu_benchmark_runs_and_splits_the_time(tmp_path, capsys):
     """Claim (benchmarks/engine_cpu.py, the CPU target's command): it times the engine against `generate` and splits
     each side's time, at a small size, so that a change in the engine's methods cannot break it unnoticed (one did:
-    Rollouts.draw took a new keyword and the split's stand-in refused it). Timings are not asserted, only that each
+    GenerateCall.draw took a new keyword and the split's stand-in refused it). Timings are not asserted, only that each
     figure was printed."""
     import json
 
