@@ -17,14 +17,9 @@ the sampled tokens alone (periodic_rl.py's docstring). Later passes replay the f
 sum in the same order too. With trainer ranks each rank takes only its own calls' groups and `step` sums ∇ and D over
 the ranks first (infra/distributed.py).
 
-What waits for the whole batch (grpo.py says why): with dapo, D is the batch's tokens / steps, and with
-scale_rewards="batch" the advantages are divided by the batch's reward std, so the first step waits for the last
-group. Mini-batch 0's forward/backward passes still stream, but mini-batch k > 0 is trained at θ after step k-1,
-so with N > 1 updates per iteration only mini-batch 0 overlaps the sampling (grpo, dr_grpo and bnpo, unless
-scale_rewards="batch", step each mini-batch as soon as it is whole). With scale_rewards="batch" and β > 0 the
-passes wait too (the KL term does not scale with the advantages). With scale_rewards="batch" every rank gathers
-the batch's rewards (a collective) as soon as its groups are all in, before it trains or steps anything more: so
-every rank meets that collective first, then the steps' all-reduces, in the same order.
+What waits for the whole batch: with dapo (D) or scale_rewards="batch" (the reward std) the first step waits for
+the last group, so with N > 1 updates only mini-batch 0 overlaps the sampling; with scale_rewards="batch" every
+rank gathers the rewards before it trains or steps more (docs/design.md, "GRPO as implemented", says why).
 
 Metrics, per iteration, as TRL 1.16 logs them (infra/tracking.py has the names): the clipped fractions (low,
 high, region) and the KL term (ρ·k3 with the bias correction) over every pass's loss tokens, and the extremes over
