@@ -52,7 +52,7 @@ def engine_compiles(engine: str, device: str) -> bool:
 
 
 # The sizes (fields below) that --sizes chooses when not given (`derive`, launch/sizing.py; distributed.share_sizes)
-SIZE_FIELDS = ("groups_per_chunk", "micro_batch_tokens", "rollout_threads", "train_threads", "tail_threads")
+SIZE_FIELDS = ("groups_per_call", "micro_batch_tokens", "rollout_threads", "train_threads", "tail_threads")
 
 
 # The method's knobs: Config's first fields and --help's first group, each with its one help line; every other
@@ -340,7 +340,7 @@ class Config:
                                             "--inference-workers one for all or a comma-separated list, one per "
                                             "worker: cuda:0,cuda:1")
     train_device: str | None = _opt(None, "device of the training process (default: from --device)")
-    groups_per_chunk: int | None = _opt(None, "prompts sampled per generate call (x group-size responses); each "
+    groups_per_call: int | None = _opt(None, "prompts sampled per generate call (x group-size responses); each "
                                               "group is sent to the trainer the moment its last response stops "
                                               "(default: see --sizes)")
     micro_batch_tokens: int | None = _opt(None, "most tokens (prompt + response, as plain rows) per training "
@@ -381,9 +381,9 @@ class Config:
         return all(getattr(self, name) for name in SIZE_FIELDS)
 
     @property
-    def chunks_per_iteration(self) -> int:
+    def calls_per_iteration(self) -> int:
         """Units the pipeline overlaps: generate calls per iteration (after `derive`)."""
-        return math.ceil(self.prompts_per_iteration / self.groups_per_chunk)
+        return math.ceil(self.prompts_per_iteration / self.groups_per_call)
 
     @property
     def is_tiny(self) -> bool:

@@ -43,7 +43,7 @@ Departures, on purpose:
    the calls of a run share a few shapes (cuDNN builds a graph per shape).
 6. Checked models: Qwen2, Qwen3, Llama and Mistral shapes with full causal attention, sdpa or eager attention.
 7. `decode_step` may replace the eager step: infra/compiled_step.py's compiles its layers and draw and replays it
-   as CUDA graphs, reading and writing the same tensors of `Rollouts`.
+   as CUDA graphs, reading and writing the same tensors of `GenerateCall`.
 """
 from __future__ import annotations
 
@@ -271,7 +271,7 @@ def decode_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
 
 
 # --- one call's rows: prefill, decode, compaction, on the device ---
-class Rollouts:
+class GenerateCall:
     """The state of one call on the device. Rows are numbered j·G + i (sample i of prompt j); row C·G is a
     stand-in that is always stopped, for slots with no row (fixed shapes). Slots are cache rows: slot k holds
     row slot_rows[k], and only the first n slots are decoded. `decode_layers` and `decode_draw` are the decode
@@ -451,7 +451,7 @@ def sample_groups(model, prompts: list[list[int]], group_size: int, *, max_new_t
                   on_done: Callable[[int, list[list[int]]], None] | None = None, max_rows: int | None = None,
                   greedy: bool = False, check_every: int | None = None, fixed_shapes: bool | None = None,
                   prefill_tokens: int | None = None, pad_to_multiple_of: int = 1,
-                  decode_step: Callable[[Rollouts], Callable[[int], None]] | None = None) -> list[list[list[int]]]:
+                  decode_step: Callable[[GenerateCall], Callable[[int], None]] | None = None) -> list[list[list[int]]]:
     """group_size responses to each prompt: responses[j][i], cut after its first stop id (kept).
 
     stop_ids: the ids that end a response (default: the model's EOS ids). keys[j]: prompt j's key, e.g. (seed,
@@ -460,8 +460,8 @@ def sample_groups(model, prompts: list[list[int]], group_size: int, *, max_new_t
     at once (at least group_size; None: all); prompts start in index order as room frees. check_every: decode
     steps between the host's looks (default 1 on CPU, 8 elsewhere). fixed_shapes: power-of-two row counts
     (default: on CUDA). prefill_tokens: the most tokens of a packed prefill row (default 512 on CPU, 8192
-    elsewhere). pad_to_multiple_of: departure 5. decode_step(rollouts): the call's step, n -> None (default:
-    Rollouts.decode; infra/compiled_step.py's is compiled)."""
+    elsewhere). pad_to_multiple_of: departure 5. decode_step(call): the call's step, n -> None (default:
+    GenerateCall.decode; infra/compiled_step.py's is compiled)."""
     reason = unsupported_reason(model)
     if reason is not None:
         raise ValueError(f"engine: {reason}")
@@ -474,13 +474,13 @@ def sample_groups(model, prompts: list[list[int]], group_size: int, *, max_new_t
                          f"{temperature}, {top_p}, {top_k}, {min_p}")
     count = len(prompts)
     capacity = count * group_size if max_rows is None else max(group_size, min(max_rows, count * group_size))
-    rollouts = Rollouts(model, prompts, group_size, max_new_tokens, temperature, top_p, stop_ids, keys, capacity,
+    call = GenerateCall(model, prompts, group_size, max_new_tokens, temperature, top_p, stop_ids, keys, capacity,
                         greedy, top_k, min_p, pad_to_multiple_of)
-    on_cpu = rollouts.device.type == "cpu"
+    on_cpu = call.device.type == "cpu"
     check_every = check_every or (1 if on_cpu else 8)
     prefill_tokens = prefill_tokens or (PREFILL_TOKENS if on_cpu else PREFILL_TOKENS_ACCELERATOR)
-    fixed_shapes = rollouts.device.type == "cuda" if fixed_shapes is None else fixed_shapes
-    decode = rollouts.decode if decode_step is None else decode_step(rollouts)
+    fixed_shapes = call.device.type == "cuda" if fixed_shapes is None else fixed_shapes
+    decode = call.decode if decode_step is None else decode_step(call)
     responses: list[list[list[int]]] = [[] for _ in range(count)]
     started, reported, n = 0, 0, 0  # prompts prefilled, groups handed over, slots decoded per step
     keep: list[int] = []  # the slots whose rows still run
@@ -488,31 +488,31 @@ def sample_groups(model, prompts: list[list[int]], group_size: int, *, max_new_t
         refill = started < count and len(keep) + group_size <= capacity
         if refill or bucket(len(keep), capacity, fixed_shapes) < n:  # compact
             if keep != list(range(len(keep))):
-                rollouts.compact(keep, n)
+                call.compact(keep, n)
             keep, n = list(range(len(keep))), bucket(len(keep), capacity, fixed_shapes)
         admitted: list[tuple[int, torch.Tensor]] = []  # refill the room with whole prompts, prefilled in packs
         while started < count and len(keep) + group_size <= capacity:
-            admitted.append((started, torch.arange(len(keep), len(keep) + group_size, device=rollouts.device)))
+            admitted.append((started, torch.arange(len(keep), len(keep) + group_size, device=call.device)))
             started, keep = started + 1, keep + list(range(len(keep), len(keep) + group_size))
         for pack in packs([len(prompts[j]) for j, _ in admitted], prefill_tokens):
-            rollouts.prefill([admitted[q][0] for q in pack], [admitted[q][1] for q in pack])
+            call.prefill([admitted[q][0] for q in pack], [admitted[q][1] for q in pack])
         n = max(n, bucket(len(keep), capacity, fixed_shapes))
         for _ in range(check_every if keep else 0):
             decode(n)
         # the host looks: the logits were finite; the groups now done, in completion order; the slots still running
-        if rollouts.nonfinite.item():
+        if call.nonfinite.item():
             raise FloatingPointError("engine: the model's logits are not finite (NaN or inf): its weights have "
                                      "diverged")
-        stop_step = rollouts.stop_step[:count * group_size].view(count, group_size).tolist()
+        stop_step = call.stop_step[:count * group_size].view(count, group_size).tolist()
         done = sorted((max(steps), j) for j, steps in enumerate(stop_step)
                       if not responses[j] and max(steps) != RUNNING)
         if done:
-            lengths, tokens = rollouts.lengths.tolist(), rollouts.tokens.tolist()
+            lengths, tokens = call.lengths.tolist(), call.tokens.tolist()
             for _, j in done:
                 responses[j] = [tokens[row][:lengths[row]] for row in range(j * group_size, (j + 1) * group_size)]
                 if on_done is not None:
                     on_done(j, responses[j])
             reported += len(done)
-        running = (rollouts.stop_step[rollouts.slot_rows[:n]] == RUNNING).tolist()
+        running = (call.stop_step[call.slot_rows[:n]] == RUNNING).tolist()
         keep = [slot for slot, runs in enumerate(running) if runs]
     return responses

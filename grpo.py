@@ -15,7 +15,7 @@ batch instead (PPO Lite, arXiv 2508.08221), A_i = (r_i - mean(r_group)) / (std(r
 known only once the last group is in: `group_advantages` then returns the centred rewards and
 `batch_std` gives the divisor (see "scale_rewards='batch' while streaming" below).
 A reward of NaN marks a response no reward function scored (TRL's None, infra/scoring.py): it is left out of its
-group's mean and std, and its advantage is 0 (TRL since #5902).
+group's mean and std, and its advantage is 0, as in TRL.
 
 Per-token loss (TRL 1.16 `GRPOTrainer._compute_loss`, its defaults), with the ratio against the old
 policy θ_k (which sampled the tokens):
@@ -24,18 +24,9 @@ policy θ_k (which sampled the tokens):
     l_t    = -min(ρ_t A, clip(ρ_t, 1 - ε_low, 1 + ε_high) A) + β ρ_t k3_t
     k3_t   = exp(ref_t - logp_t) - (ref_t - logp_t) - 1           (k3 estimator of KL, ≥ 0)
 
-Why ρ_t multiplies k3 (TRL's `use_bias_correction_kl=True`, TRL 1.16.0's default; DeepSeek-V3.2).
-Write r = π_ref/π_θ at the sampled token, so k3 = r - log r - 1 and ∇k3 = (1 - r) ∇log π_θ. With
-samples from π_old = π_θ (one update per iteration: ρ = 1 in value, ∇ρ = ∇log π_θ):
-
-    plain      E[∇k3]       = E_θ[(1 - r) ∇log π_θ] = -Σ_o π_ref ∇log π_θ = ∇ KL(π_ref ‖ π_θ)
-    corrected  E[∇(ρ k3)]   = E_θ[(1 - r + r - log r - 1) ∇log π_θ] = E_θ[(log π_θ - log π_ref) ∇log π_θ]
-                            = ∇ KL(π_θ ‖ π_ref)          (using E_θ[∇log π_θ] = 0)
-
-So the plain term, although its *value* estimates KL(π_θ‖π_ref) without bias, pulls toward the
-reverse KL; the corrected one has the gradient of the KL it reports. With several updates per
-iteration, ρ also re-weights the off-policy samples to π_θ. `kl_bias_correction=False` gives the
-plain term (TRL's `use_bias_correction_kl=False`, the default of older TRL, e.g. a 1.10 development version).
+ρ_t multiplies k3 (TRL's `use_bias_correction_kl=True`, its default; DeepSeek-V3.2) so that the term's gradient is
+that of KL(π_θ‖π_ref), the KL it reports; the plain k3 term (`kl_bias_correction=False`) pulls toward the reverse
+KL (derived in docs/design.md, "GRPO as implemented").
 
 Aggregation over a batch of N responses with m_{i,t} ∈ {0, 1} marking real response tokens:
 
@@ -64,15 +55,9 @@ A truncated response (no EOS within max_new_tokens) is left out of the loss when
 `mask_truncated_completions` asks: its mask row is 0, so it adds no token to any sum or to dapo's and
 bnpo's D; grpo and dr_grpo still count it in N, as TRL does (its row's mean is 0, not dropped).
 
-scale_rewards='batch' while streaming. The policy term is positively homogeneous in A: for c > 0,
-
-    -min(ρ cA, clip(ρ) cA) = c · (-min(ρ A, clip(ρ) A))        and the clipped tokens are the same,
-
-and every normaliser above is independent of A, so with β = 0 the loss of advantages A/s is the loss of
-the centred A, divided by s = std(r_batch) + eps. A learner can stream with the centred advantages and
-divide the accumulated gradient by s at the step (learner.py); only the step waits for s. The KL term
-β ρ k3 does not scale with A: with β > 0 that split fails, and the forward/backward passes wait until
-s is known, then use A/s.
+scale_rewards='batch' while streaming: the policy term is positively homogeneous in A, so with β = 0 a learner trains
+on the centred advantages and divides the accumulated gradient by std(r_batch) + eps at the step; with β > 0 the
+passes wait for it (docs/design.md).
 
 Departures from TRL, on purpose:
 1. bnpo's local batch is the micro-batch (sized by tokens), not a fixed number of sequences.

@@ -6,8 +6,8 @@
       into one flat shared-memory tensor, then         parameters *are* views of that one tensor;
       version := k                                     on GPU/NPU load_into copies it to its device
     rollouts.generate(k)  ---- ("generate", k) --->  every worker: rollout.rollout_iteration(share):
-    rollouts.receive()    <--- Group, ..., Span,       its generate calls' groups in completion
-                               Evaluation,             order, the evaluation (worker 0, if due),
+    rollouts.receive()    <--- ScoredGroup, ...,       its generate calls' groups in completion
+                               Span, Evaluation,       order, the evaluation (worker 0, if due),
                                IterationDone           IterationDone(k)
 
 `SyncRollouts` has the same three methods and runs `rollout_iteration` in the trainer's own process
@@ -17,43 +17,19 @@ started and checked again when the group was sent (`rollout.rollout_iteration`):
 was sampling marks its groups (version -1) and the trainer refuses them.
 
 N workers per trainer (`--inference-workers N`). An iteration's prompts are cut into generate calls
-c = 0, 1, ... of --groups-per-chunk prompts each; with this trainer's share (r, M) (trainer rank r of M:
+c = 0, 1, ... of --groups-per-call prompts each; with this trainer's share (r, M) (trainer rank r of M:
 it owns the calls c with c % M == r), worker w samples the calls c with c % (M·N) == r + M·w
 (`worker_shares`). All read the same θ_k: one shared-memory buffer, published once per iteration.
 
-Why the rollouts do not depend on N: a call's tokens depend only on its prompts and its seed
-prompt_seed(seed, k, first prompt), never on which worker samples it or on what that worker sampled
-before (rollout.py); so N = 1 and N = 2 draw the same groups (bitwise where each worker computes as the one
-worker did: on CPU the same thread count per worker, since threads change the logits' rounding and, with
-probability ~1e-7 per token, a draw). Why training does not depend on N either:
-`in_call_order` hands the trainer the groups in the order one worker would send them, call after call,
-each call's in its completion order (a function of the tokens alone), holding back the groups of a call
-until every earlier call has delivered all of its own. The learner cuts micro-batches and sums
-gradients in arrival order, so with that order it computes bitwise what it computes with one worker
-(tests/method/test_workers.py; in arrival order the same test's weights were off by 3.5e-5). The price: a
-call's groups that finish before an earlier call's wait, so the trainer may idle while they could train;
-the alternative, taking groups in arrival order across workers, changes the micro-batch cuts and the
-gradient's summation order with the timing, and the weights then differ run to run at float rounding,
-which Adam's per-element scaling amplifies (tests/method/test_pipeline.py).
+The rollouts do not depend on N (a call's tokens depend on its prompts and seeds alone), nor does training:
+`in_call_order` hands the trainer the groups in the order one worker would send them, call after call
+(docs/design.md, "N inference workers", says why and what it costs).
 
 Departure, on purpose: groups travel as plain Python lists, never tensors: a tensor in a message is passed
 by file descriptor, and the sender would have to outlive the receiver's use of it.
 
-One worker, from spawn to stop:
-
-    trainer (`Worker`)                            the worker's process (`inference_process`)
-    -----------------------------------------    ---------------------------------------------------
-    spawn (SIGINT ignored during its imports)     imports; die_with_parent; heartbeat thread
-    send ("load",)                          --->  load the model            ---> ("loaded", None)
-    send ("attach", weights, cfg, threads,  --->  θ's buffer attached       ---> ("ready", None)
-          train, held_out)
-    send ("generate" | "evaluate", k)       --->  rollout_iteration(share)  ---> ("message", Group | Span
-                                                                                  | Evaluation | IterationDone)
-    poll: alive? stopped? heartbeat?              any exception             ---> ("error", summary), exit 1
-    close: ("stop",), then SIGTERM, SIGKILL       ("stop",) or a closed pipe: exit
-
-A worker that dies, stops or hangs is reported by its handle in one line that names it (index and PID) and how
-it ended.
+A worker's life from spawn to stop (load, attach θ's buffer, generate, stop) is drawn in docs/design.md; one that
+dies, stops or hangs is reported by its handle in one line that names it (index and PID) and how it ended.
 
 Commands and results travel over one `multiprocessing.Pipe`, not two `Queue`s: a pipe is a pair of file
 descriptors, where a Queue's locks are named semaphores in /dev/shm that stay there for good when the run is
@@ -87,7 +63,7 @@ from infra.processes import (
     sigint_ignored,
 )
 from infra.timeline import INFERENCE, TRAINING, Span, Timeline
-from rollout import Group, IterationDone, Message, rollout_iteration
+from rollout import IterationDone, Message, ScoredGroup, rollout_iteration
 from weights import WeightBuffer, check_shared_memory, published, shared
 
 __all__ = ["AsyncRollouts", "PipelineError", "SyncRollouts", "in_call_order", "owned_calls", "split_threads",
@@ -280,13 +256,13 @@ def worker_shares(share: tuple[int, int], workers: int) -> list[tuple[int, int]]
     return [(rank + ranks * w, ranks * workers) for w in range(workers)]
 
 
-def owned_calls(prompts: int, groups_per_chunk: int, share: tuple[int, int]) -> list[int]:
+def owned_calls(prompts: int, groups_per_call: int, share: tuple[int, int]) -> list[int]:
     """First prompt index of each generate call of the share (s, S), in call order.
 
     >>> owned_calls(16, 4, (1, 2))  # calls 0..3 start at prompts 0, 4, 8, 12; share 1 of 2 owns calls 1 and 3
     [4, 12]
     """
-    return [first for call, first in enumerate(range(0, prompts, groups_per_chunk)) if call % share[1] == share[0]]
+    return [first for call, first in enumerate(range(0, prompts, groups_per_call)) if call % share[1] == share[0]]
 
 
 def worker_devices(rollout_device: str | None, workers: int) -> list[str | None]:
@@ -314,15 +290,15 @@ def in_call_order(messages: Iterator[Message], calls: list[int], workers: int) -
     """The messages of `workers` samplers, merged: groups in the order of `calls` (first prompt of each, as
     `owned_calls`), each call's groups in the order they came; everything else at once; one IterationDone
     after all `workers` have sent theirs. A group waits only while an earlier call is still delivering."""
-    held: dict[int, list[Group]] = {first: [] for first in calls}
+    held: dict[int, list[ScoredGroup]] = {first: [] for first in calls}
     position, released, done = 0, 0, 0  # the call going through now, its groups released so far, workers done
     for message in messages:
-        if isinstance(message, Group):
-            held[message.chunk[0]].append(message)
+        if isinstance(message, ScoredGroup):
+            held[message.call[0]].append(message)
             while position < len(calls) and held[calls[position]]:
                 group = held[calls[position]].pop(0)
                 released += 1
-                if released == group.chunk[1]:  # chunk: (first prompt, prompts): the call is complete
+                if released == group.call[1]:  # call: (first prompt, prompts): the call is complete
                     position, released = position + 1, 0
                 yield group
         elif isinstance(message, IterationDone):
@@ -336,7 +312,7 @@ def in_call_order(messages: Iterator[Message], calls: list[int], workers: int) -
 
 # --- where rollouts come from ---
 class SyncRollouts:
-    """Generate the whole iteration in this process, then hand the messages over.
+    """Generate the whole iteration in this process, then hand the messages over (periodic_rl.Rollouts).
 
     `sampler` is the model that generates: the policy itself when it computes in its own dtype, else a
     copy in the compute dtype that `publish` refreshes (what training changes: weights.published), as the
@@ -350,7 +326,7 @@ class SyncRollouts:
         self.args = (tokenizer, train, held_out, rewards, cfg)
         self.sampler = sampler if sampler is not None else policy
         self.shares = worker_shares(share, workers)
-        self.calls = owned_calls(cfg.prompts_per_iteration, cfg.groups_per_chunk, share)
+        self.calls = owned_calls(cfg.prompts_per_iteration, cfg.groups_per_call, share)
 
     @torch.no_grad()
     def publish(self, policy, version: int) -> None:
@@ -368,13 +344,13 @@ class SyncRollouts:
             rollout_iteration(self.sampler, tokenizer, train, held_out, rewards, cfg, iteration,
                               lambda: self.version, self.messages.append, train_prompts, share)
 
-    def receive(self):
+    def receive(self) -> Iterator[Message]:
         yield from in_call_order(iter(self.messages), self.calls, len(self.shares))
 
 
 class AsyncRollouts:
     """The inference workers (`Worker`: process, pipe, heartbeat) and the shared weight buffer, seen from
-    the trainer.
+    the trainer (periodic_rl.Rollouts).
 
     Start it as early as possible: the workers import their libraries while the trainer imports its own,
     and load their models while the trainer loads the policy. `load=False` makes them wait after their
@@ -438,7 +414,7 @@ class AsyncRollouts:
         (sampling settings, sizes) and their thread counts: `threads` split among them (`split_threads`)."""
         self.wait_until_loaded()
         self.weights = WeightBuffer(policy, self.dtype)  # kept alive here: the receivers map the sender's memory
-        self.calls = owned_calls(cfg.prompts_per_iteration, cfg.groups_per_chunk, self.share)
+        self.calls = owned_calls(cfg.prompts_per_iteration, cfg.groups_per_call, self.share)
         for worker, worker_threads in zip(self.workers, split_threads(threads, len(self.workers))):
             worker.reward_timeout = cfg.reward_timeout
             worker.send("attach", self.weights, cfg, worker_threads, *self.prompts)
@@ -453,7 +429,7 @@ class AsyncRollouts:
         for worker in self.workers:
             worker.send("generate" if train_prompts else "evaluate", iteration)
 
-    def receive(self):
+    def receive(self) -> Iterator[Message]:
         """The iteration's messages as they arrive, groups in call order (`in_call_order`), up to IterationDone."""
         yield from in_call_order(self._messages(), self.calls, len(self.workers))
 

@@ -17,14 +17,9 @@ the sampled tokens alone (periodic_rl.py's docstring). Later passes replay the f
 sum in the same order too. With trainer ranks each rank takes only its own calls' groups and `step` sums ∇ and D over
 the ranks first (infra/distributed.py).
 
-What waits for the whole batch (grpo.py says why): with dapo, D is the batch's tokens / steps, and with
-scale_rewards="batch" the advantages are divided by the batch's reward std, so the first step waits for the last
-group. Mini-batch 0's forward/backward passes still stream, but mini-batch k > 0 is trained at θ after step k-1,
-so with N > 1 updates per iteration only mini-batch 0 overlaps the sampling (grpo, dr_grpo and bnpo, unless
-scale_rewards="batch", step each mini-batch as soon as it is whole). With scale_rewards="batch" and β > 0 the
-passes wait too (the KL term does not scale with the advantages). With scale_rewards="batch" every rank gathers
-the batch's rewards (a collective) as soon as its groups are all in, before it trains or steps anything more: so
-every rank meets that collective first, then the steps' all-reduces, in the same order.
+What waits for the whole batch: with dapo (D) or scale_rewards="batch" (the reward std) the first step waits for
+the last group, so with N > 1 updates only mini-batch 0 overlaps the sampling; with scale_rewards="batch" every
+rank gathers the rewards before it trains or steps more (docs/design.md, "GRPO as implemented", says why).
 
 Metrics, per iteration, as TRL 1.16 logs them (infra/tracking.py has the names): the clipped fractions (low,
 high, region) and the KL term (ρ·k3 with the bias correction) over every pass's loss tokens, and the extremes over
@@ -46,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 
@@ -56,10 +51,12 @@ from infra.distributed import Ranks
 from infra.errors import PipelineError
 from infra.stopping import stops_deferred
 from infra.timeline import TRAIN, Timeline
-from rollout import Group
+from rollout import ScoredGroup
 from tri_model import TriModel
 from weights import OffPolicyError
 
+STEP_DUE: Sequence[ScoredGroup] = ()  # what `ready` yields when a step is due with no group left to train: the loop
+# accumulates nothing, then steps
 SUMS = ("loss", "clipped_low", "clipped_high", "kl", "entropy", "grad_norm")  # kept on the device until `metrics`
 
 
@@ -68,7 +65,7 @@ def minibatch_of(prompt_index: int, prompts_per_iteration: int, updates_per_iter
     return prompt_index * updates_per_iteration // prompts_per_iteration
 
 
-def group_tokens(groups: list[Group]) -> int:
+def group_tokens(groups: list[ScoredGroup]) -> int:
     """Tokens a micro-batch's forward processes, counted as plain rows: G·P + Σ R_i per group."""
     return sum(len(g.responses) * len(g.prompt_ids) + sum(len(r) for r in g.responses) for g in groups)
 
@@ -131,13 +128,13 @@ class Learner:
 
     A micro-batch is the waiting groups of the current mini-batch, in arrival order, up to
     `micro_batch_tokens`. Groups wait until that many tokens are there, or until nothing more will
-    come soon: their generate call (chunk) has delivered every group, or the mini-batch is complete.
+    come soon: their generate call has delivered every group, or the mini-batch is complete.
     Arrival order is completion order, which depends only on the sampled tokens, so the micro-batches
     (and hence the float rounding of the accumulated gradient) are the same in both modes and in
     every rerun. Statistics stay on the device until `metrics`: no host synchronisation per group.
 
     With trainer ranks (infra/distributed.py) it takes only its rank's groups, so a mini-batch may hold none
-    of them: `ready` then yields an empty micro-batch, and the rank still joins the step's all-reduce.
+    of them: `ready` then yields STEP_DUE, and the rank still joins the step's all-reduce.
     `reward_names` label each reward's own statistics (`rewards/<name>/mean`, TRL's names). `scheduler`: the
     learning-rate schedule (launch/setup.py), stepped after each optimizer step. `stop_ids`: the ids that end a
     response (a response without one at max_new_tokens is truncated).
@@ -152,7 +149,7 @@ class Learner:
         prompts, updates = cfg.prompts_per_iteration, cfg.updates_per_iteration
         self.groups_per_minibatch = [0] * updates  # this rank's groups in each mini-batch
         for index in range(prompts):
-            if distributed.owner(index // cfg.groups_per_chunk, ranks.size) == ranks.rank:
+            if distributed.owner(index // cfg.groups_per_call, ranks.size) == ranks.rank:
                 self.groups_per_minibatch[minibatch_of(index, prompts, updates)] += 1
         self.steps = updates * cfg.num_iterations  # optimizer steps per iteration
         self.first_step_waits = cfg.scale_rewards == "batch" or cfg.loss_type == "dapo"  # its D or std needs the batch
@@ -162,10 +159,10 @@ class Learner:
     def start(self, iteration: int) -> None:
         self.iteration, self.steps_done = iteration, 0
         updates = self.cfg.updates_per_iteration
-        self.waiting: list[list[Group]] = [[] for _ in range(updates)]  # per mini-batch, in arrival order
+        self.waiting: list[list[ScoredGroup]] = [[] for _ in range(updates)]  # per mini-batch, in arrival order
         self.arrived = [0] * updates  # groups received, per mini-batch
-        self.chunk_arrivals: dict[tuple[int, int], int] = {}
-        self.trained: list[list[list[Group]]] = [[] for _ in range(updates)]  # the first pass's micro-batches
+        self.call_arrivals: dict[tuple[int, int], int] = {}
+        self.trained: list[list[list[ScoredGroup]]] = [[] for _ in range(updates)]  # the first pass's micro-batches
         self.replayed = 0  # micro-batches of the current mini-batch trained again in this pass (passes 2..μ)
         self.sums = {name: torch.zeros((), device=self.device) for name in SUMS}
         self.low_min = torch.full((), torch.inf, device=self.device)  # the least low-clipped fraction of a response
@@ -180,20 +177,20 @@ class Learner:
         # truncated); metrics in index order, whatever the arrival
         self.logged: dict[int, dict] = {}  # by group index: what its rewards logged (TRL's log_metric)
         self.kept: dict[int, list[bool]] = {}  # by group index, per response: whether it enters the loss
-        self.arrivals: dict[int, Group] = {}  # this rank's groups of the iteration, by index
+        self.arrivals: dict[int, ScoredGroup] = {}  # this rank's groups of the iteration, by index
 
-    def take(self, group: Group) -> None:
+    def take(self, group: ScoredGroup) -> None:
         """Take one group, refused unless θ_k sampled it (nothing is trained here: see `ready`)."""
         if group.policy_version != self.iteration:
             changed = " (weights that changed while it was sampled)" if group.policy_version == -1 else ""
             raise OffPolicyError(f"group {group.index} was sampled by weights version {group.policy_version}"
                                  f"{changed} but this is iteration {self.iteration}: refusing an off-policy sample")
-        if (owner := distributed.owner(group.index // self.cfg.groups_per_chunk, self.ranks.size)) != self.ranks.rank:
+        if (owner := distributed.owner(group.index // self.cfg.groups_per_call, self.ranks.size)) != self.ranks.rank:
             raise PipelineError(f"group {group.index} belongs to trainer rank {owner}, not rank {self.ranks.rank}")
         block = minibatch_of(group.index, self.cfg.prompts_per_iteration, self.cfg.updates_per_iteration)
         self.waiting[block].append(group)
         self.arrived[block] += 1
-        self.chunk_arrivals[group.chunk] = self.chunk_arrivals.get(group.chunk, 0) + 1
+        self.call_arrivals[group.call] = self.call_arrivals.get(group.call, 0) + 1
         self.arrivals[group.index] = group
         lengths = [len(r) for r in group.responses]
         truncated = [is_truncated(r, self.cfg.max_new_tokens, self.stop_ids) for r in group.responses]
@@ -205,7 +202,7 @@ class Learner:
         self.rewards[group.index] = (group.rewards, group.rewards_per_function, lengths, truncated)
         self.logged[group.index] = group.logged
 
-    def advantages_of(self, group: Group) -> list[float]:
+    def advantages_of(self, group: ScoredGroup) -> list[float]:
         """The advantages `group` is trained on: its own, or with scale_rewards="batch" its centred rewards /
         (std(r_batch) + eps), TRL's, 0 where that std is undefined (known once every group is in: `ready`). With
         β = 0 the learner trains on the centred ones and divides ∇ instead, the same update (grpo.py)."""
@@ -214,19 +211,19 @@ class Learner:
         return (torch.tensor(group.advantages) / self._batch_divisor()).nan_to_num(0.0).tolist()  # (G,)
 
     @property
-    def taken(self) -> dict[int, Group]:
+    def taken(self) -> dict[int, ScoredGroup]:
         """This rank's groups of the iteration by index, each with the advantages it is trained on (`advantages_of`):
         what --log-completions writes, once the iteration is done."""
         return {index: dataclasses.replace(group, advantages=self.advantages_of(group))
                 for index, group in self.arrivals.items()}
 
-    def ready(self) -> Iterator[list[Group]]:
+    def ready(self) -> Iterator[Sequence[ScoredGroup]]:
         """The micro-batches that can train now. First pass: the current mini-batch's waiting groups, in arrival
         order, once they reach `micro_batch_tokens` or nothing more will come soon (their generate calls have
         ended, or the mini-batch is complete). Passes 2..μ: the first pass's micro-batches of the current
         mini-batch, in its order. Call `step` inside the loop as soon as `minibatch_done()`: the next mini-batch
         follows only after it. A mini-batch with nothing left to train whose step is due (none of its groups
-        are this rank's, or the step waited for the whole batch) yields an empty micro-batch, for the step."""
+        are this rank's, or the step waited for the whole batch) yields STEP_DUE, a micro-batch of no group."""
         if self.cfg.scale_rewards == "batch" and self.all_taken():
             self._batch_divisor()  # with ranks a collective: every rank's first of the iteration, before any step
         if self.passes_wait and not self.all_taken():
@@ -234,7 +231,7 @@ class Learner:
         while self.steps_done < self.steps:
             if self._step_due():
                 before = self.steps_done
-                yield []
+                yield STEP_DUE
                 if self.steps_done == before:  # the caller did not step: nothing else can train
                     return
                 continue
@@ -271,9 +268,9 @@ class Learner:
     def _all_arrived(self, block: int) -> bool:
         return self.arrived[block] == self.groups_per_minibatch[block]
 
-    def _calls_done(self, groups: list[Group]) -> bool:
+    def _calls_done(self, groups: list[ScoredGroup]) -> bool:
         """Whether the generate calls that sampled `groups` have sent all their groups (none is coming soon)."""
-        return all(self.chunk_arrivals[g.chunk] == g.chunk[1] for g in groups)  # chunk: (first prompt, prompts)
+        return all(self.call_arrivals[g.call] == g.call[1] for g in groups)  # call: (first prompt, prompts)
 
     def _batch_divisor(self) -> torch.Tensor:
         """std(r_batch) + eps over every rank's rewards, in group order (scale_rewards="batch"), 0-d; computed once,
@@ -286,9 +283,9 @@ class Learner:
             self.divisor = batch_std(rewards) + ADVANTAGE_EPS
         return self.divisor
 
-    def accumulate(self, groups: list[Group]) -> None:
+    def accumulate(self, groups: Sequence[ScoredGroup]) -> None:
         """One forward/backward over a micro-batch of the current mini-batch: ∇ += Σ_g ∇S_g (divided by D
-        at the step). An empty micro-batch (another rank's groups only, or a step due) computes nothing."""
+        at the step). STEP_DUE (the step is due with nothing of this rank's left to train) computes nothing."""
         if not groups:
             return
         self.tri.policy.train()

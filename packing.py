@@ -25,9 +25,8 @@ Deliberate choices and departures:
 1. The structured kernel replaces the model's own only during the forward; backward reuses the
    saved graph. Activation checkpointing re-runs attention in backward, after the switch is undone,
    so it gets the dense mask instead. It saves less than its pair count suggests (CPU kernels skip
-   little of a causal block; docs/benchmarks.md). Tried and dropped: SDPA with a boolean (R, P+R) mask for the responses
-   (slower backward), chunking the prompt into causal pieces (no faster). Responses are padded to
-   the longest in the row; their (R, R) blocks are computed whole.
+   little of a causal block; docs/benchmarks.md). Responses are padded to the longest in the row; their (R, R)
+   blocks are computed whole.
 2. The kernel's softmax is float32 whatever the compute dtype, as SDPA's; it gives padding zeros
    (attention.py departure 2 covers padding under the dense mask).
 3. Attention variants the packed layout cannot express exactly (sliding windows as in Mistral or
@@ -197,10 +196,9 @@ def recomputes_attention(model: torch.nn.Module) -> bool:
 
 # Attention score pairs (forward + backward) that cost as much as one token's per-token work
 # (projections, MLP): least-squares fit of `packing_cost_ratio` to the `python bench.py shared-prompt`
-# grid (6 layers, hidden 256, sdpa, one CPU core; fits of 373 and 432 in two runs, docs/benchmarks.md: 400 between
-# them; the bench prints its own fit). Per-token
-# work grows as hidden^2 and attention per pair as hidden, so bigger models have a larger value:
-# this small-model one errs toward not packing, the safe side.
+# grid (6 layers, hidden 256, sdpa, one CPU core; docs/benchmarks.md; the bench prints its own fit). Per-token work
+# grows as hidden^2 and attention per pair as hidden, so bigger models have a larger value: this small-model one
+# errs toward not packing, the safe side.
 ATTENTION_BREAK_EVEN_LEN = 400
 # Fixed cost of one packed row in the same units: the structured kernel loops over rows in Python (per layer,
 # forward and backward), fitted on the tiny model's toy groups (docs/benchmarks.md).

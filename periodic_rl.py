@@ -6,7 +6,7 @@ Periodic asynchrony (arXiv 2511.18871, Fig. 2), iteration k (`train`, line for l
     ------------------------------------      ------------------------------------------
     publish θ_k -> shared-memory buffer  ->   load θ_k (CPU: its parameters *are* views
     generate(k): send ("generate", k)           of the buffer, so nothing is copied)
-                                              for each chunk of C prompts: one generate call;
+                                              for each generate call of C prompts:
                                                 each group pushed the step its last
                                                 response stops (completion order)
     for each group as it arrives:        <-   ... (generation continues meanwhile)
@@ -33,28 +33,24 @@ function of the sampled tokens alone: the two modes, and any rerun, batch the sa
 so with equal thread counts they are bitwise the same run (tests/method/test_pipeline.py). With μ passes over the
 batch (TRL's num_iterations), passes 2..μ replay the first pass's micro-batches once all groups are in.
 
-The trainer's column is `learner.Learner` (take, accumulate, step); the inference side's is
-`inference.inference_process`; this file is the loop between them. Synchronous mode runs the same
-`rollout.rollout_iteration` in the trainer's process (`inference.SyncRollouts`) and only then trains:
-same seeds, same groups, same gradients, no overlap. What the loop stands on (the tri-model and
-AdamW, a checkpoint's θ_k, the sizes, which threads compute, where sampling runs) is set up in
-launch/setup.py; trainer ranks (`torchrun`) each run this loop for their own generate calls and sum
-∇ at each step (docs/distributed.md).
+The trainer's column is `learner.Learner` (take, accumulate, step), the inference side's a `Rollouts` (publish,
+generate, receive); sync mode runs the same `rollout.rollout_iteration` in this process, then trains
+(`inference.SyncRollouts`). What the loop stands on is set up in launch/setup.py; trainer ranks (`torchrun`)
+each run it for their own generate calls and sum ∇ at each step (docs/distributed.md).
 
 Departures, on purpose:
 1. The held-out evaluation runs on the inference side after the iteration's groups, so it overlaps
    the training tail instead of stalling the trainer (except where the sides take turns on CPU).
 2. θ_final (after the last iteration) is published once more, for the final evaluation only.
-3. Elastic threads on CPU (`tail_threads`): when the cores are split between the two sides, the
-   trainer takes every core once the inference side is done with θ_k (every group in, the evaluation
-   too if due), for the micro-batches left and the step. Which micro-batches train on all cores is
-   fixed by arrival order: a rerun is the same run.
+3. On CPU with the cores split between the sides, the trainer takes every core (`tail_threads`) once the
+   inference side is done with θ_k, for the micro-batches left and the step (fixed by arrival order: a rerun
+   is the same run).
 """
 from __future__ import annotations
 
 import math
 import time
-from typing import Iterator
+from typing import Iterator, Protocol
 
 import torch
 
@@ -62,8 +58,24 @@ from infra.distributed import Ranks, check_same_weights
 from infra.errors import PipelineError
 from infra.timeline import EVALUATE, INFERENCE, Span, Timeline
 from learner import Learner
-from rollout import Evaluation, Group, is_eval_iteration
+from rollout import Evaluation, Message, ScoredGroup, is_eval_iteration
 from weights import OffPolicyError
+
+
+class Rollouts(Protocol):
+    """The inference side as the loop sees it: inference.SyncRollouts (sampling in this process, sync mode),
+    inference.AsyncRollouts (inference processes on this host) and launch.remote.RemoteRollouts (inference ranks)."""
+
+    def publish(self, policy: torch.nn.Module, version: int) -> None:
+        """Make the policy's weights now θ_version, the weights the next `generate` samples with."""
+
+    def generate(self, iteration: int, train_prompts: bool = True) -> None:
+        """Start sampling iteration k's prompts with θ_k (async: returns at once); train_prompts=False: only the
+        held-out evaluation, if due (θ_final's)."""
+
+    def receive(self) -> Iterator[Message]:
+        """Iteration k's messages as they come: its ScoredGroups (in one sampler's call order, each call's in
+        completion order), the generate calls' spans, the evaluation if due, and IterationDone(k) last."""
 
 
 def held_out_reward(evaluation: Evaluation, iteration: int) -> float:
@@ -95,17 +107,17 @@ def iteration_row(iteration: int, evaluation: float | None, learner: Learner, ti
     return row
 
 
-def train(cfg, policy, rollouts, learner: Learner, timeline: Timeline, first: int = 0, held_out: bool = True,
-          tail_threads: int | None = None, in_turns: bool = False, ranks: Ranks = Ranks()) -> Iterator[dict]:
+def train(cfg, policy: torch.nn.Module, rollouts: Rollouts, learner: Learner, timeline: Timeline, first: int = 0,
+          held_out: bool = True, tail_threads: int | None = None, sample_then_train: bool = False,
+          ranks: Ranks = Ranks()) -> Iterator[dict]:
     """Run iterations first..cfg.iterations-1 and yield one metrics dict per iteration, then the final evaluation's.
 
-    `rollouts`: the inference side (inference.AsyncRollouts, launch.remote.RemoteRollouts) or a sampler in this
-    process (inference.SyncRollouts); all have publish, generate, receive. `learner`: the training side, holding
+    `rollouts`: the inference side (`Rollouts`: publish, generate, receive). `learner`: the training side, holding
     the tri-model and AdamW. `first`: the iteration to start at (a resumed run's). `held_out`: whether
     there are held-out prompts to evaluate on. `tail_threads`: the trainer's threads once sampling is done
     (departure 3), or None.
-    `in_turns`: take the inference side's whole iteration before computing (its threads and ours would overlap
-    on too few cores). The last yielded dict has `"final": True` and only the evaluation of θ_final.
+    `sample_then_train`: receive the inference side's whole iteration before training (its threads and ours would
+    oversubscribe too few cores). The last yielded dict has `"final": True` and only the evaluation of θ_final.
     A stop (KeyboardInterrupt) after an iteration's last step still yields that iteration's row, then is raised
     again: launch/setup.py keeps the iterations done in a checkpoint only once their rows are out (one rank only:
     the row's metrics are a collective with ranks). So does a failure there: the last iteration's row is what
@@ -121,20 +133,20 @@ def train(cfg, policy, rollouts, learner: Learner, timeline: Timeline, first: in
         rollouts.publish(policy, iteration)                   # θ_k -> the inference side
         rollouts.generate(iteration)                          # sample k with θ_k (async: returns at once)
         messages = rollouts.receive()                         # groups in completion order, then IterationDone
-        if in_turns:  # the inference side's whole iteration first, then training: each side on every core
+        if sample_then_train:  # the inference side's whole iteration first, then training: each on every core
             messages = list(messages)
         evaluation = None
         try:
             for message in messages:
                 record(timeline, message)
-                if isinstance(message, Group):
+                if isinstance(message, ScoredGroup):
                     learner.take(message)
                 elif isinstance(message, Evaluation):         # held-out reward of θ_k (if due)
                     evaluation, evaluation_pending = held_out_reward(message, iteration), False
                 if tail_threads and learner.all_taken() and not evaluation_pending:
                     torch.set_num_threads(tail_threads)       # sampling is done: every core trains the tail
                 for micro_batch in learner.ready():           # (then passes 2..μ over the stored batch)
-                    learner.accumulate(micro_batch)           # forward, backward: ∇ accumulates
+                    learner.accumulate(micro_batch)           # forward, backward: ∇ accumulates (STEP_DUE: none)
                     if learner.minibatch_done():
                         learner.step()                        # optimizer step, one per mini-batch and pass
             row = iteration_row(iteration, evaluation, learner, timeline, start, first_span)

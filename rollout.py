@@ -7,7 +7,7 @@ One iteration k of rollouts, with the policy weights θ_k:
         as soon as all G responses of a prompt x_j have stopped (inside the call):
             r_i = Σ_k w_k reward_k(x_j, o_ji, answer_j)   the --reward functions, checked (infra/scoring.py)
             A_i = group_advantages(r)             grpo.py
-            send(Group(...))                      -> the trainer, at once
+            send(ScoredGroup(...))                -> the trainer, at once
     every `eval_every` iterations: held-out reward of θ_k
 
 `rollout_iteration` is that loop, handing each message to `send`. Synchronous mode collects them in
@@ -15,7 +15,7 @@ the trainer's own process; asynchronous mode runs the very same function in `inf
 whose `send` writes each message to a pipe. Same code, same seeds, so the same rollouts, in the same
 order.
 
-Calls (`--groups-per-chunk C`; default: chosen by the probe, see --sizes): one call samples C prompts x G
+Calls (`--groups-per-call C`; default: chosen by the probe, see --sizes): one call samples C prompts x G
 responses, and its groups leave in completion order, a prompt's group the step its last response stops,
 while the other rows go on decoding. With long-tailed response lengths the trainer works on the short
 groups while the long ones are still being sampled, without giving up the batched call.
@@ -55,8 +55,10 @@ from infra.tasks import Example, run_prompt_ids
 from infra.timeline import INFERENCE, Span
 
 @dataclass
-class Group:
-    """One prompt's G scored responses, as plain Python data (cheap and safe to pickle)."""
+class ScoredGroup:
+    """One prompt's G sampled responses with their rewards and advantages, tagged with the weights that sampled
+    them: the message the trainer takes (attention.Group is its (prompt, responses) tokens as tensors). Plain Python
+    data, cheap and safe to pickle."""
     iteration: int
     index: int  # prompt position within the iteration
     policy_version: int  # the weights that sampled it (-1: they changed meanwhile); must equal `iteration`
@@ -66,7 +68,7 @@ class Group:
     advantages: list[float]
     start: float = 0.0  # its generate call's start, time.perf_counter() (a system-wide clock on Linux)
     end: float = 0.0  # when its last response stopped
-    chunk: tuple[int, int] = (0, 1)  # (first prompt index, prompts) of the generate call that sampled it
+    call: tuple[int, int] = (0, 1)  # (first prompt index, prompts) of the generate call that sampled it
     rewards_per_function: list[list[float]] = field(default_factory=list)  # [reward k][response i], unweighted
     # (`rewards` is their weighted sum; NaN: a batched reward returned None)
     logged: dict = field(default_factory=dict)  # TRL's log_metric: name -> the values a reward logged scoring it
@@ -167,7 +169,7 @@ def sample_prompts(model, prompts: list[list[int]], num_samples: int, generation
                                 on_done=on_done)
 
 
-def chunks(examples: list[Example], size: int) -> list[tuple[int, list[Example]]]:
+def generate_calls(examples: list[Example], size: int) -> list[tuple[int, list[Example]]]:
     """(first prompt index, prompts) of each generate call: consecutive slices of `size`."""
     return [(first, examples[first:first + size]) for first in range(0, len(examples), size)]
 
@@ -189,17 +191,17 @@ def evaluate(model, tokenizer, examples: list[Example], rewards: Rewards | Rewar
     rewards = as_rewards(rewards)
     generation = sampling_config(cfg, stop_token_ids(model, tokenizer), tokenizer.pad_token_id)
     totals = []
-    for first, chunk in chunks(examples, cfg.groups_per_chunk):
-        prompts = run_prompt_ids(tokenizer, chunk, cfg)
+    for first, call_examples in generate_calls(examples, cfg.groups_per_call):
+        prompts = run_prompt_ids(tokenizer, call_examples, cfg)
         responses = sample_prompts(model, prompts, cfg.eval_samples, generation, cfg, -1, first)
-        for example, samples in zip(chunk, responses):
+        for example, samples in zip(call_examples, responses):
             totals += score_responses(rewards, tokenizer, example, samples, cfg, state)[0]
     scored = [total for total in totals if not math.isnan(total)]
     return sum(scored) / len(scored) if scored else None
 
 
 # --- one iteration, as a stream of messages ---
-Message = Union["Group", "Evaluation", "IterationDone", Span]
+Message = Union["ScoredGroup", "Evaluation", "IterationDone", Span]
 
 
 def rollout_iteration(model, tokenizer, train: list[Example], held_out: list[Example], rewards: Rewards | Reward,
@@ -224,23 +226,23 @@ def rollout_iteration(model, tokenizer, train: list[Example], held_out: list[Exa
     if train_prompts:
         examples = [train[i] for i in iteration_prompts(len(train), cfg.prompts_per_iteration, cfg.seed,
                                                          iteration)]
-        for call, (first, chunk) in enumerate(chunks(examples, cfg.groups_per_chunk)):
+        for call, (first, call_examples) in enumerate(generate_calls(examples, cfg.groups_per_call)):
             if call % share[1] != share[0]:
                 continue  # another sampler's generate call
             start, version = time.perf_counter(), weights_version()
-            prompts = run_prompt_ids(tokenizer, chunk, cfg)
+            prompts = run_prompt_ids(tokenizer, call_examples, cfg)
 
             def score_and_send(offset: int, responses: list[list[int]]) -> None:  # called inside generate
                 logs = RewardLogs()
-                totals, per_function = score_responses(rewards, tokenizer, chunk[offset], responses, cfg, state, logs)
+                totals, per_function = score_responses(rewards, tokenizer, call_examples[offset], responses, cfg, state, logs)
                 advantages = grpo.group_advantages(torch.tensor(totals), cfg.group_size, cfg.scale_rewards)
                 tag = version if weights_version() == version else -1  # -1: the weights changed while it sampled
-                send(Group(iteration, first + offset, tag, prompts[offset], responses, totals, advantages.tolist(),
-                           start, time.perf_counter(), chunk=(first, len(chunk)), rewards_per_function=per_function,
-                           logged=logs.metrics, extra=logs.columns))
+                send(ScoredGroup(iteration, first + offset, tag, prompts[offset], responses, totals,
+                                 advantages.tolist(), start, time.perf_counter(), call=(first, len(call_examples)),
+                                 rewards_per_function=per_function, logged=logs.metrics, extra=logs.columns))
 
             sample_prompts(model, prompts, cfg.group_size, generation, cfg, iteration, first, on_done=score_and_send)
-            last = first + len(chunk) - 1
+            last = first + len(call_examples) - 1
             send(Span(f"generate group {first}" if last == first else f"generate groups {first}-{last}", INFERENCE,
                       start, time.perf_counter()))
     if held_out and share[0] == 0 and is_eval_iteration(iteration, cfg.eval_every, cfg.iterations):

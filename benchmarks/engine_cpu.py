@@ -170,9 +170,9 @@ def main(argv: list[str] | None = None) -> None:
 def split(model, run_engine, run_hf) -> None:
     """Where each side's time goes, from one more (untimed) iteration each."""
     watch = Stopwatch()
-    watch.wrap(engine.Rollouts, "prefill", "engine prefill")
-    watch.wrap(engine.Rollouts, "decode", "engine decode")
-    watch.wrap(engine.Rollouts, "draw", lambda *args, **kwargs: "engine draws")
+    watch.wrap(engine.GenerateCall, "prefill", "engine prefill")
+    watch.wrap(engine.GenerateCall, "decode", "engine decode")
+    watch.wrap(engine.GenerateCall, "draw", lambda *args, **kwargs: "engine draws")
     total = timed(run_engine)
     s = watch.seconds
     print(f"engine split: total {total:.2f} s = prefill {s['engine prefill']:.2f} (draw of the first tokens "

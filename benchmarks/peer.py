@@ -73,11 +73,11 @@ def peer_args(parser: argparse.ArgumentParser) -> None:
 def chosen_sizes(stdout: str) -> str:
     """The sizes a periodic-rl run chose, from its `sizes:` line ('' if none): what to look at when a run is slow.
 
-    >>> chosen_sizes("periodic-rl: sizes: --groups-per-chunk 8 (2 generate call(s) per iteration) "
+    >>> chosen_sizes("periodic-rl: sizes: --groups-per-call 8 (2 generate call(s) per iteration) "
     ...              "--micro-batch-tokens 314 --rollout-threads 1 --train-threads 1 (pass these to fix them)")
     '2 call(s), --micro-batch-tokens 314 --rollout-threads 1 --train-threads 1'
     """
-    found = re.search(r"sizes: --groups-per-chunk \d+ \((\d+) generate call\(s\) per iteration\) (.*) \(pass", stdout)
+    found = re.search(r"sizes: --groups-per-call \d+ \((\d+) generate call\(s\) per iteration\) (.*) \(pass", stdout)
     return f"{found.group(1)} call(s), {found.group(2)}" if found else ""
 
 

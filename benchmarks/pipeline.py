@@ -14,7 +14,7 @@ times T_gen and T_train measured in sync mode, and two bounds:
          (slower spans lower the bound too): "async never slower than sync" judges that. `predicted` is
          the probe's speedup before the run (`sizing.choose`, 1.00x when it takes turns): a check of the
          probe's model, not a target.
-`--chunk-sweep` runs the default workload at several --groups-per-chunk instead: batching vs
+`--call-sweep` runs the default workload at several --groups-per-call instead: batching vs
 streaming. Both modes run at the sizes async's probe picks (`probed_sizes`, probed once per
 workload: the same generate calls and micro-batch, so the two compare at the same sizes); sync
 uses all cores, async the probe's split. Workloads beyond the default vary the balance (long
@@ -54,7 +54,7 @@ ASYNC_WORKLOADS = {  # name -> trainer options on top of the tiny defaults (16 p
     "long responses": ["--max-new-tokens", "24", "--reward", "tests/rewards.py:digit_fraction"],
     "big groups": ["--group-size", "16"],
     "few groups": ["--batch-size", "32"],
-    "chunks of 4": ["--groups-per-chunk", "4"],
+    "calls of 4": ["--groups-per-call", "4"],
     "4 updates/iter": ["--updates-per-iteration", "4"],
 }
 PHASE_KEYS = ("iteration_s", "generate_s", "generate_device_s", "train_s", "idle_inference_s", "idle_training_s",
@@ -78,9 +78,9 @@ def async_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="sync/async run pairs per workload, interleaved")
     parser.add_argument("--trainer-args", default="", metavar="ARGS",
                         help="trainer.py options added to every workload, "
-                             "e.g. \"--groups-per-chunk 8 --rollout-threads 2\"")
-    parser.add_argument("--chunk-sweep", action="store_true",
-                        help="instead: the default workload at 1, 2, 4, 8 and 16 prompts per chunk (no targets)")
+                             "e.g. \"--groups-per-call 8 --rollout-threads 2\"")
+    parser.add_argument("--call-sweep", "--chunk-sweep", action="store_true",
+                        help="instead: the default workload at 1, 2, 4, 8 and 16 prompts per generate call (no targets)")
     tail.add_tail_option(parser)
     parser.add_argument("--split-check", action="store_true",
                         help="instead: the split model's prediction at one inference and one training core group "
@@ -88,19 +88,19 @@ def async_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="FILE", help="write the figures as JSON to FILE")
 
 
-CHUNK_SWEEP = (1, 2, 4, 8, 16)
+CALL_SWEEP = (1, 2, 4, 8, 16)
 
 
-def pipeline_bound(t_gen: float, t_train: float, chunks: int) -> float:
-    """Best speedup of a two-stage pipeline over running the stages back to back, n equal chunks.
+def pipeline_bound(t_gen: float, t_train: float, calls: int) -> float:
+    """Best speedup of a two-stage pipeline over running the stages back to back, n equal generate calls.
 
-    A chunk is what flows through the pipeline: one group, or --groups-per-chunk groups. Per chunk
+    A generate call (--groups-per-call groups) is what flows through the pipeline. Per call
     g = T_gen / n and t = T_train / n. Sync takes n(g + t); the pipeline takes
-    g + t + (n - 1) max(g, t): the first chunk's generation (fill) and the last chunk's training
+    g + t + (n - 1) max(g, t): the first call's generation (fill) and the last call's training
     (drain) overlap nothing. As n grows this tends to (T_gen + T_train) / max(T_gen, T_train).
     """
-    g, t = t_gen / chunks, t_train / chunks
-    return chunks * (g + t) / (g + t + (chunks - 1) * max(g, t))
+    g, t = t_gen / calls, t_train / calls
+    return calls * (g + t) / (g + t + (calls - 1) * max(g, t))
 
 
 def probed_sizes(argv: list[str]) -> tuple[list[str], list[str], float | None]:
@@ -120,7 +120,7 @@ def probed_sizes(argv: list[str]) -> tuple[list[str], list[str], float | None]:
     policy, tokenizer = trainer.load_policy(cfg, load_kwargs)  # the policy only, no inference process
     tri = setup.build_tri_model(cfg, policy, tokenizer.pad_token_id)
     chosen, _, gain = sizing.choose(cfg, tri, tokenizer, train_examples)
-    return (["--groups-per-chunk", str(chosen.groups_per_chunk),
+    return (["--groups-per-call", str(chosen.groups_per_call),
              "--micro-batch-tokens", str(chosen.micro_batch_tokens)],
             ["--rollout-threads", str(chosen.rollout_threads), "--train-threads", str(chosen.train_threads),
              "--tail-threads", str(chosen.tail_threads)], gain)
@@ -154,12 +154,12 @@ def timed_workload(argv: list[str], iterations: int, rounds: int) -> dict:
         return statistics.mean(row[key] for rows in chosen for row in rows)
 
     t_gen, t_train = mean("sync", "generate_s"), mean("sync", "train_s")
-    chunks = parse_args(argv).chunks_per_iteration  # the pipeline's units
+    calls = parse_args(argv).calls_per_iteration  # the pipeline's units
     per_round = [mean("sync", "iteration_s", r) / mean("async", "iteration_s", r) for r in range(rounds)]
     return {"sync_s_per_iter": mean("sync", "iteration_s"), "async_s_per_iter": mean("async", "iteration_s"),
             "speedup": mean("sync", "iteration_s") / mean("async", "iteration_s"), "speedup_per_round": per_round,
             "ideal_speedup": (t_gen + t_train) / max(t_gen, t_train),
-            "pipeline_bound": pipeline_bound(t_gen, t_train, chunks), "chunks_per_iteration": chunks,
+            "pipeline_bound": pipeline_bound(t_gen, t_train, calls), "calls_per_iteration": calls,
             "predicted_speedup": predicted,  # the probe's, before the run: streaming counted, at async's threads
             "bound": mean("sync", "iteration_s") / mean("async", "bound_s"),  # async's own spans (infra/timeline.py)
             "efficiency": mean("async", "bound_s") / mean("async", "iteration_s"),
@@ -175,8 +175,8 @@ def async_speedup(args: argparse.Namespace) -> bool:
     if args.split_check:
         return split_check(args)
     results = {}
-    if args.chunk_sweep:
-        workloads = {f"chunks of {c}": ["--groups-per-chunk", str(c)] for c in CHUNK_SWEEP}
+    if args.call_sweep:
+        workloads = {f"calls of {c}": ["--groups-per-call", str(c)] for c in CALL_SWEEP}
     else:
         workloads = {name: ASYNC_WORKLOADS[name] for name in (["default"] if args.quick else ASYNC_WORKLOADS)}
     print(f"{args.rounds} rounds x (sync run, async run) per workload, {args.iterations} timed iterations each; "
@@ -196,7 +196,7 @@ def async_speedup(args: argparse.Namespace) -> bool:
                   f"{spread:>12s} {row['bound']:5.2f}x {predicted:>9s} {row['ideal_speedup']:5.2f}x "
                   f"{row['sync_generate_s']:6.3f} {row['sync_train_s']:7.3f} "
                   f"{row['async_overlap']:8.0%} {row['auto']:>5s}", flush=True)
-    if args.chunk_sweep:  # a trade-off to read, not a target: one chunk per iteration has nothing to overlap
+    if args.call_sweep:  # a trade-off to read, not a target: one call per iteration has nothing to overlap
         fastest = min(results, key=lambda name: min(results[name]["sync_s_per_iter"],
                                                      results[name]["async_s_per_iter"]))
         print(f"fastest configuration: {fastest}, "
@@ -233,7 +233,7 @@ def split_check(args: argparse.Namespace) -> bool:
     from launch import sizing
     one_each = ["--rollout-threads", "1", "--train-threads", "1", "--tail-threads", "1"]
     argv = [*SPLIT_WORKLOAD, *one_each, *shlex.split(args.trainer_args)]
-    calls = parse_args(argv).chunks_per_iteration
+    calls = parse_args(argv).calls_per_iteration
     print(f"split model at 1 inference + 1 training core group: {calls} generate calls per iteration, {args.rounds} "
           f"rounds x (sync, async), {args.iterations} timed iterations each")
     print(f"{'workload':16s} {'len':>5s} {'T_gen':>6s} {'T_train':>7s} {'predicted':>9s} {'measured':>8s} "
@@ -278,4 +278,4 @@ def split_check(args: argparse.Namespace) -> bool:
     return ok
 
 
-SPLIT_WORKLOAD = ["--groups-per-chunk", "4", "--micro-batch-tokens", "16384"]  # tiny defaults otherwise: 4 calls
+SPLIT_WORKLOAD = ["--groups-per-call", "4", "--micro-batch-tokens", "16384"]  # tiny defaults otherwise: 4 calls

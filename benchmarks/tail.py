@@ -14,7 +14,7 @@ a thousand reaches it. σ = SIGMA is the spread of log length of GSM8K's referen
 in tokens too). Real instruct models answer GSM8K at greater length than its references: the shape, not the
 median, is what the references tell.
 
-The stop is forced where the engine records a drawn token (engine.Rollouts.record, patched here, never in a
+The stop is forced where the engine records a drawn token (engine.GenerateCall.record, patched here, never in a
 training run): at step L the row's token becomes its first stop id, as if the model had stopped. L depends on
 (seed, k, j, i) alone, so sync and async draw the same tails and stay bitwise equal, and a rerun is the same run.
 Models sampled by Hugging Face `generate` (--engine hf) are not cut: the tail is the engine's.
@@ -66,9 +66,9 @@ def is_on() -> bool:
 
 
 def install() -> None:
-    """Patch engine.Rollouts (once) so that, while the tail is on (`is_on` when a call starts), row i of prompt j
+    """Patch engine.GenerateCall (once) so that, while the tail is on (`is_on` when a call starts), row i of prompt j
     stops at tail_length(keys[j], i, M). Off: the engine as it is."""
-    rollouts = engine.Rollouts
+    rollouts = engine.GenerateCall
     if getattr(rollouts, "tail_installed", False):
         return
     original_init, original_record = rollouts.__init__, rollouts.record

@@ -25,7 +25,7 @@ from benchmarks.common import write_json
 from benchmarks.pipeline import time_schedule
 from benchmarks.tail import TAILS
 
-WORKLOAD = ["--groups-per-chunk", "4", "--micro-batch-tokens", "16384"]  # tiny defaults otherwise: 16 prompts x 8
+WORKLOAD = ["--groups-per-call", "4", "--micro-batch-tokens", "16384"]  # tiny defaults otherwise: 16 prompts x 8
 THREADS = ["--rollout-threads", "1", "--train-threads", "1"]  # one per worker, one for the trainer
 
 
@@ -63,7 +63,7 @@ def worker_counts(args: argparse.Namespace) -> dict:
         chosen = runs[n] if round_ is None else [runs[n][round_]]
         return statistics.mean(row[key] for rows in chosen for row in rows)
 
-    calls = parse_args(argv).chunks_per_iteration
+    calls = parse_args(argv).calls_per_iteration
     t_gen, t_train = mean(1, "generate_s"), mean(1, "train_s")
     print(f"model {parse_args(argv).model}, {calls} generate calls per iteration, {args.rounds} interleaved runs "
           f"per N, {args.iterations} timed iterations each; N = 1 phase times: T_gen {t_gen:.3f} s, "

@@ -36,7 +36,7 @@ import torch
 
 from config import Config
 from infra.errors import UserError
-from infra.options import validate
+from infra.options import validate, with_new_names
 from infra.outputs import checkpoints, save_atomically, writing
 from infra.records import absolute_paths, through_moved_link
 
@@ -115,7 +115,7 @@ def read_state(path: Path) -> dict:
     """state.json, with one clear line if it cannot be read."""
     try:
         state = json.loads((path / "state.json").read_text())
-        config = dict(state["config"])
+        config = with_new_names(dict(state["config"]))  # an option's old name (infra/options.RENAMED) as its new
         if isinstance(config.get("reward"), str):  # written before --reward was repeatable: its one reward, weight 1
             config["reward"] = [config["reward"]]
             config.setdefault("reward_weights", [1.0])

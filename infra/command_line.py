@@ -39,7 +39,8 @@ import sys
 from pathlib import Path
 
 from config import SIZE_FIELDS, Config, is_model_name
-from infra.options import BOOL_WORDS, build_parser, closest_name, derive, unknown_option, validate
+from infra.options import (BOOL_WORDS, build_parser, closest_name, derive, unknown_option, validate,
+                           with_new_names)
 from infra.outputs import trained_policy
 from infra.trl_config import (is_fixed_value, number_of_steps, switch_line, switch_taken, trl_batch_options, trl_keys,
                               trl_steps)
@@ -222,7 +223,7 @@ def file_arguments(path: str, skip: set[str] = frozenset(), note=lambda line: No
     if not isinstance(values, dict):
         raise ValueError("must hold a mapping from option names to values, e.g. {\"iterations\": 20}")
     fields = {f.name: f for f in dataclasses.fields(Config)}
-    values = {str(key).replace("-", "_"): value for key, value in values.items()}
+    values = with_new_names({str(key).replace("-", "_"): value for key, value in values.items()})
     # a run record: what derive resolved from an option typed anew is derived again; any file: the weights of its
     # rewards go with them (--reward typed anew replaces the file's list)
     skip = set(skip) | {name for name in rederived if "run_id" in values or name == "reward_weights"}

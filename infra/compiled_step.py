@@ -1,5 +1,5 @@
 """The engine's decode step on a GPU: its decoder layers and draw through torch.compile, the whole step captured as
-CUDA graphs and replayed. The same step as engine.Rollouts.decode, reading and writing the same tensors:
+CUDA graphs and replayed. The same step as engine.GenerateCall.decode, reading and writing the same tensors:
 
     responses = engine.sample_groups(model, prompts, G, max_new_tokens=M, decode_step=compiled_step.decode_step)
 
@@ -30,14 +30,14 @@ COMPILE_FAILED: str | None = None  # why torch.compile failed in this process (c
 RECOMPILE_LIMIT = 32  # compilations of one compiled function before compile_failed (compile_settings)
 
 
-def decode_step(rollouts, compiled: bool = True, graphs: bool | None = None) -> Callable[[int], None]:
+def decode_step(call, compiled: bool = True, graphs: bool | None = None) -> Callable[[int], None]:
     """engine.sample_groups's `decode_step`: the call's step n -> None, its layers and draw through torch.compile
     if `compiled`, captured as CUDA graphs if `graphs` (default: on CUDA)."""
     if compiled:
-        rollouts.decode_layers = compiled_forward(rollouts.decoder)
-        rollouts.decode_draw = compiled_function(rollouts.decode_draw)
-    graphs = rollouts.device.type == "cuda" if graphs is None else graphs
-    return DecodeGraphs(rollouts).decode if graphs else rollouts.decode
+        call.decode_layers = compiled_forward(call.decoder)
+        call.decode_draw = compiled_function(call.decode_draw)
+    graphs = call.device.type == "cuda" if graphs is None else graphs
+    return DecodeGraphs(call).decode if graphs else call.decode
 
 
 # --- torch.compile ---
@@ -126,7 +126,7 @@ def compiled_function(function: Callable) -> Callable:
 
 # --- CUDA graphs ---
 class DecodeGraphs:
-    """CUDA graphs of a call's decode step (`Rollouts.decode`), one per row count, captured the first time it is
+    """CUDA graphs of a call's decode step (`GenerateCall.decode`), one per row count, captured the first time it is
     needed.
 
     Warm-up and capture run with every slot pointing at the stand-in row (always stopped: nothing is
@@ -135,8 +135,8 @@ class DecodeGraphs:
     row. A capture that fails (a model whose forward synchronises with the host, say) is said in one line on
     stderr and the call decodes eagerly from there: the same steps, only slower."""
 
-    def __init__(self, rollouts):
-        self.rollouts, self.step, self.graphs, self.eager = rollouts, rollouts.decode, {}, False
+    def __init__(self, call):
+        self.call, self.step, self.graphs, self.eager = call, call.decode, {}, False
 
     def decode(self, n: int) -> None:
         if not self.eager and n not in self.graphs:
@@ -152,9 +152,9 @@ class DecodeGraphs:
             self.graphs[n].replay()
 
     def capture(self, n: int) -> torch.cuda.CUDAGraph:
-        rollouts = self.rollouts
-        saved = rollouts.slot_rows[:n].clone(), rollouts.last_token[:n].clone(), rollouts.step.clone()
-        rollouts.slot_rows[:n] = rollouts.stand_in
+        call = self.call
+        saved = call.slot_rows[:n].clone(), call.last_token[:n].clone(), call.step.clone()
+        call.slot_rows[:n] = call.stand_in
         try:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -166,7 +166,7 @@ class DecodeGraphs:
             with torch.cuda.graph(graph):
                 self.step(n)
         finally:
-            rollouts.slot_rows[:n].copy_(saved[0])  # in place: the graph reads these addresses
-            rollouts.last_token[:n].copy_(saved[1])
-            rollouts.step.copy_(saved[2])
+            call.slot_rows[:n].copy_(saved[0])  # in place: the graph reads these addresses
+            call.last_token[:n].copy_(saved[1])
+            call.step.copy_(saved[2])
         return graph

@@ -42,7 +42,7 @@ COMPLETIONS = "completions.jsonl"  # in --out
 
 
 def records(iteration: int, groups: dict, tokenizer, reward_names: list[str]) -> list[dict]:
-    """One record per completion of `groups` (group index -> rollout.Group: prompt ids, responses, rewards,
+    """One record per completion of `groups` (group index -> rollout.ScoredGroup: prompt ids, responses, rewards,
     advantages as trained), in index order, then sample order.
 
     Example: a group j=3 of G=2, one reward "math" of weight 1:

@@ -136,14 +136,14 @@ def owner(call: int, ranks: int) -> int:
 def place(cfg, ranks: Ranks, given: set[str]):
     """`cfg` for this rank: its devices (local rank l of L with N inference workers, on an accelerator: trains on
     :l; its workers sample on :L+l·N+w when the node has L·(1+N) devices, else all on :L+l when it has 2L, else on
-    :l too; sync mode on :l), the generate calls (when --groups-per-chunk is not given, at most P // (M·N) prompts
+    :l too; sync mode on :l), the generate calls (when --groups-per-call is not given, at most P // (M·N) prompts
     per call, so that every rank's every worker has a call: the rule's one call per iteration would leave all
     ranks but rank 0 idle), and, off rank 0, no output (no policy, no trace, no checkpoint).
     Devices named by --train-device / --rollout-device, or --device with an index, are kept."""
     if ranks.world == 1:
         return cfg
-    if "groups_per_chunk" not in given and cfg.groups_per_chunk:
-        cfg = dataclasses.replace(cfg, groups_per_chunk=min(cfg.groups_per_chunk,
+    if "groups_per_call" not in given and cfg.groups_per_call:
+        cfg = dataclasses.replace(cfg, groups_per_call=min(cfg.groups_per_call,
                                                             max(1, cfg.prompts_per_iteration // samplers(cfg, ranks))))
     kind = cfg.train_device.split(":")[0]
     if kind != "cpu" and ":" not in cfg.device and ranks.inference:  # one device per rank, of either kind
@@ -177,16 +177,16 @@ def check(cfg, ranks: Ranks) -> None:
         return
     if not cfg.sized and ranks.inference:
         raise RanksError(f"--sizes probe does not work with inference ranks ({ranks.inference}): the probe times a "
-                         "local inference process; give --groups-per-chunk, --micro-batch-tokens, --rollout-threads "
+                         "local inference process; give --groups-per-call, --micro-batch-tokens, --rollout-threads "
                          "and --train-threads, or pass --sizes rule")
-    if cfg.groups_per_chunk is None:  # probed by rank 0 (`share_sizes`), then checked again
+    if cfg.groups_per_call is None:  # probed by rank 0 (`share_sizes`), then checked again
         return
     needed = samplers(cfg, ranks)
-    if cfg.chunks_per_iteration < needed:
+    if cfg.calls_per_iteration < needed:
         who = (f"{ranks.size} trainer ranks and {ranks.inference} inference ranks (each needs calls)" if ranks.inference
                else f"{ranks.size} ranks x {cfg.inference_workers} inference workers that sample them")
-        raise RanksError(f"--groups-per-chunk {cfg.groups_per_chunk} makes {cfg.chunks_per_iteration} generate calls "
-                         f"per iteration, fewer than the {who} (some would sit idle): give --groups-per-chunk "
+        raise RanksError(f"--groups-per-call {cfg.groups_per_call} makes {cfg.calls_per_iteration} generate calls "
+                         f"per iteration, fewer than the {who} (some would sit idle): give --groups-per-call "
                          f"{max(1, cfg.prompts_per_iteration // needed)} or less")
 
 

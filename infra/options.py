@@ -125,13 +125,12 @@ def derive(cfg: Config) -> Config:
         calls, probed_calls = max(calls, cfg.inference_workers), False
     else:
         probed_calls = probed
-    groups_per_chunk = cfg.groups_per_chunk or (None if probed_calls else math.ceil(cfg.prompts_per_iteration / calls))
-    chunks = math.ceil(cfg.prompts_per_iteration / (groups_per_chunk or 1))  # generate calls per iteration
-    # Sync mode runs one side at a time: all cores. So does async when an iteration is a single chunk
-    # (nothing to overlap: the two sides take turns); otherwise they run at once and split the cores,
-    # since oversubscribed cores slow both (2 + 2 threads on 2 cores, 2 chunks: async 0.72x of sync, against
-    # 1.0x split; `bench.py async --quick --trainer-args "--groups-per-chunk 8 --rollout-threads 2 --train-threads 2"`).
-    take_turns = cfg.mode == "sync" or chunks == 1
+    groups_per_call = cfg.groups_per_call or (None if probed_calls else math.ceil(cfg.prompts_per_iteration / calls))
+    generate_calls = math.ceil(cfg.prompts_per_iteration / (groups_per_call or 1))  # per iteration
+    # Sync mode runs one side at a time: all cores. So does async when an iteration is a single generate call
+    # (nothing to overlap: the two sides take turns); otherwise they run at once and split the cores, since
+    # oversubscribed cores slow both (docs/benchmarks.md, "Generate calls: batching against streaming").
+    take_turns = cfg.mode == "sync" or generate_calls == 1
     rollout_threads = cfg.rollout_threads or (None if probed else cores if take_turns else max(1, cores // 2))
     train_threads = cfg.train_threads or (None if probed else cores if take_turns else max(1, cores - rollout_threads))
     if cfg.mode == "sync" and probed:  # one side at a time: all cores; the probe chooses calls and micro-batch
@@ -146,7 +145,7 @@ def derive(cfg: Config) -> Config:
         reward_weights=cfg.reward_weights or [1.0] * len(cfg.reward),
         report_to=installed_trackers() if cfg.report_to == ["all"] else cfg.report_to,
         top_k=max(cfg.top_k, 0),  # -1: vLLM's off, which TRL passes on; 0 here
-        groups_per_chunk=groups_per_chunk,
+        groups_per_call=groups_per_call,
         micro_batch_tokens=cfg.micro_batch_tokens or (None if probed else MICRO_BATCH_TOKENS),
         pad_to_multiple_of=cfg.pad_to_multiple_of or (PAD_MULTIPLE_ACCELERATOR if on_accelerator
                                                       or not train_device.startswith("cpu") else 1),
@@ -259,8 +258,8 @@ def validate(cfg: Config) -> list[str]:
     if guess := misspelt_model(cfg.model):
         problems.append(f"--model {cfg.model}: not a folder, nor a name this trainer knows: did you mean {guess}? (a "
                         "hub id is org/name, e.g. Qwen/Qwen2.5-0.5B-Instruct)")
-    need(cfg.groups_per_chunk is None or cfg.groups_per_chunk >= 1,
-         f"--groups-per-chunk must be at least 1 (got {cfg.groups_per_chunk})")
+    need(cfg.groups_per_call is None or cfg.groups_per_call >= 1,
+         f"--groups-per-call must be at least 1 (got {cfg.groups_per_call})")
     need(cfg.micro_batch_tokens is None or cfg.micro_batch_tokens >= 1,
          f"--micro-batch-tokens must be at least 1 (got {cfg.micro_batch_tokens})")
     if cfg.chat_template_kwargs is not None:
@@ -332,12 +331,12 @@ def validate(cfg: Config) -> list[str]:
         need(listed in (1, cfg.inference_workers),
              f"--rollout-device lists {listed} devices for {cfg.inference_workers} --inference-workers: give one "
              "device for all of them or one per worker")
-    if cfg.groups_per_chunk and cfg.groups_per_chunk >= 1 and whole_prompts and cfg.inference_workers >= 1:
-        calls = math.ceil(cfg.prompts_per_iteration / cfg.groups_per_chunk)
+    if cfg.groups_per_call and cfg.groups_per_call >= 1 and whole_prompts and cfg.inference_workers >= 1:
+        calls = math.ceil(cfg.prompts_per_iteration / cfg.groups_per_call)
         need(calls >= cfg.inference_workers,
              f"--inference-workers {cfg.inference_workers} needs at least as many generate calls per iteration, but "
-             f"--groups-per-chunk {cfg.groups_per_chunk} makes {calls} of the {cfg.prompts_per_iteration} prompts: "
-             "lower --groups-per-chunk")
+             f"--groups-per-call {cfg.groups_per_call} makes {calls} of the {cfg.prompts_per_iteration} prompts: "
+             "lower --groups-per-call")
     need(cfg.inference_ranks >= 0, f"--inference-ranks must be >= 0 (got {cfg.inference_ranks})")
     need(cfg.inference_ranks == 0 or cfg.mode != "sync" and cfg.inference_workers == 1,
          "--inference-ranks samples on ranks of their own: it needs --mode async (or auto) and one "
@@ -484,9 +483,25 @@ def _argument_type(annotation: str):
     return names[part[5:-1] if is_list else part], is_list
 
 
+# Options renamed to say what they are: the old name, typed or as a key of a --config file, a config.json or a
+# checkpoint's state.json, is read as the new one (and not listed in --help)
+RENAMED = {"groups_per_chunk": "groups_per_call"}
+
+
+def with_new_names(values: dict) -> dict:
+    """`values` (option name -> value) with each old name (RENAMED) as its new one; the new one wins if both are there.
+
+    >>> with_new_names({"groups_per_chunk": 4, "lr": 0.1})
+    {'groups_per_call': 4, 'lr': 0.1}
+    """
+    return {RENAMED.get(key, key): value for key, value in values.items()
+            if not (key in RENAMED and RENAMED[key] in values)}
+
+
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """--help with each default once: appended only where the help line does not already state it; an option's
-    TRL name (TRL_ALIASES) is said in its help line, not listed beside it; the epilog as written."""
+    TRL name (TRL_ALIASES) is said in its help line, not listed beside it, an old name (RENAMED) not at all; the
+    epilog as written."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         if "default" in (action.help or "") or action.default in (None, argparse.SUPPRESS):
@@ -497,7 +512,7 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
         return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
     def _format_action_invocation(self, action: argparse.Action) -> str:
-        aliases = {"--" + prefix + trl.replace("_", "-") for trl in TRL_ALIASES for prefix in ("", "no-")}
+        aliases = {"--" + prefix + name.replace("_", "-") for name in [*TRL_ALIASES, *RENAMED] for prefix in ("", "no-")}
         shown = [string for string in action.option_strings if string not in aliases]
         if isinstance(action, _Switch):  # as BooleanOptionalAction shows itself: --name, --no-name
             return ", ".join(shown)
@@ -517,7 +532,8 @@ def build_parser(prog: str = "trainer.py", defaults: bool = True) -> argparse.Ar
     for f in dataclasses.fields(Config):
         if f.name in starts:
             group = parser.add_argument_group(starts[f.name])
-        flags = ["--" + f.name.replace("_", "-")] + ([trl_names[f.name]] if f.name in trl_names else [])
+        flags = ["--" + f.name.replace("_", "-")] + ([trl_names[f.name]] if f.name in trl_names else []) + [
+            "--" + old.replace("_", "-") for old, new in RENAMED.items() if new == f.name]
         kind, is_list = _argument_type(f.type)
         default = f.default if defaults else argparse.SUPPRESS
         help = f.metadata["help"] + (f" (TRL: {trl_names[f.name]})" if f.name in trl_names else "")

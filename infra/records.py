@@ -31,6 +31,7 @@ from pathlib import Path
 
 from config import Config, is_model_name
 from infra import outputs
+from infra.options import with_new_names
 
 RECORD = "config.json"
 
@@ -111,7 +112,8 @@ def finished(cfg: Config, given: set[str], typed_model: str | None = None) -> st
         return None
     rows = outputs.read_metrics(out / "metrics.jsonl") if outputs.is_metrics(out / "metrics.jsonl") else []
     final = next((row for row in reversed(rows) if isinstance(row, dict) and row.get("final")), None)
-    record = json.loads((out / "config.json").read_text()) if outputs.is_record(out / "config.json") else None
+    record = with_new_names(json.loads((out / "config.json").read_text())) if outputs.is_record(
+        out / "config.json") else None
     if final is None or record is None:
         return None
     recorded = absolute_paths(cfg)  # as config.json writes them: paths absolute, ~ expanded, rewards' files too

@@ -42,6 +42,7 @@ import queue
 import threading
 import time
 import traceback
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -53,7 +54,7 @@ from infra.liveness import RanksError, check_neighbours, interruptibly
 from infra.processes import POLL_SECONDS
 from infra.reward import RewardError
 from infra.timeline import INFERENCE, TRAINING, Span, Timeline
-from rollout import Evaluation, Group, IterationDone, rollout_iteration
+from rollout import Evaluation, IterationDone, Message, ScoredGroup, rollout_iteration
 from weights import published, views_of
 
 GENERATE, EVALUATE, STOP = 0, 1, 2  # the header's command
@@ -77,7 +78,7 @@ def alias(model: torch.nn.Module, flat: torch.Tensor) -> None:
         p.data = view
 
 
-def destination(message, ranks: Ranks, groups_per_chunk: int) -> list[int]:
+def destination(message, ranks: Ranks, groups_per_call: int) -> list[int]:
     """The trainer ranks a message goes to: a group to the owner of its generate call; IterationDone to every
     trainer rank (each counts one per inference rank); a span or an evaluation to rank 0, which logs.
 
@@ -85,14 +86,14 @@ def destination(message, ranks: Ranks, groups_per_chunk: int) -> list[int]:
     >>> destination(IterationDone(0), ranks, 2), destination(Span("x", "inference", 0, 1), ranks, 2)
     ([0, 1], [0])
     """
-    if isinstance(message, Group):
-        return [owner(message.chunk[0] // groups_per_chunk, ranks.size)]
+    if isinstance(message, ScoredGroup):
+        return [owner(message.call[0] // groups_per_call, ranks.size)]
     return list(range(ranks.size)) if isinstance(message, IterationDone) else [0]
 
 
 def shifted(message, offset: float):
     """The message with its times (start, end) moved by `offset` seconds onto trainer rank 0's clock."""
-    if isinstance(message, (Group, Evaluation, Span)):
+    if isinstance(message, (ScoredGroup, Evaluation, Span)):
         return dataclasses.replace(message, start=message.start + offset, end=message.end + offset)
     return message
 
@@ -116,8 +117,9 @@ def recv_object(group) -> tuple[object, int]:
 
 # --- the trainer ranks' side (periodic_rl.train sees AsyncRollouts' methods) ---
 class RemoteRollouts:
-    """The K inference ranks as a trainer rank sees them. Rank 0 broadcasts θ_k and the command; every trainer
-    rank receives its own groups. Use it as a `with` block: leaving it tells the inference ranks to stop."""
+    """The K inference ranks as a trainer rank sees them (periodic_rl.Rollouts). Rank 0 broadcasts θ_k and the
+    command; every trainer rank receives its own groups. Use it as a `with` block: leaving it tells the inference
+    ranks to stop."""
 
     def __init__(self, ranks: Ranks, dtype: torch.dtype, timeline: Timeline | None = None):
         self.ranks, self.dtype = ranks, dtype
@@ -131,10 +133,14 @@ class RemoteRollouts:
     def wait_until_loaded(self) -> None:
         pass
 
+    def check_alive(self) -> None:
+        """A RanksError if an inference rank of this host has ended (the size probe asks between its calls)."""
+        check_neighbours("sizing", set(range(self.ranks.size, self.ranks.world)))
+
     def attach(self, policy, cfg, threads: int) -> None:
         """The sizes (the calls this rank owns) and, on rank 0, θ's flat tensor. `threads`: each inference rank's own
         --rollout-threads (its options are the same)."""
-        self.calls = owned_calls(cfg.prompts_per_iteration, cfg.groups_per_chunk, self.ranks.share)
+        self.calls = owned_calls(cfg.prompts_per_iteration, cfg.groups_per_call, self.ranks.share)
         if self.ranks.is_main:
             self.flat = flat_like(policy, self.dtype, next(policy.parameters()).device)
 
@@ -160,7 +166,7 @@ class RemoteRollouts:
         with collective("the command to the inference ranks", self.ranks):
             dist.broadcast(header, src=0, group=GROUPS["commands"])
 
-    def receive(self):
+    def receive(self) -> Iterator[Message]:
         """The iteration's messages as they arrive, groups in call order (`in_call_order`), up to IterationDone."""
         yield from in_call_order(self._messages(), self.calls, self.ranks.inference)
 
@@ -297,7 +303,7 @@ def serve(cfg, ranks: Ranks, train: list, held_out: list, rewards, load_kwargs: 
             loaded = Span(f"load θ_{iteration}", INFERENCE, start, time.perf_counter())
 
             def send(message) -> None:
-                sender.put(("message", shifted(message, offset)), destination(message, ranks, cfg.groups_per_chunk))
+                sender.put(("message", shifted(message, offset)), destination(message, ranks, cfg.groups_per_call))
             send(loaded)
             rollout_iteration(model, tokenizer, train, held_out, rewards, cfg, iteration, lambda: iteration, send,
                               train_prompts=command == GENERATE, share=share)

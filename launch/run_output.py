@@ -244,4 +244,4 @@ def device_split(cfg: Config, phases: list[tuple[float, float]], ranks=None) -> 
     ranks = ranks or Ranks()
     inference = ranks.inference or cfg.inference_workers * ranks.size  # inference ranks, or the workers of each
     return sizing.split_report(generate_s, train_s, inference, ranks.size,
-                               cfg.chunks_per_iteration if cfg.groups_per_chunk else 1)
+                               cfg.calls_per_iteration if cfg.groups_per_call else 1)

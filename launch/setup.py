@@ -205,7 +205,7 @@ def train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs
     if on_sized is not None:
         on_sized(cfg)
     rows = periodic_rl.train(cfg, policy, rollouts, learner, learner.timeline, training.first, bool(held_out),
-                             elastic_threads(cfg, ranks), in_turns(cfg, ranks), ranks)
+                             elastic_threads(cfg, ranks), sample_then_train(cfg, ranks), ranks)
     return checkpointed(rows, cfg, training, learner, tokenizer, len(train_examples), ranks, on_completions)
 
 
@@ -253,7 +253,7 @@ def sampling_side(cfg, training: Training, policy, tokenizer, train_examples, he
         rollouts.wait_until_loaded()  # the probe times this machine's cores, not the inference side's loading
     cfg, probed = sizing.choose_for_ranks(cfg, training.tri, tokenizer, train_examples, ranks,
                                           rollouts.check_alive if rollouts is not None else lambda: None)
-    print(f"periodic-rl: sizes: --groups-per-chunk {cfg.groups_per_chunk} ({cfg.chunks_per_iteration} generate "
+    print(f"periodic-rl: sizes: --groups-per-call {cfg.groups_per_call} ({cfg.calls_per_iteration} generate "
           f"call(s) per iteration) --micro-batch-tokens {cfg.micro_batch_tokens} --rollout-threads "
           f"{cfg.rollout_threads} --train-threads {cfg.train_threads} --tail-threads {cfg.tail_threads} (pass these "
           f"to fix them)"
@@ -281,7 +281,7 @@ def sampling_side(cfg, training: Training, policy, tokenizer, train_examples, he
     return cfg, rollouts, learner
 
 
-def in_turns(cfg, ranks: Ranks = Ranks()) -> bool:
+def sample_then_train(cfg, ranks: Ranks = Ranks()) -> bool:
     """Whether the trainer takes the inference side's whole iteration before computing (N workers; inference
     ranks are hosts of their own)."""
     return cfg.mode == "async" and takes_turns(cfg) and not ranks.inference

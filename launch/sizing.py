@@ -14,7 +14,7 @@ half of it, a quarter, ..., one prompt, as the inference side would (calls of k 
 the other, seeded alike), recording when each group stops, in PASSES passes (biggest calls first,
 then smallest first) of which each size keeps its fastest (`fastest`: noise on a shared machine only
 adds time); each finished group is handed over as the sampler hands it over, inside `generate` (decoded,
-its advantages, a Group message pickled for the queue in async mode: `hand_over_work`), the reward call
+its advantages, a ScoredGroup message pickled for the queue in async mode: `hand_over_work`), the reward call
 aside. And it times the learner's own forward/backward (`learner.forward_backward`: the tri-model, the
 GRPO loss, its backward) of one group and of all groups:
 
@@ -98,10 +98,10 @@ class Probe:
         return max(self.tokens)  # the whole iteration in one call is always a candidate
 
 
-def candidate_chunks(prompts: int) -> list[int]:
+def candidate_calls(prompts: int) -> list[int]:
     """Prompts per call worth probing: the whole iteration, then halves (16 -> 16, 8, 4, 2, 1).
 
-    >>> candidate_chunks(16), candidate_chunks(6)
+    >>> candidate_calls(16), candidate_calls(6)
     ([16, 8, 4, 2, 1], [6, 3, 2, 1])
     """
     sizes = [prompts]
@@ -191,19 +191,19 @@ def sample_timeline(model, prompts, group_size, generation, cfg, size, hand_over
 def hand_over_work(cfg, tokenizer, prompts, alive=lambda: None):
     """What a group costs the sampler between its last token and the trainer, the reward call aside (the trainer
     process may not hold the rewards, and a probe must not spend an API judge's calls): decoding its G responses,
-    its advantages, a Group message; async mode also pickles it and the trainer unpickles it (the queue). And
+    its advantages, a ScoredGroup message; async mode also pickles it and the trainer unpickles it (the queue). And
     `alive()`, which raises if the inference side died meanwhile (a probe can take minutes)."""
     import pickle
 
     import grpo
-    from rollout import Group
+    from rollout import ScoredGroup
 
     def hand_over(index: int, responses: list[list[int]]) -> None:
         alive()
         tokenizer.batch_decode(responses, skip_special_tokens=True)
         zeros = [0.0] * len(responses)
         advantages = grpo.group_advantages(torch.tensor(zeros), cfg.group_size, cfg.scale_rewards).tolist()
-        group = Group(0, index, 0, prompts[index], responses, zeros, advantages, chunk=(0, len(prompts)),
+        group = ScoredGroup(0, index, 0, prompts[index], responses, zeros, advantages, call=(0, len(prompts)),
                       rewards_per_function=[zeros])
         if cfg.mode == "async":
             pickle.loads(pickle.dumps(group))
@@ -238,7 +238,7 @@ def probe(cfg, tri, tokenizer, train_examples, threads: int, probes: int = 1, al
             hand_over = hand_over_work(cfg, tokenizer, prompts, alive)
             sample_timeline(policy, prompts[:1], cfg.group_size, generation, cfg, 1, hand_over)  # warm-up
             runs, tokens, widths, responses = {}, {}, {}, None  # runs: size -> [(seconds, timeline)], one per pass
-            order = sorted(set(candidate_chunks(len(prompts))) | {min(cfg.groups_per_chunk or 1, len(prompts))},
+            order = sorted(set(candidate_calls(len(prompts))) | {min(cfg.groups_per_call or 1, len(prompts))},
                            reverse=True)
             for turn in range(PASSES):  # biggest calls first, then smallest first, ...
                 for size in order if turn % 2 == 0 else order[::-1]:
@@ -314,7 +314,7 @@ def choose(cfg, tri, tokenizer, train_examples, cores: int | None = None, min_ca
           flush=True)  # then silent
     started, cores, prompts = time.perf_counter(), cores or available_cores(), cfg.prompts_per_iteration
     cap = cfg.micro_batch_tokens or MICRO_BATCH_TOKENS
-    given = math.ceil(prompts / cfg.groups_per_chunk) if cfg.groups_per_chunk else None
+    given = math.ceil(prompts / cfg.groups_per_call) if cfg.groups_per_call else None
     split_open = cfg.mode == "async" and cores > 1 and not (cfg.rollout_threads or cfg.train_threads)
     elastic = split_open and cfg.inference_workers == 1 and cfg.tail_threads in (None, cores)
     tail = None  # the training tail's costs when the trainer takes every core once sampling is done
@@ -352,7 +352,7 @@ def choose(cfg, tri, tokenizer, train_examples, cores: int | None = None, min_ca
         max(1, min(cores - 1, round(cores * gen_s / (gen_s + train_s)))) if overlaps else cores)
     train_threads = cfg.train_threads or (max(1, cores - rollout_threads) if overlaps else cores)
     chosen = dataclasses.replace(
-        cfg, groups_per_chunk=cfg.groups_per_chunk or math.ceil(prompts / calls),
+        cfg, groups_per_call=cfg.groups_per_call or math.ceil(prompts / calls),
         micro_batch_tokens=micro_tokens, rollout_threads=rollout_threads, train_threads=train_threads,
         tail_threads=cfg.tail_threads or (cores if overlaps and elastic else train_threads))
     d, c = result.train_seconds
@@ -370,11 +370,11 @@ def rule_sizes(cfg, cores: int, min_calls: int):
     calls per iteration (at least `min_calls`), the default micro-batch cap, the cores split in half when the sides
     overlap (all of them each when they take turns: sync, or a single call)."""
     prompts = cfg.prompts_per_iteration
-    per_call = cfg.groups_per_chunk or math.ceil(prompts / max(GENERATE_CALLS["cpu"], min_calls))
+    per_call = cfg.groups_per_call or math.ceil(prompts / max(GENERATE_CALLS["cpu"], min_calls))
     take_turns = cfg.mode == "sync" or math.ceil(prompts / per_call) == 1
     rollout = cfg.rollout_threads or (cores if take_turns else max(1, cores // 2))
     train = cfg.train_threads or (cores if take_turns else max(1, cores - rollout))
-    return dataclasses.replace(cfg, groups_per_chunk=per_call, micro_batch_tokens=cfg.micro_batch_tokens or
+    return dataclasses.replace(cfg, groups_per_call=per_call, micro_batch_tokens=cfg.micro_batch_tokens or
                                MICRO_BATCH_TOKENS, rollout_threads=rollout, train_threads=train,
                                tail_threads=cfg.tail_threads or train)
 
@@ -418,8 +418,8 @@ def split_seconds(generate_s: float, train_s: float, calls: int, inference: int 
     generate calls; data-parallel training), and the sides overlap as a two-stage pipeline over rounds of
     `inference` calls sampled side by side. A round samples in a = T_gen / calls (one call's time) and trains in
     b = inference · T_train / (calls · training); R = ceil(calls / inference) rounds take
-    a + b + (R - 1) · max(a, b): the first round's sampling (fill) and the last one's training (drain) overlap nothing. Streaming by completion
-    inside a call is not counted (it only shortens the fill and the drain).
+    a + b + (R - 1) · max(a, b): the first round's sampling (fill) and the last one's training (drain) overlap
+    nothing. Streaming by completion inside a call is not counted (it only shortens the fill and the drain).
 
     >>> split_seconds(4.0, 1.0, calls=4), split_seconds(4.0, 1.0, calls=4, inference=2)
     (4.25, 2.5)

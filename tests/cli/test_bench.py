@@ -62,8 +62,8 @@ def test_async_workload_reports_the_promised_figures(tiny_model_dir):
         assert row[key] > 0, key
     assert row["speedup"] == pytest.approx(row["sync_s_per_iter"] / row["async_s_per_iter"])
     assert row["speedup_per_round"] == [pytest.approx(row["speedup"])]
-    assert row["sizes"].startswith(f"--groups-per-chunk {2 // row['chunks_per_iteration']} --micro-batch-tokens ")
-    assert row["chunks_per_iteration"] in (1, 2) and row["pipeline_bound"] <= row["ideal_speedup"]
+    assert row["sizes"].startswith(f"--groups-per-call {2 // row['calls_per_iteration']} --micro-batch-tokens ")
+    assert row["calls_per_iteration"] in (1, 2) and row["pipeline_bound"] <= row["ideal_speedup"]
     assert row["predicted_speedup"] > 0  # the probe ran
     # the bound: from async's own spans, which a perfect pipeline could at best reach (never faster than it ran)
     assert 0 < row["efficiency"] <= 1 and row["bound"] == pytest.approx(row["speedup"] / row["efficiency"])
@@ -180,7 +180,7 @@ def test_train_step_layouts_compute_the_same_step(lengths):
 def test_engine_cpu_benchmark_runs_and_splits_the_time(tmp_path, capsys):
     """Claim (benchmarks/engine_cpu.py, the CPU target's command): it times the engine against `generate` and splits
     each side's time, at a small size, so that a change in the engine's methods cannot break it unnoticed (one did:
-    Rollouts.draw took a new keyword and the split's stand-in refused it). Timings are not asserted, only that each
+    GenerateCall.draw took a new keyword and the split's stand-in refused it). Timings are not asserted, only that each
     figure was printed."""
     import json
 

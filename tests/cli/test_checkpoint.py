@@ -26,7 +26,7 @@ from infra.command_line import given_options, parse_args
 ROOT = Path(__file__).resolve().parents[2]
 # Sizes fixed, so that the probe's timing cannot pick other ones for the two runs compared.
 RUN = ["--data", "arithmetic", "--iterations", "4", "--batch-size", "16", "--group-size", "4", "--max-new-tokens", "4",
-       "--eval-every", "2", "--eval-size", "4", "--groups-per-chunk", "2", "--micro-batch-tokens", "64",
+       "--eval-every", "2", "--eval-size", "4", "--groups-per-call", "2", "--micro-batch-tokens", "64",
        "--rollout-threads", "1", "--train-threads", "1"]
 TIMINGS = ("_s", "overlap", "tokens_per_s")  # what differs between two runs of the same computation
 
@@ -112,14 +112,14 @@ def test_resume_refuses_options_that_change_the_run(tiny_model_dir):
                         "--lr-scheduler-type", "constant"])
     state = {"iterations_done": 2, "config": dataclasses.asdict(saved), "reference_fingerprint": "x"}
     for argv, option in ((["--seed", "4"], "--seed"), (["--lr", "0.02"], "--lr"), (["--group-size", "8"], "--group-size"),
-                         (["--groups-per-chunk", "4"], "--groups-per-chunk"),
+                         (["--groups-per-call", "4"], "--groups-per-call"),
                          (["--eval-size", "8"], "--eval-size")):  # data without a test split: fewer training rows
         with pytest.raises(checkpoint.CheckpointError, match=f"^{option} .* differs from the checkpoint's"):
             checkpoint.resumed_config(parse_args(argv), given_options(argv), state)
     argv = ["--seed", "3", "--iterations", "9", "--out", "elsewhere", "--train-threads", "2", "--mode", "sync"]
     cfg = checkpoint.resumed_config(parse_args(argv), given_options(argv), state)
     assert cfg.mode == "sync" != saved.mode
-    assert (cfg.seed, cfg.lr, cfg.model, cfg.batch_size, cfg.groups_per_chunk) == (3, 0.01, str(tiny_model_dir), 16, 2)
+    assert (cfg.seed, cfg.lr, cfg.model, cfg.batch_size, cfg.groups_per_call) == (3, 0.01, str(tiny_model_dir), 16, 2)
     assert (cfg.iterations, cfg.eval_every, cfg.out, cfg.train_threads, cfg.rollout_threads) == (9, 2, "elsewhere", 2, 1)
     assert cfg.tail_threads == 2  # the probe's elastic tail is the saved run's too (setup.elastic_threads)
     argv = ["--eval-every", "0"]  # a run that evaluated held its prompts out: it still does, only it evaluates none
@@ -165,6 +165,17 @@ def test_a_checkpoint_from_before_tail_threads_resumes_without_a_switch(tiny_mod
     state = checkpoint.read_state(tmp_path)
     cfg = checkpoint.resumed_config(parse_args([]), set(), state)
     assert cfg.tail_threads == cfg.train_threads == 1 and cfg.sized
+
+
+def test_a_checkpoint_naming_an_option_by_its_old_name_resumes_with_it(tiny_model_dir, tmp_path):
+    """Claim: a checkpoint whose config names --groups-per-call by its old name (groups_per_chunk) resumes with that
+    value, every size fixed (no probe)."""
+    saved = dataclasses.asdict(parse_args(["--model", str(tiny_model_dir), *RUN]))
+    saved["groups_per_chunk"] = saved.pop("groups_per_call")
+    (tmp_path / "state.json").write_text(json.dumps({"iterations_done": 2, "config": saved,
+                                                     "reference_fingerprint": "x"}))
+    cfg = checkpoint.resumed_config(parse_args([]), set(), checkpoint.read_state(tmp_path))
+    assert cfg.groups_per_call == saved["groups_per_chunk"] == 2 and cfg.sized
 
 
 def test_checkpoints_are_atomic_pruned_and_checked(tiny_model_dir, tmp_path, monkeypatch):
@@ -312,7 +323,7 @@ runpy.run_path("trainer.py", run_name="__main__")
 """
 # Async (the inference process streams the groups), one step per iteration, no evaluation at iteration 2.
 ASYNC_RUN = ["--data", "arithmetic", "--iterations", "6", "--batch-size", "16", "--group-size", "4", "--max-new-tokens",
-             "4", "--eval-every", "4", "--eval-size", "4", "--groups-per-chunk", "2", "--micro-batch-tokens", "64",
+             "4", "--eval-every", "4", "--eval-size", "4", "--groups-per-call", "2", "--micro-batch-tokens", "64",
              "--rollout-threads", "1", "--train-threads", "1", "--log-completions"]
 
 
@@ -494,7 +505,7 @@ def test_the_preemptible_recipe_survives_a_kill_before_the_first_checkpoint(tiny
 
 # --- resuming: nothing lost, nothing mixed ---
 FINISHED = ["--data", "arithmetic", "--iterations", "2", "--batch-size", "16", "--group-size", "4", "--max-new-tokens",
-            "4", "--eval-every", "1", "--eval-size", "4", "--eval-samples", "2", "--groups-per-chunk", "2",
+            "4", "--eval-every", "1", "--eval-size", "4", "--eval-samples", "2", "--groups-per-call", "2",
             "--micro-batch-tokens", "64", "--rollout-threads", "1", "--train-threads", "1", "--mode", "sync",
             "--lr-scheduler-type", "constant"]  # (at a constant rate a resume may give another --iterations)
 

@@ -242,7 +242,7 @@ def test_two_ranks_write_every_ranks_completions_once(tiny_model_dir, tmp_path):
     """Claim: under torchrun with 2 trainer ranks, rank 0 writes every rank's completions (each rank
     samples and trains only its own generate calls), the same lines as the single process's run (rollouts are
     equal exactly: tests/method/test_distributed.py), and no other rank writes."""
-    extra = ["--groups-per-chunk", "1", "--batch-size", "20", "--rollout-threads", "1", "--train-threads", "1",
+    extra = ["--groups-per-call", "1", "--batch-size", "20", "--rollout-threads", "1", "--train-threads", "1",
              "--micro-batch-tokens", "60", "--num-completions-to-print", "0"]
     single, ranks = tmp_path / "single", tmp_path / "ranks"
     train(tiny_model_dir, single, *extra)

@@ -123,14 +123,14 @@ def test_defaults_are_valid_and_derived():
 
 
 def test_thread_split(monkeypatch):
-    """Claim (--sizes rule): async splits the cores between the two processes, except when an iteration is one chunk
+    """Claim (--sizes rule): async splits the cores between the two processes, except when an iteration is one generate call
     (the sides then take turns, so each gets all cores); sync uses all of them; explicit counts win."""
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
     split = derive(Config(mode="async", sizes="rule"))
     assert (split.rollout_threads, split.train_threads) == (4, 4)
-    turns = derive(Config(mode="async", batch_size=64, group_size=8, groups_per_chunk=8, sizes="rule"))
-    assert turns.chunks_per_iteration == 1 and (turns.rollout_threads, turns.train_threads) == (8, 8)
-    assert derive(Config(mode="async", batch_size=64, group_size=8, groups_per_chunk=3)).chunks_per_iteration == 3
+    turns = derive(Config(mode="async", batch_size=64, group_size=8, groups_per_call=8, sizes="rule"))
+    assert turns.calls_per_iteration == 1 and (turns.rollout_threads, turns.train_threads) == (8, 8)
+    assert derive(Config(mode="async", batch_size=64, group_size=8, groups_per_call=3)).calls_per_iteration == 3
     assert derive(Config(mode="sync", sizes="rule")).train_threads == 8
     assert derive(Config(mode="async", rollout_threads=2, sizes="rule")).train_threads == 6
 
@@ -142,10 +142,10 @@ def test_probed_sizes_are_left_open_on_cpu_only(monkeypatch):
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
     monkeypatch.setattr(options, "detect_accelerator", lambda: "cpu")
     probed = derive(Config(mode="async"))
-    assert (probed.groups_per_chunk, probed.rollout_threads, probed.train_threads) == (None, None, None)
-    assert not probed.sized and derive(Config(mode="async", groups_per_chunk=4, rollout_threads=2)).train_threads is None
+    assert (probed.groups_per_call, probed.rollout_threads, probed.train_threads) == (None, None, None)
+    assert not probed.sized and derive(Config(mode="async", groups_per_call=4, rollout_threads=2)).train_threads is None
     sync = derive(Config(mode="sync"))
-    assert (sync.groups_per_chunk, sync.rollout_threads, sync.train_threads) == (None, 8, 8)
+    assert (sync.groups_per_call, sync.rollout_threads, sync.train_threads) == (None, 8, 8)
     monkeypatch.setattr(options, "detect_accelerator", lambda: "cuda")
     monkeypatch.setattr(options, "accelerator_count", lambda _: 1)
     assert derive(Config(mode="async")).sized
@@ -194,12 +194,12 @@ def test_device_auto_picks_the_hardware(monkeypatch):
         monkeypatch.setattr(options, "accelerator_count", lambda _: count)
         assert options.pick_devices("auto", "async") == expected
         assert options.pick_devices("auto", "sync") == (expected[0], expected[0])
-    assert derive(Config(device="auto")).chunks_per_iteration == options.GENERATE_CALLS["accelerator"] == 1
-    assert derive(Config(device="auto", groups_per_chunk=2)).groups_per_chunk == 2
+    assert derive(Config(device="auto")).calls_per_iteration == options.GENERATE_CALLS["accelerator"] == 1
+    assert derive(Config(device="auto", groups_per_call=2)).groups_per_call == 2
     assert derive(Config(device="auto", rollout_device="npu:3")).rollout_device == "npu:3"
     assert options.pick_dtype("auto", "npu:1") == "bfloat16" and options.pick_dtype("float32", "npu:1") == "float32"
     assert options.pick_dtype("auto", "cpu") == "float32"
-    assert derive(Config(device="cpu", sizes="rule")).chunks_per_iteration == options.GENERATE_CALLS["cpu"] == 2
+    assert derive(Config(device="cpu", sizes="rule")).calls_per_iteration == options.GENERATE_CALLS["cpu"] == 2
 
 
 def test_missing_device_is_one_line(monkeypatch):
@@ -327,6 +327,19 @@ def test_trl_names_are_aliases_of_ours(tmp_path):
     text = " ".join(build_parser().format_help().split())
     assert "--group-size GROUP_SIZE" in text and "(TRL: --num-generations)" in text
     assert "--num-generations GROUP_SIZE" not in text  # one name per option in the list
+
+
+def test_an_old_option_name_is_read_as_the_new_one(tmp_path):
+    """Claim: --groups-per-chunk, the old name of --groups-per-call, typed (with - or _) or as a key of a --config file
+    (a config.json written before the rename), sets --groups-per-call; --help lists the new name only."""
+    assert parse_args(["--groups-per-chunk", "3"]).groups_per_call == 3
+    assert parse_args(["--groups_per_chunk=5"]).groups_per_call == 5
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"groups_per_chunk": 2, "iterations": 3}))
+    assert parse_args(["--config", str(path)]).groups_per_call == 2
+    assert parse_args(["--config", str(path), "--groups-per-call", "4"]).groups_per_call == 4  # typed wins
+    text = build_parser().format_help()
+    assert "--groups-per-call" in text and "groups-per-chunk" not in text
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -514,7 +514,7 @@ def test_text_prompts_are_taken_as_trl_takes_them(qwen_shaped_dir, tmp_path):
         out = tmp_path / f"run-{column}-{len(extra)}"
         result = subprocess.run([sys.executable, "trainer.py", "--model", str(qwen_shaped_dir), "--data", str(path),
                                  "--mode", "sync", "--iterations", "1", "--batch-size", "4", "--group-size", "2",
-                                 "--max-new-tokens", "2", "--eval-every", "0", "--groups-per-chunk", "2",
+                                 "--max-new-tokens", "2", "--eval-every", "0", "--groups-per-call", "2",
                                  "--micro-batch-tokens", "4096", "--rollout-threads", "1", "--train-threads", "1",
                                  "--no-save", "--log-completions", "--out", str(out), *extra],
                                 cwd=root, capture_output=True, text=True, timeout=300)
@@ -579,7 +579,7 @@ def test_the_tiny_model_takes_trls_conversational_data(tmp_path):
     rows = [{"prompt": [{"role": "user", "content": f"{i}+{i}="}], "answer": str(2 * i)} for i in range(12)]
     data = write_jsonl(tmp_path / "chat.jsonl", rows)
     result = subprocess.run([sys.executable, "trainer.py", "--data", str(data), "--mode", "sync", "--iterations", "1",
-                             "--batch-size", "4", "--group-size", "2", "--eval-every", "0", "--groups-per-chunk", "2",
+                             "--batch-size", "4", "--group-size", "2", "--eval-every", "0", "--groups-per-call", "2",
                              "--micro-batch-tokens", "4096", "--rollout-threads", "1", "--train-threads", "1",
                              "--no-save", "--out", str(tmp_path / "run")],
                             cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=300)

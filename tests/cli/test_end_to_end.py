@@ -30,11 +30,11 @@ def test_two_iterations_of_trainer_py(tiny_model_dir, tmp_path, mode):
         [sys.executable, "trainer.py", "--model", str(tiny_model_dir), "--data", "arithmetic", "--mode", mode,
          "--iterations", "2", "--batch-size", "16", "--group-size", "4", "--max-new-tokens", "4",
          "--eval-every", "1", "--eval-size", "4", "--out", str(tmp_path), "--trace", str(tmp_path / "trace.json"),
-         "--groups-per-chunk", "2", *split_threads(mode)],
+         "--groups-per-call", "2", *split_threads(mode)],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("\niter ") == 2 and "final  held-out reward" in result.stdout
-    assert "sizes: --groups-per-chunk 2 (2 generate call(s) per iteration)" in result.stdout
+    assert "sizes: --groups-per-call 2 (2 generate call(s) per iteration)" in result.stdout
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [0, 1, 2] and rows[-1]["final"]
     for key in ("reward", "reward_std", "kl", "clip_ratio/region_mean", "completions/mean_length", "generate_s",

@@ -102,7 +102,7 @@ def trainer_args(model_dir, out, *extra) -> list[str]:
     """A tiny run with every size given (no probe), so it starts in seconds."""
     return [sys.executable, "trainer.py", "--model", str(model_dir), "--data", "arithmetic", "--iterations", "2",
             "--batch-size", "8", "--group-size", "4", "--max-new-tokens", "4", "--eval-every", "0",
-            "--groups-per-chunk", "2", "--micro-batch-tokens", "16384", "--rollout-threads", "1",
+            "--groups-per-call", "2", "--micro-batch-tokens", "16384", "--rollout-threads", "1",
             "--train-threads", "1", "--out", str(out), *map(str, extra)]
 
 

@@ -25,7 +25,7 @@ from infra.options import derive, validate
 from infra.command_line import parse_args
 
 ROOT = Path(__file__).resolve().parents[2]
-FIXED_SIZES = ["--groups-per-chunk", "2", "--micro-batch-tokens", "1000", "--rollout-threads", "1",
+FIXED_SIZES = ["--groups-per-call", "2", "--micro-batch-tokens", "1000", "--rollout-threads", "1",
                "--train-threads", "1"]  # no probe: the run is short and its reward calls countable
 
 

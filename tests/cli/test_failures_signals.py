@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.slow,  # process-level: `python -m pytest -m slow` (CI
 
 # Small, fixed sizes (no probe): a run of 1000 iterations that only a signal ends.
 ENDLESS = ("--data", "arithmetic", "--iterations", "1000", "--batch-size", "16", "--group-size", "4",
-           "--max-new-tokens", "4", "--eval-every", "0", "--groups-per-chunk", "2", "--micro-batch-tokens", "16384",
+           "--max-new-tokens", "4", "--eval-every", "0", "--groups-per-call", "2", "--micro-batch-tokens", "16384",
            "--rollout-threads", "1", "--train-threads", "1", "--no-save")
 
 

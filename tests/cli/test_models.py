@@ -265,7 +265,7 @@ def test_the_policy_is_saved_in_the_dtype_the_model_was_stored_in(tiny_model_dir
     AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).save_pretrained(stored)
     AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(stored)
     options = dict(data="arithmetic", mode="sync", iterations=1, batch_size=8, group_size=4, max_new_tokens=4,
-                   eval_every=0, groups_per_chunk=2, micro_batch_tokens=64, rollout_threads=1, train_threads=1,
+                   eval_every=0, groups_per_call=2, micro_batch_tokens=64, rollout_threads=1, train_threads=1,
                    save_every=1)
     run = trainer.train(str(stored), "math", out=str(tmp_path / "run"), **options)
     policy, masters = load_file(run / "policy" / "model.safetensors"), load_file(

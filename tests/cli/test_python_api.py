@@ -13,7 +13,7 @@ import torch
 
 import rewards
 import trainer
-from faults import as_from_a_terminal
+from faults import as_from_a_terminal, hang_bound
 from infra import python_args
 from infra.command_line import parse_args
 from infra.tasks import arithmetic_examples
@@ -135,7 +135,7 @@ def test_train_from_a_script_is_the_command_lines_run(tmp_path):
     from test_checkpoint import RUN, outcome
     examples = arithmetic_examples("train")[:64]
     options = dict(mode="async", iterations=3, batch_size=16, group_size=4, max_new_tokens=4, eval_every=0,
-                   groups_per_chunk=2, micro_batch_tokens=64, rollout_threads=1, train_threads=1, seed=3)
+                   groups_per_call=2, micro_batch_tokens=64, rollout_threads=1, train_threads=1, seed=3)
     assert set(options) - {"mode", "seed"} <= {flag[2:].replace("-", "_") for flag in RUN if flag.startswith("--")}
     script = tmp_path / "script.py"
     script.write_text(SCRIPT.format(root=str(ROOT), rows=[(e.prompt, e.answer) for e in examples],
@@ -170,7 +170,7 @@ def test_train_under_torchrun_runs_once_per_rank_and_returns_the_run_on_rank_0(t
     processes); the dataset is copied into the cache once, whole (the ranks race to write it: one rename wins)."""
     examples = arithmetic_examples("train")[:32]
     options = dict(mode="async", iterations=2, batch_size=16, group_size=4, max_new_tokens=4, eval_every=0,
-                   groups_per_chunk=1, micro_batch_tokens=64, rollout_threads=1, train_threads=1)
+                   groups_per_call=1, micro_batch_tokens=64, rollout_threads=1, train_threads=1)
     script = tmp_path / "script.py"
     script.write_text(SCRIPT.format(root=str(ROOT), rows=[(e.prompt, e.answer) for e in examples],
                                     options={**options, "out": str(tmp_path / "ranks")})
@@ -269,7 +269,7 @@ from infra import python_args
 if __name__ == "__main__":
     try:
         trainer.train("tiny", "math", data="arithmetic", mode="async", iterations={iterations}, batch_size=16,
-                      group_size=4, max_new_tokens=4, eval_every=0, groups_per_chunk=2, micro_batch_tokens=64,
+                      group_size=4, max_new_tokens=4, eval_every=0, groups_per_call=2, micro_batch_tokens=64,
                       rollout_threads=1, train_threads=1, out={out!r})
     except KeyboardInterrupt:
         print("KeyboardInterrupt", flush=True)
@@ -294,7 +294,7 @@ def test_train_from_stdin_runs_and_ctrl_c_is_a_keyboard_interrupt(tmp_path):
     run.stdin.write(STDIN_SCRIPT.format(root=str(ROOT), iterations=100_000, out=str(tmp_path / "b")))
     run.stdin.close()
     run.stdin = None  # closed: communicate must not flush it
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + hang_bound(120)
     while not (tmp_path / "b" / "metrics.jsonl").exists() or not (tmp_path / "b" / "metrics.jsonl").read_text():
         assert time.monotonic() < deadline and run.poll() is None
         time.sleep(0.2)
@@ -398,7 +398,7 @@ def test_train_returns_the_run_as_a_path_with_trls_results(tmp_path):
     saved policy, save_model is one ValueError."""
     from safetensors.torch import load_file
     options = dict(data="arithmetic", mode="sync", iterations=1, batch_size=8, group_size=4, max_new_tokens=4,
-                   eval_every=0, groups_per_chunk=2, micro_batch_tokens=64, rollout_threads=1, train_threads=1)
+                   eval_every=0, groups_per_call=2, micro_batch_tokens=64, rollout_threads=1, train_threads=1)
     result = trainer.train("tiny", "math", out=str(tmp_path / "run"), **options)
     assert isinstance(result, Path) and result == tmp_path / "run" and str(result) == str(tmp_path / "run")
     assert os.fspath(result / "metrics.jsonl") == str(tmp_path / "run" / "metrics.jsonl")

@@ -172,7 +172,7 @@ def test_config_json_records_the_resolved_options_the_versions_and_the_command(r
     import transformers
     record = json.loads((run_dir / "config.json").read_text())
     assert set(record) == {f.name for f in dataclasses.fields(Config)} | {"run_id", "versions", "command"}
-    assert record["micro_batch_tokens"] and record["groups_per_chunk"] and record["lr"] == 1e-6  # derived: not given
+    assert record["micro_batch_tokens"] and record["groups_per_call"] and record["lr"] == 1e-6  # derived: not given
     assert record["command"] == ["trainer.py", *json.loads((run_dir / "argv.json").read_text())]
     versions = record["versions"]
     assert versions["torch"] == torch.__version__ and versions["transformers"] == transformers.__version__

@@ -364,7 +364,7 @@ def test_a_prompt_only_dataset_with_trl_rewards_in_both_modes(tiny_model_dir, tm
                             for i in range(40)))
     args = [sys.executable, "trainer.py", "--model", str(tiny_model_dir), "--data", str(data), "--iterations", "3",
             "--batch-size", "8", "--group-size", "4", "--max-new-tokens", "4", "--eval-every", "1", "--eval-size", "4",
-            "--eval-samples", "2", "--groups-per-chunk", "2", "--micro-batch-tokens", "16384", "--rollout-threads",
+            "--eval-samples", "2", "--groups-per-call", "2", "--micro-batch-tokens", "16384", "--rollout-threads",
             "1", "--train-threads", "1", "--no-save"]
     rows = {}
     for mode in ("sync", "async"):
@@ -391,7 +391,7 @@ def test_a_reward_may_start_processes_of_its_own_in_both_modes(tiny_model_dir, t
     runs in the inference process as in the trainer's: the same rewards in both modes."""
     args = [sys.executable, "trainer.py", "--model", str(tiny_model_dir), "--data", "arithmetic", "--iterations", "2",
             "--batch-size", "8", "--group-size", "4", "--max-new-tokens", "4", "--eval-every", "0",
-            "--groups-per-chunk", "2", "--micro-batch-tokens", "16384", "--rollout-threads", "1", "--train-threads", "1", "--no-save",
+            "--groups-per-call", "2", "--micro-batch-tokens", "16384", "--rollout-threads", "1", "--train-threads", "1", "--no-save",
             "--reward", "tests/rewards.py:pooled_length"]
     rows = {}
     for mode in ("sync", "async"):
@@ -417,7 +417,7 @@ def test_weighted_rewards_are_logged_each_on_its_own_in_both_modes(tiny_model_di
         result = subprocess.run(
             [sys.executable, "trainer.py", "--model", str(tiny_model_dir), "--data", "arithmetic", "--iterations", "2",
              "--batch-size", "8", "--group-size", "4", "--max-new-tokens", "4", "--eval-every", "1", "--eval-size", "4",
-             "--eval-samples", "2", "--groups-per-chunk", "2", "--micro-batch-tokens", "16384", "--rollout-threads",
+             "--eval-samples", "2", "--groups-per-call", "2", "--micro-batch-tokens", "16384", "--rollout-threads",
              "1", "--train-threads", "1", "--no-save", "--out", str(out), "--mode", mode,
              "--reward", "tests/rewards.py:digit_fraction", "--reward", "tests/rewards.py:digit_count",
              "--reward", "math-verify", "--reward-weights", *map(str, weights)],
@@ -463,7 +463,7 @@ def test_what_a_reward_logs_reaches_the_row_and_the_completions_in_both_modes(ti
     is the length) and completions.jsonl has each completion's logged column."""
     args = [sys.executable, "trainer.py", "--model", str(tiny_model_dir), "--data", "arithmetic", "--iterations", "2",
             "--batch-size", "8", "--group-size", "4", "--max-new-tokens", "4", "--eval-every", "0",
-            "--groups-per-chunk", "2", "--micro-batch-tokens", "16384", "--rollout-threads", "1", "--train-threads",
+            "--groups-per-call", "2", "--micro-batch-tokens", "16384", "--rollout-threads", "1", "--train-threads",
             "1", "--no-save", "--log-completions", "--reward", "tests/rewards.py:logging_length"]
     for mode in ("sync", "async"):
         out = tmp_path / mode

@@ -20,12 +20,12 @@ def probe_of(lengths, step=(0.003, 0.0), per_token=1e-5, prompt=10, group_size=8
     per_token·tokens."""
     tokens = [group_size * (prompt + length) for length in lengths]
     timelines, seconds = {}, {}
-    for k in sizing.candidate_chunks(len(lengths)):
+    for k in sizing.candidate_calls(len(lengths)):
         step_s, clock, timeline = step[0] + step[1] * k * group_size, 0.0, []
         for first in range(0, len(lengths), k):
-            chunk = lengths[first:first + k]
-            timeline += [(clock + (length + 1) * step_s, g, first) for g, length in enumerate(chunk, first)]
-            clock += (max(chunk) + 1) * step_s
+            call = lengths[first:first + k]
+            timeline += [(clock + (length + 1) * step_s, g, first) for g, length in enumerate(call, first)]
+            clock += (max(call) + 1) * step_s
         timelines[k], seconds[k] = sorted(timeline), clock
     return sizing.Probe(timelines, seconds, {k: tokens for k in timelines}, (0.0, per_token))
 
@@ -145,7 +145,7 @@ def test_probe_changes_nothing_and_choose_fills_only_open_sizes(tiny_model_dir, 
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(torch.equal(p, q) for p, q in zip(policy.parameters(), before))
     assert all(p.grad is None for p in policy.parameters())
-    assert chosen.sized and chosen.groups_per_chunk in sizing.candidate_chunks(cfg.prompts_per_iteration)
+    assert chosen.sized and chosen.groups_per_call in sizing.candidate_calls(cfg.prompts_per_iteration)
     assert "in turns at 2 threads" in note  # async with open threads weighs taking turns too
     assert 1 <= chosen.micro_batch_tokens <= 16384 and "probe:" in note
     assert chosen.rollout_threads >= 1 and chosen.train_threads >= 1
@@ -156,9 +156,9 @@ def test_probe_changes_nothing_and_choose_fills_only_open_sizes(tiny_model_dir, 
     monkeypatch.setattr(sizing, "PROBE_SHARE", 0.0)
     ruled, note, gain = sizing.choose(cfg, tri, tokenizer, train)
     assert "over its budget: sizes by rule instead (--sizes rule)" in note and gain == 1.0
-    assert (ruled.groups_per_chunk, ruled.micro_batch_tokens, ruled.rollout_threads, ruled.train_threads) == \
+    assert (ruled.groups_per_call, ruled.micro_batch_tokens, ruled.rollout_threads, ruled.train_threads) == \
         (4, 16384, 1, 1) == tuple(getattr(derive(dataclasses.replace(cfg, sizes="rule")), name) for name in
-                                  ("groups_per_chunk", "micro_batch_tokens", "rollout_threads", "train_threads"))
+                                  ("groups_per_call", "micro_batch_tokens", "rollout_threads", "train_threads"))
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(torch.equal(p, q) for p, q in zip(policy.parameters(), before))
     assert all(p.grad is None for p in policy.parameters())
@@ -166,13 +166,13 @@ def test_probe_changes_nothing_and_choose_fills_only_open_sizes(tiny_model_dir, 
     # taking turns at the calls of least generation, which are at most AS_FAST slower to generate than these
     assert gain == 1.0 if chosen.train_threads == 2 else gain > 1 / sizing.AS_FAST
     fixed = derive(Config(model=str(tiny_model_dir), data="arithmetic", mode="async", batch_size=32, group_size=4,
-                          max_new_tokens=6, groups_per_chunk=3))
+                          max_new_tokens=6, groups_per_call=3))
     kept, _, _ = sizing.choose(fixed, tri, tokenizer, train)
-    assert kept.groups_per_chunk == 3 and kept.sized
+    assert kept.groups_per_call == 3 and kept.sized
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})  # one core: one thread per side, whatever is predicted
     one = sizing.choose(dataclasses.replace(cfg, rollout_threads=None, train_threads=None), tri, tokenizer, train)[0]
     assert (one.rollout_threads, one.train_threads, one.tail_threads) == (1, 1, 1)
-    given = derive(Config(model=str(tiny_model_dir), mode="async", groups_per_chunk=2, micro_batch_tokens=100,
+    given = derive(Config(model=str(tiny_model_dir), mode="async", groups_per_call=2, micro_batch_tokens=100,
                           rollout_threads=1, train_threads=1))
     capsys.readouterr()
     assert sizing.choose(given, tri, tokenizer, train) == (given, "", 1.0)

@@ -26,7 +26,7 @@ from infra.trl_names import TRL_STEP_KEYS, TRL_UNUSED
 from infra.timeline import Timeline
 from launch import setup
 from learner import Learner, minibatch_of
-from rollout import Group
+from rollout import ScoredGroup
 from conftest import learn_iteration
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,10 +41,10 @@ RESPONSES = [[[5, 6, 7, EOS], [8, EOS], [9, 10, 11, 12], [13, 14, EOS]],
 PROMPTS = [[50, 51, 52], [53, 54], [55, 56, 57, 58], [59, 60, 61]]
 
 
-def make_groups(scale_rewards: str) -> list[Group]:
+def make_groups(scale_rewards: str) -> list[ScoredGroup]:
     """The groups as the inference side sends them (rollout.py: group_advantages of each group alone)."""
-    return [Group(0, j, 0, PROMPTS[j], RESPONSES[j], REWARDS[j],
-                  grpo.group_advantages(torch.tensor(REWARDS[j]), G, scale_rewards).tolist(), chunk=(0, 4),
+    return [ScoredGroup(0, j, 0, PROMPTS[j], RESPONSES[j], REWARDS[j],
+                  grpo.group_advantages(torch.tensor(REWARDS[j]), G, scale_rewards).tolist(), call=(0, 4),
                   rewards_per_function=[REWARDS[j]]) for j in range(4)]
 
 
@@ -62,7 +62,7 @@ class RecordingSGD(torch.optim.SGD):
 
 def config(model_dir, *options):
     return parse_args(["--model", str(model_dir), "--batch-size", "16", "--group-size", str(G), "--max-new-tokens",
-                       str(MAX_NEW), "--sizes", "rule", "--groups-per-chunk", "4", "--micro-batch-tokens", "1",
+                       str(MAX_NEW), "--sizes", "rule", "--groups-per-call", "4", "--micro-batch-tokens", "1",
                        "--max-grad-norm", "0", *map(str, options)])
 
 
@@ -275,8 +275,8 @@ def test_the_share_of_responses_no_reward_scored_is_logged(tiny_model_dir):
     cfg = config(tiny_model_dir)
     nan = float("nan")
     rewards = [[nan] * 4, [1.0, nan, 0.0, 1.0], *REWARDS[2:]]
-    groups = [Group(0, j, 0, PROMPTS[j], RESPONSES[j], rewards[j],
-                    grpo.group_advantages(torch.tensor(rewards[j]), G).tolist(), chunk=(0, 4),
+    groups = [ScoredGroup(0, j, 0, PROMPTS[j], RESPONSES[j], rewards[j],
+                    grpo.group_advantages(torch.tensor(rewards[j]), G).tolist(), call=(0, 4),
                     rewards_per_function=[rewards[j]]) for j in range(4)]
     metrics, _ = learner_run(cfg, tri_model(cfg, tiny_model_dir), groups)
     assert metrics["frac_reward_unscored"] == 5 / 16
@@ -968,7 +968,7 @@ def test_a_run_by_epochs_trains_its_counted_iterations_and_saves_the_policy(tiny
     out = tmp_path / "run"
     result = subprocess.run([sys.executable, "trainer.py", "--model", str(tiny_model_dir), "--data", "arithmetic",
                              "--num-train-epochs", "0.002", "--batch-size", "8", "--group-size", "4",
-                             "--max-new-tokens", "4", "--eval-every", "0", "--mode", "sync", "--groups-per-chunk", "2",
+                             "--max-new-tokens", "4", "--eval-every", "0", "--mode", "sync", "--groups-per-call", "2",
                              "--micro-batch-tokens", "16384", "--rollout-threads", "1", "--train-threads", "1",
                              "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr

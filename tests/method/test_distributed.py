@@ -49,8 +49,8 @@ EXACT = ("reward", "reward_std", "completions/mean_length", "eval_reward")  # me
 SUMS = ("loss", "grad_norm", "kl", "clip_ratio/region_mean")
 # 5 prompts in calls of 1 (rank 0 trains 3 groups, rank 1 two), or 4 prompts in calls of 2 with two mini-batches
 # (each mini-batch is one call's: each rank has none of the other mini-batch's groups and still joins its step)
-SETUPS = {"5 calls": ["--batch-size", "20", "--groups-per-chunk", "1"],
-          "2 mini-batches": ["--batch-size", "16", "--groups-per-chunk", "2", "--updates-per-iteration", "2",
+SETUPS = {"5 calls": ["--batch-size", "20", "--groups-per-call", "1"],
+          "2 mini-batches": ["--batch-size", "16", "--groups-per-call", "2", "--updates-per-iteration", "2",
                              "--epsilon-low", "0.01", "--epsilon-high", "0.01"]}
 
 
@@ -181,7 +181,7 @@ def test_learner_expects_only_its_ranks_groups(tiny_model_dir):
     every group once (4 prompts, calls of 2, two mini-batches: each rank owns one mini-batch whole)."""
     from infra.command_line import parse_args
     cfg = parse_args(["--model", str(tiny_model_dir), "--batch-size", "16", "--group-size", "4",
-                      "--groups-per-chunk", "2", "--updates-per-iteration", "2", "--sizes", "rule"])
+                      "--groups-per-call", "2", "--updates-per-iteration", "2", "--sizes", "rule"])
     expected = [Learner(None, None, cfg, torch.device("cpu"), None, Ranks(rank, 2)).groups_per_minibatch
                 for rank in (0, 1)]
     assert expected == [[2, 0], [0, 2]]
@@ -217,17 +217,17 @@ def test_every_worker_of_every_rank_gets_calls_and_a_device(monkeypatch):
     from infra.liveness import RanksError
     from infra.command_line import parse_args
     cfg = dataclasses.replace(parse_args(["--sizes", "rule", "--inference-workers", "3"]), device="auto",
-                              train_device="cuda:1", rollout_device="cuda:0", groups_per_chunk=16)  # the GPU rule
+                              train_device="cuda:1", rollout_device="cuda:0", groups_per_call=16)  # the GPU rule
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     placed = [place(cfg, Ranks(rank, 2, rank, 2), given=set()) for rank in range(2)]
     assert [(p.train_device, p.rollout_device) for p in placed] == [("cuda:0", "cuda:2,cuda:3,cuda:4"),
                                                                      ("cuda:1", "cuda:5,cuda:6,cuda:7")]
-    assert all(p.groups_per_chunk == 16 // 6 and p.chunks_per_iteration >= 6 for p in placed)
+    assert all(p.groups_per_call == 16 // 6 and p.calls_per_iteration >= 6 for p in placed)
     for p, rank in zip(placed, range(2)):
         check(p, Ranks(rank, 2, rank, 2))
-    with pytest.raises(RanksError, match=r"--groups-per-chunk 4 makes 4 generate calls per iteration, fewer than "
-                                         r"the 2 ranks x 3 inference workers .* give --groups-per-chunk 2 or less"):
-        check(place(dataclasses.replace(cfg, groups_per_chunk=4), Ranks(0, 2, 0, 2), given={"groups_per_chunk"}),
+    with pytest.raises(RanksError, match=r"--groups-per-call 4 makes 4 generate calls per iteration, fewer than "
+                                         r"the 2 ranks x 3 inference workers .* give --groups-per-call 2 or less"):
+        check(place(dataclasses.replace(cfg, groups_per_call=4), Ranks(0, 2, 0, 2), given={"groups_per_call"}),
               Ranks(0, 2, 0, 2))
 
 
@@ -260,8 +260,8 @@ def test_two_ranks_on_cpu_run_with_no_sizes_given(tiny_model_dir, tmp_path):
     assert sum(line.startswith("iter ") for line in done.stdout.splitlines()) == 2, done.stdout
     assert done.stdout.count("periodic-rl: probe:") == 1, done.stdout
     record = json.loads((tmp_path / "config.json").read_text())
-    assert all(record[name] for name in ("groups_per_chunk", "micro_batch_tokens", "rollout_threads", "train_threads"))
-    assert -(-4 // record["groups_per_chunk"]) >= 2  # a call for each rank
+    assert all(record[name] for name in ("groups_per_call", "micro_batch_tokens", "rollout_threads", "train_threads"))
+    assert -(-4 // record["groups_per_call"]) >= 2  # a call for each rank
 
 
 def launch_ranks(tiny_model_dir, out) -> faults.Launch:
@@ -335,7 +335,7 @@ def test_every_rank_meets_the_collectives_in_the_same_order(tiny_model_dir, monk
     from infra.command_line import parse_args
     from infra.timeline import Timeline
     from launch.setup import build_tri_model
-    from rollout import Group
+    from rollout import ScoredGroup
     calls: list[str] = []
     monkeypatch.setattr(distributed, "gather_dicts", lambda local, ranks: calls.append("gather") or dict(local))
     monkeypatch.setattr(distributed, "sum_values", lambda values, ranks, device: calls.append("sum values")
@@ -351,11 +351,11 @@ def test_every_rank_meets_the_collectives_in_the_same_order(tiny_model_dir, monk
         return params
     monkeypatch.setattr(distributed, "sum_gradients", sum_gradients)
     cfg = parse_args(["--model", str(tiny_model_dir), "--batch-size", "16", "--group-size", "4", "--max-new-tokens",
-                      "4", "--groups-per-chunk", "2", "--updates-per-iteration", "2", "--micro-batch-tokens", "1",
+                      "4", "--groups-per-call", "2", "--updates-per-iteration", "2", "--micro-batch-tokens", "1",
                       "--sizes", "rule", "--scale-rewards", "batch", "--beta", "0.04", "--max-grad-norm", "0"])
     rewards = [[1.0, 0.0, 0.0, 0.5], [2.0, 2.0, 2.0, 2.0], [0.0, 3.0, 1.0, 1.0], [0.25, 0.0, 1.0, 0.0]]
-    groups = [Group(0, j, 0, [50 + j, 51], [[5, 6, 0], [7, 0], [8, 9, 10, 11], [12, 0]], rewards[j],
-                    grpo.group_advantages(torch.tensor(rewards[j]), 4, "batch").tolist(), chunk=(2 * (j // 2), 2),
+    groups = [ScoredGroup(0, j, 0, [50 + j, 51], [[5, 6, 0], [7, 0], [8, 9, 10, 11], [12, 0]], rewards[j],
+                    grpo.group_advantages(torch.tensor(rewards[j]), 4, "batch").tolist(), call=(2 * (j // 2), 2),
                     rewards_per_function=[rewards[j]]) for j in range(4)]
     order = {}
     for rank in (0, 1):

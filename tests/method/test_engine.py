@@ -337,7 +337,7 @@ def test_steps_on_the_stand_in_move_no_row():
     the rollouts exactly where they were, and the call then samples what it would have."""
     model = random_model("qwen2", vocab=64)
     prompts = random_prompts([3, 17, 8], 64)
-    rollouts = engine.Rollouts(model, prompts, 2, 8, 1.0, 1.0, [1], keys(3), 6, greedy=False)
+    rollouts = engine.GenerateCall(model, prompts, 2, 8, 1.0, 1.0, [1], keys(3), 6, greedy=False)
     for j in range(3):
         rollouts.prefill([j], [torch.arange(2 * j, 2 * j + 2)])
     rollouts.decode(6)
@@ -411,7 +411,7 @@ def test_a_failed_cuda_graph_capture_decodes_eagerly_from_where_it_was(monkeypat
     monkeypatch.setattr(torch.cuda, "graph", Capture)
     model = random_model("qwen2", vocab=64)
     prompts = random_prompts([3, 17, 8], 64)
-    twins = [engine.Rollouts(model, prompts, 2, 8, 1.0, 1.0, [1], keys(3), 6, greedy=False) for _ in range(2)]
+    twins = [engine.GenerateCall(model, prompts, 2, 8, 1.0, 1.0, [1], keys(3), 6, greedy=False) for _ in range(2)]
     for rollouts in twins:
         for j in range(3):
             rollouts.prefill([j], [torch.arange(2 * j, 2 * j + 2)])

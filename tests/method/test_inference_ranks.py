@@ -32,7 +32,7 @@ from infra.distributed import Ranks, split_roles
 from infra.liveness import RanksError
 from infra.timeline import INFERENCE, Span
 from launch.remote import destination
-from rollout import Group, IterationDone
+from rollout import ScoredGroup, IterationDone
 
 
 @pytest.mark.slow  # process-level: torchrun
@@ -119,7 +119,7 @@ def test_roles_routing_and_refusals(tiny_model_dir, capsys):
     ranks = split_roles(Ranks(5, 6, 1, 2), 4)
     assert (ranks.size, ranks.inference, ranks.is_inference, ranks.name()) == (2, 4, True, "inference rank 3 of 4 (rank 5)")
     assert split_roles(Ranks(1, 6, 1, 2), 4).name() == "trainer rank 1 of 2"
-    group = Group(0, 6, 0, [1], [[2]], [1.0], [0.0], chunk=(6, 2))  # call 3 of calls of 2 prompts: owner 3 % 2
+    group = ScoredGroup(0, 6, 0, [1], [[2]], [1.0], [0.0], call=(6, 2))  # call 3 of calls of 2 prompts: owner 3 % 2
     assert destination(group, ranks, 2) == [1]
     assert destination(IterationDone(0), ranks, 2) == [0, 1]
     assert destination(Span("generate", INFERENCE, 0.0, 1.0), ranks, 2) == [0]

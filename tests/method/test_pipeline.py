@@ -25,7 +25,7 @@ from infra.reward import load_reward, load_rewards
 from infra.timeline import Timeline
 from learner import Learner
 from packing import logprobs_fn
-from rollout import Evaluation, Group, IterationDone, rollout_iteration
+from rollout import Evaluation, ScoredGroup, IterationDone, rollout_iteration
 from conftest import learn_iteration
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,15 +54,15 @@ SAME_THREADS = ["--rollout-threads", "1", "--train-threads", "1"]
 
 TRL_OPTIONS = [  # TRL's options: steps that wait for the whole batch, μ passes over it, bnpo, masks, schedules
     ["--scale-rewards", "batch", "--beta", "0", "--num-iterations", "2", "--loss-type", "bnpo",
-     "--lr-scheduler-type", "cosine", "--warmup-ratio", "0.3", "--groups-per-chunk", "3",
+     "--lr-scheduler-type", "cosine", "--warmup-ratio", "0.3", "--groups-per-call", "3",
      "--micro-batch-tokens", "60"],
     ["--scale-rewards", "batch", "--updates-per-iteration", "2", "--num-iterations", "2", "--epsilon-low", "0.01",
-     "--epsilon-high", "0.01", "--groups-per-chunk", "3"]]
+     "--epsilon-high", "0.01", "--groups-per-call", "3"]]
 
 
 @pytest.mark.parametrize("extra", [[], ["--updates-per-iteration", "2", "--epsilon-low", "0.01",
                                         "--epsilon-high", "0.01"],
-                                   ["--groups-per-chunk", "3", "--micro-batch-tokens", "60",
+                                   ["--groups-per-call", "3", "--micro-batch-tokens", "60",
                                     "--updates-per-iteration", "2", "--epsilon-low", "0.01", "--epsilon-high", "0.01"],
                                    *TRL_OPTIONS])
 def test_async_equals_sync(tiny_model_dir, extra):
@@ -70,8 +70,8 @@ def test_async_equals_sync(tiny_model_dir, extra):
     rollouts, the same metrics and, after several iterations, the same weights (torch.equal). The schedule changes
     only when each group is trained, and each side runs the same kernels on the same inputs. It holds with several
     updates per iteration too (mini-batches are fixed by prompt index, not arrival order) and with several prompts
-    per generate call and per training forward (4 prompts in chunks of 3, streamed in completion order, two
-    mini-batches of 2 that the first chunk straddles, micro-batches capped at 60 tokens, i.e. one or two groups of
+    per generate call and per training forward (4 prompts in calls of 3, streamed in completion order, two
+    mini-batches of 2 that the first call straddles, micro-batches capped at 60 tokens, i.e. one or two groups of
     4 x (~6 + <= 6) tokens): micro-batches are cut by arrival order, which is completion order, the same in both
     modes. And with TRL's options: scale_rewards="batch" (the first step, or with β > 0 every pass,
     waits for the last group), μ = 2 passes over the stored batch, bnpo's per-micro-batch means, a warmed-up
@@ -192,7 +192,7 @@ def test_async_taking_turns_in_one_process_is_sync(tiny_model_dir, monkeypatch, 
 
     open_sizes = dataclasses.replace(given, rollout_threads=None, train_threads=None, tail_threads=None)
     assert not open_sizes.sized
-    monkeypatch.setattr(setup.sizing, "choose", lambda cfg, *args: (given, "", 1.0))  # as if probed
+    monkeypatch.setattr(setup.sizing, "choose", lambda cfg, *args, **kwargs: (given, "", 1.0))  # as if probed
     policy, tokenizer = load_model(given.model, device="cpu")
     train, held_out = load_task(given.data, eval_size=given.eval_size)
     load_kwargs = dict(device="cpu", dtype=torch.float32, attn_implementation="sdpa")
@@ -223,14 +223,14 @@ def test_the_trainer_takes_every_core_once_sampling_is_done(tiny_model_dir, monk
     cfg = parse_args(["--model", str(tiny_model_dir), "--data", "arithmetic", "--reward", DIGITS, "--iterations", "3",
                       "--batch-size", "16", "--group-size", "4", "--max-new-tokens", "6", "--eval-every", "2",
                       "--eval-size", "4", "--eval-samples", "2", "--lr", "1e-2", "--no-save", "--mode", "async",
-                      "--groups-per-chunk", "2", "--micro-batch-tokens", "40"])  # threads open: the probe's to pick
+                      "--groups-per-call", "2", "--micro-batch-tokens", "40"])  # threads open: the probe's to pick
     assert cfg.rollout_threads is None and cfg.train_threads is None and cfg.tail_threads is None
     split, ranks = dataclasses.replace(cfg, rollout_threads=1, train_threads=1, tail_threads=2), Ranks()
     assert setup.elastic_threads(split, ranks) == 2
     assert setup.elastic_threads(dataclasses.replace(split, tail_threads=1), ranks) is None  # as given: no switch
     assert setup.elastic_threads(dataclasses.replace(split, mode="sync"), ranks) is None
     assert setup.elastic_threads(dataclasses.replace(split, inference_workers=2), ranks) is None
-    monkeypatch.setattr(setup.sizing, "choose", lambda cfg, *args: (split, "", 1.0))  # as if the probe chose it
+    monkeypatch.setattr(setup.sizing, "choose", lambda cfg, *args, **kwargs: (split, "", 1.0))  # as if the probe chose it
     seen, accumulate = [], Learner.accumulate
 
     def recording(learner, groups):
@@ -271,7 +271,7 @@ def test_async_groups_are_streamed_and_tagged_with_the_version(tiny_model_dir):
     cfg = make_cfg(tiny_model_dir)
     policy, tokenizer = load_model(cfg.model)
     train, held_out = load_task("arithmetic", eval_size=4)
-    sampling = dataclasses.replace(cfg, eval_every=0, groups_per_chunk=1)
+    sampling = dataclasses.replace(cfg, eval_every=0, groups_per_call=1)
     sync = inference.SyncRollouts(policy, tokenizer, train, held_out, load_reward(DIGITS), sampling)
     with inference.AsyncRollouts(cfg.model, {}, train, held_out, DIGITS, Timeline()) as remote:
         remote.attach(policy, sampling, 1)
@@ -280,9 +280,9 @@ def test_async_groups_are_streamed_and_tagged_with_the_version(tiny_model_dir):
             remote.publish(policy, iteration)
             sync.generate(iteration)
             remote.generate(iteration)
-            local = [m for m in sync.receive() if isinstance(m, Group)]
+            local = [m for m in sync.receive() if isinstance(m, ScoredGroup)]
             received = list(remote.receive())
-            streamed = [m for m in received if isinstance(m, Group)]
+            streamed = [m for m in received if isinstance(m, ScoredGroup)]
             assert isinstance(received[-1], IterationDone)
             assert [g.policy_version for g in streamed] == [iteration] * cfg.prompts_per_iteration
             assert [g.responses for g in streamed] == [g.responses for g in local]
@@ -301,7 +301,7 @@ def test_learner_refuses_off_policy_group(tiny_model_dir):
     learner = Learner(tri, torch.optim.SGD(policy.parameters(), lr=0.1), cfg, torch.device("cpu"),
                                   Timeline())
     learner.start(3)
-    stale = Group(3, 0, 2, [1, 2], [[3, 4]] * 4, [0.0] * 4, [0.0] * 4)
+    stale = ScoredGroup(3, 0, 2, [1, 2], [[3, 4]] * 4, [0.0] * 4, [0.0] * 4)
     with pytest.raises(weights.OffPolicyError, match="version 2"):
         learner.take(stale)
 
@@ -319,11 +319,11 @@ def test_a_publish_while_sampling_is_caught(tiny_model_dir):
     buffer = weights.WeightBuffer(policy)
     buffer.attach(sampler)  # on CPU the sampler's parameters are views of the buffer, as in the inference process
 
-    def sample_iteration_0(reward_fn) -> list[Group]:
+    def sample_iteration_0(reward_fn) -> list[ScoredGroup]:
         buffer.publish(policy, 0)
         messages = []
         rollout_iteration(sampler, tokenizer, train, [], reward_fn, cfg, 0, buffer.version, messages.append)
-        return [m for m in messages if isinstance(m, Group)]
+        return [m for m in messages if isinstance(m, ScoredGroup)]
 
     assert [g.policy_version for g in sample_iteration_0(lambda *args: 0.0)] == [0] * cfg.prompts_per_iteration
 
@@ -349,16 +349,16 @@ def test_a_publish_while_sampling_is_caught(tiny_model_dir):
 
 
 def test_batched_training_forward_gives_the_same_update(tiny_model_dir):
-    """Claim: training a chunk's groups in one forward (a micro-batch cap above their tokens) or one at a time (a
+    """Claim: training a call's groups in one forward (a micro-batch cap above their tokens) or one at a time (a
     cap of 1 token: each group alone) gives the same optimizer step (<= 1e-6): the loss is a sum over groups,
     however it is batched."""
     generator = torch.Generator().manual_seed(0)
-    groups = [Group(0, i, 0, torch.randint(2, 50, (3 + i,), generator=generator).tolist(),
+    groups = [ScoredGroup(0, i, 0, torch.randint(2, 50, (3 + i,), generator=generator).tolist(),
                     [torch.randint(2, 50, (1 + (i + j) % 4,), generator=generator).tolist() for j in range(4)],
-                    [0.0] * 4, torch.randn(4, generator=generator).tolist(), chunk=(0, 4)) for i in range(4)]
+                    [0.0] * 4, torch.randn(4, generator=generator).tolist(), call=(0, 4)) for i in range(4)]
     trained = []
     for cap in (1, 10_000):
-        cfg = make_cfg(tiny_model_dir, "--groups-per-chunk", "4", "--micro-batch-tokens", cap)
+        cfg = make_cfg(tiny_model_dir, "--groups-per-call", "4", "--micro-batch-tokens", cap)
         policy, _ = load_model(cfg.model)
         tri = TriModel(policy, logprobs_fn(policy), use_reference=True, use_old=False)
         learner = Learner(tri, torch.optim.SGD(policy.parameters(), lr=1.0), cfg, torch.device("cpu"),
@@ -381,7 +381,7 @@ def test_killed_inference_process_is_noticed_within_seconds(tiny_model_dir, when
     cfg = make_cfg(tiny_model_dir)
     policy, _ = load_model(cfg.model)
     train, held_out = load_task("arithmetic", eval_size=4)
-    sampling = dataclasses.replace(cfg, eval_every=0, groups_per_chunk=1)
+    sampling = dataclasses.replace(cfg, eval_every=0, groups_per_call=1)
     with inference.AsyncRollouts(cfg.model, {}, train, held_out, DIGITS, Timeline()) as remote:
         if when == "while generating":
             remote.attach(policy, sampling, 1)
@@ -406,7 +406,7 @@ def test_deferred_load_waits_for_the_trainer(tiny_model_dir, tmp_path):
     cfg = make_cfg(tiny_model_dir)
     policy, _ = load_model(cfg.model)
     train, held_out = load_task("arithmetic", eval_size=4)
-    sampling = dataclasses.replace(cfg, eval_every=0, groups_per_chunk=1)
+    sampling = dataclasses.replace(cfg, eval_every=0, groups_per_call=1)
     later = tmp_path / "model"
     with inference.AsyncRollouts(str(later), {}, train, held_out, DIGITS, Timeline(), load=False) as remote:
         time.sleep(5)  # past its imports (~4 s here): loading at once would have failed on the missing directory
@@ -436,7 +436,7 @@ def test_bad_reward_stops_trainer_with_clear_message(tiny_model_dir, tmp_path, r
     picks turns in one process, and the claim is about the inference process's error reaching the trainer. (No hang:
     the subprocess's timeout; no wall-clock assertion, the start-up alone takes 10-60 s on a loaded 2-core machine.)"""
     result = run_trainer("--model", tiny_model_dir, "--data", "arithmetic", "--reward", reward,
-                         "--max-new-tokens", "4", "--out", tmp_path, "--groups-per-chunk", "4", "--micro-batch-tokens",
+                         "--max-new-tokens", "4", "--out", tmp_path, "--groups-per-call", "4", "--micro-batch-tokens",
                          "16384", *SAME_THREADS, timeout=120)
     assert result.returncode == 1, result.stderr
     assert "the inference process" in result.stderr, result.stderr
@@ -515,3 +515,17 @@ def test_too_small_shared_memory_is_one_line_naming_the_fix(tiny_model_dir, monk
     weights.check_shared_memory(sum(p.numel() * 4 for p in policy.parameters()) // 2)  # tiny: 0.7 MB, fits
     with pytest.raises(weights.SharedMemoryError, match="shm-size"):
         weights.check_shared_memory(free)
+
+
+def test_every_inference_side_has_the_rollouts_protocols_methods():
+    """Claim: the three inference sides the loop takes (sync, async, inference ranks) have publish, generate and
+    receive with periodic_rl.Rollouts' parameters (names, kinds, defaults), so the loop calls each the same way."""
+    import inspect
+    from launch.remote import RemoteRollouts
+
+    def parameters(function):
+        return [(p.name, p.kind, p.default) for p in inspect.signature(function).parameters.values()]
+    for side in (inference.SyncRollouts, inference.AsyncRollouts, RemoteRollouts):
+        for method in ("publish", "generate", "receive"):
+            assert parameters(getattr(side, method)) == parameters(getattr(periodic_rl.Rollouts, method)), \
+                (side.__name__, method)

@@ -8,10 +8,10 @@ from config import Config
 from infra.models import load_model
 from infra.tasks import Example, prompt_token_ids
 from infra.hf_generate import own_sampling_only, sample_responses, sampling_config
-from rollout import Group, rollout_iteration, stop_token_ids
+from rollout import ScoredGroup, rollout_iteration, stop_token_ids
 
 SETTINGS = Config(seed=0, group_size=4, batch_size=12, max_new_tokens=24, temperature=1.0, top_p=1.0, eval_every=0,
-                  eval_samples=2, scale_rewards=True, groups_per_chunk=1)
+                  eval_samples=2, scale_rewards=True, groups_per_call=1)
 EXAMPLES = [Example("12+7=", "19"), Example("3+30=", "33"), Example("48+1=", "49")]
 
 
@@ -30,7 +30,7 @@ def rollouts(model_dir) -> list[list[list[int]]]:
     messages = []
     rollout_iteration(model, tokenizer, EXAMPLES, [], length_reward, SETTINGS, iteration=0, weights_version=lambda: 0,
                       send=messages.append)
-    return [m.responses for m in sorted((m for m in messages if isinstance(m, Group)), key=lambda g: g.index)]
+    return [m.responses for m in sorted((m for m in messages if isinstance(m, ScoredGroup)), key=lambda g: g.index)]
 
 
 def test_shipped_generation_config_does_not_change_sampling(qwen_shaped_dir, qwen_shaped_bare_dir):
@@ -139,7 +139,7 @@ def test_compaction_continues_each_row_exactly(qwen_shaped_dir):
 @pytest.mark.parametrize("engine", ["auto", "hf"])
 def test_rollouts_do_not_depend_on_the_call_sizes_with_the_engine(qwen_shaped_dir, engine):
     """Claim: with the engine (--engine auto), the rollouts of an iteration are decided by --seed alone:
-    --groups-per-chunk 1, 4 and 16 sample exactly the same tokens for every prompt (each row's draws are a function of
+    --groups-per-call 1, 4 and 16 sample exactly the same tokens for every prompt (each row's draws are a function of
     (seed, iteration, prompt, sample, step); the same thread count, so the logits are computed alike). And the test
     has teeth: with --engine hf (`generate`, seeded per call), the same call sizes sample other tokens."""
     import dataclasses
@@ -147,14 +147,14 @@ def test_rollouts_do_not_depend_on_the_call_sizes_with_the_engine(qwen_shaped_di
     model, tokenizer = load_model(str(qwen_shaped_dir))
     examples = [Example(f"{a}+{b}=", str(a + b)) for a, b in zip(range(16), range(5, 21))]
     sampled = {}
-    for chunk in (1, 4, 16):
-        cfg = dataclasses.replace(SETTINGS, batch_size=16 * 4, groups_per_chunk=chunk, engine=engine)
+    for per_call in (1, 4, 16):
+        cfg = dataclasses.replace(SETTINGS, batch_size=16 * 4, groups_per_call=per_call, engine=engine)
         messages = []
         rollout_iteration(model, tokenizer, examples, [], length_reward, cfg, iteration=3, weights_version=lambda: 0,
                           send=messages.append)
-        groups = sorted((m for m in messages if isinstance(m, Group)), key=lambda g: g.index)
+        groups = sorted((m for m in messages if isinstance(m, ScoredGroup)), key=lambda g: g.index)
         assert [g.index for g in groups] == list(range(16))
-        sampled[chunk] = [g.responses for g in groups]
+        sampled[per_call] = [g.responses for g in groups]
     if engine == "auto":
         assert sampled[1] == sampled[4] == sampled[16]
     else:
@@ -191,10 +191,10 @@ def test_top_k_reaches_both_samplers(qwen_shaped_dir):
 
     def sampled(**options) -> list[list[list[int]]]:
         messages = []
-        cfg = dataclasses.replace(SETTINGS, batch_size=4 * 4, groups_per_chunk=4, **options)
+        cfg = dataclasses.replace(SETTINGS, batch_size=4 * 4, groups_per_call=4, **options)
         rollout_iteration(model, tokenizer, examples, [], length_reward, cfg, iteration=0, weights_version=lambda: 0,
                           send=messages.append)
-        return [g.responses for g in sorted((m for m in messages if isinstance(m, Group)), key=lambda g: g.index)]
+        return [g.responses for g in sorted((m for m in messages if isinstance(m, ScoredGroup)), key=lambda g: g.index)]
 
     assert sampled(engine="auto") != sampled(engine="hf")
     greedy = sampled(engine="auto", top_k=1)

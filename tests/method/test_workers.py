@@ -18,7 +18,7 @@ from infra.command_line import parse_args
 from infra.reward import load_reward, load_rewards
 from infra.timeline import Timeline
 from launch import sizing
-from rollout import Evaluation, Group, IterationDone
+from rollout import Evaluation, ScoredGroup, IterationDone
 
 DIGITS = "tests/rewards.py:digit_fraction"
 # 8 prompts per iteration, one per generate call: worker 0 of 2 samples the even calls, worker 1 the odd ones.
@@ -26,7 +26,7 @@ DIGITS = "tests/rewards.py:digit_fraction"
 # it arrives), so that the order in which groups reach the trainer is the summation order of the gradient
 # (with two terms per step it would not matter: a + b == b + a). The same thread count on every process (a
 # worker's threads change its float rounding).
-SIZES = ("--batch-size", "32", "--group-size", "4", "--groups-per-chunk", "1", "--micro-batch-tokens", "60",
+SIZES = ("--batch-size", "32", "--group-size", "4", "--groups-per-call", "1", "--micro-batch-tokens", "60",
          "--updates-per-iteration", "2", "--epsilon-low", "0.01", "--epsilon-high", "0.01",
          "--rollout-threads", "1", "--train-threads", "1")
 
@@ -49,9 +49,9 @@ def train(cfg):
     return policy, rows
 
 
-def sampled(groups: list[Group]) -> list[tuple]:
+def sampled(groups: list[ScoredGroup]) -> list[tuple]:
     """What a group is, without when it was sampled."""
-    return [(g.iteration, g.index, g.policy_version, g.prompt_ids, g.responses, g.rewards, g.advantages, g.chunk)
+    return [(g.iteration, g.index, g.policy_version, g.prompt_ids, g.responses, g.rewards, g.advantages, g.call)
             for g in groups]
 
 
@@ -72,7 +72,7 @@ def test_shares_threads_and_devices_of_the_workers():
     (["--inference-workers", "0"], "--inference-workers must be at least 1"),
     (["--inference-workers", "2", "--rollout-device", "cpu,cpu,cpu"], "lists 3 devices for 2 --inference-workers"),
     (["--inference-workers", "2", "--rollout-device", "cpu,gpu"], "comma-separated list"),
-    (["--inference-workers", "3", "--batch-size", "16", "--group-size", "4", "--groups-per-chunk", "2"],
+    (["--inference-workers", "3", "--batch-size", "16", "--group-size", "4", "--groups-per-call", "2"],
      "makes 2 of the 4 prompts"),
 ])
 def test_bad_worker_options_are_one_line(capsys, options, message):
@@ -100,11 +100,11 @@ def test_more_workers_get_a_call_each_by_default():
     """Claim: left open, the generate calls per iteration are at least the workers (the probe, which models one
     worker, does not choose them)."""
     cfg = parse_args(["--inference-workers", "4", "--batch-size", "64", "--group-size", "4"])
-    assert cfg.chunks_per_iteration == 4
+    assert cfg.calls_per_iteration == 4
 
 
-def group(index: int, chunk: tuple[int, int]) -> Group:
-    return Group(0, index, 0, [1], [[2]], [0.0], [0.0], chunk=chunk)
+def group(index: int, call: tuple[int, int]) -> ScoredGroup:
+    return ScoredGroup(0, index, 0, [1], [[2]], [0.0], [0.0], call=call)
 
 
 def test_groups_reach_the_trainer_in_one_workers_order():
@@ -115,7 +115,7 @@ def test_groups_reach_the_trainer_in_one_workers_order():
     arrivals = [group(3, (2, 2)), group(1, (0, 2)), group(2, (2, 2)), IterationDone(0),  # worker 1 is done first
                 group(0, (0, 2)), group(5, (4, 2)), Evaluation(0, 0, 1.0), group(4, (4, 2)), IterationDone(0)]
     merged = list(inference.in_call_order(iter(arrivals), calls, workers=2))
-    assert [m.index if isinstance(m, Group) else type(m).__name__ for m in merged] == \
+    assert [m.index if isinstance(m, ScoredGroup) else type(m).__name__ for m in merged] == \
            [1, 0, 3, 2, 5, "Evaluation", 4, "IterationDone"]
     released = inference.in_call_order(iter([group(1, (0, 2)), group(0, (0, 2)), group(3, (2, 2))]), calls, 1)
     assert [g.index for g in released] == [1, 0, 3]  # call 1's group goes through once call 0 is complete
@@ -140,7 +140,7 @@ def test_rollouts_do_not_depend_on_the_number_of_workers(tiny_model_dir):
             for rollouts in (one, shares_in_turn, two):
                 rollouts.publish(policy, iteration)
                 rollouts.generate(iteration)
-                received.append([m for m in rollouts.receive() if isinstance(m, Group)])
+                received.append([m for m in rollouts.receive() if isinstance(m, ScoredGroup)])
             assert len(received[0]) == cfg.prompts_per_iteration
             assert sampled(received[1]) == sampled(received[0])
             assert sampled(received[2]) == sampled(received[0])
@@ -173,7 +173,7 @@ def test_training_does_not_depend_on_the_number_of_workers(tiny_model_dir):
 
 # --- failures: python trainer.py in a subprocess ---
 ENDLESS = ("--data", "arithmetic", "--iterations", "1000", "--batch-size", "16", "--group-size", "4",
-           "--max-new-tokens", "4", "--eval-every", "0", "--groups-per-chunk", "2", "--micro-batch-tokens", "16384",
+           "--max-new-tokens", "4", "--eval-every", "0", "--groups-per-call", "2", "--micro-batch-tokens", "16384",
            "--rollout-threads", "2", "--train-threads", "1", "--inference-workers", "2", "--no-save")
 
 
