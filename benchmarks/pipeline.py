@@ -141,8 +141,8 @@ def async_workload(argv: list[str], iterations: int, rounds: int, tailed: bool =
 def timed_workload(argv: list[str], iterations: int, rounds: int) -> dict:
     """`async_workload`'s runs and figures, with the tail as it is set."""
     from infra.command_line import parse_args
-    calls, threads, predicted = probed_sizes(argv)
-    argv = [*argv, *calls]
+    sizes, threads, predicted = probed_sizes(argv)
+    argv = [*argv, *sizes]
     runs: dict[str, list[list[dict]]] = {"sync": [], "async": []}
     for _ in range(rounds):
         for mode in runs:
@@ -166,7 +166,7 @@ def timed_workload(argv: list[str], iterations: int, rounds: int) -> dict:
             "sync_generate_s": t_gen,
             "sync_train_s": t_train, "async_generate_s": mean("async", "generate_s"),
             "async_train_s": mean("async", "train_s"), "async_overlap": mean("async", "overlap"),
-            "sizes": " ".join(calls + threads), "iterations": iterations, "rounds": rounds,
+            "sizes": " ".join(sizes + threads), "iterations": iterations, "rounds": rounds,
             "auto": parse_args(argv).mode, "response_length": mean("sync", "response_length")}
 
 

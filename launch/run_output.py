@@ -45,6 +45,7 @@ class RunOutput:
     resumed_at: int = 0
     history: Path | None = None
     ranks: object = None
+    logging: bool = False  # log_and_save has the rows: it says itself what became of the policy
 
     def prepared(self, cfg: Config) -> None:
         """The options once the data is read (--num-train-epochs counts the iterations there)."""
@@ -64,6 +65,7 @@ class RunOutput:
         """The rows logged and written, the policy saved (`log_and_save`); the final row."""
         if self.out is None:
             return list(rows)[-1]
+        self.logging = True
         return log_and_save(self.cfg, rows, policy, tokenizer, self.resumed_at, self.trackers.log, self.ranks,
                             self.history)
 
@@ -92,7 +94,13 @@ def opened(cfg: Config, resume_from: Path | None = None, command: list[str] | No
         history = resume_from.parent / "metrics.jsonl" if resume_from else None  # the run it continues
         samples = CompletionsLog(out, resumed_at, resume_from and resume_from.parent / COMPLETIONS,
                                  trackers.log_completions, cfg.num_completions_to_print, say)  # --log-completions
-        yield RunOutput(cfg, out, record, trackers, samples, resumed_at, history, ranks)
+        output = RunOutput(cfg, out, record, trackers, samples, resumed_at, history, ranks)
+        try:
+            yield output
+        except UserError as error:  # the training side failed to start (a damaged checkpoint, the sizes): the
+            if not output.logging and resume_from and cfg.save and Interrupted.received is None:  # policy is kept
+                error.args = (f"{error} ({stopped_early(out / 'policy')})",)
+            raise
 
 
 def save_policy(policy, tokenizer, path: Path, dtype=None) -> None:
@@ -123,6 +131,12 @@ def earlier_rows(metrics_path: Path, before: int) -> list[dict]:
 
 
 PROCESS_STARTED = time.time()  # what a stop line compares --out's policy/ with: written by this run or before it
+
+
+def stopped_early(policy_path: Path) -> str:
+    """What a run that stopped before its training ended leaves of the policy."""
+    kept = f"{policy_path} is still the policy saved before" if policy_path.exists() else "no policy was saved"
+    return f"the run stopped before training ended: {kept}"
 
 
 def log_and_save(cfg: Config, rows, policy, tokenizer, resumed_at: int = 0, report=lambda row: None,
@@ -210,8 +224,7 @@ def log_and_save(cfg: Config, rows, policy, tokenizer, resumed_at: int = 0, repo
         if saved:
             error.args = (f"{error} (the trained policy was saved in {policy_path} first)",)
         elif cfg.save and not trained:
-            kept_policy = f"{policy_path} is still the policy saved before" if policy_path.exists() else None
-            error.args = (f"{error} (the run stopped before training ended: {kept_policy or 'no policy was saved'})",)
+            error.args = (f"{error} ({stopped_early(policy_path)})",)
         raise
     except Exception as error:  # any other failure once the policy is saved (a bug, a library's): one line too
         keep_pending()
