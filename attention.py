@@ -236,7 +236,8 @@ def to_model_mask(allowed: Tensor, dtype: torch.dtype, attn_implementation: str)
 
 # --- hidden states -> log-probs ---
 
-LOGITS_CHUNK_BYTES = 256 * 2**20  # logits alive at once, counting ~16 bytes per logit (see token_logprobs)
+LOGITS_CHUNK_BYTES = 256 * 2**20  # logits alive at once on CPU, counting ~16 bytes per logit (see token_logprobs)
+DEVICE_MEMORY_SHARE = 64  # on an accelerator: 1/64 of its memory, between 1 and 8 times the CPU's (`chunk_bytes_for`)
 VOCAB_CHUNK = 32768  # vocabulary columns per chunk (Qwen's 151,936 in five)
 # Config fields of models whose logits are not plain `lm_head(last_hidden_state)` (Gemma 2/3 soft-capping,
 # Cohere's and Granite's scales): those take their logits from the model's own forward (`layout_logprobs`).
@@ -263,7 +264,7 @@ def token_logprobs(hidden: Tensor, head: torch.nn.Module, targets: Tensor, tempe
         weight, bias = head.weight, head.bias
     else:  # another output layer (an adapter's wrapper): its logits per chunk of rows, recomputed in backward
         vocab = getattr(head, "out_features", None) or hidden.shape[-1]
-        rows = max(1, (chunk_bytes or LOGITS_CHUNK_BYTES) // (16 * vocab))
+        rows = max(1, (chunk_bytes or logits_chunk_bytes(hidden.device)) // (16 * vocab))
         pieces = [torch.utils.checkpoint.checkpoint(lambda h, t: token_logprobs(head(h), torch.nn.Identity(), t,
                                                                                 temperature, chunk_bytes, entropy),
                                                     hidden[i:i + rows], targets[i:i + rows], use_reentrant=False)
@@ -271,12 +272,34 @@ def token_logprobs(hidden: Tensor, head: torch.nn.Module, targets: Tensor, tempe
         return tuple(torch.cat(p) for p in zip(*pieces)) if entropy else torch.cat(pieces)
     vocab = hidden.shape[-1] if weight is None else weight.shape[0]
     columns = min(vocab, VOCAB_CHUNK)
-    rows = max(1, (chunk_bytes or LOGITS_CHUNK_BYTES) // (16 * columns))
+    rows = max(1, (chunk_bytes or logits_chunk_bytes(hidden.device)) // (16 * columns))
     device = hidden.device.type
     dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
              else hidden.dtype if weight is None else torch.promote_types(hidden.dtype, weight.dtype))
     logp, measured = HeadLogprobs.apply(hidden, weight, bias, targets, temperature, dtype, rows, columns, entropy)
     return (logp, measured) if entropy else logp  # (M,), (M,)
+
+
+def chunk_bytes_for(device_memory: int | None) -> int:
+    """Bytes of logits alive at once, from the device's whole memory (None: a CPU, LOGITS_CHUNK_BYTES): 1/64 of it,
+    at least LOGITS_CHUNK_BYTES and at most 8 times that. Bigger blocks mean fewer, bigger kernels, which a GPU
+    needs to be busy; they stay a small share of the memory the activations need.
+
+    >>> [chunk_bytes_for(m) // 2**20 for m in (None, 16 * 2**30, 80 * 2**30, 141 * 10**9)]  # CPU, 16 GB, A100, H200
+    [256, 256, 1280, 2048]
+    """
+    if device_memory is None:
+        return LOGITS_CHUNK_BYTES
+    return min(max(device_memory // DEVICE_MEMORY_SHARE, LOGITS_CHUNK_BYTES), 8 * LOGITS_CHUNK_BYTES)
+
+
+def logits_chunk_bytes(device: torch.device) -> int:
+    """`chunk_bytes_for` the device's total memory (CUDA, an NPU, XPU: their get_device_properties), not its free
+    memory: the blocks change the order of float sums, so every forward of a run (the policy's, the reference's at
+    θ_0, where KL must be 0 exactly) must block alike whatever else the device holds at that moment."""
+    backend = getattr(torch, device.type, None) if device.type != "cpu" else None
+    properties = getattr(backend, "get_device_properties", None)
+    return chunk_bytes_for(getattr(properties(device), "total_memory", None) if properties else None)
 
 
 def _logits(h: Tensor, weight: Tensor | None, bias: Tensor | None, dtype: torch.dtype, temperature: float) -> Tensor:
@@ -296,7 +319,9 @@ class HeadLogprobs(torch.autograd.Function):
         ∂L/∂z_j = g·(1[j = t] - p_j),   z = (h Wᵀ + b)/T   =>
         ∂L/∂h = (g/T)·(W_t - Σ_j p_j W_j),   ∂L/∂W_j = Σ_rows (g/T)·(1[j = t] - p_j)·h,   ∂L/∂b_j = Σ_rows the same
     (without W, z = h/T: ∂L/∂h_j = (g/T)·(1[j = t] - p_j)). The products again in the forward's dtype, the sums
-    over blocks in float32.
+    over blocks in float32 (in place, addmm_, where the product's dtype is the sum's). ∂L/∂W, the one (V, H) tensor,
+    is allocated once, in the weight's dtype, and each block of its columns summed over all rows before the next:
+    straight into it for float32 weights, or in a float32 (V', H) block cast into it once for bf16 ones.
     """
 
     @staticmethod
@@ -339,11 +364,14 @@ class HeadLogprobs(torch.autograd.Function):
         sums = dict(device=hidden.device, dtype=log_normalizer.dtype)          # float32, or float64
         scaled = grad.to(sums["dtype"]) / temperature                          # (M,) g/T
         grad_h = torch.zeros(hidden.shape, **sums) if ctx.needs_input_grad[0] else None  # (M, H)
-        grad_w = torch.zeros(weight.shape, **sums) if ctx.needs_input_grad[1] else None  # (V, H)
+        grad_w = torch.empty_like(weight) if ctx.needs_input_grad[1] else None           # (V, H) the weight's dtype
+        in_place = grad_w is not None and grad_w.dtype == sums["dtype"]  # float32 weights: sums straight into grad_w
         grad_b = torch.zeros(bias.shape, **sums) if ctx.needs_input_grad[2] else None    # (V,)
         for v in range(0, V, columns):
             w = None if weight is None else weight[v:v + columns].to(dtype)   # (V', H)
             b = None if bias is None else bias[v:v + columns]
+            block_w = None if grad_w is None else grad_w[v:v + columns].zero_() if in_place else torch.zeros(
+                grad_w[v:v + columns].shape, **sums)                           # (V', H) float32 sums over all rows
             for r in range(0, M, rows):
                 h = hidden[r:r + rows] if weight is not None else hidden[r:r + rows, v:v + columns]
                 z = _logits(h, w, b, dtype, temperature)                       # (n, V')
@@ -358,14 +386,23 @@ class HeadLogprobs(torch.autograd.Function):
                         grad_h[r:r + rows, v:v + columns] = dz
                     continue
                 if grad_h is not None:
-                    grad_h[r:r + rows] += dz.to(dtype) @ w                     # (n, H)
-                if grad_w is not None:
-                    grad_w[v:v + columns] += dz.to(dtype).T @ h.to(dtype)     # (V', H)
+                    _add_product(grad_h[r:r + rows], dz.to(dtype), w)          # (n, H)
+                if block_w is not None:
+                    _add_product(block_w, dz.to(dtype).T, h.to(dtype))        # (V', H)
                 if grad_b is not None:
                     grad_b[v:v + columns] += dz.sum(dim=0)                     # (V',)
-        return (None if grad_h is None else grad_h.to(hidden.dtype),
-                None if grad_w is None else grad_w.to(weight.dtype),
+            if block_w is not None and not in_place:
+                grad_w[v:v + columns] = block_w                                # (V', H) rounded once
+        return (None if grad_h is None else grad_h.to(hidden.dtype), grad_w,
                 None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None, None, None)
+
+
+def _add_product(total: Tensor, a: Tensor, b: Tensor) -> None:
+    """total += a @ b, in place (addmm_: no product tensor) when the product's dtype is the sum's, else through it."""
+    if a.dtype == total.dtype:
+        total.addmm_(a, b)
+    else:
+        total += a @ b
 
 
 def _scatter(values: Tensor, mask: Tensor) -> Tensor:

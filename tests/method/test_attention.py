@@ -198,3 +198,36 @@ def test_head_logprobs_equal_the_full_softmax_and_never_keep_all_logits(case, mo
         assert ((ours.double() - plain.double()).abs() <= bound).all(), ((ours - plain).abs() - bound).max()
     if weight is not None:
         assert max(saved) <= max(M * H, V * H) < M * V  # h, W, the targets, logsumexp: never (M, V) logits
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_head_weight_gradient_is_its_only_full_size_tensor(weight_dtype, monkeypatch):
+    """Claim: the output layer's backward allocates one (V, H) tensor, its weight's gradient in the weight's dtype:
+    the live bytes it adds at its peak are the gradient's, plus the float32 sums and the float32 copy of one block of
+    columns (bf16 weights only), plus row-block temporaries; never a float32 (V, H) buffer besides (1.5x the weight
+    for bf16 weights). And with bf16 weights the gradient is exactly the float32 weights' (the same values) rounded
+    once: the sums are the same float32 operations, cast at the end of each block."""
+    from benchmarks.memory import LiveTensorBytes
+    M, H, V, columns, rows = 40, 64, 4096, 256, 8
+    monkeypatch.setattr(attention, "VOCAB_CHUNK", columns)
+    generator = torch.Generator().manual_seed(5)
+    values = torch.randn(V, H, generator=generator).to(weight_dtype)  # (V, H)
+    hidden = torch.randn(M, H, generator=generator)  # (M, H)
+    targets = torch.randint(V, (M,), generator=generator)
+    grads, peaks = {}, {}
+    for dtype in {torch.float32, weight_dtype}:
+        head = torch.nn.Linear(H, V, bias=False)
+        head.weight = torch.nn.Parameter(values.to(dtype))
+        h = hidden.clone().requires_grad_()
+        logp = attention.token_logprobs(h, head, targets, 0.7, chunk_bytes=16 * columns * rows)  # (M,)
+        with LiveTensorBytes(existing=[h, head.weight, logp]) as live:
+            before = live.live
+            logp.sum().backward()
+            peaks[dtype] = live.peak - before
+        grads[dtype] = head.weight.grad
+    weight_bytes = V * H * values.element_size()
+    block = 2 * columns * H * 4 if weight_dtype != torch.float32 else 0  # its float32 sums and the cast weight block
+    assert peaks[weight_dtype] <= weight_bytes + block + 3 * M * H * 4 + 16 * rows * columns * 4
+    assert weight_dtype == torch.float32 or peaks[weight_dtype] < V * H * 4 + weight_bytes
+    assert grads[weight_dtype].dtype == weight_dtype
+    assert torch.equal(grads[weight_dtype], grads[torch.float32].to(weight_dtype))
