@@ -346,7 +346,7 @@ class Config:
     micro_batch_tokens: int | None = _opt(None, "most tokens (prompt + response, as plain rows) per training "
                                                 "forward/backward: finished groups wait until this many have arrived "
                                                 "(or their generate call has ended), then train together; lower it if "
-                                                "the trainer runs out of memory (default: see --sizes; at most 16384)")
+                                                "the trainer runs out of memory (default: see --sizes)")
     pad_to_multiple_of: int | None = _opt(None, "pad the training rows, the engine's prefill rows and its KV cache to "
                                                 "a multiple of this many tokens (TRL's option; none = 1): a few "
                                                 "shapes recur instead of a new one per micro-batch and call, which "
@@ -363,7 +363,9 @@ class Config:
                                           "else --train-threads)")
     sizes: str = _opt("probe", "how the sizes not given are chosen. probe: on CPU, time iteration 0's generation "
                                "and training first and pick the generate calls, the micro-batch and the thread "
-                               "split from a model of the pipeline (launch/sizing.py; printed as flags); rule: one "
+                               "split from a model of the pipeline (launch/sizing.py; printed as flags); on a GPU or "
+                               "NPU trainer, the micro-batch as big as its free memory allows (launch/memory.py; not "
+                               "with bnpo); rule: one "
                                "call per iteration on a GPU/NPU, two on CPU, 16384-token micro-batches, cores in half",
                       choices=SIZES)
     collective_timeout: float = _opt(600.0, "seconds a trainer rank waits in a collective (gradient all-reduce, "

@@ -65,6 +65,7 @@ def time_schedule(argv: list[str], iterations: int) -> list[dict[str, float]]:
     """Run trainer.py's schedule in this process; the per-iteration figures, first iteration dropped."""
     import trainer
     from infra.command_line import parse_args
+    from infra.options import fits_memory
 
     cfg = parse_args([*argv, "--iterations", str(iterations + 1), "--eval-every", "0", "--no-save"])
     with trainer.started(cfg) as (schedule, _, _):  # the trainer's own start: devices, task, inference process, policy
@@ -113,7 +114,7 @@ def probed_sizes(argv: list[str]) -> tuple[list[str], list[str], float | None]:
     from launch import sizing
 
     cfg = parse_args([*argv, "--mode", "async"])
-    if cfg.sized:
+    if cfg.sized or fits_memory(cfg):  # (on a GPU only the micro-batch is open: each run fits it to its memory)
         return [], [], None
     cfg, task, _, load_kwargs = trainer.prepare(cfg)
     train_examples = task.train

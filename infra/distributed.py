@@ -52,6 +52,7 @@ import torch.distributed as dist
 from config import SIZE_FIELDS
 from infra import liveness
 from infra.liveness import RanksError
+from infra.options import fits_memory
 from infra.processes import killed_with_parent
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}  # by the training device's kind
@@ -175,7 +176,7 @@ def check(cfg, ranks: Ranks) -> None:
     """Refuse, in one line, what ranks do not support (departure 3); the generate calls once they are known."""
     if ranks.world == 1:
         return
-    if not cfg.sized and ranks.inference:
+    if not cfg.sized and ranks.inference and not fits_memory(cfg):  # (fitting the micro-batch needs no probe)
         raise RanksError(f"--sizes probe does not work with inference ranks ({ranks.inference}): the probe times a "
                          "local inference process; give --groups-per-call, --micro-batch-tokens, --rollout-threads "
                          "and --train-threads, or pass --sizes rule")

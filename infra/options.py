@@ -23,7 +23,7 @@ import os
 import textwrap
 import typing
 
-from config import MODEL_ALIASES, SECTIONS, TINY_MODELS, Config, is_model_name
+from config import MODEL_ALIASES, SECTIONS, SIZE_FIELDS, TINY_MODELS, Config, is_model_name
 from infra import sharing
 from infra.tracking import installed_trackers
 from infra.trl_names import TRL_ALIASES, TRL_DIFFERENT, TRL_FIXED, TRL_UNUSED, epilog
@@ -37,6 +37,7 @@ MICRO_BATCH_TOKENS = 16384
 # each; with lengths rounded up to 128 a few shapes recur (docs/benchmarks.md, "Shapes on a GPU"). TRL pads to 128 on
 # Neuron for the same reason (it compiles per shape).
 PAD_MULTIPLE_ACCELERATOR = 128
+MEMORY_FIT_DEVICES = ("cuda", "npu")  # trainers whose micro-batch --sizes probe fits to the free memory (launch/memory.py)
 
 
 def available_cores() -> int:
@@ -136,6 +137,10 @@ def derive(cfg: Config) -> Config:
     if cfg.mode == "sync" and probed:  # one side at a time: all cores; the probe chooses calls and micro-batch
         rollout_threads, train_threads = rollout_threads or cores, train_threads or cores
     tail_threads = cfg.tail_threads or train_threads  # (None while the probe is to choose the split)
+    # On a GPU or NPU trainer the micro-batch is as big as its memory allows, once the model is there (launch/memory.py);
+    # not under bnpo, whose loss would then change with the free memory.
+    fitted = (cfg.sizes == "probe" and not probed and train_device.split(":")[0] in MEMORY_FIT_DEVICES
+              and cfg.loss_type != "bnpo")
     return dataclasses.replace(
         cfg,
         max_new_tokens=cfg.max_new_tokens or (TINY_MODELS[cfg.model][1] if cfg.is_tiny else 512),
@@ -146,7 +151,7 @@ def derive(cfg: Config) -> Config:
         report_to=installed_trackers() if cfg.report_to == ["all"] else cfg.report_to,
         top_k=max(cfg.top_k, 0),  # -1: vLLM's off, which TRL passes on; 0 here
         groups_per_call=groups_per_call,
-        micro_batch_tokens=cfg.micro_batch_tokens or (None if probed else MICRO_BATCH_TOKENS),
+        micro_batch_tokens=cfg.micro_batch_tokens or (None if probed or fitted else MICRO_BATCH_TOKENS),
         pad_to_multiple_of=cfg.pad_to_multiple_of or (PAD_MULTIPLE_ACCELERATOR if on_accelerator
                                                       or not train_device.startswith("cpu") else 1),
         rollout_device=rollout_device,
@@ -156,6 +161,13 @@ def derive(cfg: Config) -> Config:
         train_threads=train_threads,
         tail_threads=tail_threads,
     )
+
+
+def fits_memory(cfg: Config) -> bool:
+    """Whether `derive` left the micro-batch, and it alone, to be fitted to the training device's memory
+    (launch/memory.py: --sizes probe on a GPU or NPU trainer, --micro-batch-tokens not given, not bnpo)."""
+    return (cfg.micro_batch_tokens is None and cfg.train_device.split(":")[0] in MEMORY_FIT_DEVICES
+            and all(getattr(cfg, name) for name in SIZE_FIELDS if name != "micro_batch_tokens"))
 
 
 NEEDS_ARGUMENTS = ("cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")  # transformers' say so

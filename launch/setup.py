@@ -3,7 +3,8 @@
     options, policy (θ_0), tokenizer, task, rewards       (trainer.py)
       -> the tri-model, AdamW and its learning-rate schedule `build_tri_model`, `build_optimizer`, `disable_dropout`
       -> θ_k and AdamW's state from a checkpoint           (infra/checkpoint.py, --resume)
-      -> the sizes left open, measured on this machine     (launch/sizing.py, --sizes probe)
+      -> the sizes left open, measured on this machine     (launch/sizing.py, --sizes probe; on a GPU the
+                                                           micro-batch from its free memory, launch/memory.py)
       -> where sampling runs and on which threads          `colocated`, `elastic_threads`, `inference_side`
       -> periodic_rl.train, one metrics row per iteration  checkpoints every --save-every, the trace at the end
 
@@ -31,10 +32,10 @@ import periodic_rl
 from inference import AsyncRollouts, SyncRollouts
 from infra import checkpoint, completions, outputs, sharing
 from infra.distributed import Ranks
-from infra.options import available_cores, schedule_arguments, schedule_lengths
+from infra.options import available_cores, fits_memory, schedule_arguments, schedule_lengths
 from infra.reward import as_rewards
 from infra.timeline import Timeline
-from launch import sizing
+from launch import memory, sizing
 from learner import Learner
 from packing import enable_activation_checkpointing, logprobs_fn
 from rollout import engine_reason, stop_token_ids
@@ -246,18 +247,18 @@ def sampling_side(cfg, training: Training, policy, tokenizer, train_examples, he
                   rollouts: AsyncRollouts | None = None, ranks: Ranks = Ranks()):
     """(the config with its sizes, where sampling runs, the learner): the sizes left open measured (--sizes probe)
     or set by rule (launch/sizing.py), then the inference process (async) or a sampler here (sync, and async taking
-    turns), and the learner on the same timeline."""
+    turns), on a GPU the micro-batch fitted to the memory they leave (launch/memory.py), and the learner on the same
+    timeline."""
     if rollouts is None and samples_elsewhere(cfg, ranks):
         raise ValueError("async mode samples in the inference process: pass `rollouts` (see inference_side)")
     if rollouts is not None and not cfg.sized:
-        rollouts.wait_until_loaded()  # the probe times this machine's cores, not the inference side's loading
-    cfg, probed = sizing.choose_for_ranks(cfg, training.tri, tokenizer, train_examples, ranks,
-                                          rollouts.check_alive if rollouts is not None else lambda: None)
-    print(f"periodic-rl: sizes: --groups-per-call {cfg.groups_per_call} ({cfg.calls_per_iteration} generate "
-          f"call(s) per iteration) --micro-batch-tokens {cfg.micro_batch_tokens} --rollout-threads "
-          f"{cfg.rollout_threads} --train-threads {cfg.train_threads} --tail-threads {cfg.tail_threads} (pass these "
-          f"to fix them)"
-          + (f"\nperiodic-rl: {probed}" if probed else ""), flush=True)
+        rollouts.wait_until_loaded()  # the probe times this machine's cores, not the inference side's loading; the
+        # memory fit counts the inference side's weights on a shared GPU
+    fit_memory = fits_memory(cfg)  # the micro-batch from the device's free memory, once all resident weights are there
+    if not fit_memory:
+        cfg, probed = sizing.choose_for_ranks(cfg, training.tri, tokenizer, train_examples, ranks,
+                                              rollouts.check_alive if rollouts is not None else lambda: None)
+        say_sizes(cfg, probed)
     torch.set_num_threads(cfg.train_threads)
     if colocated(cfg, ranks):
         if rollouts is not None:  # started for the probe, which chose to take turns: nothing left for it to do
@@ -276,9 +277,21 @@ def sampling_side(cfg, training: Training, policy, tokenizer, train_examples, he
         rollouts = sampler_here(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs,
                                 training.tri.compute_dtype, ranks)
         timeline = Timeline()
+    if fit_memory:
+        cfg, fitted = memory.fit_micro_batch(cfg, training, tokenizer, train_examples, ranks)
+        say_sizes(cfg, fitted)
     learner = Learner(training.tri, training.optimizer, cfg, next(policy.parameters()).device, timeline, ranks,
                       as_rewards(rewards).names, training.scheduler, stop_token_ids(policy, tokenizer))
     return cfg, rollouts, learner
+
+
+def say_sizes(cfg, how: str) -> None:
+    """The sizes line, as flags that fix them, and how they were chosen (the probe's or the memory fit's line)."""
+    print(f"periodic-rl: sizes: --groups-per-call {cfg.groups_per_call} ({cfg.calls_per_iteration} generate "
+          f"call(s) per iteration) --micro-batch-tokens {cfg.micro_batch_tokens} --rollout-threads "
+          f"{cfg.rollout_threads} --train-threads {cfg.train_threads} --tail-threads {cfg.tail_threads} (pass these "
+          f"to fix them)"
+          + (f"\nperiodic-rl: {how}" if how else ""), flush=True)
 
 
 def sample_then_train(cfg, ranks: Ranks = Ranks()) -> bool:

@@ -42,7 +42,8 @@ chain task. Measuring each candidate's generation whole removes that guess.)
 Deliberate departures:
 1. Probed on CPU only. On an accelerator a decode step costs about the same for 8 rows as for
    512 (memory-bound), so one call per iteration is the rule (config.GENERATE_CALLS), and the
-   trainer's float32 policy on the training device would time the wrong sampler anyway.
+   trainer's float32 policy on the training device would time the wrong sampler anyway. There the
+   micro-batch is as big as the device's memory allows instead (launch/memory.py).
 2. The sizes change the rollouts (which prompts share a call, hence the random stream): a rerun on
    a busier machine may choose differently. The chosen sizes are printed as flags; passing them
    fixes them, and a size that is given is never probed.
@@ -60,7 +61,7 @@ import torch
 
 from infra import distributed
 from infra.hf_generate import sampling_config
-from infra.options import GENERATE_CALLS, MICRO_BATCH_TOKENS, available_cores
+from infra.options import GENERATE_CALLS, MICRO_BATCH_TOKENS, available_cores, fits_memory
 from infra.tasks import run_prompt_ids
 from learner import forward_backward, micro_batch_size
 from rollout import iteration_prompts, sample_prompts, stop_token_ids
@@ -307,7 +308,7 @@ def choose(cfg, tri, tokenizer, train_examples, cores: int | None = None, min_ca
     count. Async with the threads open probes twice: overlapped, at half the cores per side, and in
     turns, at all cores per side (the toy on 2 cores: overlapping two calls at one thread each is
     slower than taking turns at two), and keeps the faster prediction."""
-    if cfg.sized:
+    if cfg.sized or fits_memory(cfg):  # (a GPU's micro-batch is fitted to its memory: launch/memory.py)
         return cfg, "", 1.0
     print(f"periodic-rl: probing sizes (the toy: 5-25 s; by rule instead if its first call predicts more than "
           f"{PROBE_BUDGET_S:.0f} s and {PROBE_SHARE:.0%} of the run's sampling; pass the printed flags to skip) ...",

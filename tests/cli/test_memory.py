@@ -1,0 +1,108 @@
+"""launch/memory.py: the micro-batch fitted to a GPU's free memory, its arithmetic, and its glue run on CPU through a
+backend that counts live tensor bytes as the CUDA allocator counts them."""
+import dataclasses
+
+import pytest
+import torch
+
+from benchmarks.memory import LiveTensorBytes
+from config import Config
+from infra.data import load_task
+from infra.models import load_model
+from infra.options import MICRO_BATCH_TOKENS, derive, fits_memory
+from launch import memory
+from launch.setup import Training, adamw
+from learner import forward_backward
+from packing import logprobs_fn
+from tri_model import TriModel
+
+
+@pytest.mark.parametrize("free, per_token, fixed", [(141e9, 1.3e6, 3e9), (24e9, 2.1e5, 6e8), (8e9, 7e6, 1e9),
+                                                    (2e9, 1e6, 1.5e9)])
+def test_the_fitted_tokens_fit_and_one_bucket_more_would_not(free, per_token, fixed):
+    """Claim: fit_tokens picks n with fixed + per_token·n within (1 - MARGIN) of the free bytes, a multiple of
+    BUCKET when at least one fits, and n + BUCKET would not fit (nothing is left on the table but the rounding)."""
+    n = memory.fit_tokens(free, per_token, fixed)
+    usable = (1 - memory.MARGIN) * free
+    assert n >= 1 and (fixed + per_token * n <= usable or n == 1)
+    if n >= memory.BUCKET:
+        assert n % memory.BUCKET == 0 and fixed + per_token * (n + memory.BUCKET) > usable
+    else:
+        assert fixed + per_token * (n + 1) > usable
+
+
+def test_derive_leaves_the_micro_batch_to_the_memory_fit_on_a_gpu_trainer_only():
+    """Claim: with --sizes probe on a CUDA (or NPU) trainer and no --micro-batch-tokens, the micro-batch alone is left
+    open for launch/memory.py; given, with --sizes rule, with bnpo (whose loss depends on it), or on CPU, it is not."""
+    gpu = derive(Config(device="cuda", max_new_tokens=8))
+    assert gpu.micro_batch_tokens is None and fits_memory(gpu) and not gpu.sized
+    assert derive(Config(device="cuda", max_new_tokens=8, micro_batch_tokens=500)).micro_batch_tokens == 500
+    for kept in (derive(Config(device="cuda", max_new_tokens=8, sizes="rule")),
+                 derive(Config(device="cuda", max_new_tokens=8, loss_type="bnpo"))):
+        assert kept.micro_batch_tokens == MICRO_BATCH_TOKENS and not fits_memory(kept)
+    assert not fits_memory(derive(Config(max_new_tokens=8)))  # CPU: the probe's to choose
+
+
+class CountingBackend:
+    """torch.cuda's memory functions over live tensor bytes (LiveTensorBytes): `free` bytes free on the device."""
+
+    def __init__(self, live: LiveTensorBytes, free: int):
+        self.live, self.free = live, free
+
+    def mem_get_info(self, device):
+        return self.free, 2 * self.free
+
+    def memory_allocated(self, device):
+        return self.live.live
+
+    memory_reserved = memory_allocated  # no cache
+
+    def reset_peak_memory_stats(self, device):
+        self.live.peak = self.live.live
+
+    def max_memory_allocated(self, device):
+        return self.live.peak
+
+    def synchronize(self, device):
+        pass
+
+    def empty_cache(self):
+        pass
+
+
+def test_the_fitted_micro_batch_fits_and_the_fit_changes_nothing(tiny_model_dir, monkeypatch):
+    """Claim: fit_micro_batch, on a device whose memory is counted as the CUDA allocator counts it, sets
+    --micro-batch-tokens from the measured peak of stand-in rows and the free bytes less the gradients and AdamW's
+    moments still to come, says so ("from N GB free"), and leaves the random state, the weights and the gradients as
+    they were; and a micro-batch of that many tokens of the run's longest plain rows, trained with the gradients
+    held, peaks within that budget."""
+    cfg = derive(Config(model=str(tiny_model_dir), data="arithmetic", mode="sync", batch_size=32, group_size=4,
+                        max_new_tokens=6))
+    policy, tokenizer = load_model(cfg.model)
+    train, _ = load_task(cfg.data, eval_size=4)
+    tri = TriModel(policy, logprobs_fn(policy, pad_id=tokenizer.pad_token_id), use_reference=True, use_old=False)
+    optimizer = adamw(list(policy.parameters()), lr=1e-3, weight_decay=0.0)
+    training = Training(tri, optimizer, None, "", 0)
+    before, rng = [p.detach().clone() for p in policy.parameters()], torch.get_rng_state()
+    free = 12_000_000
+    with LiveTensorBytes(existing=[*policy.parameters(), *tri.reference.parameters(), *before]) as live:
+        monkeypatch.setattr(memory, "device_memory", lambda device: CountingBackend(live, free))
+        still = memory.still_to_come(policy, optimizer)  # gradients + two moments: 3x the float32 weights
+        fitted, note = memory.fit_micro_batch(dataclasses.replace(cfg, micro_batch_tokens=None), training, tokenizer,
+                                              train)
+        assert torch.equal(torch.get_rng_state(), rng) and all(p.grad is None for p in policy.parameters())
+        assert all(torch.equal(p, q) for p, q in zip(policy.parameters(), before))
+        budget = free - still
+        assert still == 3 * sum(p.numel() * 4 for p in policy.parameters())
+        assert f"micro-batch: {fitted.micro_batch_tokens} tokens from {budget / 1e9:.3g} GB free" in note
+        rows = memory.stand_in_groups(cfg, tokenizer, train, policy.get_input_embeddings().num_embeddings,
+                                      torch.device("cpu"), count=64)
+        width = len(rows[0][0]) + cfg.max_new_tokens  # tokens of one row
+        n = fitted.micro_batch_tokens // width
+        assert 4 <= n <= len(rows)  # (the test's free bytes leave room for several rows)
+        forward_backward(tri, rows[:1], [0.0], cfg)  # the gradients held, as after a run's first micro-batch
+        start = live.live
+        live.peak = start
+        forward_backward(tri, rows[:n], [0.0] * n, cfg)
+        assert live.peak - start <= budget
+    policy.zero_grad(set_to_none=True)
