@@ -35,10 +35,13 @@ import time
 
 import torch
 
+import attention
 import packing
 from benchmarks.engine_cpu import gsm8k_prompts, qwen_wide_model
+from config import Config
 from grpo import grpo_loss
 from infra.options import PAD_MULTIPLE_ACCELERATOR
+from launch.memory import STAND_INS, fit_rows
 from launch.setup import adamw
 from tri_model import TriModel
 from weights import WeightBuffer
@@ -52,7 +55,8 @@ GOAL_SHARE = 0.35
 
 def train_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--train-micro-groups", type=int, default=16,
-                        help="train part: groups per micro-batch (16: the whole iteration in one)")
+                        help="train part: groups per micro-batch (16: the whole iteration in one; 0: as many as the "
+                             "device's memory allows, as a run's --sizes probe fits them: launch/memory.py)")
 
 
 def peak_tflops(device: torch.device) -> float | None:
@@ -134,8 +138,8 @@ def clock_on(device: torch.device):
 
 
 def train_part(args: argparse.Namespace, device: torch.device) -> dict:
-    if args.train_micro_groups < 1:
-        raise SystemExit(f"error: --train-micro-groups {args.train_micro_groups}: give 1 or more")
+    if args.train_micro_groups < 0:
+        raise SystemExit(f"error: --train-micro-groups {args.train_micro_groups}: give 1 or more (0: fitted to memory)")
     model, groups = train_workload(args, device)
     compute = torch.bfloat16 if device.type == "cuda" else torch.float32
     multiple = PAD_MULTIPLE_ACCELERATOR if device.type != "cpu" else 1  # the trainer's --pad-to-multiple-of auto
@@ -150,8 +154,18 @@ def train_part(args: argparse.Namespace, device: torch.device) -> dict:
     lengths = [(len(p), [len(r) for r in rs]) for p, rs in groups]
     flops = forward_flops(model, lengths)
     peak = peak_tflops(device)
-    micro = args.train_micro_groups
     tokens = sum(p + sum(rs) for p, rs in lengths)
+    # what a run's --sizes probe fits to this device's memory (launch/memory.py), from rows of the workload's shape
+    fitted, fit_note = fit_rows(tri, optimizer, [(p, rs[:1]) for p, rs in groups[:STAND_INS]],
+                                Config(max_new_tokens=args.decode_tokens))
+    group_tokens = max(len(rs) * p + sum(rs) for p, rs in lengths)  # as the learner counts a group: G·P + Σ R
+    micro = args.train_micro_groups or max(1, min(len(groups), (fitted or 0) // group_tokens))
+    chunk = attention.logits_chunk_bytes(device)
+    columns = min(args.vocab, attention.VOCAB_CHUNK)
+    micro_tokens = min(micro, len(groups)) * group_tokens
+    print(f"gpu train: {fit_note}; here {micro} groups per micro-batch ({micro_tokens} tokens as the learner "
+          f"counts them); logit blocks of {chunk // (16 * columns)} rows x {columns} columns ({chunk / 2**20:.0f} "
+          f"MiB, attention.logits_chunk_bytes)", flush=True)
     print(f"gpu train: {args.layers} layers, vocabulary {args.vocab}, {len(groups)} groups x {args.group_size} "
           f"responses of {args.decode_tokens} tokens ({tokens} packed tokens), {micro} groups per micro-batch, "
           f"float32 masters, {compute} compute, {device}; one forward F = {flops:.3g} FLOP; peak "
@@ -164,6 +178,8 @@ def train_part(args: argparse.Namespace, device: torch.device) -> dict:
     memory = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
               else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     figures: dict = {"forward_flops": flops, "packed_tokens": tokens, "peak_tflops": peak, "micro_groups": micro,
+                     "micro_tokens": micro_tokens, "fitted_tokens": fitted, "memory_fit": fit_note,
+                     "logits_chunk_bytes": chunk,
                      "peak_memory_bytes": memory, "peak_memory_kind": "cuda allocated" if device.type == "cuda"
                      else "process max RSS", "phases": {}}
     print(f"{'phase':12s} {'seconds':>8s} {'TFLOP/s':>8s} {'of peak':>8s}   (median of {len(rounds)} rounds)")

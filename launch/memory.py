@@ -133,35 +133,45 @@ def still_to_come(policy: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
     return gradients + moments
 
 
+def fit_rows(tri, optimizer, rows, cfg) -> tuple[int | None, str]:
+    """(micro-batch tokens, the line saying from what) fitted to the memory of the policy's device from the peaks of
+    `rows` (one-response groups, `stand_in_groups`), or (None, why) where the device reports no memory or the rows
+    themselves do not fit. `cfg`: the loss's options (learner.forward_backward)."""
+    policy = tri.policy
+    device = next(policy.parameters()).device
+    backend = device_memory(device)
+    if backend is None:
+        return None, f"micro-batch: {device.type} reports no free memory"
+    try:
+        tokens, peaks = measure_peaks(tri, rows, cfg, peak_above(backend, device))
+    except torch.OutOfMemoryError:
+        backend.empty_cache()
+        return None, (f"micro-batch: {len(rows)} rows of {len(rows[0][0]) + len(rows[0][1][0])} tokens ran out of "
+                      f"memory on {device} (lower --micro-batch-tokens, or --gradient-checkpointing, if training does "
+                      "too)")
+    fixed, per_token = affine_peak(tokens, peaks)
+    free, _ = backend.mem_get_info(device)
+    budget = free + backend.memory_reserved(device) - backend.memory_allocated(device) - still_to_come(policy, optimizer)
+    fitted = fit_tokens(budget, per_token, fixed) or None
+    return fitted, (f"micro-batch: {fitted} tokens from {budget / 1e9:.3g} GB free for training on {device} "
+                    f"({per_token / 2**20:.3g} MiB a token + {fixed / 2**30:.3g} GiB, measured; {MARGIN:.0%} kept "
+                    "free)")
+
+
 def fit_micro_batch(cfg, training, tokenizer, train_examples, ranks: Ranks = Ranks()) -> tuple[object, str]:
     """`cfg` with --micro-batch-tokens fitted to the training device's memory (`training`: launch.setup.Training),
-    and the line that says from what; the default cap where the device has no memory functions."""
+    and the line that says from what; the default cap where no fit came out (`fit_rows`)."""
     from infra.options import MICRO_BATCH_TOKENS
 
     policy = training.tri.policy
     device = next(policy.parameters()).device
-    backend = device_memory(device)
-    if backend is None:
-        return dataclasses.replace(cfg, micro_batch_tokens=MICRO_BATCH_TOKENS), (
-            f"micro-batch: {device.type} reports no free memory: the default {MICRO_BATCH_TOKENS}")
-    vocab = policy.get_input_embeddings().num_embeddings
-    groups = stand_in_groups(cfg, tokenizer, train_examples, vocab, device)
-    try:
-        tokens, peaks = measure_peaks(training.tri, groups, cfg, peak_above(backend, device))
-    except torch.OutOfMemoryError:
-        backend.empty_cache()
-        return dataclasses.replace(cfg, micro_batch_tokens=MICRO_BATCH_TOKENS), (
-            f"micro-batch: {STAND_INS} rows of {len(groups[0][0]) + cfg.max_new_tokens} tokens ran out of memory on "
-            f"{device}: the default {MICRO_BATCH_TOKENS} (lower it, or --gradient-checkpointing, if training does too)")
-    fixed, per_token = affine_peak(tokens, peaks)
-    free, _ = backend.mem_get_info(device)
-    budget = free + backend.memory_reserved(device) - backend.memory_allocated(device) \
-        - still_to_come(policy, training.optimizer)
-    fitted = fit_tokens(budget, per_token, fixed) or MICRO_BATCH_TOKENS
+    rows = stand_in_groups(cfg, tokenizer, train_examples, policy.get_input_embeddings().num_embeddings, device)
+    fitted, note = fit_rows(training.tri, training.optimizer, rows, cfg)
     if ranks.size > 1:  # every rank cuts alike: the smallest fit (departure 3)
-        fitted = int(-distributed.max_values([-fitted], ranks, device)[0])
-    note = (f"micro-batch: {fitted} tokens from {budget / 1e9:.3g} GB free for training on {device} "
-            f"({per_token / 2**20:.3g} MiB a token + {fixed / 2**30:.3g} GiB, measured; {MARGIN:.0%} kept free)")
-    if fitted < cfg.group_size * tokens[0]:
+        fitted = int(-distributed.max_values([-(fitted or MICRO_BATCH_TOKENS)], ranks, device)[0])
+        note += f"; {fitted} on every rank (the smallest)"
+    if fitted is None:
+        return dataclasses.replace(cfg, micro_batch_tokens=MICRO_BATCH_TOKENS), f"{note}: the default {MICRO_BATCH_TOKENS}"
+    if fitted < cfg.group_size * (len(rows[0][0]) + cfg.max_new_tokens):
         note += "; less than one group of the longest rows: such a group trains alone, and may not fit"
     return dataclasses.replace(cfg, micro_batch_tokens=fitted), note

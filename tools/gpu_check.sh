@@ -4,6 +4,9 @@
 #
 #   bash tools/gpu_check.sh train decode     # call 1: ~6 minutes at most (train 150 s, decode 240 s)
 #   bash tools/gpu_check.sh peer             # call 2: ~5.5 minutes at most (TRL against sync and async)
+#   bash tools/gpu_check.sh train-fit        # the train part at the micro-batch a run fits to the memory
+#                                            # (launch/memory.py), over 64 prompts so that the fit, not the
+#                                            # iteration, bounds it: it must train without running out of memory
 #
 # Each part runs `python bench.py gpu --parts PART` under its own `timeout`, so a part that hangs or compiles for
 # too long costs its limit, not the lease; its log ($OUT/PART.log), figures ($OUT/PART.json) and exit status
@@ -23,6 +26,7 @@ if [ -d .whl ] && compgen -G ".whl/*.whl" > /dev/null; then
 fi
 export PYTHONUNBUFFERED=1
 if [ "${GPU_CHECK_CPU:-0}" = 1 ]; then
+    FIT_PROMPTS=2
     SIZE=(--device cpu --layers 1 --vocab 512 --prompts 2 --group-size 2 --decode-tokens 6 --rounds 1
           --train-tokens 4 --iterations 1 --peer-rounds 1 --trainer-args "--sizes rule"
           --trl-python "${TRL_PYTHON:-/nonexistent}")  # peer: skipped, with the reason, unless TRL_PYTHON has trl
@@ -30,13 +34,16 @@ else
     SIZE=(--train-tokens 128 --iterations 3 --peer-rounds 1)
     nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 fi
-declare -A LIMIT=([train]=150 [decode]=240 [peer]=330 [pipeline]=300 [kernels]=200)
+declare -A LIMIT=([train]=150 [train-fit]=180 [decode]=240 [peer]=330 [pipeline]=300 [kernels]=200)
+declare -A EXTRA=([train-fit]="--train-micro-groups 0 --prompts ${FIT_PROMPTS:-64}")  # bench.py gpu's part: before -fit
 status=0
 for part in "$@"; do
-    [ -n "${LIMIT[$part]:-}" ] || { echo "error: unknown part $part (train, decode, peer, pipeline, kernels)"; exit 2; }
+    [ -n "${LIMIT[$part]:-}" ] || { echo "error: unknown part $part (train, train-fit, decode, peer, pipeline, kernels)"
+                                    exit 2; }
     start=$(date +%s)
-    timeout --kill-after=10 "${LIMIT[$part]}" "$PYTHON" bench.py gpu --parts "$part" --data "$DATA" ${MODEL:+--model "$MODEL"} \
-        "${SIZE[@]}" \
+    # shellcheck disable=SC2086  # EXTRA holds several words
+    timeout --kill-after=10 "${LIMIT[$part]}" "$PYTHON" bench.py gpu --parts "${part%-fit}" --data "$DATA" \
+        ${MODEL:+--model "$MODEL"} "${SIZE[@]}" ${EXTRA[$part]:-} \
         --json "$OUT/$part.json" > "$OUT/$part.log" 2>&1
     code=$?
     echo "$code $(( $(date +%s) - start ))s" > "$OUT/$part.status"

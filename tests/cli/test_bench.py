@@ -400,11 +400,14 @@ def test_gpu_check_script_dry_runs_on_cpu(tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "OUT": str(out), "GPU_CHECK_CPU": "1", "DATA": str(data), "PYTHON": sys.executable}
     root = Path(__file__).resolve().parents[2]
-    done = subprocess.run(["bash", "tools/gpu_check.sh", "train"], cwd=root, env=env, capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run(["bash", "tools/gpu_check.sh", "train", "train-fit"], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=600)
     assert done.returncode == 0, done.stdout + (out / "train.log").read_text()[-2000:]
-    assert (out / "train.status").read_text().split()[0] == "0"
-    assert set(json.loads((out / "train.json").read_text())["train"]["phases"]) >= {"forward", "backward"}
+    for part in ("train", "train-fit"):
+        assert (out / f"{part}.status").read_text().split()[0] == "0"
+        assert set(json.loads((out / f"{part}.json").read_text())["train"]["phases"]) >= {"forward", "backward"}
+    fit = json.loads((out / "train-fit.json").read_text())["train"]  # CPU: no memory to fit, one group at a time
+    assert fit["micro_groups"] == 1 and fit["memory_fit"] == "micro-batch: cpu reports no free memory"
     wrong = subprocess.run(["bash", "tools/gpu_check.sh", "trian"], cwd=root, env=env, capture_output=True, text=True)
-    assert wrong.returncode == 2 and wrong.stdout.strip() == "error: unknown part trian (train, decode, peer, " \
-                                                             "pipeline, kernels)"
+    assert wrong.returncode == 2 and wrong.stdout.strip() == "error: unknown part trian (train, train-fit, decode, " \
+                                                             "peer, pipeline, kernels)"
