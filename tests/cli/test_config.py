@@ -137,7 +137,8 @@ def test_thread_split(monkeypatch):
 
 def test_probed_sizes_are_left_open_on_cpu_only(monkeypatch):
     """Claim: with --sizes probe (the default) on CPU, derive leaves exactly the sizes not given open for the probe
-    (sync: only the generate calls; its threads are all cores); on an accelerator the rule fills them."""
+    (sync: only the generate calls; its threads are all cores); on an accelerator the rule fills them but the
+    micro-batch, left to the memory fit (launch/memory.py; --sizes rule fills it too)."""
     from infra import options
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
     monkeypatch.setattr(options, "detect_accelerator", lambda: "cpu")
@@ -148,7 +149,9 @@ def test_probed_sizes_are_left_open_on_cpu_only(monkeypatch):
     assert (sync.groups_per_call, sync.rollout_threads, sync.train_threads) == (None, 8, 8)
     monkeypatch.setattr(options, "detect_accelerator", lambda: "cuda")
     monkeypatch.setattr(options, "accelerator_count", lambda _: 1)
-    assert derive(Config(mode="async")).sized
+    accelerated = derive(Config(mode="async"))
+    assert accelerated.micro_batch_tokens is None and options.fits_memory(accelerated)
+    assert derive(Config(mode="async", sizes="rule")).sized
 
 
 def test_trainer_cli_bad_value_exits_2_without_traceback():

@@ -33,9 +33,12 @@ def test_the_fitted_tokens_fit_and_one_bucket_more_would_not(free, per_token, fi
 
 def test_derive_leaves_the_micro_batch_to_the_memory_fit_on_a_gpu_trainer_only():
     """Claim: with --sizes probe on a CUDA (or NPU) trainer and no --micro-batch-tokens, the micro-batch alone is left
-    open for launch/memory.py; given, with --sizes rule, with bnpo (whose loss depends on it), or on CPU, it is not."""
+    open for launch/memory.py (which inference ranks do not refuse: it probes nothing); given, with --sizes rule,
+    with bnpo (whose loss depends on it), or on CPU, it is not."""
+    from infra.distributed import Ranks, check
     gpu = derive(Config(device="cuda", max_new_tokens=8))
     assert gpu.micro_batch_tokens is None and fits_memory(gpu) and not gpu.sized
+    check(gpu, Ranks(0, 1, 0, 1, inference=1))  # no refusal
     assert derive(Config(device="cuda", max_new_tokens=8, micro_batch_tokens=500)).micro_batch_tokens == 500
     for kept in (derive(Config(device="cuda", max_new_tokens=8, sizes="rule")),
                  derive(Config(device="cuda", max_new_tokens=8, loss_type="bnpo"))):
