@@ -153,6 +153,8 @@ def fit_rows(tri, optimizer, rows, cfg) -> tuple[int | None, str]:
     free, _ = backend.mem_get_info(device)
     budget = free + backend.memory_reserved(device) - backend.memory_allocated(device) - still_to_come(policy, optimizer)
     fitted = fit_tokens(budget, per_token, fixed) or None
+    if fitted is None:
+        return None, f"micro-batch: the stand-in rows' peaks on {device} did not grow with their tokens: nothing to fit"
     return fitted, (f"micro-batch: {fitted} tokens from {budget / 1e9:.3g} GB free for training on {device} "
                     f"({per_token / 2**20:.3g} MiB a token + {fixed / 2**30:.3g} GiB, measured; {MARGIN:.0%} kept "
                     "free)")

@@ -109,3 +109,27 @@ def test_the_fitted_micro_batch_fits_and_the_fit_changes_nothing(tiny_model_dir,
         forward_backward(tri, rows[:n], [0.0] * n, cfg)
         assert live.peak - start <= budget
     policy.zero_grad(set_to_none=True)
+
+
+def test_without_a_fit_the_default_cap_stays_and_says_why(tiny_model_dir, monkeypatch):
+    """Claim: where the device reports no memory (CPU), or the stand-in rows themselves run out of it, the micro-batch
+    is the default cap and the line says why; the gradients are left unset either way."""
+    cfg = derive(Config(model=str(tiny_model_dir), data="arithmetic", mode="sync", batch_size=8, group_size=4,
+                        max_new_tokens=4))
+    policy, tokenizer = load_model(cfg.model)
+    train, _ = load_task(cfg.data, eval_size=4)
+    tri = TriModel(policy, logprobs_fn(policy, pad_id=tokenizer.pad_token_id), use_reference=False, use_old=False)
+    training = Training(tri, adamw(list(policy.parameters()), lr=1e-3, weight_decay=0.0), None, "", 0)
+    open_cfg = dataclasses.replace(cfg, micro_batch_tokens=None)
+    chosen, note = memory.fit_micro_batch(open_cfg, training, tokenizer, train)
+    assert chosen.micro_batch_tokens == MICRO_BATCH_TOKENS
+    assert note == f"micro-batch: cpu reports no free memory: the default {MICRO_BATCH_TOKENS}"
+
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+    with LiveTensorBytes(existing=list(policy.parameters())) as live:
+        monkeypatch.setattr(memory, "device_memory", lambda device: CountingBackend(live, 10**9))
+        monkeypatch.setattr(memory, "measure_peaks", out_of_memory)
+        chosen, note = memory.fit_micro_batch(open_cfg, training, tokenizer, train)
+    assert chosen.micro_batch_tokens == MICRO_BATCH_TOKENS and "ran out of memory on cpu" in note
+    assert note.endswith(f"the default {MICRO_BATCH_TOKENS}") and all(p.grad is None for p in policy.parameters())
