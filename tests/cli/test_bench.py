@@ -359,14 +359,20 @@ def test_train_flops_count_the_mask_pairs_and_the_weights():
     assert forward_flops(model, [(5, [3, 1, 4]), (2, [2])]) == expected
 
 
-def test_gpu_train_part_times_every_phase_on_cpu(tmp_path):
+def test_gpu_train_part_times_every_phase_on_cpu(tmp_path, monkeypatch):
     """Claim (bench.py gpu --parts train): the training part runs on CPU at a tiny size, micro-batch by micro-batch,
     and reports every phase's seconds, the TFLOP/s of those with FLOPs (no share of a peak on CPU), and an iteration
-    whose seconds are its phases' without the old policy's. Timings are not asserted, only that they were taken."""
+    whose seconds are its phases' without the old policy's; with the logit blocks it used and the memory fit a run
+    would make (none on CPU), and with --train-micro-groups 0 it trains as many groups per micro-batch as that fit
+    allows. Timings are not asserted, only that they were taken."""
     import argparse
     import json
 
+    from attention import LOGITS_CHUNK_BYTES
+    from benchmarks.memory import LiveTensorBytes
     from benchmarks.train_step import PHASES, train_part
+    from counting_backend import CountingBackend
+    from launch import memory
 
     (tmp_path / "train.jsonl").write_text("".join(json.dumps({"question": f"What is {a} + 2?", "answer": "#### 0"})
                                                   + "\n" for a in range(3)))
@@ -381,6 +387,14 @@ def test_gpu_train_part_times_every_phase_on_cpu(tmp_path):
     timed = sum(phases[name]["seconds"] for name in PHASES if name != "old policy")
     assert figures["iteration"]["seconds"] == pytest.approx(timed)
     assert figures["peak_memory_bytes"] > 0
+    assert figures["logits_chunk_bytes"] == LOGITS_CHUNK_BYTES and figures["memory_fit"].endswith("no free memory")
+    # --train-micro-groups 0: as many groups as the run's memory fit allows, here on memory counted as CUDA counts it
+    with LiveTensorBytes() as live:
+        monkeypatch.setattr(memory, "device_memory", lambda device: CountingBackend(live, 10**9))
+        fitted = train_part(argparse.Namespace(**{**vars(args), "train_micro_groups": 0}), torch.device("cpu"))
+    group_tokens = fitted["micro_tokens"] // fitted["micro_groups"]
+    assert "GB free for training on cpu" in fitted["memory_fit"] and fitted["fitted_tokens"] > 3 * group_tokens
+    assert fitted["micro_groups"] == max(1, min(3, fitted["fitted_tokens"] // group_tokens))
 
 
 @pytest.mark.slow

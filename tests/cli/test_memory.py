@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from benchmarks.memory import LiveTensorBytes
+from counting_backend import CountingBackend
 from config import Config
 from infra.data import load_task
 from infra.models import load_model
@@ -44,33 +45,6 @@ def test_derive_leaves_the_micro_batch_to_the_memory_fit_on_a_gpu_trainer_only()
                  derive(Config(device="cuda", max_new_tokens=8, loss_type="bnpo"))):
         assert kept.micro_batch_tokens == MICRO_BATCH_TOKENS and not fits_memory(kept)
     assert not fits_memory(derive(Config(max_new_tokens=8)))  # CPU: the probe's to choose
-
-
-class CountingBackend:
-    """torch.cuda's memory functions over live tensor bytes (LiveTensorBytes): `free` bytes free on the device."""
-
-    def __init__(self, live: LiveTensorBytes, free: int):
-        self.live, self.free = live, free
-
-    def mem_get_info(self, device):
-        return self.free, 2 * self.free
-
-    def memory_allocated(self, device):
-        return self.live.live
-
-    memory_reserved = memory_allocated  # no cache
-
-    def reset_peak_memory_stats(self, device):
-        self.live.peak = self.live.live
-
-    def max_memory_allocated(self, device):
-        return self.live.peak
-
-    def synchronize(self, device):
-        pass
-
-    def empty_cache(self):
-        pass
 
 
 def test_the_fitted_micro_batch_fits_and_the_fit_changes_nothing(tiny_model_dir, monkeypatch):
