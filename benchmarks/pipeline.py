@@ -65,7 +65,6 @@ def time_schedule(argv: list[str], iterations: int) -> list[dict[str, float]]:
     """Run trainer.py's schedule in this process; the per-iteration figures, first iteration dropped."""
     import trainer
     from infra.command_line import parse_args
-    from infra.options import fits_memory
 
     cfg = parse_args([*argv, "--iterations", str(iterations + 1), "--eval-every", "0", "--no-save"])
     with trainer.started(cfg) as (schedule, _, _):  # the trainer's own start: devices, task, inference process, policy
@@ -111,6 +110,7 @@ def probed_sizes(argv: list[str]) -> tuple[list[str], list[str], float | None]:
     from launch import setup
     import trainer
     from infra.command_line import parse_args
+    from infra.options import fits_memory
     from launch import sizing
 
     cfg = parse_args([*argv, "--mode", "async"])
