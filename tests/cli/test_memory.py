@@ -107,3 +107,24 @@ def test_without_a_fit_the_default_cap_stays_and_says_why(tiny_model_dir, monkey
         chosen, note = memory.fit_micro_batch(open_cfg, training, tokenizer, train)
     assert chosen.micro_batch_tokens == MICRO_BATCH_TOKENS and "ran out of memory on cpu" in note
     assert note.endswith(f"the default {MICRO_BATCH_TOKENS}") and all(p.grad is None for p in policy.parameters())
+
+
+def test_the_sizes_line_says_the_fitted_micro_batch_and_why(tiny_model_dir, capsys):
+    """Claim: the run's set-up (launch.setup.sampling_side) fits the micro-batch left open, after the sampler is
+    built, without probing, and its sizes line gives the size with the fit's reason on the next line (here a trainer
+    whose device reports no memory: the default cap, said so)."""
+    from infra.reward import load_rewards
+    from launch import setup
+    cfg = derive(Config(model=str(tiny_model_dir), data="arithmetic", mode="sync", batch_size=8, group_size=4,
+                        max_new_tokens=4))
+    cfg = dataclasses.replace(cfg, micro_batch_tokens=None, train_device="cuda", groups_per_call=2)  # as on a GPU
+    assert fits_memory(cfg)
+    policy, tokenizer = load_model(cfg.model)
+    train, _ = load_task(cfg.data, eval_size=4)
+    training = setup.training_side(cfg, policy, tokenizer)
+    rewards = load_rewards(cfg.reward)
+    sized, _, learner = setup.sampling_side(cfg, training, policy, tokenizer, train, [], rewards, {})
+    out = capsys.readouterr().out
+    assert sized.micro_batch_tokens == learner.cfg.micro_batch_tokens == MICRO_BATCH_TOKENS and "probing" not in out
+    assert (f"--micro-batch-tokens {MICRO_BATCH_TOKENS} --rollout-threads" in out
+            and f"\nperiodic-rl: micro-batch: cpu reports no free memory: the default {MICRO_BATCH_TOKENS}\n" in out)
