@@ -144,7 +144,9 @@ def fit_rows(tri, optimizer, rows, cfg) -> tuple[int | None, str]:
         return None, f"micro-batch: {device.type} reports no free memory"
     try:
         tokens, peaks = measure_peaks(tri, rows, cfg, peak_above(backend, device))
-    except torch.OutOfMemoryError:
+    except RuntimeError as error:  # CUDA's torch.OutOfMemoryError; an NPU's "out of memory" RuntimeError
+        if not isinstance(error, torch.OutOfMemoryError) and "out of memory" not in str(error).lower():
+            raise
         backend.empty_cache()
         return None, (f"micro-batch: {len(rows)} rows of {len(rows[0][0]) + len(rows[0][1][0])} tokens ran out of "
                       f"memory on {device} (lower --micro-batch-tokens, or --gradient-checkpointing, if training does "
