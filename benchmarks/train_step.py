@@ -56,7 +56,7 @@ GOAL_SHARE = 0.35
 def train_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--train-micro-groups", type=int, default=16,
                         help="train part: groups per micro-batch (16: the whole iteration in one; 0: as many as the "
-                             "device's memory allows, as a run's --sizes probe fits them: launch/memory.py)")
+                             "device's memory allows, launch/memory.fit_rows, above the 16,384 a run keeps to)")
 
 
 def peak_tflops(device: torch.device) -> float | None:

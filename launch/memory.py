@@ -30,6 +30,11 @@ Departures and limits:
 2. Not with --loss-type bnpo: its loss averages each micro-batch's own tokens, so the size would change the run with
    the device's free memory; it keeps the default (infra/options.fits_memory).
 3. Trainer ranks take the smallest rank's fit, so that every rank cuts its micro-batches alike.
+4. At most the default cap (MICRO_BATCH_TOKENS), so the fit only lowers it where memory is short: in async mode a
+   micro-batch trains once it holds that many tokens or its generate call has ended, so a bigger one would wait
+   for the call's last group instead of training while the call samples (the overlap the method is for); and sync
+   cuts as async does, so that the modes stay bitwise equal and --mode auto changes speed only. Whether bigger
+   micro-batches would pay in sync is the GPU check's to say (`bench.py gpu --parts train --train-micro-groups 0`).
 """
 from __future__ import annotations
 
@@ -164,7 +169,8 @@ def fit_rows(tri, optimizer, rows, cfg) -> tuple[int | None, str]:
 
 def fit_micro_batch(cfg, training, tokenizer, train_examples, ranks: Ranks = Ranks()) -> tuple[object, str]:
     """`cfg` with --micro-batch-tokens fitted to the training device's memory (`training`: launch.setup.Training),
-    and the line that says from what; the default cap where no fit came out (`fit_rows`)."""
+    at most the default cap (departure 4), and the line that says from what; the default cap where no fit came out
+    (`fit_rows`)."""
     from infra.options import MICRO_BATCH_TOKENS
 
     policy = training.tri.policy
@@ -176,6 +182,8 @@ def fit_micro_batch(cfg, training, tokenizer, train_examples, ranks: Ranks = Ran
         note += f"; {fitted} on every rank (the smallest)"
     if fitted is None:
         return dataclasses.replace(cfg, micro_batch_tokens=MICRO_BATCH_TOKENS), f"{note}: the default {MICRO_BATCH_TOKENS}"
+    if fitted > MICRO_BATCH_TOKENS:
+        fitted, note = MICRO_BATCH_TOKENS, f"{note}; the cap, {MICRO_BATCH_TOKENS} (fits)"
     if fitted < cfg.group_size * (len(rows[0][0]) + cfg.max_new_tokens):
         note += "; less than one group of the longest rows: such a group trains alone, and may not fit"
     return dataclasses.replace(cfg, micro_batch_tokens=fitted), note

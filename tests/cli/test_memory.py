@@ -109,6 +109,23 @@ def test_without_a_fit_the_default_cap_stays_and_says_why(tiny_model_dir, monkey
     assert note.endswith(f"the default {MICRO_BATCH_TOKENS}") and all(p.grad is None for p in policy.parameters())
 
 
+def test_the_fit_lowers_the_default_cap_and_never_raises_it(tiny_model_dir, monkeypatch):
+    """Claim: a fit above the default cap is cut to it, and the line says so (async's micro-batches train beside
+    their call's sampling, and sync cuts alike so that the modes stay bitwise equal); a fit below it stands."""
+    cfg = derive(Config(model=str(tiny_model_dir), data="arithmetic", mode="sync", batch_size=8, group_size=4,
+                        max_new_tokens=4))
+    policy, tokenizer = load_model(cfg.model)
+    train, _ = load_task(cfg.data, eval_size=4)
+    tri = TriModel(policy, logprobs_fn(policy, pad_id=tokenizer.pad_token_id), use_reference=False, use_old=False)
+    training = Training(tri, adamw(list(policy.parameters()), lr=1e-3, weight_decay=0.0), None, "", 0)
+    open_cfg = dataclasses.replace(cfg, micro_batch_tokens=None)
+    for fit in (8 * MICRO_BATCH_TOKENS, MICRO_BATCH_TOKENS // 2):
+        monkeypatch.setattr(memory, "fit_rows", lambda *args, fit=fit: (fit, f"micro-batch: {fit} tokens"))
+        chosen, note = memory.fit_micro_batch(open_cfg, training, tokenizer, train)
+        assert chosen.micro_batch_tokens == min(fit, MICRO_BATCH_TOKENS)
+        assert note.endswith(f"the cap, {MICRO_BATCH_TOKENS} (fits)") == (fit > MICRO_BATCH_TOKENS)
+
+
 def test_the_sizes_line_says_the_fitted_micro_batch_and_why(tiny_model_dir, capsys):
     """Claim: the run's set-up (launch.setup.sampling_side) fits the micro-batch left open, after the sampler is
     built, without probing, and its sizes line gives the size with the fit's reason on the next line (here a trainer
