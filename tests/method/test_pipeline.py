@@ -149,48 +149,50 @@ def test_async_matches_sync_across_thread_counts(tiny_model_dir):
 
 
 @pytest.mark.slow
-def test_async_in_turns_never_computes_both_sides_at_once(tiny_model_dir, monkeypatch):
+def test_async_sampling_then_training_never_computes_both_sides_at_once(tiny_model_dir, monkeypatch):
     """Claim: when the two sides' threads oversubscribe the cores (here 2 + 2 threads on 2 cores, two inference
     workers), the trainer takes the inference side's whole iteration, held-out evaluation included, before it
     computes: no training span overlaps an inference span. Exact, not timing luck: both processes time their spans
     on one monotonic clock, and the trainer starts computing only after the message sent after the inference
-    side's last span. The run is still sync's, bitwise (the same workers' shares, the same thread counts)."""
+    side's last span. The run is still sync's, bitwise (the same workers' call slices, the same thread counts)."""
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(2)))
-    turns = ("--rollout-threads", "2", "--train-threads", "2", "--inference-workers", "2")
-    in_turns = make_cfg(tiny_model_dir, "--mode", "async", *turns)
-    assert setup.takes_turns(in_turns) and not setup.colocated(in_turns)  # two workers: processes
-    assert not setup.takes_turns(make_cfg(tiny_model_dir, "--mode", "async", *SAME_THREADS))
-    async_policy, async_rows = run_training(in_turns)
+    oversubscribing = ("--rollout-threads", "2", "--train-threads", "2", "--inference-workers", "2")
+    then = make_cfg(tiny_model_dir, "--mode", "async", *oversubscribing)
+    assert setup.oversubscribed(then) and not setup.async_runs_as_sync(then)  # two workers: processes
+    assert not setup.oversubscribed(make_cfg(tiny_model_dir, "--mode", "async", *SAME_THREADS))
+    async_policy, async_rows = run_training(then)
     assert any(r["eval_reward"] is not None for r in async_rows[:-1])  # an evaluation fell inside an iteration
     assert all(r["overlap"] == 0.0 for r in async_rows[:-1])
-    sync_policy, sync_rows = run_training(make_cfg(tiny_model_dir, "--mode", "sync", *turns))
+    sync_policy, sync_rows = run_training(make_cfg(tiny_model_dir, "--mode", "sync", *oversubscribing))
     for p, q in zip(sync_policy.parameters(), async_policy.parameters()):
         assert torch.equal(p, q)
     assert [r.get("eval_reward") for r in sync_rows] == [r.get("eval_reward") for r in async_rows]
 
 
 @pytest.mark.slow
-def test_async_taking_turns_in_one_process_is_sync(tiny_model_dir, monkeypatch, capsys):
-    """Claim (setup.colocated): async whose sides would take turns with one inference process and one thread
-    count samples in the trainer's process, sync's schedule: with the sizes given, no inference process is started;
-    with them open, the one started for the probe is stopped once the probe chose to take turns (here: made to
+def test_async_sampling_then_training_in_one_process_is_sync(tiny_model_dir, monkeypatch, capsys):
+    """Claim (setup.async_runs_as_sync): async whose sides would sample then train with one inference process and
+    one thread count samples in the trainer's process, sync's schedule: with the sizes given, no inference process
+    is started; with them open, the one started for the probe is stopped once the probe chose to sample then train
+    (here: made to
     choose it, as it does on the toy on 2 cores), before iteration 0. Either way the run is sync's bit for bit
     (torch.equal: the same calls, groups and thread counts in the same process), and the output says so."""
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(2)))
     given = make_cfg(tiny_model_dir, "--mode", "async", "--rollout-threads", "2", "--train-threads", "2")
-    assert setup.colocated(given) and given.sized
-    assert not setup.colocated(make_cfg(tiny_model_dir, "--mode", "async", *SAME_THREADS))
-    assert not setup.colocated(dataclasses.replace(given, mode="sync"))
-    uneven = dataclasses.replace(given, train_threads=1, tail_threads=1)  # 2 + 1 on 2 cores: in turns, two counts
-    assert setup.takes_turns(uneven) and not setup.colocated(uneven)  # sampling keeps its 2 threads
-    assert not setup.colocated(dataclasses.replace(given, inference_workers=2))
+    assert setup.async_runs_as_sync(given) and given.sized
+    assert not setup.async_runs_as_sync(make_cfg(tiny_model_dir, "--mode", "async", *SAME_THREADS))
+    assert not setup.async_runs_as_sync(dataclasses.replace(given, mode="sync"))
+    uneven = dataclasses.replace(given, train_threads=1, train_threads_after_sampling=1)  # 2 + 1 on 2 cores, two counts
+    assert setup.oversubscribed(uneven) and not setup.async_runs_as_sync(uneven)  # sampling keeps its 2 threads
+    assert not setup.async_runs_as_sync(dataclasses.replace(given, inference_workers=2))
     with setup.inference_side(given, {}, [], []) as rollouts:
         assert rollouts is None  # nothing spawned
     sync_policy, sync_rows = run_training(make_cfg(tiny_model_dir, "--mode", "sync", "--rollout-threads", "2",
                                                    "--train-threads", "2"))
     given_policy, given_rows = run_training(given)
 
-    open_sizes = dataclasses.replace(given, rollout_threads=None, train_threads=None, tail_threads=None)
+    open_sizes = dataclasses.replace(given, rollout_threads=None, train_threads=None,
+                                     train_threads_after_sampling=None)
     assert not open_sizes.sized
     monkeypatch.setattr(setup.sizing, "choose", lambda cfg, *args, **kwargs: (given, "", 1.0))  # as if probed
     policy, tokenizer = load_model(given.model, device="cpu")
@@ -213,23 +215,25 @@ def test_async_taking_turns_in_one_process_is_sync(tiny_model_dir, monkeypatch, 
 
 @pytest.mark.slow
 def test_the_trainer_takes_every_core_once_sampling_is_done(tiny_model_dir, monkeypatch):
-    """Claim (setup.elastic_threads): when the probe split the cores (here: made to pick 1 + 1 on 2 cores and
-    --tail-threads 2, as it does when it splits them), every micro-batch trained before the iteration's last group
-    is in runs at the trainer's share (1 thread), every one after it (and the step) at all cores, each iteration
-    again; an evaluation due keeps the share until its result is in. Which micro-batches get all cores follows from
-    arrival order alone, so a rerun is bitwise the same run. Exact: the loop trains between messages, and two calls of two prompts put the first call's micro-batch
-    before the second call's groups are read."""
+    """Claim (setup.train_threads_after_sampling): when the probe split the cores (here: made to pick 1 + 1 on 2
+    cores and --train-threads-after-sampling 2, as it does when it splits them), every micro-batch trained before the
+    iteration's last group is in runs at the trainer's share (1 thread), every one after it (and the step) at all
+    cores, each iteration again; an evaluation due keeps the share until its result is in. Which micro-batches get
+    all cores follows from arrival order alone, so a rerun is bitwise the same run. Exact: the loop trains between
+    messages, and two calls of two prompts put the first call's micro-batch before the second call's groups are
+    read."""
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(2)))
     cfg = parse_args(["--model", str(tiny_model_dir), "--data", "arithmetic", "--reward", DIGITS, "--iterations", "3",
                       "--batch-size", "16", "--group-size", "4", "--max-new-tokens", "6", "--eval-every", "2",
                       "--eval-size", "4", "--eval-samples", "2", "--lr", "1e-2", "--no-save", "--mode", "async",
                       "--groups-per-call", "2", "--micro-batch-tokens", "40"])  # threads open: the probe's to pick
-    assert cfg.rollout_threads is None and cfg.train_threads is None and cfg.tail_threads is None
-    split, ranks = dataclasses.replace(cfg, rollout_threads=1, train_threads=1, tail_threads=2), Ranks()
-    assert setup.elastic_threads(split, ranks) == 2
-    assert setup.elastic_threads(dataclasses.replace(split, tail_threads=1), ranks) is None  # as given: no switch
-    assert setup.elastic_threads(dataclasses.replace(split, mode="sync"), ranks) is None
-    assert setup.elastic_threads(dataclasses.replace(split, inference_workers=2), ranks) is None
+    assert cfg.rollout_threads is None and cfg.train_threads is None and cfg.train_threads_after_sampling is None
+    split, ranks = dataclasses.replace(cfg, rollout_threads=1, train_threads=1, train_threads_after_sampling=2), Ranks()
+    assert setup.train_threads_after_sampling(split, ranks) == 2
+    as_given = dataclasses.replace(split, train_threads_after_sampling=1)
+    assert setup.train_threads_after_sampling(as_given, ranks) is None  # as given: no switch
+    assert setup.train_threads_after_sampling(dataclasses.replace(split, mode="sync"), ranks) is None
+    assert setup.train_threads_after_sampling(dataclasses.replace(split, inference_workers=2), ranks) is None
     monkeypatch.setattr(setup.sizing, "choose", lambda cfg, *args, **kwargs: (split, "", 1.0))  # as if the probe chose it
     seen, accumulate = [], Learner.accumulate
 
@@ -464,7 +468,7 @@ def wait_for_iteration(process, metrics: Path, deadline: float = 120) -> None:
 @pytest.mark.parametrize("how", ["kill-child", "ctrl-c"])
 def test_trainer_stops_cleanly(tiny_model_dir, tmp_path, how):
     """Claim: a killed inference process stops the trainer within 10 s (exit != 0, clear message; threads within
-    the cores, so that there is one: setup.colocated); Ctrl-C at the defaults (the probe's inference process
+    the cores, so that there is one: setup.async_runs_as_sync); Ctrl-C at the defaults (the probe's inference process
     stopped once it chose, or kept) stops the run within 5 s. No child process and no shared-memory file is left
     behind."""
     shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
