@@ -29,7 +29,6 @@ from typing import Iterator
 
 import torch
 
-import periodic_rl
 from inference import AsyncRollouts, SyncRollouts
 from infra import checkpoint, completions, outputs, sharing
 from infra.distributed import Ranks
@@ -187,33 +186,7 @@ def sampler_here(cfg, policy, tokenizer, train_examples, held_out, rewards, load
                         workers=cfg.inference_workers, call_slice=ranks.call_slice)  # the slices, one after another
 
 
-# --- the run: trainer.started builds it piece by piece; `train` for a caller with the policy and the task in hand ---
-def train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs: dict,
-          rollouts: AsyncRollouts | None = None, resume_from: Path | None = None, on_sized=None,
-          ranks: Ranks = Ranks(), on_completions=lambda records: None) -> Iterator[dict]:
-    """`periodic_rl.train` with everything it stands on (as trainer.started builds it): one metrics dict per iteration,
-    then the final evaluation.
-
-    `policy` is already on cfg.train_device, at θ_0. Async mode samples in `rollouts`, the inference
-    process (`inference_side`; the caller owns it, and loads the rewards there); sync mode samples here, scored by
-    `rewards` (reward.load_rewards; their names label the metrics in both modes), with a copy of the policy in
-    the compute dtype if it differs (`load_kwargs` says how to load it). `resume_from`: a checkpoint whose θ_k
-    and optimizer state replace θ_0's after the reference is taken; the run goes on at iteration k.
-    `on_sized(cfg)`: told the config with its sizes once they are chosen, before iteration k (trainer.py records it).
-    `on_completions(records)`: with --log-completions, told each iteration's completions, every rank's, before its row
-    (infra/completions.py; trainer.py writes them on rank 0).
-    `ranks`: this process's trainer rank (infra/distributed.py): it samples and trains only its generate calls.
-    """
-    training = training_side(cfg, policy, tokenizer, resume_from)
-    cfg, rollouts, learner = sampling_side(cfg, training, policy, tokenizer, train_examples, held_out, rewards,
-                                           load_kwargs, rollouts, ranks)
-    if on_sized is not None:
-        on_sized(cfg)
-    rows = periodic_rl.train(cfg, policy, rollouts, learner, learner.timeline, training.first, bool(held_out),
-                             train_threads_after_sampling(cfg, ranks), sample_then_train(cfg, ranks), ranks)
-    return checkpointed(rows, cfg, training, learner, tokenizer, len(train_examples), ranks, on_completions)
-
-
+# --- the run's pieces, as trainer.started builds them ---
 @dataclasses.dataclass
 class Training:
     """The training side before the loop: the tri-model, AdamW and its schedule, θ_0's fingerprint (what a checkpoint

@@ -44,7 +44,7 @@ def outcome(out: Path) -> tuple[list[dict], dict[str, torch.Tensor]]:
 
 def assert_same_run(a: Path, b: Path, cut_short: int | None = None) -> None:
     """The same metrics (timings aside) and bitwise the same policy; but row `cut_short` of `b` (a stop's last
-    iteration) may lack the held-out reward: the stop came before the evaluation of θ_k (launch/setup.train)."""
+    iteration) may lack the held-out reward: the stop came before the evaluation of θ_k (launch/setup.checkpointed)."""
     rows_a, weights_a = outcome(a)
     rows_b, weights_b = outcome(b)
     if cut_short is not None and rows_b[cut_short]["eval_reward"] is None:
@@ -290,16 +290,12 @@ def test_a_stop_writes_a_checkpoint_of_the_iterations_done(tiny_model_dir, tmp_p
     """Claim: with --save-on-stop, a stop (the KeyboardInterrupt trainer.py raises for SIGINT, SIGTERM and SIGHUP)
     arriving while iteration 1's row is being logged writes checkpoint-1 (θ_1, AdamW after one step), and that
     checkpoint restores the weights the run had."""
-    from launch import setup
-    from infra.data import load_task
-    from infra.reward import load_rewards
+    import trainer
     cfg = parse_args(["--model", str(tiny_model_dir), *RUN, "--mode", "sync", "--save-on-stop", "--out", str(tmp_path)])
-    policy, tokenizer = load_model(cfg.model)
-    train, held_out = load_task(cfg.data, eval_size=cfg.eval_size)
-    rows = setup.train(cfg, policy, tokenizer, train, held_out, load_rewards(cfg.reward), {})
-    assert next(rows)["iteration"] == 0
-    with pytest.raises(KeyboardInterrupt):
-        rows.throw(KeyboardInterrupt())
+    with trainer.started(cfg) as (rows, policy, _):
+        assert next(rows)["iteration"] == 0
+        with pytest.raises(KeyboardInterrupt):
+            rows.throw(KeyboardInterrupt())
     assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["checkpoint-1"]
     fresh, _ = load_model(cfg.model)
     optimizer = torch.optim.AdamW(fresh.parameters(), lr=cfg.lr)
@@ -392,9 +388,7 @@ def test_a_stop_between_the_step_and_the_row_keeps_that_iteration(tiny_model_dir
     that the stop waits for it. It wrote no checkpoint (the iterations done, 2, were taken for a half-done
     iteration against the 1 row out)."""
     import learner
-    from launch import setup
-    from infra.data import load_task
-    from infra.reward import load_rewards
+    import trainer
     real_step, steps = learner.Learner.step, []
 
     def step_then_stop(self):
@@ -404,11 +398,8 @@ def test_a_stop_between_the_step_and_the_row_keeps_that_iteration(tiny_model_dir
             raise KeyboardInterrupt  # as a signal handled right after the step would
     monkeypatch.setattr(learner.Learner, "step", step_then_stop)
     cfg = parse_args(["--model", str(tiny_model_dir), *RUN, "--mode", "sync", "--save-on-stop", "--out", str(tmp_path)])
-    policy, tokenizer = load_model(cfg.model)
-    train, held_out = load_task(cfg.data, eval_size=cfg.eval_size)
-    rows = setup.train(cfg, policy, tokenizer, train, held_out, load_rewards(cfg.reward), {})
     handed_out = []
-    with pytest.raises(KeyboardInterrupt):
+    with trainer.started(cfg) as (rows, policy, _), pytest.raises(KeyboardInterrupt):
         for row in rows:
             handed_out.append(row["iteration"])
     assert handed_out == [0, 1]

@@ -14,6 +14,7 @@ import torch
 
 import inference
 import periodic_rl
+import trainer
 from infra.distributed import Ranks
 from launch import setup
 from tri_model import TriModel
@@ -21,7 +22,7 @@ import weights
 from infra.data import load_task
 from infra.models import load_model
 from infra.command_line import parse_args
-from infra.reward import load_reward, load_rewards
+from infra.reward import load_reward
 from infra.timeline import Timeline
 from learner import Learner
 from packing import logprobs_fn
@@ -40,13 +41,20 @@ def make_cfg(model_dir, *extra):
 
 
 def run_training(cfg):
-    policy, tokenizer = load_model(cfg.model, device="cpu")
-    train, held_out = load_task(cfg.data, eval_size=cfg.eval_size)
-    load_kwargs = dict(device="cpu", dtype=torch.float32, attn_implementation="sdpa")
-    with setup.inference_side(cfg, load_kwargs, train, held_out) as rollouts:
-        rows = list(setup.train(cfg, policy, tokenizer, train, held_out, load_rewards(cfg.reward), load_kwargs,
-                                      rollouts))
-    return policy, rows
+    """θ after cfg.iterations, and the metrics rows: the run as trainer.py runs it, in this process."""
+    with trainer.started(cfg) as (rows, policy, _):
+        return policy, list(rows)
+
+
+def kept_inference_sides(monkeypatch) -> list:
+    """The inference sides that the runs which follow start (setup.inference_side's), for checks on them."""
+    spawned, inference_side = [], setup.inference_side
+
+    def kept(*args, **kwargs):
+        spawned.append(inference_side(*args, **kwargs))
+        return spawned[-1]
+    monkeypatch.setattr(setup, "inference_side", kept)
+    return spawned
 
 
 SAME_THREADS = ["--rollout-threads", "1", "--train-threads", "1"]
@@ -108,8 +116,8 @@ def dropout_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
 def test_a_model_with_dropout_trains_bitwise(dropout_model_dir, tmp_path):
     """Claim (TRL's disable_dropout, on by default): the policy's dropout is set to 0 before training, so a model
     with attention dropout 0.5 gives async == sync bitwise, and a rerun the same run; the saved policy/config.json
-    keeps the model's own 0.5. With --no-disable-dropout the masks come from the random state, which the two modes
-    leave in different places: the runs differ (what the option prevents)."""
+    keeps the model's own 0.5. With --no-disable-dropout the masks are drawn: the run differs from the one without
+    them (what the option prevents)."""
     import json
 
     import trainer
@@ -121,9 +129,8 @@ def test_a_model_with_dropout_trains_bitwise(dropout_model_dir, tmp_path):
     assert all(m.attention_dropout == 0.0 for m in sync_policy.modules() if hasattr(m, "attention_dropout"))
     trainer.save_policy(sync_policy, AutoTokenizer.from_pretrained(dropout_model_dir), tmp_path / "policy")
     assert json.loads((tmp_path / "policy" / "config.json").read_text())["attention_dropout"] == 0.5
-    dropping = [run_training(make_cfg(dropout_model_dir, "--mode", mode, *SAME_THREADS, "--no-disable-dropout"))[0]
-                for mode in ("sync", "async")]
-    assert not all(torch.equal(p, q) for p, q in zip(*(policy.parameters() for policy in dropping)))
+    dropping, _ = run_training(make_cfg(dropout_model_dir, "--mode", "sync", *SAME_THREADS, "--no-disable-dropout"))
+    assert not all(torch.equal(p, q) for p, q in zip(dropping.parameters(), sync_policy.parameters()))
 
 
 @pytest.mark.slow
@@ -195,13 +202,10 @@ def test_async_sampling_then_training_in_one_process_is_sync(tiny_model_dir, mon
                                      train_threads_after_sampling=None)
     assert not open_sizes.sized
     monkeypatch.setattr(setup.sizing, "choose", lambda cfg, *args, **kwargs: (given, "", 1.0))  # as if probed
-    policy, tokenizer = load_model(given.model, device="cpu")
-    train, held_out = load_task(given.data, eval_size=given.eval_size)
-    load_kwargs = dict(device="cpu", dtype=torch.float32, attn_implementation="sdpa")
-    with setup.inference_side(open_sizes, load_kwargs, train, held_out) as rollouts:
+    spawned = kept_inference_sides(monkeypatch)
+    with trainer.started(open_sizes) as (rows, policy, _):
+        rollouts, = spawned
         assert isinstance(rollouts, inference.AsyncRollouts)  # for the probe
-        rows = setup.train(open_sizes, policy, tokenizer, train, held_out, load_rewards(given.reward),
-                                 load_kwargs, rollouts)
         probed_rows = [next(rows)]
         assert not any(worker.process.is_alive() for worker in rollouts.workers)  # stopped before iteration 0
         probed_rows += list(rows)

@@ -11,11 +11,11 @@ import torch
 from faults import Launch, hang_bound
 
 import inference
-from launch import setup
+import trainer
 from infra.data import load_task
 from infra.models import load_model
 from infra.command_line import parse_args
-from infra.reward import load_reward, load_rewards
+from infra.reward import load_reward
 from infra.timeline import Timeline
 from launch import sizing
 from rollout import Evaluation, ScoredGroup, IterationDone
@@ -40,13 +40,8 @@ def config(model_dir, *extra):
 
 def train(cfg):
     """θ after cfg.iterations, and the metrics rows (the run as trainer.py runs it, in this process)."""
-    policy, tokenizer = load_model(cfg.model, device="cpu")
-    examples, held_out = load_task(cfg.data, eval_size=cfg.eval_size)
-    load_kwargs = dict(device="cpu", dtype=torch.float32, attn_implementation="sdpa")
-    with setup.inference_side(cfg, load_kwargs, examples, held_out) as rollouts:
-        rows = list(setup.train(cfg, policy, tokenizer, examples, held_out, load_rewards(cfg.reward, cfg.reward_weights),
-                                      load_kwargs, rollouts))
-    return policy, rows
+    with trainer.started(cfg) as (rows, policy, _):
+        return policy, list(rows)
 
 
 def sampled(groups: list[ScoredGroup]) -> list[tuple]:
@@ -210,7 +205,6 @@ def test_balanced_split():
     assert sizing.balanced_split(1.0, 1.0, 2) == (1, 1)
     with pytest.raises(ValueError):
         sizing.balanced_split(1.0, 1.0, 1)
-    import trainer
     cfg = parse_args(["--inference-workers", "2"])
     line = trainer.device_split(cfg, [(9.0, 9.0), (5.4, 2.0), (5.4, 2.0)])  # the first iteration is dropped
     assert "with 8 devices, 6 inference + 2 training" in line and "(this run: 2 + 1)" in line
