@@ -17,43 +17,20 @@ with segment ids s (0 on the prompt, i on response i) and
 Every token then sees exactly the keys, at exactly the rotary positions, it would see in its own
 row [p | r_i]; attention is the only place tokens mix, so per-token log-probs and gradients equal
 the unpacked ones up to float summation order. Tokens drop from G(P+R) to P+GR (5.67x at P=512,
-R=32, G=8). Attention shrinks less: the mask allows P^2/2 + Σ R_i(P + R_i/2) score pairs of the
-(P+GR)^2, against G(P+R)^2/2 unpacked, so where prompts are short and responses long packing saves
-little or loses; packing.py's cost model decides per group.
+R=32, G=8); attention less: P^2/2 + Σ R_i(P + R_i/2) allowed pairs of the (P+GR)^2, against G(P+R)^2/2
+unpacked, so short prompts with long responses gain little or lose (packing.py decides per group).
+The worked example (P=3, responses of 2 and 1 tokens) is in `pack` and `shared_prompt_mask`. Several
+groups are several right-padded rows (segment id -1 on padding).
 
-Worked example, P=3, G=2, responses a (length 2) and b (length 1):
-
-    ids        p0 p1 p2 a0 a1 b0
-    positions   0  1  2  3  4  3
-    segments    0  0  0  1  1  2
-
-    mask       p0 p1 p2 a0 a1 b0      (row = query, column = key, 1 = attend)
-      p0        1  .  .  .  .  .
-      p1        1  1  .  .  .  .
-      p2        1  1  1  .  .  .
-      a0        1  1  1  1  .  .
-      a1        1  1  1  1  1  .
-      b0        1  1  1  .  .  1
-
-    a0 and b0 are both predicted by the logits at p2 (the next-token shift at the boundary),
-    a1 by the logits at a0. a1's logits predict nothing and are never computed.
-
-Several groups in one micro-batch are several right-padded rows (segment id -1 on padding).
-
-How a layout reaches a Hugging Face model: `input_ids` (B, L), explicit `position_ids` (B, L), so
-rotary embeddings (applied before attention) are already right, and the dense mask as a 4D
-`attention_mask` (B, 1, L, L), which transformers passes to the kernel untouched
-(`masking_utils._preprocess_mask_arguments`); see departures 1 and 2. That is all exact
-shared-prompt log-probs need (`packed_batch_logprobs`, eager or sdpa models; this file imports
-only torch). packing.py adds what makes packing fast and when to use it: for sdpa models on CPU a
-structured kernel that never builds the mask, and the choice per group between packed and plain
-rows (`packing.batch_logprobs`, what the trainer calls).
+A Hugging Face model reads a layout as `input_ids` (B, L), explicit `position_ids` (B, L), so rotary
+embeddings are right, and the dense mask as a 4D `attention_mask` (B, 1, L, L), which transformers
+passes to the kernel untouched (`packed_batch_logprobs`; this file imports only torch). packing.py
+adds a CPU kernel that never builds the mask, and the choice per group (`packing.batch_logprobs`).
 
 Deliberate choices and departures:
-1. Dense mask dtype follows the kernel (`to_model_mask`): boolean (True = attend) for `sdpa`;
-   additive float (0 or the dtype's min) for `eager`, which *adds* the mask to the scores, so a
-   boolean mask there would add 1 to allowed scores and 0 to forbidden ones, i.e. mask nothing.
-   Other kernels (flash_attention_2, flex) take neither: error.
+1. The dense mask's dtype follows the kernel (`to_model_mask`): boolean (True = attend) for `sdpa`;
+   additive float (0 or the dtype's min) for `eager`, which adds the mask to the scores, so a boolean
+   one would mask nothing. Other kernels (flash_attention_2, flex) take neither: error.
 2. Padding never reaches a real token: under the dense mask a pad token attends only to itself,
    so no softmax row is empty (no NaN). Pad outputs are discarded.
 3. Only the hidden states that predict a response token reach the output layer, gathered per
@@ -62,12 +39,9 @@ Deliberate choices and departures:
    no (tokens x vocab) tensor ever exists, and backward keeps only h, the targets and logsumexp.
    Models whose logits are not plain lm_head(h) (soft-capping, logit scales: `LOGIT_TRANSFORMS`)
    take the model's own logits instead (`logits_to_keep`).
-4. Log-probs are of `logits / temperature` in float32 (as TRL), so they match the sampling
-   distribution.
-5. `pad_to_multiple_of` (TRL's option of that name) rounds the row length L up: padding is masked as
-   above, so the log-probs are those of the unpadded rows up to the kernels' rounding, while the number
-   of distinct shapes a run sends to the model stays small. That matters where an attention kernel is
-   planned per shape (cuDNN's on recent GPUs builds a graph for every new (B, L)).
+4. Log-probs are of `logits / temperature` in float32 (as TRL), so they match the sampling distribution.
+5. `pad_to_multiple_of` (TRL's) rounds L up: padding is masked as above, so the log-probs are the unpadded
+   rows' up to rounding, and a run sends few distinct shapes (cuDNN plans attention per shape).
 """
 from __future__ import annotations
 
@@ -206,8 +180,18 @@ def shared_prompt_mask(segment_ids: Tensor) -> Tensor:
     """(B, L) segment ids -> (B, 1, L, L) bool mask, True where query q may attend key k.
 
     Causal, and a key is visible if it is prompt (segment 0) or in the query's own segment;
-    padding (segment -1) sees only itself. For segments [0, 0, 0, 1, 1, 2] this is the matrix in
-    the module docstring.
+    padding (segment -1) sees only itself. The row [p0 p1 p2 | a0 a1 | b0] (`pack`'s example):
+
+    >>> shared_prompt_mask(torch.tensor([[0, 0, 0, 1, 1, 2]]))[0, 0].int()  # row = query, column = key
+    tensor([[1, 0, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0, 0],
+            [1, 1, 1, 0, 0, 0],
+            [1, 1, 1, 1, 0, 0],
+            [1, 1, 1, 1, 1, 0],
+            [1, 1, 1, 0, 0, 1]], dtype=torch.int32)
+
+    a0 and b0 are both predicted by the logits at p2 (the next-token shift at the boundary), a1 by those
+    at a0; a1's logits predict nothing and are never computed.
     """
     L = segment_ids.shape[1]
     index = torch.arange(L, device=segment_ids.device)

@@ -52,7 +52,8 @@ def engine_compiles(engine: str, device: str) -> bool:
 
 
 # The sizes (fields below) that --sizes chooses when not given (`derive`, launch/sizing.py; distributed.share_sizes)
-SIZE_FIELDS = ("groups_per_call", "micro_batch_tokens", "rollout_threads", "train_threads", "tail_threads")
+SIZE_FIELDS = ("groups_per_call", "micro_batch_tokens", "rollout_threads", "train_threads",
+               "train_threads_after_sampling")
 
 
 # The method's knobs: Config's first fields and --help's first group, each with its one help line; every other
@@ -357,10 +358,11 @@ class Config:
                                              "(N workers: T // N each, the first T %% N one more, at least 1 each; "
                                              "default: see --sizes)")
     train_threads: int | None = _opt(None, "CPU threads of the training process (default: see --sizes)")
-    tail_threads: int | None = _opt(None, "CPU threads of the training process once the inference side is done with "
-                                          "the iteration, for the micro-batches left and the step (async, one "
-                                          "inference process; default: every core when the probe splits them, "
-                                          "else --train-threads)")
+    train_threads_after_sampling: int | None = _opt(None, "CPU threads of the training process once the inference "
+                                                          "side is done with the iteration, for the micro-batches "
+                                                          "left and the step (async, one inference process; "
+                                                          "default: every core when the probe splits them, else "
+                                                          "--train-threads)")
     sizes: str = _opt("probe", "how the sizes not given are chosen. probe: on CPU, time iteration 0's generation "
                                "and training first and pick the generate calls, the micro-batch and the thread "
                                "split from a model of the pipeline (launch/sizing.py; printed as flags); on a GPU or "

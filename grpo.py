@@ -9,13 +9,7 @@ responses o_1..o_G to one prompt with rewards r_1..r_G:
 
 std is the *sample* std (Bessel-corrected, torch's default) over the group, exactly as TRL, so the
 numbers compare line by line; eps = 1e-4 keeps an all-equal group (std 0) at A = 0 instead of NaN.
-`scale` is TRL's `scale_rewards`: "group" (True) as above; "none" (False) drops the division (Dr. GRPO,
-arXiv 2503.20783: the std favours easy/hard prompts); "batch" divides by the std of every reward of the
-batch instead (PPO Lite, arXiv 2508.08221), A_i = (r_i - mean(r_group)) / (std(r_batch) + eps), which is
-known only once the last group is in: `group_advantages` then returns the centred rewards and
-`batch_std` gives the divisor (see "scale_rewards='batch' while streaming" below).
-A reward of NaN marks a response no reward function scored (TRL's None, infra/scoring.py): it is left out of its
-group's mean and std, and its advantage is 0, as in TRL.
+TRL's other `scale_rewards` ("none", "batch") and unscored rewards: `group_advantages`.
 
 Per-token loss (TRL 1.16 `GRPOTrainer._compute_loss`, its defaults), with the ratio against the old
 policy θ_k (which sampled the tokens):
@@ -35,29 +29,12 @@ Aggregation over a batch of N responses with m_{i,t} ∈ {0, 1} marking real res
     dr_grpo  L = Σ_i Σ_t m l / (N · max_new_tokens)   constant denominator (Dr. GRPO)
     bnpo     L = (1/M) Σ_b (Σ_{i∈b} Σ_t m l / Σ_{i∈b} Σ_t m)   token mean per micro-batch b, mean over the M
 
-When an iteration's batch is split into S optimizer steps (mini-batches), grpo and dr_grpo take N as the
-mini-batch's sequences, and dapo divides each step's sum by the *batch's* tokens / S, as TRL 1.16 does
-(`num_items_in_batch`, the generation batch's tokens, x accumulation steps / steps_per_generation): every
-token weighs the same whichever step it lands in, but the first step needs the last group's length.
-
 dapo, grpo and dr_grpo are a weighted *sum* over tokens divided by one batch-level normaliser D. That
 is what makes the update independent of how the batch is cut into micro-batches and of the order
 they arrive in, which the asynchronous pipeline relies on: each micro-batch backpropagates its partial
 sum (`normalizer=1`), and the accumulated gradient is divided by D (`loss_normalizer`) once, at the
-optimizer step, when D is known. bnpo is TRL's per-device token mean under gradient accumulation
-(`(per_token_loss * mask).sum() / mask.sum()`, then / accumulation steps), with the micro-batch in the
-role of TRL's local batch: each micro-batch divides by its own tokens (`micro_batch_normalizer`), the
-step by M. It weights tokens by the size of the micro-batch they happened to land in, so it depends on
---micro-batch-tokens (TRL's: on per_device_train_batch_size); still a function of the sampled tokens
-alone, since micro-batches are cut by completion order (learner.py).
-
-A truncated response (no EOS within max_new_tokens) is left out of the loss when TRL's
-`mask_truncated_completions` asks: its mask row is 0, so it adds no token to any sum or to dapo's and
-bnpo's D; grpo and dr_grpo still count it in N, as TRL does (its row's mean is 0, not dropped).
-
-scale_rewards='batch' while streaming: the policy term is positively homogeneous in A, so with β = 0 a learner trains
-on the centred advantages and divides the accumulated gradient by std(r_batch) + eps at the step; with β > 0 the
-passes wait for it (docs/design.md).
+optimizer step, when D is known. D over several optimizer steps per batch: `loss_normalizer`; bnpo's
+micro-batches: `micro_batch_normalizer`; truncated responses: `grpo_loss`.
 
 Departures from TRL, on purpose:
 1. bnpo's local batch is the micro-batch (sized by tokens), not a fixed number of sequences.
@@ -74,9 +51,16 @@ ADVANTAGE_EPS = 1e-4  # A = (r - mean) / (std + eps): an all-equal group gets 0,
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str | bool = "group",
                      eps: float = ADVANTAGE_EPS) -> torch.Tensor:
-    """Group-relative advantages for rewards laid out group after group; scale: "group" (True) divides by each
-    group's std, "none" (False) and "batch" return the centred rewards (for "batch", divide by `batch_std` + eps
-    once the batch is whole).
+    """Group-relative advantages for rewards laid out group after group.
+
+    `scale` is TRL's `scale_rewards`: "group" (True) divides by each group's std (the module docstring); "none"
+    (False) returns the centred rewards (Dr. GRPO, arXiv 2503.20783: the std favours easy and hard prompts);
+    "batch" (PPO Lite, arXiv 2508.08221) is A_i = (r_i - mean(r_group)) / (std(r_batch) + eps), known only once
+    the last group is in, so this returns the centred rewards and `batch_std` gives the divisor. While streaming:
+    the policy term is positively homogeneous in A, so with β = 0 a learner trains on the centred advantages and
+    divides the accumulated gradient by std(r_batch) + eps at the step; with β > 0 the passes wait for it
+    (docs/design.md). A reward of NaN marks a response no reward function scored (TRL's None,
+    infra/scoring.py): it is left out of its group's mean and std, and its advantage is 0, as in TRL.
 
     >>> group_advantages(torch.tensor([1., 0., 0., 0.]), group_size=2)
     tensor([ 0.7070, -0.7070,  0.0000,  0.0000])
@@ -131,13 +115,26 @@ def sequence_weights(mask: torch.Tensor, loss_type: str, max_new_tokens: int | N
 
 
 def micro_batch_normalizer(loss_type: str, num_tokens: int) -> float:
-    """What one micro-batch's weighted sum is divided by before its backward: its own tokens for bnpo, else 1."""
+    """What one micro-batch's weighted sum is divided by before its backward: its own tokens for bnpo, else 1.
+
+    bnpo is TRL's per-device token mean under gradient accumulation (`(per_token_loss * mask).sum() /
+    mask.sum()`, then / accumulation steps), with the micro-batch in the role of TRL's local batch: each
+    micro-batch divides by its own tokens, the step by M. It weights tokens by the size of the micro-batch they
+    happened to land in, so it depends on --micro-batch-tokens (TRL's: on per_device_train_batch_size); still a
+    function of the sampled tokens alone, since micro-batches are cut by completion order (learner.py).
+    """
     return float(max(num_tokens, 1)) if loss_type == "bnpo" else 1.0
 
 
 def loss_normalizer(loss_type: str, num_sequences: int, num_tokens: float, num_micro_batches: int = 1) -> float:
     """The step's denominator D: tokens for dapo (with S steps per batch: the batch's tokens / S), the mini-batch's
-    sequences for grpo and dr_grpo, its micro-batches for bnpo."""
+    sequences for grpo and dr_grpo, its micro-batches for bnpo.
+
+    When an iteration's batch is split into S optimizer steps (mini-batches), grpo and dr_grpo take N as the
+    mini-batch's sequences, and dapo divides each step's sum by the *batch's* tokens / S, as TRL 1.16 does
+    (`num_items_in_batch`, the generation batch's tokens, x accumulation steps / steps_per_generation): every
+    token weighs the same whichever step it lands in, but the first step needs the last group's length.
+    """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"unknown loss_type {loss_type!r}; choose one of {LOSS_TYPES}")
     count = {"dapo": num_tokens, "bnpo": num_micro_batches}.get(loss_type, num_sequences)
@@ -177,6 +174,9 @@ def grpo_loss(
     A > 0, as TRL counts them) and the KL term as TRL logs it (ρ·k3 with the correction, else k3); and two
     extremes, which combine across micro-batches by min and max: the least low-clipped fraction of a response's
     tokens and the most high-clipped one.
+    A truncated response (no EOS within max_new_tokens) left out of the loss, as TRL's
+    `mask_truncated_completions` asks, has a mask row of 0: it adds no token to any sum or to dapo's and bnpo's
+    D; grpo and dr_grpo still count it in N, as TRL does (its row's mean is 0, not dropped).
     """
     mask = mask.to(logp.dtype)  # (N, T)
     ratio = torch.exp(logp - old_logp)  # (N, T)

@@ -5,7 +5,7 @@
     WeightBuffer.publish(θ_k) (weights.py): copy     WeightBuffer.attach: on CPU each worker's
       into one flat shared-memory tensor, then         parameters *are* views of that one tensor;
       version := k                                     on GPU/NPU load_into copies it to its device
-    rollouts.generate(k)  ---- ("generate", k) --->  every worker: rollout.rollout_iteration(share):
+    rollouts.generate(k)  ---- ("generate", k) --->  every worker: rollout.rollout_iteration(call_slice):
     rollouts.receive()    <--- ScoredGroup, ...,       its generate calls' groups in completion
                                Span, Evaluation,       order, the evaluation (worker 0, if due),
                                IterationDone           IterationDone(k)
@@ -17,9 +17,9 @@ started and checked again when the group was sent (`rollout.rollout_iteration`):
 was sampling marks its groups (version -1) and the trainer refuses them.
 
 N workers per trainer (`--inference-workers N`). An iteration's prompts are cut into generate calls
-c = 0, 1, ... of --groups-per-call prompts each; with this trainer's share (r, M) (trainer rank r of M:
+c = 0, 1, ... of --groups-per-call prompts each; with this trainer's call slice (r, M) (trainer rank r of M:
 it owns the calls c with c % M == r), worker w samples the calls c with c % (M·N) == r + M·w
-(`worker_shares`). All read the same θ_k: one shared-memory buffer, published once per iteration.
+(`worker_call_slices`). All read the same θ_k: one shared-memory buffer, published once per iteration.
 
 The rollouts do not depend on N (a call's tokens depend on its prompts and seeds alone), nor does training:
 `in_call_order` hands the trainer the groups in the order one worker would send them, call after call
@@ -67,14 +67,14 @@ from rollout import IterationDone, Message, ScoredGroup, rollout_iteration
 from weights import WeightBuffer, check_shared_memory, published, shared
 
 __all__ = ["AsyncRollouts", "PipelineError", "SyncRollouts", "in_call_order", "owned_calls", "split_threads",
-           "worker_devices", "worker_shares"]
+           "worker_devices", "worker_call_slices"]
 
 
 # --- the inference process: the paper's second column ---
 def inference_process(model_name: str, load_kwargs: dict, connection, heartbeat: torch.Tensor,
                       reward_specs: list[str], reward_weights: list[float] | None,
-                      share: tuple[int, int] = (0, 1), takes_sigint: bool = True) -> None:
-    """Entry point of a spawned worker; it samples the generate calls of its `share` (rollout.rollout_iteration).
+                      call_slice: tuple[int, int] = (0, 1), takes_sigint: bool = True) -> None:
+    """Entry point of a spawned worker; it samples the generate calls of its `call_slice` (rollout.rollout_iteration).
 
     Protocol: import what loading needs, wait for ("load",), load the model and the rewards (--reward and
     --reward-weights, loaded here from their names: functions need not pickle), answer ("loaded", None),
@@ -131,7 +131,7 @@ def inference_process(model_name: str, load_kwargs: dict, connection, heartbeat:
             results.put(("message", Span(f"load θ_{iteration}", INFERENCE, start, time.perf_counter())))
             rollout_iteration(model, tokenizer, train, held_out, rewards, cfg, iteration, weights.version,
                               send=lambda message: results.put(("message", message)),
-                              train_prompts=kind == "generate", share=share)
+                              train_prompts=kind == "generate", call_slice=call_slice)
     except KeyboardInterrupt:  # Ctrl-C reaches the whole process group; the trainer stops too and reads no more
         results.close(discard=True)  # so what is not sent yet is dropped
         sys.exit(130)
@@ -153,7 +153,7 @@ class Worker:
     "inference worker w of N". Create it in the main thread: the process dies with the thread that started it.
     """
 
-    def __init__(self, index: int, workers: int, share: tuple[int, int], model_name: str, load_kwargs: dict,
+    def __init__(self, index: int, workers: int, call_slice: tuple[int, int], model_name: str, load_kwargs: dict,
                  reward_specs: list[str] | str, reward_weights: list[float] | None, context):
         self.index = index
         self.name = "the inference process" if workers == 1 else f"inference worker {index} of {workers}"
@@ -166,7 +166,7 @@ class Worker:
         self.process = context.Process(
             target=inference_process, name=f"periodic-rl-inference-{index}", daemon=True,
             args=(model_name, load_kwargs, child_end, self.heartbeat,
-                  [reward_specs] if isinstance(reward_specs, str) else reward_specs, reward_weights, share,
+                  [reward_specs] if isinstance(reward_specs, str) else reward_specs, reward_weights, call_slice,
                   signal.getsignal(signal.SIGINT) is not signal.SIG_IGN))  # as the trainer: SIGINT ignored or not
         with sigint_ignored():  # inherited through exec: a Ctrl-C during the child's imports would print their
             self.process.start()  # traceback; it takes Ctrl-C again once `inference_process` runs. A Ctrl-C in
@@ -246,23 +246,24 @@ class Worker:
 
 
 # --- which worker samples what, and in which order the trainer takes it ---
-def worker_shares(share: tuple[int, int], workers: int) -> list[tuple[int, int]]:
+def worker_call_slices(call_slice: tuple[int, int], workers: int) -> list[tuple[int, int]]:
     """The rollout shares (s, S) of a trainer's workers: worker w samples the calls c with c % S == s.
 
-    >>> worker_shares((1, 2), 2)  # trainer rank 1 of 2, two workers: calls 1, 5, 9, ... and 3, 7, 11, ...
+    >>> worker_call_slices((1, 2), 2)  # trainer rank 1 of 2, two workers: calls 1, 5, 9, ... and 3, 7, 11, ...
     [(1, 4), (3, 4)]
     """
-    rank, ranks = share
+    rank, ranks = call_slice
     return [(rank + ranks * w, ranks * workers) for w in range(workers)]
 
 
-def owned_calls(prompts: int, groups_per_call: int, share: tuple[int, int]) -> list[int]:
-    """First prompt index of each generate call of the share (s, S), in call order.
+def owned_calls(prompts: int, groups_per_call: int, call_slice: tuple[int, int]) -> list[int]:
+    """First prompt index of each generate call of the call slice (s, S) (calls[s::S]), in call order.
 
-    >>> owned_calls(16, 4, (1, 2))  # calls 0..3 start at prompts 0, 4, 8, 12; share 1 of 2 owns calls 1 and 3
+    >>> owned_calls(16, 4, (1, 2))  # calls 0..3 start at prompts 0, 4, 8, 12; slice 1 of 2 owns calls 1 and 3
     [4, 12]
     """
-    return [first for call, first in enumerate(range(0, prompts, groups_per_call)) if call % share[1] == share[0]]
+    start, step = call_slice
+    return [first for call, first in enumerate(range(0, prompts, groups_per_call)) if call % step == start]
 
 
 def worker_devices(rollout_device: str | None, workers: int) -> list[str | None]:
@@ -322,11 +323,11 @@ class SyncRollouts:
     """
 
     def __init__(self, policy, tokenizer, train, held_out, rewards, cfg, sampler=None, workers: int = 1,
-                 share: tuple[int, int] = (0, 1)):
+                 call_slice: tuple[int, int] = (0, 1)):
         self.args = (tokenizer, train, held_out, rewards, cfg)
         self.sampler = sampler if sampler is not None else policy
-        self.shares = worker_shares(share, workers)
-        self.calls = owned_calls(cfg.prompts_per_iteration, cfg.groups_per_call, share)
+        self.call_slices = worker_call_slices(call_slice, workers)
+        self.calls = owned_calls(cfg.prompts_per_iteration, cfg.groups_per_call, call_slice)
 
     @torch.no_grad()
     def publish(self, policy, version: int) -> None:
@@ -340,12 +341,12 @@ class SyncRollouts:
         self.sampler.eval()
         tokenizer, train, held_out, rewards, cfg = self.args
         self.messages = []
-        for share in self.shares:
+        for call_slice in self.call_slices:
             rollout_iteration(self.sampler, tokenizer, train, held_out, rewards, cfg, iteration,
-                              lambda: self.version, self.messages.append, train_prompts, share)
+                              lambda: self.version, self.messages.append, train_prompts, call_slice)
 
     def receive(self) -> Iterator[Message]:
-        yield from in_call_order(iter(self.messages), self.calls, len(self.shares))
+        yield from in_call_order(iter(self.messages), self.calls, len(self.call_slices))
 
 
 class AsyncRollouts:
@@ -359,27 +360,27 @@ class AsyncRollouts:
     with the thread that started them (`processes.die_with_parent`).
 
     `workers` = N processes, placed by load_kwargs["device"]: one device for all, or a comma-separated
-    list with one per worker (`worker_devices`); `share` = (r, M), this trainer's share of the
-    generate calls, split among its workers (`worker_shares`).
+    list with one per worker (`worker_devices`); `call_slice` = (r, M), this trainer's slice of the
+    generate calls, split among its workers (`worker_call_slices`).
     """
 
     def __init__(self, model_name: str, load_kwargs: dict, train, held_out, reward_specs: list[str] | str,
                  timeline: Timeline | None = None, load: bool = True, workers: int = 1,
-                 share: tuple[int, int] = (0, 1), reward_weights: list[float] | None = None):
+                 call_slice: tuple[int, int] = (0, 1), reward_weights: list[float] | None = None):
         check_shared_memory(0)  # a full /dev/shm fails here, in one line, before a process is spawned (weights: attach)
         context = mp.get_context("spawn")  # fork would copy the trainer's threads and CUDA state
         self.timeline = timeline or Timeline()
         self.dtype = load_kwargs.get("dtype")  # the inference side's weights, as published
-        self.share = share
+        self.call_slice = call_slice
         self.prompts = (train, held_out)  # sent with ("attach", ...)
         self.weights: WeightBuffer | None = None  # set by attach()
         self.loading = self.loaded = False
         self.workers: list[Worker] = []
         try:
-            for index, (device, worker_share) in enumerate(zip(worker_devices(load_kwargs.get("device"), workers),
-                                                               worker_shares(share, workers))):
+            for index, (device, worker_slice) in enumerate(zip(worker_devices(load_kwargs.get("device"), workers),
+                                                               worker_call_slices(call_slice, workers))):
                 kwargs = {**load_kwargs, "device": device} if device else load_kwargs
-                self.workers.append(Worker(index, workers, worker_share, model_name, kwargs, reward_specs,
+                self.workers.append(Worker(index, workers, worker_slice, model_name, kwargs, reward_specs,
                                            reward_weights, context))
         except BaseException:  # a Ctrl-C or a failed spawn: none of those started may outlive this
             self.close()
@@ -414,7 +415,7 @@ class AsyncRollouts:
         (sampling settings, sizes) and their thread counts: `threads` split among them (`split_threads`)."""
         self.wait_until_loaded()
         self.weights = WeightBuffer(policy, self.dtype)  # kept alive here: the receivers map the sender's memory
-        self.calls = owned_calls(cfg.prompts_per_iteration, cfg.groups_per_call, self.share)
+        self.calls = owned_calls(cfg.prompts_per_iteration, cfg.groups_per_call, self.call_slice)
         for worker, worker_threads in zip(self.workers, split_threads(threads, len(self.workers))):
             worker.reward_timeout = cfg.reward_timeout
             worker.send("attach", self.weights, cfg, worker_threads, *self.prompts)
@@ -425,7 +426,7 @@ class AsyncRollouts:
             self.weights.publish(policy, version)
 
     def generate(self, iteration: int, train_prompts: bool = True) -> None:
-        """Tell every worker to sample its share of iteration k (θ_k is published); returns at once."""
+        """Tell every worker to sample its calls of iteration k (θ_k is published); returns at once."""
         for worker in self.workers:
             worker.send("generate" if train_prompts else "evaluate", iteration)
 
@@ -437,7 +438,7 @@ class AsyncRollouts:
         while True:
             worker, message = self._next()
             if isinstance(message, Span):
-                message.lane = worker.index  # its row in the trace, its share of the busy time
+                message.lane = worker.index  # its row in the trace, its part of the busy time
             yield message
 
     def _answers(self) -> None:

@@ -122,6 +122,44 @@ def forward_backward(tri: TriModel, batch: list, advantages: list[float], cfg,
     return loss, {**stats, "entropy_sum": (entropy * mask).sum()}  # over the loss tokens (a product: no sync)
 
 
+@dataclasses.dataclass
+class Iteration:
+    """What the learner holds for one iteration, made new by `Learner.start`: the groups as they arrive, the
+    micro-batches and steps done, and the sums its metrics come from (on the device until `Learner.metrics`)."""
+    index: int  # k: only groups that θ_k sampled are taken
+    waiting: list[list[ScoredGroup]]  # per mini-batch, the groups not trained yet, in arrival order
+    trained: list[list[list[ScoredGroup]]]  # per mini-batch, the first pass's micro-batches (passes 2..μ replay them)
+    arrived: list[int]  # per mini-batch, the groups received
+    sums: dict[str, torch.Tensor]  # SUMS, over every micro-batch and pass
+    low_min: torch.Tensor  # the least low-clipped fraction of a response
+    high_max: torch.Tensor  # the most high-clipped one
+    minibatch_loss: torch.Tensor  # the current mini-batch's partial sum, divided by its D at the step
+    call_arrivals: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)  # groups received, per call
+    arrivals: dict[int, ScoredGroup] = dataclasses.field(default_factory=dict)  # this rank's groups, by index
+    kept: dict[int, list[bool]] = dataclasses.field(default_factory=dict)  # by group index, per response: in the loss?
+    rewards: dict[int, tuple] = dataclasses.field(default_factory=dict)  # by group index: (weighted sums,
+    # [reward k][response], lengths, truncated); metrics in index order, whatever the arrival
+    logged: dict[int, dict] = dataclasses.field(default_factory=dict)  # by group index: what its rewards logged
+    steps_done: int = 0
+    replayed: int = 0  # micro-batches of the current mini-batch trained again in this pass (passes 2..μ)
+    minibatch_sequences: int = 0
+    minibatch_micro_batches: int = 0
+    tokens: int = 0  # response tokens (host counts)
+    loss_tokens: int = 0  # of those, the ones in the loss
+    prompt_tokens: int = 0  # the prompt's tokens once per response, as TRL counts its num_tokens
+    metric_tokens: int = 0  # loss tokens the statistics are summed over, every pass
+    divisor: torch.Tensor | None = None  # std(r_batch) + eps (scale_rewards="batch"), once every group is in
+    learning_rate: float | None = None  # the last step's
+
+    @classmethod
+    def new(cls, index: int, updates: int, device: torch.device) -> Iteration:
+        """Iteration `index` before its first group, for `updates` mini-batches."""
+        return cls(index, waiting=[[] for _ in range(updates)], trained=[[] for _ in range(updates)],
+                   arrived=[0] * updates, sums={name: torch.zeros((), device=device) for name in SUMS},
+                   low_min=torch.full((), torch.inf, device=device), high_max=torch.full((), -torch.inf, device=device),
+                   minibatch_loss=torch.zeros((), device=device))
+
+
 class Learner:
     """Consumes one iteration's groups in arrival order: forward/backward in micro-batches, an optimizer
     step per mini-batch, μ passes.
@@ -154,33 +192,21 @@ class Learner:
         self.steps = updates * cfg.num_iterations  # optimizer steps per iteration
         self.first_step_waits = cfg.scale_rewards == "batch" or cfg.loss_type == "dapo"  # its D or std needs the batch
         self.passes_wait = cfg.scale_rewards == "batch" and cfg.beta != 0  # A / std before any forward
-        self.iteration, self.steps_done, self.stepping = None, 0, False
+        self.current: Iteration | None = None  # the iteration in progress (`start`)
+        self.stepping = False
 
     def start(self, iteration: int) -> None:
-        self.iteration, self.steps_done = iteration, 0
-        updates = self.cfg.updates_per_iteration
-        self.waiting: list[list[ScoredGroup]] = [[] for _ in range(updates)]  # per mini-batch, in arrival order
-        self.arrived = [0] * updates  # groups received, per mini-batch
-        self.call_arrivals: dict[tuple[int, int], int] = {}
-        self.trained: list[list[list[ScoredGroup]]] = [[] for _ in range(updates)]  # the first pass's micro-batches
-        self.replayed = 0  # micro-batches of the current mini-batch trained again in this pass (passes 2..μ)
-        self.sums = {name: torch.zeros((), device=self.device) for name in SUMS}
-        self.low_min = torch.full((), torch.inf, device=self.device)  # the least low-clipped fraction of a response
-        self.high_max = torch.full((), -torch.inf, device=self.device)  # the most high-clipped one
-        self.tokens = self.loss_tokens = 0  # response tokens of the iteration, and those in the loss (host counts)
-        self.prompt_tokens = 0  # the prompt's tokens once per response, as TRL counts its num_tokens
-        self.metric_tokens = 0  # loss tokens the statistics are summed over, every pass
-        self.minibatch_sequences = self.minibatch_micro_batches = 0
-        self.minibatch_loss = torch.zeros((), device=self.device)  # partial sum, divided by its D at the step
-        self.divisor, self.learning_rate = None, None  # std(r_batch) + eps (scale_rewards="batch"), the last step's
-        self.rewards: dict[int, tuple] = {}  # by group index: (weighted sums, [reward k][response], lengths,
-        # truncated); metrics in index order, whatever the arrival
-        self.logged: dict[int, dict] = {}  # by group index: what its rewards logged (TRL's log_metric)
-        self.kept: dict[int, list[bool]] = {}  # by group index, per response: whether it enters the loss
-        self.arrivals: dict[int, ScoredGroup] = {}  # this rank's groups of the iteration, by index
+        """Begin iteration k: a new `Iteration`, nothing taken, trained or summed yet."""
+        self.current = Iteration.new(iteration, self.cfg.updates_per_iteration, self.device)
+
+    @property
+    def iteration(self) -> int | None:
+        """k, the iteration in progress (None before the first `start`)."""
+        return self.current.index if self.current is not None else None
 
     def take(self, group: ScoredGroup) -> None:
         """Take one group, refused unless θ_k sampled it (nothing is trained here: see `ready`)."""
+        now = self.current
         if group.policy_version != self.iteration:
             changed = " (weights that changed while it was sampled)" if group.policy_version == -1 else ""
             raise OffPolicyError(f"group {group.index} was sampled by weights version {group.policy_version}"
@@ -188,19 +214,19 @@ class Learner:
         if (owner := distributed.owner(group.index // self.cfg.groups_per_call, self.ranks.size)) != self.ranks.rank:
             raise PipelineError(f"group {group.index} belongs to trainer rank {owner}, not rank {self.ranks.rank}")
         block = minibatch_of(group.index, self.cfg.prompts_per_iteration, self.cfg.updates_per_iteration)
-        self.waiting[block].append(group)
-        self.arrived[block] += 1
-        self.call_arrivals[group.call] = self.call_arrivals.get(group.call, 0) + 1
-        self.arrivals[group.index] = group
+        now.waiting[block].append(group)
+        now.arrived[block] += 1
+        now.call_arrivals[group.call] = now.call_arrivals.get(group.call, 0) + 1
+        now.arrivals[group.index] = group
         lengths = [len(r) for r in group.responses]
         truncated = [is_truncated(r, self.cfg.max_new_tokens, self.stop_ids) for r in group.responses]
         kept = [not (self.cfg.mask_truncated_completions and cut) for cut in truncated]  # --mask-truncated-completions
-        self.kept[group.index] = kept
-        self.tokens += sum(lengths)
-        self.prompt_tokens += len(group.prompt_ids) * len(group.responses)
-        self.loss_tokens += sum(n for n, keep in zip(lengths, kept) if keep)
-        self.rewards[group.index] = (group.rewards, group.rewards_per_function, lengths, truncated)
-        self.logged[group.index] = group.logged
+        now.kept[group.index] = kept
+        now.tokens += sum(lengths)
+        now.prompt_tokens += len(group.prompt_ids) * len(group.responses)
+        now.loss_tokens += sum(n for n, keep in zip(lengths, kept) if keep)
+        now.rewards[group.index] = (group.rewards, group.rewards_per_function, lengths, truncated)
+        now.logged[group.index] = group.logged
 
     def advantages_of(self, group: ScoredGroup) -> list[float]:
         """The advantages `group` is trained on: its own, or with scale_rewards="batch" its centred rewards /
@@ -215,7 +241,7 @@ class Learner:
         """This rank's groups of the iteration by index, each with the advantages it is trained on (`advantages_of`):
         what --log-completions writes, once the iteration is done."""
         return {index: dataclasses.replace(group, advantages=self.advantages_of(group))
-                for index, group in self.arrivals.items()}
+                for index, group in self.current.arrivals.items()}
 
     def ready(self) -> Iterator[Sequence[ScoredGroup]]:
         """The micro-batches that can train now. First pass: the current mini-batch's waiting groups, in arrival
@@ -224,68 +250,72 @@ class Learner:
         mini-batch, in its order. Call `step` inside the loop as soon as `minibatch_done()`: the next mini-batch
         follows only after it. A mini-batch with nothing left to train whose step is due (none of its groups
         are this rank's, or the step waited for the whole batch) yields STEP_DUE, a micro-batch of no group."""
+        now = self.current
         if self.cfg.scale_rewards == "batch" and self.all_taken():
             self._batch_divisor()  # with ranks a collective: every rank's first of the iteration, before any step
         if self.passes_wait and not self.all_taken():
             return  # scale_rewards="batch" with β > 0: A / std(r_batch) before any forward (grpo.py)
-        while self.steps_done < self.steps:
+        while now.steps_done < self.steps:
             if self._step_due():
-                before = self.steps_done
+                before = now.steps_done
                 yield STEP_DUE
-                if self.steps_done == before:  # the caller did not step: nothing else can train
+                if now.steps_done == before:  # the caller did not step: nothing else can train
                     return
                 continue
-            block = self.steps_done % self.cfg.updates_per_iteration
-            if self.steps_done >= self.cfg.updates_per_iteration:  # a later pass over the stored batch
-                self.replayed += 1
-                yield self.trained[block][self.replayed - 1]
+            block = now.steps_done % self.cfg.updates_per_iteration
+            if now.steps_done >= self.cfg.updates_per_iteration:  # a later pass over the stored batch
+                now.replayed += 1
+                yield now.trained[block][now.replayed - 1]
                 continue
-            waiting = self.waiting[block]
+            waiting = now.waiting[block]
             if not waiting or not (self._all_arrived(block) or self._calls_done(waiting)
                                    or group_tokens(waiting) >= self.cfg.micro_batch_tokens):
                 return
             size = micro_batch_size([group_tokens([g]) for g in waiting], self.cfg.micro_batch_tokens)
             micro_batch = waiting[:size]
             del waiting[:size]
-            self.trained[block].append(micro_batch)
+            now.trained[block].append(micro_batch)
             yield micro_batch
 
     def minibatch_done(self) -> bool:
         """The current mini-batch is trained (every group arrived, in this pass) and its step may be taken."""
-        return self.steps_done < self.steps and self._step_due()
+        return self.current.steps_done < self.steps and self._step_due()
 
     def _step_due(self) -> bool:
-        block = self.steps_done % self.cfg.updates_per_iteration
-        if self.steps_done >= self.cfg.updates_per_iteration:
-            return self.replayed == len(self.trained[block])
-        return (self._all_arrived(block) and not self.waiting[block]
+        now = self.current
+        block = now.steps_done % self.cfg.updates_per_iteration
+        if now.steps_done >= self.cfg.updates_per_iteration:
+            return now.replayed == len(now.trained[block])
+        return (self._all_arrived(block) and not now.waiting[block]
                 and (not self.first_step_waits or self.all_taken()))
 
     def all_taken(self) -> bool:
         """Every group of the iteration (this rank's) has arrived: the inference side is done sampling θ_k."""
-        return sum(self.arrived) == sum(self.groups_per_minibatch)
+        return sum(self.current.arrived) == sum(self.groups_per_minibatch)
 
     def _all_arrived(self, block: int) -> bool:
-        return self.arrived[block] == self.groups_per_minibatch[block]
+        return self.current.arrived[block] == self.groups_per_minibatch[block]
 
     def _calls_done(self, groups: list[ScoredGroup]) -> bool:
         """Whether the generate calls that sampled `groups` have sent all their groups (none is coming soon)."""
-        return all(self.call_arrivals[g.call] == g.call[1] for g in groups)  # call: (first prompt, prompts)
+        return all(self.current.call_arrivals[g.call] == g.call[1] for g in groups)  # call: (first prompt, prompts)
 
     def _batch_divisor(self) -> torch.Tensor:
         """std(r_batch) + eps over every rank's rewards, in group order (scale_rewards="batch"), 0-d; computed once,
         by `ready` as soon as every group is in. With ranks it is a collective, so every rank computes it there,
         before it yields anything more: a rank with none of mini-batch 0's groups would otherwise go on to its
         step's all-reduce while the others wait in this gather (a deadlock)."""
-        if self.divisor is None:
-            by_group = self.rewards if self.ranks.size == 1 else distributed.gather_dicts(self.rewards, self.ranks)
+        now = self.current
+        if now.divisor is None:
+            by_group = now.rewards if self.ranks.size == 1 else distributed.gather_dicts(now.rewards, self.ranks)
             rewards = torch.tensor([r for index in sorted(by_group) for r in by_group[index][0]])  # (B,) float32
-            self.divisor = batch_std(rewards) + ADVANTAGE_EPS
-        return self.divisor
+            now.divisor = batch_std(rewards) + ADVANTAGE_EPS
+        return now.divisor
 
     def accumulate(self, groups: Sequence[ScoredGroup]) -> None:
         """One forward/backward over a micro-batch of the current mini-batch: ∇ += Σ_g ∇S_g (divided by D
         at the step). STEP_DUE (the step is due with nothing of this rank's left to train) computes nothing."""
+        now = self.current
         if not groups:
             return
         self.tri.policy.train()
@@ -293,7 +323,7 @@ class Learner:
             advantages = [a for g in groups for a in self.advantages_of(g)]
         else:  # (scale_rewards="batch" with β = 0: the centred ones, ∇ / (std(r_batch) + eps) at the step)
             advantages = [a for g in groups for a in g.advantages]
-        kept = [keep for g in groups for keep in self.kept[g.index]]
+        kept = [keep for g in groups for keep in now.kept[g.index]]
         name = f"{TRAIN}group {groups[0].index}" if len(groups) == 1 else f"{TRAIN}{len(groups)} groups"
         with self.timeline.span(name):
             batch = [(torch.tensor(g.prompt_ids, device=self.device),                  # (P,)
@@ -301,25 +331,26 @@ class Learner:
                      for g in groups]
             loss, stats = forward_backward(self.tri, batch, advantages, self.cfg,
                                            kept if self.cfg.mask_truncated_completions else None)
-        self.minibatch_loss += loss.detach()
+        now.minibatch_loss += loss.detach()
         for total, key in (("clipped_low", "clipped_low"), ("clipped_high", "clipped_high"), ("kl", "kl_sum"),
                            ("entropy", "entropy_sum")):
-            self.sums[total] += stats[key]
-        self.low_min = torch.minimum(self.low_min, stats["clipped_low_min"])
-        self.high_max = torch.maximum(self.high_max, stats["clipped_high_max"])
+            now.sums[total] += stats[key]
+        now.low_min = torch.minimum(now.low_min, stats["clipped_low_min"])
+        now.high_max = torch.maximum(now.high_max, stats["clipped_high_max"])
         responses = [r for g in groups for r in g.responses]
-        self.metric_tokens += sum(len(r) for r, keep in zip(responses, kept) if keep)
-        self.minibatch_sequences += len(responses)
-        self.minibatch_micro_batches += 1
+        now.metric_tokens += sum(len(r) for r, keep in zip(responses, kept) if keep)
+        now.minibatch_sequences += len(responses)
+        now.minibatch_micro_batches += 1
 
     def step(self) -> None:
         """The current mini-batch's optimizer step: ∇ /= D, clip, AdamW, then the schedule's next rate. With ranks,
         ∇, D's counts and the loss are first summed over the ranks (infra/distributed.py): the same step on every
         rank. A stop signal inside the update itself waits for its end (milliseconds): θ, AdamW's state, the schedule
         and the step count move together, so a stop checkpoint can hold them (`iterations_done`)."""
-        with self.timeline.span(f"optimizer step {self.steps_done}"):
-            counts = [self.minibatch_sequences, self.loss_tokens, self.minibatch_micro_batches]
-            minibatch_loss = self.minibatch_loss
+        now = self.current
+        with self.timeline.span(f"optimizer step {now.steps_done}"):
+            counts = [now.minibatch_sequences, now.loss_tokens, now.minibatch_micro_batches]
+            minibatch_loss = now.minibatch_loss
             if self.ranks.size > 1:
                 params = distributed.sum_gradients(  # ∇ = Σ_r ∇_r
                     [p for p in self.tri.policy.parameters() if p.requires_grad], self.ranks)
@@ -341,16 +372,16 @@ class Learner:
                     p.grad.div_(divisor)
                 minibatch_loss = minibatch_loss / divisor
             if self.cfg.max_grad_norm > 0:
-                self.sums["grad_norm"] += torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm)
-            self.learning_rate = self.optimizer.param_groups[0]["lr"]  # this step's (what transformers logs)
+                now.sums["grad_norm"] += torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm)
+            now.learning_rate = self.optimizer.param_groups[0]["lr"]  # this step's (what transformers logs)
             with stops_deferred():  # θ moves from here: whole or not at all
                 self.stepping = True
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
-                self.sums["loss"] += minibatch_loss / normalizer  # this mini-batch's loss, as optimised
-                self.steps_done += 1  # θ holds the step, even if the schedule's next rate fails (`all_stepped`)
-                self.replayed = self.minibatch_sequences = self.minibatch_micro_batches = 0
-                self.minibatch_loss = torch.zeros((), device=self.device)
+                now.sums["loss"] += minibatch_loss / normalizer  # this mini-batch's loss, as optimised
+                now.steps_done += 1  # θ holds the step, even if the schedule's next rate fails (`all_stepped`)
+                now.replayed = now.minibatch_sequences = now.minibatch_micro_batches = 0
+                now.minibatch_loss = torch.zeros((), device=self.device)
                 if self.scheduler is not None:
                     self.scheduler.step()
                 self.stepping = False
@@ -358,7 +389,7 @@ class Learner:
     def all_stepped(self) -> bool:
         """Whether θ holds every optimizer step of the current iteration (what its row and a saved policy need),
         even where something after the last one failed (the schedule's next rate, the iteration's end)."""
-        return self.iteration is not None and self.steps_done == self.steps
+        return self.iteration is not None and self.current.steps_done == self.steps
 
     def iterations_done(self) -> int | None:
         """How many iterations the weights and AdamW's state hold exactly, or None half-way through an
@@ -366,25 +397,26 @@ class Learner:
         checkpoint written now can claim."""
         if self.iteration is None or self.stepping:
             return None
-        if self.steps_done == 0:
+        if self.current.steps_done == 0:
             return self.iteration
-        return self.iteration + 1 if self.steps_done == self.steps else None
+        return self.iteration + 1 if self.current.steps_done == self.steps else None
 
     def metrics(self) -> dict[str, float]:
-        if self.steps_done != self.steps:
-            raise PipelineError(f"iteration {self.iteration} ended after {self.steps_done} of "
+        now = self.current
+        if now.steps_done != self.steps:
+            raise PipelineError(f"iteration {self.iteration} ended after {now.steps_done} of "
                                 f"{self.steps} optimizer steps: groups are missing")
         loss, low, high, kl_sum, entropy, grad_norm, low_min, high_max = torch.stack(  # the one host synchronisation
-            [*(self.sums[name] for name in SUMS), self.low_min.to(self.sums["loss"].dtype),
-             self.high_max.to(self.sums["loss"].dtype)]).tolist()
-        counted, all_tokens, prompt_tokens = self.metric_tokens, self.tokens, self.prompt_tokens
-        by_group, logged = self.rewards, self.logged
+            [*(now.sums[name] for name in SUMS), now.low_min.to(now.sums["loss"].dtype),
+             now.high_max.to(now.sums["loss"].dtype)]).tolist()
+        counted, all_tokens, prompt_tokens = now.metric_tokens, now.tokens, now.prompt_tokens
+        by_group, logged = now.rewards, now.logged
         if self.ranks.size > 1:  # the whole iteration's (loss and grad_norm are already every rank's, from `step`)
             low, high, kl_sum, entropy, counted, all_tokens, prompt_tokens = distributed.sum_values(
                 [low, high, kl_sum, entropy, counted, all_tokens, prompt_tokens], self.ranks, self.device)
             low_min, high_max = distributed.max_values([-low_min, high_max], self.ranks, self.device)
             low_min = -low_min
-            both = distributed.gather_dicts({i: (self.rewards[i], self.logged[i]) for i in self.rewards}, self.ranks)
+            both = distributed.gather_dicts({i: (now.rewards[i], now.logged[i]) for i in now.rewards}, self.ranks)
             by_group, logged = ({i: pair[0] for i, pair in both.items()}, {i: pair[1] for i, pair in both.items()})
         ordered = [by_group[index] for index in sorted(by_group)]  # (weighted sums, per reward, lengths, truncated)
         totals = [r for total, *_ in ordered for r in total]
@@ -416,7 +448,7 @@ class Learner:
             "clip_fraction_low_min": low_min if math.isfinite(low_min) else None,  # TRL's clip_ratio/low_min
             "clip_fraction_high_max": high_max if math.isfinite(high_max) else None,  # TRL's clip_ratio/high_max
             "grad_norm": grad_norm / self.steps if self.cfg.max_grad_norm > 0 else None,  # before clipping
-            "learning_rate": self.learning_rate,  # the last step's
+            "learning_rate": now.learning_rate,  # the last step's
             "response_length": all_tokens / len(lengths),
             "response_length_min": min(lengths),
             "response_length_max": max(lengths),

@@ -40,11 +40,11 @@ each run it for their own generate calls and sum ∇ at each step (docs/distribu
 
 Departures, on purpose:
 1. The held-out evaluation runs on the inference side after the iteration's groups, so it overlaps
-   the training tail instead of stalling the trainer (except where the sides take turns on CPU).
+   the training after sampling instead of stalling the trainer (except where the sides sample then train on CPU).
 2. θ_final (after the last iteration) is published once more, for the final evaluation only.
-3. On CPU with the cores split between the sides, the trainer takes every core (`tail_threads`) once the
-   inference side is done with θ_k, for the micro-batches left and the step (fixed by arrival order: a rerun
-   is the same run).
+3. On CPU with the cores split between the sides, the trainer takes every core (`train_threads_after_sampling`)
+   once the inference side is done with θ_k, for the micro-batches left and the step (fixed by arrival order: a
+   rerun is the same run).
 """
 from __future__ import annotations
 
@@ -108,14 +108,14 @@ def iteration_row(iteration: int, evaluation: float | None, learner: Learner, ti
 
 
 def train(cfg, policy: torch.nn.Module, rollouts: Rollouts, learner: Learner, timeline: Timeline, first: int = 0,
-          held_out: bool = True, tail_threads: int | None = None, sample_then_train: bool = False,
-          ranks: Ranks = Ranks()) -> Iterator[dict]:
+          held_out: bool = True, train_threads_after_sampling: int | None = None,
+          sample_then_train: bool = False, ranks: Ranks = Ranks()) -> Iterator[dict]:
     """Run iterations first..cfg.iterations-1 and yield one metrics dict per iteration, then the final evaluation's.
 
     `rollouts`: the inference side (`Rollouts`: publish, generate, receive). `learner`: the training side, holding
     the tri-model and AdamW. `first`: the iteration to start at (a resumed run's). `held_out`: whether
-    there are held-out prompts to evaluate on. `tail_threads`: the trainer's threads once sampling is done
-    (departure 3), or None.
+    there are held-out prompts to evaluate on. `train_threads_after_sampling`: the trainer's threads once
+    sampling is done (departure 3), or None.
     `sample_then_train`: receive the inference side's whole iteration before training (its threads and ours would
     oversubscribe too few cores). The last yielded dict has `"final": True` and only the evaluation of θ_final.
     A stop (KeyboardInterrupt) after an iteration's last step still yields that iteration's row, then is raised
@@ -126,7 +126,7 @@ def train(cfg, policy: torch.nn.Module, rollouts: Rollouts, learner: Learner, ti
     for iteration in range(first, cfg.iterations):
         start, first_span = time.perf_counter(), len(timeline.spans)
         evaluation_pending = held_out and is_eval_iteration(iteration, cfg.eval_every, cfg.iterations)
-        if tail_threads:
+        if train_threads_after_sampling:
             torch.set_num_threads(cfg.train_threads)          # its share while the inference side samples
         learner.tri.start_iteration()                         # θ_old := θ_k (when N·μ > 1 steps)
         learner.start(iteration)
@@ -143,8 +143,8 @@ def train(cfg, policy: torch.nn.Module, rollouts: Rollouts, learner: Learner, ti
                     learner.take(message)
                 elif isinstance(message, Evaluation):         # held-out reward of θ_k (if due)
                     evaluation, evaluation_pending = held_out_reward(message, iteration), False
-                if tail_threads and learner.all_taken() and not evaluation_pending:
-                    torch.set_num_threads(tail_threads)       # sampling is done: every core trains the tail
+                if train_threads_after_sampling and learner.all_taken() and not evaluation_pending:
+                    torch.set_num_threads(train_threads_after_sampling)  # sampling is done: every core trains
                 for micro_batch in learner.ready():           # (then passes 2..μ over the stored batch)
                     learner.accumulate(micro_batch)           # forward, backward: ∇ accumulates (STEP_DUE: none)
                     if learner.minibatch_done():

@@ -207,7 +207,7 @@ Message = Union["ScoredGroup", "Evaluation", "IterationDone", Span]
 def rollout_iteration(model, tokenizer, train: list[Example], held_out: list[Example], rewards: Rewards | Reward,
                       cfg: Config, iteration: int, weights_version: Callable[[], int], send: Callable[[Message], None],
                       train_prompts: bool = True,
-                      share: tuple[int, int] = (0, 1)) -> None:
+                      call_slice: tuple[int, int] = (0, 1)) -> None:
     """Send iteration k's groups in completion order, each generate call's span, then the evaluation
     (if due), then IterationDone. Completion order depends only on the sampled tokens: it is the same
     in both modes, and in every rerun.
@@ -217,8 +217,8 @@ def rollout_iteration(model, tokenizer, train: list[Example], held_out: list[Exa
     the version read when its generate call started if it still reads so when the group is sent, else
     -1: its tokens came from weights that changed while it was sampled. The trainer refuses both.
 
-    `share` = (s, S): this sampler is one of S that split the iteration, and samples the generate calls c with
-    c % S == s (their seeds are the calls', so the rollouts do not depend on S); share 0 also evaluates.
+    `call_slice` = (s, S): this sampler is one of S that split the iteration, and samples the generate calls c with
+    c % S == s, calls[s::S] (their seeds are the calls', so the rollouts do not depend on S); slice 0 also evaluates.
     `rewards`: the --reward functions and weights (reward.load_rewards), or one reward function."""
     rewards = as_rewards(rewards)
     generation = sampling_config(cfg, stop_token_ids(model, tokenizer), tokenizer.pad_token_id)
@@ -227,7 +227,7 @@ def rollout_iteration(model, tokenizer, train: list[Example], held_out: list[Exa
         examples = [train[i] for i in iteration_prompts(len(train), cfg.prompts_per_iteration, cfg.seed,
                                                          iteration)]
         for call, (first, call_examples) in enumerate(generate_calls(examples, cfg.groups_per_call)):
-            if call % share[1] != share[0]:
+            if call % call_slice[1] != call_slice[0]:
                 continue  # another sampler's generate call
             start, version = time.perf_counter(), weights_version()
             prompts = run_prompt_ids(tokenizer, call_examples, cfg)
@@ -245,7 +245,7 @@ def rollout_iteration(model, tokenizer, train: list[Example], held_out: list[Exa
             last = first + len(call_examples) - 1
             send(Span(f"generate group {first}" if last == first else f"generate groups {first}-{last}", INFERENCE,
                       start, time.perf_counter()))
-    if held_out and share[0] == 0 and is_eval_iteration(iteration, cfg.eval_every, cfg.iterations):
+    if held_out and call_slice[0] == 0 and is_eval_iteration(iteration, cfg.eval_every, cfg.iterations):
         start, version = time.perf_counter(), weights_version()
         reward = evaluate(model, tokenizer, held_out, rewards, cfg, state)
         tag = version if weights_version() == version else -1  # as a group's: the weights that were evaluated

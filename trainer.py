@@ -88,7 +88,7 @@ def started(cfg: Config, resume_from: Path | None = None, ranks=None, output: ru
                                                      rewards, load_kwargs, rollouts, ranks)  # sizes, sampler, learner
         output.sized(cfg)
         rows = periodic_rl.train(cfg, policy, rollouts, learner, learner.timeline, training.first,
-                                 bool(task.held_out), setup.elastic_threads(cfg, ranks),
+                                 bool(task.held_out), setup.train_threads_after_sampling(cfg, ranks),
                                  setup.sample_then_train(cfg, ranks), ranks)
         with closing(setup.checkpointed(rows, cfg, training, learner, tokenizer, len(task.train), ranks,
                                         output.completions)) as rows:

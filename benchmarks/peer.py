@@ -16,7 +16,7 @@ from a bf16 copy of the weights, TRL from its float32 model).
 
 Targets: both modes at least TRL's samples/s (the means' ratio), async not slower than sync (the 95% interval
 of their per-round ratios reaches 1x and their mean is at least 0.97x: `benchmarks.common.not_slower`; on the
-toy's 2 cores async takes turns in one process, sync's schedule, so only noise tells them apart), and on
+toy's 2 cores async samples then trains in one process, sync's schedule, so only noise tells them apart), and on
 `--task chain` async at least 1.5x TRL's.
 """
 from __future__ import annotations

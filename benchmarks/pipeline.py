@@ -12,7 +12,7 @@ times T_gen and T_train measured in sync mode, and two bounds:
          times would reach. Streaming by completion inside one generate call counts (the fill ends when
          the first micro-batch starts). It judges the pipeline, not the choice of sizes and threads
          (slower spans lower the bound too): "async never slower than sync" judges that. `predicted` is
-         the probe's speedup before the run (`sizing.choose`, 1.00x when it takes turns): a check of the
+         the probe's speedup before the run (`sizing.choose`, 1.00x when it samples then trains): a check of the
          probe's model, not a target.
 `--call-sweep` runs the default workload at several --groups-per-call instead: batching vs
 streaming. Both modes run at the sizes async's probe picks (`probed_sizes`, probed once per
@@ -32,8 +32,8 @@ Targets, on the default workload: async at least 90% of its `bound` (its seconds
 bound_s / 0.9); on every workload async not slower than sync: the 95% interval of the per-round speedups
 reaches 1x and their mean is at least 0.97x (`benchmarks.common.not_slower`); with the tail, async at least
 TAIL_TARGET x sync on the default workload. `--split-check`: measured within SPLIT_TOLERANCE of predicted. Where
-async takes turns (the toy's default on 2 cores) it runs sync's schedule in one process (`setup.colocated`): the two differ by the
-machine's noise alone, and a bare mean >= 1x would be a coin flip.
+async samples then trains (the toy's default on 2 cores) it runs sync's schedule in one process
+(`setup.async_runs_as_sync`): the two differ by the machine's noise alone, and a bare mean >= 1x would be a coin flip.
 """
 from __future__ import annotations
 
@@ -106,7 +106,8 @@ def pipeline_bound(t_gen: float, t_train: float, calls: int) -> float:
 def probed_sizes(argv: list[str]) -> tuple[list[str], list[str], float | None]:
     """The options async mode's probe picks for `argv` (probed once, here): (the generate calls and the
     micro-batch, which both modes then use, so that they compare at the same sizes; the thread split,
-    async's only; the probe's predicted speedup over taking turns at these sizes, None if nothing was probed)."""
+    async's only; the probe's predicted speedup over sampling then training at these sizes, None if nothing was
+    probed)."""
     from launch import setup
     import trainer
     from infra.command_line import parse_args
@@ -124,7 +125,7 @@ def probed_sizes(argv: list[str]) -> tuple[list[str], list[str], float | None]:
     return (["--groups-per-call", str(chosen.groups_per_call),
              "--micro-batch-tokens", str(chosen.micro_batch_tokens)],
             ["--rollout-threads", str(chosen.rollout_threads), "--train-threads", str(chosen.train_threads),
-             "--tail-threads", str(chosen.tail_threads)], gain)
+             "--train-threads-after-sampling", str(chosen.train_threads_after_sampling)], gain)
 
 
 def async_workload(argv: list[str], iterations: int, rounds: int, tailed: bool = False) -> dict:
@@ -182,7 +183,7 @@ def async_speedup(args: argparse.Namespace) -> bool:
         workloads = {name: ASYNC_WORKLOADS[name] for name in (["default"] if args.quick else ASYNC_WORKLOADS)}
     print(f"{args.rounds} rounds x (sync run, async run) per workload, {args.iterations} timed iterations each; "
           f"sync: {available_cores()} threads; async: the cores split between the two processes, or all of them "
-          f"in one process when the sides take turns")
+          f"in one process when the sides sample then train")
     print(f"{'workload':22s} {'len':>5s} {'sync s/it':>10s} {'async s/it':>10s} {'speedup':>8s} {'per round':>12s} "
           f"{'bound':>6s} {'predicted':>9s} {'ideal':>6s} {'T_gen':>6s} {'T_train':>7s} {'overlap':>8s} {'auto':>5s}")
     for name, argv in workloads.items():
@@ -226,13 +227,13 @@ def async_speedup(args: argparse.Namespace) -> bool:
 def split_check(args: argparse.Namespace) -> bool:
     """The split model (sizing.split_seconds) at one inference and one training core group: each side's busy seconds
     per iteration measured in sync at one thread (T_gen, T_train: one 'device' each), the async iteration predicted
-    from them, against async measured at one thread per side (--tail-threads 1: no elastic tail), in interleaved
-    rounds, with and without the tail. `from own`: the same model fed async's own busy seconds, which include what
-    the two sides cost each other when they compute at once (shared cores, caches, memory bandwidth, other jobs):
+    from them, against async measured at one thread per side (--train-threads-after-sampling 1: no switch after
+    sampling), in interleaved rounds, with and without the tail. `from own`: the same model fed async's own busy
+    seconds, which include what the two sides cost each other when they compute at once (shared cores, caches, memory bandwidth, other jobs):
     a check of the overlap alone, where `predicted` also assumes each side runs as fast beside the other as alone."""
     from infra.command_line import parse_args
     from launch import sizing
-    one_each = ["--rollout-threads", "1", "--train-threads", "1", "--tail-threads", "1"]
+    one_each = ["--rollout-threads", "1", "--train-threads", "1", "--train-threads-after-sampling", "1"]
     argv = [*SPLIT_WORKLOAD, *one_each, *shlex.split(args.trainer_args)]
     calls = parse_args(argv).calls_per_iteration
     print(f"split model at 1 inference + 1 training core group: {calls} generate calls per iteration, {args.rounds} "

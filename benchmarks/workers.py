@@ -10,7 +10,7 @@ side, fill and drain not overlapped), and the split of devices that
 would balance the two sides (sizing.balanced_split).
 
 What to expect on a CPU machine: the workers share its cores, so N = 2 is no faster (and its threads,
-one per worker plus the trainer's, oversubscribe 2 cores, so the sides take turns: setup.takes_turns);
+one per worker plus the trainer's, oversubscribe 2 cores, so the sides sample then train: setup.oversubscribed);
 the prediction is what separate devices would give. No targets: a figure to read. `--tail` (default both): the
 table with rows to the cap, then with the tail (benchmarks/tail.py).
 """

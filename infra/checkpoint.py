@@ -49,7 +49,7 @@ from infra.records import absolute_paths, through_moved_link
 HARMLESS = {"iterations", "num_train_epochs", "eval_every", "eval_samples", "trace", "save", "save_every",
             "keep_checkpoints", "save_on_stop", "sizes", "cache_dir", "reward_timeout", "gradient_checkpointing",
             "attn_implementation", "micro_batch_tokens", "pad_to_multiple_of", "rollout_threads", "train_threads",
-            "tail_threads", "report_to", "collective_timeout",
+            "train_threads_after_sampling", "report_to", "collective_timeout",
             "inference_workers",  # the groups reach the trainer in one worker's order (inference.in_call_order)
             "log_completions", "num_completions_to_print", "eval_every_epoch", "save_dtype",
             "mode"}  # async and sync are the same run (bitwise, with equal thread counts: tests/method/test_pipeline.py)
@@ -119,7 +119,7 @@ def read_state(path: Path) -> dict:
         if isinstance(config.get("reward"), str):  # written before --reward was repeatable: its one reward, weight 1
             config["reward"] = [config["reward"]]
             config.setdefault("reward_weights", [1.0])
-        config.setdefault("tail_threads", config.get("train_threads"))  # written before --tail-threads: no switch
+        config.setdefault("train_threads_after_sampling", config.get("train_threads"))  # written before it: no switch
         config.setdefault("lr_scheduler_type", "constant")  # written before the schedule: the rate it ran at
         config.setdefault("text_prompts", "chat")  # written before --text-prompts: text was always in the template
         if isinstance(config.get("scale_rewards"), bool):  # written before "batch": TRL's names for the booleans

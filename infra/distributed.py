@@ -4,8 +4,8 @@
                                                        --rdzv-endpoint HOST:PORT on each; docs/distributed.md)
 
 Ownership. Iteration k's prompts are sampled in generate calls of C prompts (call c = prompt index // C).
-Rank r of M owns the calls c with c % M == r: its own inference process samples exactly those (share
-(r, M), rollout.rollout_iteration) and its Learner trains exactly their groups.
+Rank r of M owns the calls c with c % M == r: its own inference process samples exactly those (call
+slice (r, M), rollout.rollout_iteration) and its Learner trains exactly their groups.
 
 The step. Each rank accumulates the partial sums of its own groups; at each mini-batch's step, on every rank,
 
@@ -58,8 +58,9 @@ from infra.processes import killed_with_parent
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}  # by the training device's kind
 BUCKET_ELEMENTS = 25 * 2**20  # gradient elements per all_reduce (100 MiB of float32; DDP's default is 25 MiB)
 # Options that may differ between ranks (each rank's own devices, threads and outputs); all others must agree
-PER_RANK = {"device", "rollout_device", "train_device", "rollout_threads", "train_threads", "tail_threads", "cache_dir",
-            "out", "overwrite", "trace", "save", "save_every", "keep_checkpoints", "save_on_stop", "resume", "config"}
+PER_RANK = {"device", "rollout_device", "train_device", "rollout_threads", "train_threads",
+            "train_threads_after_sampling", "cache_dir", "out", "overwrite", "trace", "save", "save_every",
+            "keep_checkpoints", "save_on_stop", "resume", "config"}
 
 
 @dataclass(frozen=True)
@@ -94,8 +95,8 @@ class Ranks:
         return self.rank == 0
 
     @property
-    def share(self) -> tuple[int, int]:
-        """(r, M): the generate calls c % M == r are this rank's (rollout.rollout_iteration's `share`)."""
+    def call_slice(self) -> tuple[int, int]:
+        """(r, M): the generate calls c % M == r are this rank's (rollout.rollout_iteration's `call_slice`)."""
         return self.rank, self.size
 
 

@@ -129,14 +129,15 @@ def derive(cfg: Config) -> Config:
     groups_per_call = cfg.groups_per_call or (None if probed_calls else math.ceil(cfg.prompts_per_iteration / calls))
     generate_calls = math.ceil(cfg.prompts_per_iteration / (groups_per_call or 1))  # per iteration
     # Sync mode runs one side at a time: all cores. So does async when an iteration is a single generate call
-    # (nothing to overlap: the two sides take turns); otherwise they run at once and split the cores, since
+    # (nothing to overlap: the two sides sample then train); otherwise they run at once and split the cores, since
     # oversubscribed cores slow both (docs/benchmarks.md, "Generate calls: batching against streaming").
-    take_turns = cfg.mode == "sync" or generate_calls == 1
-    rollout_threads = cfg.rollout_threads or (None if probed else cores if take_turns else max(1, cores // 2))
-    train_threads = cfg.train_threads or (None if probed else cores if take_turns else max(1, cores - rollout_threads))
+    sample_then_train = cfg.mode == "sync" or generate_calls == 1
+    rollout_threads = cfg.rollout_threads or (None if probed else cores if sample_then_train else max(1, cores // 2))
+    train_threads = cfg.train_threads or (None if probed else cores if sample_then_train
+                                          else max(1, cores - rollout_threads))
     if cfg.mode == "sync" and probed:  # one side at a time: all cores; the probe chooses calls and micro-batch
         rollout_threads, train_threads = rollout_threads or cores, train_threads or cores
-    tail_threads = cfg.tail_threads or train_threads  # (None while the probe is to choose the split)
+    after_sampling = cfg.train_threads_after_sampling or train_threads  # (None while the probe is to choose the split)
     # On a GPU or NPU trainer the micro-batch is as big as its memory allows, once the model is there (launch/memory.py);
     # not under bnpo, whose loss would then change with the free memory.
     fitted = (cfg.sizes == "probe" and not probed and train_device.split(":")[0] in MEMORY_FIT_DEVICES
@@ -159,7 +160,7 @@ def derive(cfg: Config) -> Config:
         dtype=pick_dtype(cfg.dtype, train_device),
         rollout_threads=rollout_threads,
         train_threads=train_threads,
-        tail_threads=tail_threads,
+        train_threads_after_sampling=after_sampling,
     )
 
 
@@ -321,7 +322,7 @@ def validate(cfg: Config) -> list[str]:
          "--eval-size is 0 (a run started with --eval-every 0 holds none out of training): give --eval-size N, or "
          "--eval-every 0")
     cores = available_cores()
-    for name in ("rollout_threads", "train_threads", "tail_threads"):
+    for name in ("rollout_threads", "train_threads", "train_threads_after_sampling"):
         value = getattr(cfg, name)
         need(value is None or 1 <= value <= cores, f"--{name.replace('_', '-')} must be from 1 to {cores}, the CPU "
                                                    f"cores this process may use (got {value})")
@@ -497,7 +498,7 @@ def _argument_type(annotation: str):
 
 # Options renamed to say what they are: the old name, typed or as a key of a --config file, a config.json or a
 # checkpoint's state.json, is read as the new one (and not listed in --help)
-RENAMED = {"groups_per_chunk": "groups_per_call"}
+RENAMED = {"groups_per_chunk": "groups_per_call", "tail_threads": "train_threads_after_sampling"}
 
 
 def with_new_names(values: dict) -> dict:

@@ -40,7 +40,6 @@ from inspect import Parameter
 from pathlib import Path
 from typing import Callable
 
-from infra import moved
 from infra.errors import UserError
 from infra.tasks import math_reward
 
@@ -186,7 +185,6 @@ def load_reward(spec: str) -> Reward:
         if not path.is_file():
             raise RewardError(f"--reward {spec!r}: the file {path} does not exist (relative paths are resolved "
                               f"from {Path.cwd()}). Pass an existing .py file, or a module importable from here.")
-    moved.install()  # a reward file written before the re-layout may still `import tasks`
     _importable(path.resolve().parent if module_name.endswith(".py") else Path.cwd())
     try:
         if module_name.endswith(".py"):

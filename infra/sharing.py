@@ -8,8 +8,8 @@ Periodic asynchrony saves time only where sampling and training run at the same 
                                  inference process is held to CUDA_MPS_ACTIVE_THREAD_PERCENTAGE of the SMs
                                  (`mps_percentage`: the size split, as the threads split CPU cores)
     CPU cores                    two core groups, one per side, when the size probe predicts the split is faster
-                                 than taking turns on every core (launch/sizing.py); else the sides take turns in
-                                 one process (launch/setup.colocated, sync's schedule)
+                                 than sampling then training on every core (launch/sizing.py); else the sides
+                                 sample then train in one process (launch/setup.async_runs_as_sync, sync's schedule)
 
 and where it cannot: one CUDA device without MPS (the driver time-slices two processes' contexts: their kernels
 never overlap, so async only adds the hand-over), one NPU (no such service). There `auto` picks sync and says how
@@ -70,7 +70,8 @@ def auto_mode(rollout_device: str, train_device: str, inference_workers: int = 1
     if inference_ranks or inference_workers > 1:
         return "async", "inference processes of their own"
     if kind(rollout_device) == kind(train_device) == "cpu":
-        return "async", "CPU: two core groups where the size probe finds they overlap, else in turns in one process"
+        return "async", ("CPU: two core groups where the size probe finds they overlap, else sample then train in one "
+                         "process")
     if not same_device(rollout_device, train_device):
         return "async", f"separate devices: sampling on {rollout_device}, training on {train_device}"
     if kind(train_device) == "cuda" and (mps_running() if mps is None else mps):
@@ -94,7 +95,7 @@ def describe(cfg, inference_ranks: int = 0) -> str:
         return "sampling on inference ranks"
     if kind(rollout) == kind(train) == "cpu":
         return ("one side at a time on cpu" if cfg.mode == "sync" else
-                "CPU core groups, one per side, where the size probe finds they overlap; else in turns")
+                "CPU core groups, one per side, where the size probe finds they overlap; else sample then train")
     if not same_device(rollout, train):
         return f"sampling on {rollout}, training on {train}"
     if kind(train) == "cuda" and mps_running():

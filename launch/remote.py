@@ -8,7 +8,7 @@ The last K of the W ranks sample (inference rank j = global rank M + j), the fir
     publish θ_k: θ cast into one flat tensor            broadcast: header (command, k, K_final, clock),
     generate(k): broadcast header, then θ_k  ------->     then θ_k straight into its model's parameters
                  (group "weights": rank 0 + the           (they are views of one flat tensor)
-                 inference ranks; NCCL/HCCL/gloo)       rollout_iteration(share=(j, K)): the calls c % K == j,
+                 inference ranks; NCCL/HCCL/gloo)       rollout_iteration(call_slice=(j, K)): the calls c % K == j,
     every trainer rank r: receive()          <-------     each group, in completion order, to the rank that
       recv_object from any inference rank                 owns its call, c % M (`destination`); the spans and
       (its "transport" group: gloo, Python objects),      the evaluation to rank 0; IterationDone to every
@@ -140,7 +140,7 @@ class RemoteRollouts:
     def attach(self, policy, cfg, threads: int) -> None:
         """The sizes (the calls this rank owns) and, on rank 0, θ's flat tensor. `threads`: each inference rank's own
         --rollout-threads (its options are the same)."""
-        self.calls = owned_calls(cfg.prompts_per_iteration, cfg.groups_per_call, self.ranks.share)
+        self.calls = owned_calls(cfg.prompts_per_iteration, cfg.groups_per_call, self.ranks.call_slice)
         if self.ranks.is_main:
             self.flat = flat_like(policy, self.dtype, next(policy.parameters()).device)
 
@@ -272,7 +272,7 @@ class Sender:
 
 def serve(cfg, ranks: Ranks, train: list, held_out: list, rewards, load_kwargs: dict) -> None:
     """An inference rank's life: load the model (on --rollout-device, in the compute dtype, its parameters views of
-    one flat tensor), then for each command broadcast by trainer rank 0: receive θ_k, sample this rank's share of
+    one flat tensor), then for each command broadcast by trainer rank 0: receive θ_k, sample this rank's calls of
     iteration k (or only the evaluation) and send every message where `destination` says; STOP ends it."""
     import transformers
 
@@ -285,7 +285,7 @@ def serve(cfg, ranks: Ranks, train: list, held_out: list, rewards, load_kwargs: 
     device = next(model.parameters()).device
     flat = flat_like(model, dtype, device)
     alias(model, flat)
-    share = (ranks.rank - ranks.size, ranks.inference)
+    call_slice = (ranks.rank - ranks.size, ranks.inference)
     sender = Sender(ranks)
     try:
         while True:
@@ -306,7 +306,7 @@ def serve(cfg, ranks: Ranks, train: list, held_out: list, rewards, load_kwargs: 
                 sender.put(("message", shifted(message, offset)), destination(message, ranks, cfg.groups_per_call))
             send(loaded)
             rollout_iteration(model, tokenizer, train, held_out, rewards, cfg, iteration, lambda: iteration, send,
-                              train_prompts=command == GENERATE, share=share)
+                              train_prompts=command == GENERATE, call_slice=call_slice)
         sender.flush()
     except (KeyboardInterrupt, RanksError):
         raise  # a stop signal (torchrun stops every rank), or a trainer rank is gone: nobody is left to tell

@@ -99,7 +99,7 @@ def opened(cfg: Config, resume_from: Path | None = None, command: list[str] | No
             yield output
         except UserError as error:  # the training side failed to start (a damaged checkpoint, the sizes): the
             if not output.logging and resume_from and cfg.save and Interrupted.received is None:  # policy is kept
-                error.args = (f"{error} ({stopped_early(out / 'policy')})",)
+                say_stopped_early(error, out / 'policy')
             raise
 
 
@@ -133,10 +133,10 @@ def earlier_rows(metrics_path: Path, before: int) -> list[dict]:
 PROCESS_STARTED = time.time()  # what a stop line compares --out's policy/ with: written by this run or before it
 
 
-def stopped_early(policy_path: Path) -> str:
-    """What a run that stopped before its training ended leaves of the policy."""
+def say_stopped_early(error: UserError, policy_path: Path) -> None:
+    """`error`'s line, ended with what a run that stopped before its training ended leaves of the policy."""
     kept = f"{policy_path} is still the policy saved before" if policy_path.exists() else "no policy was saved"
-    return f"the run stopped before training ended: {kept}"
+    error.args = (f"{error} (the run stopped before training ended: {kept})",)
 
 
 def log_and_save(cfg: Config, rows, policy, tokenizer, resumed_at: int = 0, report=lambda row: None,
@@ -224,7 +224,7 @@ def log_and_save(cfg: Config, rows, policy, tokenizer, resumed_at: int = 0, repo
         if saved:
             error.args = (f"{error} (the trained policy was saved in {policy_path} first)",)
         elif cfg.save and not trained:
-            error.args = (f"{error} ({stopped_early(policy_path)})",)
+            say_stopped_early(error, policy_path)
         raise
     except Exception as error:  # any other failure once the policy is saved (a bug, a library's): one line too
         keep_pending()

@@ -5,18 +5,20 @@
       -> θ_k and AdamW's state from a checkpoint           (infra/checkpoint.py, --resume)
       -> the sizes left open, measured on this machine     (launch/sizing.py, --sizes probe; on a GPU the
                                                            micro-batch from its free memory, launch/memory.py)
-      -> where sampling runs and on which threads          `colocated`, `elastic_threads`, `inference_side`
+      -> where sampling runs and on which threads          `async_runs_as_sync`, `inference_side`,
+                                                           `train_threads_after_sampling`
       -> periodic_rl.train, one metrics row per iteration  checkpoints every --save-every, the trace at the end
 
 The thread policy on CPU, where the two sides share the cores:
-- `takes_turns`: more threads than cores. Oversubscribed cores slow both sides, so the trainer takes the
-  inference side's whole iteration, held-out evaluation included, before it computes.
-- `colocated`: async that takes turns with one inference process and one thread count samples in the
-  trainer's own process, which is sync's schedule exactly (the same calls, groups, threads and bits): a
+- `oversubscribed`: more threads than cores. Oversubscribed cores slow both sides, so the sides sample then
+  train (`sample_then_train`): the trainer takes the inference side's whole iteration, held-out evaluation
+  included, before it computes.
+- `async_runs_as_sync`: async that samples then trains with one inference process and one thread count samples
+  in the trainer's own process, which is sync's schedule exactly (the same calls, groups, threads and bits): a
   second process would overlap nothing and only add the hand-over (publishing θ_k, a message per group,
-  one side's idle threads spinning into the other's turn; docs/benchmarks.md).
-- `elastic_threads`: when the probe split the cores, the trainer takes every core (--tail-threads) once the
-  inference side is done with θ_k (periodic_rl.py, departure 3).
+  one side's idle threads spinning into the other's time; docs/benchmarks.md).
+- `train_threads_after_sampling`: when the probe split the cores, the trainer takes every core
+  (--train-threads-after-sampling) once the inference side is done with θ_k (periodic_rl.py, departure 3).
 """
 from __future__ import annotations
 
@@ -28,7 +30,6 @@ from typing import Iterator
 
 import torch
 
-import periodic_rl
 from inference import AsyncRollouts, SyncRollouts
 from infra import checkpoint, completions, outputs, sharing
 from infra.distributed import Ranks
@@ -123,36 +124,38 @@ def both_on_cpu(cfg) -> bool:
     return cfg.rollout_device.startswith("cpu") and cfg.train_device.startswith("cpu")
 
 
-def takes_turns(cfg) -> bool:
-    """Whether the two sides must not compute at once: async on CPU with more threads than cores (the probe's
-    "in turns", sync's schedule: in one process when `colocated`)."""
+def oversubscribed(cfg) -> bool:
+    """Whether the two sides must not compute at once: on CPU, more threads than cores (then async samples then
+    trains, sync's schedule: in one process when `async_runs_as_sync`)."""
     rollout_threads = max(cfg.rollout_threads, cfg.inference_workers)  # each worker has at least one
     return both_on_cpu(cfg) and rollout_threads + cfg.train_threads > available_cores()
 
 
-def colocated(cfg, ranks: Ranks = Ranks()) -> bool:
-    """Whether async mode samples in the trainer's own process: when the sides take turns (`takes_turns`) with
-    one local inference process and one thread count for sampling, training and the tail, as the probe's "in
-    turns" sets them (else sampling would change threads). Needs the thread counts (after sizing)."""
-    one_count = cfg.rollout_threads == cfg.train_threads == cfg.tail_threads
+def async_runs_as_sync(cfg, ranks: Ranks = Ranks()) -> bool:
+    """Whether async mode samples in the trainer's own process: when the cores are `oversubscribed`, with one
+    local inference process and one thread count for sampling, training and training after sampling, as the
+    probe sets them when it chooses to sample then train (else sampling would change threads). Needs the thread
+    counts (after sizing)."""
+    one_count = cfg.rollout_threads == cfg.train_threads == cfg.train_threads_after_sampling
     return (cfg.mode == "async" and cfg.inference_workers == 1 and not ranks.inference and one_count
-            and takes_turns(cfg))
+            and oversubscribed(cfg))
 
 
 def samples_elsewhere(cfg, ranks: Ranks = Ranks()) -> bool:
     """Whether the run needs an inference side outside this process: async mode, unless it is known (the sizes
-    given) to take turns in one process (`colocated`); with sizes open, the probe decides after the start."""
-    return cfg.mode == "async" and not (cfg.sized and colocated(cfg, ranks))
+    given) to sample then train in one process (`async_runs_as_sync`); with sizes open, the probe decides after the
+    start."""
+    return cfg.mode == "async" and not (cfg.sized and async_runs_as_sync(cfg, ranks))
 
 
-def elastic_threads(cfg, ranks: Ranks) -> int | None:
-    """--tail-threads, when the trainer switches to it once sampling is done, or None: async on CPU with one
-    inference process, and more tail threads than its share (the probe sets every core when it splits them;
-    given, as given; saved with the run, so a resumed run switches alike)."""
+def train_threads_after_sampling(cfg, ranks: Ranks) -> int | None:
+    """--train-threads-after-sampling, when the trainer switches to it once sampling is done, or None: async on CPU
+    with one inference process, and more threads than --train-threads (the probe sets every core when it splits
+    them; given, as given; saved with the run, so a resumed run switches alike)."""
     single = ranks.size == 1 and not ranks.inference and cfg.inference_workers == 1
     switches = (cfg.mode == "async" and both_on_cpu(cfg) and single
-                and cfg.tail_threads > cfg.train_threads)  # never fewer
-    return cfg.tail_threads if switches else None
+                and cfg.train_threads_after_sampling > cfg.train_threads)  # never fewer
+    return cfg.train_threads_after_sampling if switches else None
 
 
 def inference_side(cfg, load_kwargs: dict, train_examples, held_out, load: bool = True, ranks: Ranks = Ranks()):
@@ -167,49 +170,24 @@ def inference_side(cfg, load_kwargs: dict, train_examples, held_out, load: bool 
     load_kwargs = {**load_kwargs, "dtype": getattr(torch, cfg.dtype)}  # its weights: the compute dtype
     with sharing.mps_share(cfg):  # one GPU through MPS: the inference process's share of the SMs, set at its spawn
         return AsyncRollouts(cfg.model, load_kwargs, train_examples, held_out, cfg.reward, load=load,
-                             workers=cfg.inference_workers, share=ranks.share, reward_weights=cfg.reward_weights)
+                             workers=cfg.inference_workers, call_slice=ranks.call_slice,
+                             reward_weights=cfg.reward_weights)
 
 
 def sampler_here(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs: dict, compute_dtype,
                  ranks: Ranks) -> SyncRollouts:
-    """Sampling in the trainer's process (sync, and async taking turns): from the policy itself, or from a copy in
-    the compute dtype if it differs (as the inference process samples from bf16 weights)."""
+    """Sampling in the trainer's process (sync, and async that samples then trains): from the policy itself, or
+    from a copy in the compute dtype if it differs (as the inference process samples from bf16 weights)."""
     sampler = None
     if compute_dtype != policy.dtype:
         from infra.models import load_model
         device = str(next(policy.parameters()).device)
         sampler, _ = load_model(cfg.model, **{**load_kwargs, "dtype": compute_dtype, "device": device})
     return SyncRollouts(policy, tokenizer, train_examples, held_out, rewards, cfg, sampler,
-                        workers=cfg.inference_workers, share=ranks.share)  # the shares, one after another
+                        workers=cfg.inference_workers, call_slice=ranks.call_slice)  # the slices, one after another
 
 
-# --- the run: trainer.started builds it piece by piece; `train` for a caller with the policy and the task in hand ---
-def train(cfg, policy, tokenizer, train_examples, held_out, rewards, load_kwargs: dict,
-          rollouts: AsyncRollouts | None = None, resume_from: Path | None = None, on_sized=None,
-          ranks: Ranks = Ranks(), on_completions=lambda records: None) -> Iterator[dict]:
-    """`periodic_rl.train` with everything it stands on (as trainer.started builds it): one metrics dict per iteration,
-    then the final evaluation.
-
-    `policy` is already on cfg.train_device, at θ_0. Async mode samples in `rollouts`, the inference
-    process (`inference_side`; the caller owns it, and loads the rewards there); sync mode samples here, scored by
-    `rewards` (reward.load_rewards; their names label the metrics in both modes), with a copy of the policy in
-    the compute dtype if it differs (`load_kwargs` says how to load it). `resume_from`: a checkpoint whose θ_k
-    and optimizer state replace θ_0's after the reference is taken; the run goes on at iteration k.
-    `on_sized(cfg)`: told the config with its sizes once they are chosen, before iteration k (trainer.py records it).
-    `on_completions(records)`: with --log-completions, told each iteration's completions, every rank's, before its row
-    (infra/completions.py; trainer.py writes them on rank 0).
-    `ranks`: this process's trainer rank (infra/distributed.py): it samples and trains only its generate calls.
-    """
-    training = training_side(cfg, policy, tokenizer, resume_from)
-    cfg, rollouts, learner = sampling_side(cfg, training, policy, tokenizer, train_examples, held_out, rewards,
-                                           load_kwargs, rollouts, ranks)
-    if on_sized is not None:
-        on_sized(cfg)
-    rows = periodic_rl.train(cfg, policy, rollouts, learner, learner.timeline, training.first, bool(held_out),
-                             elastic_threads(cfg, ranks), sample_then_train(cfg, ranks), ranks)
-    return checkpointed(rows, cfg, training, learner, tokenizer, len(train_examples), ranks, on_completions)
-
-
+# --- the run's pieces, as trainer.started builds them ---
 @dataclasses.dataclass
 class Training:
     """The training side before the loop: the tri-model, AdamW and its schedule, θ_0's fingerprint (what a checkpoint
@@ -246,8 +224,8 @@ def training_side(cfg, policy, tokenizer, resume_from: Path | None = None) -> Tr
 def sampling_side(cfg, training: Training, policy, tokenizer, train_examples, held_out, rewards, load_kwargs: dict,
                   rollouts: AsyncRollouts | None = None, ranks: Ranks = Ranks()):
     """(the config with its sizes, where sampling runs, the learner): the sizes left open measured (--sizes probe)
-    or set by rule (launch/sizing.py), then the inference process (async) or a sampler here (sync, and async taking
-    turns), on a GPU the micro-batch fitted to the memory they leave (launch/memory.py), and the learner on the same
+    or set by rule (launch/sizing.py), then the inference process (async) or a sampler here (sync, and async that
+    samples then trains), on a GPU the micro-batch fitted to the memory they leave (launch/memory.py), and the learner on the same
     timeline."""
     if rollouts is None and samples_elsewhere(cfg, ranks):
         raise ValueError("async mode samples in the inference process: pass `rollouts` (see inference_side)")
@@ -260,15 +238,15 @@ def sampling_side(cfg, training: Training, policy, tokenizer, train_examples, he
                                               rollouts.check_alive if rollouts is not None else lambda: None)
         say_sizes(cfg, probed)
     torch.set_num_threads(cfg.train_threads)
-    if colocated(cfg, ranks):
-        if rollouts is not None:  # started for the probe, which chose to take turns: nothing left for it to do
+    if async_runs_as_sync(cfg, ranks):
+        if rollouts is not None:  # started for the probe, which chose to sample then train: nothing left to do
             rollouts.close()
         rollouts = None
         cores = available_cores()
         hint = (f" (--rollout-threads {cores // 2} --train-threads {cores - cores // 2} would run the two sides at "
                 "once, in two processes)") if cores > 1 else ""
-        print("periodic-rl: async -> sync: at these sizes the two sides would take turns (more threads than cores): "
-              "sampling in this process, "
+        print("periodic-rl: async -> sync: at these sizes the two sides would sample then train (more threads than "
+              "cores): sampling in this process, "
               f"sync's schedule, no inference process{hint}", flush=True)
     if rollouts is not None:
         rollouts.attach(policy, cfg, cfg.rollout_threads)  # θ's buffer, the config, its threads
@@ -289,15 +267,15 @@ def say_sizes(cfg, how: str) -> None:
     """The sizes line, as flags that fix them, and how they were chosen (the probe's or the memory fit's line)."""
     print(f"periodic-rl: sizes: --groups-per-call {cfg.groups_per_call} ({cfg.calls_per_iteration} generate "
           f"call(s) per iteration) --micro-batch-tokens {cfg.micro_batch_tokens} --rollout-threads "
-          f"{cfg.rollout_threads} --train-threads {cfg.train_threads} --tail-threads {cfg.tail_threads} (pass these "
-          f"to fix them)"
+          f"{cfg.rollout_threads} --train-threads {cfg.train_threads} --train-threads-after-sampling "
+          f"{cfg.train_threads_after_sampling} (pass these to fix them)"
           + (f"\nperiodic-rl: {how}" if how else ""), flush=True)
 
 
 def sample_then_train(cfg, ranks: Ranks = Ranks()) -> bool:
     """Whether the trainer takes the inference side's whole iteration before computing (N workers; inference
     ranks are hosts of their own)."""
-    return cfg.mode == "async" and takes_turns(cfg) and not ranks.inference
+    return cfg.mode == "async" and oversubscribed(cfg) and not ranks.inference
 
 
 def checkpointed(rows: Iterator[dict], cfg, training: Training, learner: Learner, tokenizer, train_prompts: int,

@@ -26,12 +26,12 @@ An iteration with n calls (k = ceil(prompts/n)) is then simulated on the measure
 trainer applies the learner's rule (train the waiting groups once they reach the micro-batch's
 tokens or their call has ended), d + c·tokens per micro-batch, never before the groups arrived.
 The predicted iteration time is when the trainer finishes; the fewest calls, then the biggest
-micro-batch, within 5% of the fastest win (sync mode, whose sides take turns: the fewest calls
+micro-batch, within 5% of the fastest win (sync mode, which samples then trains: the fewest calls
 within 5% of the least generation). On CPU, async mode then splits the cores in proportion
 to the two sides' measured demand, T_gen : T_train (at least one core each), and the micro-batches
 trained once the last group is in are costed at all cores (the trainer takes them then:
-launch.setup.elastic_threads); unless the second probe, at all cores, predicts that taking turns
-(sync's schedule, in one process: launch.setup.colocated) is faster. The probe costs about
+launch.setup.train_threads_after_sampling); unless the second probe, at all cores, predicts that sampling then
+training (sync's schedule, in one process: launch.setup.async_runs_as_sync) is faster. The probe costs about
 PASSES iterations' generation per call size (five sizes for 16 prompts) and PASSES iterations' training; the
 `probe:` line prints its seconds.
 (A first version modelled a call of k prompts as its longest response x a per-step cost measured
@@ -69,7 +69,7 @@ from rollout import iteration_prompts, sample_prompts, stop_token_ids
 AS_FAST = 1.05  # fewer calls (then bigger micro-batches) win unless the others are predicted > 5% faster
 MICRO_BATCH_FRACTIONS = (1, 2, 4, 8, 16)  # candidate micro-batches: an iteration's tokens / these, under the cap
 REPEATS = 2  # the one-group forward/backward is timed this often (after a warm-up), the fastest kept
-PASSES = 2  # every call size is sampled this often, in turns (biggest first, then smallest first), the fastest kept
+PASSES = 2  # every call size is sampled this often, alternately (biggest first, then smallest first), the fastest kept
 PROBE_BUDGET_S, PROBE_SHARE = 30.0, 0.1  # a probe predicted to take longer than both this and this share of the
 # run's sampling (from its first timed call) stops there, and the sizes are the rule's (`rule_sizes`)
 
@@ -133,13 +133,13 @@ def padded_tokens(probe: Probe, size: int, groups: list[int]) -> int:
 
 
 def predict_seconds(probe: Probe, calls: int, micro_tokens: int,
-                    tail: tuple[float, float] | None = None) -> tuple[float, float, float]:
+                    after_sampling: tuple[float, float] | None = None) -> tuple[float, float, float]:
     """(iteration, generation, training) seconds predicted for `calls` generate calls and micro-batches of
     up to `micro_tokens` (async mode): the measured arrivals of that call size, trained by the learner's
     rule (the waiting groups are trained once they reach `micro_tokens`, or once their call has
     delivered all its groups), d + c·padded tokens per micro-batch, never before its groups arrived.
-    `tail`: the (d, c) of the micro-batches trained once the last group is in (the trainer then takes
-    every core: launch.setup.elastic_threads), if they differ."""
+    `after_sampling`: the (d, c) of the micro-batches trained once the last group is in (the trainer then takes
+    every core: launch.setup.train_threads_after_sampling), if they differ."""
     prompts = probe.prompts
     size = math.ceil(prompts / calls)
     tokens, timeline = probe.tokens[size], probe.timelines[size]
@@ -148,7 +148,7 @@ def predict_seconds(probe: Probe, calls: int, micro_tokens: int,
         waiting.append(g)
         arrived[call] = arrived.get(call, 0) + 1
         call_done = arrived[call] == min(size, prompts - call)
-        d, c = tail if tail and position == len(timeline) - 1 else probe.train_seconds
+        d, c = after_sampling if after_sampling and position == len(timeline) - 1 else probe.train_seconds
         while waiting and (call_done or sum(tokens[w] for w in waiting) >= micro_tokens):
             n = micro_batch_size([tokens[w] for w in waiting], micro_tokens)
             seconds = d + c * padded_tokens(probe, size, waiting[:n])
@@ -157,17 +157,17 @@ def predict_seconds(probe: Probe, calls: int, micro_tokens: int,
     return trainer, probe.generate_seconds[size], training
 
 
-def best_sizes(probe: Probe, max_tokens: int, tail: tuple[float, float] | None = None,
+def best_sizes(probe: Probe, max_tokens: int, after_sampling: tuple[float, float] | None = None,
                min_calls: int = 1) -> tuple[int, int]:
     """(generate calls, micro-batch tokens): the fewest calls, then the biggest micro-batch, whose
-    predicted iteration (`predict_seconds`, with its `tail`) is within AS_FAST of the fastest; micro-batches
+    predicted iteration (`predict_seconds`, with its `after_sampling`) is within AS_FAST of the fastest; micro-batches
     never above `max_tokens`; at least `min_calls` calls (one per sampler of the ranks) when the probe has such."""
     prompts = probe.prompts
     total = sum(probe.tokens[prompts])
     calls = sorted({math.ceil(prompts / k) for k in probe.timelines})
     calls = [n for n in calls if n >= min_calls] or calls
     micro = sorted({min(max_tokens, math.ceil(total / f)) for f in MICRO_BATCH_FRACTIONS}, reverse=True)
-    seconds = {(n, m): predict_seconds(probe, n, m, tail)[0] for n in calls for m in micro}
+    seconds = {(n, m): predict_seconds(probe, n, m, after_sampling)[0] for n in calls for m in micro}
     fastest = min(seconds.values())
     fewest_first = sorted(seconds, key=lambda nm: (nm[0], -nm[1]))
     return next(size for size in fewest_first if seconds[size] <= AS_FAST * fastest)
@@ -280,8 +280,9 @@ def probe(cfg, tri, tokenizer, train_examples, threads: int, probes: int = 1, al
     return dataclasses.replace(shape, train_seconds=(max(0.0, one_train_s - c * one), c))
 
 
-def in_turns(probe: Probe, prompts: int, cap: int, calls: int | None = None, min_calls: int = 1) -> tuple[int, float]:
-    """(generate calls, predicted seconds) when the two sides take turns: the least generation (the
+def predict_sample_then_train(probe: Probe, prompts: int, cap: int, calls: int | None = None,
+                              min_calls: int = 1) -> tuple[int, float]:
+    """(generate calls, predicted seconds) when the sides sample then train: the least generation (the
     fewest calls, at least `min_calls` where the probe has such, within AS_FAST of it, unless `calls` is given),
     then the whole iteration's training, cut into micro-batches of up to `cap` tokens by the learner's rule
     (`predict_seconds`)."""
@@ -297,17 +298,18 @@ def in_turns(probe: Probe, prompts: int, cap: int, calls: int | None = None, min
 def choose(cfg, tri, tokenizer, train_examples, cores: int | None = None, min_calls: int = 1, alive=lambda: None
            ) -> tuple[object, str, float]:
     """`cfg` with the sizes `config.derive` left open (None) filled from probes, a line saying what was
-    measured ('' when nothing was open), and the predicted speedup of the chosen schedule over taking
-    turns at the same sizes with every core per side (1.0 when it takes turns, or nothing was probed):
+    measured ('' when nothing was open), and the predicted speedup of the chosen schedule over sampling
+    then training at the same sizes with every core per side (1.0 when it samples then trains, or nothing was
+    probed):
     the pipeline's bound from measured phase times, streaming by completion counted. `cores`: the cores
     this process may use (default: all it may run on; a trainer rank's share of its host under torchrun);
     `min_calls`: at least this many generate calls (under torchrun, one per sampler: distributed.share_sizes);
     `alive()`: raises if the inference side died meanwhile (`probe`).
 
     Sync mode (and async when the threads are given or there is one core) probes at its own thread
-    count. Async with the threads open probes twice: overlapped, at half the cores per side, and in
-    turns, at all cores per side (the toy on 2 cores: overlapping two calls at one thread each is
-    slower than taking turns at two), and keeps the faster prediction."""
+    count. Async with the threads open probes twice: overlapped, at half the cores per side, and sampling
+    then training, at all cores per side (the toy on 2 cores: overlapping two calls at one thread each is
+    slower than one side after the other at two), and keeps the faster prediction."""
     if cfg.sized or fits_memory(cfg):  # (a GPU's micro-batch is fitted to its memory: launch/memory.py)
         return cfg, "", 1.0
     print(f"periodic-rl: probing sizes (the toy: 5-25 s; by rule instead if its first call predicts more than "
@@ -317,8 +319,8 @@ def choose(cfg, tri, tokenizer, train_examples, cores: int | None = None, min_ca
     cap = cfg.micro_batch_tokens or MICRO_BATCH_TOKENS
     given = math.ceil(prompts / cfg.groups_per_call) if cfg.groups_per_call else None
     split_open = cfg.mode == "async" and cores > 1 and not (cfg.rollout_threads or cfg.train_threads)
-    elastic = split_open and cfg.inference_workers == 1 and cfg.tail_threads in (None, cores)
-    tail = None  # the training tail's costs when the trainer takes every core once sampling is done
+    switches = split_open and cfg.inference_workers == 1 and cfg.train_threads_after_sampling in (None, cores)
+    after_sampling = None  # the training's costs once sampling is done, when the trainer then takes every core
     try:
         if cfg.mode == "sync" or not split_open:
             threads = cfg.train_threads if cfg.mode == "async" else cores
@@ -326,42 +328,45 @@ def choose(cfg, tri, tokenizer, train_examples, cores: int | None = None, min_ca
         else:
             result = probe(cfg, tri, tokenizer, train_examples, threads=max(1, cores // 2), probes=2, alive=alive)
             full = probe(cfg, tri, tokenizer, train_examples, threads=cores, alive=alive)
-            tail = full.train_seconds if elastic else None  # the tail at every core (launch.setup.elastic_threads)
+            after_sampling = full.train_seconds if switches else None  # every core (setup.train_threads_after_sampling)
     except ProbeTooSlow as slow:
         return rule_sizes(cfg, cores, min_calls), (
             f"probe: one iteration's sampling took {slow.seconds:.1f} s, so probing every size would take at least "
             f"{slow.estimate:.0f} s, over its budget: sizes by rule instead (--sizes rule); stopped after "
             f"{time.perf_counter() - started:.1f} s"), 1.0
     if cfg.mode == "sync":
-        calls, micro_tokens = in_turns(result, prompts, cap, given, min_calls)[0], cap
+        calls, micro_tokens = predict_sample_then_train(result, prompts, cap, given, min_calls)[0], cap
     else:
-        calls, micro_tokens = best_sizes(result, cap, tail, min_calls)
+        calls, micro_tokens = best_sizes(result, cap, after_sampling, min_calls)
         calls, micro_tokens = given or calls, cfg.micro_batch_tokens or micro_tokens
-    iteration_s, gen_s, train_s = predict_seconds(result, calls, micro_tokens, tail)
+    iteration_s, gen_s, train_s = predict_seconds(result, calls, micro_tokens, after_sampling)
     overlaps = cfg.mode == "async" and iteration_s < (gen_s + train_s) / AS_FAST
-    turns_note = ""
+    then_note = ""
     if split_open:
-        turns_calls, turns_s = in_turns(full, prompts, cap, given, min_calls)
-        turns_note = (f"; in turns at {cores} threads: {turns_s:.3f} s, overlapped at {max(1, cores // 2)} per side: "
-                      f"{iteration_s:.3f} s ({calls} call(s), {micro_tokens}-token micro-batches)")
-        if not overlaps or turns_s <= iteration_s:
-            calls, micro_tokens, overlaps, result = turns_calls, cfg.micro_batch_tokens or cap, False, full
+        then_calls, then_s = predict_sample_then_train(full, prompts, cap, given, min_calls)
+        then_note = (f"; sample then train at {cores} threads: {then_s:.3f} s, overlapped at {max(1, cores // 2)} "
+                     f"per side: {iteration_s:.3f} s ({calls} call(s), {micro_tokens}-token micro-batches)")
+        if not overlaps or then_s <= iteration_s:
+            calls, micro_tokens, overlaps, result = then_calls, cfg.micro_batch_tokens or cap, False, full
             gen_s = full.generate_seconds[math.ceil(prompts / calls)]
-            iteration_s, train_s = turns_s, turns_s - gen_s
-    gain = in_turns(full, prompts, micro_tokens, calls)[1] / iteration_s if overlaps else 1.0  # same sizes, in turns
+            iteration_s, train_s = then_s, then_s - gen_s
+    gain = (predict_sample_then_train(full, prompts, micro_tokens, calls)[1] / iteration_s  # over the same sizes
+            if overlaps else 1.0)
     rollout_threads = cfg.rollout_threads or (  # at least one thread per side (one core: both share it)
         max(1, min(cores - 1, round(cores * gen_s / (gen_s + train_s)))) if overlaps else cores)
     train_threads = cfg.train_threads or (max(1, cores - rollout_threads) if overlaps else cores)
     chosen = dataclasses.replace(
         cfg, groups_per_call=cfg.groups_per_call or math.ceil(prompts / calls),
         micro_batch_tokens=micro_tokens, rollout_threads=rollout_threads, train_threads=train_threads,
-        tail_threads=cfg.tail_threads or (cores if overlaps and elastic else train_threads))
+        train_threads_after_sampling=cfg.train_threads_after_sampling or (cores if overlaps and switches
+                                                                          else train_threads))
     d, c = result.train_seconds
     steps = ", ".join(f"{k}: {seconds:.3f}" for k, seconds in sorted(result.generate_seconds.items(), reverse=True))
     note = (f"probe: generate seconds by prompts per call {{{steps}}}, forward/backward {d * 1e3:.1f} ms + "
             f"{c * 1e6:.2f} us/token; predicted {iteration_s:.3f} s per iteration (generate {gen_s:.3f} s, "
-            f"train {train_s:.3f} s, {f'overlapped: {gain:.2f}x taking turns' if overlaps else 'in turns'}"
-            f"{turns_note}); "
+            f"train {train_s:.3f} s, "
+            f"{f'overlapped: {gain:.2f}x sampling then training' if overlaps else 'sample then train'}"
+            f"{then_note}); "
             f"probed in {time.perf_counter() - started:.1f} s")
     return chosen, note, gain
 
@@ -369,15 +374,15 @@ def choose(cfg, tri, tokenizer, train_examples, cores: int | None = None, min_ca
 def rule_sizes(cfg, cores: int, min_calls: int):
     """`cfg` with the sizes still open filled as --sizes rule fills them on CPU (infra/options.derive): two generate
     calls per iteration (at least `min_calls`), the default micro-batch cap, the cores split in half when the sides
-    overlap (all of them each when they take turns: sync, or a single call)."""
+    overlap (all of them each when they sample then train: sync, or a single call)."""
     prompts = cfg.prompts_per_iteration
     per_call = cfg.groups_per_call or math.ceil(prompts / max(GENERATE_CALLS["cpu"], min_calls))
-    take_turns = cfg.mode == "sync" or math.ceil(prompts / per_call) == 1
-    rollout = cfg.rollout_threads or (cores if take_turns else max(1, cores // 2))
-    train = cfg.train_threads or (cores if take_turns else max(1, cores - rollout))
+    sample_then_train = cfg.mode == "sync" or math.ceil(prompts / per_call) == 1
+    rollout = cfg.rollout_threads or (cores if sample_then_train else max(1, cores // 2))
+    train = cfg.train_threads or (cores if sample_then_train else max(1, cores - rollout))
     return dataclasses.replace(cfg, groups_per_call=per_call, micro_batch_tokens=cfg.micro_batch_tokens or
                                MICRO_BATCH_TOKENS, rollout_threads=rollout, train_threads=train,
-                               tail_threads=cfg.tail_threads or train)
+                               train_threads_after_sampling=cfg.train_threads_after_sampling or train)
 
 
 def choose_for_ranks(cfg, tri, tokenizer, train_examples, ranks, alive=lambda: None) -> tuple[object, str]:

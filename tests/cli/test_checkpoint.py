@@ -44,7 +44,7 @@ def outcome(out: Path) -> tuple[list[dict], dict[str, torch.Tensor]]:
 
 def assert_same_run(a: Path, b: Path, cut_short: int | None = None) -> None:
     """The same metrics (timings aside) and bitwise the same policy; but row `cut_short` of `b` (a stop's last
-    iteration) may lack the held-out reward: the stop came before the evaluation of θ_k (launch/setup.train)."""
+    iteration) may lack the held-out reward: the stop came before the evaluation of θ_k (launch/setup.checkpointed)."""
     rows_a, weights_a = outcome(a)
     rows_b, weights_b = outcome(b)
     if cut_short is not None and rows_b[cut_short]["eval_reward"] is None:
@@ -108,8 +108,8 @@ def test_resume_refuses_options_that_change_the_run(tiny_model_dir):
     line naming it; harmless ones (iterations, at a constant rate; evaluation, threads) are the checkpoint's unless
     given anew. --eval-size (0 when derived from --eval-every 0: no prompt held out) stays the checkpoint's, so the
     training prompts do too, whatever --eval-every is given anew."""
-    saved = parse_args(["--model", str(tiny_model_dir), *RUN, "--seed", "3", "--lr", "0.01", "--tail-threads", "2",
-                        "--lr-scheduler-type", "constant"])
+    saved = parse_args(["--model", str(tiny_model_dir), *RUN, "--seed", "3", "--lr", "0.01",
+                        "--train-threads-after-sampling", "2", "--lr-scheduler-type", "constant"])
     state = {"iterations_done": 2, "config": dataclasses.asdict(saved), "reference_fingerprint": "x"}
     for argv, option in ((["--seed", "4"], "--seed"), (["--lr", "0.02"], "--lr"), (["--group-size", "8"], "--group-size"),
                          (["--groups-per-call", "4"], "--groups-per-call"),
@@ -121,7 +121,7 @@ def test_resume_refuses_options_that_change_the_run(tiny_model_dir):
     assert cfg.mode == "sync" != saved.mode
     assert (cfg.seed, cfg.lr, cfg.model, cfg.batch_size, cfg.groups_per_call) == (3, 0.01, str(tiny_model_dir), 16, 2)
     assert (cfg.iterations, cfg.eval_every, cfg.out, cfg.train_threads, cfg.rollout_threads) == (9, 2, "elsewhere", 2, 1)
-    assert cfg.tail_threads == 2  # the probe's elastic tail is the saved run's too (setup.elastic_threads)
+    assert cfg.train_threads_after_sampling == 2  # the probe's switch is the saved run's too
     argv = ["--eval-every", "0"]  # a run that evaluated held its prompts out: it still does, only it evaluates none
     assert checkpoint.resumed_config(parse_args(argv), given_options(argv), state).eval_size == 4
     old = {**state, "config": {**state["config"], "eval_every": 0, "eval_size": 64}}  # before eval_size was derived
@@ -131,8 +131,8 @@ def test_resume_refuses_options_that_change_the_run(tiny_model_dir):
     resumed = checkpoint.resumed_config(parse_args(argv), given_options(argv), none)
     assert any(problem.startswith("--eval-every 5 evaluates held-out prompts, and --eval-size is 0 (a run started "
                                   "with --eval-every 0 holds none out") for problem in validate(resumed))
-    argv = ["--tail-threads", "1"]  # harmless given anew (float rounding only)
-    assert checkpoint.resumed_config(parse_args(argv), given_options(argv), state).tail_threads == 1
+    argv = ["--train-threads-after-sampling", "1"]  # harmless given anew (float rounding only)
+    assert checkpoint.resumed_config(parse_args(argv), given_options(argv), state).train_threads_after_sampling == 1
 
 
 def test_a_checkpoint_keeps_absolute_paths(tiny_model_dir, tmp_path, monkeypatch):
@@ -155,27 +155,31 @@ def test_a_checkpoint_keeps_absolute_paths(tiny_model_dir, tmp_path, monkeypatch
         checkpoint.resumed_config(parse_args(argv), given_options(argv), state)
 
 
-def test_a_checkpoint_from_before_tail_threads_resumes_without_a_switch(tiny_model_dir, tmp_path):
-    """Claim: a checkpoint written before --tail-threads existed resumes with every size fixed (no probe, which
-    would pick other sizes): its tail is its training threads, so the trainer never switches (as it ran)."""
+def test_a_checkpoint_from_before_threads_after_sampling_resumes_without_a_switch(tiny_model_dir, tmp_path):
+    """Claim: a checkpoint written before --train-threads-after-sampling existed resumes with every size fixed (no
+    probe, which would pick other sizes): its threads after sampling are its training threads, so the trainer never
+    switches (as it ran)."""
     saved = dataclasses.asdict(parse_args(["--model", str(tiny_model_dir), *RUN]))
-    del saved["tail_threads"]
+    del saved["train_threads_after_sampling"]
     (tmp_path / "state.json").write_text(json.dumps({"iterations_done": 2, "config": saved,
                                                      "reference_fingerprint": "x"}))
     state = checkpoint.read_state(tmp_path)
     cfg = checkpoint.resumed_config(parse_args([]), set(), state)
-    assert cfg.tail_threads == cfg.train_threads == 1 and cfg.sized
+    assert cfg.train_threads_after_sampling == cfg.train_threads == 1 and cfg.sized
 
 
-def test_a_checkpoint_naming_an_option_by_its_old_name_resumes_with_it(tiny_model_dir, tmp_path):
-    """Claim: a checkpoint whose config names --groups-per-call by its old name (groups_per_chunk) resumes with that
-    value, every size fixed (no probe)."""
-    saved = dataclasses.asdict(parse_args(["--model", str(tiny_model_dir), *RUN]))
-    saved["groups_per_chunk"] = saved.pop("groups_per_call")
+@pytest.mark.parametrize("old, new", [("groups_per_chunk", "groups_per_call"),
+                                      ("tail_threads", "train_threads_after_sampling")])
+def test_a_checkpoint_naming_an_option_by_its_old_name_resumes_with_it(tiny_model_dir, tmp_path, old, new):
+    """Claim: a checkpoint whose config names an option by its old name (groups_per_chunk for --groups-per-call,
+    tail_threads for --train-threads-after-sampling) resumes with that value, every size fixed (no probe)."""
+    saved = dataclasses.asdict(parse_args(["--model", str(tiny_model_dir), *RUN, "--train-threads-after-sampling",
+                                           "2"]))
+    saved[old] = saved.pop(new)
     (tmp_path / "state.json").write_text(json.dumps({"iterations_done": 2, "config": saved,
                                                      "reference_fingerprint": "x"}))
     cfg = checkpoint.resumed_config(parse_args([]), set(), checkpoint.read_state(tmp_path))
-    assert cfg.groups_per_call == saved["groups_per_chunk"] == 2 and cfg.sized
+    assert getattr(cfg, new) == saved[old] == 2 and cfg.sized
 
 
 def test_checkpoints_are_atomic_pruned_and_checked(tiny_model_dir, tmp_path, monkeypatch):
@@ -286,16 +290,12 @@ def test_a_stop_writes_a_checkpoint_of_the_iterations_done(tiny_model_dir, tmp_p
     """Claim: with --save-on-stop, a stop (the KeyboardInterrupt trainer.py raises for SIGINT, SIGTERM and SIGHUP)
     arriving while iteration 1's row is being logged writes checkpoint-1 (θ_1, AdamW after one step), and that
     checkpoint restores the weights the run had."""
-    from launch import setup
-    from infra.data import load_task
-    from infra.reward import load_rewards
+    import trainer
     cfg = parse_args(["--model", str(tiny_model_dir), *RUN, "--mode", "sync", "--save-on-stop", "--out", str(tmp_path)])
-    policy, tokenizer = load_model(cfg.model)
-    train, held_out = load_task(cfg.data, eval_size=cfg.eval_size)
-    rows = setup.train(cfg, policy, tokenizer, train, held_out, load_rewards(cfg.reward), {})
-    assert next(rows)["iteration"] == 0
-    with pytest.raises(KeyboardInterrupt):
-        rows.throw(KeyboardInterrupt())
+    with trainer.started(cfg) as (rows, policy, _):
+        assert next(rows)["iteration"] == 0
+        with pytest.raises(KeyboardInterrupt):
+            rows.throw(KeyboardInterrupt())
     assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["checkpoint-1"]
     fresh, _ = load_model(cfg.model)
     optimizer = torch.optim.AdamW(fresh.parameters(), lr=cfg.lr)
@@ -388,9 +388,7 @@ def test_a_stop_between_the_step_and_the_row_keeps_that_iteration(tiny_model_dir
     that the stop waits for it. It wrote no checkpoint (the iterations done, 2, were taken for a half-done
     iteration against the 1 row out)."""
     import learner
-    from launch import setup
-    from infra.data import load_task
-    from infra.reward import load_rewards
+    import trainer
     real_step, steps = learner.Learner.step, []
 
     def step_then_stop(self):
@@ -400,11 +398,8 @@ def test_a_stop_between_the_step_and_the_row_keeps_that_iteration(tiny_model_dir
             raise KeyboardInterrupt  # as a signal handled right after the step would
     monkeypatch.setattr(learner.Learner, "step", step_then_stop)
     cfg = parse_args(["--model", str(tiny_model_dir), *RUN, "--mode", "sync", "--save-on-stop", "--out", str(tmp_path)])
-    policy, tokenizer = load_model(cfg.model)
-    train, held_out = load_task(cfg.data, eval_size=cfg.eval_size)
-    rows = setup.train(cfg, policy, tokenizer, train, held_out, load_rewards(cfg.reward), {})
     handed_out = []
-    with pytest.raises(KeyboardInterrupt):
+    with trainer.started(cfg) as (rows, policy, _), pytest.raises(KeyboardInterrupt):
         for row in rows:
             handed_out.append(row["iteration"])
     assert handed_out == [0, 1]

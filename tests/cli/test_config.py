@@ -89,11 +89,12 @@ def test_default_threads_follow_the_cores_this_process_may_use(mode, monkeypatch
     monkeypatch.setattr(os, "cpu_count", lambda: 64)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     cfg = parse_args(["--mode", mode, "--sizes", "rule", "--device", "cpu"])
-    assert 1 <= cfg.rollout_threads <= 2 and 1 <= cfg.train_threads <= 2 and cfg.tail_threads <= 2, cfg
+    assert 1 <= cfg.rollout_threads <= 2 and 1 <= cfg.train_threads <= 2, cfg
+    assert cfg.train_threads_after_sampling <= 2, cfg
     again = parse_args(["--mode", mode, "--sizes", "rule", "--device", "cpu", "--rollout-threads",
                         str(cfg.rollout_threads), "--train-threads", str(cfg.train_threads)])
     assert (again.rollout_threads, again.train_threads) == (cfg.rollout_threads, cfg.train_threads)
-    assert setup.takes_turns(cfg) == (cfg.rollout_threads + cfg.train_threads > 2)  # 2 cores, not 64
+    assert setup.oversubscribed(cfg) == (cfg.rollout_threads + cfg.train_threads > 2)  # 2 cores, not 64
 
 
 def test_every_accepted_seed_seeds_torch():
@@ -124,7 +125,7 @@ def test_defaults_are_valid_and_derived():
 
 def test_thread_split(monkeypatch):
     """Claim (--sizes rule): async splits the cores between the two processes, except when an iteration is one generate call
-    (the sides then take turns, so each gets all cores); sync uses all of them; explicit counts win."""
+    (the sides then sample then train, so each gets all cores); sync uses all of them; explicit counts win."""
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
     split = derive(Config(mode="async", sizes="rule"))
     assert (split.rollout_threads, split.train_threads) == (4, 4)
@@ -332,17 +333,22 @@ def test_trl_names_are_aliases_of_ours(tmp_path):
     assert "--num-generations GROUP_SIZE" not in text  # one name per option in the list
 
 
-def test_an_old_option_name_is_read_as_the_new_one(tmp_path):
-    """Claim: --groups-per-chunk, the old name of --groups-per-call, typed (with - or _) or as a key of a --config file
-    (a config.json written before the rename), sets --groups-per-call; --help lists the new name only."""
-    assert parse_args(["--groups-per-chunk", "3"]).groups_per_call == 3
-    assert parse_args(["--groups_per_chunk=5"]).groups_per_call == 5
+@pytest.mark.parametrize("old, new", [("groups_per_chunk", "groups_per_call"),
+                                      ("tail_threads", "train_threads_after_sampling")])
+def test_an_old_option_name_is_read_as_the_new_one(tmp_path, monkeypatch, old, new):
+    """Claim: an option's old name (--groups-per-chunk for --groups-per-call, --tail-threads for
+    --train-threads-after-sampling), typed (with - or _) or as a key of a --config file (a config.json written
+    before the rename), sets the new one; --help lists the new name only."""
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(2)))  # thread counts up to 2 are valid
+    flag, old_flag = "--" + new.replace("_", "-"), "--" + old.replace("_", "-")
+    assert getattr(parse_args([old_flag, "2"]), new) == 2
+    assert getattr(parse_args([f"--{old}=1"]), new) == 1
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({"groups_per_chunk": 2, "iterations": 3}))
-    assert parse_args(["--config", str(path)]).groups_per_call == 2
-    assert parse_args(["--config", str(path), "--groups-per-call", "4"]).groups_per_call == 4  # typed wins
+    path.write_text(json.dumps({old: 2, "iterations": 3}))
+    assert getattr(parse_args(["--config", str(path)]), new) == 2
+    assert getattr(parse_args(["--config", str(path), flag, "1"]), new) == 1  # typed wins
     text = build_parser().format_help()
-    assert "--groups-per-call" in text and "groups-per-chunk" not in text
+    assert flag in text and old_flag not in text
 
 
 @pytest.mark.parametrize("argv, message", [

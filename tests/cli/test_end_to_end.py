@@ -18,7 +18,7 @@ GSM8K = GSM8K_DIR / "train.jsonl"
 
 def split_threads(mode: str) -> list[str]:
     """Async with one thread per side: an inference process samples (at the defaults on 2 cores the probe may have
-    the sides take turns, and async then samples in the trainer's process: launch.setup.colocated)."""
+    the sides sample then train, and async then samples in the trainer's process: launch.setup.async_runs_as_sync)."""
     return ["--rollout-threads", "1", "--train-threads", "1"] if mode == "async" else []
 
 

@@ -11,11 +11,10 @@ pytest.importorskip("peft")
 
 import engine  # noqa: E402
 import weights  # noqa: E402
-from infra.data import load_task  # noqa: E402
 from infra.models import load_model  # noqa: E402
 from infra.command_line import parse_args  # noqa: E402
-from infra.reward import load_rewards  # noqa: E402
-from launch import remote, setup  # noqa: E402
+from launch import remote  # noqa: E402
+import trainer  # noqa: E402
 from packing import batch_logprobs, logprobs_fn  # noqa: E402
 from tri_model import TriModel  # noqa: E402
 
@@ -146,13 +145,8 @@ def make_cfg(model_dir, *extra):
 
 
 def run_training(cfg, resume_from=None):
-    load_kwargs = dict(device="cpu", dtype=torch.float32, attn_implementation="sdpa", lora=cfg.lora)
-    policy, tokenizer = load_model(cfg.model, **load_kwargs)
-    train, held_out = load_task(cfg.data, eval_size=cfg.eval_size)
-    with setup.inference_side(cfg, load_kwargs, train, held_out) as rollouts:
-        rows = list(setup.train(cfg, policy, tokenizer, train, held_out, load_rewards(cfg.reward), load_kwargs,
-                                rollouts, resume_from))
-    return policy, tokenizer, [{k: v for k, v in row.items() if not k.endswith(TIMINGS)} for row in rows]
+    with trainer.started(cfg, resume_from) as (rows, policy, tokenizer):
+        return policy, tokenizer, [{k: v for k, v in row.items() if not k.endswith(TIMINGS)} for row in rows]
 
 
 def test_async_equals_sync_bitwise_with_lora(tiny_model_dir):
@@ -177,7 +171,6 @@ def test_resume_and_the_saved_policy_with_lora(tiny_model_dir, tmp_path):
     base loads it to the trained policy's exact outputs."""
     from peft import PeftModel
 
-    import trainer
     cfg = make_cfg(tiny_model_dir, "--mode", "sync", "--save-every", "1", "--keep-checkpoints", "0", "--out", tmp_path)
     straight, tokenizer, straight_rows = run_training(cfg)
     saved = tmp_path / "checkpoint-2" / "policy"

@@ -54,47 +54,6 @@ def test_a_reward_file_that_cannot_be_imported_names_its_line(tmp_path, source, 
 
 
 @pytest.fixture
-def old_names_fresh(monkeypatch):
-    """No old name imported yet and a fresh finder (nothing told), both as they were after the test."""
-    from infra import moved
-    monkeypatch.setattr(sys, "meta_path", [finder for finder in sys.meta_path
-                                           if not isinstance(finder, moved.MovedModules)])
-    for old in moved.MOVED:
-        monkeypatch.delitem(sys.modules, old, raising=False)
-    yield
-    for old in moved.MOVED:  # imported by the test; monkeypatch then puts back any that were there before
-        sys.modules.pop(old, None)
-
-
-def test_a_reward_file_may_import_modules_by_their_old_names(tmp_path, capfd, old_names_fresh):
-    """Claim: a reward file written before the re-layout (`from tasks import math_reward`, `import reward`) loads
-    and scores; each old name is the new module itself and says once on stderr where it moved."""
-    path = tmp_path / "old_style.py"
-    path.write_text("from tasks import math_reward\nimport reward\nimport tasks\n\n"
-                    "def f(prompt, completion, answer):\n"
-                    "    assert reward.math_reward is math_reward\n"
-                    "    return math_reward(prompt, completion, answer)\n")
-    function = reward.load_reward(f"{path}:f")
-    reward.load_reward(f"{path}:f")  # a second load says nothing more
-    assert function("2 + 2?", "The answer is 4", "4") == 1.0
-    assert sys.modules["tasks"] is sys.modules["infra.tasks"] and sys.modules["reward"] is reward
-    assert tasks.__spec__.name == "infra.tasks"  # the module keeps its own spec
-    lines = capfd.readouterr().err.splitlines()
-    assert lines.count("periodic-rl: module 'tasks' moved to 'infra.tasks'; import it from there") == 1
-    assert lines.count("periodic-rl: module 'reward' moved to 'infra.reward'; import it from there") == 1
-
-
-def test_a_name_that_never_existed_is_still_not_found(old_names_fresh):
-    """Claim: the old names are the only ones the finder answers: any other missing module is ModuleNotFoundError."""
-    from infra import moved
-    moved.install()
-    moved.install()  # idempotent: one finder
-    assert sum(isinstance(finder, moved.MovedModules) for finder in sys.meta_path) == 1
-    with pytest.raises(ModuleNotFoundError):
-        importlib.import_module("no_such_old_module_xyz")
-
-
-@pytest.fixture
 def own_imports(monkeypatch):
     """sys.path as it was after the test (and without the working directory as '' or '.', as under
     `python /path/to/trainer.py`), and no module the test imported left in sys.modules."""

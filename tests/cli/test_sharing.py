@@ -38,7 +38,7 @@ def test_mps_is_detected_by_its_control_pipe(mps, tmp_path):
 
 def test_auto_is_async_where_the_sides_can_compute_at_once(mps, monkeypatch):
     """Claim: --mode auto is async on separate devices, on one GPU with MPS, on CPU (core groups, which the probe
-    may still turn into taking turns in one process), with several inference processes; sync on one GPU without
+    may still turn into sampling then training in one process), with several inference processes; sync on one GPU without
     MPS and on one NPU. A mode given is kept."""
     mps(False)
     assert sharing.auto_mode("cuda:0", "cuda:1")[0] == "async"

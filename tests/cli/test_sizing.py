@@ -103,14 +103,14 @@ def test_a_micro_batch_costs_its_rows_padded_to_the_longest():
     assert sizing.predict_seconds(probe, 1, 16384)[2] > sizing.predict_seconds(plain, 1, 16384)[2]
 
 
-def test_in_turns_takes_the_least_generation_and_the_whole_training():
-    """Claim: when the sides take turns (sync mode, or async when that is predicted faster), the fewest calls
+def test_sample_then_train_takes_the_least_generation_and_the_whole_training():
+    """Claim: when the sides sample then train (sync mode, or async when that is predicted faster), the fewest calls
     whose measured generation is within 5% of the least win, and the prediction is that generation plus the
     whole iteration's training; a given call count is kept."""
     probe = probe_of([4] * 16, step=(0.01, 0.0), per_token=1e-5)
-    calls, seconds = sizing.in_turns(probe, 16, 16384)
+    calls, seconds = sizing.predict_sample_then_train(probe, 16, 16384)
     assert calls == 1 and math.isclose(seconds, probe.generate_seconds[16] + 1e-5 * sum(probe.tokens[16]))
-    assert sizing.in_turns(probe, 16, 16384, calls=4)[0] == 4
+    assert sizing.predict_sample_then_train(probe, 16, 16384, calls=4)[0] == 4
 
 
 def test_with_ranks_every_sampler_gets_a_call():
@@ -118,10 +118,10 @@ def test_with_ranks_every_sampler_gets_a_call():
     (`min_calls`), where the single process would take one (a fixed cost per step favours one call): a rank with no
     call would sit idle, and distributed.check refuses that."""
     fixed = probe_of([4] * 16, step=(0.01, 0.0), per_token=1e-6)
-    assert sizing.best_sizes(fixed, 16384)[0] == 1 and sizing.in_turns(fixed, 16, 16384)[0] == 1
+    assert sizing.best_sizes(fixed, 16384)[0] == 1 and sizing.predict_sample_then_train(fixed, 16, 16384)[0] == 1
     assert sizing.best_sizes(fixed, 16384, min_calls=2)[0] == 2
     assert sizing.best_sizes(fixed, 16384, min_calls=3)[0] == 4  # the probe's next call count: calls of 4 prompts
-    assert sizing.in_turns(fixed, 16, 16384, min_calls=2)[0] == 2
+    assert sizing.predict_sample_then_train(fixed, 16, 16384, min_calls=2)[0] == 2
 
 
 @pytest.mark.slow
@@ -146,10 +146,10 @@ def test_probe_changes_nothing_and_choose_fills_only_open_sizes(tiny_model_dir, 
     assert all(torch.equal(p, q) for p, q in zip(policy.parameters(), before))
     assert all(p.grad is None for p in policy.parameters())
     assert chosen.sized and chosen.groups_per_call in sizing.candidate_calls(cfg.prompts_per_iteration)
-    assert "in turns at 2 threads" in note  # async with open threads weighs taking turns too
+    assert "sample then train at 2 threads" in note  # async with open threads weighs sampling then training too
     assert 1 <= chosen.micro_batch_tokens <= 16384 and "probe:" in note
     assert chosen.rollout_threads >= 1 and chosen.train_threads >= 1
-    assert chosen.rollout_threads + chosen.train_threads in (2, 4)  # split (1 + 1), or in turns (2 + 2)
+    assert chosen.rollout_threads + chosen.train_threads in (2, 4)  # split (1 + 1), or one after the other (2 + 2)
     # over its budget (a big model on CPU: 262 s of a 344 s run), the probe stops after its first timed call and the
     # sizes are the rule's, nothing changed either
     monkeypatch.setattr(sizing, "PROBE_BUDGET_S", 0.0)
@@ -162,8 +162,9 @@ def test_probe_changes_nothing_and_choose_fills_only_open_sizes(tiny_model_dir, 
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(torch.equal(p, q) for p, q in zip(policy.parameters(), before))
     assert all(p.grad is None for p in policy.parameters())
-    # the predicted gain over taking turns at the same sizes: exactly 1 in turns; when it overlaps, the overlap beat
-    # taking turns at the calls of least generation, which are at most AS_FAST slower to generate than these
+    # the predicted gain over sampling then training at the same sizes: exactly 1 when it samples then trains; when
+    # it overlaps, the overlap beat sampling then training at the calls of least generation, which are at most
+    # AS_FAST slower to generate than these
     assert gain == 1.0 if chosen.train_threads == 2 else gain > 1 / sizing.AS_FAST
     fixed = derive(Config(model=str(tiny_model_dir), data="arithmetic", mode="async", batch_size=32, group_size=4,
                           max_new_tokens=6, groups_per_call=3))
@@ -171,7 +172,7 @@ def test_probe_changes_nothing_and_choose_fills_only_open_sizes(tiny_model_dir, 
     assert kept.groups_per_call == 3 and kept.sized
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})  # one core: one thread per side, whatever is predicted
     one = sizing.choose(dataclasses.replace(cfg, rollout_threads=None, train_threads=None), tri, tokenizer, train)[0]
-    assert (one.rollout_threads, one.train_threads, one.tail_threads) == (1, 1, 1)
+    assert (one.rollout_threads, one.train_threads, one.train_threads_after_sampling) == (1, 1, 1)
     given = derive(Config(model=str(tiny_model_dir), mode="async", groups_per_call=2, micro_batch_tokens=100,
                           rollout_threads=1, train_threads=1))
     capsys.readouterr()

@@ -131,7 +131,7 @@ def test_two_ranks_of_two_inference_workers_equal_the_single_process(tiny_model_
     """Claim (M = 2 x N = 2): two trainer ranks, each with two inference workers (async), give the
     single process's rollouts exactly and its update up to float summation order (module docstring). With 5 calls
     of one prompt, rank 0 owns calls 0, 2, 4 and rank 1 calls 1, 3; the four workers sample calls {0, 4}, {2},
-    {1}, {3} (share r + M·w of M·N), each seeded per call as in the single process."""
+    {1}, {3} (call slice r + M·w of M·N), each seeded per call as in the single process."""
     done = run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "trainer.py",
                 *options(tiny_model_dir, tmp_path / "run", "5 calls", "--inference-workers", "2")])
     assert sum(line.startswith("iter ") for line in done.stdout.splitlines()) == 3, done.stdout

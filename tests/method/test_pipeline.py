@@ -14,6 +14,7 @@ import torch
 
 import inference
 import periodic_rl
+import trainer
 from infra.distributed import Ranks
 from launch import setup
 from tri_model import TriModel
@@ -21,7 +22,7 @@ import weights
 from infra.data import load_task
 from infra.models import load_model
 from infra.command_line import parse_args
-from infra.reward import load_reward, load_rewards
+from infra.reward import load_reward
 from infra.timeline import Timeline
 from learner import Learner
 from packing import logprobs_fn
@@ -40,13 +41,20 @@ def make_cfg(model_dir, *extra):
 
 
 def run_training(cfg):
-    policy, tokenizer = load_model(cfg.model, device="cpu")
-    train, held_out = load_task(cfg.data, eval_size=cfg.eval_size)
-    load_kwargs = dict(device="cpu", dtype=torch.float32, attn_implementation="sdpa")
-    with setup.inference_side(cfg, load_kwargs, train, held_out) as rollouts:
-        rows = list(setup.train(cfg, policy, tokenizer, train, held_out, load_rewards(cfg.reward), load_kwargs,
-                                      rollouts))
-    return policy, rows
+    """θ after cfg.iterations, and the metrics rows: the run as trainer.py runs it, in this process."""
+    with trainer.started(cfg) as (rows, policy, _):
+        return policy, list(rows)
+
+
+def kept_inference_sides(monkeypatch) -> list:
+    """The inference sides that the runs which follow start (setup.inference_side's), for checks on them."""
+    spawned, inference_side = [], setup.inference_side
+
+    def kept(*args, **kwargs):
+        spawned.append(inference_side(*args, **kwargs))
+        return spawned[-1]
+    monkeypatch.setattr(setup, "inference_side", kept)
+    return spawned
 
 
 SAME_THREADS = ["--rollout-threads", "1", "--train-threads", "1"]
@@ -108,8 +116,8 @@ def dropout_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
 def test_a_model_with_dropout_trains_bitwise(dropout_model_dir, tmp_path):
     """Claim (TRL's disable_dropout, on by default): the policy's dropout is set to 0 before training, so a model
     with attention dropout 0.5 gives async == sync bitwise, and a rerun the same run; the saved policy/config.json
-    keeps the model's own 0.5. With --no-disable-dropout the masks come from the random state, which the two modes
-    leave in different places: the runs differ (what the option prevents)."""
+    keeps the model's own 0.5. With --no-disable-dropout the masks are drawn: the run differs from the one without
+    them (what the option prevents)."""
     import json
 
     import trainer
@@ -121,9 +129,8 @@ def test_a_model_with_dropout_trains_bitwise(dropout_model_dir, tmp_path):
     assert all(m.attention_dropout == 0.0 for m in sync_policy.modules() if hasattr(m, "attention_dropout"))
     trainer.save_policy(sync_policy, AutoTokenizer.from_pretrained(dropout_model_dir), tmp_path / "policy")
     assert json.loads((tmp_path / "policy" / "config.json").read_text())["attention_dropout"] == 0.5
-    dropping = [run_training(make_cfg(dropout_model_dir, "--mode", mode, *SAME_THREADS, "--no-disable-dropout"))[0]
-                for mode in ("sync", "async")]
-    assert not all(torch.equal(p, q) for p, q in zip(*(policy.parameters() for policy in dropping)))
+    dropping, _ = run_training(make_cfg(dropout_model_dir, "--mode", "sync", *SAME_THREADS, "--no-disable-dropout"))
+    assert not all(torch.equal(p, q) for p, q in zip(dropping.parameters(), sync_policy.parameters()))
 
 
 @pytest.mark.slow
@@ -149,57 +156,56 @@ def test_async_matches_sync_across_thread_counts(tiny_model_dir):
 
 
 @pytest.mark.slow
-def test_async_in_turns_never_computes_both_sides_at_once(tiny_model_dir, monkeypatch):
+def test_async_sampling_then_training_never_computes_both_sides_at_once(tiny_model_dir, monkeypatch):
     """Claim: when the two sides' threads oversubscribe the cores (here 2 + 2 threads on 2 cores, two inference
     workers), the trainer takes the inference side's whole iteration, held-out evaluation included, before it
     computes: no training span overlaps an inference span. Exact, not timing luck: both processes time their spans
     on one monotonic clock, and the trainer starts computing only after the message sent after the inference
-    side's last span. The run is still sync's, bitwise (the same workers' shares, the same thread counts)."""
+    side's last span. The run is still sync's, bitwise (the same workers' call slices, the same thread counts)."""
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(2)))
-    turns = ("--rollout-threads", "2", "--train-threads", "2", "--inference-workers", "2")
-    in_turns = make_cfg(tiny_model_dir, "--mode", "async", *turns)
-    assert setup.takes_turns(in_turns) and not setup.colocated(in_turns)  # two workers: processes
-    assert not setup.takes_turns(make_cfg(tiny_model_dir, "--mode", "async", *SAME_THREADS))
-    async_policy, async_rows = run_training(in_turns)
+    oversubscribing = ("--rollout-threads", "2", "--train-threads", "2", "--inference-workers", "2")
+    then = make_cfg(tiny_model_dir, "--mode", "async", *oversubscribing)
+    assert setup.oversubscribed(then) and not setup.async_runs_as_sync(then)  # two workers: processes
+    assert not setup.oversubscribed(make_cfg(tiny_model_dir, "--mode", "async", *SAME_THREADS))
+    async_policy, async_rows = run_training(then)
     assert any(r["eval_reward"] is not None for r in async_rows[:-1])  # an evaluation fell inside an iteration
     assert all(r["overlap"] == 0.0 for r in async_rows[:-1])
-    sync_policy, sync_rows = run_training(make_cfg(tiny_model_dir, "--mode", "sync", *turns))
+    sync_policy, sync_rows = run_training(make_cfg(tiny_model_dir, "--mode", "sync", *oversubscribing))
     for p, q in zip(sync_policy.parameters(), async_policy.parameters()):
         assert torch.equal(p, q)
     assert [r.get("eval_reward") for r in sync_rows] == [r.get("eval_reward") for r in async_rows]
 
 
 @pytest.mark.slow
-def test_async_taking_turns_in_one_process_is_sync(tiny_model_dir, monkeypatch, capsys):
-    """Claim (setup.colocated): async whose sides would take turns with one inference process and one thread
-    count samples in the trainer's process, sync's schedule: with the sizes given, no inference process is started;
-    with them open, the one started for the probe is stopped once the probe chose to take turns (here: made to
+def test_async_sampling_then_training_in_one_process_is_sync(tiny_model_dir, monkeypatch, capsys):
+    """Claim (setup.async_runs_as_sync): async whose sides would sample then train with one inference process and
+    one thread count samples in the trainer's process, sync's schedule: with the sizes given, no inference process
+    is started; with them open, the one started for the probe is stopped once the probe chose to sample then train
+    (here: made to
     choose it, as it does on the toy on 2 cores), before iteration 0. Either way the run is sync's bit for bit
     (torch.equal: the same calls, groups and thread counts in the same process), and the output says so."""
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(2)))
     given = make_cfg(tiny_model_dir, "--mode", "async", "--rollout-threads", "2", "--train-threads", "2")
-    assert setup.colocated(given) and given.sized
-    assert not setup.colocated(make_cfg(tiny_model_dir, "--mode", "async", *SAME_THREADS))
-    assert not setup.colocated(dataclasses.replace(given, mode="sync"))
-    uneven = dataclasses.replace(given, train_threads=1, tail_threads=1)  # 2 + 1 on 2 cores: in turns, two counts
-    assert setup.takes_turns(uneven) and not setup.colocated(uneven)  # sampling keeps its 2 threads
-    assert not setup.colocated(dataclasses.replace(given, inference_workers=2))
+    assert setup.async_runs_as_sync(given) and given.sized
+    assert not setup.async_runs_as_sync(make_cfg(tiny_model_dir, "--mode", "async", *SAME_THREADS))
+    assert not setup.async_runs_as_sync(dataclasses.replace(given, mode="sync"))
+    uneven = dataclasses.replace(given, train_threads=1, train_threads_after_sampling=1)  # 2 + 1 on 2 cores, two counts
+    assert setup.oversubscribed(uneven) and not setup.async_runs_as_sync(uneven)  # sampling keeps its 2 threads
+    assert not setup.async_runs_as_sync(dataclasses.replace(given, inference_workers=2))
     with setup.inference_side(given, {}, [], []) as rollouts:
         assert rollouts is None  # nothing spawned
     sync_policy, sync_rows = run_training(make_cfg(tiny_model_dir, "--mode", "sync", "--rollout-threads", "2",
                                                    "--train-threads", "2"))
     given_policy, given_rows = run_training(given)
 
-    open_sizes = dataclasses.replace(given, rollout_threads=None, train_threads=None, tail_threads=None)
+    open_sizes = dataclasses.replace(given, rollout_threads=None, train_threads=None,
+                                     train_threads_after_sampling=None)
     assert not open_sizes.sized
     monkeypatch.setattr(setup.sizing, "choose", lambda cfg, *args, **kwargs: (given, "", 1.0))  # as if probed
-    policy, tokenizer = load_model(given.model, device="cpu")
-    train, held_out = load_task(given.data, eval_size=given.eval_size)
-    load_kwargs = dict(device="cpu", dtype=torch.float32, attn_implementation="sdpa")
-    with setup.inference_side(open_sizes, load_kwargs, train, held_out) as rollouts:
+    spawned = kept_inference_sides(monkeypatch)
+    with trainer.started(open_sizes) as (rows, policy, _):
+        rollouts, = spawned
         assert isinstance(rollouts, inference.AsyncRollouts)  # for the probe
-        rows = setup.train(open_sizes, policy, tokenizer, train, held_out, load_rewards(given.reward),
-                                 load_kwargs, rollouts)
         probed_rows = [next(rows)]
         assert not any(worker.process.is_alive() for worker in rollouts.workers)  # stopped before iteration 0
         probed_rows += list(rows)
@@ -213,23 +219,25 @@ def test_async_taking_turns_in_one_process_is_sync(tiny_model_dir, monkeypatch, 
 
 @pytest.mark.slow
 def test_the_trainer_takes_every_core_once_sampling_is_done(tiny_model_dir, monkeypatch):
-    """Claim (setup.elastic_threads): when the probe split the cores (here: made to pick 1 + 1 on 2 cores and
-    --tail-threads 2, as it does when it splits them), every micro-batch trained before the iteration's last group
-    is in runs at the trainer's share (1 thread), every one after it (and the step) at all cores, each iteration
-    again; an evaluation due keeps the share until its result is in. Which micro-batches get all cores follows from
-    arrival order alone, so a rerun is bitwise the same run. Exact: the loop trains between messages, and two calls of two prompts put the first call's micro-batch
-    before the second call's groups are read."""
+    """Claim (setup.train_threads_after_sampling): when the probe split the cores (here: made to pick 1 + 1 on 2
+    cores and --train-threads-after-sampling 2, as it does when it splits them), every micro-batch trained before the
+    iteration's last group is in runs at the trainer's share (1 thread), every one after it (and the step) at all
+    cores, each iteration again; an evaluation due keeps the share until its result is in. Which micro-batches get
+    all cores follows from arrival order alone, so a rerun is bitwise the same run. Exact: the loop trains between
+    messages, and two calls of two prompts put the first call's micro-batch before the second call's groups are
+    read."""
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(2)))
     cfg = parse_args(["--model", str(tiny_model_dir), "--data", "arithmetic", "--reward", DIGITS, "--iterations", "3",
                       "--batch-size", "16", "--group-size", "4", "--max-new-tokens", "6", "--eval-every", "2",
                       "--eval-size", "4", "--eval-samples", "2", "--lr", "1e-2", "--no-save", "--mode", "async",
                       "--groups-per-call", "2", "--micro-batch-tokens", "40"])  # threads open: the probe's to pick
-    assert cfg.rollout_threads is None and cfg.train_threads is None and cfg.tail_threads is None
-    split, ranks = dataclasses.replace(cfg, rollout_threads=1, train_threads=1, tail_threads=2), Ranks()
-    assert setup.elastic_threads(split, ranks) == 2
-    assert setup.elastic_threads(dataclasses.replace(split, tail_threads=1), ranks) is None  # as given: no switch
-    assert setup.elastic_threads(dataclasses.replace(split, mode="sync"), ranks) is None
-    assert setup.elastic_threads(dataclasses.replace(split, inference_workers=2), ranks) is None
+    assert cfg.rollout_threads is None and cfg.train_threads is None and cfg.train_threads_after_sampling is None
+    split, ranks = dataclasses.replace(cfg, rollout_threads=1, train_threads=1, train_threads_after_sampling=2), Ranks()
+    assert setup.train_threads_after_sampling(split, ranks) == 2
+    as_given = dataclasses.replace(split, train_threads_after_sampling=1)
+    assert setup.train_threads_after_sampling(as_given, ranks) is None  # as given: no switch
+    assert setup.train_threads_after_sampling(dataclasses.replace(split, mode="sync"), ranks) is None
+    assert setup.train_threads_after_sampling(dataclasses.replace(split, inference_workers=2), ranks) is None
     monkeypatch.setattr(setup.sizing, "choose", lambda cfg, *args, **kwargs: (split, "", 1.0))  # as if the probe chose it
     seen, accumulate = [], Learner.accumulate
 
@@ -464,7 +472,7 @@ def wait_for_iteration(process, metrics: Path, deadline: float = 120) -> None:
 @pytest.mark.parametrize("how", ["kill-child", "ctrl-c"])
 def test_trainer_stops_cleanly(tiny_model_dir, tmp_path, how):
     """Claim: a killed inference process stops the trainer within 10 s (exit != 0, clear message; threads within
-    the cores, so that there is one: setup.colocated); Ctrl-C at the defaults (the probe's inference process
+    the cores, so that there is one: setup.async_runs_as_sync); Ctrl-C at the defaults (the probe's inference process
     stopped once it chose, or kept) stops the run within 5 s. No child process and no shared-memory file is left
     behind."""
     shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()

@@ -1,12 +1,10 @@
 """Mixed precision: bf16 compute over float32 master weights applies small updates, and async == sync still holds."""
 import pytest
 import torch
-from test_pipeline import SAME_THREADS, make_cfg, run_training
+from test_pipeline import SAME_THREADS, kept_inference_sides, make_cfg, run_training
 
 from launch import setup
-from infra.data import load_task
 from infra.models import load_model
-from infra.reward import load_rewards
 from packing import enable_activation_checkpointing, logprobs_fn, recomputes_attention
 from tri_model import TriModel
 
@@ -35,19 +33,15 @@ def test_bf16_keeps_float32_masters_and_applies_lr_sized_steps(tiny_model_dir):
     assert rows[0]["loss"] == rows[0]["loss"]  # finite (not NaN)
 
 
-def test_bf16_async_equals_sync_and_publishes_bf16(tiny_model_dir):
+def test_bf16_async_equals_sync_and_publishes_bf16(tiny_model_dir, monkeypatch):
     """Claim: in bf16, both modes sample from the same bf16 copy of the float32 masters (async: the shared buffer the
     inference process is given, 2 bytes a parameter; sync: a bf16 model in the trainer), so with equal thread counts
     they stay bitwise equal."""
     extra = ["--dtype", "bfloat16", *SAME_THREADS]
     sync_policy, sync_rows = run_training(make_cfg(tiny_model_dir, "--mode", "sync", *extra))
-    cfg = make_cfg(tiny_model_dir, "--mode", "async", *extra)
-    async_policy, tokenizer = load_model(cfg.model)
-    train, held_out = load_task(cfg.data, eval_size=cfg.eval_size)
-    load_kwargs = dict(device="cpu", dtype=torch.bfloat16, attn_implementation="sdpa")
-    with setup.inference_side(cfg, load_kwargs, train, held_out) as rollouts:
-        async_rows = list(setup.train(cfg, async_policy, tokenizer, train, held_out, load_rewards(cfg.reward),
-                                            load_kwargs, rollouts))
+    spawned = kept_inference_sides(monkeypatch)
+    async_policy, async_rows = run_training(make_cfg(tiny_model_dir, "--mode", "async", *extra))
+    rollouts, = spawned
     assert rollouts.weights.flat.dtype == torch.bfloat16  # what was published, for the inference process to read
     assert all(p.dtype == torch.float32 for p in async_policy.parameters())
     for p, q in zip(sync_policy.parameters(), async_policy.parameters()):

@@ -11,11 +11,11 @@ import torch
 from faults import Launch, hang_bound
 
 import inference
-from launch import setup
+import trainer
 from infra.data import load_task
 from infra.models import load_model
 from infra.command_line import parse_args
-from infra.reward import load_reward, load_rewards
+from infra.reward import load_reward
 from infra.timeline import Timeline
 from launch import sizing
 from rollout import Evaluation, ScoredGroup, IterationDone
@@ -40,13 +40,8 @@ def config(model_dir, *extra):
 
 def train(cfg):
     """θ after cfg.iterations, and the metrics rows (the run as trainer.py runs it, in this process)."""
-    policy, tokenizer = load_model(cfg.model, device="cpu")
-    examples, held_out = load_task(cfg.data, eval_size=cfg.eval_size)
-    load_kwargs = dict(device="cpu", dtype=torch.float32, attn_implementation="sdpa")
-    with setup.inference_side(cfg, load_kwargs, examples, held_out) as rollouts:
-        rows = list(setup.train(cfg, policy, tokenizer, examples, held_out, load_rewards(cfg.reward, cfg.reward_weights),
-                                      load_kwargs, rollouts))
-    return policy, rows
+    with trainer.started(cfg) as (rows, policy, _):
+        return policy, list(rows)
 
 
 def sampled(groups: list[ScoredGroup]) -> list[tuple]:
@@ -55,12 +50,12 @@ def sampled(groups: list[ScoredGroup]) -> list[tuple]:
             for g in groups]
 
 
-def test_shares_threads_and_devices_of_the_workers():
+def test_call_slices_threads_and_devices_of_the_workers():
     """Claim: worker w of trainer rank r (of M) samples the calls c with c % (M·N) == r + M·w, so the N·M workers
     cover every call exactly once; threads and devices are handed out one per worker."""
     for ranks, workers in ((1, 1), (1, 3), (2, 2)):
-        shares = [s for r in range(ranks) for s in inference.worker_shares((r, ranks), workers)]
-        owners = [[s for s, total in shares if call % total == s] for call in range(12)]
+        slices = [s for r in range(ranks) for s in inference.worker_call_slices((r, ranks), workers)]
+        owners = [[s for s, total in slices if call % total == s] for call in range(12)]
         assert all(len(owner) == 1 for owner in owners), (ranks, workers, owners)
     assert inference.owned_calls(10, 3, (0, 2)) == [0, 6] and inference.owned_calls(10, 3, (1, 2)) == [3, 9]
     assert [inference.split_threads(t, n) for t, n in ((4, 2), (3, 2), (1, 3))] == [[2, 2], [2, 1], [1, 1, 1]]
@@ -125,19 +120,19 @@ def test_groups_reach_the_trainer_in_one_workers_order():
 def test_rollouts_do_not_depend_on_the_number_of_workers(tiny_model_dir):
     """Claim: two inference workers sample exactly the groups one does (prompts, responses, rewards, advantages,
     versions: equality), over two iterations with different weights, and the trainer receives them in the same
-    order; sampling the two workers' shares one after another in this process (sync mode) gives them too."""
+    order; sampling the two workers' call slices one after another in this process (sync mode) gives them too."""
     cfg = config(tiny_model_dir, "--eval-every", "0")
     policy, tokenizer = load_model(cfg.model)
     examples, held_out = load_task("arithmetic", eval_size=4)
     one = inference.SyncRollouts(policy, tokenizer, examples, held_out, load_reward(DIGITS), cfg)
-    shares_in_turn = inference.SyncRollouts(policy, tokenizer, examples, held_out, load_reward(DIGITS), cfg,
+    slices_in_order = inference.SyncRollouts(policy, tokenizer, examples, held_out, load_reward(DIGITS), cfg,
                                             workers=2)
     with inference.AsyncRollouts(cfg.model, {}, examples, held_out, DIGITS, Timeline(), workers=2) as two:
         two.attach(policy, cfg, 2)
         assert len({w.process.pid for w in two.workers}) == 2
         for iteration in range(2):
             received = []
-            for rollouts in (one, shares_in_turn, two):
+            for rollouts in (one, slices_in_order, two):
                 rollouts.publish(policy, iteration)
                 rollouts.generate(iteration)
                 received.append([m for m in rollouts.receive() if isinstance(m, ScoredGroup)])
@@ -210,7 +205,6 @@ def test_balanced_split():
     assert sizing.balanced_split(1.0, 1.0, 2) == (1, 1)
     with pytest.raises(ValueError):
         sizing.balanced_split(1.0, 1.0, 1)
-    import trainer
     cfg = parse_args(["--inference-workers", "2"])
     line = trainer.device_split(cfg, [(9.0, 9.0), (5.4, 2.0), (5.4, 2.0)])  # the first iteration is dropped
     assert "with 8 devices, 6 inference + 2 training" in line and "(this run: 2 + 1)" in line
