@@ -8,10 +8,10 @@
 # The train part times the training phases eager and with --compile-train on's compiled layers, side by side, the
 # compilation apart (benchmarks/train_step.py). Each part runs `python bench.py gpu --parts PART` under its own
 # `timeout`, so a part that hangs or compiles for too long costs its limit, not the lease; its log ($OUT/PART.log),
-# figures ($OUT/PART.json) and exit status ($OUT/PART.status) come back either way. Nothing is downloaded: TRL and datasets come as wheels carried in .whl/,
-# the GSM8K questions in .gpu-data/gsm8k/ (docs/benchmarks.md, "How a session with a lent GPU runs it", builds
-# both). GPU_CHECK_CPU=1 runs the same parts on CPU at a tiny size (1 layer, vocabulary 512): the dry run
-# tests/cli/test_bench.py makes, so that a lease's minutes go to measuring.
+# figures ($OUT/PART.json) and exit status ($OUT/PART.status) come back either way. Nothing is downloaded: TRL and
+# datasets come as wheels carried in .whl/, the GSM8K questions in .gpu-data/gsm8k/ (docs/benchmarks.md, "How a
+# session with a lent GPU runs it", builds both). GPU_CHECK_CPU=1 runs the same parts on CPU at a tiny size (1
+# layer, vocabulary 512): the dry run tests/cli/test_bench.py makes, so that a lease's minutes go to measuring.
 set -u
 OUT=${OUT:?OUT: the folder the results go to}
 DATA=${DATA:-.gpu-data/gsm8k}
