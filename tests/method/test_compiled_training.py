@@ -31,31 +31,33 @@ def groups(sizes: list[tuple[int, list[int]]], seed: int = 0):
             for p, rs in sizes]
 
 
-def tri_models(model_dir):
-    """(eager, compiled) tri-models over two equal policies, θ moved off θ_0 (so the KL term is not 0), scoring
-    packed rows under the dense mask, the path compiled training takes (compiled_training.py, departure 3)."""
-    policy, _ = load_model(str(model_dir))
+def tri_models(policy, lora: bool = False):
+    """(eager, compiled) tri-models over two equal copies of `policy`, θ moved off θ_0 (so the KL term is not 0;
+    with `lora`, the adapter moved off B = 0), scoring packed rows under the dense mask, the path compiled training
+    takes (compiled_training.py, departure 3)."""
     policy.train()
     built = []
     for compiled in (False, True):
         model = copy.deepcopy(policy)
         scorer = logprobs_fn(model, "packed", 1.0, 1, 1, dense_mask=True)
-        tri = TriModel(model, compiled_training.compiled_scorer(scorer) if compiled else scorer, use_reference=True,
-                       use_old=False)
-        built.append(tri)
+        built.append(TriModel(model, compiled_training.compiled_scorer(scorer) if compiled else scorer,
+                              use_reference=True, use_old=False, adapter_off=model.disable_adapter if lora else None))
     draw = torch.Generator().manual_seed(1)
-    noise = [torch.randn(p.shape, generator=draw) * 0.02 for p in policy.parameters()]
+    noise = [torch.randn(p.shape, generator=draw) * 0.02 for p in trainable(policy)]
     with torch.no_grad():
         for tri in built:
-            for p, n in zip(tri.policy.parameters(), noise):
+            for p, n in zip(trainable(tri.policy), noise):
                 p.add_(n)
     return built
 
 
+def trainable(model) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
 @pytest.fixture(scope="module")
 def pair(tiny_model_dir):
-    torch.manual_seed(0)
-    return tri_models(tiny_model_dir)
+    return tri_models(load_model(str(tiny_model_dir))[0])
 
 
 def rounding_bound(model, tokens: int) -> float:
@@ -74,6 +76,52 @@ def rounding_bound(model, tokens: int) -> float:
     return 2 * stages * n * U / (1 - n * U)
 
 
+def training_step(tri: TriModel, batch, advantages: list[float], cfg) -> tuple:
+    """(logp, ref_logp, mask, loss, gradients, weights before, weights after) of one step: the tri-model's log-probs,
+    learner.forward_backward (loss, backward) and an AdamW step over the trainable weights, which are put back after
+    (the module's tests share the tri-models)."""
+    tri.policy.zero_grad(set_to_none=True)
+    logp, _, ref_logp, mask = tri(batch)
+    loss, _ = forward_backward(tri, batch, advantages, cfg)
+    weights = trainable(tri.policy)
+    grads = [p.grad.clone() for p in weights]
+    before = [p.detach().clone() for p in weights]
+    adamw(weights, lr=LR, weight_decay=0.0).step()
+    after = [p.detach().clone() for p in weights]
+    with torch.no_grad():
+        for p, b in zip(weights, before):
+            p.copy_(b)
+    tri.policy.zero_grad(set_to_none=True)
+    return logp.detach(), ref_logp, mask, loss.detach(), grads, before, after
+
+
+def assert_steps_agree(eager: TriModel, compiled: TriModel):
+    """The checks of `test_compiled_training_step_equals_the_eager_one`, on packed shared-prompt rows."""
+    batch = groups([(9, [5, 3, 7, 2]), (14, [6, 6, 1, 4]), (5, [8, 2, 3, 3])])
+    advantages = [1.0, -0.5, 0.25, -0.75] * 3
+    cfg = Config(max_new_tokens=16, max_grad_norm=0.0)
+    logp_e, ref_e, mask, loss_e, grads_e, start, after_e = training_step(eager, batch, advantages, cfg)
+    logp_c, ref_c, mask_c, loss_c, grads_c, _, after_c = training_step(compiled, batch, advantages, cfg)
+    assert compiled_training.FAILED is None and compiled_training.compilations() > 0
+    assert torch.equal(mask, mask_c)
+    tokens = int(mask.sum())
+    eps = rounding_bound(eager.policy, tokens)
+    logp_bound = eps * float(logp_e.abs().max())
+    for got, expected in ((logp_c, logp_e), (ref_c, ref_e)):
+        assert (got - expected).abs().max() <= logp_bound
+    x = (ref_e - logp_e)[mask]
+    lipschitz = cfg.beta * float((x.abs().exp() + 1).max())  # |d/dx (e^x - x - 1)| = |e^x - 1| <= e^|x| + 1
+    terms = (torch.tensor(advantages)[:, None].abs() + cfg.beta * (x.exp() - x - 1).abs().max()).sum()
+    assert abs(float(loss_c - loss_e)) <= tokens * lipschitz * 2 * logp_bound + eps * float(terms)
+    assert not math.isclose(float(loss_e), 0.0, abs_tol=1e-3)
+    for g_c, g_e in zip(grads_c, grads_e):
+        assert (g_c - g_e).abs().max() <= 2 * eps * g_e.abs().max()
+    for w_c, w_e, g_c, g_e, w_0 in zip(after_c, after_e, grads_c, grads_e, start):
+        moved = LR * ((g_c - g_e).abs() / (torch.minimum(g_c.abs(), g_e.abs()) + 1e-8)).clamp(max=2)
+        assert ((w_c - w_e).abs() <= moved * (1 + 8 * U) + 8 * U * (w_0.abs() + LR)).all()
+    assert any((a - b).abs().max() > 0 for a, b in zip(after_e, start))  # the step moved the weights
+
+
 @pytest.mark.slow
 def test_compiled_training_step_equals_the_eager_one(pair):
     """Claim: one training step with compiled decoder layers (the tri-model's policy and reference log-probs of
@@ -83,45 +131,17 @@ def test_compiled_training_step_equals_the_eager_one(pair):
     moves by at most β·max|e^x - 1| per unit of x = ref - logp, both of which move), plus ε·Σ|terms| of its own sum;
     each gradient by 2ε·max|g| (forward and backward both reorder); each weight after AdamW's first step, which moves
     it by lr·g/(|g| + eps), by lr·|Δg| / (min |g| + eps), at most 2·lr, plus its own rounding."""
-    eager, compiled = pair
-    batch = groups([(9, [5, 3, 7, 2]), (14, [6, 6, 1, 4]), (5, [8, 2, 3, 3])])
-    advantages = [1.0, -0.5, 0.25, -0.75] * 3
-    cfg = Config(max_new_tokens=16, max_grad_norm=0.0)
-    results = []
-    for tri in (eager, compiled):
-        tri.policy.zero_grad(set_to_none=True)
-        logp, _, ref_logp, mask = tri(batch)
-        loss, _ = forward_backward(tri, batch, advantages, cfg)
-        grads = [p.grad.clone() for p in tri.policy.parameters()]
-        before = [p.detach().clone() for p in tri.policy.parameters()]
-        optimizer = adamw(list(tri.policy.parameters()), lr=LR, weight_decay=0.0)
-        optimizer.step()
-        results.append((logp.detach(), ref_logp, mask, loss.detach(), grads, before,
-                        [p.detach().clone() for p in tri.policy.parameters()]))
-        with torch.no_grad():  # back to the shared starting point, for the module's other tests
-            for p, b in zip(tri.policy.parameters(), before):
-                p.copy_(b)
-        tri.policy.zero_grad(set_to_none=True)
-    assert compiled_training.FAILED is None and compiled_training.compilations() > 0
-    (logp_e, ref_e, mask, loss_e, grads_e, start, after_e), (logp_c, ref_c, mask_c, loss_c, grads_c, _, after_c) = results
-    assert torch.equal(mask, mask_c)
-    tokens = int(mask.sum())
-    eps = rounding_bound(eager.policy, tokens)
-    logp_bound = eps * float(logp_e.abs().max())
-    for got, expected in ((logp_c, logp_e), (ref_c, ref_e)):
-        assert (got - expected).abs().max() <= logp_bound
-    x = (ref_e - logp_e)[mask]
-    beta = cfg.beta
-    lipschitz = beta * float((x.abs().exp() + 1).max())  # |d/dx (e^x - x - 1)| = |e^x - 1| <= e^|x| + 1
-    terms = (torch.tensor(advantages)[:, None].abs() + beta * (x.exp() - x - 1).abs().max()).sum()
-    assert abs(float(loss_c - loss_e)) <= tokens * lipschitz * 2 * logp_bound + eps * float(terms)
-    assert not math.isclose(float(loss_e), 0.0, abs_tol=1e-3)
-    for g_c, g_e in zip(grads_c, grads_e):
-        assert (g_c - g_e).abs().max() <= 2 * eps * g_e.abs().max()
-    for w_c, w_e, g_c, g_e, w_0 in zip(after_c, after_e, grads_c, grads_e, start):
-        moved = LR * ((g_c - g_e).abs() / (torch.minimum(g_c.abs(), g_e.abs()) + 1e-8)).clamp(max=2)
-        assert ((w_c - w_e).abs() <= moved * (1 + 8 * U) + 8 * U * (w_0.abs() + LR)).all()
-    assert any((a - b).abs().max() > 0 for a, b in zip(after_e, start))  # the step moved the weights
+    assert_steps_agree(*pair)
+
+
+@pytest.mark.slow
+def test_compiled_lora_training_step_equals_the_eager_one(tiny_model_dir):
+    """Claim: the same holds for a LoRA adapter (--use-peft): the reference is the base with the adapter switched
+    off inside the compiled layers (a compilation of its own), only A and B have gradients and move."""
+    pytest.importorskip("peft")
+    from infra.models import with_lora
+    policy = with_lora(load_model(str(tiny_model_dir))[0], r=4, alpha=8, dropout=0.0, target_modules=None, seed=0)
+    assert_steps_agree(*tri_models(policy, lora=True))
 
 
 @pytest.mark.slow
