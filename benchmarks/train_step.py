@@ -181,7 +181,7 @@ def train_part(args: argparse.Namespace, device: torch.device) -> dict:
     model, groups = train_workload(args, device)
     compute = torch.bfloat16 if device.type == "cuda" else torch.float32
     multiple = PAD_MULTIPLE_ACCELERATOR if device.type != "cpu" else 1  # the trainer's --pad-to-multiple-of auto
-    sides = scorers(model, args.vocab - 2, multiple, SIDES[getattr(args, "train_compile", "off")])
+    sides = scorers(model, args.vocab - 2, multiple, SIDES[args.train_compile])
     tri = TriModel(model, next(iter(sides.values())), use_reference=True, use_old=True, compute_dtype=compute)
     optimizer = adamw([p for p in model.parameters() if p.requires_grad], lr=1e-6, weight_decay=0.0)
     try:
