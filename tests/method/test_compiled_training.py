@@ -193,3 +193,29 @@ def test_compile_train_is_said_in_the_first_line_and_refused_with_checkpointing(
     assert "training compiled" not in start_line(Config(model="m", out="o", device="cpu"), 9, 1)
     problems = validate(Config(compile_train="on", gradient_checkpointing=True))
     assert any("--compile-train on and --gradient-checkpointing" in line for line in problems)
+
+
+def test_a_failed_compilation_scores_eagerly_after_one_line(tiny_model_dir, monkeypatch, capsys):
+    """Claim: when torch.compile fails (here: Dynamo raising as a missing C++ compiler makes it), the training side
+    says so in one line on stderr and scores eagerly from then on: the same log-probs as the eager scorer, bit for
+    bit, and no second attempt."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    policy, _ = load_model(str(tiny_model_dir))
+    eager = logprobs_fn(policy, "packed", 1.0, 1, 1, dense_mask=True)
+    attempts = []
+
+    def failing(decoder, dynamic):
+        attempts.append(dynamic)
+        raise BackendCompilerFailed("inductor", RuntimeError("no C++ compiler found"), None)
+    monkeypatch.setattr(compiled_step, "compiled_layers", failing)
+    monkeypatch.setattr(compiled_training, "FAILED", None)
+    scorer = compiled_training.compiled_scorer(eager)
+    capsys.readouterr()  # (the model's loading bar)
+    batch = groups([(6, [3, 4]), (9, [2, 5])])
+    for _ in range(2):
+        logp, mask = scorer(policy, batch)
+        assert torch.equal(logp, eager(policy, batch)[0])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert attempts == [True] and len(lines) == 1 and "training without it" in lines[0]
+    assert "no C++ compiler found" in compiled_training.FAILED
