@@ -28,7 +28,8 @@ process's peak resident set (ru_maxrss, everything the process ever held).
 
 --train-compile both (the default) times two sides, interleaved round by round on the same tri-model and weights:
 eager, and the decoder layers compiled as --compile-train on runs them (infra/compiled_training.py: forward and
-backward, packed rows under the dense mask). Each side's first iteration is untimed; the compiled side's, less one
+backward, symbolic rows and length, packed rows under the dense mask); all adds them compiled for this workload's one
+shape (static: whether fixed lengths would pay). Each side's first iteration is untimed; a compiled side's, less one
 of its timed iterations, is its compilation, printed apart with the graphs Dynamo compiled.
 """
 from __future__ import annotations
@@ -54,7 +55,8 @@ PEAK_BF16_TFLOPS = (("H200", 989.4), ("H100 PCIe", 756.0), ("H100", 989.4), ("H8
 PHASES = ("reference", "old policy", "forward", "loss", "backward", "optimizer", "publish", "host gaps")
 FLOPS_PER_F = {"reference": 1, "old policy": 1, "forward": 1, "backward": 2}
 GOAL_SHARE = 0.35
-SIDES = {"off": ("eager",), "on": ("compiled",), "both": ("eager", "compiled")}  # --train-compile
+SIDES = {"off": ("eager",), "on": ("compiled",), "both": ("eager", "compiled"),
+         "all": ("eager", "compiled", "static")}  # --train-compile
 
 
 def train_args(parser: argparse.ArgumentParser) -> None:
@@ -62,7 +64,9 @@ def train_args(parser: argparse.ArgumentParser) -> None:
                         help="train part: groups per micro-batch (16: the whole iteration in one)")
     parser.add_argument("--train-compile", choices=tuple(SIDES), default="both",
                         help="train part: the decoder layers eager (off), compiled as --compile-train on runs them "
-                             "(on), or both sides, interleaved, the compilation timed apart (default)")
+                             "(on), or both sides, interleaved, the compilation timed apart (default); all: and a "
+                             "third side compiled for the workload's one shape (dynamic=False: what fixed lengths "
+                             "would give)")
 
 
 def peak_tflops(device: torch.device) -> float | None:
@@ -144,11 +148,13 @@ def clock_on(device: torch.device):
 
 
 def scorers(model: torch.nn.Module, pad_id: int, multiple: int, sides: tuple[str, ...]) -> dict:
-    """Each side's tri-model scorer: the trainer's (eager), and --compile-train on's (compiled)."""
-    eager = packing.logprobs_fn(model, "auto", 1.0, pad_id, multiple)
-    compiled = compiled_training.compiled_scorer(packing.logprobs_fn(model, "auto", 1.0, pad_id, multiple,
-                                                                     dense_mask=True))
-    return {name: {"eager": eager, "compiled": compiled}[name] for name in sides}
+    """Each side's tri-model scorer: the trainer's (eager), --compile-train on's (compiled), and the same compiled for
+    one shape (static)."""
+    dense = packing.logprobs_fn(model, "auto", 1.0, pad_id, multiple, dense_mask=True)
+    made = {"eager": lambda: packing.logprobs_fn(model, "auto", 1.0, pad_id, multiple),
+            "compiled": lambda: compiled_training.compiled_scorer(dense),
+            "static": lambda: compiled_training.compiled_scorer(dense, dynamic=False)}
+    return {name: made[name]() for name in sides}
 
 
 def side_figures(rounds: list[dict[str, float]], flops: float, peak: float | None) -> dict:
@@ -225,13 +231,13 @@ def train_part(args: argparse.Namespace, device: torch.device) -> dict:
                                                   else result["iteration"]) for result in results.values()),
               flush=True)
     for name, result in results.items():
-        if name == "compiled":
-            print(f"gpu train: compiled side: first iteration {result['first_iteration_seconds']:.1f} s, of which "
+        if name != "eager":
+            print(f"gpu train: {name} side: first iteration {result['first_iteration_seconds']:.1f} s, of which "
                   f"~{result['compile_seconds']:.1f} s compiling ({result['compiled_graphs']} graphs)"
                   + (f"; training without it: {compiled_training.FAILED}" if compiled_training.FAILED else ""),
                   flush=True)
     print(f"iteration without the old policy (4F of work); peak memory {memory / 2**30:.2f} GiB "
-          f"({'cuda allocated' if device.type == 'cuda' else 'process max RSS'}, both sides)", flush=True)
+          f"({'cuda allocated' if device.type == 'cuda' else 'process max RSS'}, every side)", flush=True)
     main = results[next(iter(sides))]  # the default's (eager with --train-compile both) at the top level
     return {"forward_flops": flops, "packed_tokens": tokens, "peak_tflops": peak, "micro_groups": micro,
             "peak_memory_bytes": memory, "peak_memory_kind": "cuda allocated" if device.type == "cuda"
