@@ -26,6 +26,7 @@ LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "cons
 MODES = ("auto", "async", "sync")
 TEXT_PROMPTS = ("auto", "chat", "raw")  # --text-prompts (infra/tasks.raw_text_prompts)
 ENGINES = ("auto", "compile", "eager", "hf")
+COMPILE_TRAIN = ("auto", "on", "off")
 SIZES = ("probe", "rule")
 TRACKERS = ("none", "tensorboard", "wandb", "trackio", "all")  # --report-to (infra/tracking.py; all: those installed)
 DTYPES = ("auto", "float32", "bfloat16")
@@ -49,6 +50,12 @@ def engine_compiles(engine: str, device: str) -> bool:
     """Whether engine.py's decode step runs compiled (infra/compiled_step.py) for --engine on `device`: always with
     compile, on CUDA with auto (the fastest step measured there: docs/benchmarks.md), never with eager or hf."""
     return engine == "compile" or engine == "auto" and device.startswith("cuda")
+
+
+def train_compiles(compile_train: str) -> bool:
+    """Whether the training side's decoder layers run compiled (infra/compiled_training.py) for --compile-train: with
+    on; auto is off everywhere until a GPU measurement shows that it pays (docs/benchmarks.md)."""
+    return compile_train == "on"
 
 
 # The sizes (fields below) that --sizes chooses when not given (`derive`, launch/sizing.py; distributed.share_sizes)
@@ -264,6 +271,11 @@ class Config:
                                             "the shared-prompt mask)", choices=("sdpa", "eager"), type=_attention_name)
     gradient_checkpointing: bool = _opt(False, "recompute each layer's activations in backward (real models: trades "
                                                "~30%% more training compute for far less activation memory)")
+    compile_train: str = _opt("auto", "on: the training side's decoder layers (policy, old policy, reference) through "
+                                      "torch.compile, forward and backward, one compilation for every micro-batch "
+                                      "length, paid in the first micro-batches (the first line says so); auto: off "
+                                      "until a GPU measurement shows it pays (docs/benchmarks.md)",
+                              choices=COMPILE_TRAIN)
     use_peft: bool = _opt(False, "train a LoRA adapter (peft, pip install peft) instead of every weight (TRL's "
                                  "use_peft): the reference is the base with the adapter off, no copy; only the adapter "
                                  "is published each iteration, checkpointed and saved in policy/ (peft's format)")

@@ -361,12 +361,14 @@ def batch_logprobs(model: torch.nn.Module, groups: list[tuple[Tensor, list[Tenso
 
 
 def logprobs_fn(policy: torch.nn.Module, mode: str = "auto", temperature: float = 1.0,
-                pad_id: int = 0, pad_to_multiple_of: int = 1) -> Callable[..., tuple[Tensor, ...]]:
+                pad_id: int = 0, pad_to_multiple_of: int = 1, dense_mask: bool = False
+                ) -> Callable[..., tuple[Tensor, ...]]:
     """The tri-model's scorer (tri_model.TriModel's `logprobs_fn`): `batch_logprobs` with the run's settings, the
     same kernels for all three copies: the policy's `structured_kernel` decides for the frozen copies too (they
     run in eval mode, where checkpointing does not recompute: departure 1), so that at θ = θ_0 policy and
-    reference agree exactly."""
+    reference agree exactly. dense_mask=True: packed rows always take the dense mask (compiled layers)."""
     def logprobs(model: torch.nn.Module, groups: Sequence[Group], entropy: bool = False) -> tuple[Tensor, ...]:
-        return batch_logprobs(model, groups, mode, temperature, pad_id, dense_mask=not structured_kernel(policy),
+        dense = dense_mask or not structured_kernel(policy)
+        return batch_logprobs(model, groups, mode, temperature, pad_id, dense_mask=dense,
                               entropy=entropy, pad_to_multiple_of=pad_to_multiple_of)
     return logprobs

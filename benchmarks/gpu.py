@@ -431,6 +431,12 @@ def gpu(args: argparse.Namespace) -> bool:
             ok = ok and share >= GOAL_SHARE
             print(("PASS " if share >= GOAL_SHARE else "FAIL ") + f"training at {share:.0%} of the bf16 peak (goal "
                   f">= {GOAL_SHARE:.0%})", flush=True)
+        sides = figures["train"]["sides"]
+        if {"eager", "compiled"} <= set(sides):  # --compile-train's decision (docs/benchmarks.md)
+            speedup = sides["eager"]["iteration"]["seconds"] / sides["compiled"]["iteration"]["seconds"]
+            print(f"compiled training: iteration {speedup:.2f}x eager's, {sides['compiled']['compile_seconds']:.0f} s "
+                  f"compiling (auto should compile on this device where >= 1.1x and under 120 s: docs/benchmarks.md)",
+                  flush=True)
     if "pipeline" in parts or "peer" in parts:
         with tempfile.TemporaryDirectory() as scratch:
             model = model_directory(args, Path(scratch))

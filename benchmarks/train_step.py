@@ -25,6 +25,12 @@ counted):
 Achieved TFLOP/s = FLOPs / seconds; share of peak = that / the device's dense bf16 peak (PEAK_BF16_TFLOPS, by name;
 n/a on CPU and on a device not in the table). Peak memory: torch.cuda.max_memory_allocated on CUDA; on CPU the
 process's peak resident set (ru_maxrss, everything the process ever held).
+
+--train-compile both (the default) times two sides, interleaved round by round on the same tri-model and weights:
+eager, and the decoder layers compiled as --compile-train on runs them (infra/compiled_training.py: forward and
+backward, symbolic rows and length, packed rows under the dense mask); all adds them compiled for this workload's one
+shape (static: whether fixed lengths would pay). Each side's first iteration is untimed; a compiled side's, less one
+of its timed iterations, is its compilation, printed apart with the graphs Dynamo compiled.
 """
 from __future__ import annotations
 
@@ -40,6 +46,7 @@ import packing
 from benchmarks.engine_cpu import gsm8k_prompts, qwen_wide_model
 from config import Config
 from grpo import grpo_loss
+from infra import compiled_training
 from infra.options import PAD_MULTIPLE_ACCELERATOR
 from launch.memory import STAND_INS, fit_rows
 from launch.setup import adamw
@@ -51,12 +58,19 @@ PEAK_BF16_TFLOPS = (("H200", 989.4), ("H100 PCIe", 756.0), ("H100", 989.4), ("H8
 PHASES = ("reference", "old policy", "forward", "loss", "backward", "optimizer", "publish", "host gaps")
 FLOPS_PER_F = {"reference": 1, "old policy": 1, "forward": 1, "backward": 2}
 GOAL_SHARE = 0.35
+SIDES = {"off": ("eager",), "on": ("compiled",), "both": ("eager", "compiled"),
+         "all": ("eager", "compiled", "static")}  # --train-compile
 
 
 def train_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--train-micro-groups", type=int, default=16,
                         help="train part: groups per micro-batch (16: the whole iteration in one; 0: as many as the "
                              "device's memory allows, launch/memory.fit_rows, above the 16,384 a run keeps to)")
+    parser.add_argument("--train-compile", choices=tuple(SIDES), default="both",
+                        help="train part: the decoder layers eager (off), compiled as --compile-train on runs them "
+                             "(on), or both sides, interleaved, the compilation timed apart (default); all: and a "
+                             "third side compiled for the workload's one shape (dynamic=False: what fixed lengths "
+                             "would give)")
 
 
 def peak_tflops(device: torch.device) -> float | None:
@@ -137,14 +151,48 @@ def clock_on(device: torch.device):
     return clock
 
 
+def scorers(model: torch.nn.Module, pad_id: int, multiple: int, sides: tuple[str, ...]) -> dict:
+    """Each side's tri-model scorer: the trainer's (eager), --compile-train on's (compiled), and the same compiled for
+    one shape (static)."""
+    dense = packing.logprobs_fn(model, "auto", 1.0, pad_id, multiple, dense_mask=True)
+    made = {"eager": lambda: packing.logprobs_fn(model, "auto", 1.0, pad_id, multiple),
+            "compiled": lambda: compiled_training.compiled_scorer(dense),
+            "static": lambda: compiled_training.compiled_scorer(dense, dynamic=False)}
+    return {name: made[name]() for name in sides}
+
+
+def side_figures(rounds: list[dict[str, float]], flops: float, peak: float | None) -> dict:
+    """Per phase: the median seconds over rounds, its FLOPs, TFLOP/s and share of peak; and the iteration's."""
+    figures: dict = {"phases": {}}
+    for name in PHASES:
+        spent = statistics.median(r[name] for r in rounds)
+        work = FLOPS_PER_F.get(name, 0) * flops
+        tflops = work / spent / 1e12 if work and spent > 0 else None
+        figures["phases"][name] = {"seconds": spent, "flops": work, "tflops": tflops,
+                                   "of_peak": tflops / peak if tflops is not None and peak else None,
+                                   "rounds": [r[name] for r in rounds]}
+    total = sum(figures["phases"][name]["seconds"] for name in PHASES if name != "old policy")
+    work = 4 * flops  # reference, forward, backward
+    figures["iteration"] = {"seconds": total, "tflops": work / total / 1e12,
+                            "of_peak": work / total / 1e12 / peak if peak else None}
+    return figures
+
+
+def cells(figures: dict) -> str:
+    """One side's seconds, TFLOP/s and share of peak, as table cells."""
+    tflops, share = figures.get("tflops"), figures.get("of_peak")
+    return (f"{figures['seconds']:10.3f} {f'{tflops:.3g}' if tflops else '':>8s} "
+            f"{f'{share:.1%}' if share is not None else 'n/a' if tflops else '':>8s}")
+
+
 def train_part(args: argparse.Namespace, device: torch.device) -> dict:
     if args.train_micro_groups < 0:
         raise SystemExit(f"error: --train-micro-groups {args.train_micro_groups}: give 1 or more (0: fitted to memory)")
     model, groups = train_workload(args, device)
     compute = torch.bfloat16 if device.type == "cuda" else torch.float32
     multiple = PAD_MULTIPLE_ACCELERATOR if device.type != "cpu" else 1  # the trainer's --pad-to-multiple-of auto
-    tri = TriModel(model, packing.logprobs_fn(model, "auto", 1.0, args.vocab - 2, multiple), use_reference=True,
-                   use_old=True, compute_dtype=compute)
+    sides = scorers(model, args.vocab - 2, multiple, SIDES[args.train_compile])
+    tri = TriModel(model, next(iter(sides.values())), use_reference=True, use_old=True, compute_dtype=compute)
     optimizer = adamw([p for p in model.parameters() if p.requires_grad], lr=1e-6, weight_decay=0.0)
     try:
         buffer = WeightBuffer(model, compute)
@@ -169,35 +217,43 @@ def train_part(args: argparse.Namespace, device: torch.device) -> dict:
     print(f"gpu train: {args.layers} layers, vocabulary {args.vocab}, {len(groups)} groups x {args.group_size} "
           f"responses of {args.decode_tokens} tokens ({tokens} packed tokens), {micro} groups per micro-batch, "
           f"float32 masters, {compute} compute, {device}; one forward F = {flops:.3g} FLOP; peak "
-          f"{f'{peak:.0f} TFLOP/s bf16' if peak else 'n/a'}", flush=True)
+          f"{f'{peak:.0f} TFLOP/s bf16' if peak else 'n/a'}; sides: {', '.join(sides)}", flush=True)
     clock = clock_on(device)
-    iteration(tri, optimizer, buffer, groups, micro, clock)  # warm-up: kernels' plans, allocator pools
+    first, graphs = {}, {}
+    for name, scorer in sides.items():  # warm-up: kernels' plans, allocator pools, the compiled side's compilation
+        tri.logprobs_fn, before = scorer, compiled_training.compilations()
+        first[name] = sum(iteration(tri, optimizer, buffer, groups, micro, clock).values())
+        graphs[name] = compiled_training.compilations() - before
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    rounds = [iteration(tri, optimizer, buffer, groups, micro, clock) for _ in range(max(1, args.rounds))]
+    rounds: dict[str, list] = {name: [] for name in sides}
+    for _ in range(max(1, args.rounds)):  # interleaved: the machine's drift falls on both sides alike
+        for name, scorer in sides.items():
+            tri.logprobs_fn = scorer
+            rounds[name].append(iteration(tri, optimizer, buffer, groups, micro, clock))
     memory = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
               else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-    figures: dict = {"forward_flops": flops, "packed_tokens": tokens, "peak_tflops": peak, "micro_groups": micro,
-                     "micro_tokens": micro_tokens, "fitted_tokens": fitted, "memory_fit": fit_note,
-                     "logits_chunk_bytes": chunk,
-                     "peak_memory_bytes": memory, "peak_memory_kind": "cuda allocated" if device.type == "cuda"
-                     else "process max RSS", "phases": {}}
-    print(f"{'phase':12s} {'seconds':>8s} {'TFLOP/s':>8s} {'of peak':>8s}   (median of {len(rounds)} rounds)")
-    for name in PHASES:
-        spent = statistics.median(r[name] for r in rounds)
-        work = FLOPS_PER_F.get(name, 0) * flops
-        tflops = work / spent / 1e12 if work and spent > 0 else None
-        share = tflops / peak if tflops is not None and peak else None
-        figures["phases"][name] = {"seconds": spent, "flops": work, "tflops": tflops, "of_peak": share,
-                                   "rounds": [r[name] for r in rounds]}
-        print(f"{name:12s} {spent:8.3f} {f'{tflops:.3g}' if tflops else '':>8s} "
-              f"{f'{share:.1%}' if share is not None else 'n/a' if work else '':>8s}", flush=True)
-    total = sum(figures["phases"][name]["seconds"] for name in PHASES if name != "old policy")
-    work = 4 * flops  # reference, forward, backward
-    figures["iteration"] = {"seconds": total, "tflops": work / total / 1e12,
-                            "of_peak": work / total / 1e12 / peak if peak else None}
-    share = figures["iteration"]["of_peak"]
-    print(f"{'iteration':12s} {total:8.3f} {work / total / 1e12:8.3g} "
-          f"{f'{share:.1%}' if share is not None else 'n/a':>8s}   (without the old policy; 4F of work); "
-          f"peak memory {memory / 2**30:.2f} GiB ({figures['peak_memory_kind']})", flush=True)
-    return figures
+    results = {name: side_figures(rounds[name], flops, peak) for name in sides}
+    for name, result in results.items():
+        result["first_iteration_seconds"] = first[name]
+        result["compile_seconds"] = max(0.0, first[name] - statistics.median(sum(r.values()) for r in rounds[name]))
+        result["compiled_graphs"] = graphs[name]
+    print(f"{'phase':12s}" + "".join(f" {name + ' s':>10s} {'TFLOP/s':>8s} {'of peak':>8s}" for name in sides)
+          + f"   (median of {max(1, args.rounds)} rounds)")
+    for name in (*PHASES, "iteration"):
+        print(f"{name:12s}" + "".join(" " + cells(result["phases"][name] if name != "iteration"
+                                                  else result["iteration"]) for result in results.values()),
+              flush=True)
+    for name, result in results.items():
+        if name != "eager":
+            print(f"gpu train: {name} side: first iteration {result['first_iteration_seconds']:.1f} s, of which "
+                  f"~{result['compile_seconds']:.1f} s compiling ({result['compiled_graphs']} graphs)"
+                  + (f"; training without it: {compiled_training.FAILED}" if compiled_training.FAILED else ""),
+                  flush=True)
+    print(f"iteration without the old policy (4F of work); peak memory {memory / 2**30:.2f} GiB "
+          f"({'cuda allocated' if device.type == 'cuda' else 'process max RSS'}, every side)", flush=True)
+    main = results[next(iter(sides))]  # the default's (eager with --train-compile both) at the top level
+    return {"forward_flops": flops, "packed_tokens": tokens, "peak_tflops": peak, "micro_groups": micro,
+            "micro_tokens": micro_tokens, "fitted_tokens": fitted, "memory_fit": fit_note, "logits_chunk_bytes": chunk,
+            "peak_memory_bytes": memory, "peak_memory_kind": "cuda allocated" if device.type == "cuda"
+            else "process max RSS", **main, "sides": results}

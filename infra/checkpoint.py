@@ -48,8 +48,8 @@ from infra.records import absolute_paths, through_moved_link
 # checkpoint on: the resumed run would be neither the one it continues nor one started with that length.)
 HARMLESS = {"iterations", "num_train_epochs", "eval_every", "eval_samples", "trace", "save", "save_every",
             "keep_checkpoints", "save_on_stop", "sizes", "cache_dir", "reward_timeout", "gradient_checkpointing",
-            "attn_implementation", "micro_batch_tokens", "pad_to_multiple_of", "rollout_threads", "train_threads",
-            "train_threads_after_sampling", "report_to", "collective_timeout",
+            "compile_train", "attn_implementation", "micro_batch_tokens", "pad_to_multiple_of", "rollout_threads",
+            "train_threads", "train_threads_after_sampling", "report_to", "collective_timeout",
             "inference_workers",  # the groups reach the trainer in one worker's order (inference.in_call_order)
             "log_completions", "num_completions_to_print", "eval_every_epoch", "save_dtype",
             "mode"}  # async and sync are the same run (bitwise, with equal thread counts: tests/method/test_pipeline.py)

@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-_COMPILED: dict[Callable, Callable] = {}  # a function -> its torch.compile, made once per process
+_COMPILED: dict[tuple, Callable] = {}  # (a function, dynamic) -> its torch.compile, made once per process
 COMPILE_FAILED: str | None = None  # why torch.compile failed in this process (compile_failed), once it has
 RECOMPILE_LIMIT = 32  # compilations of one compiled function before compile_failed (compile_settings)
 
@@ -69,19 +69,20 @@ def compile_settings():
                                       fail_on_recompile_limit_hit=True)
 
 
-def compiled(function: Callable) -> Callable:
-    """torch.compile of `function`, made once per process."""
-    if function not in _COMPILED:
-        _COMPILED[function] = torch.compile(function)
-    return _COMPILED[function]
+def compiled(function: Callable, dynamic: bool | None = None) -> Callable:
+    """torch.compile of `function`, made once per process (`dynamic`: torch.compile's; None, shapes made symbolic
+    once they change)."""
+    if (function, dynamic) not in _COMPILED:
+        _COMPILED[function, dynamic] = torch.compile(function, dynamic=dynamic)
+    return _COMPILED[function, dynamic]
 
 
 @contextlib.contextmanager
-def compiled_layers(decoder):
-    """Inside, every layer of `decoder` runs one torch.compile of its class's forward; on the way out the layers
-    run their own forward again (a forward set on a layer itself, a hook, is kept)."""
+def compiled_layers(decoder, dynamic: bool | None = None):
+    """Inside, every layer of `decoder` runs one torch.compile of its class's forward (`dynamic` as `compiled`); on
+    the way out the layers run their own forward again (a forward set on a layer itself, a hook, is kept)."""
     layers = list(decoder.layers)
-    forward = compiled(type(layers[0]).forward)
+    forward = compiled(type(layers[0]).forward, dynamic)
     own = [vars(layer).get("forward") for layer in layers]
     for layer in layers:
         layer.forward = types.MethodType(forward, layer)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 
-from config import Config, engine_compiles
+from config import Config, engine_compiles, train_compiles
 from infra import outputs, sharing
 from infra.tasks import prompt_text
 
@@ -78,7 +78,8 @@ def start_line(cfg: Config, train: int, held_out: int, notes: tuple[str, ...] = 
     the prompts (with `notes`, data.Task's: the column they come from when two could be, the split held out, that it
     has fewer rows than --eval-size asked, and that it is never evaluated), the schedule, the `memory` to expect (the
     trainer's and the inference side's bytes: launch/sizing.memory_estimate; said from 0.1 GB on), --out, and when the
-    engine's decode step is compiled (--engine auto on CUDA, or compile), the one-time cost of compiling it.
+    engine's decode step is compiled (--engine auto on CUDA, or compile), and when the training side's layers are
+    (--compile-train on), the one-time cost of compiling them.
 
     >>> start_line(Config(mode="async", model="m", out="o"), 90, 10, trainers=2, inference_ranks=6)[:95]
     'periodic-rl: async (sampling on inference ranks) | model m | 2 trainer ranks, 6 inference ranks'
@@ -99,6 +100,9 @@ def start_line(cfg: Config, train: int, held_out: int, notes: tuple[str, ...] = 
     compiled = (f" | sampling compiled: each sampler's first generate call compiles one layer and the draw, once "
                 f"({cost}; --engine eager skips it)" if cfg.engine != "hf" and engine_compiles(cfg.engine, sampler)
                 else "")
+    if train_compiles(cfg.compile_train):
+        compiled += (" | training compiled: the first micro-batches compile one decoder layer, forward and backward, "
+                     "once (tens of seconds to minutes; --compile-train off skips it)")
     return (f"periodic-rl: {cfg.mode} ({sharing.describe(cfg, inference_ranks)}) | model {cfg.model} | "
             f"{processes + ' | ' if processes else ''}{train} train / "
             f"{held_out} held-out prompts{said} | {cfg.iterations} iteration{'s' * (cfg.iterations != 1)} x "

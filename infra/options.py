@@ -311,6 +311,9 @@ def validate(cfg: Config) -> list[str]:
     need(cfg.max_new_tokens is None or cfg.max_new_tokens >= 1,
          f"--max-new-tokens must be at least 1 (got {cfg.max_new_tokens})")
     need(cfg.max_grad_norm >= 0, f"--max-grad-norm must be >= 0 (got {cfg.max_grad_norm})")
+    need(not (cfg.compile_train == "on" and cfg.gradient_checkpointing), "--compile-train on and "
+         "--gradient-checkpointing cannot be combined: the recomputation in backward runs the layers eagerly, whose "
+         "saved tensors are not the compiled forward's; give one of them")
     if cfg.use_peft:  # (without it the --lora-* options are ignored, said in one line: command_line.parse_args)
         need(cfg.lora_r >= 1, f"--lora-r must be at least 1, the adapter's rank (got {cfg.lora_r})")
         need(cfg.lora_alpha > 0, f"--lora-alpha must be positive (got {cfg.lora_alpha})")

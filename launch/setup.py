@@ -30,8 +30,10 @@ from typing import Iterator
 
 import torch
 
+import periodic_rl
+from config import train_compiles
 from inference import AsyncRollouts, SyncRollouts
-from infra import checkpoint, completions, outputs, sharing
+from infra import checkpoint, compiled_training, completions, outputs, sharing
 from infra.distributed import Ranks
 from infra.options import available_cores, fits_memory, schedule_arguments, schedule_lengths
 from infra.reward import as_rewards
@@ -45,9 +47,13 @@ from tri_model import TriModel
 
 # --- the training side's pieces ---
 def build_tri_model(cfg, policy, pad_id: int) -> TriModel:
-    """θ as trained, with θ_old and π_ref when the run needs them, scored by packing.py's shared-prompt rows."""
+    """θ as trained, with θ_old and π_ref when the run needs them, scored by packing.py's shared-prompt rows (with
+    --compile-train on, through compiled decoder layers: infra/compiled_training.py)."""
+    compiles = train_compiles(cfg.compile_train)
     logprobs = logprobs_fn(policy, "auto" if cfg.shared_prompt else "unpacked", cfg.temperature, pad_id,
-                           cfg.pad_to_multiple_of or 1)
+                           cfg.pad_to_multiple_of or 1, dense_mask=compiles)
+    if compiles:
+        logprobs = compiled_training.compiled_scorer(logprobs)
     steps = cfg.updates_per_iteration * cfg.num_iterations  # optimizer steps per iteration: > 1 moves θ off θ_k
     return TriModel(policy, logprobs, use_reference=cfg.beta > 0, use_old=steps > 1,
                     compute_dtype=getattr(torch, cfg.dtype),

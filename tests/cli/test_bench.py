@@ -377,7 +377,7 @@ def test_gpu_train_part_times_every_phase_on_cpu(tmp_path, monkeypatch):
     (tmp_path / "train.jsonl").write_text("".join(json.dumps({"question": f"What is {a} + 2?", "answer": "#### 0"})
                                                   + "\n" for a in range(3)))
     args = argparse.Namespace(layers=1, vocab=512, prompts=3, group_size=2, decode_tokens=4, rounds=1,
-                              train_micro_groups=2, data=tmp_path)
+                              train_micro_groups=2, train_compile="off", data=tmp_path)
     figures = train_part(args, torch.device("cpu"))
     phases = figures["phases"]
     assert list(phases) == list(PHASES) and all(phases[name]["seconds"] >= 0 for name in PHASES if name != "host gaps")
@@ -400,8 +400,8 @@ def test_gpu_train_part_times_every_phase_on_cpu(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_gpu_check_script_dry_runs_on_cpu(tmp_path):
     """Claim (tools/gpu_check.sh): the prepared GPU check runs each part it is given under its own limit and leaves
-    its log, its figures and its exit status under $OUT; GPU_CHECK_CPU=1 runs the same parts at a tiny size on CPU;
-    an unknown part is one line and exit 2."""
+    its log, its figures and its exit status under $OUT; GPU_CHECK_CPU=1 runs the same parts at a tiny size on CPU
+    (the train part eager and compiled, side by side); an unknown part is one line and exit 2."""
     import json
     import os
     import subprocess
@@ -422,6 +422,9 @@ def test_gpu_check_script_dry_runs_on_cpu(tmp_path):
         assert set(json.loads((out / f"{part}.json").read_text())["train"]["phases"]) >= {"forward", "backward"}
     fit = json.loads((out / "train-fit.json").read_text())["train"]  # CPU: no memory to fit, one group at a time
     assert fit["micro_groups"] == 1 and fit["memory_fit"] == "micro-batch: cpu reports no free memory"
+    train = json.loads((out / "train.json").read_text())["train"]
+    assert set(train["sides"]) == {"eager", "compiled"}
+    assert train["sides"]["compiled"]["compiled_graphs"] >= 1 and train["sides"]["eager"]["compiled_graphs"] == 0
     wrong = subprocess.run(["bash", "tools/gpu_check.sh", "trian"], cwd=root, env=env, capture_output=True, text=True)
     assert wrong.returncode == 2 and wrong.stdout.strip() == "error: unknown part trian (train, train-fit, decode, " \
                                                              "peer, pipeline, kernels)"
