@@ -12,13 +12,12 @@ responses[j][i] is sample i of prompt j, cut after its first stop id (kept); on_
 moment prompt j's G responses have all stopped (the completion order rollout.py streams groups in). One call:
   1. Prefill: each prompt once, unpadded, its keys and values written straight into its G rows' cache; short
      prompts packed in one forward, (1, P_a + P_b + ...), under a block-diagonal causal mask.
-  2. Decode: one forward of shape (n, 1) per step over the first n cache rows: row r feeds its last token at
-     position P_r + t - 1, writes its keys and values at that slot and attends to slots 0 .. P_r + t - 1 (an
-     additive (n, 1, 1, L) mask over the whole cache: a fixed shape). Draws and bookkeeping stay on the device.
-  3. Every `check_every` steps the host reads which rows stopped; groups whose G rows have all stopped go to
-     on_done, ordered by the step their last row stopped, then by prompt.
-  4. Stopped rows are compacted away (live rows' cache to the front, n shrinks), and the room this frees is
-     refilled with whole prompts not yet started, up to `max_rows` rows in flight.
+  2. Decode: one (n, 1) forward per step over the first n cache rows: row r feeds its last token at position
+     P_r + t - 1, writes its keys and values at that slot and attends to slots 0 .. P_r + t - 1 (an additive
+     (n, 1, 1, L) mask over the whole cache: a fixed shape). Draws and bookkeeping stay on the device.
+  3. Every `check_every` steps the host reads which rows stopped; groups whose G rows all have go to on_done,
+     ordered by the step their last row stopped, then by prompt. Stopped rows are compacted away (n shrinks)
+     and the room refilled with whole prompts not yet started, up to `max_rows` rows in flight.
 
 The draw. Row (j, i) at response step t, with logits z ∈ R^V:
     u     = U(key_j, i, t) ∈ [0, 1)   output t of a SplitMix64 stream seeded by a hash of (key_j..., i)
@@ -32,8 +31,8 @@ batch shapes: a token flips only if u·F(S) falls that close to a boundary). gre
 Departures, on purpose:
 1. Another random stream than `generate`'s torch.multinomial: reproducible from the keys alone (greedy tokens
    equal generate's). No repetition penalty.
-2. The inverse CDF runs in two levels (which block of BLOCK tokens, then which token in it): float32 running sums
-   over a 151,936-token vocabulary would blur small probabilities, float64 ones over all of it cost a second draw.
+2. The inverse CDF runs in two levels (the block of BLOCK tokens, then the token in it): float32 running sums over
+   a large vocabulary would blur small probabilities, float64 ones over all of it cost a second draw.
 3. The output layer runs as W·hᵀ on CPU (faster for a few rows there), elsewhere as h·Wᵀ (rows first); the
    decode step's attention reads the cache once (`decode_attention`), not once per query head.
 4. Checked models (`unsupported_reason`): Qwen2, Qwen3, Llama and Mistral, full causal sdpa or eager attention.
@@ -41,9 +40,11 @@ Departures, on purpose:
 from __future__ import annotations
 
 from inspect import signature
+from itertools import accumulate
 from typing import Callable
 
 import torch
+from transformers import AttentionInterface
 
 
 CHECKED_TYPES = ("qwen2", "qwen3", "llama", "mistral")
@@ -55,16 +56,14 @@ PREFILL_TOKENS_ACCELERATOR = 8192  # elsewhere: a forward's launches cost more t
 
 def unsupported_reason(model) -> str | None:
     """Why the engine would not sample exactly what `model` scores (one line), or None when it would."""
-    config = model.config
-    kind = getattr(config, "model_type", None)
+    config, kind = model.config, getattr(model.config, "model_type", None)
     if kind not in CHECKED_TYPES:
         return f"model type {kind!r} is not one the engine is checked on ({', '.join(CHECKED_TYPES)})"
     windowed = getattr(config, "use_sliding_window", False) or kind == "mistral" and config.sliding_window is not None
     if windowed or any(layer != "full_attention" for layer in getattr(config, "layer_types", None) or []):
         return "sliding-window attention is active (the engine's mask is full causal attention)"
-    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if getattr(config, name, None):
-            return f"{name} is set (the engine does not cap logits)"
+    if capped := [name for name in ("attn_logit_softcapping", "final_logit_softcapping") if getattr(config, name, 0)]:
+        return f"{capped[0]} is set (the engine does not cap logits)"
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     if (rope_type := rope.get("rope_type", rope.get("type"))) in ("dynamic", "longrope"):
         return f"rope scaling {rope_type!r} depends on which rows share a step"
@@ -196,8 +195,7 @@ class RowCache:
         self.keys = torch.zeros(shape, dtype=weight.dtype, device=weight.device)      # (layers, rows, kv, L, D)
         self.values = torch.zeros_like(self.keys)                                      # (layers, rows, kv, L, D)
         self.row_index = torch.arange(rows, device=weight.device)
-        self.prefill_slots: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        self.positions: torch.Tensor | None = None
+        self.prefill_slots, self.positions = None, None  # set before each forward (above)
 
     @torch.compiler.disable  # eager inside compiled layers: compiled, a write into a view copies the whole slice
     def update(self, key: torch.Tensor, value: torch.Tensor, layer: int, *args, **kwargs):
@@ -207,19 +205,13 @@ class RowCache:
             self.values[layer, rows, :, slots] = value[0, :, sources].transpose(0, 1)
             return key, value
         n = self.positions.shape[0]
-        keys, values = self.keys[layer, :n], self.values[layer, :n]  # (n, kv, L, D) views
-        rows = self.row_index[:n]
+        keys, values, rows = self.keys[layer, :n], self.values[layer, :n], self.row_index[:n]  # (n, kv, L, D) views
         keys[rows, :, self.positions] = key[:, :, 0]  # (n, kv, D) one slot per row
         values[rows, :, self.positions] = value[:, :, 0]
         return keys, values
 
     def get_seq_length(self, layer: int = 0) -> int:  # transformers < 5 asks it; our positions are given
         return 0
-
-    def compact(self, keep: torch.Tensor) -> None:
-        """Move rows `keep` (m,) to the front, in order."""
-        self.keys[:, :len(keep)] = self.keys[:, keep]
-        self.values[:, :len(keep)] = self.values[:, keep]
 
 
 # --- the decode step's attention: query heads folded onto their key head, the cache read once ---
@@ -233,8 +225,7 @@ def decode_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     query (n, H, 1, D), key and value (n, K, L, D), mask (n, 1, 1, L) -> (n, 1, H, D). Query head h reads key
     head h // (H/K) (what repeat_kv builds), so a key head's H/K query heads are folded into a query of H/K
     positions: softmax(q·kᵀ·scale + mask)·v over (n, K, H/K, D) x (n, K, L, D), no copy of the cache per head."""
-    n, heads, _, dim = query.shape
-    groups = key.shape[1]
+    (n, heads, _, dim), groups = query.shape, key.shape[1]
     folded = query.reshape(n, groups, heads // groups, dim)                                     # (n, K, H/K, D)
     out = torch.nn.functional.scaled_dot_product_attention(folded, key, value, attn_mask=attention_mask,
                                                            scale=scaling)                       # (n, K, H/K, D)
@@ -251,7 +242,6 @@ class GenerateCall:
     def __init__(self, model, prompts: list[list[int]], group_size: int, max_new_tokens: int, temperature: float,
                  top_p: float, stop_ids: list[int], keys: list[tuple[int, ...]], slots: int, greedy: bool,
                  top_k: int = 0, min_p: float | None = None, pad_to_multiple_of: int = 1):
-        from transformers import AttentionInterface
         AttentionInterface.register(DECODE_ATTENTION, decode_attention)  # known to transformers by name
         weight = model.get_output_embeddings().weight
         decoder = model.get_decoder()  # the layers below the head (`base_model` would be peft's LoraModel, --use-peft)
@@ -262,15 +252,15 @@ class GenerateCall:
         self.temperature, self.top_p, self.top_k, self.min_p, self.greedy = temperature, top_p, top_k, min_p, greedy
         self.pad_to_multiple_of = pad_to_multiple_of  # the cache length and each prefill row, rounded up
         longest = max(len(prompt) for prompt in prompts) + max_new_tokens  # a stopped row writes one slot more
-        self.length = round_up(longest, pad_to_multiple_of)
+        self.length = -(-longest // pad_to_multiple_of) * pad_to_multiple_of  # rounded up
         self.cache = RowCache(model, slots, self.length)
         self.decode_layers: Callable[[dict], torch.Tensor] = lambda inputs: decoder(**inputs).last_hidden_state
         self.decode_draw: Callable = checked_draw
         self.stand_in = rows = len(prompts) * group_size
         long = dict(dtype=torch.long, device=self.device)
         self.seeds = torch.tensor([row_seed(key, i) for key in keys for i in range(group_size)] + [0], **long)
-        # (C·G + 1,) the stand-in's one token sits at the cache's last slot, which no running row reads
-        self.prompt_lengths = torch.tensor([len(p) for p in prompts for _ in range(group_size)] + [self.length], **long)
+        ends = [len(prompt) - 1 for prompt in prompts for _ in range(group_size)]  # each row's last prompt slot
+        self.prompt_ends = torch.tensor(ends + [self.length - 1], **long)  # (C·G + 1,) the stand-in's: last, unread
         self.tokens = torch.zeros(rows + 1, max_new_tokens, **long)  # (C·G + 1, M)
         self.lengths = torch.zeros(rows + 1, **long)  # tokens drawn so far
         self.stop_step = torch.tensor([RUNNING] * rows + [-1], **long)  # (C·G + 1,) the stand-in: stopped
@@ -304,9 +294,8 @@ class GenerateCall:
     def draw(self, logits: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor, decoding: bool = False
              ) -> torch.Tensor:
         """Each row's next token (checked_draw, or in a decode step `decode_draw`); a non-finite logit is flagged."""
-        draw = self.decode_draw if decoding else checked_draw
-        new, finite = draw(logits, self.seeds[rows], lengths, self.greedy, self.temperature, self.top_p, self.top_k,
-                           self.min_p)
+        new, finite = (self.decode_draw if decoding else checked_draw)(
+            logits, self.seeds[rows], lengths, self.greedy, self.temperature, self.top_p, self.top_k, self.min_p)
         self.nonfinite.logical_or_(~finite)  # read by the host when it looks (no sync here)
         return new
 
@@ -314,37 +303,34 @@ class GenerateCall:
         """Token `lengths[r]` of each running row is `new[r]`; a row stops at a stop id or at max_new_tokens."""
         column = lengths.clamp(max=self.max_new_tokens - 1)                            # (n,)
         self.tokens[rows, column] = torch.where(running, new, self.tokens[rows, column])
-        stops = running & ((new.unsqueeze(-1) == self.stop_ids).any(-1) | (lengths + 1 == self.max_new_tokens))
+        stops = running & ((new.unsqueeze(-1) == self.stop_ids).any(-1) | (lengths == self.max_new_tokens - 1))
         self.stop_step[rows] = torch.where(stops, self.step, self.stop_step[rows])
-        self.lengths[rows] = lengths + running.long()
+        self.lengths[rows] = lengths + running  # (n,) long + bool
 
     def prefill(self, prompts: list[int], slots: list[torch.Tensor]) -> None:
         """Prompts `prompts`, packed in one row, each into the cache of its G rows at slots[q] (G,); their rows'
         first tokens. Prompt q has its own positions 0 .. P_q - 1 and attends causally to itself alone: what it
         would compute alone. Padding (to pad_to_multiple_of) sees only itself and is never cached."""
-        lengths = [len(self.prompts[q]) for q in prompts]
+        group, lengths = self.group_size, [len(self.prompts[q]) for q in prompts]
         tokens = [token for q in prompts for token in self.prompts[q]]
-        positions = torch.cat([self.cache_slots[:length] for length in lengths])                       # (T,)
-        group = self.group_size
-        sources = torch.arange(len(tokens), device=self.device)                                        # (T,)
-        self.cache.prefill_slots = (torch.cat([slots[q].repeat(length) for q, length in enumerate(lengths)]),
-                                    positions.repeat_interleave(group), sources.repeat_interleave(group))
+        padding = -len(tokens) % self.pad_to_multiple_of
+        long = dict(dtype=torch.long, device=self.device)
+        ids = torch.tensor([tokens + [0] * padding], **long)                                              # (1, T')
+        positions = torch.tensor([p for length in lengths for p in range(length)] + [0] * padding, **long)  # (T',)
+        owner = torch.tensor([q for q, size in enumerate(lengths) for _ in range(size)] + [-1] * padding, **long)
+        every_slot = torch.cat(slots)                                                                     # (k·G,)
+        cache_rows = every_slot.view(len(prompts), group).repeat_interleave(torch.tensor(lengths, **long), dim=0,
+                                                                            output_size=len(tokens))     # (T, G)
+        self.cache.prefill_slots = (cache_rows.flatten(), positions[:len(tokens)].repeat_interleave(group),
+                                    torch.arange(len(tokens), **long).repeat_interleave(group))           # (T·G,)
         self.cache.positions = None
-        padding = round_up(len(tokens), self.pad_to_multiple_of) - len(tokens)
-        ids = torch.tensor([tokens + [0] * padding], device=self.device)                               # (1, T')
-        positions = torch.cat([positions, positions.new_zeros(padding)])                               # (T',)
-        owner = torch.repeat_interleave(torch.arange(len(prompts), device=self.device),
-                                        torch.tensor(lengths, device=self.device))                     # (T,)
-        owner = torch.cat([owner, owner.new_full((padding,), -1)])                                     # (T',)
-        visible = (owner[:, None] == owner[None, :]) & (positions[:, None] >= positions[None, :])      # (T', T')
+        visible = (owner[:, None] == owner[None, :]) & (positions[:, None] >= positions[None, :])         # (T', T')
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(~visible, self.min)
-        ends = torch.tensor(lengths, device=self.device).cumsum(0) - 1                                 # (k,)
-        logits = self.logits(ids, positions[None], mask[None, None], ends)                             # (k, V)
-        rows = torch.cat([q * group + torch.arange(group, device=self.device) for q in prompts])      # (k·G,)
-        first = torch.zeros_like(rows)
-        new = self.draw(logits.repeat_interleave(group, dim=0), rows, first)                          # (k·G,)
-        self.record(rows, first, torch.ones_like(rows, dtype=torch.bool), new)
-        every_slot = torch.cat(slots)
+        ends = torch.tensor([end - 1 for end in accumulate(lengths)], **long)                             # (k,)
+        logits = self.logits(ids, positions[None], mask[None, None], ends)                                # (k, V)
+        rows = torch.tensor([q * group + i for q in prompts for i in range(group)], **long)               # (k·G,)
+        new = self.draw(logits.repeat_interleave(group, dim=0), rows, torch.zeros_like(rows))             # (k·G,)
+        self.record(rows, torch.zeros_like(rows), torch.ones_like(rows, dtype=torch.bool), new)
         self.slot_rows[every_slot], self.last_token[every_slot] = rows, new
 
     def decode(self, n: int) -> None:
@@ -353,7 +339,7 @@ class GenerateCall:
         rows = self.slot_rows[:n]                                                          # (n,)
         lengths = self.lengths[rows]                                                       # (n,)
         running = self.stop_step[rows] == RUNNING                                          # (n,)
-        positions = self.prompt_lengths[rows] + lengths - 1                                # (n,) last token's slot
+        positions = self.prompt_ends[rows] + lengths                                       # (n,) last token's slot
         unseen = self.cache_slots > positions.unsqueeze(-1)                                # (n, L)
         mask = torch.zeros(unseen.shape, dtype=self.dtype, device=self.device).masked_fill_(unseen, self.min)
         self.cache.positions = positions
@@ -364,15 +350,10 @@ class GenerateCall:
 
     def compact(self, keep: list[int], n: int) -> None:
         """Slots `keep` (their rows still run) to the front, in order; slots len(keep)..n-1 get the stand-in."""
-        index = torch.tensor(keep, dtype=torch.long, device=self.device)
-        self.cache.compact(index)
+        index, cache = torch.tensor(keep, dtype=torch.long, device=self.device), self.cache  # (m,)
+        cache.keys[:, :len(keep)], cache.values[:, :len(keep)] = cache.keys[:, index], cache.values[:, index]
         self.slot_rows[:len(keep)], self.last_token[:len(keep)] = self.slot_rows[index], self.last_token[index]
         self.slot_rows[len(keep):n] = self.stand_in
-
-
-def round_up(length: int, multiple: int) -> int:
-    """The smallest multiple of `multiple` that is at least `length`."""
-    return -(-length // multiple) * multiple
 
 
 def packs(lengths: list[int], budget: int) -> list[list[int]]:
@@ -381,7 +362,7 @@ def packs(lengths: list[int], budget: int) -> list[list[int]]:
     [[0, 1, 2], [3], [4]]
     """
     grouped: list[list[int]] = []
-    total = budget + 1
+    total = budget + 1  # tokens in the last row: the first prompt opens one
     for index, length in enumerate(lengths):
         if total + length > budget:
             grouped, total = grouped + [[]], 0
@@ -404,13 +385,12 @@ def eos_ids(model) -> list[int]:
     return [] if listed is None else [listed] if isinstance(listed, int) else list(listed)
 
 
-@torch.no_grad()
+@torch.inference_mode()  # no autograd bookkeeping per operation; the results are lists
 def sample_groups(model, prompts: list[list[int]], group_size: int, *, max_new_tokens: int, temperature: float = 1.0,
                   top_p: float = 1.0, top_k: int = 0, min_p: float | None = None, stop_ids: list[int] | None = None,
-                  keys: list[tuple[int, ...]] | None = None,
-                  on_done: Callable[[int, list[list[int]]], None] | None = None, max_rows: int | None = None,
-                  greedy: bool = False, check_every: int | None = None, fixed_shapes: bool | None = None,
-                  prefill_tokens: int | None = None, pad_to_multiple_of: int = 1,
+                  keys: list[tuple[int, ...]] | None = None, on_done: Callable[[int, list], None] | None = None,
+                  max_rows: int | None = None, greedy: bool = False, check_every: int | None = None,
+                  fixed_shapes: bool | None = None, prefill_tokens: int | None = None, pad_to_multiple_of: int = 1,
                   decode_step: Callable[[GenerateCall], Callable[[int], None]] | None = None) -> list[list[list[int]]]:
     """group_size responses to each prompt: responses[j][i], cut after its first stop id (kept).
 
@@ -455,20 +435,16 @@ def sample_groups(model, prompts: list[list[int]], group_size: int, *, max_new_t
         n = max(n, bucket(len(keep), capacity, fixed_shapes))
         for _ in range(check_every if keep else 0):
             decode(n)
-        # the host looks: the logits were finite; the groups now done, in completion order; the slots still running
-        if call.nonfinite.item():
-            raise FloatingPointError("engine: the model's logits are not finite (NaN or inf): its weights have "
-                                     "diverged")
-        stop_step = call.stop_step[:count * group_size].view(count, group_size).tolist()
-        done = sorted((max(steps), j) for j, steps in enumerate(stop_step)
-                      if not responses[j] and max(steps) != RUNNING)
-        if done:
-            lengths, tokens = call.lengths.tolist(), call.tokens.tolist()
-            for _, j in done:
-                responses[j] = [tokens[row][:lengths[row]] for row in range(j * group_size, (j + 1) * group_size)]
-                if on_done is not None:
-                    on_done(j, responses[j])
-            reported += len(done)
-        running = (call.stop_step[call.slot_rows[:n]] == RUNNING).tolist()
-        keep = [slot for slot, runs in enumerate(running) if runs]
+        if call.nonfinite.item():  # the host looks: the logits were finite; the groups done; the slots still running
+            raise FloatingPointError("engine: the model's logits are not finite (NaN or inf): the weights diverged")
+        stop_step, slot_rows = call.stop_step.tolist(), call.slot_rows[:n].tolist()
+        last = [max(stop_step[j * group_size:(j + 1) * group_size]) for j in range(count)]  # each group's last stop
+        for _, j in sorted((last[j], j) for j in range(count) if not responses[j] and last[j] != RUNNING):
+            rows = slice(j * group_size, (j + 1) * group_size)
+            responses[j] = [tokens[:length] for tokens, length in zip(call.tokens[rows].tolist(),
+                                                                       call.lengths[rows].tolist())]
+            reported += 1
+            if on_done is not None:
+                on_done(j, responses[j])
+        keep = [slot for slot, row in enumerate(slot_rows) if stop_step[row] == RUNNING]
     return responses
