@@ -259,8 +259,8 @@ class GenerateCall:
         self.stand_in = rows = len(prompts) * group_size
         long = dict(dtype=torch.long, device=self.device)
         self.seeds = torch.tensor([row_seed(key, i) for key in keys for i in range(group_size)] + [0], **long)
-        ends = [len(prompt) - 1 for prompt in prompts for _ in range(group_size)]  # each row's last prompt slot
-        self.prompt_ends = torch.tensor(ends + [self.length - 1], **long)  # (C·G + 1,) the stand-in's: last, unread
+        ends = [len(prompt) - 1 for prompt in prompts for _ in range(group_size)] + [self.length - 1]  # (C·G + 1,)
+        self.prompt_ends = torch.tensor(ends, **long)  # last prompt slots; the stand-in's, the cache's last, is unread
         self.tokens = torch.zeros(rows + 1, max_new_tokens, **long)  # (C·G + 1, M)
         self.lengths = torch.zeros(rows + 1, **long)  # tokens drawn so far
         self.stop_step = torch.tensor([RUNNING] * rows + [-1], **long)  # (C·G + 1,) the stand-in: stopped
@@ -315,7 +315,7 @@ class GenerateCall:
         tokens = [token for q in prompts for token in self.prompts[q]]
         padding = -len(tokens) % self.pad_to_multiple_of
         long = dict(dtype=torch.long, device=self.device)
-        ids = torch.tensor([tokens + [0] * padding], **long)                                              # (1, T')
+        ids = torch.tensor([tokens + [0] * padding], **long)  # (1, T'); then each token's position and prompt
         positions = torch.tensor([p for length in lengths for p in range(length)] + [0] * padding, **long)  # (T',)
         owner = torch.tensor([q for q, size in enumerate(lengths) for _ in range(size)] + [-1] * padding, **long)
         every_slot = torch.cat(slots)                                                                     # (k·G,)
