@@ -240,7 +240,7 @@ def decode_part(args: argparse.Namespace, device: torch.device) -> dict:
 KINDS = (("fused (torch.compile)", ("triton_", "cpp_fused")),  # first match wins: attention before cutlass's GEMMs
          ("attention", ("fmha", "flash", "attention", "cudnn", "scaled_dot_product")),
          ("matrix products", ("gemm", "gemv", "nvjet", "xmma", "cutlass", "cublas", "splitk", "aten::mm", "aten::addmm",
-                              "aten::bmm")),
+                              "aten::bmm", "aten::linear")),  # linear: whole under inference_mode
          ("indexing (cache writes, row bookkeeping)", ("index", "scatter")),
          ("draw", ("sort", "softmax", "cumsum", "scan", "searchsorted", "argmax", "gather", "uniform")))
 def kind_of(name: str) -> str:
@@ -272,8 +272,8 @@ def kernels_of(run, device: torch.device) -> dict[str, list[float]]:
 
     class Kernels(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.is_view or func.__name__.split(".")[0] in ("empty", "empty_strided", "detach", "lift_fresh",
-                                                                             "_unsafe_view"):
+            if func.is_view or func.__name__.split(".")[0] in ("empty", "empty_strided", "detach", "detach_",
+                                                                             "lift_fresh", "_unsafe_view"):
                 return func(*args, **(kwargs or {}))
             start = time.perf_counter()
             out = func(*args, **(kwargs or {}))

@@ -65,10 +65,9 @@ def is_on() -> bool:
     return os.environ.get(TAIL_ENV) == "1"
 
 
-def install() -> None:
-    """Patch engine.GenerateCall (once) so that, while the tail is on (`is_on` when a call starts), row i of prompt j
-    stops at tail_length(keys[j], i, M). Off: the engine as it is."""
-    rollouts = engine.GenerateCall
+def install(rollouts: type = engine.GenerateCall) -> None:
+    """Patch engine.GenerateCall (once; or another copy's, `rollouts`) so that, while the tail is on (`is_on` when a
+    call starts), row i of prompt j stops at tail_length(keys[j], i, M). Off: the engine as it is."""
     if getattr(rollouts, "tail_installed", False):
         return
     original_init, original_record = rollouts.__init__, rollouts.record
