@@ -48,10 +48,12 @@ TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
 EXACT = ("reward", "reward_std", "completions/mean_length", "eval_reward")  # metrics.jsonl's keys
 SUMS = ("loss", "grad_norm", "kl", "clip_ratio/region_mean")
 # 5 prompts in calls of 1 (rank 0 trains 3 groups, rank 1 two), or 4 prompts in calls of 2 with two mini-batches
-# (each mini-batch is one call's: each rank has none of the other mini-batch's groups and still joins its step)
+# (each mini-batch is one call's: each rank has none of the other mini-batch's groups and still joins its step),
+# rewards scaled by the whole batch's std and a KL term (the batch's std and the reference's log-probs cross ranks)
 SETUPS = {"5 calls": ["--batch-size", "20", "--groups-per-call", "1"],
           "2 mini-batches": ["--batch-size", "16", "--groups-per-call", "2", "--updates-per-iteration", "2",
-                             "--epsilon-low", "0.01", "--epsilon-high", "0.01"]}
+                             "--epsilon-low", "0.01", "--epsilon-high", "0.01", "--scale-rewards", "batch",
+                             "--beta", "0.04"]}
 
 
 def options(model_dir, out, setup: str, *extra) -> list[str]:
@@ -107,13 +109,15 @@ def initial_weights(model_dir) -> torch.Tensor:
 def test_two_ranks_equal_the_single_process(tiny_model_dir, single_process, tmp_path):
     """Claim: `torchrun --nproc-per-node 2` gives the single-process run's rollouts exactly and its
     update up to float summation order (tolerances: module docstring), with 2 updates per iteration where each
-    rank has none of one mini-batch's groups (and still joins its step); rank 0 alone logs (one line per
+    rank has none of one mini-batch's groups (and still joins its step), rewards scaled by the whole batch's std
+    (--scale-rewards batch) and a KL term (--beta 0.04): the run ends and is the single process's; rank 0 alone logs (one line per
     iteration, not one per rank); every rank ends with the same θ (else the run fails:
     distributed.check_same_weights). One update per iteration, with unequal groups per rank: the next test.
     And rank 0's checkpoint is every rank's: resumed at iteration 2 by 2 ranks, the run ends with bitwise the
     same weights and the same last row."""
     done = run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "trainer.py",
-                *options(tiny_model_dir, tmp_path / "run", "2 mini-batches", "--save-every", "2")])
+                *options(tiny_model_dir, tmp_path / "run", "2 mini-batches", "--save-every", "2",
+                         "--collective-timeout", "120")])
     assert sum(line.startswith("iter ") for line in done.stdout.splitlines()) == 3, done.stdout
     ranks = result(tmp_path / "run")
     assert_same_run(single_process("2 mini-batches"), ranks, initial_weights(tiny_model_dir))
@@ -370,18 +374,6 @@ def test_every_rank_meets_the_collectives_in_the_same_order(tiny_model_dir, monk
         order[rank] = list(calls)
     assert order[0][0] == "gather" and order[0].count("sum gradients") == 2, order[0]
     assert order[1] == order[0]
-
-
-@pytest.mark.slow  # process-level: torchrun
-def test_two_ranks_with_batch_scaling_and_a_kl_term_finish_as_the_single_process(tiny_model_dir, tmp_path):
-    """Claim: `torchrun --nproc-per-node 2` with --scale-rewards batch, --beta 0.04 and two
-    mini-batches, each one rank's whole (so rank 1 has none of mini-batch 0's groups), ends and is the single-process run up to float summation order (module
-    docstring's tolerances)."""
-    extra = ["--scale-rewards", "batch", "--beta", "0.04", "--collective-timeout", "120"]
-    run([sys.executable, "trainer.py", *options(tiny_model_dir, tmp_path / "single", "2 mini-batches", *extra)])
-    run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "trainer.py",
-         *options(tiny_model_dir, tmp_path / "ranks", "2 mini-batches", *extra)], timeout=240)
-    assert_same_run(result(tmp_path / "single"), result(tmp_path / "ranks"), initial_weights(tiny_model_dir))
 
 
 def test_a_collective_that_fails_while_a_rank_is_still_dying_names_that_rank(monkeypatch):
