@@ -107,14 +107,13 @@ def initial_weights(model_dir) -> torch.Tensor:
 
 @pytest.mark.slow  # process-level: torchrun
 def test_two_ranks_equal_the_single_process(tiny_model_dir, single_process, tmp_path):
-    """Claim: `torchrun --nproc-per-node 2` gives the single-process run's rollouts exactly and its
-    update up to float summation order (tolerances: module docstring), with 2 updates per iteration where each
-    rank has none of one mini-batch's groups (and still joins its step), rewards scaled by the whole batch's std
-    (--scale-rewards batch) and a KL term (--beta 0.04): the run ends and is the single process's; rank 0 alone logs (one line per
-    iteration, not one per rank); every rank ends with the same θ (else the run fails:
-    distributed.check_same_weights). One update per iteration, with unequal groups per rank: the next test.
-    And rank 0's checkpoint is every rank's: resumed at iteration 2 by 2 ranks, the run ends with bitwise the
-    same weights and the same last row."""
+    """Claim: `torchrun --nproc-per-node 2` gives the single-process run's rollouts exactly and its update up to
+    float summation order (tolerances: module docstring), with 2 updates per iteration where each rank has none of
+    one mini-batch's groups (and still joins its step), rewards scaled by the whole batch's std (--scale-rewards
+    batch) and a KL term (--beta 0.04); rank 0 alone logs (one line per iteration, not one per rank); every rank
+    ends with the same θ (else the run fails: distributed.check_same_weights). One update per iteration, with
+    unequal groups per rank: the next test. And rank 0's checkpoint is every rank's: resumed at iteration 2 by 2
+    ranks, the run ends with bitwise the same weights and the same last row."""
     done = run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "trainer.py",
                 *options(tiny_model_dir, tmp_path / "run", "2 mini-batches", "--save-every", "2",
                          "--collective-timeout", "120")])
