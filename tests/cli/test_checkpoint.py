@@ -56,51 +56,74 @@ def assert_same_run(a: Path, b: Path, cut_short: int | None = None) -> None:
 SCHEDULE = ["--lr-scheduler-type", "cosine", "--warmup-ratio", "0.3", "--num-iterations", "2"]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("mode, updates, stop, extra", [("sync", "2", signal.SIGKILL, []),
-                                                        ("async", "2", signal.SIGKILL, []),
-                                                        ("async", "1", signal.SIGTERM, []),
-                                                        ("sync", "1", signal.SIGKILL, SCHEDULE)])
-def test_a_stopped_run_resumed_equals_the_uninterrupted_one(tiny_model_dir, tmp_path, mode, updates, stop, extra):
-    """Claim: a run killed (SIGKILL) after a checkpoint, or stopped (SIGTERM, exit 143), and resumed with
-    `--resume auto` gives the same metrics (timings aside) and bitwise the same final weights as the run that was
-    never interrupted, with equal thread counts, in sync and async mode, with 1 and 2 updates per iteration;
-    metrics.jsonl continues. Rollouts are the same too: their rewards and lengths are in the metrics, and
-    any other rollout would move the weights elsewhere. The learning-rate schedule (the default linear decay, a
-    warmed-up cosine over 2 passes per iteration) continues where it was: its state is in the checkpoint. (A stop
-    after an iteration's step but before θ_k's evaluation came keeps that iteration without its held-out reward.)"""
-    run = ["--model", tiny_model_dir, *RUN, "--mode", mode, "--updates-per-iteration", updates, *extra]
-    straight = subprocess.run(trainer(*run, "--out", tmp_path / "straight"), cwd=ROOT, capture_output=True, text=True,
-                              timeout=300)
-    assert straight.returncode == 0, straight.stderr
-    out = tmp_path / "stopped"
-    saving = ["--save-every", "1"] if stop == signal.SIGKILL else ["--save-every", "2", "--save-on-stop"]
-    process = subprocess.Popen(trainer(*run, *saving, "--out", out), cwd=ROOT, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+def stopped(command: list, ready, stop: signal.Signals) -> tuple[str, str]:
+    """Run `command` until `ready()`, then send it `stop`; its exit code is SIGKILL's, or 143 after SIGTERM's stop.
+    (stdout, stderr)."""
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 240
-        while not (list(out.glob("checkpoint-2")) if stop == signal.SIGKILL else
-                   (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 2):
+        while not ready():
             assert process.poll() is None and time.monotonic() < deadline, process.communicate()
             time.sleep(0.05)
         process.send_signal(stop)
-        _, err = process.communicate(timeout=30)
+        out, err = process.communicate(timeout=30)
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
     assert process.returncode == (-signal.SIGKILL if stop == signal.SIGKILL else 128 + signal.SIGTERM), err
-    assert checkpoint.checkpoints(out), "no checkpoint was written"
-    if stop == signal.SIGTERM:  # the stop line says what was kept
-        assert re.search(r"^interrupted by SIGTERM: .*; (.*checkpoint-(\d) holds the \2 iterations done|no checkpoint "
-                         r"holds iterations \d to \d): --resume auto --out \S+ continues from", err.splitlines()[-1]), err
-    assert not (out / "policy").exists()
-    kept = checkpoint.read_state(checkpoint.checkpoints(out)[-1])["iterations_done"]
-    resumed = subprocess.run(trainer("--resume", "auto", "--out", out, "--model", tiny_model_dir), cwd=ROOT,
-                             capture_output=True, text=True, timeout=300)
+    return out, err
+
+
+def iterations_kept(out: Path) -> int:
+    """The iterations done that the run's newest checkpoint holds (0: none)."""
+    found = checkpoint.checkpoints(out)
+    return checkpoint.read_state(found[-1])["iterations_done"] if found else 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, updates, stops, extra", [("async", "2", (signal.SIGTERM, signal.SIGKILL), []),
+                                                         ("sync", "1", (signal.SIGKILL, signal.SIGTERM), SCHEDULE)])
+def test_a_stopped_run_resumed_equals_the_uninterrupted_one(tiny_model_dir, tmp_path, mode, updates, stops, extra):
+    """Claim: a run killed (SIGKILL) after a checkpoint, or stopped (SIGTERM, exit 143), and resumed with
+    `--resume auto` gives the same metrics (timings aside) and bitwise the same final weights as the run that was
+    never interrupted, with equal thread counts, in sync and async mode, with 1 and 2 updates per iteration;
+    metrics.jsonl continues. Here each run is stopped twice, once each way, the second time while it runs resumed.
+    Rollouts are the same too: their rewards and lengths are in the metrics, and any other rollout would move the
+    weights elsewhere. The learning-rate schedule (the default linear decay, a warmed-up cosine over 2 passes per
+    iteration) continues where it was: its state is in the checkpoint. (A stop after an iteration's step but before
+    θ_k's evaluation came keeps that iteration without its held-out reward.)"""
+    run = ["--model", tiny_model_dir, *RUN, "--iterations", "8", "--mode", mode, "--updates-per-iteration", updates,
+           *extra]
+    straight = subprocess.run(trainer(*run, "--out", tmp_path / "straight"), cwd=ROOT, capture_output=True, text=True,
+                              timeout=300)
+    assert straight.returncode == 0, straight.stderr
+    out, cut_short = tmp_path / "stopped", None
+    command = trainer(*run, "--save-every", "2", "--save-on-stop", "--out", out)
+    for stop in stops:
+        done = iterations_kept(out)
+        if stop == signal.SIGKILL:  # after a checkpoint newer than the one it started from
+            def ready() -> bool:
+                return iterations_kept(out) > done
+        else:  # two iterations logged past the one it started from
+            def ready() -> bool:
+                metrics = out / "metrics.jsonl"
+                return metrics.exists() and len(metrics.read_text().splitlines()) >= done + 2
+        stdout, err = stopped(command, ready, stop)
+        assert done == 0 or "resuming from" in stdout
+        assert iterations_kept(out) > done, "no checkpoint was written"
+        kept = iterations_kept(out)
+        if stop == signal.SIGTERM:  # the stop line says what was kept
+            assert re.search(r"^interrupted by SIGTERM: .*; (.*checkpoint-(\d) holds the \2 iterations done|no "
+                             r"checkpoint holds iterations \d to \d): --resume auto --out \S+ continues from",
+                             err.splitlines()[-1]), err
+            cut_short = kept - 1
+        assert not (out / "policy").exists()
+        command = trainer("--resume", "auto", "--out", out, "--model", tiny_model_dir)
+    resumed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming from" in resumed.stdout
-    assert_same_run(tmp_path / "straight", out, kept - 1 if stop == signal.SIGTERM else None)
+    assert_same_run(tmp_path / "straight", out, cut_short)
 
 
 def test_resume_refuses_options_that_change_the_run(tiny_model_dir):
