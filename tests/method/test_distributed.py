@@ -113,7 +113,8 @@ def test_two_ranks_equal_the_single_process(tiny_model_dir, single_process, tmp_
     batch) and a KL term (--beta 0.04); rank 0 alone logs (one line per iteration, not one per rank); every rank
     ends with the same θ (else the run fails: distributed.check_same_weights). One update per iteration, with
     unequal groups per rank: the next test. And rank 0's checkpoint is every rank's: resumed at iteration 2 by 2
-    ranks, the run ends with bitwise the same weights and the same last row."""
+    ranks (in sync mode, which with equal thread counts is async's run bit for bit: tests/method/test_pipeline.py),
+    the run ends with bitwise the same weights and the same last row."""
     done = run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "trainer.py",
                 *options(tiny_model_dir, tmp_path / "run", "2 mini-batches", "--save-every", "2",
                          "--collective-timeout", "120")])
@@ -122,7 +123,7 @@ def test_two_ranks_equal_the_single_process(tiny_model_dir, single_process, tmp_
     assert_same_run(single_process("2 mini-batches"), ranks, initial_weights(tiny_model_dir))
     assert max(row["clip_ratio/region_mean"] for row in ranks[0][:-1]) > 0, "2 updates should activate clipping"
     run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "trainer.py", "--resume",
-         tmp_path / "run" / "checkpoint-2", "--out", tmp_path / "resumed"])
+         tmp_path / "run" / "checkpoint-2", "--out", tmp_path / "resumed", "--mode", "sync"])
     resumed = result(tmp_path / "resumed")
     assert torch.equal(resumed[1], ranks[1])
     last = next(row for row in resumed[0] if row["iteration"] == 2)
