@@ -346,25 +346,34 @@ def test_the_benchmarks_tail_cuts_each_row_at_its_drawn_length():
 
 
 @pytest.mark.slow
-def test_the_tail_reaches_the_inference_process(tiny_model_dir, tmp_path):
+def test_the_tail_reaches_the_inference_process(tiny_model_dir, tmp_path, capsys):
     """Claim: `python -m benchmarks.tail trainer.py ...` cuts the rows in async mode's spawned inference process as
-    in sync mode's own: the two runs log the same (shorter) response lengths and losses, bitwise as without it."""
+    in sync mode's own: the two runs log the same (shorter) response lengths and losses, bitwise as without it. The
+    sync runs, which start no process, are trainer.main in this process, with the tail on (tail.enabled) and off."""
     import json
     import subprocess
     import sys
+
+    import trainer
+    from benchmarks import tail
     root = Path(__file__).resolve().parents[2]
 
-    def run(mode, *launcher):
-        out = tmp_path / f"{mode}{len(launcher)}"
-        subprocess.run([sys.executable, *launcher, "trainer.py", "--model", str(tiny_model_dir), "--data",
-                        "arithmetic", "--mode", mode, "--rollout-threads", "1", "--train-threads", "1",
-                        "--iterations", "2", "--eval-every", "0", "--no-save", "--max-new-tokens", "16", "--sizes",
-                        "rule", "--out", str(out)], cwd=root, check=True, capture_output=True)
+    def run(mode, launched=False, tailed=True):
+        out = tmp_path / f"{mode}{tailed}"
+        argv = ["--model", str(tiny_model_dir), "--data", "arithmetic", "--mode", mode, "--rollout-threads", "1",
+                "--train-threads", "1", "--iterations", "2", "--eval-every", "0", "--no-save", "--max-new-tokens", "16",
+                "--sizes", "rule", "--out", str(out)]
+        if launched:
+            subprocess.run([sys.executable, "-m", "benchmarks.tail", "trainer.py", *argv], cwd=root, check=True,
+                           capture_output=True)
+        else:
+            with tail.enabled(tailed):
+                assert trainer.main(argv) == 0, capsys.readouterr().err
         return [(row["completions/mean_length"], row["loss"]) for row in map(json.loads, open(out / "metrics.jsonl"))
                 if not row.get("final")]
-    tailed = run("async", "-m", "benchmarks.tail")
-    assert tailed == run("sync", "-m", "benchmarks.tail")
-    assert all(cut < whole for (cut, _), (whole, _) in zip(tailed, run("sync")))
+    tailed = run("async", launched=True)
+    assert tailed == run("sync")
+    assert all(cut < whole for (cut, _), (whole, _) in zip(tailed, run("sync", tailed=False)))
 
 
 def test_train_flops_count_the_mask_pairs_and_the_weights():
