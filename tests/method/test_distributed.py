@@ -130,18 +130,6 @@ def test_two_ranks_equal_the_single_process(tiny_model_dir, single_process, tmp_
     assert all(last[key] == ranks[0][2][key] for key in (*EXACT, *SUMS)), (last, ranks[0][2])
 
 
-@pytest.mark.slow  # process-level: torchrun
-def test_two_ranks_of_two_inference_workers_equal_the_single_process(tiny_model_dir, single_process, tmp_path):
-    """Claim (M = 2 x N = 2): two trainer ranks, each with two inference workers (async), give the
-    single process's rollouts exactly and its update up to float summation order (module docstring). With 5 calls
-    of one prompt, rank 0 owns calls 0, 2, 4 and rank 1 calls 1, 3; the four workers sample calls {0, 4}, {2},
-    {1}, {3} (share r + M·w of M·N), each seeded per call as in the single process."""
-    done = run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "trainer.py",
-                *options(tiny_model_dir, tmp_path / "run", "5 calls", "--inference-workers", "2")])
-    assert sum(line.startswith("iter ") for line in done.stdout.splitlines()) == 3, done.stdout
-    assert_same_run(single_process("5 calls"), result(tmp_path / "run"), initial_weights(tiny_model_dir))
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("localhost", 0))
@@ -168,15 +156,20 @@ def two_nodes(rdzv_id: str, node_options: list[list], nproc_per_node: int = 1) -
 
 
 @pytest.mark.slow  # process-level: torchrun
-def test_two_nodes_equal_the_single_process(tiny_model_dir, single_process, tmp_path):
-    """Claim: two torchrun launches of one rank each, as two "nodes" meeting at one c10d rendezvous
-    on localhost, are the same run as the single process; here with one update per iteration and 5 calls, 3 on one
-    rank and 2 on the other, in sync mode (the single process runs async: async and sync are the same run with
-    equal thread counts, tests/method/test_pipeline.py)."""
-    with two_nodes("two-nodes", [options(tiny_model_dir, tmp_path, "5 calls", "--mode", "sync")] * 2) as launches:
+def test_two_nodes_of_two_inference_workers_equal_the_single_process(tiny_model_dir, single_process, tmp_path):
+    """Claim: two torchrun launches of one rank each, as two "nodes" meeting at one c10d rendezvous on localhost,
+    each rank with two inference workers (M = 2 x N = 2, async), are the same run as the single process: its
+    rollouts exactly and its update up to float summation order (module docstring). One update per iteration and 5
+    calls of one prompt: rank 0 owns calls 0, 2, 4 and rank 1 calls 1, 3; the four workers sample calls {0, 4},
+    {2}, {1}, {3} (share r + M·w of M·N), each seeded per call as in the single process. (Ranks in sync mode:
+    test_two_ranks_equal_the_single_process's resume, and tests/cli/test_completions.py.)"""
+    node = options(tiny_model_dir, tmp_path, "5 calls", "--inference-workers", "2")
+    with two_nodes("two-nodes", [node] * 2) as launches:
         for launch in launches:
             out, err = launch.communicate(timeout=300)
             assert launch.returncode == 0, err[-3000:]
+            if launch is launches[0]:
+                assert sum(line.startswith("iter ") for line in out.splitlines()) == 3, out
     assert_same_run(single_process("5 calls"), result(tmp_path), initial_weights(tiny_model_dir))
 
 
