@@ -155,22 +155,26 @@ LAYOUTS = ["structured", "dense", "unpacked", "dense-padded", "unpacked-padded"]
 
 @pytest.mark.slow
 @pytest.mark.parametrize("lengths", [[], ["--vary-lengths", "--layouts", *LAYOUTS, "--pad-to-multiple-of", "8"]])
-def test_train_step_layouts_compute_the_same_step(lengths):
+def test_train_step_layouts_compute_the_same_step(lengths, monkeypatch, capsys):
     """Claim (tools/train_step_layouts.py): its layouts (the structured kernel forced, the dense mask, plain rows,
     and the last two padded to a multiple of 8) compute the same micro-batch, so their timings compare like with
     like. In float32 on CPU each layout's
     gradient is within 1e-5 of plain rows' (relative norm), the bound test_packing.py holds for every parameter;
     a layout that dropped or misplaced a token would be off by far more. With --vary-lengths every repeat draws
-    another batch and each layout is compared on it."""
+    another batch and each layout is compared on it. The script's main runs in this process."""
     import re
-    import subprocess
     import sys
-    root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "tools/train_step_layouts.py", "--small", "--device", "cpu", "--groups", "2",
-                          "--prompt", "12", "--response", "6", "--repeats", "2", *lengths],
-                         cwd=root, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    rows = dict(re.findall(r"repeat 1 ([\w-]+) .* grad vs unpacked (\S+)", out.stdout))
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    import train_step_layouts
+    monkeypatch.setattr(sys, "argv", ["train_step_layouts.py", "--small", "--device", "cpu", "--groups", "2",
+                                      "--prompt", "12", "--response", "6", "--repeats", "2", *lengths])
+    state = torch.get_rng_state()  # the script seeds the global generator: restored after it
+    try:
+        train_step_layouts.main()
+    finally:
+        torch.set_rng_state(state)
+    rows = dict(re.findall(r"repeat 1 ([\w-]+) .* grad vs unpacked (\S+)", capsys.readouterr().out))
     assert list(rows) == (LAYOUTS if lengths else LAYOUTS[:3])
     assert all(float(off) <= 1e-5 for off in rows.values()), rows
     assert float(rows["unpacked"]) == 0.0  # plain rows against the warm-up's: the same computation, bit for bit (with
