@@ -155,22 +155,26 @@ LAYOUTS = ["structured", "dense", "unpacked", "dense-padded", "unpacked-padded"]
 
 @pytest.mark.slow
 @pytest.mark.parametrize("lengths", [[], ["--vary-lengths", "--layouts", *LAYOUTS, "--pad-to-multiple-of", "8"]])
-def test_train_step_layouts_compute_the_same_step(lengths):
+def test_train_step_layouts_compute_the_same_step(lengths, monkeypatch, capsys):
     """Claim (tools/train_step_layouts.py): its layouts (the structured kernel forced, the dense mask, plain rows,
     and the last two padded to a multiple of 8) compute the same micro-batch, so their timings compare like with
     like. In float32 on CPU each layout's
     gradient is within 1e-5 of plain rows' (relative norm), the bound test_packing.py holds for every parameter;
     a layout that dropped or misplaced a token would be off by far more. With --vary-lengths every repeat draws
-    another batch and each layout is compared on it."""
+    another batch and each layout is compared on it. The script's main runs in this process."""
     import re
-    import subprocess
     import sys
-    root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "tools/train_step_layouts.py", "--small", "--device", "cpu", "--groups", "2",
-                          "--prompt", "12", "--response", "6", "--repeats", "2", *lengths],
-                         cwd=root, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    rows = dict(re.findall(r"repeat 1 ([\w-]+) .* grad vs unpacked (\S+)", out.stdout))
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    import train_step_layouts
+    monkeypatch.setattr(sys, "argv", ["train_step_layouts.py", "--small", "--device", "cpu", "--groups", "2",
+                                      "--prompt", "12", "--response", "6", "--repeats", "2", *lengths])
+    state = torch.get_rng_state()  # the script seeds the global generator: restored after it
+    try:
+        train_step_layouts.main()
+    finally:
+        torch.set_rng_state(state)
+    rows = dict(re.findall(r"repeat 1 ([\w-]+) .* grad vs unpacked (\S+)", capsys.readouterr().out))
     assert list(rows) == (LAYOUTS if lengths else LAYOUTS[:3])
     assert all(float(off) <= 1e-5 for off in rows.values()), rows
     assert float(rows["unpacked"]) == 0.0  # plain rows against the warm-up's: the same computation, bit for bit (with
@@ -200,10 +204,11 @@ def test_gpu_table_runs_every_part_on_cpu(qwen_shaped_dir, tmp_path):
     """Claim (bench.py gpu): the one-command GPU table's every part runs end to end, so that a lent GPU's
     minutes go to measuring: on CPU (no CUDA graphs there) the decode part times the engine and `generate` at 1,
     M/2 and M new tokens and derives per-step figures from them, the kernels part counts what a decode step launches
-    (exactly: a 1-layer Qwen2 step makes 8 matrix products), the pipeline part runs trainer.py sync, async and auto,
-    with rows to the cap and with the tail, on a chat model with GSM8K-shaped data, and the peer part, given a Python
-    without trl, is skipped with the reason (its TRL run is `bench.py peer`'s, tested above). Timings are not
-    asserted, only that they were measured."""
+    (exactly: a 1-layer Qwen2 step makes 8 matrix products), the pipeline part runs trainer.py sync, async and auto
+    (rows to the cap: --tail both's order of runs is the next test's, and `python -m benchmarks.tail trainer.py`,
+    sync and async, test_the_tail_reaches_the_inference_process's) on a chat model with GSM8K-shaped data, and the
+    peer part, given a Python without trl, is skipped with the reason (its TRL run is `bench.py peer`'s, tested
+    above). Timings are not asserted, only that they were measured."""
     import json
     import math
     import subprocess
@@ -220,7 +225,7 @@ def test_gpu_table_runs_every_part_on_cpu(qwen_shaped_dir, tmp_path):
                "--group-size", "2", "--decode-tokens", "6", "--rounds", "1", "--model", str(qwen_shaped_dir), "--data",
                str(data), "--train-tokens", "4", "--iterations", "1", "--peer-rounds", "1", "--trl-python",
                str(tmp_path / "no-python"), "--json", str(figures),
-               "--trainer-args", "--sizes rule"]  # no probe in the two trainer runs: they only have to run
+               "--tail", "off", "--trainer-args", "--sizes rule"]  # no probe: the trainer runs only have to run
     done = subprocess.run(command, cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True,
                           timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
@@ -234,12 +239,37 @@ def test_gpu_table_runs_every_part_on_cpu(qwen_shaped_dir, tmp_path):
         assert math.isfinite(side["decode_ms"])  # a difference of two timings: its sign is the machine's load
     kernels = table["kernels"]["sides"]["engine, eager"]  # one layer: q, k, v (with bias), o, gate, up, down, head
     assert kernels["by_kind"]["matrix products"][0] == 8 and kernels["kernels_per_step"] > 8, kernels["by_kind"]
-    pipeline = table["pipeline"]  # sync, async and auto, to the cap and with the tail
-    assert sorted(pipeline["seconds_per_iteration"]) == ["async", "async +tail", "auto", "auto +tail", "sync",
-                                                         "sync +tail"]
-    assert [len(seconds) for seconds in pipeline["seconds_per_iteration"].values()] == [1] * 6
+    pipeline = table["pipeline"]  # sync, async and auto, to the cap
+    assert sorted(pipeline["seconds_per_iteration"]) == ["async", "auto", "sync"]
+    assert [len(seconds) for seconds in pipeline["seconds_per_iteration"].values()] == [1] * 3
     assert pipeline["auto"] == "async" and "--mode auto here: async" in done.stdout  # CPU: core groups
     assert "skipped" in table["peer"] and "cannot import trl" in done.stdout
+
+
+def test_the_pipeline_part_runs_each_mode_to_the_cap_and_with_the_tail(monkeypatch, capsys):
+    """Claim (bench.py gpu --parts pipeline, --tail both: the default): each round runs trainer.py sync, async and auto
+    to the cap, then the same three with the tail, each once per round, and compares async and auto with sync of
+    the same tail. The runs here are stand-ins returning set figures (the runs themselves are the previous test's)."""
+    import argparse
+
+    from benchmarks import gpu
+    runs = []
+
+    def stand_in(name, argv, run, tailed):
+        runs.append((name, argv, tailed))
+        return (2.0 if argv == ["--mode", "sync"] else 1.0), 10.0, "", 0.5
+    monkeypatch.setattr(gpu, "peer_run", stand_in)
+    parser = argparse.ArgumentParser()
+    gpu.gpu_args(parser)
+    args = parser.parse_args(["--device", "cpu", "--peer-rounds", "2", "--iterations", "1"])
+    figures = gpu.pipeline_part(args, "tiny")
+    labels = ["sync", "async", "auto", "sync +tail", "async +tail", "auto +tail"]
+    assert runs == [(f"periodic-rl {label}", ["--mode", label.split()[0]], label.endswith("+tail"))
+                    for label in labels] * 2
+    assert figures["seconds_per_iteration"] == {label: [2.0 if label.startswith("sync") else 1.0] * 2
+                                                for label in labels}
+    assert figures["vs_sync"] == {label: [2.0, 2.0] for label in labels if not label.startswith("sync")}
+    assert "gpu pipeline: auto +tail 2.00x sync" in capsys.readouterr().out
 
 
 @pytest.mark.slow
@@ -320,25 +350,34 @@ def test_the_benchmarks_tail_cuts_each_row_at_its_drawn_length():
 
 
 @pytest.mark.slow
-def test_the_tail_reaches_the_inference_process(tiny_model_dir, tmp_path):
+def test_the_tail_reaches_the_inference_process(tiny_model_dir, tmp_path, capsys):
     """Claim: `python -m benchmarks.tail trainer.py ...` cuts the rows in async mode's spawned inference process as
-    in sync mode's own: the two runs log the same (shorter) response lengths and losses, bitwise as without it."""
+    in sync mode's own: the two runs log the same (shorter) response lengths and losses, bitwise as without it. The
+    sync runs, which start no process, are trainer.main in this process, with the tail on (tail.enabled) and off."""
     import json
     import subprocess
     import sys
+
+    import trainer
+    from benchmarks import tail
     root = Path(__file__).resolve().parents[2]
 
-    def run(mode, *launcher):
-        out = tmp_path / f"{mode}{len(launcher)}"
-        subprocess.run([sys.executable, *launcher, "trainer.py", "--model", str(tiny_model_dir), "--data",
-                        "arithmetic", "--mode", mode, "--rollout-threads", "1", "--train-threads", "1",
-                        "--iterations", "2", "--eval-every", "0", "--no-save", "--max-new-tokens", "16", "--sizes",
-                        "rule", "--out", str(out)], cwd=root, check=True, capture_output=True)
+    def run(mode, launched=False, tailed=True):
+        out = tmp_path / f"{mode}{tailed}"
+        argv = ["--model", str(tiny_model_dir), "--data", "arithmetic", "--mode", mode, "--rollout-threads", "1",
+                "--train-threads", "1", "--iterations", "2", "--eval-every", "0", "--no-save", "--max-new-tokens", "16",
+                "--sizes", "rule", "--out", str(out)]
+        if launched:
+            subprocess.run([sys.executable, "-m", "benchmarks.tail", "trainer.py", *argv], cwd=root, check=True,
+                           capture_output=True)
+        else:
+            with tail.enabled(tailed):
+                assert trainer.main(argv) == 0, capsys.readouterr().err
         return [(row["completions/mean_length"], row["loss"]) for row in map(json.loads, open(out / "metrics.jsonl"))
                 if not row.get("final")]
-    tailed = run("async", "-m", "benchmarks.tail")
-    assert tailed == run("sync", "-m", "benchmarks.tail")
-    assert all(cut < whole for (cut, _), (whole, _) in zip(tailed, run("sync")))
+    tailed = run("async", launched=True)
+    assert tailed == run("sync")
+    assert all(cut < whole for (cut, _), (whole, _) in zip(tailed, run("sync", tailed=False)))
 
 
 def test_train_flops_count_the_mask_pairs_and_the_weights():

@@ -56,51 +56,74 @@ def assert_same_run(a: Path, b: Path, cut_short: int | None = None) -> None:
 SCHEDULE = ["--lr-scheduler-type", "cosine", "--warmup-ratio", "0.3", "--num-iterations", "2"]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("mode, updates, stop, extra", [("sync", "2", signal.SIGKILL, []),
-                                                        ("async", "2", signal.SIGKILL, []),
-                                                        ("async", "1", signal.SIGTERM, []),
-                                                        ("sync", "1", signal.SIGKILL, SCHEDULE)])
-def test_a_stopped_run_resumed_equals_the_uninterrupted_one(tiny_model_dir, tmp_path, mode, updates, stop, extra):
-    """Claim: a run killed (SIGKILL) after a checkpoint, or stopped (SIGTERM, exit 143), and resumed with
-    `--resume auto` gives the same metrics (timings aside) and bitwise the same final weights as the run that was
-    never interrupted, with equal thread counts, in sync and async mode, with 1 and 2 updates per iteration;
-    metrics.jsonl continues. Rollouts are the same too: their rewards and lengths are in the metrics, and
-    any other rollout would move the weights elsewhere. The learning-rate schedule (the default linear decay, a
-    warmed-up cosine over 2 passes per iteration) continues where it was: its state is in the checkpoint. (A stop
-    after an iteration's step but before θ_k's evaluation came keeps that iteration without its held-out reward.)"""
-    run = ["--model", tiny_model_dir, *RUN, "--mode", mode, "--updates-per-iteration", updates, *extra]
-    straight = subprocess.run(trainer(*run, "--out", tmp_path / "straight"), cwd=ROOT, capture_output=True, text=True,
-                              timeout=300)
-    assert straight.returncode == 0, straight.stderr
-    out = tmp_path / "stopped"
-    saving = ["--save-every", "1"] if stop == signal.SIGKILL else ["--save-every", "2", "--save-on-stop"]
-    process = subprocess.Popen(trainer(*run, *saving, "--out", out), cwd=ROOT, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+def stopped(command: list, ready, stop: signal.Signals) -> tuple[str, str]:
+    """Run `command` until `ready()`, then send it `stop`; its exit code is SIGKILL's, or 143 after SIGTERM's stop.
+    (stdout, stderr)."""
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 240
-        while not (list(out.glob("checkpoint-2")) if stop == signal.SIGKILL else
-                   (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 2):
+        while not ready():
             assert process.poll() is None and time.monotonic() < deadline, process.communicate()
             time.sleep(0.05)
         process.send_signal(stop)
-        _, err = process.communicate(timeout=30)
+        out, err = process.communicate(timeout=30)
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
     assert process.returncode == (-signal.SIGKILL if stop == signal.SIGKILL else 128 + signal.SIGTERM), err
-    assert checkpoint.checkpoints(out), "no checkpoint was written"
-    if stop == signal.SIGTERM:  # the stop line says what was kept
-        assert re.search(r"^interrupted by SIGTERM: .*; (.*checkpoint-(\d) holds the \2 iterations done|no checkpoint "
-                         r"holds iterations \d to \d): --resume auto --out \S+ continues from", err.splitlines()[-1]), err
-    assert not (out / "policy").exists()
-    kept = checkpoint.read_state(checkpoint.checkpoints(out)[-1])["iterations_done"]
-    resumed = subprocess.run(trainer("--resume", "auto", "--out", out, "--model", tiny_model_dir), cwd=ROOT,
-                             capture_output=True, text=True, timeout=300)
+    return out, err
+
+
+def iterations_kept(out: Path) -> int:
+    """The iterations done that the run's newest checkpoint holds (0: none)."""
+    found = checkpoint.checkpoints(out)
+    return checkpoint.read_state(found[-1])["iterations_done"] if found else 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, updates, stops, extra", [("async", "2", (signal.SIGTERM, signal.SIGKILL), []),
+                                                         ("sync", "1", (signal.SIGKILL, signal.SIGTERM), SCHEDULE)])
+def test_a_stopped_run_resumed_equals_the_uninterrupted_one(tiny_model_dir, tmp_path, mode, updates, stops, extra):
+    """Claim: a run killed (SIGKILL) after a checkpoint, or stopped (SIGTERM, exit 143), and resumed with
+    `--resume auto` gives the same metrics (timings aside) and bitwise the same final weights as the run that was
+    never interrupted, with equal thread counts, in sync and async mode, with 1 and 2 updates per iteration;
+    metrics.jsonl continues. Here each run is stopped twice, once each way, the second time while it runs resumed.
+    Rollouts are the same too: their rewards and lengths are in the metrics, and any other rollout would move the
+    weights elsewhere. The learning-rate schedule (the default linear decay, a warmed-up cosine over 2 passes per
+    iteration) continues where it was: its state is in the checkpoint. (A stop after an iteration's step but before
+    θ_k's evaluation came keeps that iteration without its held-out reward.)"""
+    run = ["--model", tiny_model_dir, *RUN, "--iterations", "8", "--mode", mode, "--updates-per-iteration", updates,
+           *extra]
+    straight = subprocess.run(trainer(*run, "--out", tmp_path / "straight"), cwd=ROOT, capture_output=True, text=True,
+                              timeout=300)
+    assert straight.returncode == 0, straight.stderr
+    out, cut_short = tmp_path / "stopped", None
+    command = trainer(*run, "--save-every", "2", "--save-on-stop", "--out", out)
+    for stop in stops:
+        done = iterations_kept(out)
+        if stop == signal.SIGKILL:  # after a checkpoint newer than the one it started from
+            def ready() -> bool:
+                return iterations_kept(out) > done
+        else:  # two iterations logged past the one it started from
+            def ready() -> bool:
+                metrics = out / "metrics.jsonl"
+                return metrics.exists() and len(metrics.read_text().splitlines()) >= done + 2
+        stdout, err = stopped(command, ready, stop)
+        assert done == 0 or "resuming from" in stdout
+        assert iterations_kept(out) > done, "no checkpoint was written"
+        kept = iterations_kept(out)
+        if stop == signal.SIGTERM:  # the stop line says what was kept
+            assert re.search(r"^interrupted by SIGTERM: .*; (.*checkpoint-(\d) holds the \2 iterations done|no "
+                             r"checkpoint holds iterations \d to \d): --resume auto --out \S+ continues from",
+                             err.splitlines()[-1]), err
+            cut_short = kept - 1
+        assert not (out / "policy").exists()
+        command = trainer("--resume", "auto", "--out", out, "--model", tiny_model_dir)
+    resumed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming from" in resumed.stdout
-    assert_same_run(tmp_path / "straight", out, kept - 1 if stop == signal.SIGTERM else None)
+    assert_same_run(tmp_path / "straight", out, cut_short)
 
 
 def test_resume_refuses_options_that_change_the_run(tiny_model_dir):
@@ -540,8 +563,18 @@ def assert_one_error_line(result: subprocess.CompletedProcess, pattern: str) -> 
     assert len(lines) == 1 and re.search(pattern, lines[0]), result.stderr
 
 
+def in_process(capsys, *args) -> subprocess.CompletedProcess:
+    """`python trainer.py *args` as trainer.main in this process (a sync run, or one that fails before it starts:
+    what it writes and says is the claim, not its processes), with its exit code, stdout and stderr."""
+    import trainer as entry
+    capsys.readouterr()
+    code = entry.main([*map(str, args)])
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out, err)
+
+
 @pytest.mark.slow
-def test_resuming_a_checkpoint_of_the_last_iteration_writes_its_policy(finished_run, tiny_model_dir, tmp_path):
+def test_resuming_a_checkpoint_of_the_last_iteration_writes_its_policy(finished_run, tiny_model_dir, tmp_path, capsys):
     """Claim: resuming a checkpoint taken at the last iteration (its policy/ lost) runs the final
     evaluation and writes policy/, the checkpoint's θ, before saying where it is;
     metrics.jsonl keeps rows 0 and 1 and gets the final row. An --iterations below the checkpoint's iterations is
@@ -549,13 +582,11 @@ def test_resuming_a_checkpoint_of_the_last_iteration_writes_its_policy(finished_
     out = copy_of(finished_run, tmp_path / "run")
     shutil.rmtree(out / "policy")
     before = snapshot(out)
-    fewer = subprocess.run(trainer("--resume", "auto", "--out", out, "--iterations", "1"), cwd=ROOT,
-                           capture_output=True, text=True, timeout=120)
+    fewer = in_process(capsys, "--resume", "auto", "--out", out, "--iterations", "1")
     assert_one_error_line(fewer, r"^error: --iterations 1 is fewer than the 2 iterations checkpoint .*checkpoint-2 "
                                  r"has done: give --iterations 2 or more")
     assert snapshot(out) == before
-    resumed = subprocess.run(trainer("--resume", "auto", "--out", out, "--model", tiny_model_dir), cwd=ROOT,
-                             capture_output=True, text=True, timeout=300)
+    resumed = in_process(capsys, "--resume", "auto", "--out", out, "--model", tiny_model_dir)
     assert resumed.returncode == 0, resumed.stderr
     assert f"policy in {out / 'policy'}" in resumed.stdout
     saved, kept = (load_file(out / folder / "model.safetensors") for folder in ("policy", "checkpoint-2/policy"))
@@ -579,7 +610,7 @@ runpy.run_path("trainer.py", run_name="__main__")
 
 
 @pytest.mark.slow
-def test_a_stop_during_the_final_save_keeps_the_last_row_and_the_policy(tiny_model_dir, tmp_path):
+def test_a_stop_during_the_final_save_keeps_the_last_row_and_the_policy(tiny_model_dir, tmp_path, capsys):
     """Claim: SIGTERM while the finished policy is being saved, with --save-on-stop, loses nothing: the
     last iteration's row is written, the stop checkpoint holds θ_2 and the stop line says so; `--resume auto` then
     writes the policy."""
@@ -591,14 +622,13 @@ def test_a_stop_during_the_final_save_keeps_the_last_row_and_the_policy(tiny_mod
         run.assert_stopped(143, r"^interrupted by SIGTERM: the run was stopped, nothing is left running; "
                                 r".*checkpoint-2 holds the 2 iterations done: --resume auto --out \S+ continues from there$")
     assert metrics_iterations(out) == [0, 1] and not (out / "policy").exists()
-    resumed = subprocess.run(trainer("--resume", "auto", "--out", out, "--model", tiny_model_dir), cwd=ROOT,
-                             capture_output=True, text=True, timeout=300)
+    resumed = in_process(capsys, "--resume", "auto", "--out", out, "--model", tiny_model_dir)
     assert resumed.returncode == 0, resumed.stderr
     assert metrics_iterations(out) == [0, 1, "final"] and (out / "policy" / "model.safetensors").is_file()
 
 
 @pytest.mark.slow
-def test_resuming_into_another_runs_folder_is_refused(finished_run, tiny_model_dir, tmp_path):
+def test_resuming_into_another_runs_folder_is_refused(finished_run, tiny_model_dir, tmp_path, capsys):
     """Claim: `--resume A/checkpoint-2 --out B`, B holding another run, is one line and leaves both
     runs as they were (B's metrics got A's rows after its own, its policy A's); with --overwrite, B's run is replaced
     by A's continued: A's rows before the checkpoint, then this run's, nothing of B's."""
@@ -608,25 +638,24 @@ def test_resuming_into_another_runs_folder_is_refused(finished_run, tiny_model_d
     (b / "metrics.jsonl").write_text('{"iteration": 0, "reward_mean": 0.25}\n{"iteration": 1, "reward_mean": 0.5}\n')
     before = snapshot(a), snapshot(b)
     args = ["--resume", a / "checkpoint-2", "--out", b, "--model", tiny_model_dir, "--iterations", "3"]
-    refused = subprocess.run(trainer(*args), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    refused = in_process(capsys, *args)
     checkpoint_2 = re.escape(str(a / "checkpoint-2"))
     assert_one_error_line(refused, rf"^error: --out {re.escape(str(b))} holds another run \(metrics.jsonl\) than the "
                                    rf"one --resume {checkpoint_2} continues, and the two would mix")
     assert (snapshot(a), snapshot(b)) == before
-    replaced = subprocess.run(trainer(*args, "--overwrite"), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    replaced = in_process(capsys, *args, "--overwrite")
     assert replaced.returncode == 0, replaced.stderr
     rows = [json.loads(line) for line in (b / "metrics.jsonl").read_text().splitlines()]
     assert rows[:2] == [json.loads(line) for line in (a / "metrics.jsonl").read_text().splitlines()[:2]]
     assert [row.get("final") and "final" or row["iteration"] for row in rows] == [0, 1, 2, "final"]
     assert snapshot(a) == before[0]
-    overwrite_own = subprocess.run(trainer("--resume", "auto", "--out", a, "--overwrite"), cwd=ROOT,
-                                   capture_output=True, text=True, timeout=120)
+    overwrite_own = in_process(capsys, "--resume", "auto", "--out", a, "--overwrite")
     assert_one_error_line(overwrite_own, r"--overwrite would delete the run in --out .* that --resume auto continues")
     assert snapshot(a) == before[0]
 
 
 @pytest.mark.slow
-def test_a_resume_that_fails_leaves_the_metrics_and_says_the_policy_is_there(finished_run, tiny_model_dir, tmp_path):
+def test_a_resume_that_fails_leaves_the_metrics_and_says_the_policy_is_there(finished_run, tiny_model_dir, tmp_path, capsys):
     """Claim: a resume that fails once started (a truncated optimizer.pt) has not rewritten
     metrics.jsonl and says that the
     policy saved before is still there, not that no policy was saved."""
@@ -634,8 +663,7 @@ def test_a_resume_that_fails_leaves_the_metrics_and_says_the_policy_is_there(fin
     optimizer = out / "checkpoint-2" / "optimizer.pt"
     optimizer.write_bytes(optimizer.read_bytes()[:1000])
     before = snapshot(out)
-    result = subprocess.run(trainer("--resume", "auto", "--out", out, "--model", tiny_model_dir, "--iterations", "3"),
-                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    result = in_process(capsys, "--resume", "auto", "--out", out, "--model", tiny_model_dir, "--iterations", "3")
     assert_one_error_line(result, rf"^error: checkpoint .*checkpoint-2 is damaged .*\(the run stopped before training "
                                   rf"ended: {re.escape(str(out / 'policy'))} is still the policy saved before\)$")
     after = snapshot(out)

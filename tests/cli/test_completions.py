@@ -238,14 +238,17 @@ def test_wandb_and_trackio_get_the_completions_table_at_its_step(tracker, tmp_pa
 
 
 @pytest.mark.slow  # process-level: torchrun
-def test_two_ranks_write_every_ranks_completions_once(tiny_model_dir, tmp_path):
+def test_two_ranks_write_every_ranks_completions_once(tiny_model_dir, tmp_path, capsys):
     """Claim: under torchrun with 2 trainer ranks, rank 0 writes every rank's completions (each rank
     samples and trains only its own generate calls), the same lines as the single process's run (rollouts are
-    equal exactly: tests/method/test_distributed.py), and no other rank writes."""
+    equal exactly: tests/method/test_distributed.py; the single process's is trainer.main in this process), and no
+    other rank writes."""
+    import trainer
     extra = ["--groups-per-call", "1", "--batch-size", "20", "--rollout-threads", "1", "--train-threads", "1",
              "--micro-batch-tokens", "60", "--num-completions-to-print", "0"]
     single, ranks = tmp_path / "single", tmp_path / "ranks"
-    train(tiny_model_dir, single, *extra)
+    assert trainer.main(["--model", str(tiny_model_dir), *RUN, "--out", str(single), *extra]) == 0, \
+        capsys.readouterr().err[-3000:]
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            "trainer.py", "--model", str(tiny_model_dir), *RUN, "--out", str(ranks), *extra], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)

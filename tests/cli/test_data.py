@@ -497,30 +497,28 @@ def test_the_command_line_takes_every_form_of_data(tmp_path):
     assert cfg.system_prompt == "math" and parse_args([]).system_prompt is None
 
 
-@pytest.mark.slow
-def test_text_prompts_are_taken_as_trl_takes_them(qwen_shaped_dir, tmp_path):
+def test_text_prompts_are_taken_as_trl_takes_them(qwen_shaped_dir, tmp_path, capsys):
     """Claim (--text-prompts): with a chat model, TRL's 'prompt' column of text is sampled from as it is, as TRL takes
     its standard format (a reviewer found it silently rendered in the chat template, with the template's default
     system message), the first line saying so; GSM8K's 'question' column, and --text-prompts chat, render the text
     as the user's message; conversations take the template either way. The prompt is read back from
-    completions.jsonl, decoded from the ids the model sampled from."""
-    import subprocess
-    import sys
-    root = Path(__file__).resolve().parents[2]
+    completions.jsonl, decoded from the ids the model sampled from (sync runs through trainer.main, in this
+    process)."""
+    import trainer
 
     def sampled_prompt(column: str, *extra: str) -> tuple[str, str]:
         rows = [{column: f"What is {i}+1?", "answer": str(i + 1)} for i in range(12)]
         path = write_jsonl(tmp_path / f"{column}{len(extra)}.jsonl", rows)
         out = tmp_path / f"run-{column}-{len(extra)}"
-        result = subprocess.run([sys.executable, "trainer.py", "--model", str(qwen_shaped_dir), "--data", str(path),
-                                 "--mode", "sync", "--iterations", "1", "--batch-size", "4", "--group-size", "2",
-                                 "--max-new-tokens", "2", "--eval-every", "0", "--groups-per-call", "2",
-                                 "--micro-batch-tokens", "4096", "--rollout-threads", "1", "--train-threads", "1",
-                                 "--no-save", "--log-completions", "--out", str(out), *extra],
-                                cwd=root, capture_output=True, text=True, timeout=300)
-        assert result.returncode == 0, result.stderr
+        capsys.readouterr()
+        code = trainer.main(["--model", str(qwen_shaped_dir), "--data", str(path), "--mode", "sync", "--iterations",
+                             "1", "--batch-size", "4", "--group-size", "2", "--max-new-tokens", "2", "--eval-every",
+                             "0", "--groups-per-call", "2", "--micro-batch-tokens", "4096", "--rollout-threads", "1",
+                             "--train-threads", "1", "--no-save", "--log-completions", "--out", str(out), *extra])
+        stdout, stderr = capsys.readouterr()
+        assert code == 0, stderr
         record = json.loads((out / "completions.jsonl").read_text().splitlines()[0])
-        return record["prompt"], result.stdout.splitlines()[0]
+        return record["prompt"], stdout.splitlines()[0]
 
     prompt, first = sampled_prompt("prompt")
     assert re.fullmatch(r"What is \d+\+1\?", prompt) and "text prompts as they are, as TRL takes" in first, (prompt,

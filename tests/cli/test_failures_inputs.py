@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import faults
+import trainer
 import numpy as np
 import pytest
 import torch
@@ -139,22 +140,24 @@ def test_a_hanging_reward_ends_the_run_within_its_limit(tiny_model_dir, tmp_path
     assert not (tmp_path / "out" / "policy").exists()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_a_reward_that_calls_sys_exit_is_an_error(tiny_model_dir, tmp_path, mode):
+@pytest.mark.parametrize("mode", ["sync", pytest.param("async", marks=pytest.mark.slow)])
+def test_a_reward_that_calls_sys_exit_is_an_error(tiny_model_dir, tmp_path, capsys, mode):
     """Claim: a reward that calls sys.exit(0) fails the run in either mode: exit 1, one line naming the function and
     SystemExit, no traceback, no policy saved (sync exited 0 silently with nothing saved; async printed a
-    traceback)."""
-    result = subprocess.run(trainer_args(tiny_model_dir, tmp_path, "--mode", mode, "--reward",
-                                         "tests/rewards.py:exiting_reward"),
-                            cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 1, result.stderr
-    assert "exiting_reward' raised SystemExit: 0" in result.stderr and "Traceback" not in result.stderr
+    traceback). Sync mode scores in the trainer's process: run in this one; async's inference process is a
+    subprocess's."""
+    args = trainer_args(tiny_model_dir, tmp_path, "--mode", mode, "--reward", "tests/rewards.py:exiting_reward")
+    if mode == "sync":
+        code, err = trainer.main(args[2:]), capsys.readouterr().err
+    else:
+        result = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        code, err = result.returncode, result.stderr
+    assert code == 1, err
+    assert "exiting_reward' raised SystemExit: 0" in err and "Traceback" not in err
     assert not (tmp_path / "policy").exists()
 
 
-@pytest.mark.slow
-def test_a_prompt_longer_than_the_context_is_refused_at_start_up(tiny_model_dir, tmp_path):
+def test_a_prompt_longer_than_the_context_is_refused_at_start_up(tiny_model_dir, tmp_path, capsys):
     """Claim: a --data file with a prompt that leaves no room for --max-new-tokens in the model's context
     (max_position_embeddings: 4096 for the tiny model) is refused before training, naming the prompt's length."""
     import json
@@ -164,10 +167,10 @@ def test_a_prompt_longer_than_the_context_is_refused_at_start_up(tiny_model_dir,
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     args = trainer_args(tiny_model_dir, tmp_path / "out", "--mode", "sync", "--eval-size", "8")
     args[args.index("arithmetic")] = str(data)
-    result = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 1, result.stderr
-    assert "the longest prompt is 4202 tokens" in result.stderr and "context of 4096 tokens" in result.stderr
-    assert "iter " not in result.stdout and "Traceback" not in result.stderr
+    assert trainer.main(args[2:]) == 1
+    out, err = capsys.readouterr()
+    assert "the longest prompt is 4202 tokens" in err and "context of 4096 tokens" in err
+    assert "iter " not in out and "Traceback" not in err
 
 
 # --- rewards that misbehave in other ways, data that is not there or too big ---

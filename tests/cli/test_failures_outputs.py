@@ -551,38 +551,37 @@ def test_a_finished_lora_run_can_be_resumed_or_overwritten(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_readme_commands_run_again_and_rerun_from_another_folder(tiny_model_dir, tmp_path):
+def test_the_readme_commands_run_again_and_rerun_from_another_folder(tiny_model_dir, tmp_path, monkeypatch, capsys):
     """Claim: `python trainer.py` twice without --out makes two runs, runs/latest links the
     second, `python plot.py runs/latest` draws it; its config.json records absolute paths, so `--config
     A/runs/latest/config.json` reruns it from another folder B (its relative --data file and reward file found),
-    into a folder of its own there."""
+    into a folder of its own there. The first run is the command as typed, in a subprocess; the second, the plot and
+    the rerun are the same entry points (trainer.main, plot.main) called in this process from those folders."""
+    import plot
     first, other = tmp_path / "A", tmp_path / "B"
     first.mkdir(), other.mkdir()
     (first / "data.jsonl").write_text("".join(json.dumps({"question": f"{i}+1=", "answer": str(i + 1)}) + "\n"
                                               for i in range(40)))
     shutil.copy(ROOT / "tests" / "rewards.py", first / "my_rewards.py")
-    args = ["--model", tiny_model_dir, "--data", "data.jsonl", "--reward", "my_rewards.py:digit_fraction",
+    args = ["--model", str(tiny_model_dir), "--data", "data.jsonl", "--reward", "my_rewards.py:digit_fraction",
             "--iterations", "1", "--batch-size", "8", "--group-size", "4", "--max-new-tokens", "4", "--eval-every",
             "0", "--eval-size", "4", "--mode", "sync", "--sizes", "rule", "--no-save"]
-
-    def trainer_in(folder: Path, *extra) -> subprocess.CompletedProcess:
-        done = subprocess.run([sys.executable, ROOT / "trainer.py", *map(str, extra)], cwd=folder,
-                              capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr
-        return done
-    trainer_in(first, *args)
-    trainer_in(first, *args)
+    done = subprocess.run([sys.executable, ROOT / "trainer.py", *args], cwd=first, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    monkeypatch.chdir(first)
+    assert trainer.main(args) == 0, capsys.readouterr().err
     runs = sorted(p for p in (first / "runs").iterdir() if p.name != "latest")
     assert len(runs) == 2 and (first / "runs/latest").resolve() == runs[-1].resolve()
-    drawn = subprocess.run([sys.executable, ROOT / "plot.py", "runs/latest"], cwd=first, capture_output=True,
-                           text=True, timeout=120)
-    assert drawn.returncode == 0 and (runs[-1] / "metrics.png").is_file(), drawn.stderr
+    assert plot.main(["runs/latest"]) == 0 and (runs[-1] / "metrics.png").is_file(), capsys.readouterr().err
     record = json.loads((first / "runs/latest/config.json").read_text())
     assert record["data"] == str(first / "data.jsonl") and record["out"] == str(runs[-1])
     assert record["reward"] == [f"{first / 'my_rewards.py'}:digit_fraction"]
-    again = trainer_in(other, "--config", first / "runs/latest/config.json")
+    monkeypatch.chdir(other)
+    capsys.readouterr()
+    assert trainer.main(["--config", str(first / "runs/latest/config.json")]) == 0, capsys.readouterr().err
     rerun = next(p for p in (other / "runs").iterdir() if p.name != "latest")
-    assert f"out runs/{rerun.name}" in again.stdout
+    assert f"out runs/{rerun.name}" in capsys.readouterr().out
     assert json.loads((rerun / "config.json").read_text())["data"] == record["data"]
 
 

@@ -17,6 +17,7 @@ from faults import hang_bound
 import torch
 
 import grpo
+import trainer
 from infra import checkpoint
 from infra.command_line import parse_args
 from infra.reward import RewardError, Rewards, is_batched, load_rewards, needed_columns
@@ -353,7 +354,7 @@ def test_a_checkpoint_with_the_old_single_reward_resumes(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_prompt_only_dataset_with_trl_rewards_in_both_modes(tiny_model_dir, tmp_path):
+def test_a_prompt_only_dataset_with_trl_rewards_in_both_modes(tiny_model_dir, tmp_path, capsys):
     """Claim: a prompt-only dataset (TRL's 'prompt' column and a 'target_len' column, no
     answer) trains with TRL-style rewards, in both modes: an async one that reads the column and trainer_state, and
     one that returns trainer_state.global_step, which is the iteration's index; the async run (rewards and examples in
@@ -378,39 +379,27 @@ def test_a_prompt_only_dataset_with_trl_rewards_in_both_modes(tiny_model_dir, tm
     assert all(row["rewards/length_reward/mean"] <= 0 for row in iterations)
     keys = [key for key in rows["sync"][0] if key.startswith("reward") or key == "eval_reward"]
     assert [[row.get(k) for k in keys] for row in rows["sync"]] == [[row.get(k) for k in keys] for row in rows["async"]]
-    result = subprocess.run([*args, "--mode", "sync", "--out", str(tmp_path / "math")], cwd=ROOT, capture_output=True,
-                            text=True, timeout=120)
-    assert result.returncode == 1 and "Traceback" not in result.stderr
+    capsys.readouterr()
+    assert trainer.main([*args[2:], "--mode", "sync", "--out", str(tmp_path / "math")]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") == 1, err
     assert (f"--reward math needs a gold answer, and {data} (train split) has no column 'answer' to take it from; its "
-            "columns are 'prompt', 'target_len'.") in result.stderr
+            "columns are 'prompt', 'target_len'.") in err
 
 
 @pytest.mark.slow
-def test_a_reward_may_start_processes_of_its_own_in_both_modes(tiny_model_dir, tmp_path):
-    """Claim: a reward that scores in a process pool (ProcessPoolExecutor, as sandboxed code-execution rewards do)
-    runs in the inference process as in the trainer's: the same rewards in both modes."""
-    args = [sys.executable, "trainer.py", "--model", str(tiny_model_dir), "--data", "arithmetic", "--iterations", "2",
-            "--batch-size", "8", "--group-size", "4", "--max-new-tokens", "4", "--eval-every", "0",
-            "--groups-per-call", "2", "--micro-batch-tokens", "16384", "--rollout-threads", "1", "--train-threads", "1", "--no-save",
-            "--reward", "tests/rewards.py:pooled_length"]
-    rows = {}
-    for mode in ("sync", "async"):
-        result = subprocess.run([*args, "--mode", mode, "--out", str(tmp_path / mode)], cwd=ROOT, capture_output=True,
-                                text=True, timeout=180)
-        assert result.returncode == 0, result.stderr
-        rows[mode] = [row["reward"] for row in map(json.loads, (tmp_path / mode / "metrics.jsonl").open())
-                      if not row.get("final")]
-    assert rows["sync"] == rows["async"] and len(rows["sync"]) == 2 and all(r > 0 for r in rows["sync"])
-
-
-@pytest.mark.slow
-def test_weighted_rewards_are_logged_each_on_its_own_in_both_modes(tiny_model_dir, tmp_path):
-    """Claim: a run with a plain reward, a TRL-style batched one and math-verify, weights 1 0.5 0.25, logs each
-    reward's mean and std (TRL's `rewards/<name>/mean`) and trains on their weighted sum: reward_mean = Σ w_k mean_k
-    (all responses scored: equal up to float32 rounding, 1e-6 on values <= 1.75), the held-out evaluation one number;
-    and the async run, whose rewards run in the inference process (math-verify's SIGALRM timeouts in its main
-    thread), logs exactly what the sync run logs."""
-    weights = [1.0, 0.5, 0.25]
+def test_weighted_rewards_of_every_kind_are_logged_each_on_its_own_in_both_modes(tiny_model_dir, tmp_path):
+    """Claim: a run with a plain reward, a TRL-style batched one, math-verify, one that scores in a process pool of its
+    own (ProcessPoolExecutor, as sandboxed code-execution rewards do) and one that logs with TRL's log_metric and
+    log_extra, weights 1 0.5 0.25 0.125 0.0625, logs each reward's mean and std (TRL's `rewards/<name>/mean`) and
+    trains on their weighted sum: reward_mean = Σ w_k mean_k (all responses scored: equal up to float32 rounding,
+    1e-5 on values <= 4); the held-out evaluation is one number; each row has the logged metric's mean over the
+    iteration (the mean length, which is the logging reward's mean) and completions.jsonl each completion's logged
+    column. The async run, whose rewards run in the inference process (math-verify's SIGALRM timeouts in its main
+    thread, the pool's processes started there, log_metric and log_extra sent from there), logs exactly what the
+    sync run logs."""
+    names = ["digit_fraction", "digit_count", "math_verify_reward", "pooled_length", "logging_length"]
+    weights = [1.0, 0.5, 0.25, 0.125, 0.0625]
     rows = {}
     for mode in ("sync", "async"):
         out = tmp_path / mode
@@ -418,20 +407,26 @@ def test_weighted_rewards_are_logged_each_on_its_own_in_both_modes(tiny_model_di
             [sys.executable, "trainer.py", "--model", str(tiny_model_dir), "--data", "arithmetic", "--iterations", "2",
              "--batch-size", "8", "--group-size", "4", "--max-new-tokens", "4", "--eval-every", "1", "--eval-size", "4",
              "--eval-samples", "2", "--groups-per-call", "2", "--micro-batch-tokens", "16384", "--rollout-threads",
-             "1", "--train-threads", "1", "--no-save", "--out", str(out), "--mode", mode,
+             "1", "--train-threads", "1", "--no-save", "--log-completions", "--out", str(out), "--mode", mode,
              "--reward", "tests/rewards.py:digit_fraction", "--reward", "tests/rewards.py:digit_count",
-             "--reward", "math-verify", "--reward-weights", *map(str, weights)],
+             "--reward", "math-verify", "--reward", "tests/rewards.py:pooled_length",
+             "--reward", "tests/rewards.py:logging_length", "--reward-weights", *map(str, weights)],
             cwd=ROOT, capture_output=True, text=True, timeout=180)
         assert result.returncode == 0, result.stderr
         rows[mode] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    for row in rows["sync"][:-1]:
-        means = [row[f"rewards/{name}/mean"] for name in ("digit_fraction", "digit_count", "math_verify_reward")]
-        assert all(isinstance(row[f"rewards/{name}/std"], float)
-                   for name in ("digit_fraction", "digit_count", "math_verify_reward"))
-        assert row["reward"] == pytest.approx(sum(w * m for w, m in zip(weights, means)), abs=1e-6)
-        assert isinstance(row["eval_reward"], float)
+        iterations = rows[mode][:-1]
+        assert len(iterations) == 2
+        for row in iterations:
+            means = [row[f"rewards/{name}/mean"] for name in names]
+            assert all(isinstance(row[f"rewards/{name}/std"], float) for name in names)
+            assert row["reward"] == pytest.approx(sum(w * m for w, m in zip(weights, means)), abs=1e-5)
+            assert isinstance(row["eval_reward"], float)
+            assert row["rewards/pooled_length/mean"] > 0  # the pool's processes scored
+            assert row["length/mean"] == pytest.approx(row["rewards/logging_length/mean"], abs=1e-6)
+        records = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+        assert len(records) == 16 and all(r["extra"]["length_text"] == str(len(r["completion"])) for r in records)
     assert any(row["rewards/digit_count/mean"] > 0 for row in rows["sync"][:-1])  # the batched reward did score
-    keys = [key for key in rows["sync"][0] if key.startswith("reward") or key == "eval_reward"]
+    keys = [key for key in rows["sync"][0] if key.startswith("reward") or key in ("eval_reward", "length/mean")]
     assert [[row.get(k) for k in keys] for row in rows["sync"]] == [[row.get(k) for k in keys] for row in rows["async"]]
 
 
@@ -454,23 +449,3 @@ def test_top_k_minus_one_is_off_as_in_trl():
     assert parse_args(["--top_k", "-1"]).top_k == 0
     with pytest.raises(SystemExit):
         parse_args(["--top-k", "-2"])
-
-
-@pytest.mark.slow
-def test_what_a_reward_logs_reaches_the_row_and_the_completions_in_both_modes(tiny_model_dir, tmp_path):
-    """Claim: TRL's log_metric and log_extra work as in TRL, in both modes (async: from the inference process): each
-    row has the logged metric's mean over the iteration (here the mean length, which is the reward's mean: the reward
-    is the length) and completions.jsonl has each completion's logged column."""
-    args = [sys.executable, "trainer.py", "--model", str(tiny_model_dir), "--data", "arithmetic", "--iterations", "2",
-            "--batch-size", "8", "--group-size", "4", "--max-new-tokens", "4", "--eval-every", "0",
-            "--groups-per-call", "2", "--micro-batch-tokens", "16384", "--rollout-threads", "1", "--train-threads",
-            "1", "--no-save", "--log-completions", "--reward", "tests/rewards.py:logging_length"]
-    for mode in ("sync", "async"):
-        out = tmp_path / mode
-        result = subprocess.run([*args, "--mode", mode, "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
-                                timeout=180)
-        assert result.returncode == 0, result.stderr
-        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][:-1]
-        assert len(rows) == 2 and all(row["length/mean"] == pytest.approx(row["reward"], abs=1e-9) for row in rows)
-        records = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
-        assert len(records) == 16 and all(r["extra"]["length_text"] == str(len(r["completion"])) for r in records)

@@ -957,26 +957,26 @@ def test_num_train_epochs_counts_the_runs_iterations_from_the_data(tmp_path, cap
     capsys.readouterr()
 
 
-@pytest.mark.slow
-def test_a_run_by_epochs_trains_its_counted_iterations_and_saves_the_policy(tiny_model_dir, tmp_path):
+def test_a_run_by_epochs_trains_its_counted_iterations_and_saves_the_policy(tiny_model_dir, tmp_path, capsys):
     """Claim: a run given --num-train-epochs trains the iterations counted from its data, not --iterations' default
-    60, to the end: one metrics row per counted iteration, then the final row and the policy saved. (Its saving
-    once read the unprepared options: a run of fewer than 60 iterations saved no policy.)"""
+    60, to the end: one metrics row per counted iteration, then the final row and the policy saved (a sync run:
+    trainer.main in this process). (Its saving once read the unprepared options: a run of fewer than 60 iterations
+    saved no policy.)"""
     import json
-    import subprocess
-    import sys
+
+    import trainer
     out = tmp_path / "run"
-    result = subprocess.run([sys.executable, "trainer.py", "--model", str(tiny_model_dir), "--data", "arithmetic",
-                             "--num-train-epochs", "0.002", "--batch-size", "8", "--group-size", "4",
-                             "--max-new-tokens", "4", "--eval-every", "0", "--mode", "sync", "--groups-per-call", "2",
-                             "--micro-batch-tokens", "16384", "--rollout-threads", "1", "--train-threads", "1",
-                             "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
+    code = trainer.main(["--model", str(tiny_model_dir), "--data", "arithmetic", "--num-train-epochs", "0.002",
+                         "--batch-size", "8", "--group-size", "4", "--max-new-tokens", "4", "--eval-every", "0",
+                         "--mode", "sync", "--groups-per-call", "2", "--micro-batch-tokens", "16384",
+                         "--rollout-threads", "1", "--train-threads", "1", "--out", str(out)])
+    stdout, stderr = capsys.readouterr()
+    assert code == 0, stderr
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     counted = json.loads((out / "config.json").read_text())["iterations"]
-    assert counted == math.ceil(0.002 * 2255 / 2) and "--num-train-epochs 0.002: 3 iterations" in result.stdout
+    assert counted == math.ceil(0.002 * 2255 / 2) and "--num-train-epochs 0.002: 3 iterations" in stdout
     assert [row["iteration"] for row in rows if not row.get("final")] == list(range(counted))
-    assert (out / "policy" / "config.json").exists() and "policy in" in result.stdout
+    assert (out / "policy" / "config.json").exists() and "policy in" in stdout
 
 
 def test_overwrite_output_dir_is_explained_among_many_ignored_keys():

@@ -48,10 +48,12 @@ TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
 EXACT = ("reward", "reward_std", "completions/mean_length", "eval_reward")  # metrics.jsonl's keys
 SUMS = ("loss", "grad_norm", "kl", "clip_ratio/region_mean")
 # 5 prompts in calls of 1 (rank 0 trains 3 groups, rank 1 two), or 4 prompts in calls of 2 with two mini-batches
-# (each mini-batch is one call's: each rank has none of the other mini-batch's groups and still joins its step)
+# (each mini-batch is one call's: each rank has none of the other mini-batch's groups and still joins its step),
+# rewards scaled by the whole batch's std and a KL term (the batch's std and the reference's log-probs cross ranks)
 SETUPS = {"5 calls": ["--batch-size", "20", "--groups-per-call", "1"],
           "2 mini-batches": ["--batch-size", "16", "--groups-per-call", "2", "--updates-per-iteration", "2",
-                             "--epsilon-low", "0.01", "--epsilon-high", "0.01"]}
+                             "--epsilon-low", "0.01", "--epsilon-high", "0.01", "--scale-rewards", "batch",
+                             "--beta", "0.04"]}
 
 
 def options(model_dir, out, setup: str, *extra) -> list[str]:
@@ -105,37 +107,27 @@ def initial_weights(model_dir) -> torch.Tensor:
 
 @pytest.mark.slow  # process-level: torchrun
 def test_two_ranks_equal_the_single_process(tiny_model_dir, single_process, tmp_path):
-    """Claim: `torchrun --nproc-per-node 2` gives the single-process run's rollouts exactly and its
-    update up to float summation order (tolerances: module docstring), with 2 updates per iteration where each
-    rank has none of one mini-batch's groups (and still joins its step); rank 0 alone logs (one line per
-    iteration, not one per rank); every rank ends with the same θ (else the run fails:
-    distributed.check_same_weights). One update per iteration, with unequal groups per rank: the next test.
-    And rank 0's checkpoint is every rank's: resumed at iteration 2 by 2 ranks, the run ends with bitwise the
-    same weights and the same last row."""
+    """Claim: `torchrun --nproc-per-node 2` gives the single-process run's rollouts exactly and its update up to
+    float summation order (tolerances: module docstring), with 2 updates per iteration where each rank has none of
+    one mini-batch's groups (and still joins its step), rewards scaled by the whole batch's std (--scale-rewards
+    batch) and a KL term (--beta 0.04); rank 0 alone logs (one line per iteration, not one per rank); every rank
+    ends with the same θ (else the run fails: distributed.check_same_weights). One update per iteration, with
+    unequal groups per rank: the next test. And rank 0's checkpoint is every rank's: resumed at iteration 2 by 2
+    ranks (in sync mode, which with equal thread counts is async's run bit for bit: tests/method/test_pipeline.py),
+    the run ends with bitwise the same weights and the same last row."""
     done = run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "trainer.py",
-                *options(tiny_model_dir, tmp_path / "run", "2 mini-batches", "--save-every", "2")])
+                *options(tiny_model_dir, tmp_path / "run", "2 mini-batches", "--save-every", "2",
+                         "--collective-timeout", "120")])
     assert sum(line.startswith("iter ") for line in done.stdout.splitlines()) == 3, done.stdout
     ranks = result(tmp_path / "run")
     assert_same_run(single_process("2 mini-batches"), ranks, initial_weights(tiny_model_dir))
     assert max(row["clip_ratio/region_mean"] for row in ranks[0][:-1]) > 0, "2 updates should activate clipping"
     run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "trainer.py", "--resume",
-         tmp_path / "run" / "checkpoint-2", "--out", tmp_path / "resumed"])
+         tmp_path / "run" / "checkpoint-2", "--out", tmp_path / "resumed", "--mode", "sync"])
     resumed = result(tmp_path / "resumed")
     assert torch.equal(resumed[1], ranks[1])
     last = next(row for row in resumed[0] if row["iteration"] == 2)
     assert all(last[key] == ranks[0][2][key] for key in (*EXACT, *SUMS)), (last, ranks[0][2])
-
-
-@pytest.mark.slow  # process-level: torchrun
-def test_two_ranks_of_two_inference_workers_equal_the_single_process(tiny_model_dir, single_process, tmp_path):
-    """Claim (M = 2 x N = 2): two trainer ranks, each with two inference workers (async), give the
-    single process's rollouts exactly and its update up to float summation order (module docstring). With 5 calls
-    of one prompt, rank 0 owns calls 0, 2, 4 and rank 1 calls 1, 3; the four workers sample calls {0, 4}, {2},
-    {1}, {3} (call slice r + M·w of M·N), each seeded per call as in the single process."""
-    done = run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "trainer.py",
-                *options(tiny_model_dir, tmp_path / "run", "5 calls", "--inference-workers", "2")])
-    assert sum(line.startswith("iter ") for line in done.stdout.splitlines()) == 3, done.stdout
-    assert_same_run(single_process("5 calls"), result(tmp_path / "run"), initial_weights(tiny_model_dir))
 
 
 def free_port() -> int:
@@ -164,15 +156,20 @@ def two_nodes(rdzv_id: str, node_options: list[list], nproc_per_node: int = 1) -
 
 
 @pytest.mark.slow  # process-level: torchrun
-def test_two_nodes_equal_the_single_process(tiny_model_dir, single_process, tmp_path):
-    """Claim: two torchrun launches of one rank each, as two "nodes" meeting at one c10d rendezvous
-    on localhost, are the same run as the single process; here with one update per iteration and 5 calls, 3 on one
-    rank and 2 on the other, in sync mode (the single process runs async: async and sync are the same run with
-    equal thread counts, tests/method/test_pipeline.py)."""
-    with two_nodes("two-nodes", [options(tiny_model_dir, tmp_path, "5 calls", "--mode", "sync")] * 2) as launches:
+def test_two_nodes_of_two_inference_workers_equal_the_single_process(tiny_model_dir, single_process, tmp_path):
+    """Claim: two torchrun launches of one rank each, as two "nodes" meeting at one c10d rendezvous on localhost,
+    each rank with two inference workers (M = 2 x N = 2, async), are the same run as the single process: its
+    rollouts exactly and its update up to float summation order (module docstring). One update per iteration and 5
+    calls of one prompt: rank 0 owns calls 0, 2, 4 and rank 1 calls 1, 3; the four workers sample calls {0, 4},
+    {2}, {1}, {3} (call slice r + M·w of M·N), each seeded per call as in the single process. (Ranks in sync mode:
+    test_two_ranks_equal_the_single_process's resume, and tests/cli/test_completions.py.)"""
+    node = options(tiny_model_dir, tmp_path, "5 calls", "--inference-workers", "2")
+    with two_nodes("two-nodes", [node] * 2) as launches:
         for launch in launches:
             out, err = launch.communicate(timeout=300)
             assert launch.returncode == 0, err[-3000:]
+            if launch is launches[0]:
+                assert sum(line.startswith("iter ") for line in out.splitlines()) == 3, out
     assert_same_run(single_process("5 calls"), result(tmp_path), initial_weights(tiny_model_dir))
 
 
@@ -370,18 +367,6 @@ def test_every_rank_meets_the_collectives_in_the_same_order(tiny_model_dir, monk
         order[rank] = list(calls)
     assert order[0][0] == "gather" and order[0].count("sum gradients") == 2, order[0]
     assert order[1] == order[0]
-
-
-@pytest.mark.slow  # process-level: torchrun
-def test_two_ranks_with_batch_scaling_and_a_kl_term_finish_as_the_single_process(tiny_model_dir, tmp_path):
-    """Claim: `torchrun --nproc-per-node 2` with --scale-rewards batch, --beta 0.04 and two
-    mini-batches, each one rank's whole (so rank 1 has none of mini-batch 0's groups), ends and is the single-process run up to float summation order (module
-    docstring's tolerances)."""
-    extra = ["--scale-rewards", "batch", "--beta", "0.04", "--collective-timeout", "120"]
-    run([sys.executable, "trainer.py", *options(tiny_model_dir, tmp_path / "single", "2 mini-batches", *extra)])
-    run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "trainer.py",
-         *options(tiny_model_dir, tmp_path / "ranks", "2 mini-batches", *extra)], timeout=240)
-    assert_same_run(result(tmp_path / "single"), result(tmp_path / "ranks"), initial_weights(tiny_model_dir))
 
 
 def test_a_collective_that_fails_while_a_rank_is_still_dying_names_that_rank(monkeypatch):
