@@ -33,7 +33,7 @@ def switch_line(key: str, typed: bool) -> str:
     "--bf16 false" ("--use-cpu" for a switch taken when true)."""
     when, option, value, why = TRL_SWITCHES[key]
     name = f"--{key.replace('_', '-')}" + ("" if when else " false") if typed else f"{key} {str(when).lower()}"
-    return f"took TRL's {name} as --{option} {value}{why}"
+    return f"took TRL's {name} as --{option.replace('_', '-')} {value}{why}"
 
 
 RESOLVED_AT_INIT = ("disable_tqdm", "accelerator_config", "bf16")  # None in the class, set by __post_init__ if unset

@@ -84,6 +84,7 @@ TRL_UNUSED = {
     "overwrite_output_dir": "a run in --out is refused, not written over; --overwrite, typed, replaces it (deleting "
                             "its checkpoints and policy, which transformers' flag never did)",
     "use_cpu": "the device is --device (auto: a GPU or NPU where there is one); use_cpu true is --device cpu",
+    "torch_compile": "compiling the training side is --compile-train; torch_compile true is --compile-train on",
     **dict.fromkeys(("dataloader_pin_memory", "dataloader_num_workers", "dataloader_drop_last",
                      "dataloader_persistent_workers", "dataloader_prefetch_factor"),
                     "this trainer has no DataLoader: it draws and batches its own prompts"),
@@ -134,7 +135,9 @@ TRL_UNUSED = {
 # it) is given: (the value, our option, its value, why). Not overwrite_output_dir: --overwrite deletes the run in --out,
 # which transformers' flag never did.
 TRL_SWITCHES = {"bf16": (False, "dtype", "float32", " (TRL computes in float32 then)"),
-                "use_cpu": (True, "device", "cpu", "")}
+                "use_cpu": (True, "device", "cpu", ""),
+                "torch_compile": (True, "compile_train", "on", " (the training side's decoder layers, forward and "
+                                  "backward)")}
 
 
 # TRL names that mean something else here but at null mean "derive it", as ours do: ignored at null with a line

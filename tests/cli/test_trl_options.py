@@ -724,12 +724,13 @@ def test_transformers_trainer_settings_at_their_defaults_are_skipped(tmp_path, c
                                "model_revision: main\nload_in_4bit: false\ntorch_dtype: float32\n")
     assert cfg.dtype == "float32"
     out = capsys.readouterr().out
-    assert "ignored transformers' TrainingArguments tf32, use_liger_kernel, torch_compile: " \
+    assert "ignored transformers' TrainingArguments tf32, use_liger_kernel: " \
            "at their defaults" in out and "model_revision 'main'" in out, out
+    assert "torch_compile: compiling the training side is --compile-train" in out  # true is taken (below)
     assert parse_yaml(tmp_path, "eval_strategy: steps\ndo_eval: true\n").eval_every == 10  # as TrainingArguments
     capsys.readouterr()  # sets it
-    err = refusal(capsys, lambda: parse_yaml(tmp_path, "use_liger_kernel: true\ntorch_compile: true\n"))
-    assert "use_liger_kernel: True is a setting of transformers' Trainer" in err and "torch_compile: True" in err
+    err = refusal(capsys, lambda: parse_yaml(tmp_path, "use_liger_kernel: true\n"))
+    assert "use_liger_kernel: True is a setting of transformers' Trainer" in err
     assert "hf download MODEL --revision R" in refusal(capsys, lambda: parse_yaml(tmp_path, "model_revision: v2\n"))
 
 
@@ -1169,6 +1170,19 @@ def test_trls_use_cpu_is_our_device_and_overwrite_output_dir_says_what_overwrite
     assert "took TRL's use_cpu true as --device cpu" in out and "dataloader_pin_memory: this trainer has no" in out
     assert "use_cpu:" not in out, out  # taken, not also said to be ignored
     assert parse_args(["--config", str(config), "--device", "auto"]).device == "auto"  # a typed --device wins
+
+
+def test_trls_torch_compile_is_our_compile_train(tmp_path, capsys):
+    """Claim: TRL's torch_compile true (transformers' TrainingArguments) is --compile-train on, typed or in a file,
+    unless --compile-train is given; false leaves the default."""
+    assert parse_args(["--torch-compile"]).compile_train == "on"
+    assert "took TRL's --torch-compile as --compile-train on" in capsys.readouterr().out
+    assert parse_args(["--torch_compile", "false"]).compile_train == "auto"
+    config = tmp_path / "grpo.yaml"
+    config.write_text("torch_compile: true\n")
+    assert parse_args(["--config", str(config)]).compile_train == "on"
+    assert "took TRL's torch_compile true as --compile-train on" in capsys.readouterr().out
+    assert parse_args(["--config", str(config), "--compile-train", "off"]).compile_train == "off"
 
 
 def test_one_option_typed_by_trls_name_and_ours_is_one_line(capsys):
