@@ -246,7 +246,6 @@ class GenerateCall:
         weight = model.get_output_embeddings().weight
         decoder = model.get_decoder()  # the layers below the head (`base_model` would be peft's LoraModel, --use-peft)
         self.decoder, self.head, self.device, self.dtype = decoder, weight, weight.device, weight.dtype
-        # the keyword the decoder takes a cache by: 'cache' (transformers >= 5.x) or 'past_key_values'
         self.cache_argument = "cache" if "cache" in signature(decoder.forward).parameters else "past_key_values"
         self.prompts, self.group_size, self.max_new_tokens = prompts, group_size, max_new_tokens
         self.temperature, self.top_p, self.top_k, self.min_p, self.greedy = temperature, top_p, top_k, min_p, greedy
@@ -445,6 +444,7 @@ def sample_groups(model, prompts: list[list[int]], group_size: int, *, max_new_t
                                                                        call.lengths[rows].tolist())]
             reported += 1
             if on_done is not None:
-                on_done(j, responses[j])
+                with torch.inference_mode(False), torch.no_grad():  # the caller's code (rewards): no inference tensors
+                    on_done(j, responses[j])
         keep = [slot for slot, row in enumerate(slot_rows) if stop_step[row] == RUNNING]
     return responses

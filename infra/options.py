@@ -167,7 +167,8 @@ def derive(cfg: Config) -> Config:
 def fits_memory(cfg: Config) -> bool:
     """Whether `derive` left the micro-batch, and it alone, to be fitted to the training device's memory
     (launch/memory.py: --sizes probe on a GPU or NPU trainer, --micro-batch-tokens not given, not bnpo)."""
-    return (cfg.micro_batch_tokens is None and cfg.train_device.split(":")[0] in MEMORY_FIT_DEVICES
+    return (cfg.micro_batch_tokens is None and cfg.sizes == "probe" and cfg.loss_type != "bnpo"
+            and cfg.train_device.split(":")[0] in MEMORY_FIT_DEVICES
             and all(getattr(cfg, name) for name in SIZE_FIELDS if name != "micro_batch_tokens"))
 
 

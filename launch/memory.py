@@ -18,23 +18,26 @@ to follow for each. The allocator's peak (max_memory_allocated) over two stand-i
 rows, each the run's first prompt and one response of `max_new_tokens` random tokens (a plain row as long as the
 run's longest), gives per_token (their difference over their tokens) and fixed (what does not grow: the output
 layer's weight gradient, the logit blocks). Rows of one response keep the measurement small (a few thousand tokens,
-whatever the group size) while each is as long as a run's plain rows. Cost: three forward/backward passes at the
-start of the run (the first makes the gradients, as a run's first micro-batch does); a measurement that runs out of
-memory leaves the default cap, and says so.
+whatever the group size) while each is as long as a run's plain rows. Cost: four forward/backward passes at the
+start of the run (the first two make the gradients and any compilation, as a run's first micro-batches do); a
+measurement that runs out of memory leaves the default cap, and says so.
 
 Departures and limits:
 1. MARGIN (a fifth of the budget) is left for what the fit cannot see: the allocator's fragmentation, the engine's
    key-value cache and CUDA graph pools (allocated when sampling starts, in this process in sync mode, in the
-   inference process on a shared GPU), a slope that grows with the micro-batch (docs/benchmarks.md), and packed rows, longer than plain ones, where attention holds a row's (L, L)
-   scores (eager attention; sdpa's kernels on a GPU stream them).
+   inference process on a shared GPU), a slope that grows with the micro-batch (docs/benchmarks.md), and packed
+   rows, longer than plain ones, where attention holds a row's (L, L) scores (eager attention; sdpa's kernels on a
+   GPU stream them).
 2. Not with --loss-type bnpo: its loss averages each micro-batch's own tokens, so the size would change the run with
    the device's free memory; it keeps the default (infra/options.fits_memory).
 3. Trainer ranks take the smallest rank's fit, so that every rank cuts its micro-batches alike.
 4. At most the default cap (MICRO_BATCH_TOKENS), so the fit only lowers it where memory is short: in async mode a
    micro-batch trains once it holds that many tokens or its generate call has ended, so a bigger one would wait
    for the call's last group instead of training while the call samples (the overlap the method is for); and sync
-   cuts as async does, so that the modes stay bitwise equal and --mode auto changes speed only. Whether bigger
-   micro-batches would pay in sync is the GPU check's to say (`bench.py gpu --parts train --train-micro-groups 0`).
+   cuts as async does, so that the modes stay bitwise equal and --mode auto changes speed only (where memory is
+   short the two modes leave different free memory and may fit differently: pass --micro-batch-tokens to compare
+   them bit for bit). Whether bigger micro-batches would pay in sync is the GPU check's to say (`bench.py gpu
+   --parts train --train-micro-groups 0`).
 """
 from __future__ import annotations
 
@@ -111,7 +114,8 @@ def stand_in_groups(cfg, tokenizer, train_examples, vocab: int, device: torch.de
 
 def measure_peaks(tri, groups, cfg, peak_of) -> tuple[tuple[int, int], tuple[float, float]]:
     """((tokens of the first group, of all), (the peaks of their micro-batches)) of learner.forward_backward, after
-    one untimed pass (the gradients). Leaves the gradients unset and the random state as it was."""
+    an untimed pass at each size (the gradients; compilations). Leaves the gradients unset and the random state as
+    it was."""
     policy, was_training = tri.policy, tri.policy.training
     device = next(policy.parameters()).device
     sizes = (1, len(groups))
@@ -120,7 +124,8 @@ def measure_peaks(tri, groups, cfg, peak_of) -> tuple[tuple[int, int], tuple[flo
     try:
         with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
             policy.train()
-            forward_backward(tri, groups[:1], [0.0] * len(groups[0][1]), cfg)  # (the costs of any advantages)
+            for k in sizes:  # untimed: the gradients made, and each size's compilation (--compile-train) done
+                forward_backward(tri, groups[:k], [0.0] * k * len(groups[0][1]), cfg)
             peaks = tuple(peak_of(lambda k=k: forward_backward(tri, groups[:k], [0.0] * k * len(groups[0][1]), cfg))
                           for k in sizes)
     finally:
@@ -152,6 +157,8 @@ def fit_rows(tri, optimizer, rows, cfg) -> tuple[int | None, str]:
     except RuntimeError as error:  # CUDA's torch.OutOfMemoryError; an NPU's "out of memory" RuntimeError
         if not isinstance(error, torch.OutOfMemoryError) and "out of memory" not in str(error).lower():
             raise
+        tokens = None  # (the cache is emptied below, once the error's traceback no longer holds the pass's tensors)
+    if tokens is None:
         backend.empty_cache()
         return None, (f"micro-batch: {len(rows)} rows of {len(rows[0][0]) + len(rows[0][1][0])} tokens ran out of "
                       f"memory on {device} (lower --micro-batch-tokens, or --gradient-checkpointing, if training does "

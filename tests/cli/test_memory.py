@@ -45,6 +45,10 @@ def test_derive_leaves_the_micro_batch_to_the_memory_fit_on_a_gpu_trainer_only()
                  derive(Config(device="cuda", max_new_tokens=8, loss_type="bnpo"))):
         assert kept.micro_batch_tokens == MICRO_BATCH_TOKENS and not fits_memory(kept)
     assert not fits_memory(derive(Config(max_new_tokens=8)))  # CPU: the probe's to choose
+    sampled_on_cpu = dict(rollout_device="cpu", train_device="cuda:0", groups_per_call=8, rollout_threads=1,
+                          train_threads=1, max_new_tokens=8)  # the micro-batch left open for the CPU probe
+    assert not fits_memory(derive(Config(loss_type="bnpo", **sampled_on_cpu)))
+    assert not fits_memory(derive(Config(sizes="rule", **sampled_on_cpu)))
 
 
 def test_the_fitted_micro_batch_fits_and_the_fit_changes_nothing(tiny_model_dir, monkeypatch):

@@ -1174,7 +1174,8 @@ def test_trls_use_cpu_is_our_device_and_overwrite_output_dir_says_what_overwrite
 
 def test_trls_torch_compile_is_our_compile_train(tmp_path, capsys):
     """Claim: TRL's torch_compile true (transformers' TrainingArguments) is --compile-train on, typed or in a file,
-    unless --compile-train is given; false leaves the default."""
+    unless --compile-train is given; false leaves the default; in a file beside gradient_checkpointing true (TRL's
+    default, whose recomputation runs the layers eagerly) it is ignored with a line instead of refused."""
     assert parse_args(["--torch-compile"]).compile_train == "on"
     assert "took TRL's --torch-compile as --compile-train on" in capsys.readouterr().out
     assert parse_args(["--torch_compile", "false"]).compile_train == "auto"
@@ -1183,6 +1184,10 @@ def test_trls_torch_compile_is_our_compile_train(tmp_path, capsys):
     assert parse_args(["--config", str(config)]).compile_train == "on"
     assert "took TRL's torch_compile true as --compile-train on" in capsys.readouterr().out
     assert parse_args(["--config", str(config), "--compile-train", "off"]).compile_train == "off"
+    config.write_text("torch_compile: true\ngradient_checkpointing: true\n")  # TRL's default: checkpointing on
+    cfg = parse_args(["--config", str(config)])
+    assert cfg.compile_train == "auto" and cfg.gradient_checkpointing
+    assert "ignored TRL's torch_compile true: gradient_checkpointing is on" in capsys.readouterr().out
 
 
 def test_one_option_typed_by_trls_name_and_ours_is_one_line(capsys):

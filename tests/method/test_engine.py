@@ -313,7 +313,8 @@ def test_groups_are_reported_in_completion_order():
     """Claim: on_done gets each group once, with the responses returned, the moment its last row stops: with all rows
     started together, in order of the group's longest response (ties: prompt order), whether the host looks every
     step or every 8 (the stop step is recorded on the device); with refill (at most 8 rows at once) every group is
-    still reported once, with the same responses. Teeth: several distinct group lengths, not in prompt order."""
+    still reported once, with the same responses; and on_done runs outside the sampler's inference mode, without
+    autograd (a reward's tensors are ordinary ones). Teeth: several distinct group lengths, not in prompt order."""
     model = random_model("qwen2", vocab=64)
     prompts = random_prompts([3, 17, 8, 30, 5, 12, 9, 21], 64)
     common = dict(max_new_tokens=24, temperature=1.0, stop_ids=[1, 2, 3], keys=keys(8))
@@ -326,8 +327,10 @@ def test_groups_are_reported_in_completion_order():
         assert all(groups[j] == responses for j, responses in reported)
         assert len(set(longest)) >= 3 and [j for j, _ in reported] != list(range(8))
     reported = []
-    refilled = engine.sample_groups(model, prompts, 4, max_rows=8, on_done=lambda j, r: reported.append(j), **common)
-    assert refilled == groups and sorted(reported) == list(range(8))
+    refilled = engine.sample_groups(model, prompts, 4, max_rows=8, on_done=lambda j, r: reported.append(
+        (j, torch.is_inference_mode_enabled(), torch.is_grad_enabled(), torch.ones(1).is_inference())), **common)
+    assert refilled == groups and sorted(j for j, *_ in reported) == list(range(8))
+    assert all(modes == [False, False, False] for _, *modes in reported)  # the caller's code makes ordinary tensors
 
 
 def test_steps_on_the_stand_in_move_no_row():
