@@ -89,16 +89,22 @@ def test_the_fitted_micro_batch_fits_and_the_fit_changes_nothing(tiny_model_dir,
     policy.zero_grad(set_to_none=True)
 
 
-def test_without_a_fit_the_default_cap_stays_and_says_why(tiny_model_dir, monkeypatch):
-    """Claim: where the device reports no memory (CPU), or the stand-in rows themselves run out of it, the micro-batch
-    is the default cap and the line says why; the gradients are left unset either way."""
+def open_micro_batch(tiny_model_dir):
+    """(a sync config of the tiny model with the micro-batch left open, policy, tokenizer, training examples, the
+    training side: policy-only tri-model and AdamW) for fit_micro_batch."""
     cfg = derive(Config(model=str(tiny_model_dir), data="arithmetic", mode="sync", batch_size=8, group_size=4,
                         max_new_tokens=4))
     policy, tokenizer = load_model(cfg.model)
     train, _ = load_task(cfg.data, eval_size=4)
     tri = TriModel(policy, logprobs_fn(policy, pad_id=tokenizer.pad_token_id), use_reference=False, use_old=False)
     training = Training(tri, adamw(list(policy.parameters()), lr=1e-3, weight_decay=0.0), None, "", 0)
-    open_cfg = dataclasses.replace(cfg, micro_batch_tokens=None)
+    return dataclasses.replace(cfg, micro_batch_tokens=None), policy, tokenizer, train, training
+
+
+def test_without_a_fit_the_default_cap_stays_and_says_why(tiny_model_dir, monkeypatch):
+    """Claim: where the device reports no memory (CPU), or the stand-in rows themselves run out of it, the micro-batch
+    is the default cap and the line says why; the gradients are left unset either way."""
+    open_cfg, policy, tokenizer, train, training = open_micro_batch(tiny_model_dir)
     chosen, note = memory.fit_micro_batch(open_cfg, training, tokenizer, train)
     assert chosen.micro_batch_tokens == MICRO_BATCH_TOKENS
     assert note == f"micro-batch: cpu reports no free memory: the default {MICRO_BATCH_TOKENS}"
@@ -116,13 +122,7 @@ def test_without_a_fit_the_default_cap_stays_and_says_why(tiny_model_dir, monkey
 def test_the_fit_lowers_the_default_cap_and_never_raises_it(tiny_model_dir, monkeypatch):
     """Claim: a fit above the default cap is cut to it, and the line says so (async's micro-batches train beside
     their call's sampling, and sync cuts alike so that the modes stay bitwise equal); a fit below it stands."""
-    cfg = derive(Config(model=str(tiny_model_dir), data="arithmetic", mode="sync", batch_size=8, group_size=4,
-                        max_new_tokens=4))
-    policy, tokenizer = load_model(cfg.model)
-    train, _ = load_task(cfg.data, eval_size=4)
-    tri = TriModel(policy, logprobs_fn(policy, pad_id=tokenizer.pad_token_id), use_reference=False, use_old=False)
-    training = Training(tri, adamw(list(policy.parameters()), lr=1e-3, weight_decay=0.0), None, "", 0)
-    open_cfg = dataclasses.replace(cfg, micro_batch_tokens=None)
+    open_cfg, policy, tokenizer, train, training = open_micro_batch(tiny_model_dir)
     for fit in (8 * MICRO_BATCH_TOKENS, MICRO_BATCH_TOKENS // 2):
         monkeypatch.setattr(memory, "fit_rows", lambda *args, fit=fit: (fit, f"micro-batch: {fit} tokens"))
         chosen, note = memory.fit_micro_batch(open_cfg, training, tokenizer, train)
