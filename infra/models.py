@@ -55,6 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from filelock import FileLock
 from huggingface_hub import constants as hub_constants
 from huggingface_hub import snapshot_download
 from huggingface_hub.errors import HfHubHTTPError
@@ -491,21 +492,38 @@ def ensure_tiny_model(cache_dir: str | Path | None = None, recipe: TinyRecipe | 
     """The warmed-up tiny model's directory, building it first if it is not cached.
 
     Built in a temporary folder and renamed into place, so a killed build leaves no half-written
-    model; when two processes build at once, the first rename wins and the other's copy is dropped.
-    The folder is removed however the build ends, and a killed build's by the next one.
+    model. One process builds at a time (a lock file, released by the OS however its holder ends); a second
+    one waits and loads the first one's model. The folder is removed however the build ends, and a killed
+    build's by the next one.
     """
     recipe = recipe or TINY_RECIPE  # read at call time so tests can swap in a short recipe
     root = cache_root(cache_dir)
     final = root / f"tiny-{recipe_key(recipe)}"
-    if (final / "config.json").is_file():
-        try:
-            load_file(final / "model.safetensors")  # 1.3 MB: cheap enough to check on every run
-            return final
-        except (SafetensorError, OSError) as error:  # a truncated or damaged cache: build it again
-            print(f"periodic-rl: the cached tiny model in {final} cannot be read ({_one_line(error)}); rebuilding it",
-                  file=sys.stderr, flush=True)
-            shutil.rmtree(final)
+    if is_cached(final):
+        return final
     make_directory(root, "the tiny-model cache (--cache-dir, $PERIODIC_RL_CACHE)")
+    with FileLock(root / f".{final.name}.lock"):
+        if not is_cached(final):  # another process may have built it while this one waited
+            build_tiny_model_into(root, final, recipe)
+    return final
+
+
+def is_cached(final: Path) -> bool:
+    """Whether the tiny model in `final` is there and readable; a damaged one is removed (and rebuilt)."""
+    if not (final / "config.json").is_file():
+        return False
+    try:
+        load_file(final / "model.safetensors")  # 1.3 MB: cheap enough to check on every run
+        return True
+    except (SafetensorError, OSError) as error:  # a truncated or damaged cache: build it again
+        print(f"periodic-rl: the cached tiny model in {final} cannot be read ({_one_line(error)}); rebuilding it",
+              file=sys.stderr, flush=True)
+        shutil.rmtree(final)
+        return False
+
+
+def build_tiny_model_into(root: Path, final: Path, recipe: TinyRecipe) -> None:
+    """Warm up the tiny model of `recipe` and save it as `final` (under the caller's lock)."""
     print(f"periodic-rl: building the tiny model (once, about a minute on 2 cores; later runs load it) into {final} "
           "...", file=sys.stderr, flush=True)
     start = time.perf_counter()
@@ -526,7 +544,7 @@ def ensure_tiny_model(cache_dir: str | Path | None = None, recipe: TinyRecipe | 
             {**dataclasses.asdict(recipe), "final_loss": loss}, indent=1))
         try:
             building.rename(final)
-        except OSError:  # another process finished first: its model is the same recipe
+        except OSError:  # a lock the file system ignored, and another process finished first: the same recipe
             if not (final / "config.json").is_file():
                 raise
     finally:
@@ -534,4 +552,3 @@ def ensure_tiny_model(cache_dir: str | Path | None = None, recipe: TinyRecipe | 
         shutil.rmtree(building, ignore_errors=True)
     print(f"periodic-rl: tiny model ready in {time.perf_counter() - start:.0f}s (warm-up loss {loss:.3f})",
           file=sys.stderr, flush=True)
-    return final

@@ -1,6 +1,8 @@
 """Models (infra/models.py): the tiny model loads like a real one, names resolve, failures are fast and clear,
 and the warmed-up tiny model is built once and starts weak but knowledgeable."""
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -192,8 +194,32 @@ def test_tiny_model_is_built_once_and_cached(short_recipe, monkeypatch, tmp_path
         assert torch.equal(p, q)
     monkeypatch.setattr(models, "TINY_RECIPE", TinyRecipe(warmup_steps=4))
     models.load_model("tiny")
-    assert len(warm_ups) == 2 and sorted(p.name for p in (tmp_path / "cache").iterdir()) == sorted(
-        [folder.name, f"tiny-{models.recipe_key(models.TINY_RECIPE)}"])
+    assert len(warm_ups) == 2 and sorted(p.name for p in (tmp_path / "cache").iterdir() if p.suffix != ".lock") \
+        == sorted([folder.name, f"tiny-{models.recipe_key(models.TINY_RECIPE)}"])
+
+
+def test_two_builds_at_once_warm_up_once(short_recipe, monkeypatch, tmp_path):
+    """Claim: two callers that find no cached tiny model at the same moment build it once: the second waits on
+    the lock, then loads the first one's model (two test workers, or two runs, starting on a fresh machine)."""
+    warm_ups, entered, release = [], threading.Event(), threading.Event()
+    real_warm_up = models.warm_up_tiny
+
+    def slow_warm_up(*args, **kwargs):
+        warm_ups.append(1)
+        entered.set()
+        release.wait(timeout=60)  # holds the lock until the second caller is waiting on it
+        return real_warm_up(*args, **kwargs)
+
+    monkeypatch.setattr(models, "warm_up_tiny", slow_warm_up)
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(models.ensure_tiny_model)
+        assert entered.wait(timeout=60)
+        second = pool.submit(models.ensure_tiny_model)
+        time.sleep(0.5)
+        assert not second.done()  # waiting on the first build's lock
+        release.set()
+        assert first.result(timeout=120) == second.result(timeout=120)
+    assert len(warm_ups) == 1
 
 
 def test_a_damaged_tiny_model_cache_is_rebuilt(short_recipe, tmp_path, capsys):
@@ -209,14 +235,15 @@ def test_a_damaged_tiny_model_cache_is_rebuilt(short_recipe, tmp_path, capsys):
 
 
 def test_killed_build_leaves_no_cache(short_recipe, monkeypatch, tmp_path):
-    """Claim: a build that dies half-way leaves neither a model folder nor a temporary folder."""
+    """Claim: a build that dies half-way leaves neither a model folder nor a temporary folder (the lock file
+    stays, unlocked)."""
     def dies(*args, **kwargs):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(models, "warm_up_tiny", dies)
     with pytest.raises(KeyboardInterrupt):
         models.load_model("tiny")
-    assert list((tmp_path / "cache").iterdir()) == []
+    assert [path.suffix for path in (tmp_path / "cache").iterdir()] == [".lock"]
 
 
 def test_hedged_targets():
