@@ -301,7 +301,7 @@ class StopAt:
 
 
 @pytest.mark.parametrize("at", [1, 2])
-def test_an_inference_process_ends_its_threads_before_it_exits(at, monkeypatch):
+def test_an_inference_process_ends_its_threads_before_it_exits(at, monkeypatch, tiny_model_dir):
     """Claim: inference_process stops its heartbeat and its sender thread (Heartbeat, Outbox.close) on the way out,
     whichever command ends it (a stop before loading, or after), and what it put is sent first ("loaded"). Both are
     daemon threads; one left running inside a torch call or a send while the interpreter finalizes aborts the
@@ -312,7 +312,7 @@ def test_an_inference_process_ends_its_threads_before_it_exits(at, monkeypatch):
     monkeypatch.setattr(transformers.utils.logging, "disable_progress_bar", lambda: None)
     before = set(threading.enumerate())
     pipe = StopAt(at)
-    inference.inference_process("tiny", {}, pipe, torch.zeros(1), ["math"], None, takes_sigint=False)
+    inference.inference_process(str(tiny_model_dir), {}, pipe, torch.zeros(1), ["math"], None, takes_sigint=False)
     assert pipe.sent == [("loaded", None)] * (at - 1)
     left = [thread.name for thread in set(threading.enumerate()) - before if thread.is_alive()]
     assert "heartbeat" not in left and "outbox" not in left, left
