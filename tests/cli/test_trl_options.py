@@ -284,7 +284,7 @@ def test_the_share_of_responses_no_reward_scored_is_logged(tiny_model_dir):
     assert metrics["reward_mean"] == pytest.approx(sum(scored) / 11)
 
 
-def test_learning_rate_schedule_as_transformers(tiny_model_dir, tmp_path):
+def test_learning_rate_schedule_as_transformers(tiny_model_dir, tmp_path, capsys):
     """Claim: --lr-scheduler-type and --warmup-ratio build transformers' schedule over iterations x
     updates-per-iteration x num-iterations optimizer steps, warmed up over ceil(ratio x steps) (TRL's defaults:
     linear, no warmup), or TRL's --warmup_steps (whole steps, or below 1 a fraction); both, or a fractional count of
@@ -336,10 +336,12 @@ def test_learning_rate_schedule_as_transformers(tiny_model_dir, tmp_path):
                  ["--lr-scheduler-type", "constant", "--lr-scheduler-kwargs", '{"num_cycles": 2}'],
                  ["--lr-scheduler-type", "warmup_stable_decay"],
                  ["--num-iterations", "0"], ["--scale-rewards", "sometimes"]):
-        script = "import sys; from infra.command_line import parse_args; parse_args(sys.argv[1:])"
-        result = subprocess.run([sys.executable, "-c", script, *argv], cwd=ROOT, capture_output=True, text=True)
-        assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
-        assert argv[0] in result.stderr
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exited:
+            parse_args(argv)
+        stderr = capsys.readouterr().err
+        assert exited.value.code == 2 and len(stderr.strip().splitlines()) == 1, stderr
+        assert argv[0] in stderr
 
 
 @pytest.mark.parametrize("schedule, arguments, refusal", [
