@@ -378,9 +378,9 @@ class Config:
     sizes: str = _opt("probe", "how the sizes not given are chosen. probe: on CPU, time iteration 0's generation "
                                "and training first and pick the generate calls, the micro-batch and the thread "
                                "split from a model of the pipeline (launch/sizing.py; printed as flags); on a GPU or "
-                               "NPU trainer, the micro-batch as big as its free memory allows (launch/memory.py; not "
-                               "with bnpo); rule: one call per iteration on a GPU/NPU, two on CPU, 16384-token "
-                               "micro-batches, cores in half",
+                               "NPU trainer, the 16384-token micro-batch lowered to what its free memory holds "
+                               "(launch/memory.py; not with bnpo); rule: one call per iteration on a GPU/NPU, two "
+                               "on CPU, 16384-token micro-batches, cores in half",
                       choices=SIZES)
     collective_timeout: float = _opt(600.0, "seconds a trainer rank waits in a collective (gradient all-reduce, "
                                             "rendezvous) for the other ranks before it gives up with an error "

@@ -440,8 +440,9 @@ def typed_trl_flags(argv: list[str], note) -> tuple[dict, dict, list[str]]:
         if epochs:
             note(f"ignored --num-train-epochs {epochs['num_train_epochs']}: --max-steps sets the run's length, as in "
                  "TRL")
-    if isinstance(unused.get("bf16"), str) and unused["bf16"].lower() not in BOOL_WORDS:
-        raise ValueError(f"--bf16 takes true or false, or no value (got {unused['bf16']!r})")
+    for key in TRL_SWITCHES:  # --bf16, --torch-compile, --use-cpu: a switch's word, or none
+        if isinstance(unused.get(key), str) and unused[key].lower() not in BOOL_WORDS:
+            raise ValueError(f"--{key.replace('_', '-')} takes true or false, or no value (got {unused[key]!r})")
     typed = {token.split("=")[0][2:].replace("-", "_") for token in argv if token.startswith("--")}
     for key, (when, option, value, _) in TRL_SWITCHES.items():  # --bf16 false, --use-cpu: our options
         switch = unused.get(key)

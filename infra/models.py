@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from filelock import FileLock
+from filelock import FileLock, Timeout
 from huggingface_hub import constants as hub_constants
 from huggingface_hub import snapshot_download
 from huggingface_hub.errors import HfHubHTTPError
@@ -502,23 +502,33 @@ def ensure_tiny_model(cache_dir: str | Path | None = None, recipe: TinyRecipe | 
     if is_cached(final):
         return final
     make_directory(root, "the tiny-model cache (--cache-dir, $PERIODIC_RL_CACHE)")
-    with FileLock(root / f".{final.name}.lock"):
-        if not is_cached(final):  # another process may have built it while this one waited
+    lock = FileLock(root / f".{final.name}.lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        print(f"periodic-rl: waiting for another process building the tiny model into {final} ...", file=sys.stderr,
+              flush=True)
+        lock.acquire()
+    try:
+        if not is_cached(final, say=True):  # another process may have built it while this one waited
+            shutil.rmtree(final, ignore_errors=True)  # a damaged copy, or one half removed
             build_tiny_model_into(root, final, recipe)
+    finally:
+        lock.release()
     return final
 
 
-def is_cached(final: Path) -> bool:
-    """Whether the tiny model in `final` is there and readable; a damaged one is removed (and rebuilt)."""
+def is_cached(final: Path, say: bool = False) -> bool:
+    """Whether the tiny model in `final` is there and readable (`say`: print why a damaged one is rebuilt)."""
     if not (final / "config.json").is_file():
         return False
     try:
         load_file(final / "model.safetensors")  # 1.3 MB: cheap enough to check on every run
         return True
     except (SafetensorError, OSError) as error:  # a truncated or damaged cache: build it again
-        print(f"periodic-rl: the cached tiny model in {final} cannot be read ({_one_line(error)}); rebuilding it",
-              file=sys.stderr, flush=True)
-        shutil.rmtree(final)
+        if say:
+            print(f"periodic-rl: the cached tiny model in {final} cannot be read ({_one_line(error)}); rebuilding it",
+                  file=sys.stderr, flush=True)
         return False
 
 

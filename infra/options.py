@@ -138,7 +138,7 @@ def derive(cfg: Config) -> Config:
     if cfg.mode == "sync" and probed:  # one side at a time: all cores; the probe chooses calls and micro-batch
         rollout_threads, train_threads = rollout_threads or cores, train_threads or cores
     after_sampling = cfg.train_threads_after_sampling or train_threads  # (None while the probe is to choose the split)
-    # On a GPU or NPU trainer the micro-batch is as big as its memory allows, once the model is there (launch/memory.py);
+    # On a GPU or NPU trainer the micro-batch is lowered to what its memory holds, once the model is there (memory.py);
     # not under bnpo, whose loss would then change with the free memory.
     fitted = (cfg.sizes == "probe" and not probed and train_device.split(":")[0] in MEMORY_FIT_DEVICES
               and cfg.loss_type != "bnpo")
@@ -312,9 +312,9 @@ def validate(cfg: Config) -> list[str]:
     need(cfg.max_new_tokens is None or cfg.max_new_tokens >= 1,
          f"--max-new-tokens must be at least 1 (got {cfg.max_new_tokens})")
     need(cfg.max_grad_norm >= 0, f"--max-grad-norm must be >= 0 (got {cfg.max_grad_norm})")
-    need(not (cfg.compile_train == "on" and cfg.gradient_checkpointing), "--compile-train on and "
-         "--gradient-checkpointing cannot be combined: the recomputation in backward runs the layers eagerly, whose "
-         "saved tensors are not the compiled forward's; give one of them")
+    need(not (cfg.compile_train == "on" and cfg.gradient_checkpointing), "--compile-train on (TRL: "
+         "--torch-compile) and --gradient-checkpointing cannot be combined: the recomputation in backward runs the "
+         "layers eagerly, whose saved tensors are not the compiled forward's; give one of them")
     if cfg.use_peft:  # (without it the --lora-* options are ignored, said in one line: command_line.parse_args)
         need(cfg.lora_r >= 1, f"--lora-r must be at least 1, the adapter's rank (got {cfg.lora_r})")
         need(cfg.lora_alpha > 0, f"--lora-alpha must be positive (got {cfg.lora_alpha})")

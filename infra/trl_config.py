@@ -229,8 +229,9 @@ def trl_keys(values: dict, skip: set[str], note, known: set[str], group_size: in
     fixed = [key for key, value in values.items() if key in TRL_FIXED and not is_fixed_value(key, value)]
     pending += [fixed_refusal(key, values[key]) for key in fixed]
     values = {key: value for key, value in values.items() if key not in fixed}
-    if values.get("torch_compile") is True and (values.get("gradient_checkpointing")
-                                                 or values.get("activation_checkpointing")):
+    if values.get("torch_compile") is True and "gradient_checkpointing" not in skip and (
+            values.get("gradient_checkpointing") or values.get("activation_checkpointing")):  # (typed: that value
+        # decides; typed on beside it, both were asked for: validate's one line)
         values = {key: value for key, value in values.items() if key != "torch_compile"}  # (TRL's default is on)
         note("ignored TRL's torch_compile true: gradient_checkpointing is on, whose recomputation runs the layers "
              "eagerly (set gradient_checkpointing false to compile them: --compile-train on)")

@@ -1,5 +1,5 @@
-"""The training micro-batch as big as an accelerator's memory allows (--sizes probe on a CUDA or NPU trainer, no
---micro-batch-tokens given): fewer, bigger forward/backward passes keep a GPU busy.
+"""The training micro-batch fitted to an accelerator's memory (--sizes probe on a CUDA or NPU trainer, no
+--micro-batch-tokens given): the default 16,384 tokens, lowered to what the free memory holds (departure 4).
 
 Once everything the training process keeps is on the device (the policy, the frozen copies, the sampler's copy in sync
 mode; the inference process's weights on a shared GPU), the micro-batch's tokens n are chosen so that its peak fits:
@@ -15,10 +15,10 @@ mode; the inference process's weights on a shared GPU), the micro-batch's tokens
 peak(n) is measured, not computed from the model's shape: what a token keeps for backward depends on the attention
 kernel, on autocast's saved copies, gradient checkpointing, LoRA and the model's own code, which a formula would have
 to follow for each. The allocator's peak (max_memory_allocated) over two stand-in micro-batches of 1 and STAND_INS
-rows, each the run's first prompt and one response of `max_new_tokens` random tokens (a plain row as long as the
-run's longest), gives per_token (their difference over their tokens) and fixed (what does not grow: the output
+rows, each the run's first prompt and one response of `max_new_tokens` random tokens (a plain row at full
+length), gives per_token (their difference over their tokens) and fixed (what does not grow: the output
 layer's weight gradient, the logit blocks). Rows of one response keep the measurement small (a few thousand tokens,
-whatever the group size) while each is as long as a run's plain rows. Cost: four forward/backward passes at the
+whatever the group size) while each is as long as the first prompt's full-length rows. Cost: four forward/backward passes at the
 start of the run (the first two make the gradients and any compilation, as a run's first micro-batches do); a
 measurement that runs out of memory leaves the default cap, and says so.
 
@@ -192,5 +192,5 @@ def fit_micro_batch(cfg, training, tokenizer, train_examples, ranks: Ranks = Ran
     if fitted > MICRO_BATCH_TOKENS:
         fitted, note = MICRO_BATCH_TOKENS, f"{note}; the cap, {MICRO_BATCH_TOKENS} (fits)"
     if fitted < cfg.group_size * (len(rows[0][0]) + cfg.max_new_tokens):
-        note += "; less than one group of the longest rows: such a group trains alone, and may not fit"
+        note += "; less than one group of full-length rows: such a group trains alone, and may not fit"
     return dataclasses.replace(cfg, micro_batch_tokens=fitted), note

@@ -43,7 +43,7 @@ Deliberate departures:
 1. Probed on CPU only. On an accelerator a decode step costs about the same for 8 rows as for
    512 (memory-bound), so one call per iteration is the rule (config.GENERATE_CALLS), and the
    trainer's float32 policy on the training device would time the wrong sampler anyway. There the
-   micro-batch is as big as the device's memory allows instead (launch/memory.py).
+   micro-batch is lowered to what the device's memory holds instead (launch/memory.py).
 2. The sizes change the rollouts (which prompts share a call, hence the random stream): a rerun on
    a busier machine may choose differently. The chosen sizes are printed as flags; passing them
    fixes them, and a size that is given is never probed.

@@ -198,9 +198,10 @@ def test_tiny_model_is_built_once_and_cached(short_recipe, monkeypatch, tmp_path
         == sorted([folder.name, f"tiny-{models.recipe_key(models.TINY_RECIPE)}"])
 
 
-def test_two_builds_at_once_warm_up_once(short_recipe, monkeypatch, tmp_path):
-    """Claim: two callers that find no cached tiny model at the same moment build it once: the second waits on
-    the lock, then loads the first one's model (two test workers, or two runs, starting on a fresh machine)."""
+def test_two_builds_at_once_warm_up_once(short_recipe, monkeypatch, tmp_path, capsys):
+    """Claim: two callers that find no cached tiny model at the same moment build it once: the second says it waits
+    for the other's build, waits on the lock, then loads the first one's model (two test workers, or two runs,
+    starting on a fresh machine)."""
     warm_ups, entered, release = [], threading.Event(), threading.Event()
     real_warm_up = models.warm_up_tiny
 
@@ -220,6 +221,7 @@ def test_two_builds_at_once_warm_up_once(short_recipe, monkeypatch, tmp_path):
         release.set()
         assert first.result(timeout=120) == second.result(timeout=120)
     assert len(warm_ups) == 1
+    assert capsys.readouterr().err.count("waiting for another process building the tiny model") == 1
 
 
 def test_a_damaged_tiny_model_cache_is_rebuilt(short_recipe, tmp_path, capsys):

@@ -1177,7 +1177,9 @@ def test_trls_use_cpu_is_our_device_and_overwrite_output_dir_says_what_overwrite
 def test_trls_torch_compile_is_our_compile_train(tmp_path, capsys):
     """Claim: TRL's torch_compile true (transformers' TrainingArguments) is --compile-train on, typed or in a file,
     unless --compile-train is given; false leaves the default; in a file beside gradient_checkpointing true (TRL's
-    default, whose recomputation runs the layers eagerly) it is ignored with a line instead of refused."""
+    default, whose recomputation runs the layers eagerly) it is ignored with a line instead of refused, unless
+    --gradient-checkpointing is typed: off, the file's switch compiles; on, both were asked for: one line (naming
+    TRL's switch), as typed side by side; a switch's word that is not true or false is one line."""
     assert parse_args(["--torch-compile"]).compile_train == "on"
     assert "took TRL's --torch-compile as --compile-train on" in capsys.readouterr().out
     assert parse_args(["--torch_compile", "false"]).compile_train == "auto"
@@ -1190,6 +1192,14 @@ def test_trls_torch_compile_is_our_compile_train(tmp_path, capsys):
     cfg = parse_args(["--config", str(config)])
     assert cfg.compile_train == "auto" and cfg.gradient_checkpointing
     assert "ignored TRL's torch_compile true: gradient_checkpointing is on" in capsys.readouterr().out
+    typed_off = parse_args(["--config", str(config), "--gradient-checkpointing", "false"])
+    assert typed_off.compile_train == "on" and not typed_off.gradient_checkpointing
+    assert "ignored TRL's torch_compile" not in capsys.readouterr().out
+    for argv in (["--config", str(config), "--gradient-checkpointing"], ["--torch-compile", "--gradient-checkpointing"]):
+        assert "--compile-train on (TRL: --torch-compile) and --gradient-checkpointing cannot be combined" in refusal(
+            capsys, lambda: parse_args(argv))
+    assert "--torch-compile takes true or false, or no value (got 'maybe')" in refusal(
+        capsys, lambda: parse_args(["--torch-compile", "maybe"]))
 
 
 def test_one_option_typed_by_trls_name_and_ours_is_one_line(capsys):
