@@ -91,9 +91,9 @@ def test_the_fitted_micro_batch_fits_and_the_fit_changes_nothing(tiny_model_dir,
 
 def open_micro_batch(tiny_model_dir):
     """(a sync config of the tiny model with the micro-batch left open, policy, tokenizer, training examples, the
-    training side: policy-only tri-model and AdamW) for fit_micro_batch."""
+    training side: policy-only tri-model, so no KL term, and AdamW) for fit_micro_batch."""
     cfg = derive(Config(model=str(tiny_model_dir), data="arithmetic", mode="sync", batch_size=8, group_size=4,
-                        max_new_tokens=4))
+                        max_new_tokens=4, beta=0.0))
     policy, tokenizer = load_model(cfg.model)
     train, _ = load_task(cfg.data, eval_size=4)
     tri = TriModel(policy, logprobs_fn(policy, pad_id=tokenizer.pad_token_id), use_reference=False, use_old=False)
@@ -102,21 +102,31 @@ def open_micro_batch(tiny_model_dir):
 
 
 def test_without_a_fit_the_default_cap_stays_and_says_why(tiny_model_dir, monkeypatch):
-    """Claim: where the device reports no memory (CPU), or the stand-in rows themselves run out of it, the micro-batch
-    is the default cap and the line says why; the gradients are left unset either way."""
+    """Claim: where the device reports no memory (CPU), or the stand-in rows themselves run out of it (here in the
+    second forward/backward, after the first made the gradients and drew dropout's randomness), the micro-batch is the
+    default cap and the line says why; the gradients are left unset and the random state as it was."""
     open_cfg, policy, tokenizer, train, training = open_micro_batch(tiny_model_dir)
     chosen, note = memory.fit_micro_batch(open_cfg, training, tokenizer, train)
     assert chosen.micro_batch_tokens == MICRO_BATCH_TOKENS
     assert note == f"micro-batch: cpu reports no free memory: the default {MICRO_BATCH_TOKENS}"
 
-    def out_of_memory(*args):
-        raise torch.OutOfMemoryError("CUDA out of memory")
+    passes = []
+
+    def out_of_memory_in_the_second(*args):
+        passes.append(1)
+        if len(passes) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        real_forward_backward(*args)
+        torch.rand(1)  # a draw, as dropout makes in training mode
+    real_forward_backward = memory.forward_backward
+    state = torch.get_rng_state()
     with LiveTensorBytes(existing=list(policy.parameters())) as live:
         monkeypatch.setattr(memory, "device_memory", lambda device: CountingBackend(live, 10**9))
-        monkeypatch.setattr(memory, "measure_peaks", out_of_memory)
+        monkeypatch.setattr(memory, "forward_backward", out_of_memory_in_the_second)
         chosen, note = memory.fit_micro_batch(open_cfg, training, tokenizer, train)
-    assert chosen.micro_batch_tokens == MICRO_BATCH_TOKENS and "ran out of memory on cpu" in note
+    assert len(passes) == 2 and chosen.micro_batch_tokens == MICRO_BATCH_TOKENS and "ran out of memory on cpu" in note
     assert note.endswith(f"the default {MICRO_BATCH_TOKENS}") and all(p.grad is None for p in policy.parameters())
+    assert torch.equal(torch.get_rng_state(), state)
 
 
 def test_the_fit_lowers_the_default_cap_and_never_raises_it(tiny_model_dir, monkeypatch):
