@@ -192,7 +192,8 @@ def test_compile_train_is_said_in_the_first_line_and_refused_with_checkpointing(
     assert "training compiled" in start_line(Config(model="m", out="o", compile_train="on", device="cpu"), 9, 1)
     assert "training compiled" not in start_line(Config(model="m", out="o", device="cpu"), 9, 1)
     problems = validate(Config(compile_train="on", gradient_checkpointing=True))
-    assert any("--compile-train on and --gradient-checkpointing" in line for line in problems)
+    refusal = "--compile-train on (TRL: --torch-compile) and --gradient-checkpointing cannot be combined"
+    assert any(refusal in line for line in problems)
 
 
 def test_a_failed_compilation_scores_eagerly_after_one_line(tiny_model_dir, monkeypatch, capsys):
