@@ -68,13 +68,14 @@ def test_gsm8k_file_with_a_qwen_instruct_shaped_directory(qwen_shaped_dir, tmp_p
     assert "no held-out evaluation ran" in result.stdout and "None -> None" not in result.stdout  # --eval-every 0
 
 
-def test_an_evaluation_no_reward_scored_is_not_said_to_have_not_run(tmp_path, capsys):
+def test_an_evaluation_no_reward_scored_is_not_said_to_have_not_run(tiny_model_dir, tmp_path, capsys):
     """Claim: when a TRL-style reward returns None for every response, the last line says the held-out evaluation
     scored nothing, not that none ran (a line of the run's: checked in this process)."""
     import trainer
     (tmp_path / "skip.py").write_text("def skip(prompts, completions, **kwargs):\n"
                                       "    return [None] * len(completions)\n")
-    code = trainer.main(["--reward", f"{tmp_path / 'skip.py'}:skip", "--iterations", "1", "--batch-size", "8",
+    code = trainer.main(["--model", str(tiny_model_dir), "--data", "arithmetic", "--reward",
+                         f"{tmp_path / 'skip.py'}:skip", "--iterations", "1", "--batch-size", "8",
                          "--group-size", "4", "--max-new-tokens", "4", "--eval-every", "1", "--eval-size", "4",
                          "--no-save", "--out", str(tmp_path / "run"), "--mode", "sync", "--sizes", "rule"])
     out, err = capsys.readouterr()
