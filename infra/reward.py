@@ -163,7 +163,7 @@ def load_reward(spec: str) -> Reward:
             from infra.math_verify_reward import math_verify_reward
         except ImportError as error:
             raise RewardError(f"--reward math-verify needs Hugging Face's math-verify ({error}): "
-                              "pip install 'math-verify[antlr4_13_2]'") from None
+                              "pip install 'math-verify>=0.9'") from None
         return math_verify_reward
     module_name, sep, function_name = spec.rpartition(":")  # rpartition: Windows paths contain ':'
     if not sep and "." in spec and not spec.endswith(".py") and "/" not in spec:  # TRL's CLI: package.module.function
