@@ -14,8 +14,9 @@ decode:
    (parameters keep static shapes), so one compilation serves every micro-batch whatever its lengths: one for the
    policy (training mode, with gradients) and one for the frozen copies (eval mode, without), and one more of each
    for a micro-batch of a single row, which Dynamo specialises; LoRA's adapter switched off for the reference adds
-   its own. At most compiled_step.RECOMPILE_LIMIT in all; the rows stay padded as --pad-to-multiple-of says (128 on
-   GPUs), so attention kernels that are planned per shape (cuDNN's) see few shapes too.
+   its own. At most compiled_step.RECOMPILE_LIMIT in all: Dynamo counts per function, so where the engine compiles
+   the same layer forward in this process (sync mode on a GPU) its compilations count too. The rows stay padded as
+   --pad-to-multiple-of says (128 on GPUs), so attention kernels that are planned per shape (cuDNN's) see few shapes.
 3. Packed rows take attention.py's dense mask, not packing.py's structured kernel: that kernel's Python loop over
    rows would make each row's lengths constants of the compiled code (a compilation per micro-batch). On
    accelerators the dense mask is the packed path anyway (packing.py, departure 5).
