@@ -420,7 +420,7 @@ def typed_trl_flags(argv: list[str], note) -> tuple[dict, dict, list[str]]:
     A typed --max-steps drops a typed --num-train-epochs, and TRL's switches become our options (TRL_SWITCHES: --bf16
     false is --dtype float32, --use-cpu --device cpu, unless that option is typed), as TRL reads them; those and the
     flags ignored are said in `note` lines. ValueError for a bad count, a TRL_FIXED key at another value
-    (`unknown_option`'s line) or a --bf16 that is not a boolean."""
+    (`unknown_option`'s line) or a TRL switch (--bf16, --torch-compile ...) whose word is not a boolean."""
     unused, argv = typed_trl(argv, TRL_UNUSED)  # typed as for TRL (--bf16, --logging-steps 10): ignored, as a file's
     typed_steps, argv = typed_trl(argv, TRL_STEP_KEYS)  # --max-steps, --save-steps ...: read as iterations later
     # the counts as numbers: --max-steps=-1 is TRL's "unset", as -1 in a file

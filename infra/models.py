@@ -39,6 +39,7 @@ Deliberate departures:
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -492,8 +493,8 @@ def ensure_tiny_model(cache_dir: str | Path | None = None, recipe: TinyRecipe | 
     """The warmed-up tiny model's directory, building it first if it is not cached.
 
     Built in a temporary folder and renamed into place, so a killed build leaves no half-written
-    model. One process builds at a time (a lock file, released by the OS however its holder ends); a second
-    one waits and loads the first one's model. The folder is removed however the build ends, and a killed
+    model. One process builds at a time (`build_lock`: a lock file, released by the OS however its holder ends);
+    a second one waits and loads the first one's model. The folder is removed however the build ends, and a killed
     build's by the next one.
     """
     recipe = recipe or TINY_RECIPE  # read at call time so tests can swap in a short recipe
@@ -502,20 +503,40 @@ def ensure_tiny_model(cache_dir: str | Path | None = None, recipe: TinyRecipe | 
     if is_cached(final):
         return final
     make_directory(root, "the tiny-model cache (--cache-dir, $PERIODIC_RL_CACHE)")
-    lock = FileLock(root / f".{final.name}.lock")
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        print(f"periodic-rl: waiting for another process building the tiny model into {final} ...", file=sys.stderr,
-              flush=True)
-        lock.acquire()
-    try:
+    with build_lock(root / f".{final.name}.lock", final):
         if not is_cached(final, say=True):  # another process may have built it while this one waited
-            shutil.rmtree(final, ignore_errors=True)  # a damaged copy, or one half removed
+            if final.exists():
+                shutil.rmtree(final)  # a damaged copy, or one half removed
             build_tiny_model_into(root, final, recipe)
-    finally:
-        lock.release()
     return final
+
+
+BUILD_WAIT_S = 900.0  # the longest wait for another process's build (tiny-chain: a few minutes on one core)
+
+
+@contextlib.contextmanager
+def build_lock(path: Path, final: Path):
+    """Hold the lock file `path` for a build into `final`: at once, or after a line saying so, waiting up to
+    BUILD_WAIT_S. Where the file system cannot lock, or the wait runs out, the build goes on unlocked (two builds
+    then race, and the first rename wins: build_tiny_model_into)."""
+    lock = FileLock(path, mode=0o666)  # a cache a group shares: anyone may take the lock
+    try:
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            print(f"periodic-rl: waiting for another process building the tiny model into {final} ...",
+                  file=sys.stderr, flush=True)
+            lock.acquire(timeout=BUILD_WAIT_S)
+        held = True
+    except (Timeout, NotImplementedError, OSError) as error:  # NotImplementedError: no flock on this file system
+        print(f"periodic-rl: building the tiny model without its lock ({_one_line(error)})",
+              file=sys.stderr, flush=True)
+        held = False
+    try:
+        yield
+    finally:
+        if held:
+            lock.release()
 
 
 def is_cached(final: Path, say: bool = False) -> bool:
@@ -554,8 +575,8 @@ def build_tiny_model_into(root: Path, final: Path, recipe: TinyRecipe) -> None:
             {**dataclasses.asdict(recipe), "final_loss": loss}, indent=1))
         try:
             building.rename(final)
-        except OSError:  # a lock the file system ignored, and another process finished first: the same recipe
-            if not (final / "config.json").is_file():
+        except OSError:  # built unlocked (build_lock), and another process finished first: the same recipe
+            if not is_cached(final):
                 raise
     finally:
         torch.set_num_threads(threads)

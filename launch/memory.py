@@ -18,9 +18,9 @@ to follow for each. The allocator's peak (max_memory_allocated) over two stand-i
 rows, each the run's first prompt and one response of `max_new_tokens` random tokens (a plain row at full
 length), gives per_token (their difference over their tokens) and fixed (what does not grow: the output
 layer's weight gradient, the logit blocks). Rows of one response keep the measurement small (a few thousand tokens,
-whatever the group size) while each is as long as the first prompt's full-length rows. Cost: four forward/backward passes at the
-start of the run (the first two make the gradients and any compilation, as a run's first micro-batches do); a
-measurement that runs out of memory leaves the default cap, and says so.
+whatever the group size) while each is as long as the first prompt's full-length rows. Cost: four
+forward/backward passes at the start of the run (the first two make the gradients and any compilation, as a run's
+first micro-batches do); a measurement that runs out of memory leaves the default cap, and says so.
 
 Departures and limits:
 1. MARGIN (a fifth of the budget) is left for what the fit cannot see: the allocator's fragmentation, the engine's
@@ -192,5 +192,6 @@ def fit_micro_batch(cfg, training, tokenizer, train_examples, ranks: Ranks = Ran
     if fitted > MICRO_BATCH_TOKENS:
         fitted, note = MICRO_BATCH_TOKENS, f"{note}; the cap, {MICRO_BATCH_TOKENS} (fits)"
     if fitted < cfg.group_size * (len(rows[0][0]) + cfg.max_new_tokens):
-        note += "; less than one group of full-length rows: such a group trains alone, and may not fit"
+        note += ("; less than one group of the first prompt's full-length rows: such a group trains alone, and may not "
+                 "fit")
     return dataclasses.replace(cfg, micro_batch_tokens=fitted), note

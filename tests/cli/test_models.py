@@ -224,6 +224,18 @@ def test_two_builds_at_once_warm_up_once(short_recipe, monkeypatch, tmp_path, ca
     assert capsys.readouterr().err.count("waiting for another process building the tiny model") == 1
 
 
+def test_a_file_system_without_locks_builds_unlocked(short_recipe, monkeypatch, tmp_path, capsys):
+    """Claim: where the cache's file system cannot lock (flock unsupported: NotImplementedError, or an OSError), the
+    tiny model is still built, with a line saying it was built without its lock."""
+    def cannot_lock(self, *args, **kwargs):
+        raise NotImplementedError("FileSystem does not appear to support flock")
+    monkeypatch.setattr(models.FileLock, "acquire", cannot_lock)
+    folder = models.ensure_tiny_model()
+    assert models.is_cached(folder)
+    assert "without its lock (NotImplementedError: FileSystem does not appear to support flock)" in \
+        capsys.readouterr().err
+
+
 def test_a_damaged_tiny_model_cache_is_rebuilt(short_recipe, tmp_path, capsys):
     """Claim: a cached tiny model whose weights cannot be read (a full disk, a killed copy) is rebuilt, and the
     rebuild is said on stderr, instead of failing every later run with a traceback."""
