@@ -48,6 +48,7 @@ import torch
 
 from infra import distributed
 from infra.distributed import Ranks
+from infra.options import MICRO_BATCH_TOKENS
 from infra.tasks import run_prompt_ids
 from learner import forward_backward
 from rollout import iteration_prompts
@@ -114,8 +115,8 @@ def stand_in_groups(cfg, tokenizer, train_examples, vocab: int, device: torch.de
 
 def measure_peaks(tri, groups, cfg, peak_of) -> tuple[tuple[int, int], tuple[float, float]]:
     """((tokens of the first group, of all), (the peaks of their micro-batches)) of learner.forward_backward, after
-    an untimed pass at each size (the gradients; compilations). Leaves the gradients unset and the random state as
-    it was."""
+    an untimed pass at each size (the gradients; compilations). Ends with the gradients unset and the random state
+    restored."""
     policy, was_training = tri.policy, tri.policy.training
     device = next(policy.parameters()).device
     sizes = (1, len(groups))
@@ -124,10 +125,10 @@ def measure_peaks(tri, groups, cfg, peak_of) -> tuple[tuple[int, int], tuple[flo
     try:
         with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
             policy.train()
-            for k in sizes:  # untimed: the gradients made, and each size's compilation (--compile-train) done
-                forward_backward(tri, groups[:k], [0.0] * k * len(groups[0][1]), cfg)
-            peaks = tuple(peak_of(lambda k=k: forward_backward(tri, groups[:k], [0.0] * k * len(groups[0][1]), cfg))
-                          for k in sizes)
+            passes = [lambda k=k: forward_backward(tri, groups[:k], [0.0] * k * len(groups[0][1]), cfg) for k in sizes]
+            for run in passes:  # untimed: the gradients made, and each size's compilation (--compile-train) done
+                run()
+            peaks = tuple(peak_of(run) for run in passes)
     finally:
         policy.zero_grad(set_to_none=True)
         policy.train(was_training)
@@ -178,8 +179,6 @@ def fit_micro_batch(cfg, training, tokenizer, train_examples, ranks: Ranks = Ran
     """`cfg` with --micro-batch-tokens fitted to the training device's memory (`training`: launch.setup.Training),
     at most the default cap (departure 4), and the line that says from what; the default cap where no fit came out
     (`fit_rows`)."""
-    from infra.options import MICRO_BATCH_TOKENS
-
     policy = training.tri.policy
     device = next(policy.parameters()).device
     rows = stand_in_groups(cfg, tokenizer, train_examples, policy.get_input_embeddings().num_embeddings, device)

@@ -104,7 +104,7 @@ def open_micro_batch(tiny_model_dir):
 def test_without_a_fit_the_default_cap_stays_and_says_why(tiny_model_dir, monkeypatch):
     """Claim: where the device reports no memory (CPU), or the stand-in rows themselves run out of it (here in the
     second forward/backward, after the first made the gradients and drew dropout's randomness), the micro-batch is the
-    default cap and the line says why; the gradients are left unset and the random state as it was."""
+    default cap and the line says why; the gradients are left unset and the random state restored."""
     open_cfg, policy, tokenizer, train, training = open_micro_batch(tiny_model_dir)
     chosen, note = memory.fit_micro_batch(open_cfg, training, tokenizer, train)
     assert chosen.micro_batch_tokens == MICRO_BATCH_TOKENS

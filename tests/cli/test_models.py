@@ -226,7 +226,7 @@ def test_two_builds_at_once_warm_up_once(short_recipe, monkeypatch, tmp_path, ca
 
 def test_a_file_system_without_locks_builds_unlocked(short_recipe, monkeypatch, tmp_path, capsys):
     """Claim: where the cache's file system cannot lock (flock unsupported: NotImplementedError, or an OSError), the
-    tiny model is still built, with a line saying it was built without its lock."""
+    tiny model is still built, with a line saying that the build runs without its lock."""
     def cannot_lock(self, *args, **kwargs):
         raise NotImplementedError("FileSystem does not appear to support flock")
     monkeypatch.setattr(models.FileLock, "acquire", cannot_lock)
