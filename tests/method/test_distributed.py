@@ -403,8 +403,9 @@ with distributed.process_group(Config(train_device="cpu", rollout_device="cpu"),
     world = weakref.ref(dist.group.WORLD)
 gc.collect()
 threads = [open(f"/proc/self/task/{{task}}/comm").read().strip() for task in os.listdir("/proc/self/task")]
-print("world group alive after the block:", world() is not None)
-print("gloo threads after the block:", sorted(name for name in threads if "gloo" in name))
+# both lines in one write (below the pipe's atomic size), so that the two ranks' reports never interleave
+os.write(1, (f"world group alive after the block: {{world() is not None}}\\n"
+             f"gloo threads after the block: {{sorted(name for name in threads if 'gloo' in name)}}\\n").encode())
 """
 
 
