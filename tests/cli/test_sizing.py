@@ -90,8 +90,8 @@ def test_the_fastest_pass_of_each_size_undoes_one_slow_measurement():
 def test_a_micro_batch_costs_its_rows_padded_to_the_longest():
     """Claim: with the groups' widths known, a micro-batch costs G·n·(its longest row) tokens, as the unpadded-row
     forward computes them: the whole long-tailed iteration in one micro-batch costs far more than its plain tokens,
-    and one group per micro-batch costs exactly its own rows; so the probe no longer charges small micro-batches
-    the padding of the whole iteration."""
+    and one group per micro-batch costs exactly its own rows; so the probe does not charge small micro-batches the
+    padding of the whole iteration."""
     lengths = [5] * 15 + [100]
     plain = probe_of(lengths)
     widths = {k: [10 + length for length in lengths] for k in plain.timelines}

@@ -370,10 +370,10 @@ def test_every_rank_meets_the_collectives_in_the_same_order(tiny_model_dir, monk
 
 
 def test_a_collective_that_fails_while_a_rank_is_still_dying_names_that_rank(monkeypatch):
-    """Claim (a flake seen under load: the killed inference rank's test got the generic line): a collective that
-    fails because a rank of this host was killed names that rank, even when the failure (its sockets closed by
-    the kernel) comes before /proc shows the process ended. Stand-in: a neighbour that is still running when the
-    collective fails and ends 0.3 s later; without waiting for it the line would be the generic one (checked)."""
+    """Claim: a collective that fails because a rank of this host was killed names that rank, even when the
+    failure (its sockets closed by the kernel) comes before /proc shows the process ended. Stand-in: a neighbour
+    that is still running when the collective fails and ends 0.3 s later; without waiting for it the line would be
+    the generic one (checked)."""
     from infra import liveness
     from infra.distributed import collective
     from infra.liveness import RanksError
@@ -412,11 +412,11 @@ os.write(1, (f"world group alive after the block: {{world() is not None}}\\n"
 @pytest.mark.slow  # process-level: torchrun
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads the threads from Linux's /proc")
 def test_the_world_group_is_freed_when_its_block_ends(tmp_path):
-    """Claim (a CI flake: a 2-rank run that had succeeded ended in SIGABRT, "terminate called without an active
-    exception"): once distributed.process_group's block ends, no gloo thread of its group is left, also when torch
+    """Claim: once distributed.process_group's block ends, no gloo thread of its group is left, also when torch
     modules that take `group=group.WORLD` as a default argument were first imported inside the block (as the run
     imports them); else the group outlives destroy_process_group and its threads are torn down during the
-    interpreter's exit, which aborts now and then. Deterministic: the group's liveness (a weak reference) and its
+    interpreter's exit, which now and then aborts a run that succeeded (SIGABRT, "terminate called without an
+    active exception"). Deterministic: the group's liveness (a weak reference) and its
     threads are checked, not the aborts."""
     script = tmp_path / "world.py"
     script.write_text(WORLD_FREED.format(root=str(ROOT)))
