@@ -31,7 +31,7 @@ SIZES = ("probe", "rule")
 TRACKERS = ("none", "tensorboard", "wandb", "trackio", "all")  # --report-to (infra/tracking.py; all: those installed)
 DTYPES = ("auto", "float32", "bfloat16")
 SAVE_DTYPES = ("model", "float32")  # --save-dtype
-# The offline models (models.TINY_RECIPES): name -> (the task it was warmed up on, its default --max-new-tokens)
+# The offline models (infra/tiny.py's TINY_RECIPES): name -> (the task it was warmed up on, its default --max-new-tokens)
 TINY_MODELS = {"tiny": ("arithmetic", 8), "tiny-chain": ("chain", 128)}
 # --model's short names for hub models (infra/models.resolve_model): qwen2.5-7b -> Qwen/Qwen2.5-7B-Instruct,
 # qwen3-0.6b -> Qwen/Qwen3-0.6B (Qwen3 ships one model per size, chat-tuned, with thinking on by default)

@@ -11,7 +11,7 @@
 Rules (each a one-line `OutputError` when broken; trainer.py prints it and exits 1):
 1. Every path the run writes (`--out`, the `--trace` file's folder) is created and checked at start-up,
    before a model is loaded: a file where a directory should be, or no write permission, fails in a
-   second instead of after training. (The tiny-model cache is checked by `models.ensure_tiny_model`
+   second instead of after training. (The tiny-model cache is checked by `tiny.ensure_tiny_model`
    only when it must build there: a read-only cache that already holds the model is fine.)
 2. One run per directory: a second run on a busy `--out` is refused and told the other run's PID. The
    kernel drops the lock when its process ends, however it ends, so a killed run never blocks the next.

@@ -13,7 +13,7 @@ Two tasks are built in, and anything `datasets` loads can be used (infra/data.py
 
 - `arithmetic` (offline): `"37+45="` -> `"82"` with operands in [0, 50). A fixed CRC32 of the operand
   pair puts ~10% of the pairs in a held-out `eval` split, so held-out accuracy measures addition, not
-  memorisation. It is what the offline `tiny` model is warmed up on (infra/models.py).
+  memorisation. It is what the offline `tiny` model is warmed up on (infra/tiny.py).
 - `chain` (offline): `"3+8+1+5="` -> `"17"`, k single-digit terms, worked step by step
   (`"3+8=11 11+1=12 12+5=17"`, what `tiny-chain` is warmed up on). k follows a power law,
   P(k) ∝ k^-1.5 on 2..13, so responses run from 5 to ~100 tokens with a long tail, as an LLM's

@@ -134,7 +134,8 @@ def load_policy(cfg: Config, load_kwargs: dict, rollouts=None):
     import torch
     import transformers
 
-    from infra.models import TINY_RECIPES, ensure_tiny_model, load_model
+    from infra.models import load_model
+    from infra.tiny import TINY_RECIPES, ensure_tiny_model
     transformers.utils.logging.disable_progress_bar()  # our own progress bar and log lines only
     if rollouts is not None:
         if cfg.is_tiny:  # load_model would build it too, but the inference process must not race the build

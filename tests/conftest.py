@@ -37,7 +37,7 @@ def once_per_session(tmp_path_factory, name: str, make: Callable[[Path], object]
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """An untrained tiny Qwen2 model + tokenizer in a directory, loaded through from_pretrained like any model."""
-    from infra.models import build_tiny_model
+    from infra.tiny import build_tiny_model
     return once_per_session(tmp_path_factory, "tiny-model", lambda path: build_tiny_model(path, seed=0))
 
 

@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import qwen_05b_shaped  # noqa: E402
 from infra import checkpoint  # noqa: E402
-from infra.models import tiny_tokenizer  # noqa: E402
+from infra.tiny import tiny_tokenizer  # noqa: E402
 from infra.command_line import parse_args  # noqa: E402
 
 

@@ -61,7 +61,7 @@ def build(out: Path, seed: int = 0) -> Path:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from infra.models import tiny_tokenizer
+    from infra.tiny import tiny_tokenizer
     tokenizer = qwen_chat_tokenizer(tiny_tokenizer())
     im_end, endoftext = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     config = Qwen2Config(**QWEN_05B, bos_token_id=endoftext, eos_token_id=im_end, pad_token_id=endoftext)

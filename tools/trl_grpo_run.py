@@ -9,7 +9,7 @@ configuration, so that a benchmark can put the two side by side. Not a test and 
     python tools/trl_grpo_run.py --steps 10                   # 11 steps run, the first one dropped
 
 The work (periodic-rl's defaults for `--model tiny`, sync mode): the cached tiny model
-(`models.ensure_tiny_model`, float32, sdpa) as policy, and a second copy loaded by TRL from the same
+(`tiny.ensure_tiny_model`, float32, sdpa) as policy, and a second copy loaded by TRL from the same
 directory as the reference; 16 raw-text prompts "a+b=" per step from `tasks.arithmetic_examples("train")`
 (`--model tiny-chain`: the chain-warmed tiny model and `tasks.chain_examples("train")`, "3+8+1+5=")
 (a `datasets.Dataset` in TRL's standard format, columns "prompt" and "answer"; TRL tokenizes them to
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from config import TINY_MODELS
     from infra import tasks
-    from infra.models import TINY_RECIPES, ensure_tiny_model
+    from infra.tiny import TINY_RECIPES, ensure_tiny_model
 
     if trl.__version__ != TRL_VERSION:
         print(f"warning: this script was written against TRL {TRL_VERSION}, found {trl.__version__}",

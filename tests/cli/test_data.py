@@ -208,7 +208,7 @@ def test_a_conversational_prompt_column_goes_through_the_chat_template(tmp_path)
     rendered with the model's chat template (Qwen2.5-Instruct's) as it is: its own system message, no SYSTEM_PROMPT
     added, ending with the assistant's turn; a plain-text prompt gets no SYSTEM_PROMPT either:
     only the template's own default system message."""
-    from infra.models import tiny_tokenizer
+    from infra.tiny import tiny_tokenizer
     rows = [{"prompt": conversation(i), "solution": str(i + 1)} for i in range(12)]
     train, held_out = data.load_task(str(write_jsonl(tmp_path / "chat.jsonl", rows)), eval_size=2,
                                       answer_column="solution")
@@ -331,7 +331,7 @@ def test_conversations_need_a_chat_template_and_fit_the_context():
     context is unknown); with a template, a conversation too long for the context is found and its length and row
     named; a
     --max-new-tokens that alone fills the context is named as the fault."""
-    from infra.models import tiny_tokenizer
+    from infra.tiny import tiny_tokenizer
     tokenizer = tiny_tokenizer()  # one token per byte, no chat template
     chats = [Example(conversation(i), str(i + 1)) for i in range(3)]
     with pytest.raises(TaskError, match="no chat template") as error:
@@ -369,7 +369,7 @@ def test_chat_template_kwargs_reach_the_template_and_a_misspelt_one_is_refused(t
     silently; not checked in a template with transformers' own {% generation %} tag, which jinja2 alone cannot
     parse), a model without a chat template."""
     from infra import command_line, options
-    from infra.models import tiny_tokenizer
+    from infra.tiny import tiny_tokenizer
     tokenizer = tiny_tokenizer()
     tokenizer.chat_template = QWEN3_GENERATION
     chats = [Example(conversation(i), str(i + 1)) for i in range(2)]

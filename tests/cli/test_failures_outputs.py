@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import trainer
 from config import Config
 from infra import checkpoint, outputs
-from infra.models import ensure_tiny_model
+from infra.tiny import ensure_tiny_model
 from infra.options import derive, validate
 from infra.command_line import parse_args
 

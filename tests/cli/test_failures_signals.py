@@ -173,7 +173,7 @@ def test_a_killed_builds_folder_is_swept_by_the_next_build(tmp_path):
     import socket
     import subprocess
 
-    from infra.models import sweep_stale_builds
+    from infra.tiny import sweep_stale_builds
     gone = subprocess.Popen(["true"])
     gone.wait()
     host = socket.gethostname()

@@ -1,4 +1,4 @@
-"""Models (infra/models.py): the tiny model loads like a real one, names resolve, failures are fast and clear,
+"""Models (infra/models.py, infra/tiny.py): the tiny model loads like a real one, names resolve, failures are fast and clear,
 and the warmed-up tiny model is built once and starts weak but knowledgeable."""
 import threading
 import time
@@ -10,8 +10,9 @@ from faults import hang_bound
 from huggingface_hub import constants as hub_constants
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from infra import models
-from infra.models import ModelNotFoundError, TinyRecipe
+from infra import models, tiny
+from infra.models import ModelNotFoundError
+from infra.tiny import TinyRecipe
 from infra.tasks import arithmetic_examples, math_reward
 
 QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
@@ -36,7 +37,7 @@ def short_recipe(tmp_path, monkeypatch):
     """A 3-step warm-up in a private cache: what load_model('tiny') builds inside this test."""
     monkeypatch.setenv("PERIODIC_RL_CACHE", str(tmp_path / "cache"))
     recipe = TinyRecipe(warmup_steps=3)
-    monkeypatch.setattr(models, "TINY_RECIPE", recipe)
+    monkeypatch.setattr(tiny, "TINY_RECIPE", recipe)
     return recipe
 
 
@@ -46,7 +47,7 @@ def test_tiny_model_round_trips_through_from_pretrained(tiny_model_dir):
     and the character tokenizer round-trips arithmetic and (ASCII) GSM8K text exactly."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    reference = models.tiny_model(models.tiny_tokenizer(), models.TINY_RECIPE, seed=0).eval()
+    reference = tiny.tiny_model(tiny.tiny_tokenizer(), tiny.TINY_RECIPE, seed=0).eval()
     ids = torch.tensor([tokenizer.encode("37+45=82", add_special_tokens=False)])  # (1, 8)
     with torch.no_grad():
         assert torch.equal(model(ids).logits, reference(ids).logits)
@@ -60,7 +61,7 @@ def test_tiny_model_round_trips_through_from_pretrained(tiny_model_dir):
 def test_tiny_tokenizer_accepts_any_text(tiny_model_dir):
     """Claim: any text tokenizes, one token per UTF-8 byte (GSM8K has '’', '€'), decodes back exactly, and the
     tokenizer AutoTokenizer loads (transformers 5 picks Qwen2Tokenizer for a qwen2 model) gives the same ids."""
-    loaded, built = AutoTokenizer.from_pretrained(tiny_model_dir), models.tiny_tokenizer()
+    loaded, built = AutoTokenizer.from_pretrained(tiny_model_dir), tiny.tiny_tokenizer()
     for text in ["Janet’s ducks cost 5€ — 日本\n\tok  ", "12+7=19", QUESTION]:
         ids = built.encode(text, add_special_tokens=False)
         assert ids == loaded.encode(text, add_special_tokens=False)
@@ -183,19 +184,19 @@ def test_tiny_model_is_built_once_and_cached(short_recipe, monkeypatch, tmp_path
     """Claim: load_model('tiny') builds into $PERIODIC_RL_CACHE/tiny-<recipe hash> once; a second load reuses
     it without warming up again; another recipe gets its own folder; no temporary folder is left behind."""
     warm_ups = []
-    real_warm_up = models.warm_up_tiny
-    monkeypatch.setattr(models, "warm_up_tiny", lambda *a, **k: warm_ups.append(1) or real_warm_up(*a, **k))
+    real_warm_up = tiny.warm_up_tiny
+    monkeypatch.setattr(tiny, "warm_up_tiny", lambda *a, **k: warm_ups.append(1) or real_warm_up(*a, **k))
     model, tokenizer = models.load_model("tiny")
-    folder = tmp_path / "cache" / f"tiny-{models.recipe_key(short_recipe)}"
+    folder = tmp_path / "cache" / f"tiny-{tiny.recipe_key(short_recipe)}"
     weights_mtime = (folder / "model.safetensors").stat().st_mtime_ns
     again, _ = models.load_model("tiny")
     assert len(warm_ups) == 1 and (folder / "model.safetensors").stat().st_mtime_ns == weights_mtime
     for p, q in zip(model.parameters(), again.parameters()):
         assert torch.equal(p, q)
-    monkeypatch.setattr(models, "TINY_RECIPE", TinyRecipe(warmup_steps=4))
+    monkeypatch.setattr(tiny, "TINY_RECIPE", TinyRecipe(warmup_steps=4))
     models.load_model("tiny")
     assert len(warm_ups) == 2 and sorted(p.name for p in (tmp_path / "cache").iterdir() if p.suffix != ".lock") \
-        == sorted([folder.name, f"tiny-{models.recipe_key(models.TINY_RECIPE)}"])
+        == sorted([folder.name, f"tiny-{tiny.recipe_key(tiny.TINY_RECIPE)}"])
 
 
 def test_two_builds_at_once_warm_up_once(short_recipe, monkeypatch, tmp_path, capsys):
@@ -203,7 +204,7 @@ def test_two_builds_at_once_warm_up_once(short_recipe, monkeypatch, tmp_path, ca
     for the other's build, waits on the lock, then loads the first one's model (two test workers, or two runs,
     starting on a fresh machine)."""
     warm_ups, entered, release = [], threading.Event(), threading.Event()
-    real_warm_up = models.warm_up_tiny
+    real_warm_up = tiny.warm_up_tiny
 
     def slow_warm_up(*args, **kwargs):
         warm_ups.append(1)
@@ -211,11 +212,11 @@ def test_two_builds_at_once_warm_up_once(short_recipe, monkeypatch, tmp_path, ca
         release.wait(timeout=60)  # holds the lock until the second caller is waiting on it
         return real_warm_up(*args, **kwargs)
 
-    monkeypatch.setattr(models, "warm_up_tiny", slow_warm_up)
+    monkeypatch.setattr(tiny, "warm_up_tiny", slow_warm_up)
     with ThreadPoolExecutor(2) as pool:
-        first = pool.submit(models.ensure_tiny_model)
+        first = pool.submit(tiny.ensure_tiny_model)
         assert entered.wait(timeout=60)
-        second = pool.submit(models.ensure_tiny_model)
+        second = pool.submit(tiny.ensure_tiny_model)
         time.sleep(0.5)
         assert not second.done()  # waiting on the first build's lock
         release.set()
@@ -229,9 +230,9 @@ def test_a_file_system_without_locks_builds_unlocked(short_recipe, monkeypatch, 
     tiny model is still built, with a line saying that the build runs without its lock."""
     def cannot_lock(self, *args, **kwargs):
         raise NotImplementedError("FileSystem does not appear to support flock")
-    monkeypatch.setattr(models.FileLock, "acquire", cannot_lock)
-    folder = models.ensure_tiny_model()
-    assert models.is_cached(folder)
+    monkeypatch.setattr(tiny.FileLock, "acquire", cannot_lock)
+    folder = tiny.ensure_tiny_model()
+    assert tiny.is_cached(folder)
     assert "without its lock (NotImplementedError: FileSystem does not appear to support flock)" in \
         capsys.readouterr().err
 
@@ -239,7 +240,7 @@ def test_a_file_system_without_locks_builds_unlocked(short_recipe, monkeypatch, 
 def test_a_damaged_tiny_model_cache_is_rebuilt(short_recipe, tmp_path, capsys):
     """Claim: a cached tiny model whose weights cannot be read (a full disk, a killed copy) is rebuilt, and the
     rebuild is said on stderr, instead of failing every later run with a traceback."""
-    folder = models.ensure_tiny_model()
+    folder = tiny.ensure_tiny_model()
     (folder / "model.safetensors").write_bytes(b"not a safetensors file")
     capsys.readouterr()
     model, _ = models.load_model("tiny")
@@ -254,7 +255,7 @@ def test_killed_build_leaves_no_cache(short_recipe, monkeypatch, tmp_path):
     def dies(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(models, "warm_up_tiny", dies)
+    monkeypatch.setattr(tiny, "warm_up_tiny", dies)
     with pytest.raises(KeyboardInterrupt):
         models.load_model("tiny")
     assert [path.suffix for path in (tmp_path / "cache").iterdir()] == [".lock"]
@@ -263,12 +264,12 @@ def test_killed_build_leaves_no_cache(short_recipe, monkeypatch, tmp_path):
 def test_hedged_targets():
     """Claim: warm-up targets are the answer alone or the answer plus a wrong second guess, mixed at the
     recipe's rate; a hedge scores 0 under the final-number reward."""
-    assert models.hedged_target("82", True, 1) == "82"
-    assert models.hedged_target("82", False, -2) == "82 80"
-    assert math_reward("7+5=", models.hedged_target("12", False, 1), "12") == 0.0
-    tokenizer = models.tiny_tokenizer()
+    assert tiny.hedged_target("82", True, 1) == "82"
+    assert tiny.hedged_target("82", False, -2) == "82 80"
+    assert math_reward("7+5=", tiny.hedged_target("12", False, 1), "12") == 0.0
+    tokenizer = tiny.tiny_tokenizer()
     examples = arithmetic_examples("train")[:2000]
-    ids, labels = models._answer_batch(tokenizer, examples, 0.3, torch.Generator().manual_seed(0))
+    ids, labels = tiny._answer_batch(tokenizer, examples, 0.3, torch.Generator().manual_seed(0))
     texts = tokenizer.batch_decode(torch.where(labels == -100, tokenizer.pad_token_id, labels),
                                    skip_special_tokens=True)
     committed = sum(" " not in t for t in texts) / len(texts)

@@ -105,7 +105,7 @@ def test_prompt_token_ids_raw_text_or_chat_template():
     """Claim: a tokenizer without a chat template gets the raw question; with one, the template wraps the question
     as the user's message, with no system message added, and ends with the assistant's
     generation prompt."""
-    from infra.models import tiny_tokenizer
+    from infra.tiny import tiny_tokenizer
     tokenizer = tiny_tokenizer()
     assert tasks.prompt_token_ids(tokenizer, "37+45=") == tokenizer.encode("37+45=", add_special_tokens=False)
     tokenizer.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
@@ -118,7 +118,7 @@ def qwen_tokenizer():
     """The tokenizer of conftest's Qwen-shaped model, with its chat template, without building the model."""
     from conftest import QWEN_CHAT_TEMPLATE
 
-    from infra.models import tiny_tokenizer
+    from infra.tiny import tiny_tokenizer
     tokenizer = tiny_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     tokenizer.chat_template = QWEN_CHAT_TEMPLATE
