@@ -9,7 +9,8 @@ line's parser and every check (`validate`, one line naming the option, the value
 infra/options.py too; --config files and TRL's flags are read in infra/command_line.py.
 
 Sizes: one iteration samples `batch_size` responses = `batch_size / group_size` prompts x
-`group_size` responses each (GRPO's group), and takes `updates_per_iteration` optimizer steps.
+`group_size` responses each (GRPO's group), and takes `updates_per_iteration` x `num_iterations` optimizer steps
+(mini-batches, times TRL's μ passes over them).
 """
 from __future__ import annotations
 

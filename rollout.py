@@ -26,7 +26,9 @@ preallocated cache, stopped rows compacted away, and row i of prompt j drawing i
 On CUDA its decode step is compiled and replayed as CUDA graphs (infra/compiled_step.py; --engine). With
 `--engine hf`, or a model the engine is not checked on (one line says why), it is Hugging Face `generate`
 (infra/hf_generate.py), seeded per call. Either samples softmax(logits / T), truncated by --top-k, --top-p and
---min-p and nothing else: the distribution the trainer scores. A response stops at *any* of the model's EOS ids
+--min-p and nothing else. The trainer scores softmax(logits / T) untruncated, as TRL does: the ratio is against the
+sampling policy exactly when the three are off (their defaults; a model's shipped generation_config does not
+turn them on). A response stops at *any* of the model's EOS ids
 (Qwen lists two: <|im_end|> and <|endoftext|>): the union of the generation config's and the tokenizer's
 (`stop_token_ids`). (With --dtype bfloat16 the sampler's bf16 weights and the trainer's float32 masters under
 autocast give logits that differ by rounding; see tri_model.py.)
@@ -93,12 +95,14 @@ class IterationDone:
 # --- which prompts, which seeds ---
 def iteration_prompts(num_examples: int, prompts_per_iteration: int, seed: int, iteration: int) -> list[int]:
     """Indices of iteration k's prompts: consecutive slices of a per-epoch seeded permutation."""
+    permutations = {}  # epoch -> its permutation, drawn once: an iteration spans one epoch, or a few
     indices = []
     for position in range(iteration * prompts_per_iteration, (iteration + 1) * prompts_per_iteration):
         epoch, offset = divmod(position, num_examples)
-        generator = torch.Generator().manual_seed((seed * 7919 + epoch) % 2**64)  # any 64-bit --seed
-        permutation = torch.randperm(num_examples, generator=generator)
-        indices.append(int(permutation[offset]))
+        if epoch not in permutations:
+            generator = torch.Generator().manual_seed((seed * 7919 + epoch) % 2**64)  # any 64-bit --seed
+            permutations[epoch] = torch.randperm(num_examples, generator=generator)  # (num_examples,)
+        indices.append(int(permutations[epoch][offset]))
     return indices
 
 

@@ -44,9 +44,10 @@ Deliberate departures:
    512 (memory-bound), so one call per iteration is the rule (config.GENERATE_CALLS), and the
    trainer's float32 policy on the training device would time the wrong sampler anyway. There the
    micro-batch is lowered to what the device's memory holds instead (launch/memory.py).
-2. The sizes change the rollouts (which prompts share a call, hence the random stream): a rerun on
-   a busier machine may choose differently. The chosen sizes are printed as flags; passing them
-   fixes them, and a size that is given is never probed.
+2. With the `generate` fallback (--engine hf) the sizes change the rollouts (which prompts share a call, hence
+   its random stream; engine.py's draws do not depend on them), and a rerun on a busier machine may choose
+   differently. The chosen sizes are printed as flags; passing them fixes them, and a size that is given is
+   never probed.
 3. Under torchrun, trainer rank 0 alone probes, for one rank's share of the host's cores, and every rank
    takes its sizes (`choose_for_ranks`): the ranks must agree, and M probes at once would time each other.
 """

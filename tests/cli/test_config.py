@@ -114,6 +114,24 @@ def test_every_accepted_seed_seeds_torch():
         assert len(iteration_prompts(100, 4, seed, 7)) == 4
 
 
+
+def test_iteration_prompts_are_consecutive_slices_of_each_epochs_permutation():
+    """Claim: iterations take consecutive slices of one seeded permutation per epoch (torch.randperm seeded by
+    seed·7919 + epoch), across epoch boundaries and when one iteration spans several epochs: every epoch visits
+    every example once, and the indices are the definition's, position by position."""
+    import torch
+
+    from rollout import iteration_prompts
+
+    def definition(n, per, seed, k):
+        return [int(torch.randperm(n, generator=torch.Generator().manual_seed(seed * 7919 + p // n))[p % n])
+                for p in range(k * per, (k + 1) * per)]
+    for n, per in ((10, 4), (3, 7), (5, 5)):
+        taken = [i for k in range(6) for i in iteration_prompts(n, per, 11, k)]
+        assert taken == [i for k in range(6) for i in definition(n, per, 11, k)]
+        epochs = [sorted(taken[e * n:(e + 1) * n]) for e in range(len(taken) // n)]
+        assert all(epoch == list(range(n)) for epoch in epochs)
+
 def test_defaults_are_valid_and_derived():
     cfg = parse_args([])
     assert validate(cfg) == [] and cfg.max_new_tokens == 8 and cfg.lr > 0 and cfg.mode == "async"
