@@ -27,40 +27,44 @@ class Ending:
 
     @contextmanager
     def handled(self):
-        """The block with stop signals caught: a UserError or a stop ends it with its one line and sets `code`."""
+        """The block with stop signals caught: a UserError or a stop ends it with its one line and sets `code`. A stop
+        counts for this run only: none is left pending for what the process does next (another run, from Python)."""
         Interrupted.received = Interrupted.held = None
-        failed_save = None  # an output a stop could not write (its checkpoint)
-        with stopped_by_signals():
-            try:
-                yield self
-                return
-            except UserError as error:
-                if Interrupted.received is None:
-                    sys.stderr.write(f"error: {rank_prefix(self.ranks)}{error}\n")
-                    self.code = 1
+        try:
+            failed_save = None  # an output a stop could not write (its checkpoint)
+            with stopped_by_signals():
+                try:
+                    yield self
                     return
-                failed_save = failed_output(error)  # not the signal's doing
-            except ValueError:  # "I/O operation on closed file": something in the run closed sys.stdout
-                if Interrupted.received is None:
-                    if not sys.stdout.closed:
+                except UserError as error:
+                    if Interrupted.received is None:
+                        sys.stderr.write(f"error: {rank_prefix(self.ranks)}{error}\n")
+                        self.code = 1
+                        return
+                    failed_save = failed_output(error)  # not the signal's doing
+                except ValueError:  # "I/O operation on closed file": something in the run closed sys.stdout
+                    if Interrupted.received is None:
+                        if not sys.stdout.closed:
+                            raise
+                        sys.stderr.write(f"error: {rank_prefix(self.ranks)}{STDOUT_CLOSED}\n")
+                        self.code = 1
+                        return
+                except BrokenPipeError:  # stdout's reader exited (`| head`): stop, as Unix tools do, and say so
+                    if Interrupted.received is None:
+                        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush can't fail
+                        with suppress(BrokenPipeError):  # stderr may be the same closed pipe (2>&1)
+                            sys.stderr.write("error: standard output was closed (its reader exited, e.g. `| head`): "
+                                             "the run stopped and the inference process with it; to keep the log, "
+                                             "use `> log.txt` or `| tee log.txt`\n")
+                        self.code = 1
+                        return
+                except BaseException as error:  # a stop signal, or the error of something it cut short (an import)
+                    if Interrupted.received is None and not isinstance(error, KeyboardInterrupt):
                         raise
-                    sys.stderr.write(f"error: {rank_prefix(self.ranks)}{STDOUT_CLOSED}\n")
-                    self.code = 1
-                    return
-            except BrokenPipeError:  # stdout's reader exited (`| head`): stop, as Unix tools do, and say so on stderr
-                if Interrupted.received is None:
-                    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the flush at exit cannot fail
-                    with suppress(BrokenPipeError):  # stderr may be the same closed pipe (2>&1)
-                        sys.stderr.write("error: standard output was closed (its reader exited, e.g. `| head`): the "
-                                         "run stopped and the inference process with it; to keep the log, use "
-                                         "`> log.txt` or `| tee log.txt`\n")
-                    self.code = 1
-                    return
-            except BaseException as error:  # a stop signal, or the error of something it cut short (an import)
-                if Interrupted.received is None and not isinstance(error, KeyboardInterrupt):
-                    raise
-                failed_save = failed_output(error)  # a full disk that the stop cut short, or came to as it went up
-        self.code = stopped(self.cfg, self.ranks, failed_save)
+                    failed_save = failed_output(error)  # a full disk the stop cut short, or came to as it went up
+            self.code = stopped(self.cfg, self.ranks, failed_save)
+        finally:  # handled here: nothing pending for a later run in this process, or a later check
+            Interrupted.received = Interrupted.held = None
 
 
 def stopped(cfg: Config | None, ranks, failed_save: Exception | None) -> int:

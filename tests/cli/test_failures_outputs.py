@@ -20,9 +20,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import trainer
 from config import Config
 from infra import checkpoint, outputs
-from infra.tiny import ensure_tiny_model
-from infra.options import derive, validate
 from infra.command_line import parse_args
+from infra.options import derive, validate
+from infra.stopping import Interrupted
+from infra.tiny import ensure_tiny_model
+from launch import run_output
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXED_SIZES = ["--groups-per-call", "2", "--micro-batch-tokens", "1000", "--rollout-threads", "1",
@@ -272,11 +274,11 @@ def test_metrics_on_a_full_disk_is_one_line_saying_what_became_of_the_policy(tin
     monkeypatch.setattr(Path, "open", disk_full_at(0))
     with pytest.raises(outputs.OutputError, match=r"^could not write metrics to .*metrics.jsonl: No space left on "
                                                   r"device \(the run stopped before training ended: no policy"):
-        trainer.log_and_save(cfg, iter([dict(r) for r in rows]), model, tokenizer)
+        run_output.log_and_save(cfg, iter([dict(r) for r in rows]), model, tokenizer)
     assert not (tmp_path / "policy").exists()
     monkeypatch.setattr(Path, "open", disk_full_at(2))
     with pytest.raises(outputs.OutputError, match=r"No space left on device \(the trained policy was saved in "):
-        trainer.log_and_save(cfg, iter([dict(r) for r in rows]), model, tokenizer)
+        run_output.log_and_save(cfg, iter([dict(r) for r in rows]), model, tokenizer)
     assert_loadable(tmp_path / "policy")
     monkeypatch.undo()
     (tmp_path / "metrics.jsonl").write_text("")  # a full disk at save time: the previous policy/ stays whole
@@ -289,7 +291,7 @@ def test_metrics_on_a_full_disk_is_one_line_saying_what_became_of_the_policy(tin
     monkeypatch.setattr(model, "save_pretrained", save_then_disk_full)
     with pytest.raises(outputs.OutputError, match=r"^could not write the trained policy to .*policy: No space left "
                                                   r"on device$"):
-        trainer.log_and_save(cfg, iter([dict(r) for r in rows]), model, tokenizer)
+        run_output.log_and_save(cfg, iter([dict(r) for r in rows]), model, tokenizer)
     assert {p.name: p.read_bytes() for p in (tmp_path / "policy").iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "policy"]
 
@@ -437,6 +439,7 @@ def test_a_full_disk_is_named_whatever_stop_comes_while_its_error_goes_up(tiny_m
     assert code == 143 and capsys.readouterr().err == (
         f"interrupted by SIGTERM: the run was stopped, nothing is left running; {lost}: --resume auto --out {out} "
         f"continues from {out / 'checkpoint-1'} (1 of the 2 iterations done)\n")
+    Interrupted.check()  # the stops were this run's: none is left pending for what the process does next
 
 
 # --- without --out: a folder per run, runs/latest links the newest ---
