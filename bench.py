@@ -25,9 +25,10 @@ from __future__ import annotations
 import argparse
 from typing import Callable
 
-import trainer
+import trainer  # noqa: F401  as a run's: a reward's process pools end with it, in spawned processes too
+from launch.start import shorten_openmp_spinning
 
-trainer.shorten_openmp_spinning()  # before the benchmarks import torch: as trainer.py runs
+shorten_openmp_spinning()  # before the benchmarks import torch: as trainer.py runs
 from benchmarks import gpu, memory, peer, pipeline, publish, shared_prompt, tri_model_copies, workers  # noqa: E402
 from benchmarks import tail  # noqa: E402,F401  the tail's patch, also in the inference processes (they import bench.py)
 

@@ -24,10 +24,6 @@ from infra.stopping import Interrupted, exit_without_lingering
 from launch import python_api, run_output, start
 from launch.exits import Ending
 from launch.start import load_policy, prepare, quiet_unless_main, say_start, serve
-# the pieces below, under the names callers of trainer.py use (trainer.log_and_save, trainer.check_device, ...)
-from launch.exits import kept_on_stop  # noqa: F401
-from launch.run_output import PROCESS_STARTED, device_split, earlier_rows, log_and_save, save_policy  # noqa: F401
-from launch.start import DeviceError, check_device, shorten_openmp_spinning  # noqa: F401
 
 # A reward's process pool ends with the run. A spawned process imports its parent's main module as __mp_main__:
 # trainer.py itself, or the script that called `train` (which imports this module).
@@ -87,9 +83,10 @@ def started(cfg: Config, resume_from: Path | None = None, ranks=None, output: ru
         cfg, rollouts, learner = setup.sampling_side(cfg, training, policy, tokenizer, task.train, task.held_out,
                                                      rewards, load_kwargs, rollouts, ranks)  # sizes, sampler, learner
         output.sized(cfg)
-        rows = periodic_rl.train(cfg, policy, rollouts, learner, learner.timeline, training.first,
-                                 bool(task.held_out), setup.train_threads_after_sampling(cfg, ranks),
-                                 setup.sample_then_train(cfg, ranks), ranks)
+        rows = periodic_rl.train(cfg, policy, rollouts, learner, learner.timeline, first=training.first,
+                                 held_out=bool(task.held_out),
+                                 train_threads_after_sampling=setup.train_threads_after_sampling(cfg, ranks),
+                                 sample_then_train=setup.sample_then_train(cfg, ranks), ranks=ranks)
         with closing(setup.checkpointed(rows, cfg, training, learner, tokenizer, len(task.train), ranks,
                                         output.completions)) as rows:
             yield rows, policy, tokenizer

@@ -94,7 +94,7 @@ def pick_dtype(dtype: str, train_device: str) -> str:
     if kind == "cuda":
         import torch
         if not torch.cuda.is_available():
-            return "float32"  # trainer.check_device reports the missing GPU in one line
+            return "float32"  # launch/start.check_device reports the missing GPU in one line
         with torch.cuda.device(train_device):  # native bf16 (Ampere and newer), not the emulation on V100/T4
             return "bfloat16" if torch.cuda.is_bf16_supported(including_emulation=False) else "float32"
     return "bfloat16" if kind == "npu" else "float32"

@@ -12,6 +12,8 @@ from config import Config
 from infra import console
 from infra.options import build_parser, derive, validate
 from infra.command_line import parse_args
+from launch import run_output
+from launch import start as launch_start
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -229,19 +231,18 @@ def test_missing_device_is_one_line(monkeypatch):
     (cuda:7 on a one-GPU machine), not a crash later; without CUDA, the line says so."""
     import torch
 
-    import trainer
     if torch.cuda.is_available():
-        with pytest.raises(trainer.DeviceError, match="this machine has"):
-            trainer.check_device(f"cuda:{torch.cuda.device_count()}", "--train-device")
+        with pytest.raises(launch_start.DeviceError, match="this machine has"):
+            launch_start.check_device(f"cuda:{torch.cuda.device_count()}", "--train-device")
     else:
-        with pytest.raises(trainer.DeviceError, match="--train-device cuda:0: this torch build sees no CUDA GPU"):
-            trainer.check_device("cuda:0", "--train-device")
+        with pytest.raises(launch_start.DeviceError, match="--train-device cuda:0: this torch build sees no CUDA GPU"):
+            launch_start.check_device("cuda:0", "--train-device")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    with pytest.raises(trainer.DeviceError, match=r"--rollout-device cuda:7: this machine has 1 cuda device\(s\)"):
-        trainer.check_device("cuda:7", "--rollout-device")
-    trainer.check_device("cuda:0")
-    trainer.check_device("cpu")
+    with pytest.raises(launch_start.DeviceError, match=r"--rollout-device cuda:7: this machine has 1 cuda device\(s\)"):
+        launch_start.check_device("cuda:7", "--rollout-device")
+    launch_start.check_device("cuda:0")
+    launch_start.check_device("cpu")
 
 
 def test_readme_real_model_command_is_valid(monkeypatch):
@@ -403,7 +404,6 @@ def test_every_trl_name_refused_or_ignored_is_none_of_ours():
 def test_help_explains_the_log_columns_and_the_departures():
     """Claim: --help ends with one line per column of the log (each a column format_row prints) and the defaults
     that are not TRL's, each with its reason."""
-    import trainer
     from infra.trl_names import DEPARTURES, LOG_COLUMNS
     text = build_parser().format_help()
     row = console.format_row({"iteration": 3, "reward_mean": 0.5, "reward_std": 0.1, "eval_reward": None, "kl": 0.01,
@@ -420,7 +420,6 @@ def test_help_explains_the_log_columns_and_the_departures():
 def test_the_final_line_is_left_out_without_an_evaluation():
     """Claim: with evaluation off the final row prints nothing ("final held-out reward -" said
     nothing); with it, the held-out reward of θ_final."""
-    import trainer
     assert console.format_row({"final": True, "eval_reward": None, "policy_version": 4}) == ""
     assert console.format_row({"final": True, "eval_reward": 0.5, "policy_version": 4}) == \
         "final  held-out reward 0.500 (θ_4)"
@@ -429,7 +428,6 @@ def test_the_final_line_is_left_out_without_an_evaluation():
 def test_off_a_terminal_progress_is_a_line():
     """Claim: the progress bar's content as one line (for logs that are no terminal): iterations done,
     the time so far and the time left at the measured pace."""
-    import trainer
     assert console.progress_line(12, 60, 41.0, 3.4) == \
         "periodic-rl: progress 12/60 iterations, 00:41 elapsed, ~02:43 left"
 
@@ -439,7 +437,6 @@ def test_off_a_terminal_progress_is_a_line():
 def test_the_device_split_line_is_printed_only_where_a_side_has_a_device(devices, said, tmp_path, capsys):
     """Claim: the closing line on the split of devices between the two sides is printed only when a
     side runs on a GPU or NPU; on CPU cores there is no device to move."""
-    import trainer
     cfg = Config(out=str(tmp_path), iterations=2, save=False, eval_every=0, rollout_device=devices[0],
                  train_device=devices[1])
 
@@ -448,7 +445,7 @@ def test_the_device_split_line_is_printed_only_where_a_side_has_a_device(devices
             yield {"iteration": k, "reward_mean": 0.5, "reward_std": 0.1, "eval_reward": None,
                    "generate_device_s": 2.0, "train_s": 1.0}
         yield {"final": True, "iteration": 2, "eval_reward": None, "policy_version": 2}
-    trainer.log_and_save(cfg, rows(), None, None)
+    run_output.log_and_save(cfg, rows(), None, None)
     assert ("periodic-rl: split: inference 2.0x slower than training" in capsys.readouterr().out) == said
 
 
@@ -456,7 +453,6 @@ def test_off_a_terminal_the_log_has_progress_lines(tmp_path, monkeypatch, capsys
     """Claim: where stderr is no terminal (nohup, CI) the progress bar is replaced by a progress line
     every PROGRESS_EVERY_S (here 0: every iteration after the first, whose row sets the pace's origin), on stderr;
     the log on stdout has no final line when nothing was evaluated."""
-    import trainer
     monkeypatch.setattr(console, "PROGRESS_EVERY_S", 0.0)
     cfg = Config(out=str(tmp_path), iterations=3, save=False, eval_every=0)
 
@@ -464,7 +460,7 @@ def test_off_a_terminal_the_log_has_progress_lines(tmp_path, monkeypatch, capsys
         for k in range(3):
             yield {"iteration": k, "reward_mean": 0.5, "reward_std": 0.1, "eval_reward": None}
         yield {"final": True, "iteration": 3, "eval_reward": None, "policy_version": 3}
-    trainer.log_and_save(cfg, rows(), None, None)
+    run_output.log_and_save(cfg, rows(), None, None)
     out, err = capsys.readouterr()
     assert [line.split(",")[0] for line in err.splitlines()] == ["periodic-rl: progress 2/3 iterations",
                                                                 "periodic-rl: progress 3/3 iterations"], err
@@ -477,7 +473,6 @@ def test_num_tokens_counts_the_runs_tokens_so_far(tmp_path, earlier):
     input_tokens, summed); a resumed run continues the count of the rows it continues, and one that continues
     rows written before num_tokens existed, or whose earlier rows are lost, logs none rather than a count that
     starts over."""
-    import trainer
     cfg = Config(out=str(tmp_path), iterations=3, save=False, eval_every=0)
     history = tmp_path / "before.jsonl"
     if earlier is not None and earlier != "lost":
@@ -488,7 +483,7 @@ def test_num_tokens_counts_the_runs_tokens_so_far(tmp_path, earlier):
         for k in range(1 if earlier else 0, 3):
             yield {"iteration": k, "reward_mean": 0.5, "eval_reward": None, "input_tokens": 10 * (k + 1)}
         yield {"final": True, "iteration": 3, "eval_reward": None, "policy_version": 3}
-    trainer.log_and_save(cfg, rows(), None, None, resumed_at=1 if earlier else 0, history=history)
+    run_output.log_and_save(cfg, rows(), None, None, resumed_at=1 if earlier else 0, history=history)
     logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert all("input_tokens" not in row for row in logged)
     expected = {None: [10, 30, 60], 1000: [1000, 1020, 1050], "before num_tokens": [None, None, None],
@@ -500,7 +495,6 @@ def test_responses_no_reward_scored_are_warned_about_once(tmp_path, capsys):
     """Claim: the first iteration with responses that no reward scored (frac_reward_unscored > 0: every --reward
     returned None for them) gets one warning line, as TRL warns; later ones are not repeated (metrics.jsonl has
     each iteration's share). All of them unscored: the line says the step learns nothing from the rewards."""
-    import trainer
     cfg = Config(out=str(tmp_path), iterations=4, save=False, eval_every=0)
 
     def rows():
@@ -508,7 +502,7 @@ def test_responses_no_reward_scored_are_warned_about_once(tmp_path, capsys):
             yield {"iteration": k, "reward_mean": None, "reward_std": None, "eval_reward": None,
                    "frac_reward_unscored": share}
         yield {"final": True, "iteration": 4, "eval_reward": None, "policy_version": 4}
-    trainer.log_and_save(cfg, rows(), None, None)
+    run_output.log_and_save(cfg, rows(), None, None)
     warnings = [line for line in capsys.readouterr().out.splitlines() if "warning" in line]
     assert warnings == [console.unscored_line(1, 1.0)], warnings
     assert "100% of the responses" in warnings[0] and "learns nothing from the rewards" in warnings[0]
@@ -518,7 +512,6 @@ def test_the_first_line_says_when_the_test_split_is_smaller_than_eval_size():
     """Claim: --eval-size larger than the data's held-out split holds out the whole split, and the run's first line
     says so, naming the split; at or below it, the line only counts the prompts of a
     built-in task, and names the split of a dataset's."""
-    import trainer
     from infra import data, tasks
     assert "1319 held-out prompts |" in console.start_line(Config(eval_size=1319), 7473, 1319)
     assert data.held_out_note("test", 1319, 1319) == data.held_out_note("test", 1319, 64) == "held out: the test split"
@@ -534,7 +527,6 @@ def test_the_first_line_says_when_the_test_split_is_smaller_than_eval_size():
 def test_the_first_line_says_held_out_prompts_are_never_evaluated():
     """Claim: --eval-size given with --eval-every 0 still keeps its prompts out of training (the same training
     prompts as the run that evaluates), and the run's first line says they are never evaluated; with evaluation on, or nothing held out, it says nothing of it."""
-    import trainer
     from infra.options import derive
     cfg = derive(Config(eval_every=0, eval_size=50))
     assert cfg.eval_size == 50

@@ -17,6 +17,7 @@ from launch import remote  # noqa: E402
 import trainer  # noqa: E402
 from packing import batch_logprobs, logprobs_fn  # noqa: E402
 from tri_model import TriModel  # noqa: E402
+from launch import run_output  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 LORA = dict(r=4, alpha=8, dropout=0.0, target_modules=None, seed=0)
@@ -180,7 +181,7 @@ def test_resume_and_the_saved_policy_with_lora(tiny_model_dir, tmp_path):
     assert all(torch.equal(p, q) for p, q in zip(straight.parameters(), resumed.parameters()))
     assert resumed_rows == straight_rows[2:]
 
-    trainer.save_policy(straight, tokenizer, tmp_path / "policy")
+    run_output.save_policy(straight, tokenizer, tmp_path / "policy")
     assert not (tmp_path / "policy" / "model.safetensors").exists()
     base, _ = load_model(str(tiny_model_dir))
     loaded = PeftModel.from_pretrained(base, tmp_path / "policy")

@@ -20,6 +20,7 @@ from infra.checkpoint import CheckpointError, resumption
 from infra.command_line import given_options, parse_args
 from infra.records import RunRecord, absolute_paths, git_commit
 from infra.tracking import TRL_KEYS, TensorBoard, Trackers, TrackingError, tracker_names
+from launch import exits, run_output
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = ["--mode", "sync", "--iterations", "3", "--batch-size", "16", "--group-size", "4", "--max-new-tokens", "4",
@@ -506,13 +507,13 @@ def test_a_stop_without_save_options_says_what_was_not_kept(tmp_path):
     earlier run left in --out is not taken for this one's."""
     import os
     cfg = Config(out=str(tmp_path), iterations=5)
-    assert trainer.kept_on_stop(cfg, None, None) == ""
+    assert exits.kept_on_stop(cfg, None, None) == ""
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"iteration": k}) + "\n" for k in range(3)))
     not_saved = ("; the 3 iterations done were not saved (--save-on-stop keeps them when a run is stopped, "
                  "--save-every N as it goes)")
-    assert trainer.kept_on_stop(cfg, None, None) == not_saved
+    assert exits.kept_on_stop(cfg, None, None) == not_saved
     (tmp_path / "policy").mkdir()
-    os.utime(tmp_path / "policy", (trainer.PROCESS_STARTED - 60,) * 2)  # an earlier run's
-    assert trainer.kept_on_stop(cfg, None, None) == not_saved
+    os.utime(tmp_path / "policy", (run_output.PROCESS_STARTED - 60,) * 2)  # an earlier run's
+    assert exits.kept_on_stop(cfg, None, None) == not_saved
     os.utime(tmp_path / "policy")  # written now
-    assert trainer.kept_on_stop(cfg, None, None) == f"; training had ended: the policy is in {tmp_path / 'policy'}"
+    assert exits.kept_on_stop(cfg, None, None) == f"; training had ended: the policy is in {tmp_path / 'policy'}"

@@ -11,8 +11,6 @@ import json
 import dataclasses
 import math
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest

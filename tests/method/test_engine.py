@@ -2,7 +2,6 @@
 and a row's tokens depend on its key alone, never on which prompts share a call or how many rows run at once."""
 import contextlib
 import math
-import sys
 
 import pytest
 import torch

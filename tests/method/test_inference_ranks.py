@@ -33,6 +33,7 @@ from infra.liveness import RanksError
 from infra.timeline import INFERENCE, Span
 from launch.remote import destination
 from rollout import ScoredGroup, IterationDone
+from launch import run_output
 
 
 @pytest.mark.slow  # process-level: torchrun
@@ -44,13 +45,12 @@ def test_one_trainer_rank_and_one_inference_rank_are_the_single_process_bitwise(
     done = run([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "trainer.py",
                 *options(tiny_model_dir, tmp_path, "5 calls", "--inference-ranks", "1")])
     assert sum(line.startswith("iter ") for line in done.stdout.splitlines()) == 3, done.stdout
-    assert "this run:" not in done.stdout  # the device-split line is an accelerator run's (trainer.device_split)
+    assert "this run:" not in done.stdout  # the device-split line is an accelerator run's (run_output.device_split)
     from types import SimpleNamespace
 
-    import trainer
     from infra.command_line import parse_args
     cfg = parse_args([str(arg) for arg in options(tiny_model_dir, tmp_path, "5 calls")])
-    split = trainer.device_split(cfg, [(5.4, 2.0)],
+    split = run_output.device_split(cfg, [(5.4, 2.0)],
                                  SimpleNamespace(inference=1, size=1))
     assert "(this run: 1 + 1)" in split  # where it is printed, it counts the inference rank as the inference side
     (single_rows, single_weights), (rows, weights) = single_process("5 calls"), result(tmp_path)

@@ -28,6 +28,7 @@ from learner import Learner
 from packing import logprobs_fn
 from rollout import Evaluation, ScoredGroup, IterationDone, rollout_iteration
 from conftest import learn_iteration
+from launch import run_output
 
 ROOT = Path(__file__).resolve().parents[2]
 DIGITS = "tests/rewards.py:digit_fraction"
@@ -120,14 +121,13 @@ def test_a_model_with_dropout_trains_bitwise(dropout_model_dir, tmp_path):
     them (what the option prevents)."""
     import json
 
-    import trainer
     from transformers import AutoTokenizer
     sync_policy, sync_rows = run_training(make_cfg(dropout_model_dir, "--mode", "sync", *SAME_THREADS))
     async_policy, async_rows = run_training(make_cfg(dropout_model_dir, "--mode", "async", *SAME_THREADS))
     assert all(torch.equal(p, q) for p, q in zip(sync_policy.parameters(), async_policy.parameters()))
     assert [r.get("loss") for r in sync_rows] == [r.get("loss") for r in async_rows]
     assert all(m.attention_dropout == 0.0 for m in sync_policy.modules() if hasattr(m, "attention_dropout"))
-    trainer.save_policy(sync_policy, AutoTokenizer.from_pretrained(dropout_model_dir), tmp_path / "policy")
+    run_output.save_policy(sync_policy, AutoTokenizer.from_pretrained(dropout_model_dir), tmp_path / "policy")
     assert json.loads((tmp_path / "policy" / "config.json").read_text())["attention_dropout"] == 0.5
     dropping, _ = run_training(make_cfg(dropout_model_dir, "--mode", "sync", *SAME_THREADS, "--no-disable-dropout"))
     assert not all(torch.equal(p, q) for p, q in zip(dropping.parameters(), sync_policy.parameters()))

@@ -19,6 +19,7 @@ from infra.reward import load_reward
 from infra.timeline import Timeline
 from launch import sizing
 from rollout import Evaluation, ScoredGroup, IterationDone
+from launch import run_output
 
 DIGITS = "tests/rewards.py:digit_fraction"
 # 8 prompts per iteration, one per generate call: worker 0 of 2 samples the even calls, worker 1 the odd ones.
@@ -206,7 +207,7 @@ def test_balanced_split():
     with pytest.raises(ValueError):
         sizing.balanced_split(1.0, 1.0, 1)
     cfg = parse_args(["--inference-workers", "2"])
-    line = trainer.device_split(cfg, [(9.0, 9.0), (5.4, 2.0), (5.4, 2.0)])  # the first iteration is dropped
+    line = run_output.device_split(cfg, [(9.0, 9.0), (5.4, 2.0), (5.4, 2.0)])  # the first iteration is dropped
     assert "with 8 devices, 6 inference + 2 training" in line and "(this run: 2 + 1)" in line
     line = sizing.split_report(5.4, 2.0, 1, 1)
     assert "inference 2.7x slower than training" in line and "with 8 devices, 6 inference + 2 training" in line
