@@ -5,7 +5,7 @@ One iteration k of rollouts, with the policy weights θ_k:
     for each call of C prompts x_j of iteration k, in index order:
         o_j1..o_jG ~ π_θk(· | x_j), the C prompts at once (`sample_prompts`: engine.py, else `generate`)
         as soon as all G responses of a prompt x_j have stopped (inside the call):
-            r_i = Σ_k w_k reward_k(x_j, o_ji, answer_j)   the --reward functions, checked (infra/scoring.py)
+            r_i = Σ_m w_m reward_m(x_j, o_ji, answer_j)   the --reward functions, checked (infra/scoring.py)
             A_i = group_advantages(r)             grpo.py
             send(ScoredGroup(...))                -> the trainer, at once
     every `eval_every` iterations: held-out reward of θ_k
@@ -238,7 +238,8 @@ def rollout_iteration(model, tokenizer, train: list[Example], held_out: list[Exa
 
             def score_and_send(offset: int, responses: list[list[int]]) -> None:  # called inside generate
                 logs = RewardLogs()
-                totals, per_function = score_responses(rewards, tokenizer, call_examples[offset], responses, cfg, state, logs)
+                totals, per_function = score_responses(rewards, tokenizer, call_examples[offset], responses, cfg,
+                                                       state, logs)
                 advantages = grpo.group_advantages(torch.tensor(totals), cfg.group_size, cfg.scale_rewards)
                 tag = version if weights_version() == version else -1  # -1: the weights changed while it sampled
                 send(ScoredGroup(iteration, first + offset, tag, prompts[offset], responses, totals,
