@@ -134,7 +134,17 @@ def parse_args(argv: list[str] | None = None, prog: str = "trainer.py") -> Confi
         print(f"periodic-rl: ignored {', '.join('--' + name.replace('_', '-') for name in lora)}: the LoRA adapter's "
               "settings, and --use-peft is off: every weight is trained (add --use-peft to train an adapter)",
               flush=True)
-    return derive(cfg if policy is None else from_trained_policy(cfg, policy))
+    cfg = derive(cfg if policy is None else from_trained_policy(cfg, policy))
+    dataset = sorted(name for name in given_options(argv) if name in DATASET_OPTIONS)
+    if dataset and (cfg.data or cfg.default_data) in BUILT_IN_TASKS and os.environ.get("RANK", "0") == "0":
+        print(f"periodic-rl: ignored {', '.join('--' + name.replace('_', '-') for name in dataset)}: options of a "
+              f"dataset (a file, a folder or a hub id), and --data {cfg.data or cfg.default_data} is built in",
+              flush=True)
+    return cfg
+
+
+BUILT_IN_TASKS = ("arithmetic", "chain")  # infra/tasks.py's, which have no splits or columns to choose
+DATASET_OPTIONS = ("data_config", "split", "eval_split", "prompt_column", "answer_column")
 
 
 def from_trained_policy(cfg: Config, policy: Path) -> Config:

@@ -255,6 +255,8 @@ def validate(cfg: Config) -> list[str]:
         if not ok:
             problems.append(message)
 
+    need(bool(cfg.model.strip()), f"--model {cfg.model!r} names no model (an unset shell variable?): give 'tiny', an "
+                                  "alias such as qwen2.5-0.5b, a hub id or a local directory")
     need(cfg.group_size >= 2, f"--group-size must be at least 2 (got {cfg.group_size}): "
                               "group-relative advantages need two responses to compare")
     whole_groups = cfg.batch_size > 0 and cfg.batch_size % max(cfg.group_size, 1) == 0

@@ -592,3 +592,31 @@ def test_the_first_line_says_the_memory_to_expect():
     lora = memory_estimate(Config(dtype="bfloat16", use_peft=True), qwen, 1_000_000)
     assert lora == (4 * qwen + 12 * 1_000_000 + 4 * 1_000_000, 4 * qwen)
     assert "memory" not in console.start_line(cfg, 7000, 64, memory=memory_estimate(cfg, 330_000, 330_000))
+
+
+def test_a_blank_model_is_one_line(capsys):
+    """Claim: `--model ''` (`--model "$MODEL"` with MODEL unset) is refused in one line naming --model, exit 2,
+    before any data or model is looked for."""
+    for blank in ("", "  "):
+        with pytest.raises(SystemExit) as stopped:
+            parse_args(["--model", blank])
+        assert stopped.value.code == 2
+        assert capsys.readouterr().err == (f"trainer.py: error: --model {blank!r} names no model (an unset shell "
+                                           "variable?): give 'tiny', an alias such as qwen2.5-0.5b, a hub id or a "
+                                           "local directory\n")
+
+
+def test_dataset_options_with_a_built_in_task_are_said_to_be_ignored(tmp_path, capsys):
+    """Claim: the options that choose a dataset's splits and columns, given with a built-in task (which has none to
+    choose), are named in one line as ignored, as the --lora-* options are without --use-peft; with a data file
+    they are used, and nothing is said."""
+    cfg = parse_args(["--prompt-column", "nope", "--split", "x", "--eval-split", "y"])
+    assert cfg.prompt_column == "nope" and capsys.readouterr().out == (
+        "periodic-rl: ignored --eval-split, --prompt-column, --split: options of a dataset (a file, a folder or a hub "
+        "id), and --data arithmetic is built in\n")
+    parse_args(["--model", "tiny-chain", "--answer-column", "a", "--data-config", "c"])
+    assert capsys.readouterr().out.endswith("ignored --answer-column, --data-config: options of a dataset (a file, a "
+                                            "folder or a hub id), and --data chain is built in\n")
+    (tmp_path / "rows.jsonl").write_text('{"q": "1+1=", "answer": "2"}\n')
+    parse_args(["--data", str(tmp_path / "rows.jsonl"), "--prompt-column", "q"])
+    assert capsys.readouterr().out == ""
