@@ -155,7 +155,8 @@ def resumed_config(cfg: Config, given: set[str], state: dict) -> Config:
         anew = name in given or name in DEVICES and bool(given & DEVICES)
         if name not in saved or name in THIS_RUN or anew and (name in harmless or name in DEVICES):
             values[name] = new
-        elif anew and new != saved[name] and getattr(absolute, name) != saved[name]:  # data/ == /run/from/data
+        elif (anew and new != saved[name] and getattr(absolute, name) != saved[name]  # data/ == /run/from/data
+              and not (name == "data" and saved[name] is None and new == saved_default_data(saved))):
             option = "--" + name.replace("_", "-")
             why = "" if name != "iterations" else (
                 f" (its learning-rate schedule, {saved.get('lr_scheduler_type')}"
@@ -170,6 +171,11 @@ def resumed_config(cfg: Config, given: set[str], state: dict) -> Config:
     if "iterations" in given and "num_train_epochs" not in given:  # a typed length wins over the saved epochs
         values["num_train_epochs"] = None
     return dataclasses.replace(cfg, **values)
+
+
+def saved_default_data(saved: dict) -> str:
+    """The task a checkpoint's run trained on when its --data was left out (None): its model's default."""
+    return Config(model=saved["model"]).default_data
 
 
 def source_model(cfg: Config, typed: str, saved: str) -> str | None:

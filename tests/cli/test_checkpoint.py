@@ -789,3 +789,15 @@ def test_a_run_starts_from_a_finished_runs_folder_through_a_link(finished_run, t
     again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)  # resubmitted at the end
     assert again.returncode == 0 and f"the run in {out} is complete (1 iteration," in again.stdout, again.stderr
     assert snapshot(out) == finished and snapshot(source) == before
+
+
+def test_resume_takes_the_default_task_typed_out_as_the_same_data():
+    """Claim: a run started without --data trained on its model's default task; resuming it with that task typed
+    out (`--data arithmetic` for tiny) is the same data and resumes, while another task is refused naming --data."""
+    state = {"iterations_done": 2, "config": dataclasses.asdict(parse_args(RUN[2:])), "reference_fingerprint": "x"}
+    assert state["config"]["data"] is None and state["config"]["model"] == "tiny"
+    argv = ["--data", "arithmetic"]
+    assert checkpoint.resumed_config(parse_args(argv), given_options(argv), state).data is None  # the saved, the same
+    argv = ["--data", "chain"]
+    with pytest.raises(checkpoint.CheckpointError, match="^--data chain differs from the checkpoint's None"):
+        checkpoint.resumed_config(parse_args(argv), given_options(argv), state)
