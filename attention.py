@@ -247,7 +247,10 @@ def token_logprobs(hidden: Tensor, head: torch.nn.Module, targets: Tensor, tempe
     elif isinstance(head, torch.nn.Linear):
         weight, bias = head.weight, head.bias
     else:  # another output layer (an adapter's wrapper): its logits per chunk of rows, recomputed in backward
-        vocab = getattr(head, "out_features", None) or head(hidden[:1].detach()).shape[-1]  # one row's logits: V
+        vocab = getattr(head, "out_features", None)
+        if vocab is None:
+            with torch.no_grad():
+                vocab = head(hidden[:1]).shape[-1]  # one row's logits: V
         rows = max(1, (chunk_bytes or logits_chunk_bytes(hidden.device)) // (16 * vocab))
         pieces = [torch.utils.checkpoint.checkpoint(lambda h, t: token_logprobs(head(h), torch.nn.Identity(), t,
                                                                                 temperature, chunk_bytes, entropy),

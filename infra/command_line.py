@@ -116,12 +116,12 @@ def parse_args(argv: list[str] | None = None, prog: str = "trainer.py") -> Confi
         problems.insert(0, f"--num-train-epochs {cfg.num_train_epochs:g} and --iterations {cfg.iterations} both set "
                            "the run's length: give one")
     try:
-        policy = trained_policy(cfg.model)  # a run's or a checkpoint's folder: the model in it
+        policy = trained_policy(cfg.model) if cfg.model.strip() else None  # a run's or a checkpoint's folder: its model
     except ValueError as error:
         policy = None
         problems.insert(0, str(error))
     model = Path(os.path.expanduser(cfg.model)).resolve()
-    inside = (cfg.out and not is_model_name(cfg.model) and model.exists()
+    inside = (cfg.out and cfg.model.strip() and not is_model_name(cfg.model) and model.exists()
               and Path(cfg.out).resolve() in (model, *model.parents))
     if cfg.overwrite and inside:
         problems.insert(0, f"--model {cfg.model} is in --out {cfg.out}, whose run --overwrite deletes before the "
@@ -144,7 +144,7 @@ def parse_args(argv: list[str] | None = None, prog: str = "trainer.py") -> Confi
 
 
 BUILT_IN_TASKS = ("arithmetic", "chain")  # infra/tasks.py's, which have no splits or columns to choose
-DATASET_OPTIONS = ("data_config", "split", "eval_split", "prompt_column", "answer_column")
+DATASET_OPTIONS = ("data_config", "split", "eval_split", "answer_column")  # not --prompt-column: --text-prompts uses it
 
 
 def from_trained_policy(cfg: Config, policy: Path) -> Config:

@@ -607,13 +607,15 @@ def test_a_blank_model_is_one_line(capsys):
 
 
 def test_dataset_options_with_a_built_in_task_are_said_to_be_ignored(tmp_path, capsys):
-    """Claim: the options that choose a dataset's splits and columns, given with a built-in task (which has none to
-    choose), are named in one line as ignored, as the --lora-* options are without --use-peft; with a data file
-    they are used, and nothing is said."""
-    cfg = parse_args(["--prompt-column", "nope", "--split", "x", "--eval-split", "y"])
-    assert cfg.prompt_column == "nope" and capsys.readouterr().out == (
-        "periodic-rl: ignored --eval-split, --prompt-column, --split: options of a dataset (a file, a folder or a hub "
-        "id), and --data arithmetic is built in\n")
+    """Claim: the options that choose a dataset's splits and its answer column, given with a built-in task (which has
+    none to choose), are named in one line as ignored, as the --lora-* options are without --use-peft; with a data
+    file they are used, and nothing is said. --prompt-column is not among them: --text-prompts auto reads it."""
+    cfg = parse_args(["--split", "x", "--eval-split", "y"])
+    assert cfg.split == "x" and capsys.readouterr().out == (
+        "periodic-rl: ignored --eval-split, --split: options of a dataset (a file, a folder or a hub id), and --data "
+        "arithmetic is built in\n")
+    parse_args(["--prompt-column", "prompt"])  # not ignored: --text-prompts auto reads it (raw text for 'prompt')
+    assert capsys.readouterr().out == ""
     parse_args(["--model", "tiny-chain", "--answer-column", "a", "--data-config", "c"])
     assert capsys.readouterr().out.endswith("ignored --answer-column, --data-config: options of a dataset (a file, a "
                                             "folder or a hub id), and --data chain is built in\n")
