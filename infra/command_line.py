@@ -41,6 +41,7 @@ from pathlib import Path
 from config import SIZE_FIELDS, Config, is_model_name
 from infra.options import (BOOL_WORDS, build_parser, closest_name, derive, unknown_option, validate,
                            with_new_names)
+from infra.data import BUILT_IN_TASKS
 from infra.outputs import trained_policy
 from infra.trl_config import (is_fixed_value, number_of_steps, switch_line, switch_taken, trl_batch_options, trl_keys,
                               trl_steps)
@@ -135,15 +136,14 @@ def parse_args(argv: list[str] | None = None, prog: str = "trainer.py") -> Confi
               "settings, and --use-peft is off: every weight is trained (add --use-peft to train an adapter)",
               flush=True)
     cfg = derive(cfg if policy is None else from_trained_policy(cfg, policy))
+    data = cfg.data or cfg.default_data
     dataset = sorted(name for name in given_options(argv) if name in DATASET_OPTIONS)
-    if dataset and (cfg.data or cfg.default_data) in BUILT_IN_TASKS and os.environ.get("RANK", "0") == "0":
+    if dataset and data in BUILT_IN_TASKS and os.environ.get("RANK", "0") == "0":  # no splits or columns to choose
         print(f"periodic-rl: ignored {', '.join('--' + name.replace('_', '-') for name in dataset)}: options of a "
-              f"dataset (a file, a folder or a hub id), and --data {cfg.data or cfg.default_data} is built in",
-              flush=True)
+              f"dataset (a file, a folder or a hub id), and --data {data} is built in", flush=True)
     return cfg
 
 
-BUILT_IN_TASKS = ("arithmetic", "chain")  # infra/tasks.py's, which have no splits or columns to choose
 DATASET_OPTIONS = ("data_config", "split", "eval_split", "answer_column")  # not --prompt-column: --text-prompts uses it
 
 

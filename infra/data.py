@@ -46,6 +46,7 @@ DATA_FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", 
 PROMPT_COLUMNS = ("prompt", "question")  # read without --prompt-column, the first the data has: TRL's, then GSM8K's
 HELD_OUT_SPLITS = ("test", "validation")  # held out without --eval-split: the first the data has (but --split)
 EVAL_SIZE = 64  # held-out prompts when --eval-size is not given (None); of the training rows, at most a fifth
+BUILT_IN_TASKS = {"arithmetic": arithmetic_examples, "chain": chain_examples}  # name -> its examples (a split)
 
 
 @dataclass(frozen=True)
@@ -332,7 +333,7 @@ def read_task(data: str | None, default: str = "gsm8k", eval_size: int | None = 
         raise TaskError(f"--data {data!r} names no data (an unset shell variable?): give 'arithmetic', 'chain', "
                         "'gsm8k', a hub dataset id, a file or a directory, or leave --data out for the model's default")
     data, system = data or default, system_prompt_text(system_prompt)
-    builtin = {"arithmetic": arithmetic_examples, "chain": chain_examples}.get(data)
+    builtin = BUILT_IN_TASKS.get(data)
     if builtin is not None:
         columns = [name for name in (needed or {}) if name != "answer"]  # a built-in task has its answers only
         if columns:
