@@ -27,6 +27,9 @@ import time
 from contextlib import suppress
 from pathlib import Path
 
+import warm as warm_start
+from warm import as_from_a_terminal  # noqa: F401  (tests import it from here)
+
 ROOT = Path(__file__).resolve().parents[1]
 SHM = Path("/dev/shm")
 PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
@@ -40,19 +43,6 @@ def hang_bound(seconds: float) -> float:
     other jobs, a suite run two tests at a time) every step takes longer by about the ratio of runnable
     processes to cores, and a test that then fails says the machine was busy, not that the run hung."""
     return seconds * max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
-
-
-def as_from_a_terminal(ignored: tuple[int, ...] = ()):
-    """A Popen `preexec_fn`: the child starts with Ctrl-C's SIGINT, SIGHUP and SIGQUIT at their defaults, as a command
-    typed in a terminal does, whatever the test process inherited (a suite started by `nohup` or as a background job
-    `&` ignores them, and an ignored signal stays ignored through exec: the trainer then rightly keeps ignoring it,
-    and a test of Ctrl-C would fail for want of one); then ignores the signals in `ignored` (a launcher that does)."""
-    def reset() -> None:
-        for signum in (signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
-            signal.signal(signum, signal.SIG_DFL)
-        for signum in ignored:
-            signal.signal(signum, signal.SIG_IGN)
-    return reset
 
 
 def become_subreaper() -> None:
@@ -143,10 +133,11 @@ class Launch:
     and stderr read by threads, line by line. As a `with` block it kills whatever is left, by PID, on the way out.
     `launcher`: e.g. ("-m", "torch.distributed.run", "--nproc-per-node", "2") for trainer ranks. `wrapper`: a command
     that runs `python ...` as its child and exits with its code (e.g. `small_disk`): signals then go to that child.
-    The trainer starts as from a terminal (`as_from_a_terminal`), but for the signals in `ignored`."""
+    The trainer starts as from a terminal (`as_from_a_terminal`), but for the signals in `ignored`; in a warm
+    interpreter (tests/warm.py) unless `warm` is False (a claim about the interpreter's start itself)."""
 
     def __init__(self, *args, cwd: Path = ROOT, env: dict | None = None, launcher: tuple[str, ...] = (),
-                 wrapper: tuple[str, ...] = (), ignored: tuple[int, ...] = ()):
+                 wrapper: tuple[str, ...] = (), ignored: tuple[int, ...] = (), warm: bool = True):
         become_subreaper()
         self.shm_before = shm_entries()
         self.children_before = children(os.getpid())
@@ -156,10 +147,10 @@ class Launch:
         self.signalled_at: float | None = None
         self.tree: dict[int, int] = {}  # the run's processes when last looked at: PID -> start time
         self.wrapped = bool(wrapper)
-        self.process = subprocess.Popen([*wrapper, sys.executable, *launcher, "trainer.py", *map(str, args)], cwd=cwd,
+        self.process = warm_start.Popen([*wrapper, sys.executable, *launcher, "trainer.py", *map(str, args)], cwd=cwd,
                                         env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, text=True, errors="replace",
-                                        start_new_session=True, preexec_fn=as_from_a_terminal(ignored))
+                                        stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True,
+                                        terminal_signals=ignored, warm=warm)
         self.started_at = time.monotonic()
         self.readers = [threading.Thread(target=self._read, args=(stream, lines), daemon=True)
                         for stream, lines in ((self.process.stdout, self.stdout), (self.process.stderr, self.stderr))]
@@ -240,7 +231,8 @@ class Launch:
         """(processes of the run still alive, new /dev/shm entries), after up to `grace` s for clean-up."""
         deadline = time.monotonic() + grace
         while True:
-            new_children = {p: s for p, s in children(os.getpid()).items() if self.children_before.get(p) != s}
+            new_children = {p: s for p, s in children(os.getpid()).items()
+                            if self.children_before.get(p) != s and p not in warm_start.zygote_pids()}
             suspects = {**self.tree, **new_children}
             suspects.pop(self.process.pid, None)  # the trainer itself, reaped by Popen
             reap(suspects)
@@ -294,7 +286,7 @@ class Launch:
                     pass
         self.process.wait()
         for p, s in children(os.getpid()).items():
-            if self.children_before.get(p) != s:
+            if self.children_before.get(p) != s and p not in warm_start.zygote_pids():
                 os.kill(p, signal.SIGKILL)
         time.sleep(0.1)
         reap(self.tree)
@@ -313,8 +305,9 @@ def small_disk(size: str, disk: Path, keep: Path) -> tuple[str, ...]:
     """A `wrapper` for Launch: the trainer runs in a mount namespace of its own where the folder `disk` is a tmpfs of
     `size` ("200k", "3m"): a disk that fills up. When the trainer ends, what it left there is copied to `keep` (the
     tmpfs ends with the namespace). Skips the test where unshare cannot make one (user and mount namespaces)."""
-    import pytest
     import shutil
+
+    import pytest
     if not shutil.which("unshare") or subprocess.run(["unshare", "--map-root-user", "--mount", "true"]).returncode:
         pytest.skip("needs unshare with user and mount namespaces (a small tmpfs of its own)")
     disk.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,7 @@ from benchmarks.memory import LiveTensorBytes
 from benchmarks.pipeline import async_workload, pipeline_bound
 from benchmarks.shared_prompt import forward_macs, mac_ceiling, shared_prompt_cell
 from launch.sizing import split_seconds
+import warm
 
 
 def test_pipeline_bound():
@@ -226,7 +227,7 @@ def test_gpu_table_runs_every_part_on_cpu(qwen_shaped_dir, tmp_path):
                str(data), "--train-tokens", "4", "--iterations", "1", "--peer-rounds", "1", "--trl-python",
                str(tmp_path / "no-python"), "--json", str(figures),
                "--tail", "off", "--trainer-args", "--sizes rule"]  # no probe: the trainer runs only have to run
-    done = subprocess.run(command, cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True,
+    done = warm.run(command, cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True,
                           timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     table = json.loads(figures.read_text())

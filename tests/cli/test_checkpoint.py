@@ -22,6 +22,7 @@ from infra.outputs import OutputError
 from infra.models import load_model
 from infra.options import validate
 from infra.command_line import given_options, parse_args
+import warm
 
 ROOT = Path(__file__).resolve().parents[2]
 # Sizes fixed, so that the probe's timing cannot pick other ones for the two runs compared.
@@ -59,7 +60,7 @@ SCHEDULE = ["--lr-scheduler-type", "cosine", "--warmup-ratio", "0.3", "--num-ite
 def stopped(command: list, ready, stop: signal.Signals) -> tuple[str, str]:
     """Run `command` until `ready()`, then send it `stop`; its exit code is SIGKILL's, or 143 after SIGTERM's stop.
     (stdout, stderr)."""
-    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = warm.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 240
         while not ready():
@@ -95,7 +96,7 @@ def test_a_stopped_run_resumed_equals_the_uninterrupted_one(tiny_model_dir, tmp_
     θ_k's evaluation came keeps that iteration without its held-out reward.)"""
     run = ["--model", tiny_model_dir, *RUN, "--iterations", "8", "--mode", mode, "--updates-per-iteration", updates,
            *extra]
-    straight = subprocess.run(trainer(*run, "--out", tmp_path / "straight"), cwd=ROOT, capture_output=True, text=True,
+    straight = warm.run(trainer(*run, "--out", tmp_path / "straight"), cwd=ROOT, capture_output=True, text=True,
                               timeout=300)
     assert straight.returncode == 0, straight.stderr
     out, cut_short = tmp_path / "stopped", None
@@ -120,7 +121,7 @@ def test_a_stopped_run_resumed_equals_the_uninterrupted_one(tiny_model_dir, tmp_
             cut_short = kept - 1
         assert not (out / "policy").exists()
         command = trainer("--resume", "auto", "--out", out, "--model", tiny_model_dir)
-    resumed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    resumed = warm.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming from" in resumed.stdout
     assert_same_run(tmp_path / "straight", out, cut_short)
@@ -300,7 +301,7 @@ def test_the_schedule_is_kept_and_old_checkpoints_resume(tiny_model_dir, tmp_pat
 
 def test_a_bad_resume_is_one_line(tmp_path):
     """Claim: `--resume` of something that is not a checkpoint ends with one line and exit 1, before any loading."""
-    result = subprocess.run(trainer("--resume", tmp_path, "--out", tmp_path / "out"), cwd=ROOT, capture_output=True,
+    result = warm.run(trainer("--resume", tmp_path, "--out", tmp_path / "out"), cwd=ROOT, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == [f"error: --resume {tmp_path}: not a checkpoint directory (no "
@@ -373,7 +374,7 @@ def straight_async_run(tiny_model_dir, tmp_path_factory) -> Path:
     """ASYNC_RUN run through, with --save-every 3: its checkpoint-3 is the state a stop after iteration 2 must keep
     (run once for the session: conftest.once_per_session)."""
     def make(folder: Path) -> None:
-        done = subprocess.run(trainer("--model", tiny_model_dir, *ASYNC_RUN, "--save-every", "3", "--out",
+        done = warm.run(trainer("--model", tiny_model_dir, *ASYNC_RUN, "--save-every", "3", "--out",
                                       folder / "run"), cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr
     return once_per_session(tmp_path_factory, "straight-async", make) / "run"
@@ -513,7 +514,7 @@ def test_the_preemptible_recipe_survives_a_kill_before_the_first_checkpoint(tiny
         first.send(signal.SIGKILL)  # preempted: nothing can be saved
         first.assert_stopped(None, None)
     assert not checkpoint.checkpoints(out) and (out / "metrics.jsonl").read_text()
-    again = subprocess.run(trainer(*command), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    again = warm.run(trainer(*command), cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr
     assert (f"periodic-rl: --resume auto: no checkpoint in {out} yet: starting the run from iteration 0 (replacing "
             "the outputs of the run that stopped before its first checkpoint: metrics.jsonl") in again.stdout
@@ -544,7 +545,7 @@ def finished_run(tiny_model_dir, tmp_path_factory) -> Path:
     """A finished run of 2 iterations with --save-every 2: metrics rows 0, 1 and the final one, policy/, and
     checkpoint-2, taken at the last iteration (run once for the session). Tests copy it before they touch it."""
     def make(folder: Path) -> None:
-        done = subprocess.run(trainer("--model", tiny_model_dir, *FINISHED, "--save-every", "2", "--seed", "1",
+        done = warm.run(trainer("--model", tiny_model_dir, *FINISHED, "--save-every", "2", "--seed", "1",
                                       "--out", folder / "run"), cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr
     out = once_per_session(tmp_path_factory, "finished", make) / "run"
@@ -774,7 +775,7 @@ def test_a_run_starts_from_a_finished_runs_folder_through_a_link(finished_run, t
     out = tmp_path / "next"
     command = trainer("--model", latest, "--iterations", "1", "--eval-every", "0", "--sizes", "rule", "--save-every",
                       "1", "--out", out, "--resume", "auto")  # the preemptible recipe: the same command each time
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = warm.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     policy = (source / "policy").resolve()
     assert f"periodic-rl: --model {latest}: a run's folder: took its trained policy, {policy}" in done.stdout
@@ -786,7 +787,7 @@ def test_a_run_starts_from_a_finished_runs_folder_through_a_link(finished_run, t
     assert theta_0 == fingerprint(load_model(str(policy))[0]) != fingerprint(load_model(saved["model"])[0])
     assert snapshot(source) == before
     finished = snapshot(out)
-    again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)  # resubmitted at the end
+    again = warm.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)  # resubmitted at the end
     assert again.returncode == 0 and f"the run in {out} is complete (1 iteration," in again.stdout, again.stderr
     assert snapshot(out) == finished and snapshot(source) == before
 

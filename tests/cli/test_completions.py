@@ -24,6 +24,7 @@ from config import Config
 from infra import outputs
 from infra.completions import COMPLETIONS, CompletionsLog, records
 from infra.tracking import Trackers, completions_table, markdown_table
+import warm
 
 ROOT = Path(__file__).resolve().parents[2]
 REWARDS = ["--reward", "math", "tests/rewards.py:digit_fraction", "--reward-weights", "1", "0.5"]
@@ -34,7 +35,7 @@ FIELDS = {"iteration", "group", "sample", "prompt", "completion", "rewards", "re
 
 
 def train(model_dir: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "trainer.py", "--model", str(model_dir), *RUN, "--out", str(out), *extra],
+    done = warm.run([sys.executable, "trainer.py", "--model", str(model_dir), *RUN, "--out", str(out), *extra],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return done

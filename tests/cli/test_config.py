@@ -14,6 +14,7 @@ from infra.options import build_parser, derive, validate
 from infra.command_line import parse_args
 from launch import run_output
 from launch import start as launch_start
+import warm
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -177,7 +178,7 @@ def test_probed_sizes_are_left_open_on_cpu_only(monkeypatch):
 
 def test_trainer_cli_bad_value_exits_2_without_traceback():
     """The real entry point, in a subprocess: one line on stderr, exit code 2, no traceback."""
-    result = subprocess.run([sys.executable, "trainer.py", "--group-size", "0"], cwd=ROOT,
+    result = warm.run([sys.executable, "trainer.py", "--group-size", "0"], cwd=ROOT,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr and result.stderr.strip().count("\n") == 0
@@ -545,7 +546,7 @@ def test_a_misspelt_model_is_named_before_the_data_is_read(tmp_path):
     (tmp_path / "tinyy").mkdir()
     assert [misspelt_model(name) for name in ("tiny", "qwen2.5-0.5b", "Qwen/Qwen2.5-0.5B-Instruct", "gpt2",
                                               str(tmp_path / "tinyy"))] == [None] * 5
-    result = subprocess.run([sys.executable, "trainer.py", "--model", "tinyy"], cwd=ROOT, capture_output=True,
+    result = warm.run([sys.executable, "trainer.py", "--model", "tinyy"], cwd=ROOT, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [
         "trainer.py: error: --model tinyy: not a folder, nor a name this trainer knows: did you mean tiny? (a hub id "

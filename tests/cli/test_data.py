@@ -15,6 +15,7 @@ from huggingface_hub import constants as hub_constants
 
 from infra import console, data, tasks
 from infra.tasks import Example, TaskError
+import warm
 
 
 @pytest.fixture(autouse=True)
@@ -576,7 +577,7 @@ def test_the_tiny_model_takes_trls_conversational_data(tmp_path):
     assert text_prompts_note(tokenizer, [Example("37+45=", "82")], raw=False) == ()
     rows = [{"prompt": [{"role": "user", "content": f"{i}+{i}="}], "answer": str(2 * i)} for i in range(12)]
     data = write_jsonl(tmp_path / "chat.jsonl", rows)
-    result = subprocess.run([sys.executable, "trainer.py", "--data", str(data), "--mode", "sync", "--iterations", "1",
+    result = warm.run([sys.executable, "trainer.py", "--data", str(data), "--mode", "sync", "--iterations", "1",
                              "--batch-size", "4", "--group-size", "2", "--eval-every", "0", "--groups-per-call", "2",
                              "--micro-batch-tokens", "4096", "--rollout-threads", "1", "--train-threads", "1",
                              "--no-save", "--out", str(tmp_path / "run")],

@@ -21,6 +21,7 @@ import torch
 
 from infra.reward import RewardError
 from infra.scoring import score
+import warm
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -114,7 +115,7 @@ def test_a_hanging_reward_ends_the_run_within_its_limit(tiny_model_dir, tmp_path
     seconds of its start: exit 1, one `error:` line naming the function, the limit and the option, no traceback,
     no process left running, nothing saved."""
     marker = tmp_path / "reward-started"
-    process = subprocess.Popen(trainer_args(tiny_model_dir, tmp_path / "out", "--mode", mode, "--reward",
+    process = warm.Popen(trainer_args(tiny_model_dir, tmp_path / "out", "--mode", mode, "--reward",
                                             "tests/rewards.py:hanging_reward", "--reward-timeout", "2"),
                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env={**os.environ, "PERIODIC_RL_TEST_MARKER": str(marker)}, start_new_session=True)
@@ -150,7 +151,7 @@ def test_a_reward_that_calls_sys_exit_is_an_error(tiny_model_dir, tmp_path, caps
     if mode == "sync":
         code, err = trainer.main(args[2:]), capsys.readouterr().err
     else:
-        result = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        result = warm.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120)
         code, err = result.returncode, result.stderr
     assert code == 1, err
     assert "exiting_reward' raised SystemExit: 0" in err and "Traceback" not in err
@@ -247,7 +248,7 @@ def test_a_blank_data_option_is_refused(tiny_model_dir, tmp_path, data):
     """Claim: `--data ''` (`--data "$DATA"` with DATA unset) is one line, exit 1, before any model
     loads: it trained on the built-in task and exited 0."""
     model = "periodic-rl-tests/no-such-model"  # a hub id that is not there: loading it would fail
-    result = subprocess.run(trainer_args(model, tmp_path / "out", "--data", data), cwd=ROOT,
+    result = warm.run(trainer_args(model, tmp_path / "out", "--data", data), cwd=ROOT,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.strip().splitlines() == [f"error: --data {data!r} names no data (an unset shell variable?): "

@@ -25,6 +25,7 @@ from infra.options import derive, validate
 from infra.stopping import Interrupted
 from infra.tiny import ensure_tiny_model
 from launch import run_output
+import warm
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXED_SIZES = ["--groups-per-call", "2", "--micro-batch-tokens", "1000", "--rollout-threads", "1",
@@ -37,7 +38,7 @@ def small_run(out, *extra) -> list[str]:
 
 
 def trainer_py(*args, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "trainer.py", *map(str, args)], cwd=ROOT, capture_output=True,
+    return warm.run([sys.executable, "trainer.py", *map(str, args)], cwd=ROOT, capture_output=True,
                           text=True, timeout=300, **kwargs)
 
 
@@ -569,7 +570,7 @@ def test_the_readme_commands_run_again_and_rerun_from_another_folder(tiny_model_
     args = ["--model", str(tiny_model_dir), "--data", "data.jsonl", "--reward", "my_rewards.py:digit_fraction",
             "--iterations", "1", "--batch-size", "8", "--group-size", "4", "--max-new-tokens", "4", "--eval-every",
             "0", "--eval-size", "4", "--mode", "sync", "--sizes", "rule", "--no-save"]
-    done = subprocess.run([sys.executable, ROOT / "trainer.py", *args], cwd=first, capture_output=True, text=True,
+    done = warm.run([sys.executable, ROOT / "trainer.py", *args], cwd=first, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr
     monkeypatch.chdir(first)

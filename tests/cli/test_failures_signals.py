@@ -68,7 +68,7 @@ def test_ctrl_c_at_any_moment_of_start_up(tiny_model_dir, tmp_path, delay):
     """Claim: Ctrl-C while the trainer imports, spawns or loads is never swallowed (once it went on and crashed in
     a half-imported numpy): the run stops with the interrupted line and exit code 130."""
     import time
-    with endless(tiny_model_dir, tmp_path) as run:
+    with endless(tiny_model_dir, tmp_path, warm=False) as run:  # a fresh interpreter: its imports are the claim
         time.sleep(delay)
         run.send(signal.SIGINT, group=True)  # what the terminal does
         run.assert_stopped(130, r"^interrupted by SIGINT")

@@ -17,6 +17,7 @@ from faults import as_from_a_terminal, hang_bound
 from infra import python_args
 from infra.command_line import parse_args
 from infra.tasks import arithmetic_examples
+import warm
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -142,7 +143,7 @@ def test_train_from_a_script_is_the_command_lines_run(tmp_path):
                                     options={**options, "out": str(tmp_path / "api")}))
     env = {**os.environ, "IMPORTS_LOG": str(tmp_path / "api.log"), "PERIODIC_RL_CACHE":
            os.environ.get("PERIODIC_RL_CACHE", str(ROOT / ".cache" / "periodic-rl"))}
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+    done = warm.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0 and f"OUT {tmp_path / 'api'}" in done.stdout, done.stderr[-2000:]
     assert len((tmp_path / "api.log").read_text().split()) == 2  # the script's process and the inference process
@@ -150,7 +151,7 @@ def test_train_from_a_script_is_the_command_lines_run(tmp_path):
                                                  for e in examples))
     typed = [f"--{key.replace('_', '-')}={value}" for key, value in options.items()]
     env["IMPORTS_LOG"] = str(tmp_path / "cli.log")
-    done = subprocess.run([sys.executable, "trainer.py", "--reward", f"{script}:exact", "--data",
+    done = warm.run([sys.executable, "trainer.py", "--reward", f"{script}:exact", "--data",
                            str(tmp_path / "rows.jsonl"), "--model", "tiny", *typed, "--out", str(tmp_path / "cli")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

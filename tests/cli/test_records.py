@@ -21,6 +21,7 @@ from infra.command_line import given_options, parse_args
 from infra.records import RunRecord, absolute_paths, git_commit
 from infra.tracking import TRL_KEYS, TensorBoard, Trackers, TrackingError, tracker_names
 from launch import exits, run_output
+import warm
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = ["--mode", "sync", "--iterations", "3", "--batch-size", "16", "--group-size", "4", "--max-new-tokens", "4",
@@ -33,7 +34,7 @@ def run_dir(tiny_model_dir, tmp_path_factory) -> Path:
     left to the probe."""
     def make(out: Path) -> None:
         argv = ["--model", str(tiny_model_dir), "--data", "arithmetic", *RUN, "--out", str(out)]
-        result = subprocess.run([sys.executable, "trainer.py", *argv], cwd=ROOT, capture_output=True, text=True,
+        result = warm.run([sys.executable, "trainer.py", *argv], cwd=ROOT, capture_output=True, text=True,
                                 timeout=300)
         assert result.returncode == 0, result.stderr
         (out / "argv.json").write_text(json.dumps(argv))

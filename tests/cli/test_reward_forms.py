@@ -23,6 +23,7 @@ from infra.command_line import parse_args
 from infra.reward import RewardError, Rewards, is_batched, load_rewards, needed_columns
 from infra.scoring import score, score_batch, score_group, trainer_state, trl_arguments, weighted_total
 from learner import mean_std
+import warm
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -369,7 +370,7 @@ def test_a_prompt_only_dataset_with_trl_rewards_in_both_modes(tiny_model_dir, tm
             "1", "--train-threads", "1", "--no-save"]
     rows = {}
     for mode in ("sync", "async"):
-        result = subprocess.run([*args, "--mode", mode, "--out", str(tmp_path / mode), "--reward",
+        result = warm.run([*args, "--mode", mode, "--out", str(tmp_path / mode), "--reward",
                                  "tests/rewards.py:length_reward", "--reward", "tests/rewards.py:step_reward"],
                                 cwd=ROOT, capture_output=True, text=True, timeout=180)
         assert result.returncode == 0, result.stderr
@@ -403,7 +404,7 @@ def test_weighted_rewards_of_every_kind_are_logged_each_on_its_own_in_both_modes
     rows = {}
     for mode in ("sync", "async"):
         out = tmp_path / mode
-        result = subprocess.run(
+        result = warm.run(
             [sys.executable, "trainer.py", "--model", str(tiny_model_dir), "--data", "arithmetic", "--iterations", "2",
              "--batch-size", "8", "--group-size", "4", "--max-new-tokens", "4", "--eval-every", "1", "--eval-size", "4",
              "--eval-samples", "2", "--groups-per-call", "2", "--micro-batch-tokens", "16384", "--rollout-threads",

@@ -41,6 +41,7 @@ from safetensors.torch import load_file
 import trainer
 from infra.distributed import Ranks, from_environment
 from learner import Learner
+import warm
 
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,7 +65,7 @@ def options(model_dir, out, setup: str, *extra) -> list[str]:
 
 
 def run(command: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    done = warm.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 

@@ -29,6 +29,7 @@ from packing import logprobs_fn
 from rollout import Evaluation, ScoredGroup, IterationDone, rollout_iteration
 from conftest import learn_iteration
 from launch import run_output
+import warm
 
 ROOT = Path(__file__).resolve().parents[2]
 DIGITS = "tests/rewards.py:digit_fraction"
@@ -430,7 +431,7 @@ def test_deferred_load_waits_for_the_trainer(tiny_model_dir, tmp_path):
 
 
 def run_trainer(*args, timeout=240):
-    return subprocess.run([sys.executable, "trainer.py", *map(str, args)], cwd=ROOT, capture_output=True,
+    return warm.run([sys.executable, "trainer.py", *map(str, args)], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -477,11 +478,11 @@ def test_trainer_stops_cleanly(tiny_model_dir, tmp_path, how):
     behind."""
     shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     split = ["--rollout-threads", "1", "--train-threads", "1"] if how == "kill-child" else []
-    process = subprocess.Popen(
+    process = warm.Popen(
         [sys.executable, "trainer.py", "--model", str(tiny_model_dir), "--data", "arithmetic", "--reward", DIGITS,
          "--iterations", "1000", "--max-new-tokens", "4", "--eval-every", "0", "--out", str(tmp_path), *split],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-        preexec_fn=faults.as_from_a_terminal())
+        terminal_signals=())
     try:
         wait_for_iteration(process, tmp_path / "metrics.jsonl")
         children = faults.children(process.pid)  # PID -> start time

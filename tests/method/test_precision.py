@@ -7,6 +7,7 @@ from launch import setup
 from infra.models import load_model
 from packing import enable_activation_checkpointing, logprobs_fn, recomputes_attention
 from tri_model import TriModel
+import warm
 
 LR = 1e-6
 
@@ -62,7 +63,7 @@ def test_bf16_run_learns(tmp_path):
     import sys
     from pathlib import Path
     root = Path(__file__).resolve().parents[2]
-    result = subprocess.run([sys.executable, "trainer.py", "--dtype", "bfloat16", "--mode", "sync", "--iterations", "16",
+    result = warm.run([sys.executable, "trainer.py", "--dtype", "bfloat16", "--mode", "sync", "--iterations", "16",
                              "--lr-scheduler-type", "constant", "--eval-every", "16", "--eval-size", "64", "--no-save", "--out", str(tmp_path)],
                             cwd=root, capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stderr
