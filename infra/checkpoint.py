@@ -37,8 +37,8 @@ import torch
 from config import Config
 from infra.errors import UserError
 from infra.options import validate, with_new_names
-from infra.outputs import checkpoints, save_atomically, writing
-from infra.records import absolute_paths, through_moved_link
+from infra.outputs import checkpoints, is_record, save_atomically, writing
+from infra.records import RECORD, absolute_paths, through_moved_link
 
 # Options a resumed run may give anew: they decide how long, where, on what and how often to report, or change
 # float rounding only (sums in another order, other kernels), not what is computed. Not given, they stay the
@@ -202,15 +202,35 @@ def source_model(cfg: Config, typed: str, saved: str) -> str | None:
     return new
 
 
+def restarted_config(cfg: Config, given: set[str]) -> Config:
+    """--resume auto where --out holds a run that stopped before its first checkpoint: it starts again from
+    iteration 0 with that run's options (its config.json, written before its model loaded) but those given anew, so
+    that the same short command resubmitted (`--resume auto --out DIR`) restarts the same run, not the defaults."""
+    record = Path(cfg.out) / RECORD if cfg.out else None
+    if record is None or not is_record(record):
+        return cfg
+    saved = with_new_names(json.loads(record.read_text()))
+    anew = given | (DEVICES if given & DEVICES else set())  # given one device, all three are this run's
+    if "iterations" in given:
+        anew.add("num_train_epochs")  # a typed length wins over the saved epochs
+    values = {field.name: saved[field.name] for field in dataclasses.fields(Config)
+              if field.name in saved and field.name not in anew | THIS_RUN}
+    cfg = dataclasses.replace(cfg, **values)
+    if problems := validate(cfg):
+        raise CheckpointError(f"the options of the run in {cfg.out} ({RECORD}), with those given anew, are refused: "
+                              f"{problems[0]}")
+    return cfg
+
+
 def resumption(cfg: Config, given: set[str], typed_model: str | None = None) -> tuple[Config, Path | None]:
     """--resume: (the config the checkpoint fixes, the checkpoint); (cfg, None) without --resume, and with --resume
-    auto where --out holds no checkpoint yet. A checkpoint named by its path continues in its own run directory
+    auto where --out holds no checkpoint yet (then with the options of the run that stopped there, if any). A checkpoint named by its path continues in its own run directory
     unless --out is given. `typed_model`: --model as typed, if given (`source_model`)."""
     if cfg.resume is None:
         return cfg, None
     path = find(cfg.resume, cfg.out)
     if path is None:  # --resume auto before the run's first checkpoint: it starts (again) from iteration 0
-        return cfg, None
+        return restarted_config(cfg, given), None
     state = read_state(path)
     if cfg.resume != "auto" and "out" not in given:
         cfg = dataclasses.replace(cfg, out=str(path.parent))

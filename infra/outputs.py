@@ -319,6 +319,12 @@ def link_latest(folder: Path) -> str:
     return ""
 
 
+def remove_unstarted(folder: Path) -> None:
+    """Delete a run folder of its own (`run_folder`) whose run never started: it holds its record and lock alone."""
+    if {path.name for path in folder.iterdir()} <= {"config.json", LOCK_FILE}:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def holds_run(out: str | Path) -> bool:
     """Whether `out` holds a run of this trainer (`is_run`: rows, a policy, a checkpoint)."""
     out = Path(out)

@@ -127,6 +127,9 @@ class RewardClock:
             cls._clock.deadline = None
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 def not_a_reward(value, nan: bool = False) -> str | None:
     """What is wrong with a reward function's return value, or None if it is one finite real number (or NaN, with
     `nan`: a batched reward's way to skip a completion, as TRL's nansum reads it).
@@ -143,7 +146,11 @@ def not_a_reward(value, nan: bool = False) -> str | None:
         number = float(value)
     except (TypeError, ValueError):
         return "None" if value is None else f"{kind} ({reprlib.repr(value)})"
-    return None if math.isfinite(number) or nan and math.isnan(number) else f"{number}, not a finite number"
+    if not math.isfinite(number):
+        return None if nan and math.isnan(number) else f"{number}, not a finite number"
+    if abs(number) > FLOAT32_MAX:  # the advantages are float32 (as TRL's): it would be inf there
+        return f"{number:g}, beyond float32's range (±{FLOAT32_MAX:.3g}), in which advantages are computed"
+    return None
 
 
 def _timed_out(name: str, time_limit: float, where: str) -> RewardError:

@@ -46,15 +46,20 @@ class RunOutput:
     history: Path | None = None
     ranks: object = None
     logging: bool = False  # log_and_save has the rows: it says itself what became of the policy
+    link_latest: bool = False  # a folder of its own (`own_folder`): runs/latest once the run has started
 
     def prepared(self, cfg: Config) -> None:
         """The options once the data is read (--num-train-epochs counts the iterations there)."""
         self.cfg = cfg
 
     def sized(self, cfg: Config) -> None:
-        """The options are final: recorded with the sizes, sent to the trackers."""
+        """The options are final, the run starts: recorded with the sizes, sent to the trackers; a folder of its own
+        becomes runs/latest (not before: a start refused for its data, rewards or model leaves runs/latest alone)."""
         if self.out is not None:
             self.trackers.start(self.out, self.record.write(cfg), self.record.run_id, self.resumed_at)
+            if self.link_latest and (note := outputs.link_latest(self.out)):
+                print(f"periodic-rl: {note}", flush=True)
+            self.link_latest = False
 
     def completions(self, records) -> None:
         """An iteration's completions (--log-completions), every rank's."""
@@ -76,7 +81,8 @@ def opened(cfg: Config, resume_from: Path | None = None, command: list[str] | No
     """The run's writer for the block: --out checked and locked, the trackers' packages imported, the options
     recorded, all before a model loads. `command`: the command line, as config.json records it. A trainer rank other
     than 0 (`ranks`) takes part in every step but neither claims --out nor writes there (nor reports to trackers).
-    --out with `link_latest` (`own_folder`) becomes runs/latest (infra/outputs.py, rule 5)."""
+    --out with `link_latest` (`own_folder`) becomes runs/latest once the run starts (infra/outputs.py, rule 5), and is
+    removed if it never does."""
     from infra import checkpoint
     from infra.completions import COMPLETIONS, CompletionsLog
     from infra.records import RunRecord
@@ -86,21 +92,21 @@ def opened(cfg: Config, resume_from: Path | None = None, command: list[str] | No
         yield RunOutput(cfg)
         return
     with outputs.claimed(cfg) as out, Trackers(cfg.report_to) as trackers:
-        note = outputs.link_latest(out) if link_latest else ""
-        if note:
-            print(f"periodic-rl: {note}", flush=True)
         record = RunRecord(out, command or ["trainer.py"], resumed=resume_from is not None)
         record.write(cfg)
         history = resume_from.parent / "metrics.jsonl" if resume_from else None  # the run it continues
         samples = CompletionsLog(out, resumed_at, resume_from and resume_from.parent / COMPLETIONS,
                                  trackers.log_completions, cfg.num_completions_to_print, say)  # --log-completions
-        output = RunOutput(cfg, out, record, trackers, samples, resumed_at, history, ranks)
+        output = RunOutput(cfg, out, record, trackers, samples, resumed_at, history, ranks, link_latest=link_latest)
         try:
             yield output
         except UserError as error:  # the training side failed to start (a damaged checkpoint, the sizes): the
             if not output.logging and resume_from and cfg.save and Interrupted.received is None:  # policy is kept
                 say_stopped_early(error, out / 'policy')
             raise
+        finally:
+            if output.link_latest:  # a folder of its own, and the run never started: nothing of it is kept
+                outputs.remove_unstarted(out)
 
 
 def save_policy(policy, tokenizer, path: Path, dtype=None) -> None:

@@ -43,6 +43,7 @@ def test_every_real_scalar_is_a_reward(value):
     ("1.0", "returned a str ('1.0')"),
     ([1.0], "returned a list ([1.0])"), (None, "returned None"), (np.ones(2), "returned an array of shape (2,)"),
     (float("nan"), "returned nan, not a finite number"), (np.float32("inf"), "returned inf, not a finite number"),
+    (1e40, "returned 1e+40, beyond float32's range (±3.4e+38), in which advantages are computed"),
 ])
 def test_a_wrong_reward_type_is_named(value, said):
     """Claim: a reward that is not one finite real number is refused in one line that says plainly what it was."""
@@ -265,3 +266,14 @@ def test_a_local_model_path_that_is_not_there_is_said_first(model, capsys):
         parse_args(["--model", model])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.count("\n") == 1 and f"--model {model!r} is not a directory" in err
+
+
+def test_an_update_that_overflows_is_one_line_naming_the_metrics_and_the_options(tiny_model_dir, tmp_path, capsys):
+    """Claim: a run whose update overflows float32 (here --temperature 1e-40: the trainer's logits / T are inf)
+    stops with one short line naming the metrics that are not finite and the options that scale the loss, not the
+    whole metrics row."""
+    code = trainer.main([*trainer_args(tiny_model_dir, tmp_path / "out", "--mode", "sync", "--temperature", "1e-40",
+                                       "--no-save")[2:]])
+    err = capsys.readouterr().err
+    assert code == 1 and len(err.splitlines()) == 1 and len(err) < 200, err
+    assert err.startswith("error: iteration 0: loss nan") and "--lr" in err and "--temperature" in err, err

@@ -462,6 +462,22 @@ def test_each_run_without_out_gets_a_folder_and_runs_latest_links_the_newest(tmp
     assert not Path("runs/latest").is_symlink()
 
 
+def test_a_refused_start_without_out_leaves_no_folder_and_runs_latest_where_it_was(tiny_model_dir, tmp_path,
+                                                                                   monkeypatch, capsys):
+    """Claim: a run without --out whose start is refused (here its reward file is missing, found once the task is
+    read, after its folder was made) ends with its one line and leaves nothing under runs/: no folder of its own,
+    runs/latest still the previous run."""
+    monkeypatch.chdir(tmp_path)
+    previous = outputs.run_folder("tiny")
+    outputs.link_latest(previous)
+    code = trainer.main(["--model", str(tiny_model_dir), "--data", "arithmetic", "--reward", "missing.py:score",
+                         "--iterations", "1"])
+    err = capsys.readouterr().err
+    assert code == 1 and err.startswith("error: ") and "missing.py" in err and len(err.splitlines()) == 1, err
+    assert sorted(p.name for p in Path("runs").iterdir()) == sorted([previous.name, "latest"])
+    assert Path("runs/latest").resolve() == previous.resolve()
+
+
 def test_resume_auto_needs_out_and_starts_a_run_where_there_is_none(tmp_path, monkeypatch, capsys):
     """Claim: `--resume auto` without --out is refused in one line;
     with an --out that holds no run it starts one, with a line saying so, so that the same command serves every
@@ -487,6 +503,25 @@ def stopped_run(out: Path, **options) -> Path:
     (out / "config.json").write_text(json.dumps({"run_id": "run-0", "versions": {}, **options}))
     (out / "metrics.jsonl").write_text('{"iteration": 0}\n')
     return out
+
+
+def test_resume_auto_restarts_a_run_that_stopped_early_with_its_own_options(tmp_path):
+    """Claim: `--resume auto --out DIR` alone, where DIR holds a run that stopped before its first checkpoint,
+    restarts that run with its options (its config.json), not the defaults; options given anew win (one device
+    given: all three are this run's), and a combination that is refused says where the others came from."""
+    out = stopped_run(tmp_path / "early", save_every=20, lr=0.25, group_size=6, batch_size=12, model="tiny", device="cpu",
+                      rollout_device="cpu", train_device="cpu", iterations=9, num_train_epochs=2.0)
+    cfg, found = checkpoint.resumption(Config(out=str(out), resume="auto"), {"out", "resume"})
+    assert found is None and (cfg.lr, cfg.group_size, cfg.save_every, cfg.num_train_epochs) == (0.25, 6, 20, 2.0)
+    assert (cfg.out, cfg.resume) == (str(out), "auto")
+    given = Config(out=str(out), resume="auto", group_size=3, iterations=4, device="auto")
+    cfg, _ = checkpoint.resumption(given, {"out", "resume", "group_size", "iterations", "device"})
+    assert (cfg.lr, cfg.group_size, cfg.iterations, cfg.num_train_epochs) == (0.25, 3, 4, None)
+    assert (cfg.device, cfg.rollout_device, cfg.train_device) == ("auto", given.rollout_device, given.train_device)
+    assert given.rollout_device != "cpu"
+    with pytest.raises(checkpoint.CheckpointError, match=rf"^the options of the run in {out} \(config.json\), with "
+                                                         "those given anew, are refused: "):
+        checkpoint.resumption(Config(out=str(out), resume="auto", batch_size=5), {"out", "resume", "batch_size"})
 
 
 def test_resume_auto_starts_again_a_run_that_stopped_before_its_first_checkpoint(tmp_path, capsys):
