@@ -23,9 +23,12 @@ module of benchmarks/ and register them in BENCHMARKS.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from typing import Callable
 
 import trainer  # noqa: F401  as a run's: a reward's process pools end with it, in spawned processes too
+from infra.errors import UserError
 from launch.start import shorten_openmp_spinning
 
 shorten_openmp_spinning()  # before the benchmarks import torch: as trainer.py runs
@@ -44,17 +47,43 @@ BENCHMARKS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[
 }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    """0 when every target is met, 1 when one is not or the run failed (one `error:` line), 2 for options that
+    cannot run (one line, before anything is measured), 130 after Ctrl-C."""
     import transformers
     transformers.utils.logging.disable_progress_bar()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     subparsers = parser.add_subparsers(dest="which", required=True)
     for name, (add_args, run) in BENCHMARKS.items():
         add_args(subparsers.add_parser(name, help=run.__doc__.splitlines()[0]))
-    args = parser.parse_args()
-    run = BENCHMARKS[args.which][1]
-    raise SystemExit(0 if run(args) else 1)
+    args = parser.parse_args(argv)
+    if problem := refused(subparsers.choices[args.which], args):
+        print(f"bench.py {args.which}: error: {problem}", file=sys.stderr)
+        return 2
+    try:
+        return 0 if BENCHMARKS[args.which][1](args) else 1
+    except UserError as error:  # a model or data that cannot be read, a failed run the benchmark started
+        print(f"error: {error}", file=sys.stderr)
+    except OSError as error:  # a file it could not write
+        print(f"error: {error.filename or ''}: {error.strerror or error}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("interrupted by SIGINT: the benchmark was stopped; its figures so far are above", file=sys.stderr)
+        return 130
+    return 1
+
+
+def refused(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | None:
+    """What cannot run in `args`: an integer option (every one is a count: repeats, rounds, threads, sizes) below 1,
+    or a --json file whose folder does not exist (found before the benchmark runs, not after its minutes)."""
+    for action in parser._actions:
+        value = getattr(args, action.dest, None)
+        if action.type is int and value is not None and value < 1:
+            return f"{action.option_strings[0]} must be at least 1 (got {value})"
+    folder = os.path.dirname(os.path.abspath(args.json)) if getattr(args, "json", None) else None
+    if folder and not os.path.isdir(folder):
+        return f"--json {args.json}: its folder {folder} does not exist (or is not a folder)"
+    return None
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -468,3 +468,40 @@ def test_gpu_check_script_dry_runs_on_cpu(tmp_path):
     wrong = subprocess.run(["bash", "tools/gpu_check.sh", "trian"], cwd=root, env=env, capture_output=True, text=True)
     assert wrong.returncode == 2 and wrong.stdout.strip() == "error: unknown part trian (train, train-fit, decode, " \
                                                              "peer, pipeline, kernels)"
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["publish", "--repeats", "0"], "bench.py publish: error: --repeats must be at least 1 (got 0)"),
+    (["shared-prompt", "--threads", "0"], "bench.py shared-prompt: error: --threads must be at least 1 (got 0)"),
+    (["memory", "--group-size", "-1"], "bench.py memory: error: --group-size must be at least 1 (got -1)"),
+    (["publish", "--json", "FILE/out.json"], "bench.py publish: error: --json FILE/out.json: its folder "),
+])
+def test_bench_options_that_cannot_run_are_one_line_before_anything_runs(tmp_path, monkeypatch, capsys, argv, said):
+    """Claim: bench.py refuses a count below 1 and a --json whose folder is not one in one line, exit 2, before it
+    measures anything (a --json found unwritable only at the end lost the run's minutes)."""
+    import bench
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "FILE").write_text("a file, not a folder")
+    ran = []
+    monkeypatch.setitem(bench.BENCHMARKS, argv[0], (bench.BENCHMARKS[argv[0]][0], ran.append))
+    assert bench.main(argv) == 2 and not ran
+    err = capsys.readouterr().err
+    assert err.startswith(said) and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("raised, code, said", [
+    (KeyboardInterrupt(), 130, "interrupted by SIGINT: the benchmark was stopped"),
+    (NotADirectoryError(20, "Not a directory", "out/x.json"), 1, "error: out/x.json: Not a directory"),
+])
+def test_a_benchmark_stopped_or_failing_ends_in_one_line(monkeypatch, capsys, raised, code, said):
+    """Claim: Ctrl-C during a benchmark, or a file it cannot write, ends it with one line and its exit code, no
+    traceback."""
+    import bench
+
+    def fails(args):
+        """Raises `raised`."""
+        raise raised
+    monkeypatch.setitem(bench.BENCHMARKS, "publish", (bench.BENCHMARKS["publish"][0], fails))
+    assert bench.main(["publish"]) == code
+    err = capsys.readouterr().err
+    assert err.startswith(said) and len(err.splitlines()) == 1, err
