@@ -117,10 +117,14 @@ def output_path(output: str) -> Path:
     return path
 
 
+DRAWABLE = 1e300  # beyond it an axis's range overflows (matplotlib computes ticks from max - min)
+
+
 def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
-    """(iterations, values) of the rows that have a value for `key`."""
+    """(iterations, values) of the rows that have a value for `key`; a value no axis can hold (a diverged run's inf
+    or 1e308) is a gap, as NaN is."""
     points = [(row["iteration"], row[key]) for row in rows if row.get(key) is not None]
-    return [k for k, _ in points], [v for _, v in points]
+    return [k for k, _ in points], [float("nan") if is_number(v) and not abs(v) <= DRAWABLE else v for _, v in points]
 
 
 def with_band(axes, steps: list[dict], mean_key: str, std_key: str, label: str, color: str) -> None:
@@ -129,8 +133,9 @@ def with_band(axes, steps: list[dict], mean_key: str, std_key: str, label: str, 
     _, std = series(steps, std_key)
     axes.plot(k, mean, label=label, color=color)
     if std and len(std) == len(mean):
-        axes.fill_between(k, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
-                          color=color, alpha=0.15, label="± std")
+        low, high = ([m + sign * s if abs(m) + abs(s) <= DRAWABLE else float("nan") for m, s in zip(mean, std)]
+                     for sign in (-1, 1))
+        axes.fill_between(k, low, high, color=color, alpha=0.15, label="± std")
 
 
 def figure(rows: list[dict], title: str = "") -> Figure:

@@ -2,6 +2,7 @@
 import contextlib
 import dataclasses
 import json
+import math
 import re
 import subprocess
 import sys
@@ -487,6 +488,18 @@ def test_plot_of_a_file_that_is_not_metrics_is_one_line(tmp_path, text, said):
     assert len(lines) == 1 and re.search(rf"^error: {re.escape(str(tmp_path))}/metrics.jsonl, {said}", lines[0]), lines
     (tmp_path / "metrics.jsonl").write_text(ROW + '{"iteration": 1, "rew')
     assert plot.main([str(tmp_path)]) == 0 and (tmp_path / "metrics.png").is_file()
+
+
+def test_plot_draws_a_diverged_run(tmp_path):
+    """Claim: the rows of a run that diverged (1e308, -1e308, inf and NaN where numbers are drawn, a std of 1e308)
+    are drawn: those values are gaps in their curves (no axis can hold them), the other points are drawn."""
+    rows = [{"iteration": 0, "reward": 0.5, "reward_std": 1e308, "loss": 1e308, "grad_norm": 1.0},
+            {"iteration": 1, "reward": -1e308, "reward_std": 0.1, "loss": float("inf"), "grad_norm": float("nan")},
+            {"iteration": 2, "reward": 0.7, "reward_std": 0.1, "loss": 2.0, "grad_norm": 3.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert plot.main([str(tmp_path)]) == 0 and (tmp_path / "metrics.png").stat().st_size > 0
+    _, values = plot.series(rows, "loss")
+    assert math.isnan(values[0]) and math.isnan(values[1]) and values[2] == 2.0
 
 
 def test_plot_writes_the_file_it_names_or_refuses_the_format(tmp_path, capsys):
