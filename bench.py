@@ -52,12 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     cannot run (one line, before anything is measured), 130 after Ctrl-C."""
     import transformers
     transformers.utils.logging.disable_progress_bar()
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = OneLine(prog="bench.py", description=__doc__.split("\n")[0])
     subparsers = parser.add_subparsers(dest="which", required=True)
     for name, (add_args, run) in BENCHMARKS.items():
         add_args(subparsers.add_parser(name, help=run.__doc__.splitlines()[0]))
     args = parser.parse_args(argv)
-    if problem := refused(subparsers.choices[args.which], args):
+    if problem := refused(args):
         print(f"bench.py {args.which}: error: {problem}", file=sys.stderr)
         return 2
     try:
@@ -65,24 +65,26 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as error:  # a model or data that cannot be read, a failed run the benchmark started
         print(f"error: {error}", file=sys.stderr)
     except OSError as error:  # a file it could not write
-        print(f"error: {error.filename or ''}: {error.strerror or error}", file=sys.stderr)
+        print(f"error: {error.filename}: {error.strerror}" if error.filename else f"error: {error}", file=sys.stderr)
     except KeyboardInterrupt:
         print("interrupted by SIGINT: the benchmark was stopped; its figures so far are above", file=sys.stderr)
         return 130
     return 1
 
 
-def refused(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | None:
-    """What cannot run in `args`: an integer option (every one is a count: repeats, rounds, threads, sizes) below 1,
-    or a --json file whose folder does not exist (found before the benchmark runs, not after its minutes)."""
-    for action in parser._actions:
-        value = getattr(args, action.dest, None)
-        if action.type is int and value is not None and value < 1:
-            return f"{action.option_strings[0]} must be at least 1 (got {value})"
+def refused(args: argparse.Namespace) -> str | None:
+    """A --json file whose folder does not exist, found before the benchmark runs rather than after its minutes."""
     folder = os.path.dirname(os.path.abspath(args.json)) if getattr(args, "json", None) else None
     if folder and not os.path.isdir(folder):
         return f"--json {args.json}: its folder {folder} does not exist (or is not a folder)"
     return None
+
+
+class OneLine(argparse.ArgumentParser):
+    """Options that cannot run (a count below its minimum, an unknown option) are one line, exit 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 if __name__ == "__main__":

@@ -102,7 +102,8 @@ def iteration_row(iteration: int, evaluation: float | None, learner: Learner, ti
     tokens = metrics.pop("response_tokens")                   # sampled and trained on, every rank's
     row = {"iteration": iteration, "policy_version": iteration, "eval_reward": evaluation, **metrics, **timing,
            "tokens_per_s": tokens / timing["iteration_s"]}
-    if bad := [f"{name} {value}" for name, value in row.items() if isinstance(value, float) and not math.isfinite(value)]:
+    bad = [f"{name} {value}" for name, value in row.items() if isinstance(value, float) and not math.isfinite(value)]
+    if bad:
         raise PipelineError(f"iteration {iteration}: {', '.join(bad)}: the update overflowed or diverged (lower --lr; "
                             "--beta, --temperature and the rewards' scale enter the loss too)")
     return row

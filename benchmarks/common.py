@@ -2,6 +2,8 @@
 a Qwen2.5-0.5B-shaped model, the --json output."""
 from __future__ import annotations
 
+import argparse
+import builtins
 import json
 import math
 import statistics
@@ -83,6 +85,17 @@ def qwen_05b_shaped(tiny: bool, layers: int = 24) -> torch.nn.Module:
                          rope_theta=1e6, max_position_embeddings=32768)
     with torch.device("cpu"):
         return Qwen2ForCausalLM(config)
+
+
+def count(minimum: int = 1) -> Callable[[str], int]:
+    """An argparse type: an integer of at least `minimum` (repeats, rounds, threads, sizes: 1; 0 where the option
+    says that 0 chooses for you), so that a bad count is one line before anything is measured."""
+    def int(text: str) -> builtins.int:  # named so: argparse says "invalid int value: 'x'"
+        value = builtins.int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum} (got {value})")
+        return value
+    return int
 
 
 def write_json(path: str | None, figures: object, indent: int = 1) -> None:

@@ -33,6 +33,7 @@ import torch  # noqa: E402
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 import engine  # noqa: E402
+from benchmarks.common import count  # noqa: E402
 from infra import compiled_step, hf_generate  # noqa: E402
 
 
@@ -103,15 +104,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl",
                         help="GSM8K train.jsonl (the questions are the prompts)")
-    parser.add_argument("--layers", type=int, default=2, help="decoder layers of the Qwen2.5-0.5B-wide model")
-    parser.add_argument("--vocab", type=int, default=151936, help="vocabulary size (Qwen2.5's by default)")
-    parser.add_argument("--prompts", type=int, default=4, help="prompts per iteration")
-    parser.add_argument("--group-size", type=int, default=8, help="samples per prompt (G)")
-    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--layers", type=count(), default=2, help="decoder layers of the Qwen2.5-0.5B-wide model")
+    parser.add_argument("--vocab", type=count(3), default=151936, help="vocabulary size (Qwen2.5's by default)")
+    parser.add_argument("--prompts", type=count(), default=4, help="prompts per iteration")
+    parser.add_argument("--group-size", type=count(), default=8, help="samples per prompt (G)")
+    parser.add_argument("--max-new-tokens", type=count(), default=48)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--rounds", type=int, default=3, help="timed iterations per side")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--rounds", type=count(), default=3, help="timed iterations per side")
+    parser.add_argument("--threads", type=count(0), default=None, help="torch threads (default, or 0: torch's)")
     parser.add_argument("--no-split", action="store_true", help="skip the untimed iteration that splits the time")
     parser.add_argument("--compile", action="store_true", help="add the engine with its layers compiled (a third side)")
     args = parser.parse_args(argv)

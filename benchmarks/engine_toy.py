@@ -27,6 +27,7 @@ import torch  # noqa: E402
 import engine  # noqa: E402
 import rollout  # noqa: E402
 from benchmarks import tail  # noqa: E402
+from benchmarks.common import count  # noqa: E402
 from infra import hf_generate  # noqa: E402
 from infra.models import load_model  # noqa: E402
 from infra.tasks import arithmetic_examples  # noqa: E402
@@ -34,8 +35,8 @@ from infra.tasks import arithmetic_examples  # noqa: E402
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--prompts", type=int, default=16, help="prompts per generate call (16: one call)")
+    parser.add_argument("--rounds", type=count(), default=15)
+    parser.add_argument("--prompts", type=count(), default=16, help="prompts per generate call (16: one call)")
     parser.add_argument("--tail", action="store_true", help="rows end at benchmarks/tail.py's lengths")
     parser.add_argument("--against", metavar="ENGINE_PY", help="another engine.py, timed beside this one")
     args = parser.parse_args()

@@ -53,7 +53,7 @@ import torch
 
 import engine
 from infra import compiled_step, hf_generate
-from benchmarks.common import write_json
+from benchmarks.common import count, write_json
 from benchmarks.engine_cpu import eos_ids, gsm8k_prompts, qwen_wide_model
 from benchmarks.peer import peer, peer_run
 from benchmarks.tail import TAILS, add_tail_option
@@ -71,19 +71,19 @@ def gpu_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda", help="where everything runs (cpu: a dry run of every part)")
     parser.add_argument("--data", type=Path, default=default_data, help="GSM8K folder (train.jsonl, test.jsonl)")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"which parts, comma-separated: {', '.join(PARTS)}")
-    parser.add_argument("--layers", type=int, default=24, help="decode, kernels: decoder layers (Qwen2.5-0.5B: 24)")
-    parser.add_argument("--vocab", type=int, default=151936, help="decode, kernels: vocabulary (Qwen2.5's by default)")
-    parser.add_argument("--prompts", type=int, default=16, help="decode, kernels: prompts (x --group-size rows)")
-    parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--decode-tokens", type=int, default=128, help="decode part: M, the longest run's new tokens")
-    parser.add_argument("--rounds", type=int, default=3, help="decode part: interleaved rounds per side")
-    parser.add_argument("--profile-steps", type=int, default=16, help="kernels part: decode steps profiled per side")
+    parser.add_argument("--layers", type=count(), default=24, help="decode, kernels: decoder layers (Qwen2.5-0.5B: 24)")
+    parser.add_argument("--vocab", type=count(3), default=151936, help="decode, kernels: vocabulary (Qwen2.5's by default)")
+    parser.add_argument("--prompts", type=count(), default=16, help="decode, kernels: prompts (x --group-size rows)")
+    parser.add_argument("--group-size", type=count(), default=8)
+    parser.add_argument("--decode-tokens", type=count(), default=128, help="decode part: M, the longest run's new tokens")
+    parser.add_argument("--rounds", type=count(), default=3, help="decode part: interleaved rounds per side")
+    parser.add_argument("--profile-steps", type=count(), default=16, help="kernels part: decode steps profiled per side")
     parser.add_argument("--model", default=None, help="pipeline and peer parts: a model directory or name "
                                                       "(default: tools/qwen_shaped_random.py's, built in a temp dir)")
-    parser.add_argument("--train-tokens", type=int, default=256,
+    parser.add_argument("--train-tokens", type=count(), default=256,
                         help="pipeline and peer parts: --max-new-tokens (TRL's max_completion_length default)")
-    parser.add_argument("--iterations", type=int, default=3, help="pipeline and peer parts: timed steps per run")
-    parser.add_argument("--peer-rounds", type=int, default=2, help="pipeline and peer parts: runs per contender")
+    parser.add_argument("--iterations", type=count(), default=3, help="pipeline and peer parts: timed steps per run")
+    parser.add_argument("--peer-rounds", type=count(), default=2, help="pipeline and peer parts: runs per contender")
     parser.add_argument("--trl-python", default=sys.executable, help="peer part: a Python with trl==1.16.0")
     parser.add_argument("--trainer-args", default="", help="pipeline and peer parts: extra trainer.py options for "
                                                            "periodic-rl's runs (e.g. '--engine compile')")

@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_leaves
 
 import attention
 import packing
-from benchmarks.common import qwen_05b_shaped, write_json
+from benchmarks.common import count, qwen_05b_shaped, write_json
 from infra.options import available_cores
 
 MEMORY_VARIANTS = ("chunked", "checkpointed", "whole-logits")  # default; + --gradient-checkpointing; unchunked
@@ -68,13 +68,13 @@ def memory_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", default="2,4,24",
                         help="decoder layer counts, comma-separated (Qwen2.5-0.5B has 24); variants that do not fit in "
                              "RAM at a count are skipped")
-    parser.add_argument("--prompt-len", type=int, default=256)
-    parser.add_argument("--response-len", type=int, default=512)
-    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--prompt-len", type=count(), default=256)
+    parser.add_argument("--response-len", type=count(), default=512)
+    parser.add_argument("--group-size", type=count(), default=8)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="compute dtype (bf16 matrix products are ~80x slower than float32 on a CPU without "
                              "native bf16)")
-    parser.add_argument("--threads", type=int, default=available_cores())
+    parser.add_argument("--threads", type=count(), default=available_cores())
     parser.add_argument("--json", metavar="FILE", help="write the rows as JSON to FILE")
 
 

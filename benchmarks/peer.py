@@ -31,7 +31,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from benchmarks.common import SLOWER_FLOOR, not_slower, ratio_interval, write_json
+from benchmarks.common import SLOWER_FLOOR, count, not_slower, ratio_interval, write_json
 from infra.options import available_cores
 
 ROOT = Path(__file__).resolve().parents[1]  # both sides run from the repository's root, wherever bench.py is called
@@ -50,12 +50,12 @@ def peer_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trl-python", default=str(ROOT / ".venv-trl" / "bin" / "python"),
                         help="a Python with trl==1.16.0 installed (see tools/trl_grpo_run.py); default: the "
                              "repository's .venv-trl")
-    parser.add_argument("--iterations", type=int, default=10, help="timed steps per run (one more is dropped)")
-    parser.add_argument("--rounds", type=int, default=3, help="runs of each contender, interleaved")
+    parser.add_argument("--iterations", type=count(), default=10, help="timed steps per run (one more is dropped)")
+    parser.add_argument("--rounds", type=count(), default=3, help="runs of each contender, interleaved")
     parser.add_argument("--task", choices=PEER_TASKS, default="arithmetic",
                         help="arithmetic: the toy (responses of ~4 tokens); chain: long-tailed responses of 5-100 "
                              "tokens (the tiny-chain model)")
-    parser.add_argument("--max-new-tokens", type=int, default=None,
+    parser.add_argument("--max-new-tokens", type=count(0), default=None,
                         help="default: 8 (arithmetic), 128 (chain), 512 (--model DIR)")
     parser.add_argument("--model", metavar="DIR", default=None,
                         help="instead of --task: a local chat-model directory (e.g. tools/qwen_shaped_random.py's), "

@@ -43,7 +43,7 @@ import statistics
 
 from benchmarks import tail
 from benchmarks.tail import TAILS
-from benchmarks.common import SLOWER_FLOOR, not_slower, ratio_interval, write_json
+from benchmarks.common import SLOWER_FLOOR, count, not_slower, ratio_interval, write_json
 from infra.options import available_cores
 
 TAIL_TARGET = 1.3  # async over sync with the tail, default workload
@@ -74,8 +74,8 @@ def time_schedule(argv: list[str], iterations: int) -> list[dict[str, float]]:
 
 def async_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="the default workload only")
-    parser.add_argument("--iterations", type=int, default=10, help="timed iterations per run (one more is dropped)")
-    parser.add_argument("--rounds", type=int, default=3, help="sync/async run pairs per workload, interleaved")
+    parser.add_argument("--iterations", type=count(), default=10, help="timed iterations per run (one more is dropped)")
+    parser.add_argument("--rounds", type=count(), default=3, help="sync/async run pairs per workload, interleaved")
     parser.add_argument("--trainer-args", default="", metavar="ARGS",
                         help="trainer.py options added to every workload, "
                              "e.g. \"--groups-per-call 8 --rollout-threads 2\"")

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from benchmarks.common import median_seconds, qwen_05b_shaped, write_json
+from benchmarks.common import count, median_seconds, qwen_05b_shaped, write_json
 
 
 def _receive_pickled(q, done):
@@ -27,7 +27,7 @@ def _receive_pickled(q, done):
 
 
 def publish_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--repeats", type=int, default=5, help="timed repeats; the median is reported")
+    parser.add_argument("--repeats", type=count(), default=5, help="timed repeats; the median is reported")
     parser.add_argument("--json", metavar="FILE", help="write the figures as JSON to FILE")
 
 

@@ -43,7 +43,7 @@ from typing import Callable
 import torch
 
 import packing
-from benchmarks.common import saved_for_backward_bytes, write_json
+from benchmarks.common import count, saved_for_backward_bytes, write_json
 
 SHARED_PROMPT_GRID = [(P, R) for P in (32, 128, 512, 1024) for R in (16, 64, 256)] + [(512, 32)]
 SHARED_PROMPT_QUICK = [(512, 32), (32, 256)]
@@ -54,10 +54,10 @@ MODES = ("packed", "unpacked", "auto")
 def shared_prompt_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="two cells only (smoke test)")
     parser.add_argument("--json", metavar="FILE", help="write the rows as JSON to FILE")
-    parser.add_argument("--group-size", type=int, default=8, help="responses per prompt (G)")
-    parser.add_argument("--repeats", type=int, default=5,
+    parser.add_argument("--group-size", type=count(), default=8, help="responses per prompt (G)")
+    parser.add_argument("--repeats", type=count(), default=5,
                         help="timed steps per mode and cell, after one warm-up; the fastest is reported")
-    parser.add_argument("--threads", type=int, default=1,
+    parser.add_argument("--threads", type=count(), default=1,
                         help="torch CPU threads; 1 by default because on a shared 2-core machine a second "
                              "thread waiting on a busy core made every op ~10x slower, swamping the comparison")
     parser.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"), help="attention implementation")

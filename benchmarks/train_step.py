@@ -43,6 +43,7 @@ import torch
 
 import attention
 import packing
+from benchmarks.common import count
 from benchmarks.engine_cpu import gsm8k_prompts, qwen_wide_model
 from config import Config
 from grpo import grpo_loss
@@ -63,7 +64,7 @@ SIDES = {"off": ("eager",), "on": ("compiled",), "both": ("eager", "compiled"),
 
 
 def train_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--train-micro-groups", type=int, default=16,
+    parser.add_argument("--train-micro-groups", type=count(0), default=16,
                         help="train part: groups per micro-batch (16: the whole iteration in one; 0: as many as the "
                              "device's memory allows, launch/memory.fit_rows, above the 16,384 a run keeps to)")
     parser.add_argument("--train-compile", choices=tuple(SIDES), default="both",

@@ -11,12 +11,12 @@ import copy
 
 import torch
 
-from benchmarks.common import median_seconds, saved_for_backward_bytes, write_json
+from benchmarks.common import count, median_seconds, saved_for_backward_bytes, write_json
 
 
 def tri_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", dest="tri_model", default="tiny", help="model name or path (models.load_model)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed steps; the median is reported")
+    parser.add_argument("--repeats", type=count(), default=5, help="timed steps; the median is reported")
     parser.add_argument("--json", metavar="FILE", help="write the figures as JSON to FILE")
 
 

@@ -21,7 +21,7 @@ import shlex
 import statistics
 
 from benchmarks import tail
-from benchmarks.common import write_json
+from benchmarks.common import count, write_json
 from benchmarks.pipeline import time_schedule
 from benchmarks.tail import TAILS
 
@@ -30,8 +30,8 @@ THREADS = ["--rollout-threads", "1", "--train-threads", "1"]  # one per worker, 
 
 
 def workers_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--iterations", type=int, default=8, help="timed iterations per run (one more is dropped)")
-    parser.add_argument("--rounds", type=int, default=2, help="runs per worker count, interleaved")
+    parser.add_argument("--iterations", type=count(), default=8, help="timed iterations per run (one more is dropped)")
+    parser.add_argument("--rounds", type=count(), default=2, help="runs per worker count, interleaved")
     parser.add_argument("--trainer-args", default="", metavar="ARGS", help="trainer.py options added to every run")
     tail.add_tail_option(parser)
     parser.add_argument("--json", metavar="FILE", help="write the figures as JSON to FILE")

@@ -25,8 +25,10 @@ How big a checkpoint is: the policy in float32 plus AdamW's two moments, 3 x 4 b
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -35,6 +37,7 @@ from pathlib import Path
 import torch
 
 from config import Config
+from infra.command_line import given_values
 from infra.errors import UserError
 from infra.options import validate, with_new_names
 from infra.outputs import checkpoints, is_record, save_atomically, writing
@@ -204,8 +207,10 @@ def source_model(cfg: Config, typed: str, saved: str) -> str | None:
 
 def restarted_config(cfg: Config, given: set[str]) -> Config:
     """--resume auto where --out holds a run that stopped before its first checkpoint: it starts again from
-    iteration 0 with that run's options (its config.json, written before its model loaded) but those given anew, so
-    that the same short command resubmitted (`--resume auto --out DIR`) restarts the same run, not the defaults."""
+    iteration 0 with the options that run was started with (typed in its command, or in its --config file: its
+    config.json records both) but those given anew, so that the same short command resubmitted (`--resume auto --out
+    DIR`) restarts the same run, not the defaults. What that run chose itself (its devices, its probed sizes) is
+    chosen again, on this machine."""
     record = Path(cfg.out) / RECORD if cfg.out else None
     if record is None or not is_record(record):
         return cfg
@@ -213,19 +218,35 @@ def restarted_config(cfg: Config, given: set[str]) -> Config:
     anew = given | (DEVICES if given & DEVICES else set())  # given one device, all three are this run's
     if "iterations" in given:
         anew.add("num_train_epochs")  # a typed length wins over the saved epochs
-    values = {field.name: saved[field.name] for field in dataclasses.fields(Config)
-              if field.name in saved and field.name not in anew | THIS_RUN}
-    cfg = dataclasses.replace(cfg, **values)
+    taken = {name: saved[name] for name in typed_in(saved.get("command")) - anew - THIS_RUN if name in saved}
+    if not taken:
+        return cfg
+    cfg = dataclasses.replace(cfg, **taken)
     if problems := validate(cfg):
         raise CheckpointError(f"the options of the run in {cfg.out} ({RECORD}), with those given anew, are refused: "
                               f"{problems[0]}")
+    print(f"periodic-rl: --resume auto: restarting with the options of the run in {cfg.out}: "
+          + " ".join("--" + name.replace("_", "-") for name in sorted(taken)), flush=True)
     return cfg
+
+
+def typed_in(command) -> set[str]:
+    """The options a recorded command line (config.json's `command`: trainer.py and its arguments) typed, its
+    --config file's included; none where it no longer parses (a --config file moved since)."""
+    if not isinstance(command, list) or not command or not str(command[0]).endswith("trainer.py"):
+        return set()
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            return set(given_values([str(arg) for arg in command[1:]]))
+    except SystemExit:
+        return set()
 
 
 def resumption(cfg: Config, given: set[str], typed_model: str | None = None) -> tuple[Config, Path | None]:
     """--resume: (the config the checkpoint fixes, the checkpoint); (cfg, None) without --resume, and with --resume
-    auto where --out holds no checkpoint yet (then with the options of the run that stopped there, if any). A checkpoint named by its path continues in its own run directory
-    unless --out is given. `typed_model`: --model as typed, if given (`source_model`)."""
+    auto where --out holds no checkpoint yet (then with the options of the run that stopped there, if any). A
+    checkpoint named by its path continues in its own run directory unless --out is given. `typed_model`: --model as
+    typed, if given (`source_model`)."""
     if cfg.resume is None:
         return cfg, None
     path = find(cfg.resume, cfg.out)

@@ -29,8 +29,10 @@ Rules (each a one-line `OutputError` when broken; trainer.py prints it and exits
    (`write_atomically`, the same for one file): a kill or a full disk at any moment leaves the previous
    directory or the new one, never a torn one.
 5. Without --out each run gets a folder of its own, runs/<model>-<YYYYmmdd-HHMMSS> (`run_folder`: -2, -3, ...
-   when two start in the same second), and runs/latest becomes a link to it (`link_latest`), so `python plot.py
-   runs/latest` and `--config runs/latest/config.json` find the newest run, and any command can be run again. An
+   when two start in the same second), and runs/latest becomes a link to it once the run starts (`link_latest`; a
+   start refused for its data, rewards or model removes the folder and leaves runs/latest as it was), so `python
+   plot.py runs/latest` and `--config runs/latest/config.json` find the newest run, and any command can be run
+   again. An
    explicit --out keeps rules 2 and 3. `--resume auto` needs --out (runs/latest may be another run by the time a
    preempted job is resubmitted); where --out holds no run to continue it starts one (`resume_or_start`), and
    where it holds a run that stopped before its first checkpoint it starts that run again from iteration 0,
@@ -321,8 +323,9 @@ def link_latest(folder: Path) -> str:
 
 def remove_unstarted(folder: Path) -> None:
     """Delete a run folder of its own (`run_folder`) whose run never started: it holds its record and lock alone."""
-    if {path.name for path in folder.iterdir()} <= {"config.json", LOCK_FILE}:
-        shutil.rmtree(folder, ignore_errors=True)
+    with suppress(OSError):  # (what failed first is what the run says)
+        if {path.name for path in folder.iterdir()} <= {"config.json", LOCK_FILE}:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def holds_run(out: str | Path) -> bool:

@@ -137,18 +137,22 @@ def not_a_reward(value, nan: bool = False) -> str | None:
     Accepted: whatever `float()` converts, except text and anything with dimensions: int, float, a bool (1 or 0:
     TRL's float32 tensor of a list of bools), numpy.float32 / int64, Decimal, Fraction, a 0-d array or tensor.
     """
-    kind = f"a {type(value).__name__}"
+    name = type(value).__name__
+    kind = f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
     if isinstance(value, (str, bytes)):
         return f"{kind} ({reprlib.repr(value)})"
     if tuple(getattr(value, "shape", ())):
         return f"an array of shape {tuple(value.shape)} ({type(value).__name__})"
     try:
         number = float(value)
+    except OverflowError:
+        return f"{kind} too large for any float"
     except (TypeError, ValueError):
         return "None" if value is None else f"{kind} ({reprlib.repr(value)})"
     if not math.isfinite(number):
         return None if nan and math.isnan(number) else f"{number}, not a finite number"
-    if abs(number) > FLOAT32_MAX:  # the advantages are float32 (as TRL's): it would be inf there
+    if abs(number) > FLOAT32_MAX:  # inf in the float32 advantages (as TRL's; rewards within the range whose
+        # differences are not, ±2e38, overflow there too: the run then ends naming the metrics, periodic_rl.py)
         return f"{number:g}, beyond float32's range (±{FLOAT32_MAX:.3g}), in which advantages are computed"
     return None
 

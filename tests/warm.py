@@ -5,24 +5,26 @@ process-level tests cost on a 2-core machine: docs/design.md, "The suite on a bu
     done = warm.run([sys.executable, "trainer.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
     process = warm.Popen([sys.executable, "trainer.py", *args], stdout=PIPE, start_new_session=True)
 
-`Popen` and `run` are subprocess's, call for call. What a test checks is the run's own: its exit code (the wait
-status of the process that ran the script), its stdout and stderr (the descriptors are passed whole), its files,
-the processes it starts (the inference process is spawned as always: a fresh interpreter), the signals it gets (a
-process of its own PID, in a session of its own when asked). What differs is the interpreter's start alone, so a
-command is served warm only where that start cannot show:
-- the command is `sys.executable SCRIPT.py ARGS` (no interpreter option, no shell), with no preexec_fn, user,
-  group, umask or extra descriptor, and no terminal on stdin, stdout or stderr;
+`Popen` and `run` are subprocess's, call for call. What a test checks is the run's own: its exit code (as Popen
+gives it: -N after signal N), its stdout and stderr (the descriptors are passed whole), its files, the processes it
+starts (the inference process is spawned as always: a fresh interpreter), the signals it gets (a process of its own
+PID, in a session of its own when asked). What differs is the interpreter's start alone, so a command is served
+warm only where that start cannot show:
+- the command is `sys.executable SCRIPT.py ARGS` (no interpreter option, no shell) for a script that exists, with
+  no preexec_fn, user, group, umask or extra descriptor, and no terminal on stdin, stdout or stderr;
 - every environment variable that the warm interpreter's imports read (recorded while it imported), or that C
-  libraries read when they load (`C_PREFIXES`), is what the command's environment would give a fresh interpreter;
-  trainer.py and bench.py set GOMP_SPINCOUNT before torch loads (launch/start.shorten_openmp_spinning), so the warm
-  interpreter did too;
-- those imports wrote nothing (a warning a fresh run would print is not swallowed);
+  libraries read when they load (`C_PREFIXES`), is what the command's environment would give a fresh interpreter
+  (trainer.py and bench.py set GOMP_SPINCOUNT before torch loads, launch/start.shorten_openmp_spinning: so does
+  their warm interpreter); an environment that differs there gets a warm interpreter of its own (up to
+  MAX_ZYGOTES);
+- those imports wrote nothing (a warning a fresh run would print is not swallowed) and left CUDA uninitialised;
 - the test does not ask for a fresh interpreter (`warm=False`: the claims about start-up itself).
 Anything else is an ordinary fork-exec (`refusal` says why). In the forked process, as in a fresh one: the
 signals are at their defaults (Ctrl-C raises KeyboardInterrupt, SIGPIPE and SIGXFSZ ignored) but for those the
-test process ignores (an exec keeps them ignored) or `terminal_signals` names; the script runs as `__main__`
-with its folder first on sys.path; multiprocessing's start folder and authkey, and numpy's global random state,
-are the process's own.
+test process ignores (an exec keeps them ignored; `terminal_signals`: but Ctrl-C's, SIGHUP and SIGQUIT, and these);
+the script runs as `__main__` with its folder first on sys.path, and an uncaught exception's report shows the
+script's frames alone; multiprocessing's start folder and authkey, and numpy's global random state, are the
+process's own. (Python's string hashing seed is the warm interpreter's, shared by the commands it serves.)
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ import atexit
 import inspect
 import json
 import os
+import select
 import shutil
 import signal
 import socket
@@ -37,14 +40,16 @@ import subprocess
 import sys
 import tempfile
 import threading
+from contextlib import suppress
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PRELOAD = ("torch", "numpy", "safetensors.torch", "transformers", "transformers.modeling_utils",
            "transformers.models.qwen2.modeling_qwen2", "transformers.models.auto.modeling_auto",
            "transformers.models.auto.tokenization_auto", "transformers.generation")
-C_PREFIXES = ("PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "LD_", "MALLOC", "CUDA", "NCCL", "LANG",
-              "LC_", "TZ", "TQDM_", "FSSPEC_")  # read below Python's os.environ, or scanned by prefix on import
+# Read below Python's os.environ (by C libraries, when they load), or looked for by prefix on import:
+C_PREFIXES = ("PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "DNNL_", "ONEDNN_", "TORCH", "PYTORCH", "ATEN_",
+              "LD_", "MALLOC", "CUDA", "NCCL", "LANG", "LC_", "TZ", "TQDM_", "FSSPEC_")
 SHORTENS_SPINNING = ("trainer.py", "bench.py")  # they call shorten_openmp_spinning before torch loads
 EXECUTE_CHILD = inspect.signature(subprocess.Popen._execute_child)
 
@@ -76,11 +81,9 @@ class Popen(subprocess.Popen):
         call = EXECUTE_CHILD.bind(self, *args).arguments
         self.refusal = "warm=False" if not self._wanted else refusal(call, self._terminal is not None)
         if self.refusal is None:
-            fds = [call[name] if call[name] != -1 else default
-                   for name, default in (("p2cread", 0), ("c2pwrite", 1), ("errwrite", 2))]
-            ignored = self._terminal if self._terminal is not None else inherited_ignored()
-            answer, self.served = fork(call["args"][1:], call["cwd"] or os.getcwd(), script_env(call),
-                                       call["start_new_session"], ignored, fds)
+            answer, self.served = fork(call["args"][1:], os.path.abspath(call["cwd"] or os.getcwd()),
+                                       script_env(call), call["start_new_session"], self.ignored(),
+                                       [call[name] if call[name] != -1 else fd for name, fd in STDIO])
             self.refusal = answer.get("refused")
             if self.refusal is None:
                 self.pid, self._child_created = answer["pid"], True
@@ -90,27 +93,41 @@ class Popen(subprocess.Popen):
         self.served = None
         super()._execute_child(*args)
 
-    def _internal_poll(self, *args, **kwargs):
+    def ignored(self) -> set[int]:
+        """The signals the script starts ignoring: those this process ignores (an exec keeps them ignored), but
+        Ctrl-C's, SIGHUP and SIGQUIT as from a terminal, where asked, ignoring `terminal_signals` instead."""
+        if self._terminal is None:
+            return inherited_ignored()
+        return inherited_ignored() - {signal.SIGINT, signal.SIGHUP, signal.SIGQUIT} | set(self._terminal)
+
+    def _internal_poll(self, _deadstate=None, **kwargs):
         if self.served is None:
-            return super()._internal_poll(*args, **kwargs)
-        if self.returncode is None and self.served.status(timeout=0) is not None:
-            self.returncode = os.waitstatus_to_exitcode(self.served.status(timeout=0))
+            return super()._internal_poll(_deadstate=_deadstate, **kwargs)
+        if self.returncode is None:
+            try:
+                self.returncode = self.served.returncode(timeout=0)
+            except ZygoteLost:
+                if _deadstate is None:
+                    raise
+                self.returncode = _deadstate  # (subprocess's clean-up of a forgotten Popen)
         return self.returncode
 
     def _wait(self, timeout):
         if self.served is None:
             return super()._wait(timeout)
         if self.returncode is None:
-            status = self.served.status(timeout)
-            if status is None:
+            self.returncode = self.served.returncode(timeout)
+            if self.returncode is None:
                 raise subprocess.TimeoutExpired(self.args, timeout)
-            self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
+
+
+STDIO = (("p2cread", 0), ("c2pwrite", 1), ("errwrite", 2))  # the child's stdin, stdout, stderr (-1: this process's)
 
 
 def run(args, *, input=None, capture_output=False, timeout=None, check=False, warm: bool = True,
         **kwargs) -> subprocess.CompletedProcess:
-    """subprocess.run, through `Popen`."""
+    """subprocess.run, through `Popen` (as CPython's, on POSIX)."""
     if input is not None:
         kwargs["stdin"] = subprocess.PIPE
     if capture_output:
@@ -120,7 +137,10 @@ def run(args, *, input=None, capture_output=False, timeout=None, check=False, wa
             stdout, stderr = process.communicate(input, timeout=timeout)
         except subprocess.TimeoutExpired:
             process.kill()
-            process.communicate()
+            process.wait()
+            raise
+        except BaseException:
+            process.kill()
             raise
     if check and process.returncode:
         raise subprocess.CalledProcessError(process.returncode, process.args, stdout, stderr)
@@ -134,13 +154,16 @@ def refusal(call: dict, terminal: bool) -> str | None:
         return "not an argument list"
     if len(argv) < 2 or argv[0] != sys.executable or not str(argv[1]).endswith(".py"):
         return "not `python SCRIPT.py ...`"
-    if (call["preexec_fn"] is not None and not terminal or call["pass_fds"] or not call["close_fds"]
-            or not call["restore_signals"] or call["umask"] != -1 or call["uid"] is not None
-            or call["gid"] is not None or call["gids"] is not None or call.get("process_group", -1) not in (-1, None)):
+    if not os.path.isfile(os.path.join(call["cwd"] or os.getcwd(), argv[1])):
+        return "no such script (Python's own error is a fresh interpreter's)"
+    preexec = call["preexec_fn"] is not None and not terminal  # (`terminal_signals` is served)
+    ids = call["uid"] is not None or call["gid"] is not None or call["gids"] is not None
+    descriptors = bool(call["pass_fds"]) or not call["close_fds"]
+    start = not call["restore_signals"] or call["umask"] != -1 or call.get("process_group", -1) not in (-1, None)
+    if preexec or ids or descriptors or start:
         return "a process option the warm start does not take"
-    for name, default in (("p2cread", 0), ("c2pwrite", 1), ("errwrite", 2)):
-        if os.isatty(call[name] if call[name] != -1 else default):
-            return "a terminal (Python buffers its output by that at start-up)"
+    if any(os.isatty(call[name] if call[name] != -1 else fd) for name, fd in STDIO):
+        return "a terminal (Python buffers its output by that at start-up)"
     return None
 
 
@@ -149,57 +172,72 @@ def script_env(call: dict) -> dict:
     return {str(k): str(v) for k, v in (call["env"] if call["env"] is not None else os.environ).items()}
 
 
-def inherited_ignored() -> list[int]:
+def inherited_ignored() -> set[int]:
     """The signals this process ignores: an exec'd child starts ignoring them too (SIGPIPE and SIGXFSZ aside,
     which Popen restores and Python then ignores itself)."""
-    return [int(s) for s in signal.valid_signals()
-            if s not in (signal.SIGKILL, signal.SIGSTOP) and signal.getsignal(s) == signal.SIG_IGN]
+    return {int(s) for s in signal.valid_signals()
+            if s not in (signal.SIGKILL, signal.SIGSTOP) and signal.getsignal(s) == signal.SIG_IGN}
+
+
+class ZygoteLost(RuntimeError):
+    """The warm interpreter ended while a process it forked ran: that process's exit status is lost."""
 
 
 class Served:
-    """One command served warm: the connection on which the zygote reports its wait status."""
+    """One command served warm: the process's warm interpreter, and the connection on which it reports the exit."""
 
-    def __init__(self, connection: socket.socket):
-        self.connection, self._status, self._lock = connection, None, threading.Lock()
+    def __init__(self, zygote: Zygote, connection: socket.socket):
+        self.zygote, self.connection, self._returncode, self._lock = zygote, connection, None, threading.Lock()
 
-    def status(self, timeout: float | None) -> int | None:
-        """The raw wait status once the process has ended (None: still running after `timeout` s)."""
-        with self._lock:
-            if self._status is None:
-                self.connection.settimeout(timeout)
+    def returncode(self, timeout: float | None) -> int | None:
+        """The process's exit code, as Popen's (-N: killed by signal N), once it has ended; None while it runs
+        after `timeout` s, or while another thread waits for it (as Popen's poll)."""
+        if not self._lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+            return None
+        try:
+            if self._returncode is None:
+                self.connection.settimeout(None if timeout is None else max(0.0, timeout))
                 try:
                     message = self.connection.recv(1 << 16)
                 except (TimeoutError, BlockingIOError):
                     return None
                 if not message:
-                    raise RuntimeError("the warm interpreter ended while its process ran")
-                self._status = json.loads(message)["status"]
+                    raise ZygoteLost(f"the warm interpreter (PID {self.zygote.process.pid}) ended while its "
+                                     "process ran")
+                self._returncode = json.loads(message)["returncode"]
                 self.connection.close()
-            return self._status
+            return self._returncode
+        finally:
+            self._lock.release()
 
 
 class Zygote:
-    """A warm interpreter: `python tests/warm.py SOCKET`, started with the environment `env`, importing PRELOAD."""
+    """A warm interpreter: `python tests/warm.py SOCKET`, started with the environment `env`, importing PRELOAD.
+    `unclean` says why it serves nothing (it did not start, its imports wrote or initialised CUDA, it ended)."""
 
-    def __init__(self, env: dict):
+    def __init__(self, env: dict, start_seconds: float = 300):
         self.env, self.watched, self.unclean = env, frozenset(), None
         self.folder = tempfile.mkdtemp(prefix="periodic-rl-warm-")
+        self.socket = os.path.join(self.folder, "socket")
         with open(os.path.join(self.folder, "stderr"), "w+") as stderr:
-            self.process = subprocess.Popen([sys.executable, __file__, os.path.join(self.folder, "socket")], cwd=ROOT,
-                                            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=stderr,
-                                            text=True)
-            ready = self.process.stdout.readline()
+            self.process = subprocess.Popen([sys.executable, __file__, self.socket], cwd=ROOT, env=env,
+                                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=stderr, text=True)
+            ready = self.process.stdout.readline() if select.select([self.process.stdout], [], [],
+                                                                     start_seconds)[0] else ""
             stderr.seek(0)
             written = stderr.read()
-        if not ready:
-            self.unclean = f"the warm interpreter did not start: {written[-300:]}"
+        try:
+            imported = json.loads(ready)
+        except ValueError:
+            self.end(f"the warm interpreter did not start: {(ready + written)[-300:]!r}")
             return
-        imported = json.loads(ready)
         self.watched = frozenset(imported["watched"])
         if imported["scans"]:
-            self.unclean = f"the warm interpreter's imports read the whole environment: {imported['scans'][:3]}"
+            self.end(f"the warm interpreter's imports read the whole environment: {imported['scans'][:3]}")
+        elif imported["cuda"]:
+            self.end("the warm interpreter's imports initialised CUDA, which a fork cannot use")
         elif written:
-            self.unclean = f"the warm interpreter's imports wrote to stderr: {written[:200]!r}"
+            self.end(f"the warm interpreter's imports wrote to stderr: {written[:200]!r}")
 
     def differs(self, env: dict) -> list[str]:
         """The variables that its imports read (or that C libraries read) which `env` gives other values."""
@@ -207,15 +245,25 @@ class Zygote:
                       if (name in self.watched or name.startswith(C_PREFIXES)) and env.get(name) != self.env.get(name))
 
     def fork(self, argv, cwd: str, env: dict, new_session: bool, ignored, fds) -> tuple[dict, Served | None]:
+        request = {"argv": [str(a) for a in argv], "cwd": cwd, "env": env, "new_session": bool(new_session),
+                   "ignored": sorted(int(s) for s in ignored)}
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        connection.connect(os.path.join(self.folder, "socket"))
-        request = {"argv": [str(a) for a in argv], "cwd": str(cwd), "env": env, "new_session": bool(new_session),
-                   "ignored": [int(s) for s in ignored]}
-        socket.send_fds(connection, [json.dumps(request).encode()], list(fds))
-        answer = connection.recv(1 << 16)
+        try:
+            connection.connect(self.socket)
+            socket.send_fds(connection, [json.dumps(request).encode()], list(fds))
+            answer = connection.recv(1 << 16)
+        except OSError as error:
+            answer, self.unclean = b"", f"the warm interpreter is unreachable: {error}"
         if not answer:
-            return {"refused": "the warm interpreter has ended"}, None
-        return json.loads(answer), Served(connection)
+            connection.close()
+            self.unclean = self.unclean or "the warm interpreter has ended"
+            return {"refused": self.unclean}, None
+        return json.loads(answer), Served(self, connection)
+
+    def end(self, why: str) -> None:
+        """Serve nothing more, saying `why`; the interpreter is stopped."""
+        self.unclean = why
+        self.stop()
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -338,17 +386,14 @@ def serve(listener: socket.socket) -> tuple[dict, list[int]]:
                     os.close(fd)
                 connection.sendall(json.dumps({"pid": pid}).encode())
                 running[pid] = connection
-            while running:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-                if pid == 0:
-                    break
-                connection = running.pop(pid, None)
-                if connection is not None:
-                    try:
-                        connection.sendall(json.dumps({"status": status}).encode())
-                    except OSError:  # the test process stopped listening
-                        pass
+            while running and (ended := os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)):
+                code = ended.si_status if ended.si_code == os.CLD_EXITED else -ended.si_status
+                connection = running.pop(ended.si_pid, None)
+                if connection is not None:  # said before the PID is reaped, so it is never another process's
+                    with suppress(OSError):  # (the test process stopped listening)
+                        connection.sendall(json.dumps({"returncode": code}).encode())
                     connection.close()
+                os.waitpid(ended.si_pid, 0)
     raise SystemExit(0)
 
 
@@ -401,5 +446,6 @@ def without_warm_frames(kind, error, traceback) -> None:
 if __name__ == "__main__":
     watched, scans = imports_recording_reads()
     listener = listening(sys.argv[1])
-    print(json.dumps({"watched": sorted(watched), "scans": scans}), flush=True)
+    cuda = sys.modules["torch"].cuda.is_initialized()
+    print(json.dumps({"watched": sorted(watched), "scans": scans, "cuda": cuda}), flush=True)
     become(*serve(listener))

@@ -44,6 +44,7 @@ def test_every_real_scalar_is_a_reward(value):
     ([1.0], "returned a list ([1.0])"), (None, "returned None"), (np.ones(2), "returned an array of shape (2,)"),
     (float("nan"), "returned nan, not a finite number"), (np.float32("inf"), "returned inf, not a finite number"),
     (1e40, "returned 1e+40, beyond float32's range (±3.4e+38), in which advantages are computed"),
+    (10 ** 400, "returned an int too large for any float"),
 ])
 def test_a_wrong_reward_type_is_named(value, said):
     """Claim: a reward that is not one finite real number is refused in one line that says plainly what it was."""

@@ -505,23 +505,33 @@ def stopped_run(out: Path, **options) -> Path:
     return out
 
 
-def test_resume_auto_restarts_a_run_that_stopped_early_with_its_own_options(tmp_path):
+def test_resume_auto_restarts_a_run_that_stopped_early_with_its_own_options(tmp_path, capsys):
     """Claim: `--resume auto --out DIR` alone, where DIR holds a run that stopped before its first checkpoint,
-    restarts that run with its options (its config.json), not the defaults; options given anew win (one device
-    given: all three are this run's), and a combination that is refused says where the others came from."""
-    out = stopped_run(tmp_path / "early", save_every=20, lr=0.25, group_size=6, batch_size=12, model="tiny", device="cpu",
-                      rollout_device="cpu", train_device="cpu", iterations=9, num_train_epochs=2.0)
+    restarts that run with the options it was started with (typed in its command, as config.json records it), not
+    the defaults, and says which; what it chose itself (its devices, its sizes) is chosen again; options given anew
+    win (one device given: all three are this run's); a combination that is refused says where the others came
+    from."""
+    command = ["trainer.py", "--lr", "0.25", "--group-size", "6", "--batch-size", "12", "--save-every", "20",
+               "--device", "cpu", "--iterations", "9", "--num-train-epochs", "2", "--out", "DIR"]
+    out = stopped_run(tmp_path / "early", command=command, save_every=20, lr=0.25, group_size=6, batch_size=12,
+                      model="tiny", device="cpu", rollout_device="cpu", train_device="cpu", iterations=9,
+                      num_train_epochs=2.0, groups_per_call=3, rollout_threads=1)
     cfg, found = checkpoint.resumption(Config(out=str(out), resume="auto"), {"out", "resume"})
     assert found is None and (cfg.lr, cfg.group_size, cfg.save_every, cfg.num_train_epochs) == (0.25, 6, 20, 2.0)
-    assert (cfg.out, cfg.resume) == (str(out), "auto")
+    assert (cfg.out, cfg.resume, cfg.device) == (str(out), "auto", "cpu")
+    assert (cfg.rollout_device, cfg.groups_per_call, cfg.rollout_threads) == (None, None, None)  # chosen again
+    assert capsys.readouterr().out == (f"periodic-rl: --resume auto: restarting with the options of the run in {out}: "
+                                       "--batch-size --device --group-size --iterations --lr --num-train-epochs "
+                                       "--save-every\n")
     given = Config(out=str(out), resume="auto", group_size=3, iterations=4, device="auto")
     cfg, _ = checkpoint.resumption(given, {"out", "resume", "group_size", "iterations", "device"})
-    assert (cfg.lr, cfg.group_size, cfg.iterations, cfg.num_train_epochs) == (0.25, 3, 4, None)
-    assert (cfg.device, cfg.rollout_device, cfg.train_device) == ("auto", given.rollout_device, given.train_device)
-    assert given.rollout_device != "cpu"
+    assert (cfg.lr, cfg.group_size, cfg.iterations, cfg.num_train_epochs, cfg.device) == (0.25, 3, 4, None, "auto")
     with pytest.raises(checkpoint.CheckpointError, match=rf"^the options of the run in {out} \(config.json\), with "
                                                          "those given anew, are refused: "):
         checkpoint.resumption(Config(out=str(out), resume="auto", batch_size=5), {"out", "resume", "batch_size"})
+    (out / "config.json").write_text(json.dumps({"run_id": "r", "versions": {}, "lr": 0.25,
+                                                 "command": ["trainer.py", "--config", "moved.yaml"]}))
+    assert checkpoint.resumption(Config(out=str(out), resume="auto"), {"out", "resume"})[0].lr == Config().lr
 
 
 def test_resume_auto_starts_again_a_run_that_stopped_before_its_first_checkpoint(tmp_path, capsys):
