@@ -394,6 +394,7 @@ def serve(listener: socket.socket) -> tuple[dict, list[int]]:
                         connection.sendall(json.dumps({"returncode": code}).encode())
                     connection.close()
                 os.waitpid(ended.si_pid, 0)
+    shutil.rmtree(os.path.dirname(listener.getsockname()), ignore_errors=True)  # its test process ended first
     raise SystemExit(0)
 
 
