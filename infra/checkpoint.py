@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from config import Config
-from infra.command_line import given_values
+from infra.command_line import given_values, parse_args
 from infra.errors import UserError
 from infra.options import validate, with_new_names
 from infra.outputs import checkpoints, is_record, save_atomically, writing
@@ -205,53 +205,45 @@ def source_model(cfg: Config, typed: str, saved: str) -> str | None:
     return new
 
 
-def restarted_config(cfg: Config, given: set[str]) -> Config:
+def restarted_config(cfg: Config, argv: list[str] | None) -> Config:
     """--resume auto where --out holds a run that stopped before its first checkpoint: it starts again from
-    iteration 0 with the options that run was started with (typed in its command, or in its --config file: its
-    config.json records both) but those given anew, so that the same short command resubmitted (`--resume auto --out
-    DIR`) restarts the same run, not the defaults. What that run chose itself (its devices, its probed sizes) is
-    chosen again, on this machine."""
+    iteration 0 as that run was started (its command line, config.json's `command`, read again with `argv`, the
+    command line given now, after it: what is given now wins), so that the same short command resubmitted
+    (`--resume auto --out DIR`) restarts the same run, not the defaults. What depends on the options (the model's
+    defaults, the devices, the sizes) is derived again, on this machine. `cfg` as it is where the record is missing
+    or its command no longer parses (a relative --config file, from another folder), with a line saying so."""
     record = Path(cfg.out) / RECORD if cfg.out else None
-    if record is None or not is_record(record):
+    if argv is None or record is None or not is_record(record):
         return cfg
-    saved = with_new_names(json.loads(record.read_text()))
-    anew = given | (DEVICES if given & DEVICES else set())  # given one device, all three are this run's
-    if "iterations" in given:
-        anew.add("num_train_epochs")  # a typed length wins over the saved epochs
-    taken = {name: saved[name] for name in typed_in(saved.get("command")) - anew - THIS_RUN if name in saved}
-    if not taken:
-        return cfg
-    cfg = dataclasses.replace(cfg, **taken)
-    if problems := validate(cfg):
-        raise CheckpointError(f"the options of the run in {cfg.out} ({RECORD}), with those given anew, are refused: "
-                              f"{problems[0]}")
-    print(f"periodic-rl: --resume auto: restarting with the options of the run in {cfg.out}: "
-          + " ".join("--" + name.replace("_", "-") for name in sorted(taken)), flush=True)
-    return cfg
-
-
-def typed_in(command) -> set[str]:
-    """The options a recorded command line (config.json's `command`: trainer.py and its arguments) typed, its
-    --config file's included; none where it no longer parses (a --config file moved since)."""
+    command = json.loads(record.read_text()).get("command")
     if not isinstance(command, list) or not command or not str(command[0]).endswith("trainer.py"):
-        return set()
+        return cfg
+    then = [str(arg) for arg in command[1:] if str(arg) not in ("--overwrite", "--no-overwrite")]
     try:
-        with contextlib.redirect_stderr(io.StringIO()):
-            return set(given_values([str(arg) for arg in command[1:]]))
-    except SystemExit:
-        return set()
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as said:
+            restarted, typed = parse_args([*then, *argv]), set(given_values(then)) - set(given_values(argv))
+    except (SystemExit, ValueError):
+        print(f"periodic-rl: --resume auto: the command of the run in {cfg.out} ({' '.join(then)}) no longer reads "
+              f"({said.getvalue().strip() or 'refused'}): restarting with the options given now", flush=True)
+        return cfg
+    typed -= THIS_RUN
+    if typed:
+        print(f"periodic-rl: --resume auto: restarting with the options of the run in {cfg.out}: "
+              + " ".join("--" + name.replace("_", "-") for name in sorted(typed)), flush=True)
+    return dataclasses.replace(restarted, inference_ranks=cfg.inference_ranks)
 
 
-def resumption(cfg: Config, given: set[str], typed_model: str | None = None) -> tuple[Config, Path | None]:
+def resumption(cfg: Config, given: set[str], typed_model: str | None = None,
+               argv: list[str] | None = None) -> tuple[Config, Path | None]:
     """--resume: (the config the checkpoint fixes, the checkpoint); (cfg, None) without --resume, and with --resume
     auto where --out holds no checkpoint yet (then with the options of the run that stopped there, if any). A
     checkpoint named by its path continues in its own run directory unless --out is given. `typed_model`: --model as
-    typed, if given (`source_model`)."""
+    typed, if given (`source_model`); `argv`: the command line (`restarted_config`)."""
     if cfg.resume is None:
         return cfg, None
     path = find(cfg.resume, cfg.out)
     if path is None:  # --resume auto before the run's first checkpoint: it starts (again) from iteration 0
-        return restarted_config(cfg, given), None
+        return restarted_config(cfg, argv), None
     state = read_state(path)
     if cfg.resume != "auto" and "out" not in given:
         cfg = dataclasses.replace(cfg, out=str(path.parent))

@@ -138,7 +138,7 @@ def not_a_reward(value, nan: bool = False) -> str | None:
     TRL's float32 tensor of a list of bools), numpy.float32 / int64, Decimal, Fraction, a 0-d array or tensor.
     """
     name = type(value).__name__
-    kind = f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+    kind = f"{'an' if name[0] in 'aeio' else 'a'} {name}"  # an int, a uint8
     if isinstance(value, (str, bytes)):
         return f"{kind} ({reprlib.repr(value)})"
     if tuple(getattr(value, "shape", ())):

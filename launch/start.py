@@ -36,7 +36,7 @@ def options(argv: list[str], end) -> tuple[Config | None, object, object]:
             return None, None, end.ranks
         end.cfg = cfg = outputs.resume_or_start(cfg)  # --resume auto where --out holds no run: a new one
         try:
-            cfg, resume_from = checkpoint.resumption(cfg, given, typed.get("model"))  # --resume's options
+            cfg, resume_from = checkpoint.resumption(cfg, given, typed.get("model"), argv)  # --resume's options
         except UserError as error:  # its options named as typed (--max-steps, --learning-rate)
             error.args = (named_as_typed(str(error), argv, cfg.iterations),)
             raise

@@ -373,8 +373,12 @@ def serve(listener: socket.socket) -> tuple[dict, list[int]]:
         while os.getppid() == parent:  # ends with the test process
             if selector.select(timeout=0.05):
                 connection, _ = listener.accept()
-                message, fds, _, _ = socket.recv_fds(connection, 1 << 20, 3)
-                request = json.loads(message)
+                try:
+                    message, fds, _, _ = socket.recv_fds(connection, 1 << 20, 3)
+                    request = json.loads(message)
+                except (OSError, ValueError):  # the test process went away mid-request: nothing to run
+                    connection.close()
+                    continue
                 sys.stdout.flush()
                 sys.stderr.flush()
                 pid = os.fork()
@@ -384,17 +388,23 @@ def serve(listener: socket.socket) -> tuple[dict, list[int]]:
                     return request, fds
                 for fd in fds:
                     os.close(fd)
-                connection.sendall(json.dumps({"pid": pid}).encode())
-                running[pid] = connection
+                try:
+                    connection.sendall(json.dumps({"pid": pid}).encode())
+                    running[pid] = connection
+                except OSError:  # nobody will wait for it: it does not run on
+                    os.kill(pid, signal.SIGKILL)
+                    connection.close()
             while running and (ended := os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)):
                 code = ended.si_status if ended.si_code == os.CLD_EXITED else -ended.si_status
                 connection = running.pop(ended.si_pid, None)
-                if connection is not None:  # said before the PID is reaped, so it is never another process's
+                if connection is not None:  # said before the PID is reaped (a poll that comes later finds it ended)
                     with suppress(OSError):  # (the test process stopped listening)
                         connection.sendall(json.dumps({"returncode": code}).encode())
                     connection.close()
                 os.waitpid(ended.si_pid, 0)
-    shutil.rmtree(os.path.dirname(listener.getsockname()), ignore_errors=True)  # its test process ended first
+    folder = os.path.dirname(listener.getsockname())
+    if os.path.basename(folder).startswith("periodic-rl-warm-"):  # its test process ended first: its folder goes
+        shutil.rmtree(folder, ignore_errors=True)
     raise SystemExit(0)
 
 
@@ -445,6 +455,7 @@ def without_warm_frames(kind, error, traceback) -> None:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # (an ignored SIGCHLD, inherited, would reap its processes itself)
     watched, scans = imports_recording_reads()
     listener = listening(sys.argv[1])
     cuda = sys.modules["torch"].cuda.is_initialized()

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import trainer
 from config import Config
 from infra import checkpoint, outputs
-from infra.command_line import parse_args
+from infra.command_line import given_options, parse_args
 from infra.options import derive, validate
 from infra.stopping import Interrupted
 from infra.tiny import ensure_tiny_model
@@ -507,31 +507,37 @@ def stopped_run(out: Path, **options) -> Path:
 
 def test_resume_auto_restarts_a_run_that_stopped_early_with_its_own_options(tmp_path, capsys):
     """Claim: `--resume auto --out DIR` alone, where DIR holds a run that stopped before its first checkpoint,
-    restarts that run with the options it was started with (typed in its command, as config.json records it), not
-    the defaults, and says which; what it chose itself (its devices, its sizes) is chosen again; options given anew
-    win (one device given: all three are this run's); a combination that is refused says where the others came
-    from."""
-    command = ["trainer.py", "--lr", "0.25", "--group-size", "6", "--batch-size", "12", "--save-every", "20",
-               "--device", "cpu", "--iterations", "9", "--num-train-epochs", "2", "--out", "DIR"]
+    restarts that run as it was started (its command line, as config.json records it), not with the defaults, and
+    says which options it took; what follows from them (the model's defaults, the devices, the sizes) is derived
+    again; options given now win; a recorded command that no longer reads (a relative --config file, from another
+    folder) restarts with the options given now, saying so."""
+    def restart(*argv: str) -> Config:
+        argv = ["--resume", "auto", "--out", str(out), *argv]
+        cfg, found = checkpoint.resumption(parse_args(argv), given_options(argv), None, argv)
+        assert found is None
+        return cfg
+
+    command = ["trainer.py", "--model", "tiny-chain", "--lr", "0.25", "--group-size", "6", "--batch-size", "12",
+               "--save-every", "20", "--iterations", "9", "--out", "DIR", "--overwrite"]
     out = stopped_run(tmp_path / "early", command=command, save_every=20, lr=0.25, group_size=6, batch_size=12,
-                      model="tiny", device="cpu", rollout_device="cpu", train_device="cpu", iterations=9,
-                      num_train_epochs=2.0, groups_per_call=3, rollout_threads=1)
-    cfg, found = checkpoint.resumption(Config(out=str(out), resume="auto"), {"out", "resume"})
-    assert found is None and (cfg.lr, cfg.group_size, cfg.save_every, cfg.num_train_epochs) == (0.25, 6, 20, 2.0)
-    assert (cfg.out, cfg.resume, cfg.device) == (str(out), "auto", "cpu")
-    assert (cfg.rollout_device, cfg.groups_per_call, cfg.rollout_threads) == (None, None, None)  # chosen again
+                      model="tiny-chain", iterations=9, max_new_tokens=128, groups_per_call=3, rollout_threads=1)
+    cfg = restart()
+    chain = parse_args(command[1:-3])  # the run as first started: tiny-chain's defaults derived from its name
+    assert (cfg.model, cfg.lr, cfg.group_size, cfg.save_every, cfg.iterations) == ("tiny-chain", 0.25, 6, 20, 9)
+    assert cfg.max_new_tokens == chain.max_new_tokens != Config().max_new_tokens
+    assert (cfg.groups_per_call, cfg.rollout_threads, cfg.overwrite) == (chain.groups_per_call, chain.rollout_threads,
+                                                                         False)
+    assert (cfg.out, cfg.resume) == (str(out), "auto")
     assert capsys.readouterr().out == (f"periodic-rl: --resume auto: restarting with the options of the run in {out}: "
-                                       "--batch-size --device --group-size --iterations --lr --num-train-epochs "
-                                       "--save-every\n")
-    given = Config(out=str(out), resume="auto", group_size=3, iterations=4, device="auto")
-    cfg, _ = checkpoint.resumption(given, {"out", "resume", "group_size", "iterations", "device"})
-    assert (cfg.lr, cfg.group_size, cfg.iterations, cfg.num_train_epochs, cfg.device) == (0.25, 3, 4, None, "auto")
-    with pytest.raises(checkpoint.CheckpointError, match=rf"^the options of the run in {out} \(config.json\), with "
-                                                         "those given anew, are refused: "):
-        checkpoint.resumption(Config(out=str(out), resume="auto", batch_size=5), {"out", "resume", "batch_size"})
+                                       "--batch-size --group-size --iterations --lr --model --save-every\n")
+    cfg = restart("--group-size", "4", "--iterations", "4")
+    assert (cfg.lr, cfg.group_size, cfg.iterations, cfg.model) == (0.25, 4, 4, "tiny-chain")
+    capsys.readouterr()
     (out / "config.json").write_text(json.dumps({"run_id": "r", "versions": {}, "lr": 0.25,
                                                  "command": ["trainer.py", "--config", "moved.yaml"]}))
-    assert checkpoint.resumption(Config(out=str(out), resume="auto"), {"out", "resume"})[0].lr == Config().lr
+    assert restart().lr == parse_args([]).lr != 0.25
+    assert f"periodic-rl: --resume auto: the command of the run in {out} (--config moved.yaml) no longer reads (" \
+        in capsys.readouterr().out
 
 
 def test_resume_auto_starts_again_a_run_that_stopped_before_its_first_checkpoint(tmp_path, capsys):
