@@ -29,6 +29,7 @@ from typing import Callable
 
 import trainer  # noqa: F401  as a run's: a reward's process pools end with it, in spawned processes too
 from infra.errors import UserError
+from infra.options import OneLineParser
 from launch.start import shorten_openmp_spinning
 
 shorten_openmp_spinning()  # before the benchmarks import torch: as trainer.py runs
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     cannot run (one line, before anything is measured), 130 after Ctrl-C."""
     import transformers
     transformers.utils.logging.disable_progress_bar()
-    parser = OneLine(prog="bench.py", description=__doc__.split("\n")[0])
+    parser = OneLineParser(prog="bench.py", description=__doc__.split("\n")[0])  # a bad option: one line
     subparsers = parser.add_subparsers(dest="which", required=True)
     for name, (add_args, run) in BENCHMARKS.items():
         add_args(subparsers.add_parser(name, help=run.__doc__.splitlines()[0]))
@@ -79,12 +80,6 @@ def refused(args: argparse.Namespace) -> str | None:
         return f"--json {args.json}: its folder {folder} does not exist (or is not a folder)"
     return None
 
-
-class OneLine(argparse.ArgumentParser):
-    """Options that cannot run (a count below its minimum, an unknown option) are one line, exit 2."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 if __name__ == "__main__":

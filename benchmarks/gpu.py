@@ -72,12 +72,15 @@ def gpu_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", type=Path, default=default_data, help="GSM8K folder (train.jsonl, test.jsonl)")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"which parts, comma-separated: {', '.join(PARTS)}")
     parser.add_argument("--layers", type=count(), default=24, help="decode, kernels: decoder layers (Qwen2.5-0.5B: 24)")
-    parser.add_argument("--vocab", type=count(3), default=151936, help="decode, kernels: vocabulary (Qwen2.5's by default)")
+    parser.add_argument("--vocab", type=count(3), default=151936,
+                        help="decode, kernels: vocabulary (Qwen2.5's by default)")
     parser.add_argument("--prompts", type=count(), default=16, help="decode, kernels: prompts (x --group-size rows)")
     parser.add_argument("--group-size", type=count(), default=8)
-    parser.add_argument("--decode-tokens", type=count(), default=128, help="decode part: M, the longest run's new tokens")
+    parser.add_argument("--decode-tokens", type=count(), default=128,
+                        help="decode part: M, the longest run's new tokens")
     parser.add_argument("--rounds", type=count(), default=3, help="decode part: interleaved rounds per side")
-    parser.add_argument("--profile-steps", type=count(), default=16, help="kernels part: decode steps profiled per side")
+    parser.add_argument("--profile-steps", type=count(), default=16,
+                        help="kernels part: decode steps profiled per side")
     parser.add_argument("--model", default=None, help="pipeline and peer parts: a model directory or name "
                                                       "(default: tools/qwen_shaped_random.py's, built in a temp dir)")
     parser.add_argument("--train-tokens", type=count(), default=256,

@@ -74,7 +74,8 @@ def time_schedule(argv: list[str], iterations: int) -> list[dict[str, float]]:
 
 def async_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="the default workload only")
-    parser.add_argument("--iterations", type=count(), default=10, help="timed iterations per run (one more is dropped)")
+    parser.add_argument("--iterations", type=count(), default=10,
+                        help="timed iterations per run (one more is dropped)")
     parser.add_argument("--rounds", type=count(), default=3, help="sync/async run pairs per workload, interleaved")
     parser.add_argument("--trainer-args", default="", metavar="ARGS",
                         help="trainer.py options added to every workload, "

@@ -187,8 +187,6 @@ def cells(figures: dict) -> str:
 
 
 def train_part(args: argparse.Namespace, device: torch.device) -> dict:
-    if args.train_micro_groups < 0:
-        raise SystemExit(f"error: --train-micro-groups {args.train_micro_groups}: give 1 or more (0: fitted to memory)")
     model, groups = train_workload(args, device)
     compute = torch.bfloat16 if device.type == "cuda" else torch.float32
     multiple = PAD_MULTIPLE_ACCELERATOR if device.type != "cpu" else 1  # the trainer's --pad-to-multiple-of auto

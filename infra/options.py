@@ -387,7 +387,7 @@ def validate(cfg: Config) -> list[str]:
 
 
 # --- command line ---
-class _OneLineParser(argparse.ArgumentParser):
+class OneLineParser(argparse.ArgumentParser):
     """argparse, but a usage error is one line on stderr and exit code 2, an unknown option says which one was
     meant (`unknown_option`), and no abbreviation is expanded."""
 
@@ -543,7 +543,7 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
 def build_parser(prog: str = "trainer.py", defaults: bool = True) -> argparse.ArgumentParser:
     """The command line of Config, its options grouped as config.SECTIONS; defaults=False leaves out every option
     not given (see infra/command_line.given_options)."""
-    parser = _OneLineParser(prog=prog, usage="%(prog)s [options]", description="GRPO with periodic asynchrony "
+    parser = OneLineParser(prog=prog, usage="%(prog)s [options]", description="GRPO with periodic asynchrony "
                             "(arXiv 2511.18871). Every option, by group:",
                             formatter_class=_HelpFormatter, epilog=epilog())
     starts, group = dict((first, title) for title, first in SECTIONS), parser

@@ -54,7 +54,7 @@ class RunOutput:
 
     def sized(self, cfg: Config) -> None:
         """The options are final, the run starts: recorded with the sizes, sent to the trackers; a folder of its own
-        becomes runs/latest (not before: a start refused for its data, rewards or model leaves runs/latest alone)."""
+        becomes runs/latest here, so that a start refused for its data, rewards or model leaves runs/latest alone."""
         if self.out is not None:
             self.trackers.start(self.out, self.record.write(cfg), self.record.run_id, self.resumed_at)
             if self.link_latest and (note := outputs.link_latest(self.out)):
